@@ -1,0 +1,42 @@
+//! # flash_attn
+//!
+//! FlashAttention forward passes for Rust engines: `flash_attn::forward(&q, &k, &v, &opts)`
+//! picks the best kernel for the GPU it finds at run time, or runs the multi-threaded CPU
+//! backend (the same tiled online-softmax algorithm) when there is none.
+//!
+//! Layout is FlashAttention's `[batch, seqlen, heads, head_dim]`; causal masks are aligned to the
+//! bottom-right corner; GQA/MQA by fewer kv heads; softcap, ALiBi, sliding windows; LSE output.
+//!
+//! ```
+//! use flash_attn::{forward, ForwardOptions, Mask, Tensor};
+//! let (b, s, h, d) = (1, 64, 4, 64);
+//! let x: Vec<f32> = (0..b * s * h * d).map(|i| ((i * 7919) % 97) as f32 / 97.0 - 0.5).collect();
+//! let q = Tensor::from_vec(x.clone(), [b, s, h, d])?;
+//! let k = Tensor::from_vec(x.clone(), [b, s, h, d])?;
+//! let v = Tensor::from_vec(x, [b, s, h, d])?;
+//! let out = forward(&q, &k, &v, &ForwardOptions::default().mask(Mask::Causal).return_lse(true))?;
+//! assert_eq!(out.o.shape(), [b, s, h, d]);
+//! # Ok::<(), flash_attn::Error>(())
+//! ```
+//!
+//! | module | role |
+//! |---|---|
+//! | [`reference`] | naive float64 attention, used only to check |
+//! | `cpu` | the CPU backend (tiled online softmax, 6×16 AVX2 micro-kernel, std threads) |
+//! | [`numerics`] | exp2 polynomial, FP8, Hadamard: shared constants with `cuda/include/` |
+
+mod api;
+mod cpu;
+mod cuda_host;
+mod error;
+pub mod numerics;
+mod options;
+mod problem;
+pub mod reference;
+mod tensor;
+
+pub use api::{forward, Dispatch, Output};
+pub use error::{Error, Operand, Result};
+pub use options::{Backend, Exp2, Fp8Scaling, ForwardOptions, Mask, Precision, Rescale, Variant};
+pub use problem::{Problem, LOG2E};
+pub use tensor::{AsTensorView, DType, Data, Element, OwnedData, Shape, Tensor, TensorView};

@@ -1,0 +1,184 @@
+//! Options of a forward pass: `ForwardOptions::default().mask(Mask::Causal).softcap(30.0)`.
+
+use std::sync::Arc;
+
+/// Which keys a query row may attend to.
+///
+/// Causal and window masks follow FlashAttention 2.1+: they are aligned to the bottom-right
+/// corner of the score matrix, so query row `i` sits at key position `i + seqlen_k - seqlen_q`.
+/// A row whose window holds no key gives output 0 and LSE −inf.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Mask {
+    /// Every query sees every key.
+    #[default]
+    None,
+    /// Query `i` sees keys `j <= i + seqlen_k - seqlen_q`.
+    Causal,
+    /// Query `i` sees keys `j` with `i + off - left <= j <= i + off + right`, `off = seqlen_k -
+    /// seqlen_q`. A bound of `-1` is unbounded (FlashAttention's convention). With
+    /// `causal: true` the right bound is 0: `right` must then be 0 or -1.
+    Window { left: i64, right: i64, causal: bool },
+}
+
+impl Mask {
+    /// A sliding window, `-1` for an unbounded side.
+    pub fn window(left: i64, right: i64) -> Self {
+        Mask::Window { left, right, causal: false }
+    }
+    /// A causal mask limited to `left` keys back (local causal attention, as Mistral).
+    pub fn causal_window(left: i64) -> Self {
+        Mask::Window { left, right: 0, causal: true }
+    }
+}
+
+/// Where the computation runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Backend {
+    /// The GPU when one is present and the kernels were built, otherwise the CPU.
+    #[default]
+    Auto,
+    /// The multi-threaded CPU backend.
+    Cpu,
+    /// CUDA device with this ordinal.
+    Cuda(usize),
+}
+
+/// Which kernel family runs on the GPU. The CPU backend ignores it, except that it rejects a
+/// GPU-only family explicitly requested.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Variant {
+    /// The fastest family the GPU supports.
+    #[default]
+    Auto,
+    /// FlashAttention-1 style: tiled online softmax on CUDA cores, any SM >= 8.0.
+    Fa1,
+    /// FlashAttention-2 style: `mma.sync` tensor cores, sm_80 and newer.
+    Fa2,
+    /// FlashAttention-3 style: TMA + wgmma, sm_90a.
+    Fa3,
+    /// FlashAttention-4 style: software exp2 and conditional rescaling.
+    Fa4,
+}
+
+/// How Q, K and V are scaled before the FP8 cast.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Fp8Scaling {
+    /// One scale per (batch, head) for the whole sequence: the baseline.
+    PerTensor,
+    /// One scale per (batch, head, block of `rows` sequence positions), FA3's paper.
+    PerBlock { rows: usize },
+}
+
+/// The arithmetic of the two products.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Precision {
+    /// Inputs as given, f32 accumulation and softmax.
+    #[default]
+    Native,
+    /// Q, K, V and P in e4m3 with the given scaling, optionally with the random Hadamard rotation
+    /// of Q and K (incoherent processing, seeded), f32 accumulation.
+    Fp8 { scaling: Fp8Scaling, hadamard: Option<u64> },
+}
+
+/// How `exp2` is evaluated in the softmax.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Exp2 {
+    /// An accurate exp2 (hardware MUFU on the GPU, a degree-5 polynomial on the CPU).
+    #[default]
+    Accurate,
+    /// FA4's software exp2: a minimax polynomial of this degree (2..=5) on the fraction.
+    Poly(u8),
+}
+
+/// When the running output and sum are rescaled.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[non_exhaustive]
+pub enum Rescale {
+    /// Whenever the row max grows (FlashAttention 1-3).
+    #[default]
+    Always,
+    /// Only when the row max grows by more than `threshold` in log2 units (FA4 uses 8).
+    Lazy { threshold: f32 },
+}
+
+/// Options of [`crate::forward`]. Build with `Default` and chained setters.
+#[derive(Clone, Debug, Default)]
+#[non_exhaustive]
+pub struct ForwardOptions {
+    /// Multiplies q·k; `None` means `1/sqrt(head_dim)`.
+    pub softmax_scale: Option<f32>,
+    pub mask: Mask,
+    /// `scores -> cap * tanh(scores / cap)` (Gemma 2), applied after the softmax scale.
+    pub softcap: Option<f32>,
+    /// One slope per query head; adds `-slope * |i + seqlen_k - seqlen_q - j|` to the scores.
+    pub alibi_slopes: Option<Arc<[f32]>>,
+    /// Return the softmax log-sum-exp (natural log), `[batch, heads_q, seqlen_q]`.
+    pub return_lse: bool,
+    pub backend: Backend,
+    pub variant: Variant,
+    pub precision: Precision,
+    pub exp2: Exp2,
+    pub rescale: Rescale,
+    /// CPU worker threads; `None` uses `std::thread::available_parallelism`.
+    pub cpu_threads: Option<usize>,
+}
+
+impl ForwardOptions {
+    pub fn new() -> Self {
+        Self::default()
+    }
+    pub fn softmax_scale(mut self, scale: f32) -> Self {
+        self.softmax_scale = Some(scale);
+        self
+    }
+    pub fn mask(mut self, mask: Mask) -> Self {
+        self.mask = mask;
+        self
+    }
+    /// Shorthand for `mask(Mask::Causal)` (or `Mask::None` when false).
+    pub fn causal(self, causal: bool) -> Self {
+        self.mask(if causal { Mask::Causal } else { Mask::None })
+    }
+    pub fn softcap(mut self, cap: f32) -> Self {
+        self.softcap = Some(cap);
+        self
+    }
+    pub fn alibi_slopes(mut self, slopes: impl Into<Arc<[f32]>>) -> Self {
+        self.alibi_slopes = Some(slopes.into());
+        self
+    }
+    pub fn return_lse(mut self, yes: bool) -> Self {
+        self.return_lse = yes;
+        self
+    }
+    pub fn backend(mut self, backend: Backend) -> Self {
+        self.backend = backend;
+        self
+    }
+    pub fn variant(mut self, variant: Variant) -> Self {
+        self.variant = variant;
+        self
+    }
+    pub fn precision(mut self, precision: Precision) -> Self {
+        self.precision = precision;
+        self
+    }
+    pub fn exp2(mut self, exp2: Exp2) -> Self {
+        self.exp2 = exp2;
+        self
+    }
+    pub fn rescale(mut self, rescale: Rescale) -> Self {
+        self.rescale = rescale;
+        self
+    }
+    pub fn cpu_threads(mut self, n: usize) -> Self {
+        self.cpu_threads = Some(n);
+        self
+    }
+}

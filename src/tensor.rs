@@ -1,0 +1,401 @@
+//! Host tensors in FlashAttention's layout `[batch, seqlen, heads, head_dim]`.
+//!
+//! `head_dim` is always contiguous (stride 1); the other three strides are free, so a view can
+//! point into a packed QKV buffer or a KV cache without a copy.
+
+use crate::error::{Error, Operand, Result};
+use half::{bf16, f16};
+
+/// Element types of q, k, v and o.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum DType {
+    F32,
+    F16,
+    BF16,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+        }
+    }
+
+    /// Round an f32 to this type and back (the identity for F32).
+    pub fn round(self, x: f32) -> f32 {
+        match self {
+            DType::F32 => x,
+            DType::F16 => f16::from_f32(x).to_f32(),
+            DType::BF16 => bf16::from_f32(x).to_f32(),
+        }
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for half::bf16 {}
+}
+
+/// A scalar type q, k, v and o may hold: `f32`, `half::f16` or `half::bf16`.
+pub trait Element: sealed::Sealed + Copy + Send + Sync + Default + 'static {
+    const DTYPE: DType;
+    fn to_f32(self) -> f32;
+    fn from_f32(x: f32) -> Self;
+    /// Wrap a borrowed slice of this type.
+    fn wrap(s: &[Self]) -> Data<'_>;
+    /// Wrap an owned vector of this type.
+    fn wrap_owned(v: Vec<Self>) -> OwnedData;
+}
+
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    fn wrap(s: &[Self]) -> Data<'_> {
+        Data::F32(s)
+    }
+    fn wrap_owned(v: Vec<Self>) -> OwnedData {
+        OwnedData::F32(v)
+    }
+}
+
+impl Element for f16 {
+    const DTYPE: DType = DType::F16;
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+    fn wrap(s: &[Self]) -> Data<'_> {
+        Data::F16(s)
+    }
+    fn wrap_owned(v: Vec<Self>) -> OwnedData {
+        OwnedData::F16(v)
+    }
+}
+
+impl Element for bf16 {
+    const DTYPE: DType = DType::BF16;
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    fn from_f32(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+    fn wrap(s: &[Self]) -> Data<'_> {
+        Data::BF16(s)
+    }
+    fn wrap_owned(v: Vec<Self>) -> OwnedData {
+        OwnedData::BF16(v)
+    }
+}
+
+/// A borrowed slice of one of the element types.
+#[derive(Clone, Copy, Debug)]
+pub enum Data<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+    BF16(&'a [bf16]),
+}
+
+impl Data<'_> {
+    pub fn dtype(&self) -> DType {
+        match self {
+            Data::F32(_) => DType::F32,
+            Data::F16(_) => DType::F16,
+            Data::BF16(_) => DType::BF16,
+        }
+    }
+    pub fn len(&self) -> usize {
+        match self {
+            Data::F32(s) => s.len(),
+            Data::F16(s) => s.len(),
+            Data::BF16(s) => s.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Element `i` widened to f32. `i` must be in bounds (checked by validation beforehand).
+    #[inline]
+    pub fn get_f32(&self, i: usize) -> f32 {
+        match self {
+            Data::F32(s) => s[i],
+            Data::F16(s) => s[i].to_f32(),
+            Data::BF16(s) => s[i].to_f32(),
+        }
+    }
+    /// Widen `dst.len()` consecutive elements starting at `start` into `dst`.
+    #[inline]
+    pub fn read_f32(&self, start: usize, dst: &mut [f32]) {
+        let n = dst.len();
+        match self {
+            Data::F32(s) => dst.copy_from_slice(&s[start..start + n]),
+            Data::F16(s) => {
+                for (d, x) in dst.iter_mut().zip(&s[start..start + n]) {
+                    *d = x.to_f32();
+                }
+            }
+            Data::BF16(s) => {
+                for (d, x) in dst.iter_mut().zip(&s[start..start + n]) {
+                    *d = x.to_f32();
+                }
+            }
+        }
+    }
+}
+
+/// An owned, contiguous buffer of one of the element types.
+#[derive(Clone, Debug, PartialEq)]
+pub enum OwnedData {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    BF16(Vec<bf16>),
+}
+
+impl OwnedData {
+    pub fn zeros(dtype: DType, n: usize) -> Self {
+        match dtype {
+            DType::F32 => OwnedData::F32(vec![0.0; n]),
+            DType::F16 => OwnedData::F16(vec![f16::ZERO; n]),
+            DType::BF16 => OwnedData::BF16(vec![bf16::ZERO; n]),
+        }
+    }
+    pub fn as_data(&self) -> Data<'_> {
+        match self {
+            OwnedData::F32(v) => Data::F32(v),
+            OwnedData::F16(v) => Data::F16(v),
+            OwnedData::BF16(v) => Data::BF16(v),
+        }
+    }
+    pub fn dtype(&self) -> DType {
+        self.as_data().dtype()
+    }
+    /// Round `src` into `self[start..start + src.len()]`.
+    #[inline]
+    pub(crate) fn write_f32(&mut self, start: usize, src: &[f32]) {
+        let n = src.len();
+        match self {
+            OwnedData::F32(v) => v[start..start + n].copy_from_slice(src),
+            OwnedData::F16(v) => {
+                for (d, x) in v[start..start + n].iter_mut().zip(src) {
+                    *d = f16::from_f32(*x);
+                }
+            }
+            OwnedData::BF16(v) => {
+                for (d, x) in v[start..start + n].iter_mut().zip(src) {
+                    *d = bf16::from_f32(*x);
+                }
+            }
+        }
+    }
+}
+
+/// `[batch, seqlen, heads, head_dim]`.
+pub type Shape = [usize; 4];
+
+/// A borrowed host tensor `[batch, seqlen, heads, head_dim]` with element strides for the first
+/// three dimensions; `head_dim` has stride 1.
+#[derive(Clone, Copy, Debug)]
+pub struct TensorView<'a> {
+    data: Data<'a>,
+    shape: Shape,
+    strides: [usize; 3],
+}
+
+/// Contiguous strides of a `[b, s, h, d]` tensor, or `None` on overflow.
+pub(crate) fn contiguous_strides(shape: Shape) -> Option<[usize; 3]> {
+    let [_, s, h, d] = shape;
+    let hs = d;
+    let ss = h.checked_mul(d)?;
+    let bs = s.checked_mul(ss)?;
+    Some([bs, ss, hs])
+}
+
+/// Number of elements of a `[b, s, h, d]` tensor, or an error on overflow.
+pub(crate) fn numel(shape: Shape, what: &str) -> Result<usize> {
+    shape
+        .iter()
+        .try_fold(1usize, |acc, &x| acc.checked_mul(x))
+        .ok_or_else(|| Error::TooLarge { what: format!("{what} of shape {shape:?}") })
+}
+
+impl<'a> TensorView<'a> {
+    /// A contiguous view of `data` as `shape = [batch, seqlen, heads, head_dim]`.
+    ///
+    /// The length is checked when the view is used (`forward` returns
+    /// [`Error::InvalidLayout`]), so building a view never panics.
+    pub fn new<T: Element>(data: &'a [T], shape: Shape) -> Self {
+        let strides = contiguous_strides(shape).unwrap_or([usize::MAX; 3]);
+        TensorView { data: T::wrap(data), shape, strides }
+    }
+
+    /// A strided view: `strides` are the element strides of batch, seqlen and heads
+    /// (head_dim is contiguous). Validated when used.
+    pub fn with_strides<T: Element>(data: &'a [T], shape: Shape, strides: [usize; 3]) -> Self {
+        TensorView { data: T::wrap(data), shape, strides }
+    }
+
+    pub fn shape(&self) -> Shape {
+        self.shape
+    }
+    pub fn strides(&self) -> [usize; 3] {
+        self.strides
+    }
+    pub fn dtype(&self) -> DType {
+        self.data.dtype()
+    }
+    pub fn data(&self) -> Data<'a> {
+        self.data
+    }
+    pub fn batch(&self) -> usize {
+        self.shape[0]
+    }
+    pub fn seqlen(&self) -> usize {
+        self.shape[1]
+    }
+    pub fn heads(&self) -> usize {
+        self.shape[2]
+    }
+    pub fn head_dim(&self) -> usize {
+        self.shape[3]
+    }
+
+    /// Offset of row (b, s, h, 0).
+    #[inline]
+    pub(crate) fn offset(&self, b: usize, s: usize, h: usize) -> usize {
+        b * self.strides[0] + s * self.strides[1] + h * self.strides[2]
+    }
+
+    /// Checks that every element the shape and strides address lies inside the buffer.
+    pub(crate) fn check_layout(&self, operand: Operand) -> Result<()> {
+        let [b, s, h, d] = self.shape;
+        for (dim, n) in [("batch", b), ("seqlen", s), ("heads", h), ("head_dim", d)] {
+            if n == 0 {
+                return Err(Error::EmptyDimension { operand, dim });
+            }
+        }
+        let last = [(b, self.strides[0]), (s, self.strides[1]), (h, self.strides[2])]
+            .iter()
+            .try_fold(d - 1, |acc, &(n, st)| (n - 1).checked_mul(st).and_then(|x| x.checked_add(acc)));
+        match last {
+            Some(last) if last < self.data.len() => Ok(()),
+            Some(last) => Err(Error::InvalidLayout {
+                operand,
+                reason: format!(
+                    "shape {:?} with strides {:?} reaches element {last}, but the buffer holds {} elements",
+                    self.shape,
+                    self.strides,
+                    self.data.len()
+                ),
+            }),
+            None => Err(Error::InvalidLayout {
+                operand,
+                reason: format!("shape {:?} with strides {:?} overflows usize", self.shape, self.strides),
+            }),
+        }
+    }
+
+    /// Read row (b, s, h) widened to f32 into `dst` (length head_dim).
+    #[inline]
+    pub(crate) fn read_row(&self, b: usize, s: usize, h: usize, dst: &mut [f32]) {
+        self.data.read_f32(self.offset(b, s, h), dst);
+    }
+}
+
+/// An owned, contiguous host tensor `[batch, seqlen, heads, head_dim]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tensor {
+    data: OwnedData,
+    shape: Shape,
+}
+
+impl Tensor {
+    /// Wrap a contiguous vector. Errors if `data.len()` is not the product of `shape`.
+    pub fn from_vec<T: Element>(data: Vec<T>, shape: Shape) -> Result<Self> {
+        let n = numel(shape, "tensor")?;
+        if data.len() != n {
+            return Err(Error::ShapeMismatch {
+                what: "Tensor::from_vec".into(),
+                got: format!("{} elements", data.len()),
+                expected: format!("{n} elements for shape {shape:?}"),
+            });
+        }
+        Ok(Tensor { data: T::wrap_owned(data), shape })
+    }
+
+    /// A zero tensor of the given type and shape.
+    pub fn zeros(dtype: DType, shape: Shape) -> Result<Self> {
+        let n = numel(shape, "tensor")?;
+        Ok(Tensor { data: OwnedData::zeros(dtype, n), shape })
+    }
+
+    /// Elements widened to f32 (contiguous order).
+    pub fn from_f32(values: &[f32], dtype: DType, shape: Shape) -> Result<Self> {
+        let mut t = Tensor::zeros(dtype, shape)?;
+        if values.len() != t.numel() {
+            return Err(Error::ShapeMismatch {
+                what: "Tensor::from_f32".into(),
+                got: format!("{} elements", values.len()),
+                expected: format!("{} elements for shape {shape:?}", t.numel()),
+            });
+        }
+        t.data.write_f32(0, values);
+        Ok(t)
+    }
+
+    pub fn view(&self) -> TensorView<'_> {
+        TensorView {
+            data: self.data.as_data(),
+            shape: self.shape,
+            strides: contiguous_strides(self.shape).expect("shape validated at construction"),
+        }
+    }
+    pub fn shape(&self) -> Shape {
+        self.shape
+    }
+    pub fn dtype(&self) -> DType {
+        self.data.dtype()
+    }
+    pub fn numel(&self) -> usize {
+        self.data.as_data().len()
+    }
+    pub fn data(&self) -> &OwnedData {
+        &self.data
+    }
+    pub(crate) fn data_mut(&mut self) -> &mut OwnedData {
+        &mut self.data
+    }
+    /// All elements widened to f32, contiguous order.
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        let d = self.data.as_data();
+        (0..d.len()).map(|i| d.get_f32(i)).collect()
+    }
+}
+
+/// Anything `forward` accepts as an input tensor.
+pub trait AsTensorView {
+    fn as_view(&self) -> TensorView<'_>;
+}
+
+impl AsTensorView for Tensor {
+    fn as_view(&self) -> TensorView<'_> {
+        self.view()
+    }
+}
+
+impl AsTensorView for TensorView<'_> {
+    fn as_view(&self) -> TensorView<'_> {
+        *self
+    }
+}

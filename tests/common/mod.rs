@@ -1,0 +1,75 @@
+//! Shared helpers of the integration tests: deterministic inputs and FlashAttention's
+//! tolerance rule.
+#![allow(dead_code)]
+
+use flash_attn::reference::{attention_f64, attention_naive, max_abs_diff};
+use flash_attn::{DType, ForwardOptions, Output, Problem, Tensor};
+
+/// A small deterministic generator (xorshift64*), so tests need no RNG crate.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    /// Uniform in [0, 1).
+    pub fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    /// Standard normal (Box-Muller).
+    pub fn normal(&mut self) -> f64 {
+        let u1 = self.uniform().max(1e-300);
+        let u2 = self.uniform();
+        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+    }
+}
+
+/// A `[b, s, h, d]` tensor of N(0, 1) values in `dtype`.
+pub fn randn(rng: &mut Rng, dtype: DType, shape: [usize; 4]) -> Tensor {
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n).map(|_| rng.normal() as f32).collect();
+    Tensor::from_f32(&v, dtype, shape).unwrap()
+}
+
+/// The margins observed by one check.
+#[derive(Debug, Clone, Copy)]
+pub struct Check {
+    pub err: f64,
+    pub naive_err: f64,
+    pub bound: f64,
+    pub lse_err: f64,
+}
+
+/// Absolute floor of the tolerance: a few ulps of the output type at the outputs' scale (|o| ≤ max|v|).
+pub fn floor_for(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 1e-5,
+        DType::F16 => 2e-3,
+        DType::BF16 => 1.6e-2,
+        _ => 1e-2,
+    }
+}
+
+/// Runs `forward` and checks it against the float64 reference with FlashAttention's rule:
+/// `max|out - ref| <= 2 * max|naive_in_dtype - ref| + floor`. LSE is checked too when returned.
+pub fn check_forward(q: &Tensor, k: &Tensor, v: &Tensor, opts: &ForwardOptions) -> (Output, Check) {
+    let out = flash_attn::forward(q, k, v, opts).expect("forward");
+    let p = Problem::new(&q.view(), &k.view(), &v.view(), opts).unwrap();
+    let r = attention_f64(&p, &q.view(), &k.view(), &v.view());
+    let naive = attention_naive(&p, &q.view(), &k.view(), &v.view(), q.dtype());
+    let ours: Vec<f64> = out.o.to_f32_vec().iter().map(|&x| x as f64).collect();
+    let err = max_abs_diff(&ours, &r.o);
+    let naive_err = max_abs_diff(&naive, &r.o);
+    let bound = 2.0 * naive_err + floor_for(q.dtype());
+    let lse_err = match &out.lse {
+        Some(l) => {
+            let l64: Vec<f64> = l.iter().map(|&x| x as f64).collect();
+            max_abs_diff(&l64, &r.lse)
+        }
+        None => 0.0,
+    };
+    (out, Check { err, naive_err, bound, lse_err })
+}
