@@ -11,7 +11,7 @@ mod gemm;
 pub mod softmax;
 
 use crate::error::{Error, Result};
-use crate::numerics::exp2::exp2_poly;
+use crate::numerics::exp2::{poly_frac, EXP2_CLAMP_LOW};
 use crate::problem::{Problem, LOG2E};
 use crate::tensor::{Tensor, TensorView};
 use gemm::{micro_kernel, pack_a, Acc, MR, NR};
@@ -47,7 +47,7 @@ impl Exp2Math for Native {
     }
     #[inline(always)]
     fn exp2(&self, x: f32) -> f32 {
-        exp2_poly::<5>(x)
+        exp2_fast(x)
     }
     #[inline(always)]
     fn round_p(&self, p: f32) -> f32 {
@@ -57,6 +57,27 @@ impl Exp2Math for Native {
     fn lazy_threshold(&self) -> Option<f32> {
         None
     }
+}
+
+/// `1.5 * 2^23`: adding it to a float in `[-2^22, 2^22)` leaves the integer in the low mantissa bits.
+const ROUND_MAGIC: f32 = 12_582_912.0;
+/// The f32 exponent bias.
+const EXP_BIAS: f32 = 127.0;
+
+/// The native CPU `exp2`: the same split and degree-5 polynomial as
+/// [`crate::numerics::exp2::exp2_poly`], but `2^floor(x)` is built as a float from the bits of
+/// `floor(x) + 127 + 1.5·2^23` and multiplied in, so the whole function vectorises (a float→int
+/// conversion would not: Rust's saturating `as i32` is scalarised). NaN propagates through the
+/// product; x ≤ −127 gives 0 (below f32's normal range, irrelevant to a softmax).
+#[inline(always)]
+fn exp2_fast(x: f32) -> f32 {
+    // `if` chains rather than min/max so that NaN passes through.
+    let x = if x < EXP2_CLAMP_LOW { EXP2_CLAMP_LOW } else if x > EXP_BIAS { EXP_BIAS } else { x };
+    let n = x.floor();
+    let p = poly_frac::<5>(x - n);
+    // n + 127 is in [0, 254]: it sits in the low 8 mantissa bits; << 23 moves it to the exponent.
+    let two_n = f32::from_bits((n + (ROUND_MAGIC + EXP_BIAS)).to_bits() << 23);
+    p * two_n
 }
 
 fn round_up(x: usize, m: usize) -> usize {
@@ -117,12 +138,14 @@ impl Scratch {
     }
 }
 
-/// How scores are formed from the pre-scaled `Q·Kᵀ`.
+/// How scores in log2 units are formed from `Q·Kᵀ`.
 #[derive(Clone, Copy)]
 struct ScoreMod {
-    /// Multiplies q when packing: `scale * log2e`, or `scale / cap` with softcap.
+    /// Multiplies q when packing: 1, or `scale / cap` with softcap (the argument of tanh).
     q_mul: f32,
-    /// With softcap: `cap * log2e` multiplies `tanh(s)`.
+    /// Without softcap: `scale · log2 e`, applied to each dot product inside the softmax's FMA.
+    score_mul: f32,
+    /// With softcap: `cap · log2 e` multiplies `tanh(q_mul · q·k)`.
     softcap_log2: Option<f32>,
 }
 
@@ -155,7 +178,7 @@ fn attend_block<M: Exp2Math, const FMA: bool>(
             if r < rows_here {
                 q.read_row(b, i0 + st * MR + r, h, &mut scr.q_row);
                 for (x, &val) in scr.q_row.iter().enumerate() {
-                    dst[x * MR + r] = val * sm.q_mul;
+                    dst[x * MR + r] = if sm.q_mul == 1.0 { val } else { val * sm.q_mul };
                 }
             } else {
                 for x in 0..d {
@@ -199,10 +222,12 @@ fn attend_block<M: Exp2Math, const FMA: bool>(
                 row.iter_mut().for_each(|x| *x = f32::NEG_INFINITY);
             } else {
                 if needs_bias {
+                    // Into log2 units here (the softmax then multiplies by 1).
                     for (c, x) in row.iter_mut().enumerate() {
-                        if let Some(cl) = sm.softcap_log2 {
-                            *x = cl * x.tanh();
-                        }
+                        *x = match sm.softcap_log2 {
+                            Some(cl) => cl * x.tanh(),
+                            None => *x * sm.score_mul,
+                        };
                         *x += p.alibi_bias(h, i0 + r, j0 + c) * LOG2E;
                     }
                 }
@@ -216,9 +241,10 @@ fn attend_block<M: Exp2Math, const FMA: bool>(
                     }
                 }
             }
+            let c = if needs_bias { 1.0 } else { sm.score_mul };
             let st = &mut scr.rows[r];
-            let scale = max_get_scale(st, softmax::row_max(row), math);
-            online_softmax(st, scale, row, math);
+            let scale = max_get_scale(st, softmax::row_max(row) * c, math);
+            online_softmax::<M, FMA>(st, scale, row, c, math);
             rescale_o(&mut scr.o[r * d_pad..(r + 1) * d_pad], scale);
         }
         // O += P·V.
@@ -328,8 +354,8 @@ pub(crate) fn forward_with<M: Exp2Math>(
     }
     let d = p.head_dim;
     let sm = match p.softcap {
-        None => ScoreMod { q_mul: p.scale * LOG2E, softcap_log2: None },
-        Some(cap) => ScoreMod { q_mul: p.scale / cap, softcap_log2: Some(cap * LOG2E) },
+        None => ScoreMod { q_mul: 1.0, score_mul: p.scale * LOG2E, softcap_log2: None },
+        Some(cap) => ScoreMod { q_mul: p.scale / cap, score_mul: 1.0, softcap_log2: Some(cap * LOG2E) },
     };
     let n_o = crate::tensor::numel([p.batch, p.heads_q, p.seqlen_q, d], "output")?;
     // Internal layout [batch, heads_q, seqlen_q, d] so each work item owns a contiguous slice.

@@ -51,7 +51,7 @@ pub fn row_max(row: &[f32]) -> f32 {
     m
 }
 
-/// Folds a tile's row max into the state and returns the factor the row's output and sum must
+/// Folds a tile's row max (in log2 units, i.e. already multiplied by `c`) into the state and returns the factor the row's output and sum must
 /// be multiplied by (1 when nothing changes).
 ///
 /// Lazy rule (FA4): when the max grows by at most `threshold`, keep the stale max. Output and
@@ -78,27 +78,31 @@ pub fn max_get_scale<M: Exp2Math>(st: &mut RowState, tile_max: f32, math: &M) ->
     scale
 }
 
-/// Turns a row of scores into probabilities in place (`exp2(s - m + offset)`, masked scores
-/// −inf give 0), adds them to `l` after scaling `l` by `scale`, and rounds P for the second
-/// product.
+/// Turns a row of raw scores `x` into probabilities in place, `p = exp2(x·c − m + offset)`
+/// (`c` converts to log2 units, e.g. `softmax_scale·log2 e`; masked scores −inf give 0), adds them
+/// to `l` after scaling `l` by `scale`, and rounds P for the second product.
+///
+/// With `FMA`, `x·c − m` is one fused multiply-add (as FA2's FFMA): near the row max, where P
+/// matters, the difference is then exact before rounding, even when scores are large.
 #[inline(always)]
-pub fn online_softmax<M: Exp2Math>(st: &mut RowState, scale: f32, row: &mut [f32], math: &M) {
+pub fn online_softmax<M: Exp2Math, const FMA: bool>(st: &mut RowState, scale: f32, row: &mut [f32], c: f32, math: &M) {
     // The −inf guard: a row with no visible key so far has m = −inf; use 0 so that masked
     // scores give exp2(−inf) = 0 rather than exp2(NaN).
     let m = if st.m == f32::NEG_INFINITY { 0.0 } else { st.m };
     let shift = m - math.p_offset();
     let mut sum = [0.0f32; LANES];
     let mut chunks = row.chunks_exact_mut(LANES);
-    for c in &mut chunks {
+    let arg = |x: f32| if FMA { x.mul_add(c, -shift) } else { x * c - shift };
+    for ch in &mut chunks {
         for i in 0..LANES {
-            let p = math.exp2(c[i] - shift);
+            let p = math.exp2(arg(ch[i]));
             sum[i] += p;
-            c[i] = math.round_p(p);
+            ch[i] = math.round_p(p);
         }
     }
     let mut s = sum.iter().sum::<f32>();
     for x in chunks.into_remainder() {
-        let p = math.exp2(*x - shift);
+        let p = math.exp2(arg(*x));
         s += p;
         *x = math.round_p(p);
     }
