@@ -25,6 +25,10 @@
 //! | `cpu` | the CPU backend (tiled online softmax, 6×16 AVX2 micro-kernel, std threads) |
 //! | [`numerics`] | exp2 polynomial, FP8, Hadamard: shared constants with `cuda/include/` |
 
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
+
 mod api;
 mod cpu;
 mod cuda_host;
