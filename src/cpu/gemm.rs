@@ -26,15 +26,3 @@ pub fn micro_kernel<const FMA: bool>(a_packed: &[f32], b_packed: &[f32], acc: &m
         }
     }
 }
-
-/// Pack `MR` rows of `src` (row `r` at `src[r * ld..]`, `kc` values each) into the `kc × MR`
-/// layout of [`micro_kernel`]'s A operand.
-#[inline(always)]
-pub fn pack_a(src: &[f32], ld: usize, kc: usize, out: &mut [f32]) {
-    let rows: [&[f32]; MR] = std::array::from_fn(|r| &src[r * ld..r * ld + kc]);
-    for (k, col) in out[..kc * MR].chunks_exact_mut(MR).enumerate() {
-        for (x, row) in col.iter_mut().zip(&rows) {
-            *x = row[k];
-        }
-    }
-}

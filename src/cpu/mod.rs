@@ -1,10 +1,10 @@
 //! The CPU backend: FlashAttention's algorithm on the host.
 //!
-//! Per (batch, kv head), K is packed once into 16-key panels and V into 16-column panels (f32);
-//! every query head of the GQA group and every block of `BR` query rows then streams over the
-//! key tiles of `BC` keys: `S = Q·Kᵀ` (6×16 register micro-kernel), the online softmax of each row
-//! (exp2 on pre-scaled scores, −inf guard), `O = diag(scale)·O + P·V`, and one normalisation at
-//! the end. Work items (kv head, group head, query block) are handed out heaviest first to
+//! Per (batch, kv head), K and V are packed once (f32, strips of 6 keys / 6 columns); every
+//! query head of the GQA group and every block of `BR` query rows then streams over the key
+//! tiles of `BC` keys: `Sᵀ = K·Qᵀ` (6×16 register micro-kernel), the online softmax of each
+//! query (exp2 of `x·scale·log2e − m` in one FMA, −inf guard), `Oᵀ = Oᵀ·diag(scale) + Vᵀ·Pᵀ`, and
+//! one normalisation at the end. Work items (kv head, group head, query block) are handed out heaviest first to
 //! `std` threads; each writes its own disjoint slice of the output.
 
 mod gemm;
@@ -14,14 +14,14 @@ use crate::error::{Error, Result};
 use crate::numerics::exp2::{poly_frac, EXP2_CLAMP_LOW};
 use crate::problem::{Problem, LOG2E};
 use crate::tensor::{Tensor, TensorView};
-use gemm::{micro_kernel, pack_a, Acc, MR, NR};
+use gemm::{micro_kernel, Acc, MR, NR};
 use softmax::{finalize, max_get_scale, online_softmax, rescale_o, Exp2Math, RowState};
 use std::sync::Mutex;
 
-/// Query rows per work item (a multiple of the micro-kernel's 6 rows).
-pub const BR: usize = 48;
-/// Keys per tile (a multiple of the micro-kernel's 16 columns).
-pub const BC: usize = 128;
+/// Query rows per work item (a multiple of the 16-query panels).
+pub const BR: usize = 64;
+/// Keys per tile (a multiple of the micro-kernel's 6-key strips).
+pub const BC: usize = 96;
 /// Largest head_dim the CPU backend accepts.
 pub const MAX_HEAD_DIM: usize = 512;
 /// Upper bound on the packed K/V held at once; larger problems are processed in chunks of kv heads.
@@ -84,41 +84,45 @@ fn round_up(x: usize, m: usize) -> usize {
     x.div_ceil(m) * m
 }
 
-/// K and V of one (batch, kv head) in the micro-kernel's panel layouts.
+/// K and V of one (batch, kv head) in the micro-kernel's A-operand layouts (strips of `MR` rows).
 struct PackedKv {
-    /// `[seqlen_k / 16][head_dim][16]`, zero-padded keys.
+    /// `[seqlen_k_pad / MR][head_dim][MR]`: strips of 6 keys, zero-padded.
     k: Vec<f32>,
-    /// `[head_dim_pad / 16][seqlen_k_pad][16]`, zero-padded keys and columns.
+    /// `[head_dim_pad / MR][seqlen_k_pad][MR]`: strips of 6 columns of V (i.e. rows of Vᵀ).
     v: Vec<f32>,
 }
 
 fn pack_kv(p: &Problem, k: &TensorView, v: &TensorView, b: usize, hk: usize) -> PackedKv {
     let d = p.head_dim;
-    let sk_pad = round_up(p.seqlen_k, NR);
-    let d_pad = round_up(d, NR);
+    let sk_pad = round_up(p.seqlen_k, MR);
+    let dv = round_up(d, MR);
     let mut kp = vec![0.0f32; sk_pad * d];
-    let mut vp = vec![0.0f32; d_pad * sk_pad];
+    let mut vp = vec![0.0f32; dv * sk_pad];
     let mut row = vec![0.0f32; d];
     for j in 0..p.seqlen_k {
-        let (panel, lane) = (j / NR, j % NR);
+        let (strip, lane) = (j / MR, j % MR);
         k.read_row(b, j, hk, &mut row);
-        let base = panel * d * NR;
+        let base = strip * d * MR;
         for (x, &val) in row.iter().enumerate() {
-            kp[base + x * NR + lane] = val;
+            kp[base + x * MR + lane] = val;
         }
         v.read_row(b, j, hk, &mut row);
         for (x, &val) in row.iter().enumerate() {
-            vp[(x / NR) * sk_pad * NR + j * NR + x % NR] = val;
+            vp[(x / MR) * sk_pad * MR + j * MR + x % MR] = val;
         }
     }
     PackedKv { k: kp, v: vp }
 }
 
-/// Per-thread scratch, sized once.
+/// Per-thread scratch, sized once. Everything about queries is held transposed, in panels of
+/// `NR` queries side by side, so the softmax and the rescale are vertical vector operations and
+/// the probabilities are already in the B-operand layout of the second product.
 struct Scratch {
-    q_packed: Vec<f32>,
+    /// Qᵀ panels `[BR / NR][head_dim][NR]`.
+    q: Vec<f32>,
+    /// Sᵀ (then Pᵀ) panels `[BR / NR][BC][NR]`.
     s: Vec<f32>,
-    p_packed: Vec<f32>,
+    /// Oᵀ panels `[BR / NR][head_dim_pad][NR]`.
     o: Vec<f32>,
     rows: Vec<RowState>,
     q_row: Vec<f32>,
@@ -126,12 +130,10 @@ struct Scratch {
 
 impl Scratch {
     fn new(d: usize) -> Self {
-        let d_pad = round_up(d, NR);
         Scratch {
-            q_packed: vec![0.0; BR * d],
+            q: vec![0.0; BR * d],
             s: vec![0.0; BR * BC],
-            p_packed: vec![0.0; BR * BC],
-            o: vec![0.0; BR * d_pad],
+            o: vec![0.0; BR * round_up(d, MR)],
             rows: vec![RowState::EMPTY; BR],
             q_row: vec![0.0; d],
         }
@@ -151,6 +153,9 @@ struct ScoreMod {
 
 /// One work item: query rows `i0..i1` of head `h` against the packed K/V of its kv head.
 /// Writes `(i1 - i0) × d` normalised outputs to `o_out` and the LSEs to `lse_out`.
+///
+/// Transposed formulation: `Sᵀ = K·Qᵀ` (A = 6 keys, B = 16 queries), softmax down each query
+/// column, `Oᵀ += Vᵀ·Pᵀ` (A = 6 columns of V, B = the Pᵀ panel as it lies): no per-tile packing.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn attend_block<M: Exp2Math, const FMA: bool>(
@@ -165,30 +170,30 @@ fn attend_block<M: Exp2Math, const FMA: bool>(
     lse_out: &mut [f32],
 ) {
     let d = p.head_dim;
-    let d_pad = round_up(d, NR);
-    let sk_pad = round_up(p.seqlen_k, NR);
+    let dv = round_up(d, MR);
+    let sk_pad = round_up(p.seqlen_k, MR);
     let nrows = i1 - i0;
-    let strips = nrows.div_ceil(MR);
+    let panels = nrows.div_ceil(NR);
 
-    // Q tile: pre-scaled, packed in strips of MR rows.
-    for st in 0..strips {
-        let rows_here = (nrows - st * MR).min(MR);
-        let dst = &mut scr.q_packed[st * MR * d..(st + 1) * MR * d];
-        for r in 0..MR {
-            if r < rows_here {
-                q.read_row(b, i0 + st * MR + r, h, &mut scr.q_row);
+    // Qᵀ panels (queries past i1 are zero and their results are dropped).
+    for pn in 0..panels {
+        let dst = &mut scr.q[pn * d * NR..(pn + 1) * d * NR];
+        for lane in 0..NR {
+            let r = pn * NR + lane;
+            if r < nrows {
+                q.read_row(b, i0 + r, h, &mut scr.q_row);
                 for (x, &val) in scr.q_row.iter().enumerate() {
-                    dst[x * MR + r] = if sm.q_mul == 1.0 { val } else { val * sm.q_mul };
+                    dst[x * NR + lane] = if sm.q_mul == 1.0 { val } else { val * sm.q_mul };
                 }
             } else {
                 for x in 0..d {
-                    dst[x * MR + r] = 0.0;
+                    dst[x * NR + lane] = 0.0;
                 }
             }
         }
     }
-    scr.o[..strips * MR * d_pad].iter_mut().for_each(|x| *x = 0.0);
-    scr.rows[..strips * MR].iter_mut().for_each(|r| *r = RowState::EMPTY);
+    scr.o[..panels * NR * dv].iter_mut().for_each(|x| *x = 0.0);
+    scr.rows[..panels * NR].iter_mut().for_each(|r| *r = RowState::EMPTY);
 
     // Keys any row of the block can see, and those every row sees (no masking needed).
     let ranges: Vec<(usize, usize)> = (i0..i1).map(|i| p.key_range(i)).collect();
@@ -197,69 +202,64 @@ fn attend_block<M: Exp2Math, const FMA: bool>(
     let inner_lo = ranges.iter().map(|r| r.0).max().unwrap_or(0);
     let inner_hi = ranges.iter().map(|r| r.1).min().unwrap_or(0);
     let needs_bias = p.alibi.is_some() || sm.softcap_log2.is_some();
+    let c = if needs_bias { 1.0 } else { sm.score_mul };
 
-    let mut j0 = lo_all / NR * NR;
+    let mut j0 = lo_all / MR * MR;
     while j0 < hi_all {
-        let j1 = (j0 + BC).min(round_up(hi_all, NR)).min(sk_pad);
+        let j1 = (j0 + BC).min(round_up(hi_all, MR)).min(sk_pad);
         let cols = j1 - j0;
-        // S = Q·Kᵀ for the tile, row-major [strips*MR][cols].
-        for st in 0..strips {
-            let a = &scr.q_packed[st * MR * d..(st + 1) * MR * d];
-            for pn in 0..cols / NR {
-                let panel = j0 / NR + pn;
-                let bk = &kv.k[panel * d * NR..(panel + 1) * d * NR];
+        let full_tile = j0 >= inner_lo && j1 <= inner_hi;
+        for pn in 0..panels {
+            let qp = &scr.q[pn * d * NR..(pn + 1) * d * NR];
+            let sp = &mut scr.s[pn * BC * NR..pn * BC * NR + cols * NR];
+            // Sᵀ = K·Qᵀ, six keys at a time.
+            for (ks, s6) in sp.chunks_exact_mut(MR * NR).enumerate() {
+                let strip = j0 / MR + ks;
                 let mut acc: Acc = [[0.0; NR]; MR];
-                micro_kernel::<FMA>(a, bk, &mut acc);
-                for (r, accr) in acc.iter().enumerate() {
-                    scr.s[(st * MR + r) * BC + pn * NR..][..NR].copy_from_slice(accr);
+                micro_kernel::<FMA>(&kv.k[strip * d * MR..(strip + 1) * d * MR], qp, &mut acc);
+                for (dst, a) in s6.chunks_exact_mut(NR).zip(&acc) {
+                    dst.copy_from_slice(a);
                 }
             }
-        }
-        let full_tile = j0 >= inner_lo && j1 <= inner_hi;
-        for r in 0..strips * MR {
-            let row = &mut scr.s[r * BC..r * BC + cols];
-            if r >= nrows {
-                row.iter_mut().for_each(|x| *x = f32::NEG_INFINITY);
-            } else {
-                if needs_bias {
-                    // Into log2 units here (the softmax then multiplies by 1).
-                    for (c, x) in row.iter_mut().enumerate() {
-                        *x = match sm.softcap_log2 {
-                            Some(cl) => cl * x.tanh(),
-                            None => *x * sm.score_mul,
-                        };
-                        *x += p.alibi_bias(h, i0 + r, j0 + c) * LOG2E;
-                    }
-                }
-                if !full_tile {
-                    let (lo, hi) = ranges[r];
-                    for (c, x) in row.iter_mut().enumerate() {
-                        let j = j0 + c;
+            // Softcap, ALiBi (into log2 units here; the softmax then multiplies by 1) and mask.
+            if needs_bias || !full_tile {
+                for (jl, row) in sp.chunks_exact_mut(NR).enumerate() {
+                    let j = j0 + jl;
+                    for (lane, x) in row.iter_mut().enumerate() {
+                        let r = pn * NR + lane;
+                        if r >= nrows {
+                            continue;
+                        }
+                        if needs_bias {
+                            *x = match sm.softcap_log2 {
+                                Some(cl) => cl * x.tanh(),
+                                None => *x * sm.score_mul,
+                            } + p.alibi_bias(h, i0 + r, j) * LOG2E;
+                        }
+                        let (lo, hi) = ranges[r];
                         if j < lo || j >= hi {
                             *x = f32::NEG_INFINITY;
                         }
                     }
                 }
             }
-            let c = if needs_bias { 1.0 } else { sm.score_mul };
-            let st = &mut scr.rows[r];
-            let scale = max_get_scale(st, softmax::row_max(row) * c, math);
-            online_softmax::<M, FMA>(st, scale, row, c, math);
-            rescale_o(&mut scr.o[r * d_pad..(r + 1) * d_pad], scale);
-        }
-        // O += P·V.
-        for st in 0..strips {
-            pack_a(&scr.s[st * MR * BC..], BC, cols, &mut scr.p_packed);
-            let a = &scr.p_packed[..cols * MR];
-            for cp in 0..d_pad / NR {
-                let bv = &kv.v[cp * sk_pad * NR + j0 * NR..cp * sk_pad * NR + j1 * NR];
+            // Online softmax down each query column.
+            let states = &mut scr.rows[pn * NR..(pn + 1) * NR];
+            let tile_max = softmax::panel_max(sp);
+            let scales: [f32; NR] = std::array::from_fn(|q| max_get_scale(&mut states[q], tile_max[q] * c, math));
+            online_softmax::<M, FMA>(states, &scales, sp, c, math);
+            let op = &mut scr.o[pn * dv * NR..(pn + 1) * dv * NR];
+            rescale_o(op, &scales);
+            // Oᵀ += Vᵀ·Pᵀ, six columns of V at a time.
+            for (ds, o6) in op.chunks_exact_mut(MR * NR).enumerate() {
+                let base = ds * sk_pad * MR;
                 let mut acc: Acc = [[0.0; NR]; MR];
-                for (r, accr) in acc.iter_mut().enumerate() {
-                    accr.copy_from_slice(&scr.o[(st * MR + r) * d_pad + cp * NR..][..NR]);
+                for (a, src) in acc.iter_mut().zip(o6.chunks_exact(NR)) {
+                    a.copy_from_slice(src);
                 }
-                micro_kernel::<FMA>(a, bv, &mut acc);
-                for (r, accr) in acc.iter().enumerate() {
-                    scr.o[(st * MR + r) * d_pad + cp * NR..][..NR].copy_from_slice(accr);
+                micro_kernel::<FMA>(&kv.v[base + j0 * MR..base + j1 * MR], sp, &mut acc);
+                for (dst, a) in o6.chunks_exact_mut(NR).zip(&acc) {
+                    dst.copy_from_slice(a);
                 }
             }
         }
@@ -267,9 +267,13 @@ fn attend_block<M: Exp2Math, const FMA: bool>(
     }
 
     for r in 0..nrows {
-        let orow = &mut scr.o[r * d_pad..(r + 1) * d_pad];
-        lse_out[r] = finalize(&scr.rows[r], orow, math);
-        o_out[r * d..(r + 1) * d].copy_from_slice(&orow[..d]);
+        let (pn, lane) = (r / NR, r % NR);
+        let (inv, lse) = finalize(&scr.rows[r], math);
+        lse_out[r] = lse;
+        let op = &scr.o[pn * dv * NR..];
+        for (x, dst) in o_out[r * d..(r + 1) * d].iter_mut().enumerate() {
+            *dst = op[x * NR + lane] * inv;
+        }
     }
 }
 
@@ -362,7 +366,7 @@ pub(crate) fn forward_with<M: Exp2Math>(
     let mut o_hm = vec![0.0f32; n_o];
     let mut lse = vec![f32::NEG_INFINITY; p.batch * p.heads_q * p.seqlen_q];
 
-    let kv_bytes = 4 * (round_up(p.seqlen_k, NR) * (d + round_up(d, NR)));
+    let kv_bytes = 4 * (round_up(p.seqlen_k, MR) * (d + round_up(d, MR)));
     let chunk = (PACK_BUDGET_BYTES / kv_bytes.max(1)).clamp(1, p.batch * p.heads_kv);
     let nblocks = p.seqlen_q.div_ceil(BR);
     let per_kv = p.group() * nblocks; // work items per kv head

@@ -1,9 +1,14 @@
-//! The online softmax of one query row, with FlashAttention-3's verbs (`max_get_scale`,
-//! `online_softmax`, `rescale_o`, `finalize`), mirrored by `cuda/include/online_softmax.cuh`.
+//! The online softmax, with FlashAttention-3's verbs (`max_get_scale`, `online_softmax`,
+//! `rescale_o`, `finalize`), mirrored by the CUDA kernels' softmax headers.
 //!
-//! Scores arrive in log2 units (pre-multiplied by `scale * log2(e)`), so every exponential is an
-//! `exp2`. The running max `m` starts at −inf; while a row has seen no key, `m` stays −inf and the
-//! guard below keeps `-inf - (-inf)` (NaN) from ever being formed.
+//! The CPU backend holds scores transposed, a panel of `NR` = 16 queries side by side per key
+//! (`[keys][16]`), so every verb below is a vertical operation on 16-wide vectors: the per-query
+//! max, sum and rescale vectorise with no horizontal reductions. Scores arrive as raw dot products
+//! `x`; `c` (e.g. `softmax_scale·log2 e`) converts them to log2 units inside the exponent's FMA.
+//! The running max `m` starts at −inf; while a query has seen no key, `m` stays −inf and the guard
+//! in `online_softmax` keeps `-inf - (-inf)` (NaN) from ever being formed.
+
+use super::gemm::NR;
 
 /// The score-to-probability arithmetic: which exp2, the P offset, and P's rounding.
 pub trait Exp2Math: Copy + Send + Sync {
@@ -17,7 +22,7 @@ pub trait Exp2Math: Copy + Send + Sync {
     fn lazy_threshold(&self) -> Option<f32>;
 }
 
-/// Running state of one row.
+/// Running state of one query row.
 #[derive(Clone, Copy, Debug)]
 pub struct RowState {
     /// Running max (log2 units), possibly stale under lazy rescaling.
@@ -30,34 +35,26 @@ impl RowState {
     pub const EMPTY: RowState = RowState { m: f32::NEG_INFINITY, l: 0.0 };
 }
 
-/// Lane count of the partial reductions (one AVX2 vector).
-const LANES: usize = 8;
-
-/// Max of a row, ignoring nothing: NaN scores are left for `exp2` to propagate.
+/// Per-query max of a `[keys][NR]` panel. NaN scores are skipped here and propagated by `exp2`.
 #[inline(always)]
-pub fn row_max(row: &[f32]) -> f32 {
-    let mut acc = [f32::NEG_INFINITY; LANES];
-    let chunks = row.chunks_exact(LANES);
-    let rest = chunks.remainder();
-    for c in chunks {
-        for i in 0..LANES {
-            acc[i] = if c[i] > acc[i] { c[i] } else { acc[i] };
+pub fn panel_max(panel: &[f32]) -> [f32; NR] {
+    let mut acc = [f32::NEG_INFINITY; NR];
+    for row in panel.chunks_exact(NR) {
+        for q in 0..NR {
+            acc[q] = if row[q] > acc[q] { row[q] } else { acc[q] };
         }
     }
-    let mut m = acc.iter().fold(f32::NEG_INFINITY, |a, &x| if x > a { x } else { a });
-    for &x in rest {
-        m = if x > m { x } else { m };
-    }
-    m
+    acc
 }
 
-/// Folds a tile's row max (in log2 units, i.e. already multiplied by `c`) into the state and returns the factor the row's output and sum must
-/// be multiplied by (1 when nothing changes).
+/// Folds a tile's max for one query (in log2 units, i.e. already multiplied by `c`) into its
+/// state and returns the factor its output and sum must be multiplied by (1 when nothing changes).
 ///
 /// Lazy rule (FA4): when the max grows by at most `threshold`, keep the stale max. Output and
-/// sum share the stale max, so `O / l` is exact; P values reach at most `2^threshold` (times the
-/// P offset), far from f32's range for any threshold below ~100, so nothing overflows. The
-/// final normalisation is exact either way.
+/// sum share the stale max, so `O / l` is exact in real arithmetic. In f32 nothing overflows:
+/// with a stale max every P is at most `2^(threshold + offset)`, and a sum of at most 2^31 such
+/// terms stays below f32's 2^128 for any threshold + offset below ~96. The final normalisation
+/// is exact either way.
 #[inline(always)]
 pub fn max_get_scale<M: Exp2Math>(st: &mut RowState, tile_max: f32, math: &M) -> f32 {
     if !(tile_max > st.m) {
@@ -78,58 +75,60 @@ pub fn max_get_scale<M: Exp2Math>(st: &mut RowState, tile_max: f32, math: &M) ->
     scale
 }
 
-/// Turns a row of raw scores `x` into probabilities in place, `p = exp2(x·c − m + offset)`
-/// (`c` converts to log2 units, e.g. `softmax_scale·log2 e`; masked scores −inf give 0), adds them
-/// to `l` after scaling `l` by `scale`, and rounds P for the second product.
+/// Turns a `[keys][NR]` panel of raw scores into probabilities in place,
+/// `p = exp2(x·c − m + offset)` per query (masked scores −inf give 0), scales each query's sum by
+/// `scales` and adds the new probabilities, and rounds P for the second product.
 ///
 /// With `FMA`, `x·c − m` is one fused multiply-add (as FA2's FFMA): near the row max, where P
 /// matters, the difference is then exact before rounding, even when scores are large.
 #[inline(always)]
-pub fn online_softmax<M: Exp2Math, const FMA: bool>(st: &mut RowState, scale: f32, row: &mut [f32], c: f32, math: &M) {
-    // The −inf guard: a row with no visible key so far has m = −inf; use 0 so that masked
+pub fn online_softmax<M: Exp2Math, const FMA: bool>(
+    states: &mut [RowState],
+    scales: &[f32; NR],
+    panel: &mut [f32],
+    c: f32,
+    math: &M,
+) {
+    // The −inf guard: a query with no visible key so far has m = −inf; use 0 so that masked
     // scores give exp2(−inf) = 0 rather than exp2(NaN).
-    let m = if st.m == f32::NEG_INFINITY { 0.0 } else { st.m };
-    let shift = m - math.p_offset();
-    let mut sum = [0.0f32; LANES];
-    let mut chunks = row.chunks_exact_mut(LANES);
-    let arg = |x: f32| if FMA { x.mul_add(c, -shift) } else { x * c - shift };
-    for ch in &mut chunks {
-        for i in 0..LANES {
-            let p = math.exp2(arg(ch[i]));
-            sum[i] += p;
-            ch[i] = math.round_p(p);
+    let shift: [f32; NR] = std::array::from_fn(|q| {
+        let m = states[q].m;
+        (if m == f32::NEG_INFINITY { 0.0 } else { m }) - math.p_offset()
+    });
+    let mut sum = [0.0f32; NR];
+    for row in panel.chunks_exact_mut(NR) {
+        for q in 0..NR {
+            let arg = if FMA { row[q].mul_add(c, -shift[q]) } else { row[q] * c - shift[q] };
+            let p = math.exp2(arg);
+            sum[q] += p;
+            row[q] = math.round_p(p);
         }
     }
-    let mut s = sum.iter().sum::<f32>();
-    for x in chunks.into_remainder() {
-        let p = math.exp2(arg(*x));
-        s += p;
-        *x = math.round_p(p);
-    }
-    st.l = st.l * scale + s;
-}
-
-/// Multiplies a row of the output accumulator by `scale` (skipped when 1).
-#[inline(always)]
-pub fn rescale_o(o: &mut [f32], scale: f32) {
-    if scale != 1.0 {
-        for x in o {
-            *x *= scale;
-        }
+    for q in 0..NR {
+        states[q].l = states[q].l * scales[q] + sum[q];
     }
 }
 
-/// Normalises the output row by `1/l` and returns the LSE (natural log). A row that saw no key
-/// (`l == 0`) gives output 0 and LSE −inf.
+/// Multiplies each query column of a `[rows][NR]` output panel by its scale (skipped when all
+/// are 1).
 #[inline(always)]
-pub fn finalize<M: Exp2Math>(st: &RowState, o: &mut [f32], math: &M) -> f32 {
+pub fn rescale_o(o_panel: &mut [f32], scales: &[f32; NR]) {
+    if scales.iter().all(|&s| s == 1.0) {
+        return;
+    }
+    for row in o_panel.chunks_exact_mut(NR) {
+        for q in 0..NR {
+            row[q] *= scales[q];
+        }
+    }
+}
+
+/// The final normaliser and LSE (natural log) of a query: `(1 / l, lse)`. A query that saw no key
+/// (`l == 0`) gets `(0, −inf)`: output 0, never NaN.
+#[inline(always)]
+pub fn finalize<M: Exp2Math>(st: &RowState, math: &M) -> (f32, f32) {
     if st.l == 0.0 {
-        o.iter_mut().for_each(|x| *x = 0.0);
-        return f32::NEG_INFINITY;
+        return (0.0, f32::NEG_INFINITY);
     }
-    let inv = 1.0 / st.l;
-    for x in o.iter_mut() {
-        *x *= inv;
-    }
-    (st.m - math.p_offset() + st.l.log2()) * std::f32::consts::LN_2
+    (1.0 / st.l, (st.m - math.p_offset() + st.l.log2()) * std::f32::consts::LN_2)
 }
