@@ -221,25 +221,25 @@ fn attend_block<M: Exp2Math, const FMA: bool>(
                     dst.copy_from_slice(a);
                 }
             }
-            // Softcap, ALiBi (into log2 units here; the softmax then multiplies by 1) and mask.
-            if needs_bias || !full_tile {
+            // Softcap and ALiBi (into log2 units here; the softmax then multiplies by 1).
+            if needs_bias {
                 for (jl, row) in sp.chunks_exact_mut(NR).enumerate() {
-                    let j = j0 + jl;
-                    for (lane, x) in row.iter_mut().enumerate() {
-                        let r = pn * NR + lane;
-                        if r >= nrows {
-                            continue;
-                        }
-                        if needs_bias {
-                            *x = match sm.softcap_log2 {
-                                Some(cl) => cl * x.tanh(),
-                                None => *x * sm.score_mul,
-                            } + p.alibi_bias(h, i0 + r, j) * LOG2E;
-                        }
-                        let (lo, hi) = ranges[r];
-                        if j < lo || j >= hi {
-                            *x = f32::NEG_INFINITY;
-                        }
+                    for (lane, x) in row.iter_mut().enumerate().take(nrows.saturating_sub(pn * NR)) {
+                        *x = match sm.softcap_log2 {
+                            Some(cl) => cl * x.tanh(),
+                            None => *x * sm.score_mul,
+                        } + p.alibi_bias(h, i0 + pn * NR + lane, j0 + jl) * LOG2E;
+                    }
+                }
+            }
+            // The mask, branch-free per lane so it vectorises (padded lanes see everything).
+            if !full_tile {
+                let lo: [i64; NR] = std::array::from_fn(|l| ranges.get(pn * NR + l).map_or(0, |r| r.0 as i64));
+                let hi: [i64; NR] = std::array::from_fn(|l| ranges.get(pn * NR + l).map_or(i64::MAX, |r| r.1 as i64));
+                for (jl, row) in sp.chunks_exact_mut(NR).enumerate() {
+                    let j = (j0 + jl) as i64;
+                    for q in 0..NR {
+                        row[q] = if j < lo[q] || j >= hi[q] { f32::NEG_INFINITY } else { row[q] };
                     }
                 }
             }
