@@ -50,7 +50,8 @@ pub fn poly_frac<const D: usize>(f: f32) -> f32 {
     let mut i = D;
     while i > 0 {
         i -= 1;
-        acc = acc * f + c[i];
+        // Explicit FMA: the CUDA header uses fmaf on both sides, so all three agree bit for bit.
+        acc = acc.mul_add(f, c[i]);
     }
     acc
 }
@@ -70,7 +71,7 @@ pub fn exp2_poly<const D: usize>(x: f32) -> f32 {
 }
 
 /// Software `exp2` with a runtime degree (2..=5); used by the emulation paths.
-#[inline]
+#[inline(always)]
 pub fn exp2_poly_deg(x: f32, degree: u8) -> f32 {
     match degree {
         2 => exp2_poly::<2>(x),

@@ -1,0 +1,76 @@
+//! The CPU backend's emulation of a kernel's softmax arithmetic: which exp2 (FA4's polynomial of
+//! a chosen degree), lazy rescaling, and P in e4m3 offset by `2^FP8_P_SCALE_LOG2` (FA3).
+//!
+//! P's row sum is accumulated in f32 from the *unrounded* P, as FA3 does; only the P that enters
+//! the second product is rounded to e4m3. The `2^8` offset cancels in `O / l` and is removed
+//! from the LSE by `finalize`.
+
+use super::exp2::exp2_poly_deg;
+use super::fp8::round_e4m3;
+use super::FP8_P_SCALE_LOG2;
+use crate::cpu::softmax::Exp2Math;
+use crate::options::{Exp2, Precision, Rescale};
+use crate::problem::Problem;
+
+/// Degree the CPU uses for `Exp2::Accurate` (max relative error 8.5e-8, about one f32 ulp).
+pub const ACCURATE_DEGREE: u8 = 5;
+
+/// A kernel's softmax arithmetic, chosen at run time from the problem's options.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct EmulatedMath {
+    /// Polynomial degree of exp2 (2..=5).
+    pub degree: u8,
+    /// `Some(τ)`: rescale only when the row max grows by more than τ (log2 units).
+    pub lazy: Option<f32>,
+    /// P in e4m3 with the `2^FP8_P_SCALE_LOG2` offset.
+    pub fp8_p: bool,
+}
+
+impl EmulatedMath {
+    pub fn for_problem(p: &Problem) -> Self {
+        EmulatedMath {
+            degree: match p.exp2 {
+                Exp2::Accurate => ACCURATE_DEGREE,
+                Exp2::Poly(d) => d,
+            },
+            lazy: match p.rescale {
+                Rescale::Always => None,
+                Rescale::Lazy { threshold } => Some(threshold),
+            },
+            fp8_p: matches!(p.precision, Precision::Fp8 { .. }),
+        }
+    }
+
+    /// Whether the backend's plain arithmetic (degree-5 exp2, eager rescale, P in f32) is
+    /// exactly this one, so no emulation is needed.
+    pub fn is_native(&self) -> bool {
+        self.degree == ACCURATE_DEGREE && self.lazy.is_none() && !self.fp8_p
+    }
+}
+
+impl Exp2Math for EmulatedMath {
+    #[inline(always)]
+    fn p_offset(&self) -> f32 {
+        if self.fp8_p {
+            FP8_P_SCALE_LOG2
+        } else {
+            0.0
+        }
+    }
+    #[inline(always)]
+    fn exp2(&self, x: f32) -> f32 {
+        exp2_poly_deg(x, self.degree)
+    }
+    #[inline(always)]
+    fn round_p(&self, p: f32) -> f32 {
+        if self.fp8_p {
+            round_e4m3(p)
+        } else {
+            p
+        }
+    }
+    #[inline(always)]
+    fn lazy_threshold(&self) -> Option<f32> {
+        self.lazy
+    }
+}
