@@ -55,6 +55,23 @@ impl SplitMix64 {
     }
 }
 
+/// Probability that an entry of FlashAttention-3's accuracy inputs carries an outlier.
+pub const FA3_OUTLIER_PROB: f64 = 0.001;
+/// Standard deviation of the outlier term (`N(0, 100)`).
+pub const FA3_OUTLIER_STD: f64 = 10.0;
+
+/// `n` entries of FlashAttention-3's accuracy inputs (§4.3, Table 3):
+/// `N(0, 1) + N(0, 100)·Bernoulli(0.001)`, i.e. 0.1 % of the entries get an extra std-10 term.
+pub fn fa3_outlier_values(g: &mut SplitMix64, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            let base = g.normal();
+            let extra = if g.bernoulli(FA3_OUTLIER_PROB) { FA3_OUTLIER_STD * g.normal() } else { 0.0 };
+            (base + extra) as f32
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
