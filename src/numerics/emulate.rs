@@ -74,3 +74,40 @@ impl Exp2Math for EmulatedMath {
         self.lazy
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::forward_with;
+    use crate::options::ForwardOptions;
+    use crate::reference::{attention_f64, rmse};
+    use crate::tensor::Tensor;
+
+    /// Why `validate` refuses `τ + 8 >= log2(448)` with FP8: with FA4's τ = 8 on a growing row
+    /// max, P reaches 2^16, saturates at 448 in e4m3, and the f32 row sum still counts the
+    /// unsaturated value, so the output shrinks (FlashAttention issues #2131, #2716). This runs
+    /// the kernel arithmetic directly, past the validation.
+    #[test]
+    fn fp8_p_with_tau_8_saturates_and_loses_accuracy() {
+        let (sq, sk, d) = (8, 1024, 64);
+        let q: Vec<f32> = vec![1.0; sq * d];
+        // Scores rise by 20 log2 units over the keys, 2.5 per 128-key tile.
+        let per_key = 20.0 * std::f32::consts::LN_2 / (sk as f32 * (d as f32).sqrt());
+        let k: Vec<f32> = (0..sk * d).map(|i| per_key * (i / d) as f32).collect();
+        let v: Vec<f32> = (0..sk * d).map(|i| 1.0 + ((i * 7) % 13) as f32 / 13.0).collect();
+        let q = Tensor::from_vec(q, [1, sq, 1, d]).unwrap();
+        let k = Tensor::from_vec(k, [1, sk, 1, d]).unwrap();
+        let v = Tensor::from_vec(v, [1, sk, 1, d]).unwrap();
+        let p = Problem::new(&q.view(), &k.view(), &v.view(), &ForwardOptions::default()).unwrap();
+        let r = attention_f64(&p, &q.view(), &k.view(), &v.view());
+        let err = |lazy: Option<f32>| {
+            let math = EmulatedMath { degree: ACCURATE_DEGREE, lazy, fp8_p: true };
+            let out = forward_with(&p, &q.view(), &k.view(), &v.view(), math, 1).unwrap();
+            let o: Vec<f64> = out.o.to_f32_vec().iter().map(|&x| x as f64).collect();
+            rmse(&o, &r.o)
+        };
+        let (eager, legal, fa4) = (err(None), err(Some(0.8)), err(Some(8.0)));
+        assert!(legal <= eager * 1.5 + 1e-4, "τ 0.8: {legal} vs {eager}");
+        assert!(fa4 > 10.0 * eager && fa4 > 0.05, "τ 8 with FP8 P: {fa4} vs {eager}");
+    }
+}
