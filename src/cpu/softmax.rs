@@ -81,7 +81,7 @@ pub fn max_get_scale<M: Exp2Math>(st: &mut RowState, tile_max: f32, math: &M) ->
         return 1.0;
     }
     if let Some(t) = math.lazy_threshold() {
-        if tile_max - st.m <= t {
+        if crate::numerics::lazy_keeps_max(st.m, tile_max, t) {
             return 1.0;
         }
     }
