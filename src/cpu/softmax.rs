@@ -69,6 +69,7 @@ pub fn row_max(row: &[f32]) -> f32 {
 ///   range (< 128).
 /// - With P in e4m3 the bound `2^(τ + c)` must also stay below 448, hence `τ + 8 < log2(448)`
 ///   for FP8 (checked by `numerics::validate`).
+///
 /// The final normalisation is exact either way; only rounding differs from eager rescaling.
 #[inline(always)]
 pub fn max_get_scale<M: Exp2Math>(st: &mut RowState, tile_max: f32, math: &M) -> f32 {

@@ -67,8 +67,8 @@ impl QuantizedE4m3 {
                 for h in 0..h_n {
                     let sc = self.scale(b, s, h);
                     let base = ((b * s_n + s) * h_n + h) * d;
-                    for x in base..base + d {
-                        out[x] = e4m3_to_f32(self.codes[x]) * sc;
+                    for (o, &c) in out[base..base + d].iter_mut().zip(&self.codes[base..base + d]) {
+                        *o = e4m3_to_f32(c) * sc;
                     }
                 }
             }
