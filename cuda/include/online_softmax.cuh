@@ -14,7 +14,9 @@ FA_HD bool fa_lazy_keeps_max(float m, float tile_max, float tau) { return tile_m
 
 // With P in e4m3 offset by 2^8, tau + 8 must stay below log2(448) or P saturates while the f32
 // row sum still counts it (FlashAttention issues #2131, #2716).
-FA_HD bool fa_fp8_lazy_threshold_ok(float tau) { return tau + FA_FP8_P_SCALE_LOG2 < log2f(FA_E4M3_MAX); }
+// Written as fp8_lazy_limit() in src/numerics/mod.rs (log2(448) - 8, then compare) so the two
+// agree at the boundary too.
+FA_HD bool fa_fp8_lazy_threshold_ok(float tau) { return tau < log2f(FA_E4M3_MAX) - FA_FP8_P_SCALE_LOG2; }
 
 // Folds a tile's max into the running max *m and returns the factor for O and l (1 when
 // nothing changes). exp2 is the degree-D polynomial here; a kernel may use exp2f (MUFU).
