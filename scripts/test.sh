@@ -10,5 +10,7 @@ export NVCC="$bin/nvcc"
 export FLASH_ATTN_REQUIRE_NVCC=1
 export CARGO_TERM_COLOR=never
 cargo test "$@"
+# Compile-only checks that need nvcc (ignored in a plain `cargo test`, required here).
+cargo test --test numerics_cuda_parity "$@" -- --ignored
 # Benches must build too (running them is `cargo bench`, not a test).
 cargo test --benches --no-run "$@"

@@ -11,7 +11,11 @@ mod gemm;
 pub mod softmax;
 
 use crate::error::{Error, Result};
+use crate::numerics::emulate::EmulatedMath;
 use crate::numerics::exp2::{poly_frac, EXP2_CLAMP_LOW};
+use crate::numerics::hadamard::Rotation;
+use crate::numerics::quant::fake_quantize;
+use crate::options::Precision;
 use crate::problem::{Problem, LOG2E};
 use crate::tensor::{Tensor, TensorView};
 use gemm::{micro_kernel, Acc, MR, NR};
@@ -442,8 +446,27 @@ pub(crate) fn forward_with<M: Exp2Math>(
 
 /// The CPU forward pass with the problem's arithmetic. Returns the output and the name of the
 /// path that ran.
+///
+/// `Native` runs when precision is Native, exp2 Accurate and rescale Always; any other option
+/// runs the emulation of a kernel's arithmetic (`numerics::emulate`), and FP8 first rotates
+/// (optionally) and fake-quantises Q, K, V (`numerics::quant::fake_quantize`).
 pub(crate) fn run(p: &Problem, q: &TensorView, k: &TensorView, v: &TensorView, nthreads: usize) -> Result<CpuOutput> {
-    forward_with(p, q, k, v, Native, nthreads)
+    let math = EmulatedMath::for_problem(p);
+    if math.is_native() {
+        return forward_with(p, q, k, v, Native, nthreads);
+    }
+    let Precision::Fp8 { scaling, hadamard } = p.precision else {
+        let mut out = forward_with(p, q, k, v, math, nthreads)?;
+        out.kernel = "cpu-tiled-emulated-exp2";
+        return Ok(out);
+    };
+    let rot = hadamard.and_then(|seed| Rotation::new(p.head_dim, seed));
+    let q8 = fake_quantize(q, scaling, rot.as_ref())?;
+    let k8 = fake_quantize(k, scaling, rot.as_ref())?;
+    let v8 = fake_quantize(v, scaling, None)?;
+    let mut out = forward_with(p, &q8.view(), &k8.view(), &v8.view(), math, nthreads)?;
+    out.kernel = "cpu-tiled-emulated-fp8";
+    Ok(out)
 }
 
 /// Name of the micro-kernel path this CPU takes.

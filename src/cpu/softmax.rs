@@ -50,11 +50,23 @@ pub fn panel_max(panel: &[f32]) -> [f32; NR] {
 /// Folds a tile's max for one query (in log2 units, i.e. already multiplied by `c`) into its
 /// state and returns the factor its output and sum must be multiplied by (1 when nothing changes).
 ///
-/// Lazy rule (FA4): when the max grows by at most `threshold`, keep the stale max. Output and
-/// sum share the stale max, so `O / l` is exact in real arithmetic. In f32 nothing overflows:
-/// with a stale max every P is at most `2^(threshold + offset)`, and a sum of at most 2^31 such
-/// terms stays below f32's 2^128 for any threshold + offset below ~96. The final normalisation
-/// is exact either way.
+/// Lazy rule (FA4): when the max grows by at most `τ = threshold`, keep the stale max `m`.
+///
+/// Why this is exact and cannot overflow:
+/// - In real arithmetic `O = Σ 2^(s_j - m + c)·v_j` and `l = Σ 2^(s_j - m + c)` share the same `m`
+///   (and offset `c`), so `O / l` does not depend on which `m` was used; the LSE adds `m - c` back.
+/// - Invariant: every score seen so far is at most `m + τ` (a tile whose max exceeds `m + τ` moves
+///   `m` up to that max and rescales O and l by `2^(m_old - m_new) < 1`). Hence each
+///   `P = 2^(s - m + c) <= 2^(τ + c)`, so `l <= n_keys·2^(τ + c)` and `|O| <= l·max|v|`.
+///   `numerics::validate` caps τ at 64 and c is 0 or 8, so `|O|, l <= 2^72·n_keys·max(1, max|v|)`:
+///   f32 (max ~2^128) overflows only if `n_keys·max|v| >= 2^56` (e.g. 2^32 keys with |v| up to
+///   2^24 are safe). With FA4's τ = 8 the margin is 2^112, the same order as eager rescaling's.
+/// - The exp2 argument `s - m + c` is at most `τ + c <= 72`, inside the polynomial's exponent-add
+///   range (< 128).
+/// - With P in e4m3 the bound `2^(τ + c)` must also stay below 448, hence `τ + 8 < log2(448)`
+///   for FP8 (checked by `numerics::validate`).
+///
+/// The final normalisation is exact either way; only rounding differs from eager rescaling.
 #[inline(always)]
 pub fn max_get_scale<M: Exp2Math>(st: &mut RowState, tile_max: f32, math: &M) -> f32 {
     if !(tile_max > st.m) {
@@ -66,7 +78,7 @@ pub fn max_get_scale<M: Exp2Math>(st: &mut RowState, tile_max: f32, math: &M) ->
         return 1.0;
     }
     if let Some(t) = math.lazy_threshold() {
-        if tile_max - st.m <= t {
+        if crate::numerics::lazy_keeps_max(st.m, tile_max, t) {
             return 1.0;
         }
     }

@@ -1,0 +1,31 @@
+// FP8 (e4m3) conversion and block quantisation, the same steps as src/numerics/fp8.rs and
+// src/numerics/quant.rs. Conversions go through cuda_fp8.h with satfinite and round to nearest
+// even (F2FP.SATFINITE.E4M3.F32 on sm_89+); the Rust side uses float8 0.7, which matches CUDA
+// 13.0 bit for bit except for the NaN encoding (compare NaN-ness, not bits).
+#pragma once
+
+#include <cuda_fp8.h>
+#include "fa_numerics_common.cuh"
+
+#define FA_E4M3_MAX 448.0f
+// P is multiplied by 2^FA_FP8_P_SCALE_LOG2 before its e4m3 cast (FA3's Max_offset = 8).
+#define FA_FP8_P_SCALE_LOG2 8.0f
+
+FA_HD uint8_t fa_e4m3_encode(float x) {
+    return (uint8_t)__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
+}
+
+FA_HD float fa_e4m3_decode(uint8_t code) {
+    __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)code, __NV_E4M3);
+    return __half2float(__half(h));
+}
+
+// x rounded to the nearest e4m3 value, back in f32 (what P becomes before the PV product).
+FA_HD float fa_e4m3_round(float x) { return fa_e4m3_decode(fa_e4m3_encode(x)); }
+
+// The scale of a block whose largest magnitude is amax: amax / 448, or 1 for an all-zero block
+// (NaN propagates through the codes instead).
+FA_HD float fa_block_scale(float amax) { return amax > 0.0f ? fa_div_rn(amax, FA_E4M3_MAX) : 1.0f; }
+
+// The e4m3 code of x in a block with this scale (the descale multiplies the accumulator later).
+FA_HD uint8_t fa_quantize_e4m3(float x, float scale) { return fa_e4m3_encode(fa_div_rn(x, scale)); }
