@@ -486,3 +486,56 @@ fn fp8_pipeline_matches_a_straightforward_oracle() {
         assert!(gap < 0.02 * fp8_err, "{gap} vs {fp8_err}");
     }
 }
+
+// ---------------------------------------------------------------- naive FP8 baseline
+
+/// The naive FP8 baseline casts the *normalised* P to e4m3 as it is: with all scores equal,
+/// P = 1/seqlen_k exactly, which e4m3 keeps at 512 keys (2^-9, its smallest subnormal), rounds to
+/// 0 at 1024 keys (2^-10, a tie, to even) and 2048 keys (2^-11). Scaling P by 2^8 first keeps it.
+#[test]
+fn naive_fp8_baseline_casts_normalised_p_as_is() {
+    use flash_attn::numerics::baseline::{attention_naive_fp8, attention_naive_fp8_p_scaled};
+    let d = 8;
+    for (sk, survives) in [(512, true), (1024, false), (2048, false)] {
+        // Q = 0: every score is 0. V alternates rows of 1 and 2 (exact in e4m3 after scaling).
+        let q = Tensor::from_vec(vec![0.0f32; 4 * d], [1, 4, 1, d]).unwrap();
+        let k = Tensor::from_vec((0..sk * d).map(|i| (i % 7) as f32 - 3.0).collect(), [1, sk, 1, d]).unwrap();
+        let v =
+            Tensor::from_vec((0..sk * d).map(|i| if (i / d) % 2 == 0 { 1.0 } else { 2.0 }).collect(), [1, sk, 1, d])
+                .unwrap();
+        let p = Problem::new(&q.view(), &k.view(), &v.view(), &ForwardOptions::default()).unwrap();
+        let o = attention_naive_fp8(&p, &q.view(), &k.view(), &v.view(), Fp8Scaling::PerTensor);
+        let want = if survives { 1.5 } else { 0.0 };
+        assert!(o.iter().all(|&x| (x - want).abs() < 1e-3), "{sk} keys: {:?}", &o[..d]);
+        let o8 =
+            attention_naive_fp8_p_scaled(&p, &q.view(), &k.view(), &v.view(), Fp8Scaling::PerTensor, FP8_P_SCALE_LOG2);
+        assert!(o8.iter().all(|&x| (x - 1.5).abs() < 1e-3), "{sk} keys, P x 2^8: {:?}", &o8[..d]);
+    }
+}
+
+/// The P-scale ablation hook runs the same pipeline as `forward` (bit for bit at 2^8), and
+/// refuses scales at which P = 1 would saturate.
+#[test]
+fn tiled_fp8_with_p_scale_matches_forward() {
+    use flash_attn::numerics::baseline::tiled_fp8_with_p_scale;
+    let mut rng = Rng(3);
+    let shape = [1, 100, 2, 64];
+    let (q, k, v) =
+        (randn(&mut rng, DType::F16, shape), randn(&mut rng, DType::F16, shape), randn(&mut rng, DType::F16, shape));
+    let opts = ForwardOptions::default()
+        .backend(Backend::Cpu)
+        .precision(Precision::Fp8 { scaling: Fp8Scaling::PerBlock { rows: 64 }, hadamard: Some(9) });
+    let p = Problem::new(&q.view(), &k.view(), &v.view(), &opts).unwrap();
+    let want: Vec<f64> = forward(&q, &k, &v, &opts).unwrap().o.to_f32_vec().iter().map(|&x| x as f64).collect();
+    let got = tiled_fp8_with_p_scale(&p, &q.view(), &k.view(), &v.view(), FP8_P_SCALE_LOG2).unwrap();
+    assert_eq!(max_abs_diff(&got, &want), 0.0);
+    assert!(tiled_fp8_with_p_scale(&p, &q.view(), &k.view(), &v.view(), 0.0).is_ok());
+    for bad in [-1.0, 448f32.log2(), 9.0, f32::NAN] {
+        assert!(matches!(
+            tiled_fp8_with_p_scale(&p, &q.view(), &k.view(), &v.view(), bad),
+            Err(Error::InvalidOption { .. })
+        ));
+    }
+    let native = Problem::new(&q.view(), &k.view(), &v.view(), &ForwardOptions::default()).unwrap();
+    assert!(tiled_fp8_with_p_scale(&native, &q.view(), &k.view(), &v.view(), 8.0).is_err());
+}
