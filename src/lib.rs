@@ -27,6 +27,8 @@
 
 mod api;
 mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod cuda_host;
 mod error;
 pub mod numerics;
