@@ -1,2 +1,3 @@
 //! The CUDA backend.
 pub mod kernels;
+pub mod params;
