@@ -111,6 +111,9 @@ pub struct Family {
     /// SASS opcodes the family claims to use, checked in every built cubin by tests/sass.rs
     /// (e.g. FA1 "FFMA"; an FA2 row would say "HMMA", "LDSM"; FA3 "HGMMA").
     pub sass_expect: &'static [&'static str],
+    /// Options beyond the plain forward that the family implements: "fp8", "exp2_poly",
+    /// "lazy_rescale". A problem asking for one it lacks does not run on it.
+    pub options: &'static [&'static str],
     /// Auto preference: higher wins among the families that can run a problem.
     pub rank: u32,
     /// Dynamic shared memory of a tile's launch, in bytes. The build passes it to the kernel as
@@ -172,6 +175,7 @@ pub const FAMILIES: &[Family] = &[Family {
     // The fallback of last resort: Auto may always pick it.
     auto: true,
     sass_expect: &["FFMA", "MUFU.EX2"],
+    options: &[],
     rank: 1,
     smem_bytes: fa1_smem_bytes,
 }];
