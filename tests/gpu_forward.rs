@@ -297,3 +297,31 @@ fn cuda_backend_is_an_error_or_runs() {
         assert_eq!(r.expect("forward on cuda:0").dispatch.backend, "cuda:0");
     }
 }
+
+/// The short subset scripts/gpu-check.sh runs under `compute-sanitizer --tool memcheck`: every
+/// instantiated head dim and one tail dim, seqlens off every tile size, causal and window, GQA,
+/// LSE, both dtypes, every variant. Small, so memcheck's slowdown stays affordable.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn sanitizer_subset() {
+    let engine = engine();
+    let stream = engine.device().context().new_stream().unwrap();
+    let mut rng = Rng(13);
+    let mut dims: Vec<usize> = FAMILIES.iter().flat_map(|f| f.tiles.iter().map(|t| t.head_dim as usize)).collect();
+    dims.push(40);
+    dims.sort_unstable();
+    dims.dedup();
+    for dtype in [DType::F16, DType::BF16] {
+        for &d in &dims {
+            for mask in [Mask::Causal, Mask::window(7, 2)] {
+                let q = randn(&mut rng, dtype, [1, 37, 4, d]);
+                let k = randn(&mut rng, dtype, [1, 45, 2, d]);
+                let v = randn(&mut rng, dtype, [1, 45, 2, d]);
+                for var in variants(&engine) {
+                    let opts = ForwardOptions::default().mask(mask).return_lse(true).alibi_slopes(vec![0.25f32; 4]).variant(var);
+                    check(&engine, &stream, [q.view(), k.view(), v.view()], &opts, &format!("{dtype:?} d{d} {mask:?} {var:?}"));
+                }
+            }
+        }
+    }
+}
