@@ -116,6 +116,10 @@ pub struct Family {
     pub options: &'static [&'static str],
     /// Auto preference: higher wins among the families that can run a problem.
     pub rank: u32,
+    /// A host harness that runs this family's kernel source on the CPU (threads for CUDA
+    /// threads; tests/emulate_kernels.rs compiles it with g++ per tile). Only for families in
+    /// plain CUDA C++ (no tensor-core or async-copy instructions to emulate).
+    pub cpu_emulation: Option<&'static str>,
     /// Dynamic shared memory of a tile's launch, in bytes. The build passes it to the kernel as
     /// FA_SMEM_BYTES, which static_asserts it against its own layout; the host launches with it.
     pub smem_bytes: fn(&Tile) -> u32,
@@ -177,5 +181,6 @@ pub const FAMILIES: &[Family] = &[Family {
     sass_expect: &["FFMA", "MUFU.EX2"],
     options: &[],
     rank: 1,
+    cpu_emulation: Some("cuda/emu/fa1_emu.cpp"),
     smem_bytes: fa1_smem_bytes,
 }];

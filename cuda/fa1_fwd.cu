@@ -16,6 +16,7 @@
 
 #include "dtype.cuh"
 #include "fa_params.h"
+#include "launch.cuh"
 #include "mask.cuh"
 #include "softmax_fwd.cuh"
 
@@ -82,9 +83,7 @@ __device__ __forceinline__ float group_max(float x) {
 template <typename T>
 __device__ __forceinline__ void forward(const FwdParams& p) {
     // The host launches with exactly this shape; anything else would read out of bounds.
-    unsigned dyn_smem;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
-    if (blockDim.x != kThreads || dyn_smem < (unsigned)FA_SMEM_BYTES || p.head_dim > kHeadDim) __trap();
+    if (blockDim.x != kThreads || fa_dynamic_smem_bytes() < (unsigned)FA_SMEM_BYTES || p.head_dim > kHeadDim) __trap();
 
     const int m0 = blockIdx.x * kBlockM;  // first query row of this block
     const int head = blockIdx.y;

@@ -2,7 +2,7 @@
 # One-command GPU check, run half (on the GPU machine: needs no Rust; uses nvidia-smi,
 # compute-sanitizer when present). Copied to gpu-check/run.sh by scripts/gpu-check.sh.
 #   1. every GPU test binary with --include-ignored (the #[ignore]d GPU tests and the rest),
-#   2. compute-sanitizer --tool memcheck on the short `sanitizer_subset` test,
+#   2. compute-sanitizer memcheck (and racecheck) on the short `sanitizer_subset` test,
 #   3. each bench binary briefly (criterion: 0.5 s warm-up, 1 s measurement),
 # then a summary table, printed last. Full logs go to $OUT (at most 8 files: the device tool's
 # limit), or gpu-check/out when OUT is unset. Budget: well under 5 minutes.
@@ -58,6 +58,16 @@ else
   row "memcheck sanitizer_subset" "SKIP" 0 "compute-sanitizer or gpu_forward missing"
 fi
 
+# 2b. racecheck (shared-memory hazards) on the same subset.
+if command -v compute-sanitizer >/dev/null && [ -x "$here/bin/gpu_forward" ]; then
+  t0=$SECONDS
+  timeout 120 compute-sanitizer --tool racecheck --error-exitcode 9 --print-limit 20 \
+    "$here/bin/gpu_forward" --ignored --exact sanitizer_subset --test-threads=1 >"$out/racecheck.log" 2>&1
+  rc=$?
+  errs="$(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$out/racecheck.log" | tail -1)"
+  row "racecheck sanitizer_subset" "$([ $rc = 0 ] && echo PASS || echo FAIL)" $((SECONDS - t0)) "rc=$rc ${errs:-no summary}"
+fi
+
 # 3. Short benchmarks.
 : >"$out/bench.log"
 for b in "$here"/bin/bench-*; do
@@ -75,7 +85,7 @@ done
   echo "== flash_attn GPU check ($(head -1 "$out/env.log"); $(sed -n 4p "$out/env.log" | cut -d, -f1-2))"
   printf '%-34s %-6s %7s  %s\n' step result time detail
   printf '%s\n' "${rows[@]}"
-  echo "logs: $out/{env,tests,memcheck,bench}.log"
+  echo "logs: $out/{env,tests,memcheck,racecheck,bench}.log, summary.txt"
 } | tee -a "$summary"
 printf '%s\n' "${rows[@]}" | grep -q ' FAIL ' && exit 1
 exit 0

@@ -17,3 +17,4 @@ template <>
 __device__ __forceinline__ __half fa_from_float<__half>(float x) { return __float2half_rn(x); }
 template <>
 __device__ __forceinline__ __nv_bfloat16 fa_from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
