@@ -24,8 +24,6 @@
 #error "compile through the unit build.rs generates from build/instances.rs"
 #endif
 
-#define FA_LOG2E 1.44269504088896340736f
-
 namespace fa1 {
 
 constexpr int kHeadDim = FA_HEAD_DIM;  // the instance's dim; p.head_dim <= it (tail masked)
@@ -174,7 +172,7 @@ __device__ __forceinline__ void forward(const FwdParams& p) {
                 tile_max = fmaxf(tile_max, x);
             }
             float m_new, m_ref;
-            const float alpha = fa_max_get_scale(row_max[i], group_max(tile_max), m_new, m_ref);
+            const float alpha = fa_softmax_rescale(row_max[i], group_max(tile_max), m_new, m_ref);
             row_max[i] = m_new;
             float tile_sum = 0.f;
 #pragma unroll
@@ -211,7 +209,7 @@ __device__ __forceinline__ void forward(const FwdParams& p) {
         const int row = m0 + rg * kRowsPerThread + i;
         if (row >= p.seqlen_q) continue;
         float inv_l, lse;
-        fa_finalize(row_max[i], row_sum[i], inv_l, lse);
+        fa_softmax_finalize(row_max[i], row_sum[i], inv_l, lse);
         T* o_row = o + (long long)row * p.o_row_stride;
 #pragma unroll
         for (int dd = 0; dd < kDimsPerThread; ++dd) {

@@ -27,7 +27,8 @@ fn cubins() -> impl Iterator<Item = &'static Image> {
 /// SASS of one cubin, split per kernel: (kernel name, its SASS text). Disassembled once per
 /// test binary (cuobjdump takes about a second per cubin) and shared by the tests.
 fn sass_by_kernel(img: &'static Image) -> Vec<(String, String)> {
-    static CACHE: OnceLock<Vec<(usize, Vec<(String, String)>)>> = OnceLock::new();
+    type Kernels = Vec<(String, String)>;
+    static CACHE: OnceLock<Vec<(usize, Kernels)>> = OnceLock::new();
     let all = CACHE.get_or_init(|| {
         IMAGES.iter().enumerate().filter(|(_, i)| i.target != Target::Ptx80).map(|(n, i)| (n, disassemble(i))).collect()
     });

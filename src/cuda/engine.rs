@@ -216,8 +216,11 @@ pub struct Engine {
     dev: Arc<Device>,
     /// ALiBi slope sets already uploaded (each kept alive while the engine lives, so a kernel
     /// still reading an older set never sees it freed).
-    alibi: Mutex<Vec<(Arc<[f32]>, CudaSlice<f32>)>>,
+    alibi: Mutex<Vec<AlibiOnDevice>>,
 }
+
+/// A host slope set and its device copy.
+type AlibiOnDevice = (Arc<[f32]>, CudaSlice<f32>);
 
 impl Engine {
     /// An engine on CUDA device `ordinal`.
