@@ -19,7 +19,7 @@ pub(crate) fn auto_device(p: &Problem, opts: &ForwardOptions) -> std::result::Re
         return Err("the CUDA driver reports no device".into());
     }
     let dev = Device::get(0).map_err(|e| e.to_string())?;
-    choose(&dev, p, opts.variant).map_err(|e| format!("no GPU kernel for this problem: {e}"))?;
+    choose(&*dev, p, opts.variant).map_err(|e| format!("no GPU kernel for this problem: {e}"))?;
     Ok(0)
 }
 

@@ -37,6 +37,17 @@ pub fn device_count() -> usize {
     CudaContext::device_count().map(|n| n.max(0) as usize).unwrap_or(0)
 }
 
+/// The best image of (family, head_dim) among `images` for a GPU of compute capability
+/// (major, minor): its own SASS (sm_90a on 9.0, sm_100a on 10.0, sm_80 on 8.x), else the PTX.
+pub(crate) fn pick_image(images: &'static [Image], family: &str, head_dim: u32, cc: (i32, i32)) -> Option<&'static Image> {
+    let (major, minor) = cc;
+    let of = |t: Target| images.iter().find(|i| i.family == family && i.head_dim == head_dim && i.target == t);
+    [Target::Sm90a, Target::Sm100a, Target::Sm80, Target::Ptx80]
+        .into_iter()
+        .filter(|t| t.runs_on(major, minor))
+        .find_map(of)
+}
+
 /// A function ready to launch: the loaded kernel and its launch shape.
 #[derive(Clone, Debug)]
 pub(crate) struct Loaded {
@@ -131,13 +142,7 @@ impl Device {
 
     /// The best built image of (family, head_dim) this GPU can load: its own SASS, else PTX.
     pub(crate) fn image_for(&self, family: &str, head_dim: u32) -> Option<&'static Image> {
-        let (major, minor) = self.cc;
-        let of = |t: Target| IMAGES.iter().find(|i| i.family == family && i.head_dim == head_dim && i.target == t);
-        [Target::Sm90a, Target::Sm100a, Target::Sm80]
-            .into_iter()
-            .filter(|t| t.runs_on(major, minor))
-            .find_map(of)
-            .or_else(|| if Target::Ptx80.runs_on(major, minor) { of(Target::Ptx80) } else { None })
+        pick_image(IMAGES, family, head_dim, self.cc)
     }
 
     /// The kernel of (family, tile, dtype), loading its module at first use and opting in to

@@ -8,6 +8,34 @@
 
 use super::device::Device;
 use super::kernels::{Family, Image, Tile, FAMILIES};
+
+/// What dispatch needs to know about a GPU: a trait so the table logic is tested without one.
+pub(crate) trait Gpu {
+    fn ordinal(&self) -> usize;
+    fn name(&self) -> &str;
+    /// major * 10 + minor.
+    fn sm(&self) -> u32;
+    fn max_smem_optin(&self) -> u32;
+    fn image_for(&self, family: &str, head_dim: u32) -> Option<&'static Image>;
+}
+
+impl Gpu for Device {
+    fn ordinal(&self) -> usize {
+        Device::ordinal(self)
+    }
+    fn name(&self) -> &str {
+        Device::name(self)
+    }
+    fn sm(&self) -> u32 {
+        Device::sm(self)
+    }
+    fn max_smem_optin(&self) -> u32 {
+        Device::max_smem_optin(self)
+    }
+    fn image_for(&self, family: &str, head_dim: u32) -> Option<&'static Image> {
+        Device::image_for(self, family, head_dim)
+    }
+}
 use crate::error::{Error, Result};
 use crate::options::{Exp2, Precision, Rescale, Variant};
 use crate::problem::Problem;
@@ -52,7 +80,7 @@ fn needed_options(p: &Problem) -> [Option<&'static str>; 3] {
 }
 
 /// Whether `fam` can run `p` on `dev`; `Err` says why not.
-fn fit(fam: &'static Family, dev: &Device, p: &Problem) -> std::result::Result<Choice, String> {
+fn fit(fam: &'static Family, dev: &impl Gpu, p: &Problem) -> std::result::Result<Choice, String> {
     if dev.sm() < fam.min_sm {
         return Err(format!("needs sm_{} or newer, this GPU is sm_{}", fam.min_sm, dev.sm()));
     }
@@ -91,10 +119,15 @@ fn fit(fam: &'static Family, dev: &Device, p: &Problem) -> std::result::Result<C
 /// [`Error::VariantUnavailable`] for an explicit variant that cannot run here (or that has no
 /// family), [`Error::UnsupportedDType`]/[`Error::UnsupportedHeadDim`]/[`Error::BackendUnavailable`]
 /// when no family can run the problem under `Auto`.
-pub(crate) fn choose(dev: &Device, p: &Problem, variant: Variant) -> Result<Choice> {
+pub(crate) fn choose(dev: &impl Gpu, p: &Problem, variant: Variant) -> Result<Choice> {
+    choose_in(FAMILIES, dev, p, variant)
+}
+
+/// `choose` over a given table (the real one, or a test's).
+fn choose_in(families: &'static [Family], dev: &impl Gpu, p: &Problem, variant: Variant) -> Result<Choice> {
     if variant != Variant::Auto {
         let want = variant_name(variant);
-        let fam = FAMILIES.iter().find(|f| f.variant == want).ok_or_else(|| Error::VariantUnavailable {
+        let fam = families.iter().find(|f| f.variant == want).ok_or_else(|| Error::VariantUnavailable {
             variant,
             reason: "no kernel of this family is built into this crate".into(),
         })?;
@@ -104,18 +137,18 @@ pub(crate) fn choose(dev: &Device, p: &Problem, variant: Variant) -> Result<Choi
         });
     }
     let mut best: Option<Choice> = None;
-    for fam in FAMILIES.iter().filter(|f| f.auto) {
+    for fam in families.iter().filter(|f| f.auto) {
         if let Ok(c) = fit(fam, dev, p) {
             if best.is_none_or(|b| c.family.rank > b.family.rank) {
                 best = Some(c);
             }
         }
     }
-    best.ok_or_else(|| no_kernel_error(dev, p))
+    best.ok_or_else(|| no_kernel_error(families, dev, p))
 }
 
 /// The error when Auto finds nothing: the most specific reason.
-fn no_kernel_error(dev: &Device, p: &Problem) -> Error {
+fn no_kernel_error(families: &'static [Family], dev: &impl Gpu, p: &Problem) -> Error {
     let backend = format!("cuda:{}", dev.ordinal());
     if dtype_name(p.dtype).is_none() {
         return Error::UnsupportedDType {
@@ -124,19 +157,23 @@ fn no_kernel_error(dev: &Device, p: &Problem) -> Error {
             supported: "F16, BF16 (convert f32 inputs, or use Backend::Cpu)".into(),
         };
     }
-    let max_dim = FAMILIES.iter().filter(|f| f.auto).flat_map(|f| f.tiles).map(|t| t.head_dim).max().unwrap_or(0);
+    let max_dim = families.iter().filter(|f| f.auto).flat_map(|f| f.tiles).map(|t| t.head_dim).max().unwrap_or(0);
     if p.head_dim > max_dim as usize {
         return Error::UnsupportedHeadDim { head_dim: p.head_dim, backend, supported: format!("1..={max_dim}") };
     }
     let why: Vec<String> =
-        FAMILIES.iter().filter_map(|f| fit(f, dev, p).err().map(|e| format!("{}: {e}", f.name))).collect();
+        families.iter().filter(|f| f.auto).filter_map(|f| fit(f, dev, p).err().map(|e| format!("{}: {e}", f.name))).collect();
     Error::BackendUnavailable { backend, reason: format!("no kernel runs this problem: {}", why.join("; ")) }
 }
 
 /// The `Dispatch::reason` text of a choice (built only when asked: it allocates).
-pub(crate) fn reason(dev: &Device, c: &Choice, requested: Variant) -> String {
+pub(crate) fn reason(dev: &impl Gpu, c: &Choice, requested: Variant) -> String {
+    reason_in(FAMILIES, dev, c, requested)
+}
+
+fn reason_in(families: &'static [Family], dev: &impl Gpu, c: &Choice, requested: Variant) -> String {
     let how = if requested == Variant::Auto {
-        let skipped: Vec<&str> = FAMILIES
+        let skipped: Vec<&str> = families
             .iter()
             .filter(|f| !f.auto && f.rank > c.family.rank)
             .map(|f| f.name)
@@ -158,4 +195,163 @@ pub(crate) fn reason(dev: &Device, c: &Choice, requested: Variant) -> String {
         c.image.target.name(),
         if c.family.gpu_verified { "" } else { "; this family is not yet verified on a GPU" }
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::device::pick_image;
+    use super::super::kernels::Target;
+    use super::*;
+    use crate::options::{ForwardOptions, Variant};
+
+    const fn tile(head_dim: u32) -> Tile {
+        Tile { head_dim, block_m: 64, block_n: 64, threads: 128 }
+    }
+    fn smem(t: &Tile) -> u32 {
+        t.head_dim * 512
+    }
+    const TILES: &[Tile] = &[tile(64), tile(128), tile(256)];
+    const fn family(name: &'static str, variant: &'static str, min_sm: u32, auto: bool, rank: u32) -> Family {
+        Family {
+            name,
+            variant,
+            source: "",
+            tiles: TILES,
+            min_sm,
+            gpu_verified: false,
+            auto,
+            sass_expect: &[],
+            options: &[],
+            rank,
+            cpu_emulation: None,
+            smem_bytes: smem,
+        }
+    }
+    /// A table as it will look with FA2 and FA3 merged: FA3 not yet allowed in Auto.
+    static TABLE: &[Family] =
+        &[family("fa1", "Fa1", 80, true, 1), family("fa2", "Fa2", 80, true, 2), family("fa3", "Fa3", 90, false, 3)];
+
+    const fn image(family: &'static str, head_dim: u32, target: Target) -> Image {
+        Image { family, head_dim, target, bytes: &[], report: "" }
+    }
+    static IMAGES: &[Image] = &[
+        image("fa1", 64, Target::Sm80),
+        image("fa1", 128, Target::Sm80),
+        image("fa1", 256, Target::Sm80),
+        image("fa1", 64, Target::Ptx80),
+        image("fa1", 128, Target::Ptx80),
+        image("fa1", 256, Target::Ptx80),
+        image("fa1", 64, Target::Sm90a),
+        image("fa1", 128, Target::Sm90a),
+        image("fa1", 256, Target::Sm90a),
+        // fa2: head_dim 64 pruned from the build
+        image("fa2", 128, Target::Sm80),
+        image("fa2", 256, Target::Sm80),
+        image("fa2", 128, Target::Sm90a),
+        image("fa2", 256, Target::Sm90a),
+        image("fa3", 64, Target::Sm90a),
+        image("fa3", 128, Target::Sm90a),
+    ];
+
+    struct FakeGpu {
+        cc: (i32, i32),
+        smem: u32,
+    }
+    impl Gpu for FakeGpu {
+        fn ordinal(&self) -> usize {
+            0
+        }
+        fn name(&self) -> &str {
+            "fake"
+        }
+        fn sm(&self) -> u32 {
+            (self.cc.0 * 10 + self.cc.1) as u32
+        }
+        fn max_smem_optin(&self) -> u32 {
+            self.smem
+        }
+        fn image_for(&self, family: &str, head_dim: u32) -> Option<&'static Image> {
+            pick_image(IMAGES, family, head_dim, self.cc)
+        }
+    }
+    const H100: FakeGpu = FakeGpu { cc: (9, 0), smem: 227 * 1024 };
+    const A100: FakeGpu = FakeGpu { cc: (8, 0), smem: 163 * 1024 };
+    const RTX5090: FakeGpu = FakeGpu { cc: (12, 0), smem: 99 * 1024 };
+
+    fn problem(dtype: DType, head_dim: usize, opts: &ForwardOptions) -> Problem {
+        Problem::from_shapes([1, 100, 4, head_dim], [1, 100, 2, head_dim], [1, 100, 2, head_dim], dtype, opts).unwrap()
+    }
+    fn pick(gpu: &FakeGpu, head_dim: usize, variant: Variant) -> Result<Choice> {
+        choose_in(TABLE, gpu, &problem(DType::BF16, head_dim, &ForwardOptions::default()), variant)
+    }
+
+    #[test]
+    fn auto_keeps_unverified_fa3_out_on_hopper() {
+        let c = pick(&H100, 128, Variant::Auto).unwrap();
+        assert_eq!((c.family.name, c.image.target), ("fa2", Target::Sm90a));
+        let why = reason_in(TABLE, &H100, &c, Variant::Auto);
+        assert!(why.contains("fa3 not picked by Auto"), "{why}");
+        // Explicitly requested, FA3 runs.
+        assert_eq!(pick(&H100, 128, Variant::Fa3).unwrap().family.name, "fa3");
+    }
+
+    #[test]
+    fn explicit_variant_the_gpu_cannot_run_is_an_error() {
+        let e = pick(&A100, 128, Variant::Fa3).unwrap_err();
+        assert!(matches!(&e, Error::VariantUnavailable { variant: Variant::Fa3, reason } if reason.contains("sm_90")), "{e:?}");
+        let e = pick(&H100, 128, Variant::Fa4).unwrap_err();
+        assert!(matches!(e, Error::VariantUnavailable { variant: Variant::Fa4, .. }), "{e:?}");
+        let e = pick(&H100, 200, Variant::Fa3).unwrap_err();
+        assert!(matches!(e, Error::VariantUnavailable { .. }), "{e:?}");
+    }
+
+    #[test]
+    fn head_dim_runs_on_the_smallest_built_instance_that_holds_it() {
+        let c = pick(&A100, 40, Variant::Fa1).unwrap();
+        assert_eq!((c.tile.head_dim, c.image.target), (64, Target::Sm80));
+        // fa2's 64 was pruned: head_dim 40 runs on its 128 instance.
+        assert_eq!(pick(&A100, 40, Variant::Fa2).unwrap().tile.head_dim, 128);
+        let e = pick(&A100, 300, Variant::Auto).unwrap_err();
+        assert!(matches!(e, Error::UnsupportedHeadDim { head_dim: 300, .. }), "{e:?}");
+    }
+
+    #[test]
+    fn gpus_without_own_sass_use_the_ptx() {
+        let c = pick(&RTX5090, 128, Variant::Auto).unwrap();
+        assert_eq!((c.family.name, c.image.target), ("fa1", Target::Ptx80));
+    }
+
+    #[test]
+    fn f32_and_unimplemented_options_find_no_kernel() {
+        let e = choose_in(TABLE, &H100, &problem(DType::F32, 64, &ForwardOptions::default()), Variant::Auto).unwrap_err();
+        assert!(matches!(e, Error::UnsupportedDType { dtype: DType::F32, .. }), "{e:?}");
+        let poly = ForwardOptions::default().exp2(crate::options::Exp2::Poly(3));
+        let e = choose_in(TABLE, &H100, &problem(DType::F16, 64, &poly), Variant::Auto).unwrap_err();
+        assert!(matches!(&e, Error::BackendUnavailable { reason, .. } if reason.contains("exp2_poly")), "{e:?}");
+    }
+
+    #[test]
+    fn shared_memory_beyond_the_gpu_is_refused() {
+        let small = FakeGpu { cc: (8, 6), smem: 100_000 };
+        assert!(pick(&small, 128, Variant::Fa1).is_ok()); // 65536 B
+        let e = pick(&small, 256, Variant::Fa1).unwrap_err(); // 131072 B
+        assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("shared memory")), "{e:?}");
+    }
+
+    /// The real table: unique names, known variants, ascending tiles within the largest
+    /// shared memory any supported GPU offers (227 KB, sm_90/sm_100; a GPU with less refuses
+    /// the instance at dispatch, as tested above).
+    #[test]
+    fn the_table_is_well_formed() {
+        for (i, f) in FAMILIES.iter().enumerate() {
+            assert!(FAMILIES[..i].iter().all(|g| g.name != f.name), "duplicate family {}", f.name);
+            assert!(["Fa1", "Fa2", "Fa3", "Fa4"].contains(&f.variant), "{}: unknown variant {}", f.name, f.variant);
+            assert!(!f.sass_expect.is_empty(), "{}: no SASS expectation", f.name);
+            assert!(f.tiles.windows(2).all(|w| w[0].head_dim < w[1].head_dim), "{}: tiles not ascending", f.name);
+            for t in f.tiles {
+                assert!(t.threads % 32 == 0 && t.block_m > 0 && t.block_n > 0, "{}: bad tile {t:?}", f.name);
+                assert!((f.smem_bytes)(t) <= 227 * 1024, "{} hd{}: {} B of shared memory", f.name, t.head_dim, (f.smem_bytes)(t));
+            }
+        }
+    }
 }

@@ -241,7 +241,7 @@ impl Engine {
     /// As `forward`'s validation and dispatch.
     pub fn dispatch(&self, q_shape: Shape, k_shape: Shape, dtype: DType, opts: &ForwardOptions) -> Result<Dispatch> {
         let p = Problem::from_shapes(q_shape, k_shape, k_shape, dtype, opts)?;
-        let c = dispatch::choose(&self.dev, &p, opts.variant)?;
+        let c = dispatch::choose(&*self.dev, &p, opts.variant)?;
         Ok(self.record(&c, opts))
     }
 
@@ -249,7 +249,7 @@ impl Engine {
         Dispatch {
             backend: format!("cuda:{}", self.dev.ordinal()),
             kernel: super::kernels::kernel_symbol(c.family.name, c.tile.head_dim, c.dtype),
-            reason: dispatch::reason(&self.dev, c, opts.variant),
+            reason: dispatch::reason(&*self.dev, c, opts.variant),
         }
     }
 
@@ -331,7 +331,7 @@ impl Engine {
             });
         }
         let p = Problem::from_shapes(q.shape, k.shape, v.shape, q.dtype, opts)?;
-        let c = dispatch::choose(&self.dev, &p, opts.variant)?;
+        let c = dispatch::choose(&*self.dev, &p, opts.variant)?;
 
         let lse_ptr = match lse {
             Some(l) => {
