@@ -12,7 +12,10 @@
 //! fails if FLASH_ATTN_REQUIRE_NVCC=1 (set by scripts/test.sh, which installs the toolchain).
 #![cfg(feature = "cuda")]
 
-use flash_attn::cuda::kernels::{kernel_symbol, Image, Target, CUOBJDUMP, DTYPE_NAMES, FAMILIES, IMAGES, WHY_NO_KERNELS};
+use flash_attn::cuda::kernels::{
+    kernel_symbol, targets_for, Image, Target, ARCHS_FILTER, CUOBJDUMP, DTYPE_NAMES, FAMILIES, HDIMS_FILTER, IMAGES,
+    WHY_NO_KERNELS,
+};
 use std::process::Command;
 use std::sync::OnceLock;
 
@@ -103,9 +106,21 @@ fn every_kernel_of_the_table_is_built() {
             assert!(names.contains(&sym), "{sym} missing from {}_hd{}.{}: {names:?}", img.family, img.head_dim, img.target.name());
         }
     }
+    // Exactly the table's (family, head_dim, target) triples, as pruned by FLASH_ATTN_*.
+    let keep = |filter: &str, x: &str| filter.trim().is_empty() || filter.split(',').any(|f| f.trim() == x);
+    let mut expected: Vec<(&str, u32, Target)> = Vec::new();
     for fam in FAMILIES {
-        assert!(IMAGES.iter().any(|i| i.family == fam.name), "no image of family {} was built", fam.name);
+        for tile in fam.tiles.iter().filter(|t| keep(HDIMS_FILTER, &t.head_dim.to_string())) {
+            for &t in targets_for(fam.source).iter().filter(|t| keep(ARCHS_FILTER, t.name())) {
+                expected.push((fam.name, tile.head_dim, t));
+            }
+        }
     }
+    let mut built: Vec<(&str, u32, Target)> = IMAGES.iter().map(|i| (i.family, i.head_dim, i.target)).collect();
+    let key = |x: &(&str, u32, Target)| (x.0.to_string(), x.1, x.2.name());
+    expected.sort_by_key(key);
+    built.sort_by_key(key);
+    assert_eq!(built, expected, "built images differ from build/instances.rs");
 }
 
 #[test]
