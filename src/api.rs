@@ -41,10 +41,13 @@ pub fn forward(
 ) -> Result<Output> {
     let (q, k, v) = (q.as_view(), k.as_view(), v.as_view());
     let p = Problem::new(&q, &k, &v, opts)?;
-    let gpu = match opts.backend {
-        Backend::Cpu => None,
-        Backend::Auto => crate::cuda_host::auto_device(),
-        Backend::Cuda(dev) => Some(dev),
+    let (gpu, why_cpu) = match opts.backend {
+        Backend::Cpu => (None, "Backend::Cpu requested".to_string()),
+        Backend::Auto => match crate::cuda_host::auto_device(&p, opts) {
+            Ok(dev) => (Some(dev), String::new()),
+            Err(why) => (None, format!("no usable GPU: {why}")),
+        },
+        Backend::Cuda(dev) => (Some(dev), String::new()),
     };
     if let Some(dev) = gpu {
         return crate::cuda_host::forward_host(&p, &q, &k, &v, opts, dev);
@@ -64,10 +67,7 @@ pub fn forward(
         dispatch: Dispatch {
             backend: "cpu".into(),
             kernel: out.kernel.into(),
-            reason: match opts.backend {
-                Backend::Cpu => "Backend::Cpu requested".into(),
-                _ => format!("no usable GPU: {}", crate::cuda_host::why_no_gpu()),
-            },
+            reason: why_cpu,
         },
     })
 }

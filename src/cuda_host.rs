@@ -1,21 +1,63 @@
 //! The bridge from host-memory `forward` to the CUDA backend. Without the `cuda` feature (or
-//! without a driver, a device or built kernels) it reports why and the CPU runs instead.
+//! without a driver, a device or built kernels) it reports why, and `Backend::Auto` runs the CPU.
 
 use crate::error::{Error, Result};
 use crate::options::ForwardOptions;
 use crate::problem::Problem;
 use crate::tensor::TensorView;
 
-/// The device `Backend::Auto` uses, if any.
-pub(crate) fn auto_device() -> Option<usize> {
-    None
+/// The device `Backend::Auto` uses for this problem, or why none (then the CPU runs).
+/// Auto takes the GPU only when a kernel runs the problem there: f32 inputs, or options no
+/// kernel implements, run on the CPU instead.
+#[cfg(feature = "cuda")]
+pub(crate) fn auto_device(p: &Problem, opts: &ForwardOptions) -> std::result::Result<usize, String> {
+    use crate::cuda::{choose, device_count, why_unusable, Device};
+    if let Some(why) = why_unusable() {
+        return Err(why);
+    }
+    if device_count() == 0 {
+        return Err("the CUDA driver reports no device".into());
+    }
+    let dev = Device::get(0).map_err(|e| e.to_string())?;
+    choose(&*dev, p, opts.variant).map_err(|e| format!("no GPU kernel for this problem: {e}"))?;
+    Ok(0)
 }
 
-/// Why `Backend::Auto` did not pick a GPU.
-pub(crate) fn why_no_gpu() -> String {
-    "the CUDA backend is not built into this crate yet".into()
+#[cfg(not(feature = "cuda"))]
+pub(crate) fn auto_device(_p: &Problem, _opts: &ForwardOptions) -> std::result::Result<usize, String> {
+    Err("the crate was built without the `cuda` feature".into())
 }
 
+/// Runs `p` on CUDA device `dev`: upload, launch, download.
+#[cfg(feature = "cuda")]
+pub(crate) fn forward_host(
+    p: &Problem,
+    q: &TensorView,
+    k: &TensorView,
+    v: &TensorView,
+    opts: &ForwardOptions,
+    dev: usize,
+) -> Result<crate::Output> {
+    use crate::tensor::Data;
+    let engine = crate::cuda::Engine::new(dev)?;
+    match (q.data(), k.data(), v.data()) {
+        (Data::F16(a), Data::F16(b), Data::F16(c)) => {
+            crate::cuda::forward_host_typed(&engine, p, q, k, v, [a, b, c], opts)
+        }
+        (Data::BF16(a), Data::BF16(b), Data::BF16(c)) => {
+            crate::cuda::forward_host_typed(&engine, p, q, k, v, [a, b, c], opts)
+        }
+        // f32 is refused rather than converted: a silent f32 -> f16/bf16 rounding would change
+        // the numerics the caller asked for. Convert explicitly, or use Backend::Cpu.
+        _ => Err(Error::UnsupportedDType {
+            dtype: p.dtype,
+            backend: format!("cuda:{dev}"),
+            supported: "F16, BF16 (convert f32 inputs, or use Backend::Cpu)".into(),
+        }),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
 pub(crate) fn forward_host(
     _p: &Problem,
     _q: &TensorView,
@@ -24,5 +66,8 @@ pub(crate) fn forward_host(
     _opts: &ForwardOptions,
     dev: usize,
 ) -> Result<crate::Output> {
-    Err(Error::BackendUnavailable { backend: format!("cuda:{dev}"), reason: why_no_gpu() })
+    Err(Error::BackendUnavailable {
+        backend: format!("cuda:{dev}"),
+        reason: "the crate was built without the `cuda` feature".into(),
+    })
 }

@@ -31,6 +31,8 @@ pub struct ReadmeDoctests;
 
 mod api;
 mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod cuda_host;
 mod error;
 pub mod numerics;

@@ -45,20 +45,32 @@ impl Problem {
                 return Err(Error::DTypeMismatch { operand: op, got: t.dtype(), expected: dtype });
             }
         }
-        let [batch, seqlen_q, heads_q, head_dim] = q.shape();
-        let [kb, seqlen_k, heads_kv, kd] = k.shape();
+        Self::from_shapes(q.shape(), k.shape(), v.shape(), dtype, opts)
+    }
+
+    /// Validates shapes and options alone, for callers that checked the memory layout themselves
+    /// (the CUDA engine's device tensors). Allocates nothing.
+    pub(crate) fn from_shapes(
+        q_shape: crate::tensor::Shape,
+        k_shape: crate::tensor::Shape,
+        v_shape: crate::tensor::Shape,
+        dtype: DType,
+        opts: &ForwardOptions,
+    ) -> Result<Self> {
+        let [batch, seqlen_q, heads_q, head_dim] = q_shape;
+        let [kb, seqlen_k, heads_kv, kd] = k_shape;
         if kb != batch || kd != head_dim {
             return Err(Error::ShapeMismatch {
                 what: "k".into(),
-                got: format!("{:?}", k.shape()),
+                got: format!("{k_shape:?}"),
                 expected: format!("[{batch}, seqlen_k, heads_kv, {head_dim}] (batch and head_dim of q)"),
             });
         }
-        if v.shape() != k.shape() {
+        if v_shape != k_shape {
             return Err(Error::ShapeMismatch {
                 what: "v".into(),
-                got: format!("{:?}", v.shape()),
-                expected: format!("{:?} (the shape of k)", k.shape()),
+                got: format!("{v_shape:?}"),
+                expected: format!("{k_shape:?} (the shape of k)"),
             });
         }
         if heads_q % heads_kv != 0 {

@@ -1,0 +1,186 @@
+// THE table of CUDA kernel instances. `include!`d by build.rs (which compiles exactly these
+// instances) and by src/cuda/dispatch.rs (which picks among exactly these instances), so the
+// list of kernels exists once. Plain data and const fns only: it must compile in both crates.
+//
+// A family is one `.cu` file under cuda/. The build generates one compile unit per
+// (family, head_dim): it `#define`s FA_HEAD_DIM, FA_BLOCK_M, FA_BLOCK_N and FA_THREADS from the
+// family's `tiles` row, `#include`s the family's source and then writes `FA_INSTANCE(f16)` and
+// `FA_INSTANCE(bf16)`. The source's `FA_INSTANCE(DT)` macro must define the kernel
+// `extern "C" __global__ void <family>_fwd_hd<FA_HEAD_DIM>_<DT>(const __grid_constant__ FwdParams)`,
+// the name `kernel_symbol` below gives.
+//
+// Options that do not change the hot loop (causal/window, softcap, ALiBi, LSE) are run-time
+// parameters (FwdParams), so instances are templated on (dtype, head_dim) only.
+//
+// To add a family: add one `Family` row (and its host module under src/cuda/), nothing else.
+
+/// A compile target of nvcc.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Target {
+    /// SASS for sm_80 (runs on every 8.x GPU: SASS is compatible within a major version).
+    Sm80,
+    /// SASS for sm_90a (only CC 9.0: the `a` features — wgmma, setmaxnreg — are not forward compatible).
+    Sm90a,
+    /// SASS for sm_100a (only CC 10.0).
+    Sm100a,
+    /// compute_80 PTX, JIT-compiled by the driver on any GPU with no matching SASS (CC 9.x without
+    /// an sm_90a image, 10.x other than 10.0, 12.x, ...).
+    Ptx80,
+}
+
+impl Target {
+    /// Every target, in build order.
+    pub const ALL: [Target; 4] = [Target::Sm80, Target::Sm90a, Target::Sm100a, Target::Ptx80];
+
+    /// The short name used in file names and in FLASH_ATTN_ARCHS ("80", "90a", "100a", "ptx").
+    pub const fn name(self) -> &'static str {
+        match self {
+            Target::Sm80 => "80",
+            Target::Sm90a => "90a",
+            Target::Sm100a => "100a",
+            Target::Ptx80 => "ptx",
+        }
+    }
+
+    /// The file extension of the image: SASS cubins or PTX text.
+    pub const fn ext(self) -> &'static str {
+        match self {
+            Target::Ptx80 => "ptx",
+            _ => "cubin",
+        }
+    }
+
+    /// nvcc's arguments that select this target.
+    pub const fn nvcc_args(self) -> &'static [&'static str] {
+        match self {
+            Target::Sm80 => &["-cubin", "-gencode=arch=compute_80,code=sm_80"],
+            Target::Sm90a => &["-cubin", "-gencode=arch=compute_90a,code=sm_90a"],
+            Target::Sm100a => &["-cubin", "-gencode=arch=compute_100a,code=sm_100a"],
+            Target::Ptx80 => &["-ptx", "-arch=compute_80"],
+        }
+    }
+
+    /// Whether a GPU of compute capability (major, minor) can load this image directly (SASS)
+    /// or by JIT (PTX).
+    pub const fn runs_on(self, major: i32, minor: i32) -> bool {
+        match self {
+            Target::Sm80 => major == 8,
+            Target::Sm90a => major == 9 && minor == 0,
+            Target::Sm100a => major == 10 && minor == 0,
+            Target::Ptx80 => major >= 8,
+        }
+    }
+}
+
+/// Element types of the instances. The name is the suffix of the kernel symbol.
+pub const DTYPE_NAMES: [&str; 2] = ["f16", "bf16"];
+
+/// The tile of one (family, head_dim) instance. The build passes it to the kernel as
+/// FA_BLOCK_M / FA_BLOCK_N / FA_THREADS, and the host launches with it, so both sides agree.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tile {
+    /// The head dim of the instance: any head_dim up to it runs on it (the tail is masked).
+    pub head_dim: u32,
+    /// Query rows per thread block.
+    pub block_m: u32,
+    /// Keys per main-loop iteration.
+    pub block_n: u32,
+    /// Threads per block.
+    pub threads: u32,
+}
+
+/// One kernel family: one source file and the head dims it is instantiated for.
+#[derive(Clone, Copy, Debug)]
+pub struct Family {
+    /// "fa1", "fa2", ...: the prefix of file names and kernel symbols.
+    pub name: &'static str,
+    /// The `Variant` this family implements, by name ("Fa1", ...).
+    pub variant: &'static str,
+    /// The source, relative to the crate root.
+    pub source: &'static str,
+    /// One row per instantiated head dim, ascending.
+    pub tiles: &'static [Tile],
+    /// Lowest compute capability (major * 10 + minor) it runs on.
+    pub min_sm: u32,
+    /// Whether this family's GPU run was verified (scripts/gpu-check.sh passed on a GPU). Shown
+    /// in `Dispatch::reason`.
+    pub gpu_verified: bool,
+    /// Whether `Variant::Auto` may pick it. A new fast family stays `false` until verified on a
+    /// GPU (e.g. FA3 on Hopper: Auto keeps FA2 there until then); an explicit variant still runs it.
+    pub auto: bool,
+    /// SASS opcodes the family claims to use, checked in every built cubin by tests/sass.rs
+    /// (e.g. FA1 "FFMA"; an FA2 row would say "HMMA", "LDSM"; FA3 "HGMMA").
+    pub sass_expect: &'static [&'static str],
+    /// Options beyond the plain forward that the family implements: "fp8", "exp2_poly",
+    /// "lazy_rescale". A problem asking for one it lacks does not run on it.
+    pub options: &'static [&'static str],
+    /// Auto preference: higher wins among the families that can run a problem.
+    pub rank: u32,
+    /// A host harness that runs this family's kernel source on the CPU (threads for CUDA
+    /// threads; tests/emulate_kernels.rs compiles it with g++ per tile). Only for families in
+    /// plain CUDA C++ (no tensor-core or async-copy instructions to emulate).
+    pub cpu_emulation: Option<&'static str>,
+    /// Dynamic shared memory of a tile's launch, in bytes. The build passes it to the kernel as
+    /// FA_SMEM_BYTES, which static_asserts it against its own layout; the host launches with it.
+    pub smem_bytes: fn(&Tile) -> u32,
+}
+
+/// The targets a source is compiled for, from its file name: `*_sm90.cu` only for sm_90a,
+/// `*_sm100.cu` only for sm_100a, anything else for sm_80, sm_90a, sm_100a and compute_80 PTX.
+pub fn targets_for(source: &str) -> &'static [Target] {
+    if source.ends_with("_sm90.cu") {
+        &[Target::Sm90a]
+    } else if source.ends_with("_sm100.cu") {
+        &[Target::Sm100a]
+    } else {
+        &Target::ALL
+    }
+}
+
+/// The kernel symbol of (family, head_dim, dtype name).
+pub fn kernel_symbol(family: &str, head_dim: u32, dtype: &str) -> String {
+    format!("{family}_fwd_hd{head_dim}_{dtype}")
+}
+
+/// The stem of the image of (family, head_dim) for a target, e.g. "fa1_hd128.90a".
+pub fn image_stem(family: &str, head_dim: u32, target: Target) -> String {
+    format!("{family}_hd{head_dim}.{}", target.name())
+}
+
+/// FA1's shared memory: f32 tiles of Q (block_m rows) and K (block_n rows), each row padded by
+/// one float, V (block_n rows) and P (block_m rows of block_n + 1). Mirrors cuda/fa1_fwd.cu.
+fn fa1_smem_bytes(t: &Tile) -> u32 {
+    let floats = t.block_m * (t.head_dim + 1) + t.block_n * (t.head_dim + 1) + t.block_n * t.head_dim + t.block_m * (t.block_n + 1);
+    floats * 4
+}
+
+/// FA1 threads: 8 lanes share a query row (each owns every 8th column), 16 row groups.
+const FA1_THREADS: u32 = 128;
+
+/// The families. Add FA2/FA3/FA4 rows here.
+pub const FAMILIES: &[Family] = &[Family {
+    name: "fa1",
+    variant: "Fa1",
+    source: "cuda/fa1_fwd.cu",
+    // Tiles sized so Q, K, V and P (f32 in shared memory) stay under 99 KB, the opt-in limit of
+    // sm_86/sm_89, and the per-thread f32 accumulator stays at most 64 registers.
+    tiles: &[
+        Tile { head_dim: 32, block_m: 64, block_n: 64, threads: FA1_THREADS },
+        Tile { head_dim: 64, block_m: 64, block_n: 64, threads: FA1_THREADS },
+        Tile { head_dim: 96, block_m: 64, block_n: 32, threads: FA1_THREADS },
+        Tile { head_dim: 128, block_m: 64, block_n: 32, threads: FA1_THREADS },
+        Tile { head_dim: 192, block_m: 32, block_n: 32, threads: FA1_THREADS },
+        Tile { head_dim: 256, block_m: 32, block_n: 16, threads: FA1_THREADS },
+    ],
+    min_sm: 80,
+    // Not yet run on a GPU (written where none was available). Set to true once
+    // scripts/gpu-check.sh passes on a GPU.
+    gpu_verified: false,
+    // The fallback of last resort: Auto may always pick it.
+    auto: true,
+    sass_expect: &["FFMA", "MUFU.EX2"],
+    options: &[],
+    rank: 1,
+    cpu_emulation: Some("cuda/emu/fa1_emu.cpp"),
+    smem_bytes: fa1_smem_bytes,
+}];

@@ -1,0 +1,20 @@
+// Element types of the kernels and their conversions to and from f32 (the accumulation type).
+// The instance macros name dtypes by the suffix of the kernel symbol: f16, bf16.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+using fa_f16 = __half;
+using fa_bf16 = __nv_bfloat16;
+
+__device__ __forceinline__ float fa_to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float fa_to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// Round-to-nearest-even, as half::f16::from_f32 / bf16::from_f32 on the host.
+template <typename T>
+__device__ __forceinline__ T fa_from_float(float x);
+template <>
+__device__ __forceinline__ __half fa_from_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 fa_from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+

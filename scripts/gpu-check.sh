@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# One-command GPU check, build half (here, with Rust and the CUDA toolchain, no GPU needed):
+# builds the release GPU test binaries and bench binaries with every kernel, strips them and
+# gathers them with a run script in gpu-check/ (git-ignored, < 64 MiB, what the device tool's
+# `carry` takes). On the GPU machine (no Rust there) run the other half:
+#     bash gpu-check/run.sh          # logs and summary under $OUT (or gpu-check/out)
+# With the device tool: run(command="bash gpu-check/run.sh", carry=["gpu-check"], timeout_s=420).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root="$PWD"
+dest="$root/gpu-check"
+limit_mib=60  # the device tool carries at most 64 MiB with the working tree
+
+if [ -z "${NVCC:-}" ]; then
+  bin="$(scripts/install-cuda-toolchain.sh)"
+  export NVCC="$bin/nvcc"
+fi
+export FLASH_ATTN_REQUIRE_NVCC=1   # a GPU check without kernels would be meaningless
+export CARGO_TERM_COLOR=never
+
+rm -rf "$dest"
+mkdir -p "$dest/bin"
+json="$(mktemp)"
+trap 'rm -f "$json"' EXIT
+
+echo "== cargo test --release --no-run" >&2
+cargo test --release --no-run --message-format=json-render-diagnostics >"$json"
+echo "== cargo bench --no-run" >&2
+cargo bench --no-run --message-format=json-render-diagnostics >>"$json"
+echo "== cargo build --release --examples" >&2
+cargo build --release --examples >&2
+
+# The GPU test binaries (tests/gpu_*.rs) and every bench binary.
+python3 - "$json" "$dest/bin" <<'PY'
+import json, shutil, sys, os
+src, dst = sys.argv[1], sys.argv[2]
+seen = set()
+for line in open(src):
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    exe = m.get("executable")
+    if m.get("reason") != "compiler-artifact" or not exe:
+        continue
+    kind, name = m["target"]["kind"], m["target"]["name"]
+    if (kind == ["test"] and name.startswith("gpu_")) or kind == ["bench"]:
+        out = os.path.join(dst, ("bench-" if kind == ["bench"] else "") + name)
+        if out not in seen:
+            seen.add(out)
+            shutil.copy2(exe, out)
+            print(f"gathered {out}", file=sys.stderr)
+PY
+strip "$dest"/bin/* 2>/dev/null || true
+cp scripts/gpu-check-run.sh "$dest/run.sh"
+chmod +x "$dest/run.sh"
+git -C "$root" rev-parse --short HEAD > "$dest/COMMIT" 2>/dev/null || echo unknown > "$dest/COMMIT"
+
+size_mib=$(( $(du -sk "$dest" | cut -f1) / 1024 ))
+ls -l "$dest/bin" >&2
+echo "gpu-check/: ${size_mib} MiB (limit ${limit_mib})" >&2
+if [ "$size_mib" -gt "$limit_mib" ]; then
+  echo "gpu-check/ is too large to carry" >&2
+  exit 1
+fi
+echo "next, on the GPU machine: bash gpu-check/run.sh" >&2

@@ -1,0 +1,189 @@
+//! CUDA devices: driver detection, contexts, compute capability, and a lazily loaded cache of
+//! the embedded kernel images per device. Every CUDA status becomes [`Error::Cuda`].
+
+use super::kernels::{Family, Image, Target, Tile, IMAGES, WHY_NO_KERNELS};
+use crate::error::{Error, Result};
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule, CudaStream, DriverError};
+use cudarc::nvrtc::Ptx;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// The default dynamic shared memory limit; more needs the per-function opt-in attribute.
+const DEFAULT_SMEM_LIMIT: u32 = 48 * 1024;
+
+/// Turns a driver status into [`Error::Cuda`], naming the call.
+pub(crate) fn cuda_err(call: &'static str) -> impl FnOnce(DriverError) -> Error {
+    move |e| Error::Cuda { call: call.into(), message: format!("{e:?}") }
+}
+
+/// Why no CUDA device can be used, or `None` when the driver is present and kernels were built.
+pub(crate) fn why_unusable() -> Option<String> {
+    if IMAGES.is_empty() {
+        return Some(format!("no CUDA kernels were built into this crate ({WHY_NO_KERNELS})"));
+    }
+    // SAFETY: is_culib_present only tries to dlopen libcuda; it has no preconditions.
+    if !unsafe { sys::is_culib_present() } {
+        return Some("no CUDA driver (libcuda.so) was found".into());
+    }
+    None
+}
+
+/// The number of CUDA devices (0 when the driver is missing or has none).
+pub fn device_count() -> usize {
+    // SAFETY: as above; checked first because every other driver call panics without libcuda.
+    if !unsafe { sys::is_culib_present() } {
+        return 0;
+    }
+    CudaContext::device_count().map(|n| n.max(0) as usize).unwrap_or(0)
+}
+
+/// The best image of (family, head_dim) among `images` for a GPU of compute capability
+/// (major, minor): its own SASS (sm_90a on 9.0, sm_100a on 10.0, sm_80 on 8.x), else the PTX.
+pub(crate) fn pick_image(images: &'static [Image], family: &str, head_dim: u32, cc: (i32, i32)) -> Option<&'static Image> {
+    let (major, minor) = cc;
+    let of = |t: Target| images.iter().find(|i| i.family == family && i.head_dim == head_dim && i.target == t);
+    [Target::Sm90a, Target::Sm100a, Target::Sm80, Target::Ptx80]
+        .into_iter()
+        .filter(|t| t.runs_on(major, minor))
+        .find_map(of)
+}
+
+/// A function ready to launch: the loaded kernel and its launch shape.
+#[derive(Clone, Debug)]
+pub(crate) struct Loaded {
+    pub func: CudaFunction,
+    pub tile: &'static Tile,
+    pub smem_bytes: u32,
+}
+
+/// One CUDA device with its context and the kernels loaded so far.
+#[derive(Debug)]
+pub struct Device {
+    ctx: Arc<CudaContext>,
+    ordinal: usize,
+    cc: (i32, i32),
+    name: String,
+    max_smem_optin: u32,
+    /// (family, head_dim) -> loaded module, loaded at first use.
+    modules: Mutex<HashMap<(&'static str, u32), Arc<CudaModule>>>,
+    /// (family, head_dim, dtype name) -> function with its shared memory attribute set.
+    functions: Mutex<HashMap<(&'static str, u32, &'static str), Loaded>>,
+}
+
+static DEVICES: OnceLock<Mutex<HashMap<usize, Arc<Device>>>> = OnceLock::new();
+
+impl Device {
+    /// The device with this ordinal, opened once per process.
+    ///
+    /// # Errors
+    /// [`Error::BackendUnavailable`] without driver, kernels or such a device;
+    /// [`Error::Cuda`] when a driver call fails.
+    pub fn get(ordinal: usize) -> Result<Arc<Device>> {
+        let backend = || format!("cuda:{ordinal}");
+        if let Some(why) = why_unusable() {
+            return Err(Error::BackendUnavailable { backend: backend(), reason: why });
+        }
+        let map = DEVICES.get_or_init(|| Mutex::new(HashMap::new()));
+        let mut map = map.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(d) = map.get(&ordinal) {
+            return Ok(d.clone());
+        }
+        let count = CudaContext::device_count().map_err(cuda_err("cuDeviceGetCount"))?;
+        if ordinal >= count.max(0) as usize {
+            return Err(Error::BackendUnavailable {
+                backend: backend(),
+                reason: format!("the driver reports {count} CUDA device(s)"),
+            });
+        }
+        let ctx = CudaContext::new(ordinal).map_err(cuda_err("cuDevicePrimaryCtxRetain"))?;
+        let cc = ctx.compute_capability().map_err(cuda_err("cuDeviceGetAttribute(COMPUTE_CAPABILITY)"))?;
+        let name = ctx.name().map_err(cuda_err("cuDeviceGetName"))?;
+        let max_smem_optin = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(cuda_err("cuDeviceGetAttribute(MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)"))?;
+        let dev = Arc::new(Device {
+            ctx,
+            ordinal,
+            cc,
+            name,
+            max_smem_optin: max_smem_optin.max(0) as u32,
+            modules: Mutex::new(HashMap::new()),
+            functions: Mutex::new(HashMap::new()),
+        });
+        map.insert(ordinal, dev.clone());
+        Ok(dev)
+    }
+
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+    /// (major, minor).
+    pub fn compute_capability(&self) -> (i32, i32) {
+        self.cc
+    }
+    /// major * 10 + minor, as `Family::min_sm`.
+    pub fn sm(&self) -> u32 {
+        (self.cc.0 * 10 + self.cc.1).max(0) as u32
+    }
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    /// Largest dynamic shared memory a block may opt in to, in bytes.
+    pub fn max_smem_optin(&self) -> u32 {
+        self.max_smem_optin
+    }
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+    /// The context's default stream (used by the host-memory `forward`).
+    pub fn default_stream(&self) -> Arc<CudaStream> {
+        self.ctx.default_stream()
+    }
+
+    /// The best built image of (family, head_dim) this GPU can load: its own SASS, else PTX.
+    pub(crate) fn image_for(&self, family: &str, head_dim: u32) -> Option<&'static Image> {
+        pick_image(IMAGES, family, head_dim, self.cc)
+    }
+
+    /// The kernel of (family, tile, dtype), loading its module at first use and opting in to
+    /// its dynamic shared memory. Later calls are a hash lookup.
+    pub(crate) fn function(&self, family: &'static Family, tile: &'static Tile, dtype: &'static str) -> Result<Loaded> {
+        let key = (family.name, tile.head_dim, dtype);
+        let mut functions = self.functions.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(f) = functions.get(&key) {
+            return Ok(f.clone());
+        }
+        let image = self.image_for(family.name, tile.head_dim).ok_or_else(|| Error::BackendUnavailable {
+            backend: format!("cuda:{}", self.ordinal),
+            reason: format!("no {} image for head_dim {} loads on sm_{}", family.name, tile.head_dim, self.sm()),
+        })?;
+        let module = {
+            let mut modules = self.modules.lock().unwrap_or_else(|e| e.into_inner());
+            match modules.get(&(family.name, tile.head_dim)) {
+                Some(m) => m.clone(),
+                None => {
+                    let mut bytes = image.bytes.to_vec();
+                    if image.target == Target::Ptx80 {
+                        bytes.push(0); // cuModuleLoadData reads PTX as a NUL-terminated string
+                    }
+                    let m = self.ctx.load_module(Ptx::from_binary(bytes)).map_err(cuda_err("cuModuleLoadData"))?;
+                    modules.insert((family.name, tile.head_dim), m.clone());
+                    m
+                }
+            }
+        };
+        let symbol = super::kernels::kernel_symbol(family.name, tile.head_dim, dtype);
+        let func = module.load_function(&symbol).map_err(cuda_err("cuModuleGetFunction"))?;
+        let smem_bytes = (family.smem_bytes)(tile);
+        if smem_bytes > DEFAULT_SMEM_LIMIT {
+            func.set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem_bytes as i32,
+            )
+            .map_err(cuda_err("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)"))?;
+        }
+        let loaded = Loaded { func, tile, smem_bytes };
+        functions.insert(key, loaded.clone());
+        Ok(loaded)
+    }
+}

@@ -1,0 +1,357 @@
+//! Dispatch: (GPU's SM, dtype, head_dim, options, requested variant) -> one kernel instance,
+//! read from the one table in build/instances.rs and the images build.rs actually built.
+//!
+//! - `Variant::Auto` picks the highest-`rank` family that is `auto`-eligible and can run the
+//!   problem here. A fast family stays out of Auto until it is verified on a GPU (FA3 on
+//!   Hopper: Auto keeps FA2 until then), and the reason says so.
+//! - An explicit variant that cannot run is an error naming why, never a silent fallback.
+
+use super::device::Device;
+use super::kernels::{Family, Image, Tile, FAMILIES};
+
+/// What dispatch needs to know about a GPU: a trait so the table logic is tested without one.
+pub(crate) trait Gpu {
+    fn ordinal(&self) -> usize;
+    fn name(&self) -> &str;
+    /// major * 10 + minor.
+    fn sm(&self) -> u32;
+    fn max_smem_optin(&self) -> u32;
+    fn image_for(&self, family: &str, head_dim: u32) -> Option<&'static Image>;
+}
+
+impl Gpu for Device {
+    fn ordinal(&self) -> usize {
+        Device::ordinal(self)
+    }
+    fn name(&self) -> &str {
+        Device::name(self)
+    }
+    fn sm(&self) -> u32 {
+        Device::sm(self)
+    }
+    fn max_smem_optin(&self) -> u32 {
+        Device::max_smem_optin(self)
+    }
+    fn image_for(&self, family: &str, head_dim: u32) -> Option<&'static Image> {
+        Device::image_for(self, family, head_dim)
+    }
+}
+use crate::error::{Error, Result};
+use crate::options::{Exp2, Precision, Rescale, Variant};
+use crate::problem::Problem;
+use crate::tensor::DType;
+
+/// The chosen instance. Plain references into the static table: choosing allocates nothing.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Choice {
+    pub family: &'static Family,
+    pub tile: &'static Tile,
+    pub dtype: &'static str,
+    pub image: &'static Image,
+}
+
+/// The kernel-symbol suffix of a dtype the GPU kernels take.
+pub(crate) fn dtype_name(dtype: DType) -> Option<&'static str> {
+    match dtype {
+        DType::F16 => Some("f16"),
+        DType::BF16 => Some("bf16"),
+        _ => None,
+    }
+}
+
+fn variant_name(v: Variant) -> &'static str {
+    match v {
+        Variant::Auto => "Auto",
+        Variant::Fa1 => "Fa1",
+        Variant::Fa2 => "Fa2",
+        Variant::Fa3 => "Fa3",
+        Variant::Fa4 => "Fa4",
+    }
+}
+
+/// The options beyond the plain forward that a problem needs, by the names `Family::options`
+/// uses ("fp8", "exp2_poly", "lazy_rescale").
+fn needed_options(p: &Problem) -> [Option<&'static str>; 3] {
+    [
+        matches!(p.precision, Precision::Fp8 { .. }).then_some("fp8"),
+        matches!(p.exp2, Exp2::Poly(_)).then_some("exp2_poly"),
+        matches!(p.rescale, Rescale::Lazy { .. }).then_some("lazy_rescale"),
+    ]
+}
+
+/// Whether `fam` can run `p` on `dev`; `Err` says why not.
+fn fit(fam: &'static Family, dev: &impl Gpu, p: &Problem) -> std::result::Result<Choice, String> {
+    if dev.sm() < fam.min_sm {
+        return Err(format!("needs sm_{} or newer, this GPU is sm_{}", fam.min_sm, dev.sm()));
+    }
+    let dtype = dtype_name(p.dtype).ok_or_else(|| format!("takes f16/bf16, not {:?}", p.dtype))?;
+    for opt in needed_options(p).into_iter().flatten() {
+        if !fam.options.contains(&opt) {
+            return Err(format!("does not implement {opt}"));
+        }
+    }
+    // The smallest instantiated (and built) head dim that holds this one; the tail is masked.
+    let mut too_big = true;
+    for tile in fam.tiles.iter().filter(|t| t.head_dim as usize >= p.head_dim) {
+        too_big = false;
+        let Some(image) = dev.image_for(fam.name, tile.head_dim) else { continue };
+        let smem = (fam.smem_bytes)(tile);
+        if smem > dev.max_smem_optin() {
+            return Err(format!(
+                "head_dim {} needs {smem} B of shared memory, this GPU allows {} B",
+                tile.head_dim,
+                dev.max_smem_optin()
+            ));
+        }
+        return Ok(Choice { family: fam, tile, dtype, image });
+    }
+    let dims: Vec<u32> = fam.tiles.iter().map(|t| t.head_dim).collect();
+    Err(if too_big {
+        format!("supports head_dim up to {:?}", dims.last())
+    } else {
+        format!("has no image built for head_dim {} on sm_{} (FLASH_ATTN_HDIMS/ARCHS pruned it?)", p.head_dim, dev.sm())
+    })
+}
+
+/// Picks the kernel for `p` on `dev`.
+///
+/// # Errors
+/// [`Error::VariantUnavailable`] for an explicit variant that cannot run here (or that has no
+/// family), [`Error::UnsupportedDType`]/[`Error::UnsupportedHeadDim`]/[`Error::BackendUnavailable`]
+/// when no family can run the problem under `Auto`.
+pub(crate) fn choose(dev: &impl Gpu, p: &Problem, variant: Variant) -> Result<Choice> {
+    choose_in(FAMILIES, dev, p, variant)
+}
+
+/// `choose` over a given table (the real one, or a test's).
+fn choose_in(families: &'static [Family], dev: &impl Gpu, p: &Problem, variant: Variant) -> Result<Choice> {
+    if variant != Variant::Auto {
+        let want = variant_name(variant);
+        let fam = families.iter().find(|f| f.variant == want).ok_or_else(|| Error::VariantUnavailable {
+            variant,
+            reason: "no kernel of this family is built into this crate".into(),
+        })?;
+        return fit(fam, dev, p).map_err(|why| Error::VariantUnavailable {
+            variant,
+            reason: format!("{} on {} (sm_{}): {why}", fam.name, dev.name(), dev.sm()),
+        });
+    }
+    let mut best: Option<Choice> = None;
+    for fam in families.iter().filter(|f| f.auto) {
+        if let Ok(c) = fit(fam, dev, p) {
+            if best.is_none_or(|b| c.family.rank > b.family.rank) {
+                best = Some(c);
+            }
+        }
+    }
+    best.ok_or_else(|| no_kernel_error(families, dev, p))
+}
+
+/// The error when Auto finds nothing: the most specific reason.
+fn no_kernel_error(families: &'static [Family], dev: &impl Gpu, p: &Problem) -> Error {
+    let backend = format!("cuda:{}", dev.ordinal());
+    if dtype_name(p.dtype).is_none() {
+        return Error::UnsupportedDType {
+            dtype: p.dtype,
+            backend,
+            supported: "F16, BF16 (convert f32 inputs, or use Backend::Cpu)".into(),
+        };
+    }
+    let max_dim = families.iter().filter(|f| f.auto).flat_map(|f| f.tiles).map(|t| t.head_dim).max().unwrap_or(0);
+    if p.head_dim > max_dim as usize {
+        return Error::UnsupportedHeadDim { head_dim: p.head_dim, backend, supported: format!("1..={max_dim}") };
+    }
+    let why: Vec<String> =
+        families.iter().filter(|f| f.auto).filter_map(|f| fit(f, dev, p).err().map(|e| format!("{}: {e}", f.name))).collect();
+    Error::BackendUnavailable { backend, reason: format!("no kernel runs this problem: {}", why.join("; ")) }
+}
+
+/// The `Dispatch::reason` text of a choice (built only when asked: it allocates).
+pub(crate) fn reason(dev: &impl Gpu, c: &Choice, requested: Variant) -> String {
+    reason_in(FAMILIES, dev, c, requested)
+}
+
+fn reason_in(families: &'static [Family], dev: &impl Gpu, c: &Choice, requested: Variant) -> String {
+    let how = if requested == Variant::Auto {
+        let skipped: Vec<&str> = families
+            .iter()
+            .filter(|f| !f.auto && f.rank > c.family.rank)
+            .map(|f| f.name)
+            .collect();
+        let mut s = format!("Auto: {} is the highest-ranked family that runs this problem here", c.family.name);
+        if !skipped.is_empty() {
+            s += &format!(" ({} not picked by Auto until verified on a GPU)", skipped.join(", "));
+        }
+        s
+    } else {
+        format!("{} requested", variant_name(requested))
+    };
+    format!(
+        "{how}; {} sm_{} ({}), head_dim instance {}, {} image{}",
+        dev.name(),
+        dev.sm(),
+        c.dtype,
+        c.tile.head_dim,
+        c.image.target.name(),
+        if c.family.gpu_verified { "" } else { "; this family is not yet verified on a GPU" }
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::device::pick_image;
+    use super::super::kernels::Target;
+    use super::*;
+    use crate::options::{ForwardOptions, Variant};
+
+    const fn tile(head_dim: u32) -> Tile {
+        Tile { head_dim, block_m: 64, block_n: 64, threads: 128 }
+    }
+    fn smem(t: &Tile) -> u32 {
+        t.head_dim * 512
+    }
+    const TILES: &[Tile] = &[tile(64), tile(128), tile(256)];
+    const fn family(name: &'static str, variant: &'static str, min_sm: u32, auto: bool, rank: u32) -> Family {
+        Family {
+            name,
+            variant,
+            source: "",
+            tiles: TILES,
+            min_sm,
+            gpu_verified: false,
+            auto,
+            sass_expect: &[],
+            options: &[],
+            rank,
+            cpu_emulation: None,
+            smem_bytes: smem,
+        }
+    }
+    /// A table as it will look with FA2 and FA3 merged: FA3 not yet allowed in Auto.
+    static TABLE: &[Family] =
+        &[family("fa1", "Fa1", 80, true, 1), family("fa2", "Fa2", 80, true, 2), family("fa3", "Fa3", 90, false, 3)];
+
+    const fn image(family: &'static str, head_dim: u32, target: Target) -> Image {
+        Image { family, head_dim, target, bytes: &[], report: "" }
+    }
+    static IMAGES: &[Image] = &[
+        image("fa1", 64, Target::Sm80),
+        image("fa1", 128, Target::Sm80),
+        image("fa1", 256, Target::Sm80),
+        image("fa1", 64, Target::Ptx80),
+        image("fa1", 128, Target::Ptx80),
+        image("fa1", 256, Target::Ptx80),
+        image("fa1", 64, Target::Sm90a),
+        image("fa1", 128, Target::Sm90a),
+        image("fa1", 256, Target::Sm90a),
+        // fa2: head_dim 64 pruned from the build
+        image("fa2", 128, Target::Sm80),
+        image("fa2", 256, Target::Sm80),
+        image("fa2", 128, Target::Sm90a),
+        image("fa2", 256, Target::Sm90a),
+        image("fa3", 64, Target::Sm90a),
+        image("fa3", 128, Target::Sm90a),
+    ];
+
+    struct FakeGpu {
+        cc: (i32, i32),
+        smem: u32,
+    }
+    impl Gpu for FakeGpu {
+        fn ordinal(&self) -> usize {
+            0
+        }
+        fn name(&self) -> &str {
+            "fake"
+        }
+        fn sm(&self) -> u32 {
+            (self.cc.0 * 10 + self.cc.1) as u32
+        }
+        fn max_smem_optin(&self) -> u32 {
+            self.smem
+        }
+        fn image_for(&self, family: &str, head_dim: u32) -> Option<&'static Image> {
+            pick_image(IMAGES, family, head_dim, self.cc)
+        }
+    }
+    const H100: FakeGpu = FakeGpu { cc: (9, 0), smem: 227 * 1024 };
+    const A100: FakeGpu = FakeGpu { cc: (8, 0), smem: 163 * 1024 };
+    const RTX5090: FakeGpu = FakeGpu { cc: (12, 0), smem: 99 * 1024 };
+
+    fn problem(dtype: DType, head_dim: usize, opts: &ForwardOptions) -> Problem {
+        Problem::from_shapes([1, 100, 4, head_dim], [1, 100, 2, head_dim], [1, 100, 2, head_dim], dtype, opts).unwrap()
+    }
+    fn pick(gpu: &FakeGpu, head_dim: usize, variant: Variant) -> Result<Choice> {
+        choose_in(TABLE, gpu, &problem(DType::BF16, head_dim, &ForwardOptions::default()), variant)
+    }
+
+    #[test]
+    fn auto_keeps_unverified_fa3_out_on_hopper() {
+        let c = pick(&H100, 128, Variant::Auto).unwrap();
+        assert_eq!((c.family.name, c.image.target), ("fa2", Target::Sm90a));
+        let why = reason_in(TABLE, &H100, &c, Variant::Auto);
+        assert!(why.contains("fa3 not picked by Auto"), "{why}");
+        // Explicitly requested, FA3 runs.
+        assert_eq!(pick(&H100, 128, Variant::Fa3).unwrap().family.name, "fa3");
+    }
+
+    #[test]
+    fn explicit_variant_the_gpu_cannot_run_is_an_error() {
+        let e = pick(&A100, 128, Variant::Fa3).unwrap_err();
+        assert!(matches!(&e, Error::VariantUnavailable { variant: Variant::Fa3, reason } if reason.contains("sm_90")), "{e:?}");
+        let e = pick(&H100, 128, Variant::Fa4).unwrap_err();
+        assert!(matches!(e, Error::VariantUnavailable { variant: Variant::Fa4, .. }), "{e:?}");
+        let e = pick(&H100, 200, Variant::Fa3).unwrap_err();
+        assert!(matches!(e, Error::VariantUnavailable { .. }), "{e:?}");
+    }
+
+    #[test]
+    fn head_dim_runs_on_the_smallest_built_instance_that_holds_it() {
+        let c = pick(&A100, 40, Variant::Fa1).unwrap();
+        assert_eq!((c.tile.head_dim, c.image.target), (64, Target::Sm80));
+        // fa2's 64 was pruned: head_dim 40 runs on its 128 instance.
+        assert_eq!(pick(&A100, 40, Variant::Fa2).unwrap().tile.head_dim, 128);
+        let e = pick(&A100, 300, Variant::Auto).unwrap_err();
+        assert!(matches!(e, Error::UnsupportedHeadDim { head_dim: 300, .. }), "{e:?}");
+    }
+
+    #[test]
+    fn gpus_without_own_sass_use_the_ptx() {
+        let c = pick(&RTX5090, 128, Variant::Auto).unwrap();
+        assert_eq!((c.family.name, c.image.target), ("fa1", Target::Ptx80));
+    }
+
+    #[test]
+    fn f32_and_unimplemented_options_find_no_kernel() {
+        let e = choose_in(TABLE, &H100, &problem(DType::F32, 64, &ForwardOptions::default()), Variant::Auto).unwrap_err();
+        assert!(matches!(e, Error::UnsupportedDType { dtype: DType::F32, .. }), "{e:?}");
+        let poly = ForwardOptions::default().exp2(crate::options::Exp2::Poly(3));
+        let e = choose_in(TABLE, &H100, &problem(DType::F16, 64, &poly), Variant::Auto).unwrap_err();
+        assert!(matches!(&e, Error::BackendUnavailable { reason, .. } if reason.contains("exp2_poly")), "{e:?}");
+    }
+
+    #[test]
+    fn shared_memory_beyond_the_gpu_is_refused() {
+        let small = FakeGpu { cc: (8, 6), smem: 100_000 };
+        assert!(pick(&small, 128, Variant::Fa1).is_ok()); // 65536 B
+        let e = pick(&small, 256, Variant::Fa1).unwrap_err(); // 131072 B
+        assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("shared memory")), "{e:?}");
+    }
+
+    /// The real table: unique names, known variants, ascending tiles within the largest
+    /// shared memory any supported GPU offers (227 KB, sm_90/sm_100; a GPU with less refuses
+    /// the instance at dispatch, as tested above).
+    #[test]
+    fn the_table_is_well_formed() {
+        for (i, f) in FAMILIES.iter().enumerate() {
+            assert!(FAMILIES[..i].iter().all(|g| g.name != f.name), "duplicate family {}", f.name);
+            assert!(["Fa1", "Fa2", "Fa3", "Fa4"].contains(&f.variant), "{}: unknown variant {}", f.name, f.variant);
+            assert!(!f.sass_expect.is_empty(), "{}: no SASS expectation", f.name);
+            assert!(f.tiles.windows(2).all(|w| w[0].head_dim < w[1].head_dim), "{}: tiles not ascending", f.name);
+            for t in f.tiles {
+                assert!(t.threads % 32 == 0 && t.block_m > 0 && t.block_n > 0, "{}: bad tile {t:?}", f.name);
+                assert!((f.smem_bytes)(t) <= 227 * 1024, "{} hd{}: {} B of shared memory", f.name, t.head_dim, (f.smem_bytes)(t));
+            }
+        }
+    }
+}

@@ -1,0 +1,24 @@
+//! The CUDA backend (feature `cuda`): embedded kernels, loaded through cudarc with dynamic
+//! loading, so the crate builds and runs with no CUDA present.
+//!
+//! | module | role |
+//! |---|---|
+//! | `kernels` | the one table of instances (build/instances.rs) and the images build.rs embedded |
+//! | `params` | `FwdParams`, the FFI struct mirrored from `cuda/include/fa_params.h` |
+//! | `device` | driver detection, contexts, compute capability, lazily loaded module cache |
+//! | `dispatch` | (SM, dtype, head_dim, options, variant) -> kernel instance |
+//! | `engine` | the device-memory API: [`Engine`], [`DeviceTensor`], caller's stream and output |
+
+mod device;
+mod dispatch;
+mod engine;
+#[doc(hidden)]
+pub mod kernels;
+pub mod params;
+
+pub use device::{device_count, Device};
+pub use engine::{DeviceLse, DeviceTensor, DeviceTensorMut, Engine};
+
+pub(crate) use device::why_unusable;
+pub(crate) use dispatch::choose;
+pub(crate) use engine::forward_host_typed;

@@ -1,0 +1,327 @@
+//! GPU tests: every kernel family in build/instances.rs against the float64 reference, with
+//! FlashAttention's tolerance `max|out - ref| <= 2 * max|naive_same_dtype - ref| + floor`.
+//! The output and LSE buffers are poisoned with NaN before each launch, so an element the kernel
+//! does not write fails the comparison.
+//!
+//! All `#[ignore]`d: a CPU run lists them as ignored. On a GPU:
+//! `cargo test --release --test gpu_forward -- --ignored` (scripts/gpu-check.sh runs them).
+#![cfg(feature = "cuda")]
+
+mod common;
+use common::*;
+use cudarc::driver::{CudaStream, DeviceRepr};
+use flash_attn::cuda::{kernels::FAMILIES, DeviceLse, DeviceTensor, DeviceTensorMut, Engine};
+use flash_attn::reference::{attention_f64, attention_naive, max_abs_diff};
+use flash_attn::{Backend, DType, Element, Error, ForwardOptions, Mask, Problem, Tensor, TensorView, Variant};
+use half::{bf16, f16};
+use std::sync::Arc;
+
+/// LSE is f32 softmax statistics of inputs the reference sees exactly: only f32 rounding.
+const LSE_TOL: f64 = 2e-3;
+
+/// Upper bound on batch·heads_q·seqlen_q·seqlen_k·head_dim per random case, so the float64
+/// reference stays fast.
+const WORK_LIMIT: usize = 12_000_000;
+
+fn variant_of(name: &str) -> Variant {
+    match name {
+        "Fa1" => Variant::Fa1,
+        "Fa2" => Variant::Fa2,
+        "Fa3" => Variant::Fa3,
+        "Fa4" => Variant::Fa4,
+        other => panic!("build/instances.rs names an unknown variant {other:?}"),
+    }
+}
+
+fn engine() -> Engine {
+    Engine::new(0).expect("these tests need CUDA device 0 (run them with --ignored on a GPU)")
+}
+
+/// The variants to test on this GPU: Auto and every family whose minimum SM it meets. A family it
+/// does not meet must be refused with VariantUnavailable (checked, not skipped).
+fn variants(engine: &Engine) -> Vec<Variant> {
+    let (major, minor) = engine.device().compute_capability();
+    let sm = (major * 10 + minor) as u32;
+    let mut out = vec![Variant::Auto];
+    for fam in FAMILIES {
+        let var = variant_of(fam.variant);
+        if sm >= fam.min_sm {
+            out.push(var);
+        } else {
+            let e = engine.dispatch([1, 8, 1, 64], [1, 8, 1, 64], DType::BF16, &ForwardOptions::default().variant(var));
+            assert!(matches!(e, Err(Error::VariantUnavailable { .. })), "{} on sm_{sm}: {e:?}", fam.name);
+        }
+    }
+    out
+}
+
+/// What one launch produced.
+struct GpuOut {
+    o: Vec<f64>,
+    lse: Option<Vec<f64>>,
+    kernel: String,
+}
+
+/// Runs q, k, v (with the given element strides of b/s/h) through the engine on a stream of its
+/// own, into NaN-poisoned output buffers.
+fn run_typed<T: Element + DeviceRepr>(
+    engine: &Engine,
+    stream: &Arc<CudaStream>,
+    inputs: [(&[T], [usize; 4], [usize; 3]); 3],
+    opts: &ForwardOptions,
+) -> flash_attn::Result<GpuOut> {
+    let [(q, qs, qst), (k, ks, kst), (v, vs, vst)] = inputs;
+    let up = |x: &[T]| stream.clone_htod(x).unwrap();
+    let (dq, dk, dv) = (up(q), up(k), up(v));
+    let n_o: usize = qs.iter().product();
+    let n_lse = qs[0] * qs[2] * qs[1];
+    let mut d_o = stream.clone_htod(&vec![T::from_f32(f32::NAN); n_o]).unwrap();
+    let mut d_lse = stream.clone_htod(&vec![f32::NAN; n_lse]).unwrap();
+    let dispatch = {
+        let tq = DeviceTensor::new(&dq, stream, qs).with_strides(qst);
+        let tk = DeviceTensor::new(&dk, stream, ks).with_strides(kst);
+        let tv = DeviceTensor::new(&dv, stream, vs).with_strides(vst);
+        let mut to = DeviceTensorMut::new(&mut d_o, stream, qs);
+        let mut tl = DeviceLse::new(&mut d_lse, stream);
+        engine.forward(stream, &tq, &tk, &tv, &mut to, opts.return_lse.then_some(&mut tl), opts)?
+    };
+    let o: Vec<T> = stream.clone_dtoh(&d_o).unwrap();
+    let lse: Vec<f32> = stream.clone_dtoh(&d_lse).unwrap();
+    stream.synchronize().expect("kernel execution");
+    Ok(GpuOut {
+        o: o.iter().map(|x| x.to_f32() as f64).collect(),
+        lse: opts.return_lse.then(|| lse.iter().map(|&x| x as f64).collect()),
+        kernel: dispatch.kernel,
+    })
+}
+
+/// Runs `views` (q, k, v host views over `bufs`) on the GPU and checks against the reference.
+/// Returns err / bound.
+fn check(engine: &Engine, stream: &Arc<CudaStream>, views: [TensorView; 3], opts: &ForwardOptions, what: &str) -> f64 {
+    let [q, k, v] = views;
+    let p = Problem::new(&q, &k, &v, opts).unwrap();
+    let input = |t: &TensorView| (t.shape(), t.strides());
+    let out = match (q.data(), k.data(), v.data()) {
+        (flash_attn::Data::F16(a), flash_attn::Data::F16(b), flash_attn::Data::F16(c)) => {
+            let ((qs, qst), (ks, kst), (vs, vst)) = (input(&q), input(&k), input(&v));
+            run_typed::<f16>(engine, stream, [(a, qs, qst), (b, ks, kst), (c, vs, vst)], opts)
+        }
+        (flash_attn::Data::BF16(a), flash_attn::Data::BF16(b), flash_attn::Data::BF16(c)) => {
+            let ((qs, qst), (ks, kst), (vs, vst)) = (input(&q), input(&k), input(&v));
+            run_typed::<bf16>(engine, stream, [(a, qs, qst), (b, ks, kst), (c, vs, vst)], opts)
+        }
+        _ => panic!("GPU tests use f16/bf16"),
+    }
+    .unwrap_or_else(|e| panic!("{what}: {e}"));
+    let r = attention_f64(&p, &q, &k, &v);
+    let naive = attention_naive(&p, &q, &k, &v, p.dtype);
+    let err = max_abs_diff(&out.o, &r.o);
+    let bound = 2.0 * max_abs_diff(&naive, &r.o) + floor_for(p.dtype);
+    assert!(err <= bound, "{what} [{}]: max err {err:.3e} > bound {bound:.3e}", out.kernel);
+    if let Some(lse) = &out.lse {
+        let lse_err = max_abs_diff(lse, &r.lse);
+        assert!(lse_err <= LSE_TOL, "{what} [{}]: LSE err {lse_err:.3e}", out.kernel);
+    }
+    err / bound
+}
+
+/// One random case drawn like tests/cpu_props.rs: shapes, GQA ratio, mask, softcap, ALiBi, LSE.
+fn random_case(rng: &mut Rng, dtype: DType) -> ([Tensor; 3], ForwardOptions, String) {
+    let pick = |rng: &mut Rng, xs: &[usize]| xs[(rng.next_u64() % xs.len() as u64) as usize];
+    let heads_kv = 1 + (rng.next_u64() % 2) as usize;
+    let ratio = pick(rng, &[1, 2, 4, 7]);
+    let sq = 1 + (rng.next_u64() % 300) as usize;
+    let sk = 1 + (rng.next_u64() % 300) as usize;
+    // The instantiated dims, and dims between them (run on the next instance, tail masked).
+    let d = pick(rng, &[8, 17, 32, 40, 64, 80, 96, 128, 160, 192, 200, 256]);
+    let hq = heads_kv * ratio;
+    let batch = (1 + (rng.next_u64() % 3) as usize).min((WORK_LIMIT / (hq * sq * sk * d)).max(1));
+    let bound = |rng: &mut Rng| (rng.next_u64() % 41) as i64 - 1; // -1 (unbounded) ..= 39
+    let mask = match rng.next_u64() % 4 {
+        0 => Mask::None,
+        1 => Mask::Causal,
+        2 => Mask::window(bound(rng), bound(rng)),
+        _ => Mask::causal_window(bound(rng)),
+    };
+    let mut opts = ForwardOptions::default().mask(mask).return_lse(rng.next_u64() % 2 == 0);
+    if rng.next_u64() % 10 < 3 {
+        opts = opts.softcap(5.0 + (rng.uniform() * 45.0) as f32);
+    }
+    if rng.next_u64() % 10 < 3 {
+        let slopes: Vec<f32> = (0..hq).map(|h| 0.5f32.powi(h as i32 % 8 + 1)).collect();
+        opts = opts.alibi_slopes(slopes);
+    }
+    let q = randn(rng, dtype, [batch, sq, hq, d]);
+    let k = randn(rng, dtype, [batch, sk, heads_kv, d]);
+    let v = randn(rng, dtype, [batch, sk, heads_kv, d]);
+    let what = format!("b{batch} sq{sq} sk{sk} hq{hq} hkv{heads_kv} d{d} {mask:?} softcap {:?} alibi {}", opts.softcap, opts.alibi_slopes.is_some());
+    ([q, k, v], opts, what)
+}
+
+fn random_matrix(dtype: DType, cases: usize, seed: u64) {
+    let engine = engine();
+    let stream = engine.device().context().new_stream().unwrap();
+    let vars = variants(&engine);
+    let mut rng = Rng(seed);
+    let mut worst = 0.0f64;
+    for i in 0..cases {
+        let ([q, k, v], opts, what) = random_case(&mut rng, dtype);
+        for &var in &vars {
+            let opts = opts.clone().variant(var);
+            let r = check(&engine, &stream, [q.view(), k.view(), v.view()], &opts, &format!("case {i} {var:?} {what}"));
+            worst = worst.max(r);
+        }
+    }
+    println!("{dtype:?}: {cases} cases x {vars:?} passed; worst err/bound {worst:.3}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn random_f16() {
+    random_matrix(DType::F16, 120, 0x05ee_df16);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn random_bf16() {
+    random_matrix(DType::BF16, 120, 0x5eed_bf16);
+}
+
+/// Edge cases: one query/key, seqlens that are not multiples of any tile, sq > sk causal (rows
+/// that see no key: output 0, LSE -inf), windows that empty whole blocks, MQA, every instance.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn edge_cases() {
+    let engine = engine();
+    let stream = engine.device().context().new_stream().unwrap();
+    let mut rng = Rng(7);
+    let cases: &[(usize, usize, usize, usize, usize, Mask)] = &[
+        // (sq, sk, hq, hkv, d, mask)
+        (1, 1, 1, 1, 32, Mask::None),
+        (1, 1, 1, 1, 256, Mask::Causal),
+        (203, 100, 4, 2, 128, Mask::Causal), // first 103 rows see nothing
+        (100, 203, 4, 4, 64, Mask::Causal),
+        (65, 65, 8, 1, 96, Mask::window(0, 0)), // only the diagonal
+        (300, 300, 2, 1, 192, Mask::window(3, 5)),
+        (129, 257, 3, 3, 256, Mask::causal_window(16)),
+        (64, 64, 2, 2, 64, Mask::window(-1, -1)),
+        (33, 1000, 2, 2, 128, Mask::None),
+        (1000, 33, 2, 1, 32, Mask::Causal),
+    ];
+    for dtype in [DType::F16, DType::BF16] {
+        for &(sq, sk, hq, hkv, d, mask) in cases {
+            let q = randn(&mut rng, dtype, [2, sq, hq, d]);
+            let k = randn(&mut rng, dtype, [2, sk, hkv, d]);
+            let v = randn(&mut rng, dtype, [2, sk, hkv, d]);
+            for var in variants(&engine) {
+                let opts = ForwardOptions::default().mask(mask).return_lse(true).variant(var);
+                let what = format!("{dtype:?} sq{sq} sk{sk} hq{hq} hkv{hkv} d{d} {mask:?} {var:?}");
+                check(&engine, &stream, [q.view(), k.view(), v.view()], &opts, &what);
+            }
+        }
+    }
+}
+
+/// Strided inputs: q, k, v as views into one packed `[b, s, 3, h, d]` buffer (no copies), and
+/// large score magnitudes (softcap and a big scale).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn packed_qkv_and_softcap() {
+    let engine = engine();
+    let stream = engine.device().context().new_stream().unwrap();
+    let mut rng = Rng(11);
+    let (b, s, h, d) = (2, 150, 4, 128);
+    for dtype in [DType::F16, DType::BF16] {
+        let packed = randn(&mut rng, dtype, [b, s, 3 * h, d]);
+        let all = packed.view();
+        let strides = [s * 3 * h * d, 3 * h * d, d];
+        let part = |i: usize| -> TensorView {
+            let off = i * h * d;
+            match all.data() {
+                flash_attn::Data::F16(x) => TensorView::with_strides(&x[off..], [b, s, h, d], strides),
+                flash_attn::Data::BF16(x) => TensorView::with_strides(&x[off..], [b, s, h, d], strides),
+                flash_attn::Data::F32(x) => TensorView::with_strides(&x[off..], [b, s, h, d], strides),
+            }
+        };
+        for var in variants(&engine) {
+            let opts = ForwardOptions::default().causal(true).softcap(30.0).softmax_scale(0.5).return_lse(true).variant(var);
+            check(&engine, &stream, [part(0), part(1), part(2)], &opts, &format!("packed {dtype:?} {var:?}"));
+        }
+    }
+}
+
+/// The host-memory path: `forward` with Backend::Cuda(0) uploads, runs and downloads; f32 on the
+/// GPU is refused with UnsupportedDType; Auto runs f32 on the CPU.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn host_forward_on_gpu() {
+    let mut rng = Rng(3);
+    let q = randn(&mut rng, DType::BF16, [1, 77, 4, 64]);
+    let k = randn(&mut rng, DType::BF16, [1, 91, 2, 64]);
+    let v = randn(&mut rng, DType::BF16, [1, 91, 2, 64]);
+    let opts = ForwardOptions::default().causal(true).return_lse(true).backend(Backend::Cuda(0));
+    let (out, c) = check_forward(&q, &k, &v, &opts);
+    assert_eq!(out.dispatch.backend, "cuda:0");
+    assert!(c.err <= c.bound && c.lse_err <= LSE_TOL, "{c:?}");
+    println!("{:?}", out.dispatch);
+
+    let q32 = randn(&mut rng, DType::F32, [1, 8, 1, 64]);
+    let e = flash_attn::forward(&q32, &q32, &q32, &ForwardOptions::default().backend(Backend::Cuda(0)));
+    assert!(matches!(e, Err(Error::UnsupportedDType { .. })), "{e:?}");
+    let auto = flash_attn::forward(&q32, &q32, &q32, &ForwardOptions::default()).unwrap();
+    assert_eq!(auto.dispatch.backend, "cpu");
+}
+
+/// Auto's choice is recorded; a head_dim past every instance is a typed error.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn dispatch_record_and_errors() {
+    let engine = engine();
+    let d = engine.dispatch([1, 128, 8, 128], [1, 128, 8, 128], DType::BF16, &ForwardOptions::default()).unwrap();
+    println!("{d:?}");
+    assert!(d.backend == "cuda:0" && !d.kernel.is_empty() && d.reason.starts_with("Auto"));
+    let e = engine.dispatch([1, 8, 1, 512], [1, 8, 1, 512], DType::BF16, &ForwardOptions::default());
+    assert!(matches!(e, Err(Error::UnsupportedHeadDim { .. })), "{e:?}");
+}
+
+/// Without a GPU, Backend::Cuda is a typed error (never a panic); with one it runs. Not
+/// ignored: each machine checks the half it can.
+#[test]
+fn cuda_backend_is_an_error_or_runs() {
+    let mut rng = Rng(5);
+    let q = randn(&mut rng, DType::BF16, [1, 16, 2, 64]);
+    let r = flash_attn::forward(&q, &q, &q, &ForwardOptions::default().backend(Backend::Cuda(0)));
+    if flash_attn::cuda::device_count() == 0 {
+        assert!(matches!(&r, Err(Error::BackendUnavailable { backend, .. }) if backend == "cuda:0"), "{r:?}");
+    } else {
+        assert_eq!(r.expect("forward on cuda:0").dispatch.backend, "cuda:0");
+    }
+}
+
+/// The short subset scripts/gpu-check.sh runs under `compute-sanitizer --tool memcheck`: every
+/// instantiated head dim and one tail dim, seqlens off every tile size, causal and window, GQA,
+/// LSE, both dtypes, every variant. Small, so memcheck's slowdown stays affordable.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn sanitizer_subset() {
+    let engine = engine();
+    let stream = engine.device().context().new_stream().unwrap();
+    let mut rng = Rng(13);
+    let mut dims: Vec<usize> = FAMILIES.iter().flat_map(|f| f.tiles.iter().map(|t| t.head_dim as usize)).collect();
+    dims.push(40);
+    dims.sort_unstable();
+    dims.dedup();
+    for dtype in [DType::F16, DType::BF16] {
+        for &d in &dims {
+            for mask in [Mask::Causal, Mask::window(7, 2)] {
+                let q = randn(&mut rng, dtype, [1, 37, 4, d]);
+                let k = randn(&mut rng, dtype, [1, 45, 2, d]);
+                let v = randn(&mut rng, dtype, [1, 45, 2, d]);
+                for var in variants(&engine) {
+                    let opts = ForwardOptions::default().mask(mask).return_lse(true).alibi_slopes(vec![0.25f32; 4]).variant(var);
+                    check(&engine, &stream, [q.view(), k.view(), v.view()], &opts, &format!("{dtype:?} d{d} {mask:?} {var:?}"));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,186 @@
+//! Compile-only checks of the embedded kernels (no GPU needed): from each cubin's SASS
+//! (cuobjdump --dump-sass) and its `ptxas -v` report, every kernel
+//! - exists for every dtype of the table,
+//! - spills nothing (report: 0 bytes stack frame / spill stores / spill loads; SASS: no LDL/STL),
+//! - uses the instructions its family claims (`Family::sass_expect` in build/instances.rs:
+//!   one row per family, so a new family adds its own expectations there);
+//!
+//! and every PTX image says `.version 9.0` (driver 580).
+//!
+//! When build.rs found no nvcc there is nothing to check: these tests are then `#[ignore]`d
+//! (shown as ignored, with the reason) instead of passing silently, and `toolchain_present_when_required`
+//! fails if FLASH_ATTN_REQUIRE_NVCC=1 (set by scripts/test.sh, which installs the toolchain).
+#![cfg(feature = "cuda")]
+
+use flash_attn::cuda::kernels::{
+    kernel_symbol, targets_for, Image, Target, ARCHS_FILTER, CUOBJDUMP, DTYPE_NAMES, FAMILIES, HDIMS_FILTER, IMAGES,
+    WHY_NO_KERNELS,
+};
+use std::process::Command;
+use std::sync::OnceLock;
+
+fn family(name: &str) -> &'static flash_attn::cuda::kernels::Family {
+    FAMILIES.iter().find(|f| f.name == name).expect("image of a family in the table")
+}
+
+fn cubins() -> impl Iterator<Item = &'static Image> {
+    IMAGES.iter().filter(|i| i.target != Target::Ptx80)
+}
+
+/// SASS of one cubin, split per kernel: (kernel name, its SASS text). Disassembled once per
+/// test binary (cuobjdump takes about a second per cubin) and shared by the tests.
+fn sass_by_kernel(img: &'static Image) -> Vec<(String, String)> {
+    type Kernels = Vec<(String, String)>;
+    static CACHE: OnceLock<Vec<(usize, Kernels)>> = OnceLock::new();
+    let all = CACHE.get_or_init(|| {
+        IMAGES.iter().enumerate().filter(|(_, i)| i.target != Target::Ptx80).map(|(n, i)| (n, disassemble(i))).collect()
+    });
+    let n = IMAGES.iter().position(|i| std::ptr::eq(i, img)).expect("an image of IMAGES");
+    all.iter().find(|(m, _)| *m == n).map(|(_, k)| k.clone()).unwrap_or_default()
+}
+
+fn disassemble(img: &Image) -> Vec<(String, String)> {
+    assert!(!CUOBJDUMP.is_empty(), "no cuobjdump next to nvcc: the SASS cannot be checked");
+    let dir = std::env::temp_dir().join(format!("flash_attn_sass_{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(format!("{}_hd{}.{}.cubin", img.family, img.head_dim, img.target.name()));
+    std::fs::write(&path, img.bytes).unwrap();
+    let out = Command::new(CUOBJDUMP).arg("--dump-sass").arg(&path).output().expect("run cuobjdump");
+    assert!(out.status.success(), "cuobjdump failed: {}", String::from_utf8_lossy(&out.stderr));
+    let _ = std::fs::remove_file(&path);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let mut kernels: Vec<(String, String)> = Vec::new();
+    for line in text.lines() {
+        if let Some(name) = line.trim().strip_prefix("Function : ") {
+            kernels.push((name.trim().to_string(), String::new()));
+        } else if let Some((_, body)) = kernels.last_mut() {
+            body.push_str(line);
+            body.push('\n');
+        }
+    }
+    kernels
+}
+
+/// The opcodes of a SASS listing (the first token after the `/*addr*/` column and any predicate).
+fn opcodes(sass: &str) -> Vec<&str> {
+    sass.lines()
+        .filter_map(|l| {
+            let rest = l.trim().strip_prefix("/*")?.split_once("*/")?.1.trim();
+            let rest = if rest.starts_with('@') { rest.split_once(' ')?.1.trim() } else { rest };
+            rest.split(|c: char| c.is_whitespace() || c == ';').next().filter(|s| !s.is_empty())
+        })
+        .collect()
+}
+
+/// Per-kernel (registers, stack, spill stores, spill loads) from a ptxas -v report.
+fn report_stats(report: &str) -> Vec<(String, u32, u32, u32, u32)> {
+    let num_before = |line: &str, key: &str| -> Option<u32> {
+        let i = line.find(key)?;
+        line[..i].split_whitespace().last()?.parse().ok()
+    };
+    let mut out = Vec::new();
+    let mut name = String::new();
+    let (mut stack, mut st, mut ld) = (0, 0, 0);
+    for line in report.lines() {
+        if let Some(rest) = line.split("Function properties for ").nth(1) {
+            name = rest.trim().to_string();
+        } else if line.contains("bytes stack frame") {
+            stack = num_before(line, "bytes stack frame").unwrap_or(u32::MAX);
+            st = num_before(line, "bytes spill stores").unwrap_or(u32::MAX);
+            ld = num_before(line, "bytes spill loads").unwrap_or(u32::MAX);
+        } else if let Some(regs) = num_before(line, "registers") {
+            out.push((name.clone(), regs, stack, st, ld));
+        }
+    }
+    out
+}
+
+#[test]
+#[cfg_attr(not(fa_kernels), ignore = "nvcc was not found at build time, so no kernel was built (run scripts/install-cuda-toolchain.sh)")]
+fn every_kernel_of_the_table_is_built() {
+    assert!(!IMAGES.is_empty(), "{WHY_NO_KERNELS}");
+    for img in cubins() {
+        let names: Vec<String> = sass_by_kernel(img).into_iter().map(|(n, _)| n).collect();
+        for dt in DTYPE_NAMES {
+            let sym = kernel_symbol(img.family, img.head_dim, dt);
+            assert!(names.contains(&sym), "{sym} missing from {}_hd{}.{}: {names:?}", img.family, img.head_dim, img.target.name());
+        }
+    }
+    // Exactly the table's (family, head_dim, target) triples, as pruned by FLASH_ATTN_*.
+    let keep = |filter: &str, x: &str| filter.trim().is_empty() || filter.split(',').any(|f| f.trim() == x);
+    let mut expected: Vec<(&str, u32, Target)> = Vec::new();
+    for fam in FAMILIES {
+        for tile in fam.tiles.iter().filter(|t| keep(HDIMS_FILTER, &t.head_dim.to_string())) {
+            for &t in targets_for(fam.source).iter().filter(|t| keep(ARCHS_FILTER, t.name())) {
+                expected.push((fam.name, tile.head_dim, t));
+            }
+        }
+    }
+    let mut built: Vec<(&str, u32, Target)> = IMAGES.iter().map(|i| (i.family, i.head_dim, i.target)).collect();
+    let key = |x: &(&str, u32, Target)| (x.0.to_string(), x.1, x.2.name());
+    expected.sort_by_key(key);
+    built.sort_by_key(key);
+    assert_eq!(built, expected, "built images differ from build/instances.rs");
+}
+
+#[test]
+#[cfg_attr(not(fa_kernels), ignore = "nvcc was not found at build time, so no kernel was built (run scripts/install-cuda-toolchain.sh)")]
+fn no_kernel_spills() {
+    for img in cubins() {
+        let stats = report_stats(img.report);
+        assert_eq!(stats.len(), DTYPE_NAMES.len(), "{}_hd{}.{}: report {:?}", img.family, img.head_dim, img.target.name(), img.report);
+        for (name, regs, stack, st, ld) in stats {
+            println!("{name:28} {:>4}  {regs:3} registers, {stack} B stack, {st}/{ld} B spill st/ld", img.target.name());
+            assert!(stack == 0 && st == 0 && ld == 0, "{name} on {}: {stack} B stack, {st} B spill stores, {ld} B spill loads", img.target.name());
+        }
+        for (name, sass) in sass_by_kernel(img) {
+            let local: Vec<&str> = opcodes(&sass).into_iter().filter(|op| op.starts_with("LDL") || op.starts_with("STL")).collect();
+            assert!(local.is_empty(), "{name} on {} uses local memory: {local:?}", img.target.name());
+        }
+    }
+}
+
+#[test]
+#[cfg_attr(not(fa_kernels), ignore = "nvcc was not found at build time, so no kernel was built (run scripts/install-cuda-toolchain.sh)")]
+fn families_use_the_instructions_they_claim() {
+    for img in cubins() {
+        let fam = family(img.family);
+        for (name, sass) in sass_by_kernel(img) {
+            let ops = opcodes(&sass);
+            for want in fam.sass_expect {
+                assert!(
+                    ops.iter().any(|op| op == want || op.starts_with(&format!("{want}."))),
+                    "{name} on {}: no {want} (family {} claims it)",
+                    img.target.name(),
+                    fam.name
+                );
+            }
+        }
+    }
+}
+
+#[test]
+#[cfg_attr(not(fa_kernels), ignore = "nvcc was not found at build time, so no kernel was built (run scripts/install-cuda-toolchain.sh)")]
+fn ptx_fallback_says_version_9_0() {
+    let ptx: Vec<&Image> = IMAGES.iter().filter(|i| i.target == Target::Ptx80).collect();
+    for img in ptx {
+        let text = std::str::from_utf8(img.bytes).expect("PTX is text");
+        assert!(text.lines().any(|l| l.trim() == ".version 9.0"), "{}_hd{}: not PTX ISA 9.0", img.family, img.head_dim);
+        for dt in DTYPE_NAMES {
+            let sym = kernel_symbol(img.family, img.head_dim, dt);
+            assert!(text.contains(&format!(".entry {sym}(")), "{sym} missing from the PTX");
+        }
+    }
+}
+
+/// CI installs the toolchain and sets FLASH_ATTN_REQUIRE_NVCC=1: then the checks above must
+/// have run, not been ignored.
+#[test]
+fn toolchain_present_when_required() {
+    if std::env::var("FLASH_ATTN_REQUIRE_NVCC").is_ok_and(|v| v == "1") {
+        assert!(!IMAGES.is_empty(), "FLASH_ATTN_REQUIRE_NVCC=1 but no kernel was built: {WHY_NO_KERNELS}");
+        assert!(!CUOBJDUMP.is_empty(), "FLASH_ATTN_REQUIRE_NVCC=1 but cuobjdump was not found next to nvcc");
+    } else {
+        println!("FLASH_ATTN_REQUIRE_NVCC is not 1: kernels built: {}", IMAGES.len());
+    }
+}
