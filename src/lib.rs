@@ -29,10 +29,12 @@ mod api;
 mod cpu;
 mod cuda_host;
 mod error;
+pub mod flops;
 pub mod numerics;
 mod options;
 mod problem;
 pub mod reference;
+pub mod roofline;
 mod tensor;
 
 pub use api::{forward, Dispatch, Output};

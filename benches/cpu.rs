@@ -1,0 +1,213 @@
+//! CPU backend benchmarks, against the machine's own f32 GEMM rate measured in the same run.
+//!
+//! `cargo bench --bench cpu` (a few minutes on 2 cores). Sweep: batch × seqlen = `FA_BENCH_TOKENS`
+//! (default 2048, so the headline shape 1×8 heads×2048×128 is in it), seqlen 512/1024/2048,
+//! head_dim 64/128/256 at hidden `FA_BENCH_HIDDEN` (default 1024, so 16/8/4 heads), causal and
+//! not, f32; bf16 inputs at head_dim 128. Criterion reports throughput in elements/s where one
+//! element is one FLOP (so "Gelem/s" reads GFLOP/s). The GEMM group times `matrixmultiply`'s
+//! sgemm on all cores at the attention products' shapes and a large square one.
+//!
+//! At the end a summary table gives each case's median rate and its ratio to the GEMM rates, and
+//! the same numbers go to `target/bench/cpu.jsonl` (or `FA_BENCH_JSON`) as one JSON line per
+//! run for `scripts/report.py`.
+
+mod support;
+
+use criterion::{Criterion, SamplingMode, Throughput};
+use flash_attn::{flops, forward, Backend, DType, ForwardOptions, Output};
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::time::{Duration, Instant};
+use support::{Case, Gemm, Record, GEMM_SHAPES};
+
+/// Criterion's minimum; each sample is one or a few runs (flat sampling).
+const SAMPLES: usize = 10;
+const WARM_UP: Duration = Duration::from_secs(1);
+const MEASURE: Duration = Duration::from_secs(3);
+/// Rows of the float64 reference checked per case.
+const ERR_ROWS: usize = 16;
+
+fn env_usize(name: &str, default: usize) -> usize {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+fn cases() -> Vec<Case> {
+    let tokens = env_usize("FA_BENCH_TOKENS", 2048);
+    let hidden = env_usize("FA_BENCH_HIDDEN", 1024);
+    let mut out = Vec::new();
+    for d in [64, 128, 256] {
+        for s in [512, 1024, 2048] {
+            for causal in [false, true] {
+                out.push(Case::square((tokens / s).max(1), s, hidden / d, d, DType::F32, causal));
+            }
+        }
+    }
+    for s in [512, 1024, 2048] {
+        for causal in [false, true] {
+            out.push(Case::square((tokens / s).max(1), s, hidden / 128, 128, DType::BF16, causal));
+        }
+    }
+    out
+}
+
+/// Per-iteration times (ms) recorded by each benchmark's routine; the last `SAMPLES` entries are
+/// criterion's measurement phase (warm-up calls come first).
+type Samples = RefCell<BTreeMap<String, Vec<f64>>>;
+
+fn record(samples: &Samples, id: &str, total: Duration, iters: u64) {
+    let ms = total.as_secs_f64() * 1e3 / iters.max(1) as f64;
+    samples.borrow_mut().entry(id.to_string()).or_default().push(ms);
+}
+
+fn measured_median(samples: &Samples, id: &str) -> Option<(f64, usize)> {
+    let s = samples.borrow();
+    let v = s.get(id)?;
+    let tail = &v[v.len().saturating_sub(SAMPLES)..];
+    Some((support::median(tail), tail.len()))
+}
+
+fn main() {
+    let threads = support::gemm_use_all_cores();
+    let mut c = Criterion::default()
+        .sample_size(SAMPLES)
+        .warm_up_time(WARM_UP)
+        .measurement_time(MEASURE)
+        .configure_from_args();
+    let samples: Samples = RefCell::new(BTreeMap::new());
+
+    // The reference rate: matrixmultiply's sgemm on all cores.
+    let mut gemm_group = c.benchmark_group("gemm_f32");
+    gemm_group.sampling_mode(SamplingMode::Flat);
+    let mut gemm_ids = Vec::new();
+    for (m, n, k) in GEMM_SHAPES {
+        let mut g = Gemm::new(m, n, k);
+        let id = format!("sgemm_{}", g.id());
+        gemm_group.throughput(Throughput::Elements(g.flops()));
+        gemm_group.bench_function(&id, |b| {
+            b.iter_custom(|iters| {
+                let t = Instant::now();
+                for _ in 0..iters {
+                    g.run();
+                }
+                let e = t.elapsed();
+                record(&samples, &id, e, iters);
+                e
+            })
+        });
+        gemm_ids.push((id, g.flops()));
+    }
+    gemm_group.finish();
+    let gemm_rates: Vec<(String, f64)> = gemm_ids
+        .iter()
+        .filter_map(|(id, f)| measured_median(&samples, id).map(|(ms, _)| (id.clone(), flops::flops_per_second(*f, ms))))
+        .collect();
+    let square = gemm_rates.iter().find(|(id, _)| id.contains("k2048") && id.contains("n2048")).map(|x| x.1);
+    let qk_shaped = gemm_rates.iter().find(|(id, _)| id.contains("n2048_k128")).map(|x| x.1);
+    let best_gemm = gemm_rates.iter().map(|x| x.1).fold(f64::NAN, f64::max);
+    let roof = best_gemm.is_finite().then(|| support::cpu_roofline(best_gemm, "best of the GEMM group"));
+
+    let mut records = Vec::new();
+    let mut group = c.benchmark_group("attention_cpu");
+    group.sampling_mode(SamplingMode::Flat);
+    for case in cases() {
+        let (q, k, v) = case.inputs(1);
+        let opts = ForwardOptions::default().mask(case.mask).backend(Backend::Cpu);
+        let p = case.problem(&q, &k, &v, &opts);
+        let cost = flops::cost(&p);
+        let id = case.id();
+        let mut first: Option<Output> = None;
+        group.throughput(Throughput::Elements(cost.flops));
+        group.bench_function(&id, |b| {
+            b.iter_custom(|iters| {
+                let t = Instant::now();
+                for _ in 0..iters {
+                    let out = forward(&q, &k, &v, &opts).expect("CPU forward runs");
+                    if first.is_none() {
+                        first = Some(out);
+                    }
+                }
+                let e = t.elapsed();
+                record(&samples, &id, e, iters);
+                e
+            })
+        });
+        let (Some((ms, runs)), Some(out)) = (measured_median(&samples, &id), first) else {
+            continue; // filtered out on the command line
+        };
+        let err = support::sampled_max_error(&p, &q, &k, &v, &out, ERR_ROWS, 7);
+        records.push(Record {
+            impl_name: "flash_attn".into(),
+            machine: flash_attn::roofline::cpu_name(),
+            backend: out.dispatch.backend.clone(),
+            kernel: out.dispatch.kernel.clone(),
+            variant: "auto".into(),
+            case,
+            precision: "native".into(),
+            cost,
+            ms,
+            runs,
+            roofline: roof.clone(),
+            max_err: Some(err),
+            err_rows: ERR_ROWS,
+            gemm_flops: best_gemm.is_finite().then_some(best_gemm),
+        });
+    }
+    group.finish();
+    c.final_summary();
+
+    summary(threads, &gemm_rates, square, qk_shaped, roof.as_ref(), &records);
+}
+
+fn summary(
+    threads: usize,
+    gemm_rates: &[(String, f64)],
+    square: Option<f64>,
+    qk_shaped: Option<f64>,
+    roof: Option<&flash_attn::roofline::Roofline>,
+    records: &[Record],
+) {
+    if records.is_empty() && gemm_rates.is_empty() {
+        return;
+    }
+    let ratio = |x: f64, g: Option<f64>| g.map_or("-".to_string(), |g| format!("{:.2}", x / g));
+    println!("\n## CPU summary: {} ({threads} threads), median of the last {SAMPLES} samples", flash_attn::roofline::cpu_name());
+    for (id, r) in gemm_rates {
+        println!("GEMM {id}: {:.1} GFLOP/s", r / 1e9);
+    }
+    if let Some(r) = roof {
+        println!("roofline: compute {:.1} GFLOP/s (best GEMM), copy bandwidth {:.1} GB/s", r.peak_flops / 1e9, r.bandwidth / 1e9);
+    }
+    println!("\n| case | kernel | ms | GFLOP/s | ÷ GEMM 2048³ | ÷ GEMM 2048×2048×128 | % roofline | max err |");
+    println!("|---|---|---:|---:|---:|---:|---:|---:|");
+    for rec in records {
+        let rate = rec.flops_per_s();
+        let pct = roof.map_or("-".into(), |r| format!("{:.0}", r.percent(rate, rec.cost.intensity())));
+        println!(
+            "| {} | {} | {:.1} | {:.1} | {} | {} | {} | {:.1e} |",
+            rec.case.id(),
+            rec.kernel,
+            rec.ms,
+            rate / 1e9,
+            ratio(rate, square),
+            ratio(rate, qk_shaped),
+            pct,
+            rec.max_err.unwrap_or(f64::NAN)
+        );
+    }
+    let path = std::env::var("FA_BENCH_JSON").unwrap_or_else(|_| "target/bench/cpu.jsonl".into());
+    let write = || -> std::io::Result<()> {
+        if let Some(dir) = std::path::Path::new(&path).parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let mut f = std::fs::File::create(&path)?;
+        for rec in records {
+            writeln!(f, "{}", rec.json())?;
+        }
+        Ok(())
+    };
+    match write() {
+        Ok(()) => println!("\nJSON lines: {path} (scripts/report.py turns them into a table and a roofline plot)"),
+        Err(e) => eprintln!("could not write {path}: {e}"),
+    }
+}
