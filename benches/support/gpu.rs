@@ -74,6 +74,7 @@ pub fn open(ordinal: usize) -> Result<Box<dyn GpuHarness>, String> {
     Err("the CUDA runtime is not wired into the benches yet (benches/support/gpu.rs: open)".into())
 }
 
+#[allow(unused_imports)] // used by benches/gpu.rs only
 pub use flash_attn::roofline::rotating_sets;
 
 /// The GPU sweep of the issue: batch × seqlen = `tokens` (16K), seqlen 512..=16K, head_dim

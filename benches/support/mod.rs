@@ -297,13 +297,19 @@ pub struct Record {
     pub case: Case,
     pub precision: String,
     pub cost: flops::Cost,
+    /// Median milliseconds per run.
     pub ms: f64,
+    /// Fastest run (ms): on a shared machine the closest to the unloaded rate.
+    pub ms_min: Option<f64>,
     pub runs: usize,
     pub roofline: Option<Roofline>,
     pub max_err: Option<f64>,
     pub err_rows: usize,
-    /// Best measured GEMM rate of this run (CPU), FLOP/s.
+    /// The f32 GEMM rate (FLOP/s, CPU) the run is compared with: in `benches/cpu.rs` the
+    /// 2048×2048×128 sgemm timed interleaved with this case's samples (median).
     pub gemm_flops: Option<f64>,
+    /// The best (fastest-run) rate of that GEMM, FLOP/s.
+    pub gemm_flops_best: Option<f64>,
 }
 
 impl Record {
@@ -334,9 +340,9 @@ impl Record {
                 "{{\"impl\":{},\"machine\":{},\"backend\":{},\"kernel\":{},\"variant\":{},",
                 "\"dtype\":{},\"precision\":{},\"math\":{},\"batch\":{},\"seqlen_q\":{},\"seqlen_k\":{},",
                 "\"heads_q\":{},\"heads_kv\":{},\"head_dim\":{},\"causal\":{},\"window_left\":{},",
-                "\"window_right\":{},\"flops\":{},\"bytes\":{},\"intensity\":{},\"ms\":{},\"runs\":{},",
+                "\"window_right\":{},\"flops\":{},\"bytes\":{},\"intensity\":{},\"ms\":{},\"ms_min\":{},\"runs\":{},",
                 "\"tflops\":{},\"peak_tflops\":{},\"bandwidth_tbs\":{},\"pct_roofline\":{},",
-                "\"roofline_source\":{},\"gemm_tflops\":{},\"max_err\":{},\"err_rows\":{}}}"
+                "\"roofline_source\":{},\"gemm_tflops\":{},\"gemm_tflops_best\":{},\"max_err\":{},\"err_rows\":{}}}"
             ),
             js(&self.impl_name),
             js(&self.machine),
@@ -359,6 +365,7 @@ impl Record {
             self.cost.bytes,
             jn(ai),
             jn(self.ms),
+            self.ms_min.map_or("null".into(), jn),
             self.runs,
             jn(rate / 1e12),
             peak,
@@ -366,6 +373,7 @@ impl Record {
             pct,
             roof_src,
             self.gemm_flops.map_or("null".into(), |g| jn(g / 1e12)),
+            self.gemm_flops_best.map_or("null".into(), |g| jn(g / 1e12)),
             self.max_err.map_or("null".into(), jn),
             self.err_rows,
         )
