@@ -50,7 +50,7 @@ fn main() {
         println!("{} is not in flash_attn::roofline::GPUS: no % of roofline", info.name);
     }
 
-    let quick = std::env::var_os("FA_BENCH_QUICK").is_some();
+    let quick = std::env::var("FA_BENCH_QUICK").is_ok_and(|v| !v.is_empty() && v != "0");
     let tokens = std::env::var("FA_BENCH_TOKENS").ok().and_then(|v| v.parse().ok()).unwrap_or(16 * 1024);
     let mut c = Criterion::default()
         .sample_size(SAMPLES)
