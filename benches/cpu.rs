@@ -8,10 +8,11 @@
 //! sgemm on all cores at the attention products' shapes and a large square one.
 //!
 //! The machine is shared (other builds come and go), so a GEMM measured once would be compared
-//! with attention measured under another load. Each attention sample is therefore preceded by
-//! `ADJ_GEMMS` runs of the 2048×2048×128 sgemm (the shape of S = Q·Kᵀ for a 2048-row block, and
-//! matrixmultiply's fastest shape here), timed apart from criterion's measurement; a case's
-//! ratio is its rate over that interleaved GEMM rate, median over median and best over best.
+//! with attention measured under another load. Each attention sample is therefore preceded by a
+//! block of the 2048×2048×128 sgemm (the shape of S = Q·Kᵀ for a 2048-row block, and
+//! matrixmultiply's fastest shape here) lasting `GEMM_MATCH` × the previous sample, timed apart
+//! from criterion's measurement. A case's ratios: median over median, best over best, and the
+//! paired ratio (median over samples of the sample's rate ÷ the GEMM blocks on either side).
 //!
 //! At the end a summary table gives each case's rates and ratios, and the same numbers go to
 //! `target/bench/cpu.jsonl` (or `FA_BENCH_JSON`) as one JSON line per run for
@@ -33,8 +34,8 @@ const WARM_UP: Duration = Duration::from_secs(1);
 const MEASURE: Duration = Duration::from_secs(3);
 /// Rows of the float64 reference checked per case.
 const ERR_ROWS: usize = 16;
-/// Interleaved GEMM runs before each attention sample (about 20 ms each here).
-const ADJ_GEMMS: usize = 2;
+/// Length of the GEMM block before each attention sample, relative to the previous sample.
+const GEMM_MATCH: f64 = 0.5;
 /// The interleaved GEMM: S = Q·Kᵀ of a 2048-row block at head_dim 128.
 const ADJ_SHAPE: (usize, usize, usize) = (2048, 2048, 128);
 
@@ -129,14 +130,13 @@ fn main() {
         let id = case.id();
         let adj_id = format!("{id}/adjacent_gemm");
         let mut first: Option<Output> = None;
+        let mut last_sample_ms = 100.0;
         group.throughput(Throughput::Elements(cost.flops));
         group.bench_function(&id, |b| {
             b.iter_custom(|iters| {
-                for _ in 0..ADJ_GEMMS {
-                    let t = Instant::now();
-                    adj.run();
-                    record(&samples, &adj_id, t.elapsed(), 1);
-                }
+                let rate = adj.rate_for(GEMM_MATCH * last_sample_ms);
+                let per_gemm = Duration::from_secs_f64(adj.flops() as f64 / rate);
+                record(&samples, &adj_id, per_gemm, 1);
                 let t = Instant::now();
                 for _ in 0..iters {
                     let out = forward(&q, &k, &v, &opts).expect("CPU forward runs");
@@ -145,6 +145,7 @@ fn main() {
                     }
                 }
                 let e = t.elapsed();
+                last_sample_ms = e.as_secs_f64() * 1e3;
                 record(&samples, &id, e, iters);
                 e
             })
@@ -152,7 +153,14 @@ fn main() {
         let (Some((ms, ms_min, runs)), Some(out)) = (measured(&samples, &id, SAMPLES), first) else {
             continue; // filtered out on the command line
         };
-        let (g_ms, g_min, _) = measured(&samples, &adj_id, SAMPLES * ADJ_GEMMS).expect("recorded with the case");
+        let (g_ms, g_min, _) = measured(&samples, &adj_id, SAMPLES).expect("recorded with the case");
+        let paired = {
+            let s = samples.borrow();
+            let tail = |v: &Vec<f64>| v[v.len().saturating_sub(SAMPLES)..].to_vec();
+            let g: Vec<f64> = tail(&s[&adj_id]).iter().map(|ms| flops::flops_per_second(adj.flops(), *ms)).collect();
+            let a: Vec<f64> = tail(&s[&id]).iter().map(|ms| flops::flops_per_second(cost.flops, *ms)).collect();
+            support::paired_ratio(&g, &a)
+        };
         let (gemm, gemm_best) = (flops::flops_per_second(adj.flops(), g_ms), flops::flops_per_second(adj.flops(), g_min));
         let mut case_roof = roof.clone();
         case_roof.peak_flops = gemm;
@@ -178,6 +186,7 @@ fn main() {
             err_rows: ERR_ROWS,
             gemm_flops: Some(gemm),
             gemm_flops_best: Some(gemm_best),
+            gemm_ratio_paired: Some(paired),
         });
     }
     group.finish();
@@ -199,7 +208,7 @@ fn summary(threads: usize, gemm_rates: &[(String, f64)], roof: &flash_attn::roof
     }
     println!("copy bandwidth: {:.1} GB/s (read + write)", roof.bandwidth / 1e9);
     println!(
-        "\n| case | ms (median) | GFLOP/s median | GFLOP/s best | GEMM {}x{}x{} median / best | ratio median | ratio best | % roofline | max err |",
+        "\n| case | ms (median) | GFLOP/s median | GFLOP/s best | GEMM {}x{}x{} median / best | ratio median | ratio best | ratio paired | max err |",
         ADJ_SHAPE.0, ADJ_SHAPE.1, ADJ_SHAPE.2
     );
     println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
@@ -207,9 +216,8 @@ fn summary(threads: usize, gemm_rates: &[(String, f64)], roof: &flash_attn::roof
         let rate = rec.flops_per_s();
         let best = rec.ms_min.map_or(f64::NAN, |m| flops::flops_per_second(rec.cost.flops, m));
         let (g, gb) = (rec.gemm_flops.unwrap_or(f64::NAN), rec.gemm_flops_best.unwrap_or(f64::NAN));
-        let pct = rec.roofline.as_ref().map_or(f64::NAN, |r| r.percent(rate, rec.cost.intensity()));
         println!(
-            "| {} | {:.1} | {:.1} | {:.1} | {:.1} / {:.1} | {:.2} | {:.2} | {:.0} | {:.1e} |",
+            "| {} | {:.1} | {:.1} | {:.1} | {:.1} / {:.1} | {:.2} | {:.2} | {:.2} | {:.1e} |",
             rec.case.id(),
             rec.ms,
             rate / 1e9,
@@ -218,7 +226,7 @@ fn summary(threads: usize, gemm_rates: &[(String, f64)], roof: &flash_attn::roof
             gb / 1e9,
             rate / g,
             best / gb,
-            pct,
+            rec.gemm_ratio_paired.unwrap_or(f64::NAN),
             rec.max_err.unwrap_or(f64::NAN)
         );
     }

@@ -234,41 +234,45 @@ fn main() {
             }
         }
     }
-    // On the CPU the GEMM reference rate is timed interleaved with the runs (one 2048x2048x128
-    // sgemm before each), so both see the same load on a shared machine.
+    // On the CPU the GEMM reference rate is timed in blocks alternating with the runs, each block
+    // as long as the previous run, so both see the same load on a shared machine.
     let interleave_gemm = a.gemm && first.as_ref().is_some_and(|o| o.dispatch.backend == "cpu");
     let mut gemm = interleave_gemm.then(|| Gemm::new(2048, 2048, 128));
     if let Some(g) = gemm.as_mut() {
         g.run(); // warm-up
     }
-    let mut gemm_ms = Vec::new();
+    let mut gemm_rates = Vec::new();
     let mut times = Vec::new();
+    let mut last_ms = 100.0;
     let started = std::time::Instant::now();
     for i in 0..a.runs {
         if let Some(g) = gemm.as_mut() {
-            gemm_ms.push(support::time_ms(|| g.run()));
+            gemm_rates.push(g.rate_for(last_ms));
         }
         let (o, ms) = run().unwrap_or_else(|e| {
             eprintln!("forward failed: {e}");
             std::process::exit(1);
         });
         times.push(ms);
+        last_ms = ms;
         first.get_or_insert(o);
         if i >= 2 && started.elapsed().as_secs_f64() > a.max_seconds {
             eprintln!("stopped after {} runs (--max-seconds {})", i + 1, a.max_seconds);
             break;
         }
     }
+    if let Some(g) = gemm.as_mut() {
+        gemm_rates.push(g.rate_for(last_ms)); // the block after the last run
+    }
     let out = first.expect("at least one run");
     let ms = support::median(&times);
 
     let on_cpu = out.dispatch.backend == "cpu";
     let math = Math::of(case.dtype, a.precision);
-    let gemm_flop_count = gemm.as_ref().map_or(0, |g| g.flops());
-    let gemm_flops = gemm.is_some().then(|| flops::flops_per_second(gemm_flop_count, support::median(&gemm_ms)));
-    let gemm_flops_best = gemm.is_some().then(|| {
-        flops::flops_per_second(gemm_flop_count, gemm_ms.iter().copied().fold(f64::INFINITY, f64::min))
-    });
+    let gemm_flops = gemm.is_some().then(|| support::median(&gemm_rates));
+    let gemm_flops_best = gemm.is_some().then(|| gemm_rates.iter().copied().fold(0.0, f64::max));
+    let att_rates: Vec<f64> = times.iter().map(|ms| flops::flops_per_second(cost.flops, *ms)).collect();
+    let gemm_ratio_paired = gemm.is_some().then(|| support::paired_ratio(&gemm_rates, &att_rates));
     let roofline = match (a.peak_tflops, a.bandwidth_tbs) {
         (Some(pk), Some(bw)) => Some(Roofline {
             machine: "given".into(),
@@ -281,7 +285,7 @@ fn main() {
         _ if on_cpu && gemm_flops.is_some() => {
             // The CPU's compute ceiling: the f32 GEMM rate measured beside the runs.
             let g = gemm_flops.expect("checked");
-            let mut r = support::cpu_roofline(g, "sgemm 2048x2048x128 on all cores, interleaved with the runs (median)");
+            let mut r = support::cpu_roofline(g, "sgemm 2048x2048x128 on all cores, in blocks alternating with the runs (median)");
             if let Some(pk) = a.peak_tflops {
                 r.peak_flops = pk * 1e12;
                 r.peak_source = "--peak-tflops".into();
@@ -315,6 +319,7 @@ fn main() {
         err_rows: a.check_rows,
         gemm_flops,
         gemm_flops_best,
+        gemm_ratio_paired,
     };
     eprintln!(
         "{} on {} ({threads} GEMM threads): {:.2} ms, {:.1} GFLOP/s{}",
@@ -322,7 +327,11 @@ fn main() {
         rec.machine,
         ms,
         rec.flops_per_s() / 1e9,
-        gemm_flops.map_or(String::new(), |g| format!(", {:.2}x the GEMM rate", rec.flops_per_s() / g))
+        gemm_ratio_paired.map_or(String::new(), |r| format!(
+            ", {r:.2}x the GEMM rate (paired); best {:.1} vs GEMM best {:.1} GFLOP/s",
+            att_rates.iter().copied().fold(0.0, f64::max) / 1e9,
+            gemm_flops_best.unwrap_or(f64::NAN) / 1e9
+        ))
     );
     println!("{}", rec.json());
 }

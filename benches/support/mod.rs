@@ -223,6 +223,21 @@ impl Gemm {
         }
         std::hint::black_box(&self.c);
     }
+    /// Runs back to back for at least `ms` milliseconds (at least once); returns the FLOP/s of
+    /// the block. Used as the time-matched GEMM beside an attention run.
+    pub fn rate_for(&mut self, ms: f64) -> f64 {
+        let t = Instant::now();
+        let mut n = 0u64;
+        loop {
+            self.run();
+            n += 1;
+            if t.elapsed().as_secs_f64() * 1e3 >= ms {
+                break;
+            }
+        }
+        (n * self.flops()) as f64 / t.elapsed().as_secs_f64()
+    }
+
     /// Median FLOP/s over `reps` runs after one warm-up.
     pub fn rate(&mut self, reps: usize) -> f64 {
         self.run();
@@ -235,6 +250,23 @@ impl Gemm {
 /// block at head_dim 128 (S = Q·Kᵀ: M=N=2048, K=128; O = P·V: M=2048, N=128, K=2048) and a large
 /// square one (the machine's f32 rate).
 pub const GEMM_SHAPES: [(usize, usize, usize); 3] = [(2048, 2048, 128), (2048, 128, 2048), (2048, 2048, 2048)];
+
+/// The paired ratio of attention to GEMM on a shared machine: GEMM blocks and attention runs
+/// alternate (`gemm[0], att[0], gemm[1], att[1], ...`), each attention rate is divided by the
+/// mean of the GEMM blocks on either side of it (the one before when it is the last), and the
+/// median of those ratios is returned. Load that changes slowly cancels out of each pair.
+pub fn paired_ratio(gemm: &[f64], att: &[f64]) -> f64 {
+    let ratios: Vec<f64> = att
+        .iter()
+        .enumerate()
+        .filter_map(|(i, a)| {
+            let before = *gemm.get(i)?;
+            let g = gemm.get(i + 1).map_or(before, |after| 0.5 * (before + after));
+            Some(a / g)
+        })
+        .collect();
+    median(&ratios)
+}
 
 /// Wall time of `f` in milliseconds.
 pub fn time_ms(f: impl FnOnce()) -> f64 {
@@ -310,6 +342,9 @@ pub struct Record {
     pub gemm_flops: Option<f64>,
     /// The best (fastest-run) rate of that GEMM, FLOP/s.
     pub gemm_flops_best: Option<f64>,
+    /// Median of the per-run attention ÷ GEMM ratios with time-matched GEMM blocks alternating
+    /// with the runs ([`paired_ratio`]): the steadiest comparison on a loaded machine.
+    pub gemm_ratio_paired: Option<f64>,
 }
 
 impl Record {
@@ -342,7 +377,7 @@ impl Record {
                 "\"heads_q\":{},\"heads_kv\":{},\"head_dim\":{},\"causal\":{},\"window_left\":{},",
                 "\"window_right\":{},\"flops\":{},\"bytes\":{},\"intensity\":{},\"ms\":{},\"ms_min\":{},\"runs\":{},",
                 "\"tflops\":{},\"peak_tflops\":{},\"bandwidth_tbs\":{},\"pct_roofline\":{},",
-                "\"roofline_source\":{},\"gemm_tflops\":{},\"gemm_tflops_best\":{},\"max_err\":{},\"err_rows\":{}}}"
+                "\"roofline_source\":{},\"gemm_tflops\":{},\"gemm_tflops_best\":{},\"gemm_ratio_paired\":{},\"max_err\":{},\"err_rows\":{}}}"
             ),
             js(&self.impl_name),
             js(&self.machine),
@@ -374,6 +409,7 @@ impl Record {
             roof_src,
             self.gemm_flops.map_or("null".into(), |g| jn(g / 1e12)),
             self.gemm_flops_best.map_or("null".into(), |g| jn(g / 1e12)),
+            self.gemm_ratio_paired.map_or("null".into(), jn),
             self.max_err.map_or("null".into(), jn),
             self.err_rows,
         )
