@@ -115,11 +115,15 @@ def machine_table(machine, recs):
     for k in ("gpu", "driver", "clocks", "torch"):
         if first.get(k):
             notes.append(f"{k}: {first[k]}")
-    roof = next((r for r in recs if r.get("peak_tflops")), None)
-    if roof:
+    roofs = [r for r in recs if r.get("peak_tflops") and r.get("bandwidth_tbs")]
+    if roofs:
+        pks = sorted(r["peak_tflops"] for r in roofs)
+        bws = sorted(r["bandwidth_tbs"] for r in roofs)
+        varied = pks[0] != pks[-1]
         notes.append(
-            f"roofline: compute {roof['peak_tflops'] * mul:.1f} {unit}, bandwidth "
-            f"{roof['bandwidth_tbs'] * 1e3:.1f} GB/s ({roof.get('roofline_source') or 'source not given'})"
+            f"roofline: compute {pks[len(pks) // 2] * mul:.1f} {unit}"
+            + (f" (median; per run {pks[0] * mul:.1f}–{pks[-1] * mul:.1f})" if varied else "")
+            + f", bandwidth {bws[len(bws) // 2] * 1e3:.1f} GB/s; sources: {roofs[0].get('roofline_source') or 'not given'}"
         )
     out += [f"- {n}" for n in notes] + ([""] if notes else [])
     gemm = any(r.get("gemm_tflops") for r in recs if r["impl"] == OURS)
