@@ -132,9 +132,10 @@ def sampled_error(q, k, v, o, causal, n, gen):
 def bench(name, backend, b, s, h, d, causal, dtype, args, l2, roof, meta):
     per_set = 4 * b * s * h * d * torch.finfo(dtype).bits // 8
     sets = max(2, -(-2 * l2 // per_set) + 1)
-    gen = torch.Generator(device="cpu").manual_seed(1)
+    gen = torch.Generator(device="cpu").manual_seed(1)  # for the sampled rows
+    dev_gen = torch.Generator(device="cuda").manual_seed(1)
     data = [
-        tuple(torch.randn(b, s, h, d, generator=gen).to("cuda", dtype) for _ in range(3))
+        tuple(torch.randn(b, s, h, d, generator=dev_gen, device="cuda", dtype=dtype) for _ in range(3))
         for _ in range(sets)
     ]
 
