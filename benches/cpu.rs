@@ -13,6 +13,8 @@
 //! matrixmultiply's fastest shape here) lasting `GEMM_MATCH` × the previous sample, timed apart
 //! from criterion's measurement. A case's ratios: median over median, best over best, and the
 //! paired ratio (median over samples of the sample's rate ÷ the GEMM blocks on either side).
+//! Also the rates per CPU-second × threads (process CPU time from /proc/self/stat): what each
+//! would do with the cores to itself, the steadiest comparison when the machine is time-sliced.
 //!
 //! At the end a summary table gives each case's rates and ratios, and the same numbers go to
 //! `target/bench/cpu.jsonl` (or `FA_BENCH_JSON`) as one JSON line per run for
@@ -60,6 +62,16 @@ fn cases() -> Vec<Case> {
         }
     }
     out
+}
+
+/// CPU seconds (all threads, /proc/self/stat) of one GEMM block or one attention sample.
+enum CpuEntry {
+    Gemm { secs: f64, runs: u64 },
+    Attention { secs: f64, runs: u64 },
+}
+
+fn cpu_now() -> f64 {
+    support::process_cpu_seconds().unwrap_or(f64::NAN)
 }
 
 /// Per-iteration times (ms) recorded by each benchmark's routine; the last `SAMPLES` entries are
@@ -129,14 +141,18 @@ fn main() {
         let cost = flops::cost(&p);
         let id = case.id();
         let adj_id = format!("{id}/adjacent_gemm");
+        let cpu: RefCell<Vec<CpuEntry>> = RefCell::new(Vec::new());
         let mut first: Option<Output> = None;
         let mut last_sample_ms = 100.0;
         group.throughput(Throughput::Elements(cost.flops));
         group.bench_function(&id, |b| {
             b.iter_custom(|iters| {
+                let (c0, r0) = (cpu_now(), adj.runs_done);
                 let rate = adj.rate_for(GEMM_MATCH * last_sample_ms);
+                cpu.borrow_mut().push(CpuEntry::Gemm { secs: cpu_now() - c0, runs: adj.runs_done - r0 });
                 let per_gemm = Duration::from_secs_f64(adj.flops() as f64 / rate);
                 record(&samples, &adj_id, per_gemm, 1);
+                let c0 = cpu_now();
                 let t = Instant::now();
                 for _ in 0..iters {
                     let out = forward(&q, &k, &v, &opts).expect("CPU forward runs");
@@ -145,6 +161,7 @@ fn main() {
                     }
                 }
                 let e = t.elapsed();
+                cpu.borrow_mut().push(CpuEntry::Attention { secs: cpu_now() - c0, runs: iters });
                 last_sample_ms = e.as_secs_f64() * 1e3;
                 record(&samples, &id, e, iters);
                 e
@@ -160,6 +177,29 @@ fn main() {
             let g: Vec<f64> = tail(&s[&adj_id]).iter().map(|ms| flops::flops_per_second(adj.flops(), *ms)).collect();
             let a: Vec<f64> = tail(&s[&id]).iter().map(|ms| flops::flops_per_second(cost.flops, *ms)).collect();
             support::paired_ratio(&g, &a)
+        };
+        // Work per CPU-second × threads over the measured samples (the last SAMPLES of each kind).
+        let cpu_time_rates = {
+            let entries = cpu.borrow();
+            let (mut a_s, mut a_f, mut g_s, mut g_f, mut na, mut ng) = (0.0, 0.0, 0.0, 0.0, 0, 0);
+            for e in entries.iter().rev() {
+                match *e {
+                    CpuEntry::Attention { secs, runs } if na < SAMPLES => {
+                        a_s += secs;
+                        a_f += (runs * cost.flops) as f64;
+                        na += 1;
+                    }
+                    CpuEntry::Gemm { secs, runs } if ng < SAMPLES => {
+                        g_s += secs;
+                        g_f += (runs * adj.flops()) as f64;
+                        ng += 1;
+                    }
+                    _ => {}
+                }
+            }
+            let t = threads as f64;
+            // Only with enough CPU time for the 10 ms tick of /proc/self/stat to be negligible.
+            (a_s > 0.5 && g_s > 0.5 && a_s.is_finite() && g_s.is_finite()).then(|| (a_f * t / a_s, g_f * t / g_s))
         };
         let (gemm, gemm_best) = (flops::flops_per_second(adj.flops(), g_ms), flops::flops_per_second(adj.flops(), g_min));
         let mut case_roof = roof.clone();
@@ -187,6 +227,7 @@ fn main() {
             gemm_flops: Some(gemm),
             gemm_flops_best: Some(gemm_best),
             gemm_ratio_paired: Some(paired),
+            cpu_time_rates,
         });
     }
     group.finish();
@@ -208,16 +249,16 @@ fn summary(threads: usize, gemm_rates: &[(String, f64)], roof: &flash_attn::roof
     }
     println!("copy bandwidth: {:.1} GB/s (read + write)", roof.bandwidth / 1e9);
     println!(
-        "\n| case | ms (median) | GFLOP/s median | GFLOP/s best | GEMM {}x{}x{} median / best | ratio median | ratio best | ratio paired | max err |",
+        "\n| case | ms (median) | GFLOP/s median | GFLOP/s best | GEMM {}x{}x{} median / best | ratio median | ratio best | ratio paired | per CPU-s: attn / GEMM / ratio | max err |",
         ADJ_SHAPE.0, ADJ_SHAPE.1, ADJ_SHAPE.2
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for rec in records {
         let rate = rec.flops_per_s();
         let best = rec.ms_min.map_or(f64::NAN, |m| flops::flops_per_second(rec.cost.flops, m));
         let (g, gb) = (rec.gemm_flops.unwrap_or(f64::NAN), rec.gemm_flops_best.unwrap_or(f64::NAN));
         println!(
-            "| {} | {:.1} | {:.1} | {:.1} | {:.1} / {:.1} | {:.2} | {:.2} | {:.2} | {:.1e} |",
+            "| {} | {:.1} | {:.1} | {:.1} | {:.1} / {:.1} | {:.2} | {:.2} | {:.2} | {} | {:.1e} |",
             rec.case.id(),
             rec.ms,
             rate / 1e9,
@@ -227,6 +268,8 @@ fn summary(threads: usize, gemm_rates: &[(String, f64)], roof: &flash_attn::roof
             rate / g,
             best / gb,
             rec.gemm_ratio_paired.unwrap_or(f64::NAN),
+            rec.cpu_time_rates
+                .map_or("-".into(), |(a, g)| format!("{:.1} / {:.1} / {:.2}", a / 1e9, g / 1e9, a / g)),
             rec.max_err.unwrap_or(f64::NAN)
         );
     }

@@ -243,16 +243,25 @@ fn main() {
     }
     let mut gemm_rates = Vec::new();
     let mut times = Vec::new();
+    // CPU seconds (all threads) spent in the timed attention runs and in the GEMM blocks.
+    let (mut att_cpu, mut gemm_cpu, mut gemm_flop_total) = (0.0f64, 0.0f64, 0u64);
+    let cpu_now = || support::process_cpu_seconds().unwrap_or(f64::NAN);
     let mut last_ms = 100.0;
     let started = std::time::Instant::now();
     for i in 0..a.runs {
         if let Some(g) = gemm.as_mut() {
-            gemm_rates.push(g.rate_for(last_ms));
+            let (c0, r0) = (cpu_now(), g.runs_done);
+            let rate = g.rate_for(last_ms);
+            gemm_cpu += cpu_now() - c0;
+            gemm_flop_total += (g.runs_done - r0) * g.flops();
+            gemm_rates.push(rate);
         }
+        let c0 = cpu_now();
         let (o, ms) = run().unwrap_or_else(|e| {
             eprintln!("forward failed: {e}");
             std::process::exit(1);
         });
+        att_cpu += cpu_now() - c0;
         times.push(ms);
         last_ms = ms;
         first.get_or_insert(o);
@@ -273,6 +282,12 @@ fn main() {
     let gemm_flops_best = gemm.is_some().then(|| gemm_rates.iter().copied().fold(0.0, f64::max));
     let att_rates: Vec<f64> = times.iter().map(|ms| flops::flops_per_second(cost.flops, *ms)).collect();
     let gemm_ratio_paired = gemm.is_some().then(|| support::paired_ratio(&gemm_rates, &att_rates));
+    // Work per CPU-second times the threads: the rate with the cores to ourselves. Needs enough
+    // CPU time for the 10 ms tick of /proc/self/stat to be negligible.
+    let cpu_time_rates = (gemm.is_some() && att_cpu > 0.5 && gemm_cpu > 0.5).then(|| {
+        let t = threads as f64;
+        (cost.flops as f64 * times.len() as f64 * t / att_cpu, gemm_flop_total as f64 * t / gemm_cpu)
+    });
     let roofline = match (a.peak_tflops, a.bandwidth_tbs) {
         (Some(pk), Some(bw)) => Some(Roofline {
             machine: "given".into(),
@@ -320,7 +335,16 @@ fn main() {
         gemm_flops,
         gemm_flops_best,
         gemm_ratio_paired,
+        cpu_time_rates,
     };
+    if let Some((a, g)) = cpu_time_rates {
+        eprintln!(
+            "per CPU-second x {threads} threads: attention {:.1}, GEMM {:.1} GFLOP/s, ratio {:.2}",
+            a / 1e9,
+            g / 1e9,
+            a / g
+        );
+    }
     eprintln!(
         "{} on {} ({threads} GEMM threads): {:.2} ms, {:.1} GFLOP/s{}",
         rec.kernel,

@@ -180,6 +180,8 @@ pub struct Gemm {
     pub m: usize,
     pub n: usize,
     pub k: usize,
+    /// Runs so far (to count the FLOPs of a block).
+    pub runs_done: u64,
     a: Vec<f32>,
     b: Vec<f32>,
     c: Vec<f32>,
@@ -190,7 +192,7 @@ impl Gemm {
         let mut rng = Rng::new((m * 31 + n * 17 + k) as u64);
         let a = (0..m * k).map(|_| rng.normal()).collect();
         let b = (0..k * n).map(|_| rng.normal()).collect();
-        Gemm { m, n, k, a, b, c: vec![0.0; m * n] }
+        Gemm { m, n, k, runs_done: 0, a, b, c: vec![0.0; m * n] }
     }
     pub fn flops(&self) -> u64 {
         2 * (self.m * self.n * self.k) as u64
@@ -222,6 +224,7 @@ impl Gemm {
             );
         }
         std::hint::black_box(&self.c);
+        self.runs_done += 1;
     }
     /// Runs back to back for at least `ms` milliseconds (at least once); returns the FLOP/s of
     /// the block. Used as the time-matched GEMM beside an attention run.
@@ -266,6 +269,22 @@ pub fn paired_ratio(gemm: &[f64], att: &[f64]) -> f64 {
         })
         .collect();
     median(&ratios)
+}
+
+/// CPU seconds this process has used so far, all threads included (also finished ones):
+/// utime + stime of /proc/self/stat, in USER_HZ = 100 ticks (fixed by the kernel ABI). `None`
+/// off Linux. On a shared machine, work per CPU-second is what the code would do with the cores
+/// to itself (less the cache and SMT sharing that remains).
+pub fn process_cpu_seconds() -> Option<f64> {
+    const USER_HZ: f64 = 100.0;
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command name (which may hold spaces) start at field 3 (state); utime and
+    // stime are fields 14 and 15.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let utime: f64 = f.get(11)?.parse().ok()?;
+    let stime: f64 = f.get(12)?.parse().ok()?;
+    Some((utime + stime) / USER_HZ)
 }
 
 /// Wall time of `f` in milliseconds.
@@ -345,6 +364,9 @@ pub struct Record {
     /// Median of the per-run attention ÷ GEMM ratios with time-matched GEMM blocks alternating
     /// with the runs ([`paired_ratio`]): the steadiest comparison on a loaded machine.
     pub gemm_ratio_paired: Option<f64>,
+    /// Rates per CPU-second × threads (attention, GEMM), FLOP/s: what the run would do with the
+    /// cores to itself ([`process_cpu_seconds`]).
+    pub cpu_time_rates: Option<(f64, f64)>,
 }
 
 impl Record {
@@ -377,7 +399,7 @@ impl Record {
                 "\"heads_q\":{},\"heads_kv\":{},\"head_dim\":{},\"causal\":{},\"window_left\":{},",
                 "\"window_right\":{},\"flops\":{},\"bytes\":{},\"intensity\":{},\"ms\":{},\"ms_min\":{},\"runs\":{},",
                 "\"tflops\":{},\"peak_tflops\":{},\"bandwidth_tbs\":{},\"pct_roofline\":{},",
-                "\"roofline_source\":{},\"gemm_tflops\":{},\"gemm_tflops_best\":{},\"gemm_ratio_paired\":{},\"max_err\":{},\"err_rows\":{}}}"
+                "\"roofline_source\":{},\"gemm_tflops\":{},\"gemm_tflops_best\":{},\"gemm_ratio_paired\":{},\"tflops_cputime\":{},\"gemm_tflops_cputime\":{},\"max_err\":{},\"err_rows\":{}}}"
             ),
             js(&self.impl_name),
             js(&self.machine),
@@ -410,6 +432,8 @@ impl Record {
             self.gemm_flops.map_or("null".into(), |g| jn(g / 1e12)),
             self.gemm_flops_best.map_or("null".into(), |g| jn(g / 1e12)),
             self.gemm_ratio_paired.map_or("null".into(), jn),
+            self.cpu_time_rates.map_or("null".into(), |r| jn(r.0 / 1e12)),
+            self.cpu_time_rates.map_or("null".into(), |r| jn(r.1 / 1e12)),
             self.max_err.map_or("null".into(), jn),
             self.err_rows,
         )
