@@ -68,15 +68,30 @@ def best_of(recs):
                 vals = [x[k] for x in (r, old) if x.get(k)]
                 if vals:
                     best[k] = max(vals)
-            # The paired ratios of all repeats; their median is shown.
+            # The paired and CPU-time ratios of all repeats; their medians are shown.
             best["_paired"] = old.get("_paired", [old.get("gemm_ratio_paired")]) + [r.get("gemm_ratio_paired")]
+            best["_cpu"] = old.get("_cpu", [cpu_ratio(old)]) + [cpu_ratio(r)]
+            for k in ("tflops_cputime", "gemm_tflops_cputime"):
+                vals = [x[k] for x in (r, old) if x.get(k)]
+                if vals:
+                    best[k] = max(vals)
             if best.get("peak_tflops") and best.get("bandwidth_tbs"):
                 best["pct_roofline"] = 100 * best["tflops"] / min(best["peak_tflops"], best["bandwidth_tbs"] * best["intensity"])
             out[key] = best
     for r in out.values():
         vals = sorted(v for v in r.pop("_paired", [r.get("gemm_ratio_paired")]) if v is not None)
         r["gemm_ratio_paired"] = vals[len(vals) // 2] if vals else None
+        vals = sorted(v for v in r.pop("_cpu", [cpu_ratio(r)]) if v is not None)
+        r["cpu_ratio"] = vals[len(vals) // 2] if vals else None
     return list(out.values())
+
+
+def cpu_ratio(r):
+    """Attention ÷ GEMM in work per CPU-second (the same run's two rates), or None."""
+    if r.get("cpu_ratio") is not None:
+        return r["cpu_ratio"]
+    a, g = r.get("tflops_cputime"), r.get("gemm_tflops_cputime")
+    return a / g if a and g else None
 
 
 def shape_key(r):
@@ -133,6 +148,9 @@ def machine_table(machine, recs):
         head += [f"GEMM {unit}", "ours ÷ GEMM"]
     if paired:
         head += ["paired ÷ GEMM"]
+    cputime = any(r.get("tflops_cputime") for r in recs if r["impl"] == OURS)
+    if cputime:
+        head += [f"ours per CPU-s {unit}", f"GEMM per CPU-s {unit}", "ratio per CPU-s"]
     for p in peers:
         head += [f"{p} {unit}", f"ours ÷ {p}"]
     out.append("| " + " | ".join(head) + " |")
@@ -155,6 +173,9 @@ def machine_table(machine, recs):
             row += [fmt(g * mul) if g else "–", fmt(best["tflops"] / g, 2) if (best and g) else "–"]
         if paired:
             row += [fmt(best.get("gemm_ratio_paired"), 2) if best else "–"]
+        if cputime:
+            a, g = (best.get("tflops_cputime"), best.get("gemm_tflops_cputime")) if best else (None, None)
+            row += [fmt(a * mul) if a else "–", fmt(g * mul) if g else "–", fmt(cpu_ratio(best), 2) if best else "–"]
         for p in peers:
             pr = [r for r in rs if r["impl"] == p]
             if pr:
@@ -170,7 +191,7 @@ def slug(s):
     return re.sub(r"[^A-Za-z0-9]+", "_", s).strip("_")[:60] or "machine"
 
 
-def plot(machine, recs, path):
+def plot(machine, recs, path, note=""):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -225,7 +246,7 @@ def plot(machine, recs, path):
     ax.set_xlim(lo, hi)
     ax.set_xlabel("arithmetic intensity (FLOPs per byte of q, k, v read + o written)")
     ax.set_ylabel(f"achieved {unit}")
-    ax.set_title(f"Attention forward roofline: {machine}", fontsize=10)
+    ax.set_title(f"Attention forward roofline: {machine}{note}", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
@@ -244,8 +265,23 @@ def main():
         help="shared machine: rate each run by its fastest sample (ms_min) and its GEMM by the fastest "
         "GEMM (gemm_tflops_best), and keep the best of repeated runs of a shape",
     )
+    ap.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="CPU runs: plot and rate by work per CPU-second x threads (tflops_cputime) against the "
+        "GEMM's (gemm_tflops_cputime), where the records have them",
+    )
     args = ap.parse_args()
     recs = load(args.inputs)
+    if args.cpu_time:
+        for r in recs:
+            if r.get("tflops_cputime") and r.get("gemm_tflops_cputime"):
+                r["cpu_ratio"] = r["tflops_cputime"] / r["gemm_tflops_cputime"]
+                r["tflops"] = r["tflops_cputime"]
+                r["ms_min"] = None
+                r["gemm_tflops"] = r["gemm_tflops_best"] = r["peak_tflops"] = r["gemm_tflops_cputime"]
+                r["pct_roofline"] = 100 * r["tflops"] / min(r["peak_tflops"], r["bandwidth_tbs"] * r["intensity"])
+                r["roofline_source"] = "work per CPU-second x threads; " + (r.get("roofline_source") or "")
     if args.best:
         recs = best_of(recs)
     if not recs:
@@ -260,7 +296,7 @@ def main():
             os.makedirs(args.png_dir, exist_ok=True)
             path = os.path.join(args.png_dir, f"roofline_{slug(m)}.png")
             try:
-                plot(m, rs, path)
+                plot(m, rs, path, " (work per CPU-second × threads)" if args.cpu_time else "")
                 md.append(f"![roofline {m}]({path})\n")
             except ImportError:
                 md.append("(roofline plot skipped: matplotlib is not installed; `pip install matplotlib`)\n")
