@@ -93,11 +93,8 @@ fn measured(samples: &Samples, id: &str, n: usize) -> Option<(f64, f64, usize)> 
 
 fn main() {
     let threads = support::gemm_use_all_cores();
-    let mut c = Criterion::default()
-        .sample_size(SAMPLES)
-        .warm_up_time(WARM_UP)
-        .measurement_time(MEASURE)
-        .configure_from_args();
+    let mut c =
+        Criterion::default().sample_size(SAMPLES).warm_up_time(WARM_UP).measurement_time(MEASURE).configure_from_args();
     let samples: Samples = RefCell::new(BTreeMap::new());
 
     // The reference rate: matrixmultiply's sgemm on all cores.
@@ -124,7 +121,9 @@ fn main() {
     gemm_group.finish();
     let gemm_rates: Vec<(String, f64)> = gemm_ids
         .iter()
-        .filter_map(|(id, f)| measured(&samples, id, SAMPLES).map(|(ms, _, _)| (id.clone(), flops::flops_per_second(*f, ms))))
+        .filter_map(|(id, f)| {
+            measured(&samples, id, SAMPLES).map(|(ms, _, _)| (id.clone(), flops::flops_per_second(*f, ms)))
+        })
         .collect();
     let best_gemm = gemm_rates.iter().map(|x| x.1).fold(f64::NAN, f64::max);
     // The bandwidth ceiling, measured once (a copy is far below every case's intensity anyway).
@@ -201,7 +200,8 @@ fn main() {
             // Only with enough CPU time for the 10 ms tick of /proc/self/stat to be negligible.
             (a_s > 0.5 && g_s > 0.5 && a_s.is_finite() && g_s.is_finite()).then(|| (a_f * t / a_s, g_f * t / g_s))
         };
-        let (gemm, gemm_best) = (flops::flops_per_second(adj.flops(), g_ms), flops::flops_per_second(adj.flops(), g_min));
+        let (gemm, gemm_best) =
+            (flops::flops_per_second(adj.flops(), g_ms), flops::flops_per_second(adj.flops(), g_min));
         let mut case_roof = roof.clone();
         case_roof.peak_flops = gemm;
         case_roof.peak_source = format!(
@@ -240,10 +240,7 @@ fn summary(threads: usize, gemm_rates: &[(String, f64)], roof: &flash_attn::roof
     if records.is_empty() && gemm_rates.is_empty() {
         return;
     }
-    println!(
-        "\n## CPU summary: {}, {threads} threads; median and best of the last {SAMPLES} samples",
-        roof.machine
-    );
+    println!("\n## CPU summary: {}, {threads} threads; median and best of the last {SAMPLES} samples", roof.machine);
     for (id, r) in gemm_rates {
         println!("GEMM {id}: {:.1} GFLOP/s (median)", r / 1e9);
     }
@@ -268,8 +265,7 @@ fn summary(threads: usize, gemm_rates: &[(String, f64)], roof: &flash_attn::roof
             rate / g,
             best / gb,
             rec.gemm_ratio_paired.unwrap_or(f64::NAN),
-            rec.cpu_time_rates
-                .map_or("-".into(), |(a, g)| format!("{:.1} / {:.1} / {:.2}", a / 1e9, g / 1e9, a / g)),
+            rec.cpu_time_rates.map_or("-".into(), |(a, g)| format!("{:.1} / {:.1} / {:.2}", a / 1e9, g / 1e9, a / g)),
             rec.max_err.unwrap_or(f64::NAN)
         );
     }

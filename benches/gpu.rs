@@ -92,7 +92,12 @@ fn main() {
                 Some(bw) => r.with_measured_bandwidth(bw, "device-to-device copy, CUDA events"),
                 None => r,
             };
-            println!("roofline (bf16): {:.0} TFLOP/s, {:.2} TB/s; {}", r.peak_flops / 1e12, r.bandwidth / 1e12, r.peak_source);
+            println!(
+                "roofline (bf16): {:.0} TFLOP/s, {:.2} TB/s; {}",
+                r.peak_flops / 1e12,
+                r.bandwidth / 1e12,
+                r.peak_source
+            );
         }
     }
     println!("per-shape JSON lines with % of roofline and errors: scripts/gpu-bench.sh (examples/bench.rs)");

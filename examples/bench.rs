@@ -22,7 +22,7 @@
 mod support;
 
 use flash_attn::roofline::{lookup_gpu, Math, Roofline};
-use flash_attn::{flops, forward, Backend, DType, Fp8Scaling, ForwardOptions, Mask, Output, Precision, Variant};
+use flash_attn::{flops, forward, Backend, DType, ForwardOptions, Fp8Scaling, Mask, Output, Precision, Variant};
 use support::{Case, Gemm, Record};
 
 struct Args {
@@ -300,7 +300,10 @@ fn main() {
         _ if on_cpu && gemm_flops.is_some() => {
             // The CPU's compute ceiling: the f32 GEMM rate measured beside the runs.
             let g = gemm_flops.expect("checked");
-            let mut r = support::cpu_roofline(g, "sgemm 2048x2048x128 on all cores, in blocks alternating with the runs (median)");
+            let mut r = support::cpu_roofline(
+                g,
+                "sgemm 2048x2048x128 on all cores, in blocks alternating with the runs (median)",
+            );
             if let Some(pk) = a.peak_tflops {
                 r.peak_flops = pk * 1e12;
                 r.peak_source = "--peak-tflops".into();
@@ -316,7 +319,8 @@ fn main() {
     };
     let _ = lookup_gpu; // used by the GPU path once wired
 
-    let max_err = (a.check_rows > 0).then(|| support::sampled_max_error(&p, &q, &k, &v, &out, a.check_rows, a.seed + 1));
+    let max_err =
+        (a.check_rows > 0).then(|| support::sampled_max_error(&p, &q, &k, &v, &out, a.check_rows, a.seed + 1));
     let rec = Record {
         impl_name: "flash_attn".into(),
         machine: if on_cpu { flash_attn::roofline::cpu_name() } else { out.dispatch.backend.clone() },

@@ -90,8 +90,7 @@ pub fn attention_f64_rows(
         .map(|&(b, h, i)| {
             let hk = h / p.group();
             let qi = row64(q, b, i, h);
-            let s: Vec<Option<f64>> =
-                (0..p.seqlen_k).map(|j| score64(p, h, i, j, &qi, &row64(k, b, j, hk))).collect();
+            let s: Vec<Option<f64>> = (0..p.seqlen_k).map(|j| score64(p, h, i, j, &qi, &row64(k, b, j, hk))).collect();
             let m = s.iter().flatten().fold(f64::NEG_INFINITY, |a, &x| if x > a || x.is_nan() { x } else { a });
             let mut out = vec![0.0f64; d];
             if m == f64::NEG_INFINITY {
