@@ -35,10 +35,12 @@ mod cpu;
 pub mod cuda;
 mod cuda_host;
 mod error;
+pub mod flops;
 pub mod numerics;
 mod options;
 mod problem;
 pub mod reference;
+pub mod roofline;
 mod tensor;
 
 pub use api::{forward, Dispatch, Output};

@@ -74,6 +74,45 @@ pub fn attention_f64(p: &Problem, q: &TensorView, k: &TensorView, v: &TensorView
     RefOutput { o, lse }
 }
 
+/// Float64 reference output for a few sampled `(batch, head, query row)` triples only: each row
+/// costs O(seqlen_k · head_dim), so the bench can check a large problem cheaply. Returns one
+/// `head_dim` vector per triple with the values [`attention_f64`] gives for that row (zeros for a
+/// row that sees no key).
+pub fn attention_f64_rows(
+    p: &Problem,
+    q: &TensorView,
+    k: &TensorView,
+    v: &TensorView,
+    rows: &[(usize, usize, usize)],
+) -> Vec<Vec<f64>> {
+    let d = p.head_dim;
+    rows.iter()
+        .map(|&(b, h, i)| {
+            let hk = h / p.group();
+            let qi = row64(q, b, i, h);
+            let s: Vec<Option<f64>> = (0..p.seqlen_k).map(|j| score64(p, h, i, j, &qi, &row64(k, b, j, hk))).collect();
+            let m = s.iter().flatten().fold(f64::NEG_INFINITY, |a, &x| if x > a || x.is_nan() { x } else { a });
+            let mut out = vec![0.0f64; d];
+            if m == f64::NEG_INFINITY {
+                return out; // no visible key: output 0
+            }
+            let mut l = 0.0;
+            for (j, sj) in s.iter().enumerate() {
+                let Some(sj) = sj else { continue };
+                let e = (sj - m).exp();
+                l += e;
+                if e != 0.0 || e.is_nan() {
+                    for (ox, vx) in out.iter_mut().zip(row64(v, b, j, hk)) {
+                        *ox += e * vx;
+                    }
+                }
+            }
+            out.iter_mut().for_each(|x| *x /= l);
+            out
+        })
+        .collect()
+}
+
 /// The straightforward implementation in `dtype`, as a framework computes it: S = QKᵀ with f32
 /// accumulation rounded to `dtype`, the scale applied and rounded, softcap/ALiBi in f32 rounded,
 /// softmax in f32 with P rounded to `dtype`, O = PV with f32 accumulation rounded to `dtype`.
@@ -148,4 +187,32 @@ pub fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
 pub fn rmse(a: &[f64], b: &[f64]) -> f64 {
     let n = a.len().max(1) as f64;
     (a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum::<f64>() / n).sqrt()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{ForwardOptions, Mask, Tensor};
+
+    #[test]
+    fn sampled_rows_match_the_full_reference() {
+        let (b, sq, sk, hq, hkv, d) = (2, 13, 9, 4, 2, 8);
+        let gen = |n: usize, salt: usize| -> Vec<f32> {
+            (0..n).map(|i| (((i * 7919 + salt * 104729) % 211) as f32 / 211.0 - 0.5) * 3.0).collect()
+        };
+        let q = Tensor::from_vec(gen(b * sq * hq * d, 1), [b, sq, hq, d]).unwrap();
+        let k = Tensor::from_vec(gen(b * sk * hkv * d, 2), [b, sk, hkv, d]).unwrap();
+        let v = Tensor::from_vec(gen(b * sk * hkv * d, 3), [b, sk, hkv, d]).unwrap();
+        // sq > sk with a causal window leaves the first rows with no key; softcap and GQA on top.
+        let opts = ForwardOptions::default().mask(Mask::causal_window(2)).softcap(5.0);
+        let p = Problem::new(&q.view(), &k.view(), &v.view(), &opts).unwrap();
+        let full = attention_f64(&p, &q.view(), &k.view(), &v.view());
+        let rows: Vec<_> = (0..b).flat_map(|bi| (0..hq).flat_map(move |h| (0..sq).map(move |i| (bi, h, i)))).collect();
+        let sampled = attention_f64_rows(&p, &q.view(), &k.view(), &v.view(), &rows);
+        for (&(bi, h, i), got) in rows.iter().zip(&sampled) {
+            let want = &full.o[((bi * sq + i) * hq + h) * d..][..d];
+            assert!(max_abs_diff(got, want) < 1e-12, "row {bi},{h},{i}: {got:?} vs {want:?}");
+        }
+        assert!(sampled.iter().any(|r| r.iter().all(|&x| x == 0.0)), "some row sees no key");
+    }
 }

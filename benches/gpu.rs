@@ -1,0 +1,115 @@
+//! GPU benchmarks: every available kernel family on the sweep, timed with CUDA events
+//! around batches of launches over rotating input sets larger than L2, median reported,
+//! throughput in FLOP/s (criterion "elements" = FLOPs).
+//!
+//! Without a usable GPU it prints "no CUDA GPU present: nothing to benchmark" and exits 0.
+//! `FA_BENCH_QUICK=1` runs the short sweep of the one-command GPU check; `FA_BENCH_TOKENS`
+//! changes the 16K tokens per launch.
+
+mod support;
+
+use criterion::{Criterion, SamplingMode, Throughput};
+use flash_attn::roofline::{lookup_gpu, Math, Roofline};
+use flash_attn::{flops, DType, ForwardOptions, Variant};
+use std::time::Duration;
+use support::gpu::{self, GpuHarness};
+
+const SAMPLES: usize = 10;
+/// Launches between two events: long enough that event resolution (~0.5 µs) is negligible.
+const LAUNCHES_PER_REP: usize = 20;
+const WARMUP_LAUNCHES: usize = 5;
+/// Bytes of the device-to-device copy that measures bandwidth (far beyond any L2).
+const COPY_BYTES: usize = 1 << 30;
+
+fn main() {
+    let mut harness = match gpu::open(0) {
+        Ok(h) => h,
+        Err(why) => {
+            println!("no CUDA GPU present: nothing to benchmark ({why})");
+            return;
+        }
+    };
+    let info = harness.info().clone();
+    println!(
+        "GPU: {} (sm_{}{}, {} SMs, L2 {} MiB), {}, clocks SM {:?} MHz / mem {:?} MHz",
+        info.name,
+        info.sm.0,
+        info.sm.1,
+        info.sm_count,
+        info.l2_bytes >> 20,
+        info.driver,
+        info.sm_clock_mhz,
+        info.mem_clock_mhz
+    );
+    let measured_bw = harness.copy_bandwidth(COPY_BYTES).ok();
+    if let Some(bw) = measured_bw {
+        println!("device-to-device copy: {:.2} TB/s (read + write)", bw / 1e12);
+    }
+    let spec = lookup_gpu(&info.name, info.sm);
+    if spec.is_none() {
+        println!("{} is not in flash_attn::roofline::GPUS: no % of roofline", info.name);
+    }
+
+    let quick = std::env::var("FA_BENCH_QUICK").is_ok_and(|v| !v.is_empty() && v != "0");
+    let tokens = std::env::var("FA_BENCH_TOKENS").ok().and_then(|v| v.parse().ok()).unwrap_or(16 * 1024);
+    let mut c = Criterion::default()
+        .sample_size(SAMPLES)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(if quick { 1 } else { 2 }))
+        .configure_from_args();
+    let mut group = c.benchmark_group(format!("attention_{}", info.name.replace(' ', "_")));
+    group.sampling_mode(SamplingMode::Flat);
+
+    // TODO(lead): add fp8 (Precision::Fp8 { scaling: PerBlock{..}, hadamard: Some(seed) }) once
+    // the FP8 kernels exist; `time_forward` returning Err skips it where unsupported.
+    for case in gpu::sweep(DType::BF16, tokens, quick) {
+        let (q, k, v) = case.inputs(1);
+        let base = ForwardOptions::default().mask(case.mask);
+        let p = case.problem(&q, &k, &v, &base);
+        let cost = flops::cost(&p);
+        let sets = gpu::rotating_sets(cost.bytes, info.l2_bytes);
+        for variant in [Variant::Fa1, Variant::Fa2, Variant::Fa3, Variant::Fa4] {
+            let opts = base.clone().variant(variant);
+            // Upload and probe once: a variant this GPU does not support is skipped.
+            if let Err(why) = harness.prepare(&case, &opts, sets) {
+                println!("skip {:?} {}: {why}", variant, case.id());
+                continue;
+            }
+            group.throughput(Throughput::Elements(cost.flops));
+            group.bench_function(format!("{variant:?}/{}", case.id()), |b| {
+                b.iter_custom(|iters| {
+                    let t = bench_launches(harness.as_mut(), &case, iters);
+                    Duration::from_secs_f64(t * 1e-3)
+                })
+            });
+        }
+    }
+    group.finish();
+    c.final_summary();
+    if let Some((g, m)) = spec {
+        if let Some(r) = Roofline::gpu(g, m, Math::BF16) {
+            let r = match measured_bw {
+                Some(bw) => r.with_measured_bandwidth(bw, "device-to-device copy, CUDA events"),
+                None => r,
+            };
+            println!(
+                "roofline (bf16): {:.0} TFLOP/s, {:.2} TB/s; {}",
+                r.peak_flops / 1e12,
+                r.bandwidth / 1e12,
+                r.peak_source
+            );
+        }
+    }
+    println!("per-shape JSON lines with % of roofline and errors: scripts/gpu-bench.sh (examples/bench.rs)");
+}
+
+/// Total milliseconds of `iters` launches, timed in event-bracketed batches.
+fn bench_launches(h: &mut dyn GpuHarness, case: &support::Case, iters: u64) -> f64 {
+    let iters = iters as usize;
+    let per = LAUNCHES_PER_REP.min(iters).max(1);
+    let reps = iters.div_ceil(per);
+    match h.time(WARMUP_LAUNCHES, reps, per) {
+        Ok(t) => t.ms_per_launch.iter().sum::<f64>() * per as f64 * iters as f64 / (reps * per) as f64,
+        Err(e) => panic!("{} failed after a successful probe: {e}", case.id()),
+    }
+}

@@ -1,0 +1,365 @@
+//! One shape, one JSON line: `cargo run --release --example bench -- [options]`.
+//!
+//! ```text
+//! --backend cpu|auto|cuda[:N]   where to run (default auto: the GPU if usable, else the CPU)
+//! --variant auto|fa1|fa2|fa3|fa4
+//! --dtype f32|f16|bf16          (default f32 on the CPU, bf16 on a GPU)
+//! --fp8 tensor|block:ROWS       FP8 precision (per-tensor or per-block scales)
+//! --hadamard SEED               with --fp8: the random Hadamard rotation
+//! --batch B --seqlen S (or --seqlen-q / --seqlen-k) --heads H --heads-kv HKV --head-dim D
+//! --causal | --window LEFT,RIGHT
+//! --lse                          also return the LSE (counted in the bytes)
+//! --warmup N (2)  --runs N (10)  --max-seconds T (20: stop early after 3 runs past T)
+//! --check-rows N (32)            rows checked against the float64 reference (0: none)
+//! --no-gemm                      CPU: skip measuring the GEMM rate (no % of roofline)
+//! --peak-tflops X --bandwidth-tbs Y   override the roofline
+//! --seed N
+//! ```
+//! Prints one JSON line (fields in `benches/support/mod.rs::Record::json`) on stdout; notes go
+//! to stderr. Asked for a GPU where none is usable, it says so on stderr and exits 0.
+
+#[path = "../benches/support/mod.rs"]
+mod support;
+
+use flash_attn::roofline::{lookup_gpu, Math, Roofline};
+use flash_attn::{flops, forward, Backend, DType, ForwardOptions, Fp8Scaling, Mask, Output, Precision, Variant};
+use support::{Case, Gemm, Record};
+
+struct Args {
+    backend: Backend,
+    variant: Variant,
+    dtype: Option<DType>,
+    precision: Precision,
+    batch: usize,
+    seqlen_q: usize,
+    seqlen_k: usize,
+    heads: usize,
+    heads_kv: Option<usize>,
+    head_dim: usize,
+    mask: Mask,
+    lse: bool,
+    warmup: usize,
+    runs: usize,
+    max_seconds: f64,
+    check_rows: usize,
+    gemm: bool,
+    peak_tflops: Option<f64>,
+    bandwidth_tbs: Option<f64>,
+    seed: u64,
+}
+
+const USAGE: &str = "usage: bench [--backend cpu|auto|cuda[:N]] [--variant auto|fa1|fa2|fa3|fa4] \
+[--dtype f32|f16|bf16] [--fp8 tensor|block:ROWS] [--hadamard SEED] [--batch B] [--seqlen S] \
+[--seqlen-q SQ] [--seqlen-k SK] [--heads H] [--heads-kv HKV] [--head-dim D] [--causal] \
+[--window L,R] [--lse] [--warmup N] [--runs N] [--max-seconds T] [--check-rows N] [--no-gemm] \
+[--peak-tflops X] [--bandwidth-tbs Y] [--seed N]";
+
+fn parse() -> Result<Args, String> {
+    let mut a = Args {
+        backend: Backend::Auto,
+        variant: Variant::Auto,
+        dtype: None,
+        precision: Precision::Native,
+        batch: 1,
+        seqlen_q: 2048,
+        seqlen_k: 2048,
+        heads: 8,
+        heads_kv: None,
+        head_dim: 128,
+        mask: Mask::None,
+        lse: false,
+        warmup: 2,
+        runs: 10,
+        max_seconds: 20.0,
+        check_rows: 32,
+        gemm: true,
+        peak_tflops: None,
+        bandwidth_tbs: None,
+        seed: 1,
+    };
+    let mut hadamard = None;
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut val = || it.next().ok_or_else(|| format!("{flag} needs a value"));
+        fn num<T: std::str::FromStr>(flag: &str, s: String) -> Result<T, String> {
+            s.parse().map_err(|_| format!("{flag}: not a number: {s}"))
+        }
+        match flag.as_str() {
+            "--backend" => {
+                let v = val()?;
+                a.backend = match v.as_str() {
+                    "cpu" => Backend::Cpu,
+                    "auto" => Backend::Auto,
+                    "cuda" => Backend::Cuda(0),
+                    s if s.starts_with("cuda:") => Backend::Cuda(num("--backend", s[5..].to_string())?),
+                    _ => return Err(format!("--backend: unknown {v}")),
+                }
+            }
+            "--variant" => {
+                let v = val()?;
+                a.variant = match v.as_str() {
+                    "auto" => Variant::Auto,
+                    "fa1" => Variant::Fa1,
+                    "fa2" => Variant::Fa2,
+                    "fa3" => Variant::Fa3,
+                    "fa4" => Variant::Fa4,
+                    _ => return Err(format!("--variant: unknown {v}")),
+                }
+            }
+            "--dtype" => {
+                let v = val()?;
+                a.dtype = Some(support::parse_dtype(&v).ok_or(format!("--dtype: unknown {v}"))?);
+            }
+            "--fp8" => {
+                let v = val()?;
+                let scaling = match v.as_str() {
+                    "tensor" => Fp8Scaling::PerTensor,
+                    s if s.starts_with("block:") => Fp8Scaling::PerBlock { rows: num("--fp8", s[6..].to_string())? },
+                    _ => return Err(format!("--fp8: unknown {v} (tensor or block:ROWS)")),
+                };
+                a.precision = Precision::Fp8 { scaling, hadamard: None };
+            }
+            "--hadamard" => hadamard = Some(num::<u64>(&flag, val()?)?),
+            "--batch" => a.batch = num(&flag, val()?)?,
+            "--seqlen" => {
+                a.seqlen_q = num(&flag, val()?)?;
+                a.seqlen_k = a.seqlen_q;
+            }
+            "--seqlen-q" => a.seqlen_q = num(&flag, val()?)?,
+            "--seqlen-k" => a.seqlen_k = num(&flag, val()?)?,
+            "--heads" => a.heads = num(&flag, val()?)?,
+            "--heads-kv" => a.heads_kv = Some(num(&flag, val()?)?),
+            "--head-dim" => a.head_dim = num(&flag, val()?)?,
+            "--causal" => a.mask = Mask::Causal,
+            "--window" => {
+                let v = val()?;
+                let (l, r) = v.split_once(',').ok_or(format!("--window: expected LEFT,RIGHT, got {v}"))?;
+                a.mask = Mask::window(num(&flag, l.to_string())?, num(&flag, r.to_string())?);
+            }
+            "--lse" => a.lse = true,
+            "--warmup" => a.warmup = num(&flag, val()?)?,
+            "--runs" => a.runs = num::<usize>(&flag, val()?)?.max(1),
+            "--max-seconds" => a.max_seconds = num(&flag, val()?)?,
+            "--check-rows" => a.check_rows = num(&flag, val()?)?,
+            "--no-gemm" => a.gemm = false,
+            "--peak-tflops" => a.peak_tflops = Some(num(&flag, val()?)?),
+            "--bandwidth-tbs" => a.bandwidth_tbs = Some(num(&flag, val()?)?),
+            "--seed" => a.seed = num(&flag, val()?)?,
+            "-h" | "--help" => return Err(USAGE.into()),
+            // `cargo bench`/`cargo run` may pass this through.
+            "--bench" => {}
+            _ => return Err(format!("unknown argument {flag}\n{USAGE}")),
+        }
+    }
+    if let (Some(seed), Precision::Fp8 { scaling, .. }) = (hadamard, a.precision) {
+        a.precision = Precision::Fp8 { scaling, hadamard: Some(seed) };
+    }
+    Ok(a)
+}
+
+fn precision_name(p: Precision) -> String {
+    match p {
+        Precision::Fp8 { scaling, hadamard } => {
+            let s = match scaling {
+                Fp8Scaling::PerBlock { rows } => format!("block{rows}"),
+                _ => "tensor".into(),
+            };
+            format!("fp8-{s}{}", if hadamard.is_some() { "-hadamard" } else { "" })
+        }
+        _ => "native".into(),
+    }
+}
+
+fn main() {
+    let a = match parse() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("{e}");
+            std::process::exit(2);
+        }
+    };
+    if let Backend::Cuda(dev) = a.backend {
+        // TODO(lead): time GPU runs through support::gpu::GpuHarness (device buffers, CUDA
+        // events, rotating sets) instead of the host `forward`, whose copies would be timed.
+        match support::gpu::open(dev) {
+            Err(why) => {
+                eprintln!("no CUDA GPU present: nothing to benchmark ({why})");
+                return;
+            }
+            Ok(_) => {
+                eprintln!("GPU timing through the harness is not wired yet (examples/bench.rs)");
+                return;
+            }
+        }
+    }
+    let threads = support::gemm_use_all_cores();
+    let case = Case {
+        batch: a.batch,
+        seqlen_q: a.seqlen_q,
+        seqlen_k: a.seqlen_k,
+        heads_q: a.heads,
+        heads_kv: a.heads_kv.unwrap_or(a.heads),
+        head_dim: a.head_dim,
+        dtype: a.dtype.unwrap_or(DType::F32),
+        mask: a.mask,
+    };
+    let (q, k, v) = case.inputs(a.seed);
+    let opts = ForwardOptions::default()
+        .mask(case.mask)
+        .backend(a.backend)
+        .variant(a.variant)
+        .precision(a.precision)
+        .return_lse(a.lse);
+    let p = match flash_attn::Problem::new(&q.view(), &k.view(), &v.view(), &opts) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("invalid shape/options: {e}");
+            std::process::exit(2);
+        }
+    };
+    let cost = flops::cost(&p);
+
+    let run = || -> Result<(Output, f64), flash_attn::Error> {
+        let mut out = None;
+        let ms = support::time_ms(|| out = Some(forward(&q, &k, &v, &opts)));
+        Ok((out.expect("set by the closure")?, ms))
+    };
+    let mut first = None;
+    for _ in 0..a.warmup {
+        match run() {
+            Ok((o, _)) => first = Some(o),
+            Err(e) => {
+                eprintln!("forward failed: {e}");
+                std::process::exit(1);
+            }
+        }
+    }
+    // On the CPU the GEMM reference rate is timed in blocks alternating with the runs, each block
+    // as long as the previous run, so both see the same load on a shared machine.
+    let interleave_gemm = a.gemm && first.as_ref().is_some_and(|o| o.dispatch.backend == "cpu");
+    let mut gemm = interleave_gemm.then(|| Gemm::new(2048, 2048, 128));
+    if let Some(g) = gemm.as_mut() {
+        g.run(); // warm-up
+    }
+    let mut gemm_rates = Vec::new();
+    let mut times = Vec::new();
+    // CPU seconds (all threads) spent in the timed attention runs and in the GEMM blocks.
+    let (mut att_cpu, mut gemm_cpu, mut gemm_flop_total) = (0.0f64, 0.0f64, 0u64);
+    let cpu_now = || support::process_cpu_seconds().unwrap_or(f64::NAN);
+    let mut last_ms = 100.0;
+    let started = std::time::Instant::now();
+    for i in 0..a.runs {
+        if let Some(g) = gemm.as_mut() {
+            let (c0, r0) = (cpu_now(), g.runs_done);
+            let rate = g.rate_for(last_ms);
+            gemm_cpu += cpu_now() - c0;
+            gemm_flop_total += (g.runs_done - r0) * g.flops();
+            gemm_rates.push(rate);
+        }
+        let c0 = cpu_now();
+        let (o, ms) = run().unwrap_or_else(|e| {
+            eprintln!("forward failed: {e}");
+            std::process::exit(1);
+        });
+        att_cpu += cpu_now() - c0;
+        times.push(ms);
+        last_ms = ms;
+        first.get_or_insert(o);
+        if i >= 2 && started.elapsed().as_secs_f64() > a.max_seconds {
+            eprintln!("stopped after {} runs (--max-seconds {})", i + 1, a.max_seconds);
+            break;
+        }
+    }
+    if let Some(g) = gemm.as_mut() {
+        gemm_rates.push(g.rate_for(last_ms)); // the block after the last run
+    }
+    let out = first.expect("at least one run");
+    let ms = support::median(&times);
+
+    let on_cpu = out.dispatch.backend == "cpu";
+    let math = Math::of(case.dtype, a.precision);
+    let gemm_flops = gemm.is_some().then(|| support::median(&gemm_rates));
+    let gemm_flops_best = gemm.is_some().then(|| gemm_rates.iter().copied().fold(0.0, f64::max));
+    let att_rates: Vec<f64> = times.iter().map(|ms| flops::flops_per_second(cost.flops, *ms)).collect();
+    let gemm_ratio_paired = gemm.is_some().then(|| support::paired_ratio(&gemm_rates, &att_rates));
+    // Work per CPU-second times the threads: the rate with the cores to ourselves. Needs enough
+    // CPU time for the 10 ms tick of /proc/self/stat to be negligible.
+    let cpu_time_rates = (gemm.is_some() && att_cpu > 0.5 && gemm_cpu > 0.5).then(|| {
+        let t = threads as f64;
+        (cost.flops as f64 * times.len() as f64 * t / att_cpu, gemm_flop_total as f64 * t / gemm_cpu)
+    });
+    let roofline = match (a.peak_tflops, a.bandwidth_tbs) {
+        (Some(pk), Some(bw)) => Some(Roofline {
+            machine: "given".into(),
+            math,
+            peak_flops: pk * 1e12,
+            peak_source: "--peak-tflops".into(),
+            bandwidth: bw * 1e12,
+            bandwidth_source: "--bandwidth-tbs".into(),
+        }),
+        _ if on_cpu && gemm_flops.is_some() => {
+            // The CPU's compute ceiling: the f32 GEMM rate measured beside the runs.
+            let g = gemm_flops.expect("checked");
+            let mut r = support::cpu_roofline(
+                g,
+                "sgemm 2048x2048x128 on all cores, in blocks alternating with the runs (median)",
+            );
+            if let Some(pk) = a.peak_tflops {
+                r.peak_flops = pk * 1e12;
+                r.peak_source = "--peak-tflops".into();
+            }
+            if let Some(bw) = a.bandwidth_tbs {
+                r.bandwidth = bw * 1e12;
+                r.bandwidth_source = "--bandwidth-tbs".into();
+            }
+            Some(r)
+        }
+        _ if !on_cpu => None, // GPU: filled from the harness's device info (TODO above)
+        _ => None,
+    };
+    let _ = lookup_gpu; // used by the GPU path once wired
+
+    let max_err =
+        (a.check_rows > 0).then(|| support::sampled_max_error(&p, &q, &k, &v, &out, a.check_rows, a.seed + 1));
+    let rec = Record {
+        impl_name: "flash_attn".into(),
+        machine: if on_cpu { flash_attn::roofline::cpu_name() } else { out.dispatch.backend.clone() },
+        backend: out.dispatch.backend.clone(),
+        kernel: out.dispatch.kernel.clone(),
+        variant: format!("{:?}", a.variant).to_lowercase(),
+        case,
+        precision: precision_name(a.precision),
+        cost,
+        ms,
+        ms_min: Some(times.iter().copied().fold(f64::INFINITY, f64::min)),
+        runs: times.len(),
+        roofline,
+        max_err,
+        err_rows: a.check_rows,
+        gemm_flops,
+        gemm_flops_best,
+        gemm_ratio_paired,
+        cpu_time_rates,
+    };
+    if let Some((a, g)) = cpu_time_rates {
+        eprintln!(
+            "per CPU-second x {threads} threads: attention {:.1}, GEMM {:.1} GFLOP/s, ratio {:.2}",
+            a / 1e9,
+            g / 1e9,
+            a / g
+        );
+    }
+    eprintln!(
+        "{} on {} ({threads} GEMM threads): {:.2} ms, {:.1} GFLOP/s{}",
+        rec.kernel,
+        rec.machine,
+        ms,
+        rec.flops_per_s() / 1e9,
+        gemm_ratio_paired.map_or(String::new(), |r| format!(
+            ", {r:.2}x the GEMM rate (paired); best {:.1} vs GEMM best {:.1} GFLOP/s",
+            att_rates.iter().copied().fold(0.0, f64::max) / 1e9,
+            gemm_flops_best.unwrap_or(f64::NAN) / 1e9
+        ))
+    );
+    println!("{}", rec.json());
+}

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The performance part of the GPU check: our kernels and the torch SDPA peers on the same
+# shapes, one JSON line per run, into $OUT (or ./gpu-bench-out). Runs on the GPU machine (no
+# network); the report and the plot are made afterwards on any machine:
+#   python3 scripts/report.py OUT/*.jsonl --md OUT/report.md --png-dir OUT/plots
+#
+#   scripts/gpu-bench.sh            short version (hdim 128, seqlen 1K and 8K, 16K tokens): ~1-2 min
+#   scripts/gpu-bench.sh --full     the issue's sweep (seqlen 512..16K, hdim 64/128/256)
+#
+# Without a GPU every step says "no CUDA GPU present" and the script exits 0.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-gpu-bench-out}"
+mkdir -p "$out"
+quick=1
+[[ "${1:-}" == "--full" ]] && quick=0
+
+if [[ $quick == 1 ]]; then seqlens="1024 8192"; dims="128"; else seqlens="512 1024 2048 4096 8192 16384"; dims="64 128 256"; fi
+tokens=16384
+hidden=2048
+
+cargo build --release --example bench
+bench=target/release/examples/bench
+
+{
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,clocks.max.sm,power.limit --format=csv 2>/dev/null \
+    || echo "nvidia-smi not available"
+} | tee "$out/gpu-info.txt"
+
+# Ours: every variant on every shape (a variant the GPU lacks prints a note and no line).
+# TODO(lead): examples/bench.rs --backend cuda needs support::gpu::open wired to the CUDA runtime.
+: > "$out/ours.jsonl"
+for d in $dims; do
+  heads=$((hidden / d))
+  for s in $seqlens; do
+    b=$((tokens / s))
+    for causal in "" "--causal"; do
+      for variant in fa1 fa2 fa3 fa4; do
+        $bench --backend cuda --variant "$variant" --dtype bf16 --batch "$b" --seqlen "$s" \
+          --heads "$heads" --head-dim "$d" $causal --runs 20 --check-rows 16 >> "$out/ours.jsonl" \
+          || echo "ours: $variant b$b s$s d$d $causal failed" >&2
+      done
+    done
+  done
+done
+
+# Peers: torch SDPA flash and cuDNN on the same sweep.
+if python3 -c "import torch" 2>/dev/null; then
+  if [[ $quick == 1 ]]; then
+    python3 scripts/peers_torch.py --quick --tokens $tokens > "$out/peers.jsonl"
+  else
+    python3 scripts/peers_torch.py --tokens $tokens > "$out/peers.jsonl"
+  fi
+else
+  echo "torch not importable: no peers" >&2
+fi
+
+# The criterion bench (short sweep) for its own log.
+FA_BENCH_QUICK=$quick cargo bench --bench gpu 2>&1 | tail -n 40 | tee "$out/criterion-gpu.txt"
+echo "JSON lines in $out; report: python3 scripts/report.py $out/*.jsonl --md $out/report.md --png-dir $out/plots"
