@@ -8,6 +8,7 @@
 //! `std` threads; each writes its own disjoint slice of the output.
 
 mod gemm;
+mod pool;
 pub mod softmax;
 
 use crate::error::{Error, Result};
@@ -17,7 +18,7 @@ use crate::numerics::hadamard::Rotation;
 use crate::numerics::quant::fake_quantize;
 use crate::options::Precision;
 use crate::problem::{Problem, LOG2E};
-use crate::tensor::{Tensor, TensorView};
+use crate::tensor::{Element, OwnedData, Tensor, TensorView};
 use gemm::{micro_kernel, Acc, MR, NR};
 use softmax::{finalize, max_get_scale, online_softmax, rescale_o, Exp2Math, RowState};
 use std::sync::Mutex;
@@ -100,8 +101,8 @@ fn pack_kv(p: &Problem, k: &TensorView, v: &TensorView, b: usize, hk: usize) -> 
     let d = p.head_dim;
     let sk_pad = round_up(p.seqlen_k, MR);
     let dv = round_up(d, MR);
-    let mut kp = vec![0.0f32; sk_pad * d];
-    let mut vp = vec![0.0f32; dv * sk_pad];
+    let mut kp = pool::take(sk_pad * d);
+    let mut vp = pool::take(dv * sk_pad);
     let mut row = vec![0.0f32; d];
     for j in 0..p.seqlen_k {
         let (strip, lane) = (j / MR, j % MR);
@@ -205,6 +206,12 @@ fn attend_block<M: Exp2Math, const FMA: bool>(
     let hi_all = ranges.iter().map(|r| r.1).max().unwrap_or(0);
     let inner_lo = ranges.iter().map(|r| r.0).max().unwrap_or(0);
     let inner_hi = ranges.iter().map(|r| r.1).min().unwrap_or(0);
+    // Per panel of 16 queries: the keys any of them sees, so that each panel computes only the
+    // part of a tile it can see (the triangle above a causal diagonal, the outside of a window).
+    let panel_keys: Vec<(usize, usize)> = ranges
+        .chunks(NR)
+        .map(|rs| (rs.iter().map(|r| r.0).min().unwrap_or(0), rs.iter().map(|r| r.1).max().unwrap_or(0)))
+        .collect();
     let needs_bias = p.alibi.is_some() || sm.softcap_log2.is_some();
     let c = if needs_bias { 1.0 } else { sm.score_mul };
 
@@ -214,11 +221,19 @@ fn attend_block<M: Exp2Math, const FMA: bool>(
         let cols = j1 - j0;
         let full_tile = j0 >= inner_lo && j1 <= inner_hi;
         for pn in 0..panels {
+            // This panel's part of the tile: local keys c0..c1 (multiples of MR).
+            let (plo, phi) = panel_keys[pn];
+            let c0 = (plo.max(j0) - j0) / MR * MR;
+            let c1 = (round_up(phi.max(j0), MR) - j0).min(cols);
+            if c0 >= c1 {
+                continue;
+            }
+            let (k0, k1) = (j0 + c0, j0 + c1);
             let qp = &scr.q[pn * d * NR..(pn + 1) * d * NR];
-            let sp = &mut scr.s[pn * BC * NR..pn * BC * NR + cols * NR];
+            let sp = &mut scr.s[pn * BC * NR + c0 * NR..pn * BC * NR + c1 * NR];
             // Sᵀ = K·Qᵀ, six keys at a time.
             for (ks, s6) in sp.chunks_exact_mut(MR * NR).enumerate() {
-                let strip = j0 / MR + ks;
+                let strip = k0 / MR + ks;
                 let mut acc: Acc = [[0.0; NR]; MR];
                 micro_kernel::<FMA>(&kv.k[strip * d * MR..(strip + 1) * d * MR], qp, &mut acc);
                 for (dst, a) in s6.chunks_exact_mut(NR).zip(&acc) {
@@ -232,7 +247,7 @@ fn attend_block<M: Exp2Math, const FMA: bool>(
                         *x = match sm.softcap_log2 {
                             Some(cl) => cl * x.tanh(),
                             None => *x * sm.score_mul,
-                        } + p.alibi_bias(h, i0 + pn * NR + lane, j0 + jl) * LOG2E;
+                        } + p.alibi_bias(h, i0 + pn * NR + lane, k0 + jl) * LOG2E;
                     }
                 }
             }
@@ -241,7 +256,7 @@ fn attend_block<M: Exp2Math, const FMA: bool>(
                 let lo: [i64; NR] = std::array::from_fn(|l| ranges.get(pn * NR + l).map_or(0, |r| r.0 as i64));
                 let hi: [i64; NR] = std::array::from_fn(|l| ranges.get(pn * NR + l).map_or(i64::MAX, |r| r.1 as i64));
                 for (jl, row) in sp.chunks_exact_mut(NR).enumerate() {
-                    let j = (j0 + jl) as i64;
+                    let j = (k0 + jl) as i64;
                     for q in 0..NR {
                         row[q] = if j < lo[q] || j >= hi[q] { f32::NEG_INFINITY } else { row[q] };
                     }
@@ -261,7 +276,7 @@ fn attend_block<M: Exp2Math, const FMA: bool>(
                 for (a, src) in acc.iter_mut().zip(o6.chunks_exact(NR)) {
                     a.copy_from_slice(src);
                 }
-                micro_kernel::<FMA>(&kv.v[base + j0 * MR..base + j1 * MR], sp, &mut acc);
+                micro_kernel::<FMA>(&kv.v[base + k0 * MR..base + k1 * MR], sp, &mut acc);
                 for (dst, a) in o6.chunks_exact_mut(NR).zip(&acc) {
                     dst.copy_from_slice(a);
                 }
@@ -367,7 +382,7 @@ pub(crate) fn forward_with<M: Exp2Math>(
     };
     let n_o = crate::tensor::numel([p.batch, p.heads_q, p.seqlen_q, d], "output")?;
     // Internal layout [batch, heads_q, seqlen_q, d] so each work item owns a contiguous slice.
-    let mut o_hm = vec![0.0f32; n_o];
+    let mut o_hm = pool::take(n_o);
     let mut lse = vec![f32::NEG_INFINITY; p.batch * p.heads_q * p.seqlen_q];
 
     let kv_bytes = 4 * (round_up(p.seqlen_k, MR) * (d + round_up(d, MR)));
@@ -428,20 +443,43 @@ pub(crate) fn forward_with<M: Exp2Math>(
             }
             run_worker(p, q, &packed, sm, &math, &queue);
         });
-    }
-
-    // [b, h, s, d] f32 -> [b, s, h, d] in q's dtype.
-    let mut o = Tensor::zeros(p.dtype, [p.batch, p.seqlen_q, p.heads_q, d])?;
-    let out = o.data_mut();
-    for b in 0..p.batch {
-        for h in 0..p.heads_q {
-            for i in 0..p.seqlen_q {
-                let src = &o_hm[((b * p.heads_q + h) * p.seqlen_q + i) * d..][..d];
-                out.write_f32(((b * p.seqlen_q + i) * p.heads_q + h) * d, src);
-            }
+        for (_, pk) in packed {
+            pool::give(pk.k);
+            pool::give(pk.v);
         }
     }
+
+    let mut o = Tensor::zeros(p.dtype, [p.batch, p.seqlen_q, p.heads_q, d])?;
+    match o.data_mut() {
+        OwnedData::F32(v) => to_seq_major(p, &o_hm, v, nthreads),
+        OwnedData::F16(v) => to_seq_major(p, &o_hm, v, nthreads),
+        OwnedData::BF16(v) => to_seq_major(p, &o_hm, v, nthreads),
+    }
+    pool::give(o_hm);
     Ok(CpuOutput { o, lse, kernel: path_name() })
+}
+
+/// `[b, h, s, d]` f32 → `[b, s, h, d]` in the output type, split over threads by blocks of rows
+/// (each block of all heads is contiguous in the output).
+fn to_seq_major<T: Element>(p: &Problem, src: &[f32], dst: &mut [T], nthreads: usize) {
+    let (hq, sq, d) = (p.heads_q, p.seqlen_q, p.head_dim);
+    let rows = p.batch * sq;
+    let per = rows.div_ceil(nthreads.max(1)).max(1);
+    std::thread::scope(|s| {
+        for (c, chunk) in dst.chunks_mut(per * hq * d).enumerate() {
+            s.spawn(move || {
+                for (r, row) in chunk.chunks_mut(hq * d).enumerate() {
+                    let (b, i) = ((c * per + r) / sq, (c * per + r) % sq);
+                    for (h, out) in row.chunks_mut(d).enumerate() {
+                        let from = &src[((b * hq + h) * sq + i) * d..][..d];
+                        for (o, &x) in out.iter_mut().zip(from) {
+                            *o = T::from_f32(x);
+                        }
+                    }
+                }
+            });
+        }
+    });
 }
 
 /// The CPU forward pass with the problem's arithmetic. Returns the output and the name of the
