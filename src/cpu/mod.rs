@@ -24,7 +24,7 @@ use softmax::{finalize, max_get_scale, online_softmax, rescale_o, Exp2Math, RowS
 use std::sync::Mutex;
 
 /// Query rows per work item (a multiple of the 16-query panels).
-pub const BR: usize = 64;
+pub const BR: usize = 96;
 /// Keys per tile (a multiple of the micro-kernel's 6-key strips).
 pub const BC: usize = 96;
 /// Largest head_dim the CPU backend accepts.
