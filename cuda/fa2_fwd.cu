@@ -70,19 +70,6 @@ __device__ __forceinline__ void load_tile(Elem* smem, const Elem* gbase, int64_t
     }
 }
 
-// %ctaid.{y,z} read through volatile asm: the compiler cannot hoist these out of the main loop, so
-// the 64-bit K/V head pointers are recomputed per tile (a few integer ops next to thousands of
-// mma) instead of occupying four registers across the register-bound loop (hdim 128 spilled).
-__device__ __forceinline__ int cta_head() {
-    int v;
-    asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(v));
-    return v;
-}
-__device__ __forceinline__ int cta_batch() {
-    int v;
-    asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(v));
-    return v;
-}
 // Start of this CTA's (batch, head) slice of a [batch, seqlen, heads, dim] tensor; for K and V the
 // head is the shared GQA/MQA head h / (heads_q / heads_kv), so K/V are never copied.
 template <typename Elem>

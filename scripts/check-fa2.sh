@@ -5,7 +5,10 @@
 #     plus the whole file as compute_80 PTX (must say `.version 9.0`, what driver 580 loads);
 #  2. ptxas -v: every instance reports 0 bytes spill stores/loads and 0 bytes stack frame;
 #  3. SASS (cuobjdump) of the sm_80 and sm_90a cubins: contains HMMA and LDSM, no LDL/STL;
-#  4. the host test of the fragment index math (cuda/test/fa2_layout_test.cpp, g++).
+#  4. the host test of the fragment index math (cuda/test/fa2_layout_test.cpp, g++);
+#  5. the host emulation: the unchanged kernel source run on the CPU against a float64 reference
+#     (cuda/test/fa2_emu, g++ -std=c++20; about 1 minute on 2 cores, FA2_EMU=quick halves it,
+#     FA2_EMU=0 skips it).
 # Prints registers per instance and the wall time per nvcc job. Exit status 0 only if all pass.
 #
 # Usage: scripts/check-fa2.sh [out_dir]   (NVCC=... overrides the compiler; JOBS=2 parallel jobs)
@@ -83,6 +86,13 @@ printf 'all nvcc jobs (%s in parallel) + PTX: %.1f s wall\n' "$JOBS" "$(echo "$t
 # Host test of the fragment/ldmatrix index math (same header the kernel includes).
 g++ -std=c++17 -O1 -Wall -Wextra -I"$root/cuda/include" "$root/cuda/test/fa2_layout_test.cpp" -o "$out/fa2_layout_test"
 "$out/fa2_layout_test" || fail=1
+
+if [ "${FA2_EMU:-full}" != 0 ]; then
+  g++ -std=c++20 -O2 -pthread -fno-strict-aliasing -include "$root/cuda/test/fa2_emu/cuda_shim.h" \
+    -I"$root/cuda/test/fa2_emu" -I"$root/cuda/include" "$root/cuda/test/fa2_emu/fa2_emu_test.cpp" \
+    -o "$out/fa2_emu_test"
+  if [ "${FA2_EMU:-full}" = quick ]; then "$out/fa2_emu_test" --quick || fail=1; else "$out/fa2_emu_test" || fail=1; fi
+fi
 
 if [ "$fail" = 0 ]; then echo "check-fa2: OK"; else echo "check-fa2: FAILED" >&2; fi
 exit "$fail"

@@ -9,6 +9,8 @@
 //   m = running row max of s2; p = 2^(s2 - m); l = running sum of p; O rescaled by 2^(m_old - m).
 //   The -inf guard: while a row has seen only masked keys m = -inf and we subtract 0 instead,
 //   so 2^(-inf - 0) = 0 and never NaN from (-inf) - (-inf).
+// Portable C++ apart from __device__: the GPU-only primitives (ex2, quad shuffles) live in
+// mma_sm80.cuh, so the host emulation (cuda/test/fa2_emu) can compile this file unchanged.
 #pragma once
 #include <math.h>
 #include <stdint.h>
@@ -20,24 +22,6 @@ namespace fa2 {
 
 constexpr float kLog2e = 1.4426950408889634f;  // log2(e): natural -> log2 units
 constexpr float kLn2 = 0.6931471805599453f;    // ln(2): log2 -> natural units (LSE)
-
-// 2^x with the MUFU.EX2 unit; ftz is harmless (p < 2^-126 contributes nothing next to p = 1 of
-// the row max) and ex2.approx(-inf) = +0, which the -inf guard relies on.
-__device__ __forceinline__ float ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-// Max / sum over the 4 lanes of a quad (lanes 4g..4g+3 share a row of every accumulator tile).
-__device__ __forceinline__ float quad_max(float x) {
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-    x += __shfl_xor_sync(0xffffffffu, x, 1);
-    return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
 
 // The score transform reads its constants straight from the __grid_constant__ params (constant
 // bank operands in SASS, no registers: the hot loop of hdim 128 is at the 255-register limit).

@@ -1,6 +1,8 @@
 // Thin wrappers over the sm_80 warp-level instructions the FA2 kernel uses: cp.async (global ->
 // shared, 16 bytes, zero-fill), ldmatrix (shared -> mma fragments) and mma.sync m16n8k16 with f32
-// accumulation. Fragment layouts are documented (and host-tested) in fa2_layout.h. All of these
+// accumulation, plus the other GPU-only primitives of the kernel (ex2, quad shuffles, %ctaid).
+// cuda/test/fa2_emu/mma_sm80.cuh implements the same API on the host, from the PTX ISA text, to
+// run the unchanged kernel source on the CPU. Fragment layouts are documented (and host-tested) in fa2_layout.h. All of these
 // exist on sm_80 and every later architecture (sm_90a and sm_100a keep mma.sync), so the same
 // source compiles for every target of the crate.
 #pragma once
@@ -84,5 +86,39 @@ struct Mma<__nv_bfloat16> {
         return *reinterpret_cast<uint32_t*>(&h);
     }
 };
+
+// ---- softmax primitives --------------------------------------------------------------------------
+// 2^x with the MUFU.EX2 unit; ftz is harmless (p < 2^-126 contributes nothing next to p = 1 of
+// the row max) and ex2.approx(-inf) = +0, which the -inf guard relies on.
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Max / sum over the 4 lanes of a quad (lanes 4g..4g+3 share a row of every accumulator tile).
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// ---- CTA coordinates ------------------------------------------------------------------------------
+// %ctaid.{y,z} read through volatile asm: the compiler cannot hoist these out of the main loop, so
+// the 64-bit K/V head pointers are recomputed per tile (a few integer ops next to thousands of
+// mma) instead of occupying four registers across the register-bound loop (hdim 128 spilled).
+__device__ __forceinline__ int cta_head() {
+    int v;
+    asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(v));
+    return v;
+}
+__device__ __forceinline__ int cta_batch() {
+    int v;
+    asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(v));
+    return v;
+}
 
 }  // namespace fa2
