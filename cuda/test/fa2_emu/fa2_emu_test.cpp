@@ -75,6 +75,7 @@ struct Case {
     int hdim, batch, hq, hkv, sq, sk, left, right;
     float softcap;
     bool alibi, lse;
+    bool bhsd = false;  // tensors laid out [b, h, s, d] instead of [b, s, h, d] (strides differ)
 };
 
 static int g_fail = 0;
@@ -89,7 +90,10 @@ static bool run_case(const Case& c, emu::CpAsync mode) {
     auto to_f = [&](uint16_t h) { return c.bf16 ? emu::bf16_to_float(h) : emu::f16_to_float(h); };
     std::mt19937 rng(1234 + D + c.sq * 7 + c.sk);
     std::normal_distribution<float> nd(0.f, 1.f);
-    // [b, s, h, d] contiguous.
+    // [b, s, h, d] contiguous, or [b, h, s, d] when c.bhsd: element offsets by (b, s, h).
+    auto off = [&](int b, int si, int h, int seqlen, int heads) -> size_t {
+        return c.bhsd ? ((size_t(b) * heads + h) * seqlen + si) * D : ((size_t(b) * seqlen + si) * heads + h) * D;
+    };
     std::vector<uint16_t> q(size_t(c.batch) * c.sq * c.hq * D), k(size_t(c.batch) * c.sk * c.hkv * D),
         v(k.size());
     for (auto& x : q) x = to_bits(nd(rng));
@@ -108,10 +112,14 @@ static bool run_case(const Case& c, emu::CpAsync mode) {
     p.o = reinterpret_cast<uint64_t>(o.data());
     p.lse = c.lse ? reinterpret_cast<uint64_t>(lse.data()) : 0;
     p.alibi_slopes = c.alibi ? reinterpret_cast<uint64_t>(slopes.data()) : 0;
-    p.q_batch_stride = int64_t(c.sq) * c.hq * D; p.q_row_stride = int64_t(c.hq) * D; p.q_head_stride = D;
-    p.k_batch_stride = int64_t(c.sk) * c.hkv * D; p.k_row_stride = int64_t(c.hkv) * D; p.k_head_stride = D;
-    p.v_batch_stride = p.k_batch_stride; p.v_row_stride = p.k_row_stride; p.v_head_stride = D;
-    p.o_batch_stride = p.q_batch_stride; p.o_row_stride = p.q_row_stride; p.o_head_stride = D;
+    p.q_batch_stride = int64_t(c.sq) * c.hq * D;
+    p.q_row_stride = c.bhsd ? D : int64_t(c.hq) * D;
+    p.q_head_stride = c.bhsd ? int64_t(c.sq) * D : D;
+    p.k_batch_stride = int64_t(c.sk) * c.hkv * D;
+    p.k_row_stride = c.bhsd ? D : int64_t(c.hkv) * D;
+    p.k_head_stride = c.bhsd ? int64_t(c.sk) * D : D;
+    p.v_batch_stride = p.k_batch_stride; p.v_row_stride = p.k_row_stride; p.v_head_stride = p.k_head_stride;
+    p.o_batch_stride = p.q_batch_stride; p.o_row_stride = p.q_row_stride; p.o_head_stride = p.q_head_stride;
     p.batch = c.batch; p.seqlen_q = c.sq; p.seqlen_k = c.sk; p.heads_q = c.hq; p.heads_kv = c.hkv;
     p.head_dim = D; p.window_left = c.left; p.window_right = c.right;
     const double scale = 1.0 / std::sqrt(double(D));
@@ -131,13 +139,13 @@ static bool run_case(const Case& c, emu::CpAsync mode) {
         for (int h = 0; h < c.hq; ++h)
             for (int i = 0; i < c.sq; ++i) {
                 const int hk = h / group;
-                const uint16_t* qi = &q[((size_t(b) * c.sq + i) * c.hq + h) * D];
+                const uint16_t* qi = &q[off(b, i, h, c.sq, c.hq)];
                 double m = -INFINITY;
                 const long diag = long(i) + c.sk - c.sq;
                 for (int j = 0; j < c.sk; ++j) {
                     const bool vis = (c.left < 0 || j >= diag - c.left) && (c.right < 0 || j <= diag + c.right);
                     if (!vis) { s[j] = -INFINITY; continue; }
-                    const uint16_t* kj = &k[((size_t(b) * c.sk + j) * c.hkv + hk) * D];
+                    const uint16_t* kj = &k[off(b, j, hk, c.sk, c.hkv)];
                     double dot = 0;
                     for (int d = 0; d < D; ++d) dot += double(to_f(qi[d])) * to_f(kj[d]);
                     double sc = dot * scale;
@@ -148,13 +156,13 @@ static bool run_case(const Case& c, emu::CpAsync mode) {
                 }
                 double l = 0;
                 for (int j = 0; j < c.sk; ++j) l += (s[j] == -INFINITY) ? 0 : std::exp(s[j] - m);
-                uint16_t* oi = &o[((size_t(b) * c.sq + i) * c.hq + h) * D];
+                uint16_t* oi = &o[off(b, i, h, c.sq, c.hq)];
                 for (int d = 0; d < D; ++d) {
                     double ref = 0;
                     if (l > 0)
                         for (int j = 0; j < c.sk; ++j)
                             if (s[j] != -INFINITY)
-                                ref += std::exp(s[j] - m) / l * to_f(v[((size_t(b) * c.sk + j) * c.hkv + hk) * D + d]);
+                                ref += std::exp(s[j] - m) / l * to_f(v[off(b, j, hk, c.sk, c.hkv) + d]);
                     const double got = to_f(oi[d]);
                     const double err = std::fabs(got - ref);
                     if (!(err <= max_err)) max_err = std::isnan(err) ? INFINITY : std::max(max_err, err);
@@ -192,6 +200,10 @@ int main(int argc, char** argv) {
         {"hd192 causal sq<sk", false, 192, 1, 2, 1, 50, 130, -1, 0, 0.f, false, false},
         {"hd256 full ragged", true, 256, 1, 2, 2, 65, 70, -1, -1, 0.f, false, true},
         {"hd32 diagonal-only window sq>sk", true, 32, 1, 2, 1, 40, 30, 0, 0, 0.f, false, true},
+        {"hd256 window(30,10) gqa [b,h,s,d]", false, 256, 2, 4, 2, 130, 150, 30, 10, 0.f, false, true, true},
+        {"hd96 causal seqlen_q=1 [b,h,s,d]", true, 96, 1, 2, 2, 1, 200, -1, 0, 0.f, false, true, true},
+        {"hd192 alibi full", true, 192, 1, 2, 1, 70, 70, -1, -1, 0.f, true, true},
+        {"hd64 softcap50 causal multi-block", false, 64, 1, 1, 1, 300, 300, -1, 0, 50.f, false, true},
     };
     for (const Case& c : cases) {
         run_case(c, emu::CpAsync::AtWait);
