@@ -2,8 +2,8 @@
 //
 // One CTA computes kBlockM query rows of one (batch, head): split-Q, each warp owns 16 * kMTiles
 // rows and never talks to the other warps except through shared-memory barriers. K/V tiles of
-// kBlockN keys stream through shared memory with cp.async (V_j lands while S_j = Q K_j^T runs,
-// K_{j-1} lands while the softmax and O += P V_j run). S stays in registers, becomes P in place
+// kBlockN keys stream through a two-stage shared-memory ring with cp.async (tile j-1 lands while
+// tile j is computed; one barrier per tile). S stays in registers, becomes P in place
 // (the accumulator fragment of Q K^T is the A fragment of P V, see fa2_layout.h), and O is
 // normalised once at the end, staged through shared memory and written with 16-byte stores.
 //
@@ -13,20 +13,21 @@
 //   block       (kNWarps * 32, 1, 1)
 //   dyn. smem   kSmemBytes; above 48 KiB set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES first
 //     D   kBlockM kBlockN warps threads smem bytes (kMTiles = m16 tiles per warp)
-//     32    128     64     4     128     20480      (2)
-//     64    128     64     4     128     36864      (2)
-//     96    128     64     4     128     53248      (2)
-//    128    128     32     4     128     52224      (2)
-//    192     64     64     4     128     76800      (1)
-//    256     64     64     4     128    101376      (1)
+//     32    128     64     4     128     30720      (2)
+//     64    128     64     4     128     55296      (2)
+//     96    128     64     4     128     79872      (2)
+//    128    128     32     4     128     69632      (2)
+//    192     64     32     4     128     76800      (1)
+//    256     64     32     4     128    101376      (1)
 //   (static_asserted at the bottom of this file, so the table cannot drift from the traits)
 // Preconditions checked by the host: head_dim == D; q/k/v/o 16-byte aligned and every stride a
 // multiple of 8 elements (16-byte cp.async and stores); heads_q % heads_kv == 0; seqlen_q >= 1;
 // lse non-null when FA_FLAG_RETURN_LSE, alibi_slopes non-null when FA_FLAG_ALIBI.
 //
 // Build: nvcc -cubin -std=c++17 -O3 -Icuda/include -gencode=arch=compute_80,code=sm_80 (and
-// compute_90a/sm_90a, compute_100a/sm_100a); -DFA2_ONLY_HDIM=<D> compiles one head dim only, so
-// the build can run one nvcc job per head dim.
+// compute_90a/sm_90a, compute_100a/sm_100a), plus -ptx -arch=compute_80. -DFA2_ONLY_HDIM=<D>
+// compiles one head dim only (one nvcc job per head dim on many-core machines; on 2 cores one job
+// per arch costs less CPU in total, see docs/fa2.md). Checks: scripts/check-fa2.sh.
 #include <math.h>
 #include <stdint.h>
 
@@ -70,6 +71,10 @@ __device__ __forceinline__ void load_tile(Elem* smem, const Elem* gbase, int64_t
     }
 }
 
+// Issues the K and V tiles of keys [n0, n0 + kBlockN) into one ring stage (caller commits).
+template <typename T, typename Elem>
+__device__ __forceinline__ void load_kv(Elem* sK_stage, Elem* sV_stage, const FwdParams& p, int n0, int tid);
+
 // Start of this CTA's (batch, head) slice of a [batch, seqlen, heads, dim] tensor; for K and V the
 // head is the shared GQA/MQA head h / (heads_q / heads_kv), so K/V are never copied.
 template <typename Elem>
@@ -77,6 +82,15 @@ __device__ __forceinline__ Elem* head_ptr(uint64_t base, int64_t batch_stride, i
     return reinterpret_cast<Elem*>(base) + cta_batch() * batch_stride + head * head_stride;
 }
 __device__ __forceinline__ int kv_head(const FwdParams& p) { return cta_head() / (p.heads_q / p.heads_kv); }
+
+template <typename T, typename Elem>
+__device__ __forceinline__ void load_kv(Elem* sK_stage, Elem* sV_stage, const FwdParams& p, int n0, int tid) {
+    const int hk = kv_head(p);
+    load_tile<T, T::kBlockN>(sK_stage, head_ptr<const Elem>(p.k, p.k_batch_stride, p.k_head_stride, hk),
+                             p.k_row_stride, n0, p.seqlen_k, tid);
+    load_tile<T, T::kBlockN>(sV_stage, head_ptr<const Elem>(p.v, p.v_batch_stride, p.v_head_stride, hk),
+                             p.v_row_stride, n0, p.seqlen_k, tid);
+}
 
 template <typename Elem, int kHeadDim>
 __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
@@ -87,8 +101,9 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     Elem* sQ = reinterpret_cast<Elem*>(smem_raw);  // [kBlockM][kStride], later O staging
-    Elem* sK = sQ + kBlockM * kStride;              // [kBlockN][kStride]
-    Elem* sV = sK + kBlockN * kStride;              // [kBlockN][kStride]
+    Elem* sK = sQ + kBlockM * kStride;              // [kStages][kBlockN][kStride]
+    Elem* sV = sK + T::kStages * kBlockN * kStride;  // [kStages][kBlockN][kStride]
+    constexpr uint32_t kStageBytes = kBlockN * kStride * 2;  // one K (or V) stage
 
     const int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -105,11 +120,12 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
     const int n_min = j_lo / kBlockN;
     const int n_max = j_hi >= j_lo ? j_hi / kBlockN + 1 : n_min;  // exclusive; empty => no tiles
 
-    // Prologue: Q and the last K tile in flight (tiles are visited from the last one down, so the
-    // diagonal/boundary tiles that need the mask come first and set a sane row max early).
-    load_tile<T, kBlockM>(sQ, head_ptr<const Elem>(p.q, p.q_batch_stride, p.q_head_stride, head), p.q_row_stride, m0, seqlen_q, tid);
-    cp_async_commit();
-    if (n_max > n_min) load_tile<T, kBlockN>(sK, head_ptr<const Elem>(p.k, p.k_batch_stride, p.k_head_stride, kv_head(p)), p.k_row_stride, (n_max - 1) * kBlockN, seqlen_k, tid);
+    // Prologue: Q and the first K/V tile in flight, as one cp.async group. Key tiles are visited
+    // from the last one down, so the diagonal/boundary tiles that need the mask come first and set
+    // a sane row max early.
+    load_tile<T, kBlockM>(sQ, head_ptr<const Elem>(p.q, p.q_batch_stride, p.q_head_stride, head),
+                          p.q_row_stride, m0, seqlen_q, tid);
+    if (n_max > n_min) load_kv<T>(sK, sV, p, (n_max - 1) * kBlockN, tid);
     cp_async_commit();
 
     // Per lane: O accumulators (f32), running max m (log2 units) and partial sum l of its 2 rows
@@ -133,12 +149,19 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
     const uint32_t k_lane = (ldsm_k_row(lane) * kStride + ldsm_k_col(lane)) * 2;
     const uint32_t v_lane = (ldsm_v_row(lane) * kStride + ldsm_v_col(lane)) * 2;
 
-    for (int n_block = n_max - 1; n_block >= n_min; --n_block) {
+    // Two-stage K/V ring, one barrier per tile: tile j sits in stage (n_max - 1 - j) & 1; at the top
+    // of its iteration every thread waits for its own copies of tile j and the barrier makes them
+    // visible to all, and also proves every warp is done with tile j+1, whose stage then receives
+    // tile j-1. So each load overlaps one whole tile of compute (QK^T, softmax, PV).
+    for (int n_block = n_max - 1, stage = 0; n_block >= n_min; --n_block, stage ^= 1) {
         const int n0 = n_block * kBlockN;
-        cp_async_wait<0>();  // K_j (and Q) landed ...
-        __syncthreads();     // ... for every thread, and every warp is done reading V_{j+1}
-        load_tile<T, kBlockN>(sV, head_ptr<const Elem>(p.v, p.v_batch_stride, p.v_head_stride, kv_head(p)), p.v_row_stride, n0, seqlen_k, tid);
+        cp_async_wait<0>();  // tile j (and, first time, Q) landed for this thread ...
+        __syncthreads();     // ... and for every thread; every warp is done with tile j+1
+        if (n_block > n_min)
+            load_kv<T>(sK + (stage ^ 1) * kBlockN * kStride, sV + (stage ^ 1) * kBlockN * kStride, p,
+                       n0 - kBlockN, tid);
         cp_async_commit();
+        const uint32_t sK_stage = sK_u32 + stage * kStageBytes, sV_stage = sV_u32 + stage * kStageBytes;
 
         // ---- S = Q K_j^T: acc_s[mt][nt] is the 16x8 tile (rows wrow+16mt.., keys n0+8nt..) ----
         float acc_s[kMTiles][kNTiles][4];
@@ -157,7 +180,7 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
 #pragma unroll
             for (int np = 0; np < kNTiles / 2; ++np) {
                 uint32_t kb[4];  // B fragments of n-tiles 2np (kb[0], kb[1]) and 2np+1 (kb[2], kb[3])
-                ldmatrix_x4(kb, sK_u32 + k_lane + (np * 16 * kStride + ks * 16) * 2);
+                ldmatrix_x4(kb, sK_stage + k_lane + (np * 16 * kStride + ks * 16) * 2);
 #pragma unroll
                 for (int mt = 0; mt < kMTiles; ++mt) {
                     M::run(acc_s[mt][2 * np], qa[mt], kb[0], kb[1]);
@@ -171,12 +194,8 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
         // A tile needs no mask when every (row, key) of it is visible: all keys < seqlen_k, the
         // tile's last key within the first row's right bound, its first key within the last
         // row's left bound (ranges of the CTA's first and last real rows).
-        if (n0 + kBlockN - 1 > range_first.hi || n0 < range_last.lo) apply_mask(acc_s, p, m0 + wrow, n0, lane);
-
-        cp_async_wait<0>();  // V_j landed ...
-        __syncthreads();     // ... for every thread, and every warp is done reading K_j
-        if (n_block > n_min) load_tile<T, kBlockN>(sK, head_ptr<const Elem>(p.k, p.k_batch_stride, p.k_head_stride, kv_head(p)), p.k_row_stride, n0 - kBlockN, seqlen_k, tid);
-        cp_async_commit();
+        if (n0 + kBlockN - 1 > range_first.hi || n0 < range_last.lo)
+            apply_mask(acc_s, p, m0 + wrow, n0, lane);
 
         // ---- online softmax (rows g: i = 0,1; rows g+8: i = 2,3) ----
 #pragma unroll
@@ -223,7 +242,7 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
 #pragma unroll
             for (int dp = 0; dp < kDTiles / 2; ++dp) {
                 uint32_t vb[4];  // B fragments of d-tiles 2dp (vb[0], vb[1]) and 2dp+1 (vb[2], vb[3])
-                ldmatrix_x4_trans(vb, sV_u32 + v_lane + (kk * 16 * kStride + dp * 16) * 2);
+                ldmatrix_x4_trans(vb, sV_stage + v_lane + (kk * 16 * kStride + dp * 16) * 2);
 #pragma unroll
                 for (int mt = 0; mt < kMTiles; ++mt) {
                     M::run(acc_o[mt][2 * dp], pa[mt], vb[0], vb[1]);
@@ -235,10 +254,11 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
 
     // ---- epilogue: O / l, LSE, O through shared memory (reusing sQ) with 16-byte stores ----
     cp_async_wait<0>();
-    __syncthreads();  // every warp is done with sQ/sV (and no cp.async is left in flight)
+    __syncthreads();  // every warp is done with sQ (and no cp.async is left in flight)
     const bool write_lse = (p.flags & FA_FLAG_RETURN_LSE) != 0u;
     // lse is [batch, heads_q, seqlen_q] f32 (natural log); only touched when requested.
-    float* gLse = write_lse ? reinterpret_cast<float*>(p.lse) + (static_cast<int64_t>(batch) * p.heads_q + head) * seqlen_q
+    float* gLse = write_lse ? reinterpret_cast<float*>(p.lse) +
+                                  (static_cast<int64_t>(batch) * p.heads_q + head) * seqlen_q
                             : nullptr;
     Elem* sO = sQ;
     Elem* gO = head_ptr<Elem>(p.o, p.o_batch_stride, p.o_head_stride, head);
@@ -308,9 +328,9 @@ FA2_HDIM(256)
     static_assert(fa2::Fa2Traits<D>::kBlockM == M && fa2::Fa2Traits<D>::kBlockN == N &&              \
                       fa2::Fa2Traits<D>::kNWarps == W && fa2::Fa2Traits<D>::kSmemBytes == SMEM,      \
                   "docs/fa2.md launch table out of date for hdim " #D);
-FA2_CHECK(32, 128, 64, 4, 20480)
-FA2_CHECK(64, 128, 64, 4, 36864)
-FA2_CHECK(96, 128, 64, 4, 53248)
-FA2_CHECK(128, 128, 32, 4, 52224)
-FA2_CHECK(192, 64, 64, 4, 76800)
-FA2_CHECK(256, 64, 64, 4, 101376)
+FA2_CHECK(32, 128, 64, 4, 30720)
+FA2_CHECK(64, 128, 64, 4, 55296)
+FA2_CHECK(96, 128, 64, 4, 79872)
+FA2_CHECK(128, 128, 32, 4, 69632)
+FA2_CHECK(192, 64, 32, 4, 76800)
+FA2_CHECK(256, 64, 32, 4, 101376)

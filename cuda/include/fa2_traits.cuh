@@ -3,14 +3,16 @@
 // kNThreads, dynamic shared memory = kSmemBytes (above 48 KiB the launcher must first raise
 // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES to kSmemBytes).
 //
-// Choices follow FA2's sm80 launch table (Dao-AILab/flash-attention csrc, flash_fwd_launch_template.h):
-// 128 query rows with 4 warps up to hdim 128 (each warp owns 32 rows = 2 m-tiles, so every K/V
-// fragment read from shared memory feeds two mma), and 64x64 with 4 warps for hdim 192/256, where
-// 2 m-tiles would not fit in 255 registers (O alone is 16 * hdim / 32 floats per thread per m-tile).
-// hdim 128 uses 128x32 (FA2's sm86 choice) rather than FA2's sm80 128x64: with 128x64 our kernel
-// needs 64 S + 128 O accumulators per thread and ptxas spilled 16-90 bytes at 255 registers;
-// 128x32 halves S and keeps the two-m-tile reuse of K/V fragments (8 warps x 1 m-tile would not
-// spill either but reads every K/V fragment from shared memory twice as often).
+// Choices start from FA2's sm80 launch table (Dao-AILab/flash-attention csrc,
+// flash_fwd_launch_template.h): 128 query rows with 4 warps up to hdim 128 (each warp owns 32 rows
+// = 2 m-tiles, so every K/V fragment read from shared memory feeds two mma), and 64 rows with
+// 4 warps x 1 m-tile for hdim 192/256, where 2 m-tiles would not fit in 255 registers (O alone is
+// 4 * hdim / 8 floats per thread per m-tile). Differences from FA2, both measured with ptxas -v:
+//  - hdim 128 uses 128x32, not 128x64: with 64 S + 128 O accumulators per thread ptxas spilled
+//    16-90 bytes at 255 registers; 128x32 keeps the two-m-tile reuse of K/V fragments.
+//  - K/V use a two-stage ring (one barrier per tile, each load overlapping a whole tile of
+//    compute) instead of FA2's single K and V buffers; to fit 99 KiB with the ring, hdim 192/256
+//    take 32-key tiles (FA2: 64x64 single-buffered).
 // Every instance fits the 99 KiB opt-in limit of sm_86/sm_89, so one cubin runs on all sm_80+ parts.
 #pragma once
 
@@ -36,11 +38,12 @@ struct Fa2TraitsBase {
     static constexpr int kStride = kHeadDim + 8;
     static constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks per global row
     static constexpr int kElemBytes = 2;                // f16 / bf16
-    // One buffer each for Q (reused for O staging), K and V. The pipeline is FA2's: V_j loads
-    // while S_j = Q K_j^T runs, K_{j-1} loads while softmax and O += P V_j run.
+    // Q (reused for O staging) plus a kStages-deep ring of K/V tiles: tile j-1 loads while tile j
+    // is computed, with one barrier per tile.
+    static constexpr int kStages = 2;
     static constexpr int kSmemQ = kBlockM * kStride * kElemBytes;
-    static constexpr int kSmemK = kBlockN * kStride * kElemBytes;
-    static constexpr int kSmemV = kBlockN * kStride * kElemBytes;
+    static constexpr int kSmemK = kStages * kBlockN * kStride * kElemBytes;
+    static constexpr int kSmemV = kStages * kBlockN * kStride * kElemBytes;
     static constexpr int kSmemBytes = kSmemQ + kSmemK + kSmemV;
 
     static_assert(kHeadDim % 16 == 0, "head dim must be a multiple of the mma k (16)");
@@ -56,7 +59,7 @@ template <> struct Fa2Traits<32> : Fa2TraitsBase<32, 128, 64, 4> {};
 template <> struct Fa2Traits<64> : Fa2TraitsBase<64, 128, 64, 4> {};
 template <> struct Fa2Traits<96> : Fa2TraitsBase<96, 128, 64, 4> {};
 template <> struct Fa2Traits<128> : Fa2TraitsBase<128, 128, 32, 4> {};
-template <> struct Fa2Traits<192> : Fa2TraitsBase<192, 64, 64, 4> {};
-template <> struct Fa2Traits<256> : Fa2TraitsBase<256, 64, 64, 4> {};
+template <> struct Fa2Traits<192> : Fa2TraitsBase<192, 64, 32, 4> {};
+template <> struct Fa2Traits<256> : Fa2TraitsBase<256, 64, 32, 4> {};
 
 }  // namespace fa2
