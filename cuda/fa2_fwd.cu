@@ -107,7 +107,7 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
 
     const int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k;
+    const int seqlen_q = p.seqlen_q;
     const int m0 = m_block * kBlockM;                  // first query row of this CTA
     const int m_last = min(m0 + kBlockM, seqlen_q) - 1;  // last real query row
 
