@@ -34,7 +34,8 @@ compile_one() {  # hdim arch
     "$root/cuda/fa2_fwd.cu" -o "$out/fa2_hd${d}.${a}.cubin" >"$out/fa2_hd${d}.${a}.log" 2>&1 || {
     cat "$out/fa2_hd${d}.${a}.log" >&2; echo "FAIL compile hd$d $a" >&2; return 1; }
   t1=$(date +%s.%N)
-  printf 'hd%s %s %.1f\n' "$d" "$a" "$(echo "$t1 - $t0" | bc)" >"$out/fa2_hd${d}.${a}.time"
+  awk -v d="$d" -v a="$a" -v t0="$t0" -v t1="$t1" 'BEGIN { printf "hd%s %s %.1f\n", d, a, t1 - t0 }' \
+    >"$out/fa2_hd${d}.${a}.time"
 }
 export -f compile_one
 export NVCC root out
@@ -68,6 +69,7 @@ for d in $HDIMS; do
       /bytes stack frame/ { frame = $1; st = $5; ld = $9 }
       /Used [0-9]+ registers/ { for (i = 1; i <= NF; i++) if ($i == "Used") regs = $(i + 1);
                                 print name, regs, frame, st, ld }' "$log")
+    if grep -q 'warning' "$log"; then grep 'warning' "$log" >&2; echo "FAIL: compiler warnings in hd$d $a" >&2; fail=1; fi
     n_inst="$(grep -c 'Used [0-9]* registers' "$log" || true)"
     [ "$n_inst" = 2 ] || { echo "FAIL: hd$d $a has $n_inst instances, want 2 (f16, bf16)" >&2; fail=1; }
     if [ "$a" = sm_80 ] || [ "$a" = sm_90a ]; then
@@ -81,7 +83,7 @@ for d in $HDIMS; do
     fi
   done
 done
-printf 'all nvcc jobs (%s in parallel) + PTX: %.1f s wall\n' "$JOBS" "$(echo "$t_all1 - $t_all0" | bc)"
+awk -v j="$JOBS" -v t0="$t_all0" -v t1="$t_all1" 'BEGIN { printf "all nvcc jobs (%s in parallel) + PTX: %.1f s wall\n", j, t1 - t0 }' 
 
 # Host test of the fragment/ldmatrix index math (same header the kernel includes).
 g++ -std=c++17 -O1 -Wall -Wextra -I"$root/cuda/include" "$root/cuda/test/fa2_layout_test.cpp" -o "$out/fa2_layout_test"
