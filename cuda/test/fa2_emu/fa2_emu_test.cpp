@@ -5,13 +5,15 @@
 // not check timing-dependent behaviour beyond the two cp.async landing extremes, nor the real
 // hardware's rounding inside mma (the model accumulates in double, rounds to f32 per mma).
 //
-// Build and run (scripts/check-fa2.sh does this):
-//   g++ -std=c++20 -O2 -pthread -fno-strict-aliasing -include cuda/test/fa2_emu/cuda_shim.h \
+// Build and run (scripts/check-fa2.sh does this), one command line:
+//   g++ -std=c++20 -O2 -pthread -fno-strict-aliasing -include cuda/test/fa2_emu/cuda_shim.h
 //       -Icuda/test/fa2_emu -Icuda/include cuda/test/fa2_emu/fa2_emu_test.cpp -o fa2_emu_test
+//   fa2_emu_test [--quick | --random N [seed]]
 #include <cmath>
 #include <cstdio>
 #include <memory>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -181,13 +183,51 @@ static bool run_case(const Case& c, emu::CpAsync mode) {
     // Tolerances: P and O are rounded to the 16-bit type (f16: 2^-11 relative, bf16: 2^-8).
     const double tol = c.bf16 ? 3e-2 : 4e-3;
     ok = ok && max_err <= tol && max_lse_err <= 1e-3;
-    std::printf("%-34s %-4s cp.async@%-5s max|dO| %.2e  max|dLSE| %.2e  %s\n", c.name, c.bf16 ? "bf16" : "f16",
+    std::printf("%-44s %-4s cp.async@%-5s max|dO| %.2e  max|dLSE| %.2e  %s\n", c.name, c.bf16 ? "bf16" : "f16",
                 mode == emu::CpAsync::AtIssue ? "issue" : "wait", max_err, max_lse_err, ok ? "ok" : "FAIL");
     if (!ok) ++g_fail;
     return ok;
 }
 
+// `--random N [seed]`: N random configurations (head dim, dtype, GQA ratio, seqlens 1..300,
+// window sides in {-1, 0..120}, softcap, ALiBi, layout), both cp.async modes.
+static int run_random(int n, unsigned seed) {
+    std::mt19937 rng(seed);
+    auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+    static const int kDims[] = {32, 64, 96, 128, 192, 256};
+    static std::vector<std::string> names;
+    names.reserve(n);
+    for (int i = 0; i < n; ++i) {
+        Case c{};
+        c.bf16 = pick(0, 1);
+        c.hdim = kDims[pick(0, 5)];
+        c.batch = pick(1, 2);
+        c.hkv = pick(1, 2);
+        c.hq = c.hkv * pick(1, 3);
+        c.sq = pick(0, 3) == 0 ? 1 : pick(1, 300);
+        c.sk = pick(1, 300);
+        c.left = pick(0, 2) == 0 ? pick(0, 120) : -1;
+        c.right = pick(0, 2) == 0 ? pick(0, 120) : (pick(0, 1) ? 0 : -1);
+        c.softcap = pick(0, 3) == 0 ? 10.f + pick(0, 40) : 0.f;
+        c.alibi = pick(0, 3) == 0;
+        c.lse = pick(0, 3) != 0;
+        c.bhsd = pick(0, 1);
+        char buf[128];
+        std::snprintf(buf, sizeof buf, "rnd hd%d b%d h%d/%d s%d/%d w(%d,%d)%s%s%s", c.hdim, c.batch, c.hq, c.hkv,
+                      c.sq, c.sk, c.left, c.right, c.softcap > 0 ? " cap" : "", c.alibi ? " alibi" : "",
+                      c.bhsd ? " bhsd" : "");
+        names.emplace_back(buf);
+        c.name = names.back().c_str();
+        run_case(c, emu::CpAsync::AtWait);
+        run_case(c, emu::CpAsync::AtIssue);
+    }
+    std::printf("fa2_emu_test --random: %d failures in %d configurations\n", g_fail, n);
+    return g_fail ? 1 : 0;
+}
+
 int main(int argc, char** argv) {
+    if (argc > 2 && std::string(argv[1]) == "--random")
+        return run_random(std::atoi(argv[2]), argc > 3 ? static_cast<unsigned>(std::atoi(argv[3])) : 1u);
     const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
     //            name                                   bf16  D  b hq hkv  sq   sk  left right softcap alibi lse
     const Case cases[] = {
