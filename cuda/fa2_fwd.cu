@@ -8,7 +8,7 @@
 // normalised once at the end, staged through shared memory and written with 16-byte stores.
 //
 // Launch contract (the host mirrors fa2::Fa2Traits<D>, table in docs/fa2.md):
-//   symbol      fa2_fwd_<f16|bf16>_hd<D>, D in {32, 64, 96, 128, 192, 256}
+//   symbol      fa2_fwd_hd<D>_<f16|bf16>, D in {32, 64, 96, 128, 192, 256}
 //   grid        (ceil(seqlen_q / kBlockM), heads_q, batch)
 //   block       (kNWarps * 32, 1, 1)
 //   dyn. smem   kSmemBytes; above 48 KiB set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES first
@@ -24,10 +24,11 @@
 // multiple of 8 elements (16-byte cp.async and stores); heads_q % heads_kv == 0; seqlen_q >= 1;
 // lse non-null when FA_FLAG_RETURN_LSE, alibi_slopes non-null when FA_FLAG_ALIBI.
 //
-// Build: nvcc -cubin -std=c++17 -O3 -Icuda/include -gencode=arch=compute_80,code=sm_80 (and
-// compute_90a/sm_90a, compute_100a/sm_100a), plus -ptx -arch=compute_80. -DFA2_ONLY_HDIM=<D>
-// compiles one head dim only (one nvcc job per head dim on many-core machines; on 2 cores one job
-// per arch costs less CPU in total, see docs/fa2.md). Checks: scripts/check-fa2.sh.
+// Build: the crate compiles it through the units build.rs generates from build/instances.rs (one
+// per head dim, FA_HEAD_DIM/FA_BLOCK_M/FA_BLOCK_N/FA_THREADS/FA_SMEM_BYTES defined, then
+// FA_INSTANCE(f16) and FA_INSTANCE(bf16)); the row is static_asserted against the traits below.
+// Standalone (no FA_HEAD_DIM) it instantiates every head dim, or only -DFA2_ONLY_HDIM=<D>:
+// scripts/check-fa2.sh and the host emulation (cuda/test/fa2_emu) build it that way.
 #include <math.h>
 #include <stdint.h>
 
@@ -294,16 +295,32 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
 }  // namespace fa2
 
 // ---- instances: extern "C" so the host looks them up by plain name -------------------------------
-#define FA2_INSTANCE(NAME, ELEM, HDIM)                                                              \
+// One instance: fa2_fwd_hd<D>_<f16|bf16>, the symbol build/instances.rs `kernel_symbol` gives.
+namespace fa2 {
+using elem_f16 = __half;
+using elem_bf16 = __nv_bfloat16;
+}  // namespace fa2
+#define FA2_KERNEL(HDIM, DT)                                                                        \
     extern "C" __global__ void __launch_bounds__(fa2::Fa2Traits<HDIM>::kNThreads, 1)               \
-        NAME(const __grid_constant__ FwdParams p) {                                                 \
-        fa2::fwd_kernel<ELEM, HDIM>(p);                                                             \
+        fa2_fwd_hd##HDIM##_##DT(const __grid_constant__ FwdParams p) {                              \
+        fa2::fwd_kernel<fa2::elem_##DT, HDIM>(p);                                                   \
     }
+#define FA2_KERNEL_(HDIM, DT) FA2_KERNEL(HDIM, DT)  // expands FA_HEAD_DIM before pasting
 
-#define FA2_HDIM(HDIM)                                 \
-    FA2_INSTANCE(fa2_fwd_f16_hd##HDIM, __half, HDIM)   \
-    FA2_INSTANCE(fa2_fwd_bf16_hd##HDIM, __nv_bfloat16, HDIM)
-
+#ifdef FA_HEAD_DIM
+// The crate's build: build.rs generates one unit per head dim from build/instances.rs, with the
+// row's tile as macros, then writes FA_INSTANCE(f16) and FA_INSTANCE(bf16). The row must be
+// exactly what the traits compute, or the host would launch with the wrong shape.
+static_assert(fa2::Fa2Traits<FA_HEAD_DIM>::kBlockM == FA_BLOCK_M &&
+                  fa2::Fa2Traits<FA_HEAD_DIM>::kBlockN == FA_BLOCK_N &&
+                  fa2::Fa2Traits<FA_HEAD_DIM>::kNThreads == FA_THREADS,
+              "build/instances.rs fa2 tile disagrees with fa2_traits.cuh");
+static_assert(fa2::Fa2Traits<FA_HEAD_DIM>::kSmemBytes == FA_SMEM_BYTES,
+              "build/instances.rs fa2_smem_bytes disagrees with fa2_traits.cuh");
+#define FA_INSTANCE(DT) FA2_KERNEL_(FA_HEAD_DIM, DT)
+#else
+// Standalone (scripts/check-fa2.sh, cuda/test/fa2_emu): every head dim, or -DFA2_ONLY_HDIM=<D>.
+#define FA2_HDIM(HDIM) FA2_KERNEL(HDIM, f16) FA2_KERNEL(HDIM, bf16)
 #if !defined(FA2_ONLY_HDIM) || FA2_ONLY_HDIM == 32
 FA2_HDIM(32)
 #endif
@@ -321,6 +338,7 @@ FA2_HDIM(192)
 #endif
 #if !defined(FA2_ONLY_HDIM) || FA2_ONLY_HDIM == 256
 FA2_HDIM(256)
+#endif
 #endif
 
 // The launch table of the header comment, checked against the traits.

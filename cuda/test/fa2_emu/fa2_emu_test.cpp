@@ -41,8 +41,8 @@ struct Instance {
     int block_m, threads, smem;
 };
 #define INST(D) \
-    Instance{false, D, fa2_fwd_f16_hd##D, fa2::Fa2Traits<D>::kBlockM, fa2::Fa2Traits<D>::kNThreads, fa2::Fa2Traits<D>::kSmemBytes}, \
-    Instance{true, D, fa2_fwd_bf16_hd##D, fa2::Fa2Traits<D>::kBlockM, fa2::Fa2Traits<D>::kNThreads, fa2::Fa2Traits<D>::kSmemBytes}
+    Instance{false, D, fa2_fwd_hd##D##_f16, fa2::Fa2Traits<D>::kBlockM, fa2::Fa2Traits<D>::kNThreads, fa2::Fa2Traits<D>::kSmemBytes}, \
+    Instance{true, D, fa2_fwd_hd##D##_bf16, fa2::Fa2Traits<D>::kBlockM, fa2::Fa2Traits<D>::kNThreads, fa2::Fa2Traits<D>::kSmemBytes}
 static const Instance kInstances[] = {INST(32), INST(64), INST(96), INST(128), INST(192), INST(256)};
 
 // Emulated launch: grid (ceil(sq / kBlockM), heads_q, batch), block kNThreads.
