@@ -157,6 +157,19 @@ fn fa1_smem_bytes(t: &Tile) -> u32 {
 /// FA1 threads: 8 lanes share a query row (each owns every 8th column), 16 row groups.
 const FA1_THREADS: u32 = 128;
 
+/// FA2's shared memory: Q (block_m rows, reused to stage O) plus a two-stage ring of K and V
+/// tiles (block_n rows each), f16/bf16 rows padded by 8 elements (16 bytes) so ldmatrix is
+/// bank-conflict free. Mirrors `Fa2Traits::kSmemBytes` in cuda/include/fa2_traits.cuh.
+fn fa2_smem_bytes(t: &Tile) -> u32 {
+    const STAGES: u32 = 2;
+    const PAD: u32 = 8;
+    const ELEM_BYTES: u32 = 2;
+    (t.block_m + 2 * STAGES * t.block_n) * (t.head_dim + PAD) * ELEM_BYTES
+}
+
+/// FA2 threads: 4 warps split the query rows (split-Q), for every head dim.
+const FA2_THREADS: u32 = 128;
+
 /// The families. Add FA2/FA3/FA4 rows here.
 pub const FAMILIES: &[Family] = &[Family {
     name: "fa1",
@@ -183,4 +196,35 @@ pub const FAMILIES: &[Family] = &[Family {
     rank: 1,
     cpu_emulation: Some("cuda/emu/fa1_emu.cpp"),
     smem_bytes: fa1_smem_bytes,
+},
+Family {
+    name: "fa2",
+    variant: "Fa2",
+    source: "cuda/fa2_fwd.cu",
+    // Mirrors fa2::Fa2Traits<D> (the unit static_asserts it). 128 rows = 4 warps x 2 m16 tiles
+    // up to hd 128 (each K/V fragment feeds two mma); hd 128 takes 32-key tiles (64 spilled at
+    // 255 registers); hd 192/256 take 64x32 (4 warps x 1 m-tile) to fit 99 KB with the K/V ring.
+    // The kernel runs only its exact head dims (no tail masking, 16-byte row chunks): dispatch
+    // checks that (src/cuda/fa2.rs).
+    tiles: &[
+        Tile { head_dim: 32, block_m: 128, block_n: 64, threads: FA2_THREADS },
+        Tile { head_dim: 64, block_m: 128, block_n: 64, threads: FA2_THREADS },
+        Tile { head_dim: 96, block_m: 128, block_n: 64, threads: FA2_THREADS },
+        Tile { head_dim: 128, block_m: 128, block_n: 32, threads: FA2_THREADS },
+        Tile { head_dim: 192, block_m: 64, block_n: 32, threads: FA2_THREADS },
+        Tile { head_dim: 256, block_m: 64, block_n: 32, threads: FA2_THREADS },
+    ],
+    min_sm: 80,
+    // Compile-checked and emulated on the CPU (cuda/test/fa2_emu) only; set to true once
+    // scripts/gpu-check.sh passes on a GPU.
+    gpu_verified: false,
+    // Auto picks it over FA1 wherever it runs the problem (sm_80+, and Hopper until FA3 is verified).
+    auto: true,
+    // Tensor-core mma.sync, ldmatrix (and its .trans form for V), cp.async global->shared.
+    sass_expect: &["HMMA.16816.F32", "LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS"],
+    options: &[],
+    rank: 2,
+    // Its emulation needs ISA models of mma/ldmatrix/cp.async: cuda/test/fa2_emu, run by tests/fa2_host.rs.
+    cpu_emulation: None,
+    smem_bytes: fa2_smem_bytes,
 }];

@@ -33,6 +33,11 @@ fn variant_of(name: &str) -> Variant {
     }
 }
 
+/// The head dims the FA2 family is instantiated for (it has no tail masking).
+fn fa2_dims() -> Vec<usize> {
+    FAMILIES.iter().filter(|f| f.name == "fa2").flat_map(|f| f.tiles.iter().map(|t| t.head_dim as usize)).collect()
+}
+
 fn engine() -> Engine {
     Engine::new(0).expect("these tests need CUDA device 0 (run them with --ignored on a GPU)")
 }
@@ -100,6 +105,12 @@ fn run_typed<T: Element + DeviceRepr>(
 fn check(engine: &Engine, stream: &Arc<CudaStream>, views: [TensorView; 3], opts: &ForwardOptions, what: &str) -> f64 {
     let [q, k, v] = views;
     let p = Problem::new(&q, &k, &v, opts).unwrap();
+    // FA2 runs only its exact head dims: forced on another one it must be refused (checked).
+    if opts.variant == Variant::Fa2 && !fa2_dims().contains(&p.head_dim) {
+        let e = engine.dispatch(q.shape(), k.shape(), p.dtype, opts);
+        assert!(matches!(&e, Err(Error::VariantUnavailable { reason, .. }) if reason.contains("exact head dims")), "{what}: {e:?}");
+        return 0.0;
+    }
     let input = |t: &TensorView| (t.shape(), t.strides());
     let out = match (q.data(), k.data(), v.data()) {
         (flash_attn::Data::F16(a), flash_attn::Data::F16(b), flash_attn::Data::F16(c)) => {
@@ -282,6 +293,52 @@ fn dispatch_record_and_errors() {
     assert!(d.backend == "cuda:0" && !d.kernel.is_empty() && d.reason.starts_with("Auto"));
     let e = engine.dispatch([1, 8, 1, 512], [1, 8, 1, 512], DType::BF16, &ForwardOptions::default());
     assert!(matches!(e, Err(Error::UnsupportedHeadDim { .. })), "{e:?}");
+}
+
+/// FA2 on sm_80+: Auto picks it for its head dims (FA3 stays out of Auto until verified); a q
+/// that is not 16-byte aligned makes Auto fall back to FA1 with the reason recorded, and is an
+/// error when Fa2 is forced. The fallback's output is still checked against the reference.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fa2_dispatch_and_layout_fallback() {
+    let engine = engine();
+    let (major, minor) = engine.device().compute_capability();
+    assert!(major * 10 + minor >= 80, "FA2 needs sm_80+; the crate's kernels all do");
+    for d in fa2_dims() {
+        let r = engine.dispatch([1, 128, 8, d], [1, 128, 2, d], DType::BF16, &ForwardOptions::default()).unwrap();
+        assert!(r.kernel.starts_with("fa2_"), "Auto on sm_{major}{minor} hd{d}: {r:?}");
+    }
+    let stream = engine.device().context().new_stream().unwrap();
+    let mut rng = Rng(17);
+    let shape = [1, 70, 2, 64];
+    let n: usize = shape.iter().product();
+    let q = randn(&mut rng, DType::F16, shape);
+    let flash_attn::Data::F16(host) = q.view().data() else { unreachable!() };
+    // One leading element: the view at offset 1 is 2-byte, not 16-byte, aligned.
+    let mut shifted = vec![f16::ZERO];
+    shifted.extend_from_slice(&host[..n]);
+    let dq = stream.clone_htod(&shifted).unwrap();
+    let dkv = stream.clone_htod(&host[..n]).unwrap();
+    let mut d_o = stream.clone_htod(&vec![f16::from_f32(f32::NAN); n]).unwrap();
+    let run = |variant: Variant, d_o: &mut cudarc::driver::CudaSlice<f16>| {
+        let qv = dq.slice(1..);
+        let tq = DeviceTensor::new(&qv, &stream, shape);
+        let tkv = DeviceTensor::new(&dkv, &stream, shape);
+        let mut to = DeviceTensorMut::new(d_o, &stream, shape);
+        engine.forward(&stream, &tq, &tkv, &tkv, &mut to, None, &ForwardOptions::default().variant(variant))
+    };
+    let e = run(Variant::Fa2, &mut d_o);
+    assert!(matches!(&e, Err(Error::VariantUnavailable { reason, .. }) if reason.contains("aligned")), "{e:?}");
+    let r = run(Variant::Auto, &mut d_o).unwrap();
+    assert!(r.kernel.starts_with("fa1_") && r.reason.contains("fa2 passed over"), "{r:?}");
+    let o: Vec<f16> = stream.clone_dtoh(&d_o).unwrap();
+    stream.synchronize().expect("kernel execution");
+    let p = Problem::new(&q.view(), &q.view(), &q.view(), &ForwardOptions::default()).unwrap();
+    let reference = attention_f64(&p, &q.view(), &q.view(), &q.view());
+    let naive = attention_naive(&p, &q.view(), &q.view(), &q.view(), DType::F16);
+    let got: Vec<f64> = o.iter().map(|x| x.to_f64()).collect();
+    let (err, bound) = (max_abs_diff(&got, &reference.o), 2.0 * max_abs_diff(&naive, &reference.o) + floor_for(DType::F16));
+    assert!(err <= bound, "fallback output: err {err:.3e} > bound {bound:.3e}");
 }
 
 /// Without a GPU, Backend::Cuda is a typed error (never a panic); with one it runs. Not

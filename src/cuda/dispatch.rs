@@ -48,6 +48,9 @@ pub(crate) struct Choice {
     pub tile: &'static Tile,
     pub dtype: &'static str,
     pub image: &'static Image,
+    /// A higher-ranked family Auto passed over because one of its own preconditions failed
+    /// (src/cuda/<family>.rs), and why; shown in `Dispatch::reason`.
+    pub passed_over: Option<(&'static Family, &'static str)>,
 }
 
 /// The kernel-symbol suffix of a dtype the GPU kernels take.
@@ -103,7 +106,7 @@ fn fit(fam: &'static Family, dev: &impl Gpu, p: &Problem) -> std::result::Result
                 dev.max_smem_optin()
             ));
         }
-        return Ok(Choice { family: fam, tile, dtype, image });
+        return Ok(Choice { family: fam, tile, dtype, image, passed_over: None });
     }
     let dims: Vec<u32> = fam.tiles.iter().map(|t| t.head_dim).collect();
     Err(if too_big {
@@ -111,6 +114,48 @@ fn fit(fam: &'static Family, dev: &impl Gpu, p: &Problem) -> std::result::Result
     } else {
         format!("has no image built for head_dim {} on sm_{} (FLASH_ATTN_HDIMS/ARCHS pruned it?)", p.head_dim, dev.sm())
     })
+}
+
+/// A family's own problem-level preconditions (its host module), checked after `fit`.
+fn precondition(fam: &Family, tile: &Tile, p: &Problem) -> Option<&'static str> {
+    match fam.name {
+        "fa2" => super::fa2::problem_unmet(tile, p),
+        _ => None,
+    }
+}
+
+/// A family's own launch-level preconditions on the device addresses and element strides of
+/// q, k, v, o (its host module); `None` when it can run them.
+pub(crate) fn layout_unmet(fam: &Family, ptrs: [u64; 4], strides: [[usize; 3]; 4]) -> Option<&'static str> {
+    match fam.name {
+        "fa2" => super::fa2::layout_unmet(ptrs, strides),
+        _ => None,
+    }
+}
+
+/// After `c` turned out unable to run the launch (`why`, from `layout_unmet`): under Auto the
+/// best lower-ranked family, recording what was passed over; an explicit variant is an error.
+pub(crate) fn fall_back(dev: &impl Gpu, p: &Problem, variant: Variant, c: &Choice, why: &'static str) -> Result<Choice> {
+    fall_back_in(FAMILIES, dev, p, variant, c, why)
+}
+
+fn fall_back_in(
+    families: &'static [Family],
+    dev: &impl Gpu,
+    p: &Problem,
+    variant: Variant,
+    c: &Choice,
+    why: &'static str,
+) -> Result<Choice> {
+    if variant != Variant::Auto {
+        return Err(Error::VariantUnavailable {
+            variant,
+            reason: format!("{} on {} (sm_{}): {why}", c.family.name, dev.name(), dev.sm()),
+        });
+    }
+    let mut lower = auto_below(families, dev, p, c.family.rank)?;
+    lower.passed_over = Some((c.family, why));
+    Ok(lower)
 }
 
 /// Picks the kernel for `p` on `dev`.
@@ -131,20 +176,40 @@ fn choose_in(families: &'static [Family], dev: &impl Gpu, p: &Problem, variant: 
             variant,
             reason: "no kernel of this family is built into this crate".into(),
         })?;
-        return fit(fam, dev, p).map_err(|why| Error::VariantUnavailable {
+        let unavailable = |why: &str| Error::VariantUnavailable {
             variant,
             reason: format!("{} on {} (sm_{}): {why}", fam.name, dev.name(), dev.sm()),
-        });
+        };
+        let c = fit(fam, dev, p).map_err(|why| unavailable(&why))?;
+        return match precondition(fam, c.tile, p) {
+            Some(why) => Err(unavailable(why)),
+            None => Ok(c),
+        };
     }
+    auto_below(families, dev, p, u32::MAX)
+}
+
+/// Auto among the families ranked below `rank`: the highest-ranked one that runs `p`, noting a
+/// higher-ranked one passed over for its own precondition.
+fn auto_below(families: &'static [Family], dev: &impl Gpu, p: &Problem, rank: u32) -> Result<Choice> {
     let mut best: Option<Choice> = None;
-    for fam in families.iter().filter(|f| f.auto) {
+    let mut passed: Option<(&'static Family, &'static str)> = None;
+    for fam in families.iter().filter(|f| f.auto && f.rank < rank) {
         if let Ok(c) = fit(fam, dev, p) {
+            if let Some(why) = precondition(fam, c.tile, p) {
+                if passed.is_none_or(|(f, _)| fam.rank > f.rank) {
+                    passed = Some((fam, why));
+                }
+                continue;
+            }
             if best.is_none_or(|b| c.family.rank > b.family.rank) {
                 best = Some(c);
             }
         }
     }
-    best.ok_or_else(|| no_kernel_error(families, dev, p))
+    let mut best = best.ok_or_else(|| no_kernel_error(families, dev, p))?;
+    best.passed_over = passed.filter(|(f, _)| f.rank > best.family.rank);
+    Ok(best)
 }
 
 /// The error when Auto finds nothing: the most specific reason.
@@ -161,8 +226,14 @@ fn no_kernel_error(families: &'static [Family], dev: &impl Gpu, p: &Problem) -> 
     if p.head_dim > max_dim as usize {
         return Error::UnsupportedHeadDim { head_dim: p.head_dim, backend, supported: format!("1..={max_dim}") };
     }
-    let why: Vec<String> =
-        families.iter().filter(|f| f.auto).filter_map(|f| fit(f, dev, p).err().map(|e| format!("{}: {e}", f.name))).collect();
+    let why: Vec<String> = families
+        .iter()
+        .filter(|f| f.auto)
+        .filter_map(|f| match fit(f, dev, p) {
+            Err(e) => Some(format!("{}: {e}", f.name)),
+            Ok(c) => precondition(f, c.tile, p).map(|e| format!("{}: {e}", f.name)),
+        })
+        .collect();
     Error::BackendUnavailable { backend, reason: format!("no kernel runs this problem: {}", why.join("; ")) }
 }
 
@@ -181,6 +252,9 @@ fn reason_in(families: &'static [Family], dev: &impl Gpu, c: &Choice, requested:
         let mut s = format!("Auto: {} is the highest-ranked family that runs this problem here", c.family.name);
         if !skipped.is_empty() {
             s += &format!(" ({} not picked by Auto until verified on a GPU)", skipped.join(", "));
+        }
+        if let Some((f, why)) = c.passed_over {
+            s += &format!("; {} passed over: {why}", f.name);
         }
         s
     } else {
@@ -309,8 +383,10 @@ mod tests {
     fn head_dim_runs_on_the_smallest_built_instance_that_holds_it() {
         let c = pick(&A100, 40, Variant::Fa1).unwrap();
         assert_eq!((c.tile.head_dim, c.image.target), (64, Target::Sm80));
-        // fa2's 64 was pruned: head_dim 40 runs on its 128 instance.
-        assert_eq!(pick(&A100, 40, Variant::Fa2).unwrap().tile.head_dim, 128);
+        // fa2 runs only its exact head dims (src/cuda/fa2.rs): 40 is refused when forced, and
+        // Auto takes fa1.
+        assert!(matches!(pick(&A100, 40, Variant::Fa2), Err(Error::VariantUnavailable { .. })));
+        assert_eq!(pick(&A100, 40, Variant::Auto).unwrap().family.name, "fa1");
         let e = pick(&A100, 300, Variant::Auto).unwrap_err();
         assert!(matches!(e, Error::UnsupportedHeadDim { head_dim: 300, .. }), "{e:?}");
     }
@@ -336,6 +412,114 @@ mod tests {
         assert!(pick(&small, 128, Variant::Fa1).is_ok()); // 65536 B
         let e = pick(&small, 256, Variant::Fa1).unwrap_err(); // 131072 B
         assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("shared memory")), "{e:?}");
+    }
+
+    /// The real table with every image it builds present: SASS where a target runs on the GPU,
+    /// else the compute_80 PTX (as build.rs produces with no FLASH_ATTN_ARCHS/HDIMS pruning).
+    struct Built(FakeGpu);
+    impl Gpu for Built {
+        fn ordinal(&self) -> usize {
+            0
+        }
+        fn name(&self) -> &str {
+            "fake-built"
+        }
+        fn sm(&self) -> u32 {
+            self.0.sm()
+        }
+        fn max_smem_optin(&self) -> u32 {
+            self.0.smem
+        }
+        fn image_for(&self, family: &str, head_dim: u32) -> Option<&'static Image> {
+            let fam = FAMILIES.iter().find(|f| f.name == family)?;
+            fam.tiles.iter().find(|t| t.head_dim == head_dim)?;
+            let (major, minor) = self.0.cc;
+            let targets = super::super::kernels::targets_for(fam.source);
+            let target = targets
+                .iter()
+                .copied()
+                .find(|t| *t != Target::Ptx80 && t.runs_on(major, minor))
+                .or_else(|| targets.iter().copied().find(|t| t.runs_on(major, minor)))?;
+            Some(Box::leak(Box::new(image(fam.name, head_dim, target))))
+        }
+    }
+    const FA2_DIMS: [usize; 6] = [32, 64, 96, 128, 192, 256];
+    /// (GPU, expected SASS target): A100, RTX 3090 (sm_86, 99 KB opt-in), RTX 4090, H100/H200.
+    const FA2_GPUS: [(Built, Target); 4] = [
+        (Built(FakeGpu { cc: (8, 0), smem: 163 * 1024 }), Target::Sm80),
+        (Built(FakeGpu { cc: (8, 6), smem: 99 * 1024 }), Target::Sm80),
+        (Built(FakeGpu { cc: (8, 9), smem: 99 * 1024 }), Target::Sm80),
+        (Built(FakeGpu { cc: (9, 0), smem: 227 * 1024 }), Target::Sm90a),
+    ];
+    fn real(gpu: &Built, dtype: DType, head_dim: usize, variant: Variant) -> Result<Choice> {
+        choose_in(FAMILIES, gpu, &problem(dtype, head_dim, &ForwardOptions::default()), variant)
+    }
+
+    #[test]
+    fn auto_picks_fa2_on_ampere_ada_and_hopper() {
+        for (gpu, target) in &FA2_GPUS {
+            for d in FA2_DIMS {
+                for dtype in [DType::F16, DType::BF16] {
+                    let c = real(gpu, dtype, d, Variant::Auto).unwrap();
+                    assert_eq!((c.family.name, c.tile.head_dim as usize, c.image.target), ("fa2", d, *target), "sm_{} hd{d}", gpu.sm());
+                    assert!(c.passed_over.is_none());
+                    // Masks, softcap, ALiBi and LSE are run-time flags: still fa2.
+                    let opts = ForwardOptions::default().causal(true).softcap(30.0).return_lse(true);
+                    let c = choose_in(FAMILIES, gpu, &problem(dtype, d, &opts), Variant::Auto).unwrap();
+                    assert_eq!(c.family.name, "fa2");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn variant_fa2_is_forced_on_any_sm80_plus_and_refused_below() {
+        let newer = [Built(FakeGpu { cc: (10, 0), smem: 227 * 1024 }), Built(FakeGpu { cc: (12, 0), smem: 99 * 1024 })];
+        for gpu in FA2_GPUS.iter().map(|(g, _)| g).chain(&newer) {
+            for d in FA2_DIMS {
+                assert_eq!(real(gpu, DType::BF16, d, Variant::Fa2).unwrap().family.name, "fa2", "sm_{} hd{d}", gpu.sm());
+            }
+        }
+        // sm_120 has no SASS of its own: the compute_80 PTX.
+        assert_eq!(real(&newer[1], DType::F16, 128, Variant::Fa2).unwrap().image.target, Target::Ptx80);
+        let turing = Built(FakeGpu { cc: (7, 5), smem: 64 * 1024 });
+        let e = real(&turing, DType::F16, 64, Variant::Fa2).unwrap_err();
+        assert!(matches!(&e, Error::VariantUnavailable { variant: Variant::Fa2, reason } if reason.contains("sm_80")), "{e:?}");
+        let e = real(&FA2_GPUS[0].0, DType::F32, 64, Variant::Fa2).unwrap_err();
+        assert!(matches!(e, Error::VariantUnavailable { variant: Variant::Fa2, .. }), "{e:?}");
+    }
+
+    #[test]
+    fn head_dims_fa2_lacks_fall_back_to_fa1_under_auto_and_fail_when_forced() {
+        let a100 = &FA2_GPUS[0].0;
+        for d in [8, 40, 72, 100, 160, 200] {
+            let c = real(a100, DType::F16, d, Variant::Auto).unwrap();
+            assert_eq!(c.family.name, "fa1", "hd{d}");
+            assert_eq!(c.passed_over.map(|(f, _)| f.name), Some("fa2"), "hd{d}");
+            let why = reason_in(FAMILIES, a100, &c, Variant::Auto);
+            assert!(why.contains("fa2 passed over") && why.contains("exact head dims"), "{why}");
+            let e = real(a100, DType::F16, d, Variant::Fa2).unwrap_err();
+            assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("exact head dims")), "{e:?}");
+        }
+    }
+
+    #[test]
+    fn fa2_layout_refusal_falls_back_under_auto_and_fails_when_forced() {
+        let a100 = &FA2_GPUS[0].0;
+        let p = problem(DType::BF16, 128, &ForwardOptions::default());
+        let c = choose_in(FAMILIES, a100, &p, Variant::Auto).unwrap();
+        assert_eq!(c.family.name, "fa2");
+        let contiguous = [100 * 4 * 128, 4 * 128, 128];
+        assert_eq!(layout_unmet(c.family, [256; 4], [contiguous; 4]), None);
+        let why = layout_unmet(c.family, [256, 258, 256, 256], [contiguous; 4]).unwrap();
+        let fb = fall_back_in(FAMILIES, a100, &p, Variant::Auto, &c, why).unwrap();
+        assert_eq!((fb.family.name, fb.passed_over.map(|(f, _)| f.name)), ("fa1", Some("fa2")));
+        assert!(reason_in(FAMILIES, a100, &fb, Variant::Auto).contains("16-byte aligned"));
+        let e = fall_back_in(FAMILIES, a100, &p, Variant::Fa2, &c, why).unwrap_err();
+        assert!(matches!(&e, Error::VariantUnavailable { variant: Variant::Fa2, reason } if reason.contains("aligned")), "{e:?}");
+        // FA1 has no such precondition.
+        let fa1 = FAMILIES.iter().find(|f| f.name == "fa1").unwrap();
+        assert_eq!(layout_unmet(fa1, [258; 4], [[3, 5, 7]; 4]), None);
     }
 
     /// The real table: unique names, known variants, ascending tiles within the largest

@@ -331,7 +331,11 @@ impl Engine {
             });
         }
         let p = Problem::from_shapes(q.shape, k.shape, v.shape, q.dtype, opts)?;
-        let c = dispatch::choose(&*self.dev, &p, opts.variant)?;
+        let mut c = dispatch::choose(&*self.dev, &p, opts.variant)?;
+        let (ptrs, strides) = ([q.ptr, k.ptr, v.ptr, o.ptr], [q.strides, k.strides, v.strides, o.strides]);
+        if let Some(why) = dispatch::layout_unmet(c.family, ptrs, strides) {
+            c = dispatch::fall_back(&*self.dev, &p, opts.variant, &c, why)?;
+        }
 
         let lse_ptr = match lse {
             Some(l) => {

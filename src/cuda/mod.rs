@@ -8,10 +8,12 @@
 //! | `device` | driver detection, contexts, compute capability, lazily loaded module cache |
 //! | `dispatch` | (SM, dtype, head_dim, options, variant) -> kernel instance |
 //! | `engine` | the device-memory API: [`Engine`], [`DeviceTensor`], caller's stream and output |
+//! | `fa2` | the FA2 family's host-side preconditions (its launch is the generic one) |
 
 mod device;
 mod dispatch;
 mod engine;
+mod fa2;
 #[doc(hidden)]
 pub mod kernels;
 pub mod params;

@@ -1,0 +1,354 @@
+// FA2 forward: FlashAttention-2 (Dao, arXiv 2307.08691) on mma.sync tensor cores, sm_80 and newer.
+//
+// One CTA computes kBlockM query rows of one (batch, head): split-Q, each warp owns 16 * kMTiles
+// rows and never talks to the other warps except through shared-memory barriers. K/V tiles of
+// kBlockN keys stream through a two-stage shared-memory ring with cp.async (tile j-1 lands while
+// tile j is computed; one barrier per tile). S stays in registers, becomes P in place
+// (the accumulator fragment of Q K^T is the A fragment of P V, see fa2_layout.h), and O is
+// normalised once at the end, staged through shared memory and written with 16-byte stores.
+//
+// Launch contract (the host mirrors fa2::Fa2Traits<D>, table in docs/fa2.md):
+//   symbol      fa2_fwd_hd<D>_<f16|bf16>, D in {32, 64, 96, 128, 192, 256}
+//   grid        (ceil(seqlen_q / kBlockM), heads_q, batch)
+//   block       (kNWarps * 32, 1, 1)
+//   dyn. smem   kSmemBytes; above 48 KiB set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES first
+//     D   kBlockM kBlockN warps threads smem bytes (kMTiles = m16 tiles per warp)
+//     32    128     64     4     128     30720      (2)
+//     64    128     64     4     128     55296      (2)
+//     96    128     64     4     128     79872      (2)
+//    128    128     32     4     128     69632      (2)
+//    192     64     32     4     128     76800      (1)
+//    256     64     32     4     128    101376      (1)
+//   (static_asserted at the bottom of this file, so the table cannot drift from the traits)
+// Preconditions checked by the host: head_dim == D; q/k/v/o 16-byte aligned and every stride a
+// multiple of 8 elements (16-byte cp.async and stores); heads_q % heads_kv == 0; seqlen_q >= 1;
+// lse non-null when FA_FLAG_RETURN_LSE, alibi_slopes non-null when FA_FLAG_ALIBI.
+//
+// Build: the crate compiles it through the units build.rs generates from build/instances.rs (one
+// per head dim, FA_HEAD_DIM/FA_BLOCK_M/FA_BLOCK_N/FA_THREADS/FA_SMEM_BYTES defined, then
+// FA_INSTANCE(f16) and FA_INSTANCE(bf16)); the row is static_asserted against the traits below.
+// Standalone (no FA_HEAD_DIM) it instantiates every head dim, or only -DFA2_ONLY_HDIM=<D>:
+// scripts/check-fa2.sh and the host emulation (cuda/test/fa2_emu) build it that way.
+#include <math.h>
+#include <stdint.h>
+
+#include "fa2_softmax.cuh"
+#include "fa2_traits.cuh"
+#include "fa_params.h"
+#include "mma_sm80.cuh"
+
+namespace fa2 {
+
+// Copies `kRows` x kHeadDim elements (global rows row0.., pitch `row_stride`) into a shared tile
+// of pitch kStride, 16 bytes per cp.async; rows at or past `row_end` become zeros. Thread layout:
+// kChunksPerRow consecutive threads cover one row, kRowsPerPass rows per pass, so a thread's
+// column is fixed and its row advances by kRowsPerPass: one running pointer per thread and no
+// per-chunk index math to be hoisted into registers of the (register-bound) main loop.
+template <typename T, int kRows, typename Elem>
+__device__ __forceinline__ void load_tile(Elem* smem, const Elem* gbase, int64_t row_stride, int row0,
+                                          int row_end, int tid) {
+    constexpr int kChunks = T::kChunksPerRow;
+    constexpr int kRowsPerPass = T::kNThreads / kChunks;  // hd96: 10 rows, 8 threads idle
+    constexpr int kPasses = (kRows + kRowsPerPass - 1) / kRowsPerPass;
+    static_assert(kRowsPerPass >= 1, "a pass must cover at least one row");
+    const int r = tid / kChunks;
+    const int col = (tid % kChunks) * 8;
+    if (r >= kRowsPerPass) return;  // threads past the last full row of a pass
+    const Elem* src = gbase + static_cast<int64_t>(row0 + r) * row_stride + col;
+    uint32_t dst = smem_u32(smem + r * T::kStride + col);
+    // Not unrolled: an unrolled pass loop would keep kPasses 64-bit addresses live next to the
+    // S and O accumulators (hdim 128 spilled that way).
+#pragma unroll 1
+    for (int pass = 0; pass < kPasses; ++pass) {
+        const int rr = r + pass * kRowsPerPass;  // row inside the tile
+        if (kRows % kRowsPerPass == 0 || rr < kRows) {
+            // Out-of-range rows read nothing (src-size 0) from a valid address and land as
+            // zeros, so padded keys give finite S (masked later) and padded V rows give 0 in P V.
+            const bool in = row0 + rr < row_end;
+            cp_async_16(dst, in ? src : gbase, in ? 16 : 0);
+        }
+        src += kRowsPerPass * row_stride;
+        dst += kRowsPerPass * T::kStride * 2;
+    }
+}
+
+// Issues the K and V tiles of keys [n0, n0 + kBlockN) into one ring stage (caller commits).
+template <typename T, typename Elem>
+__device__ __forceinline__ void load_kv(Elem* sK_stage, Elem* sV_stage, const FwdParams& p, int n0, int tid);
+
+// Start of this CTA's (batch, head) slice of a [batch, seqlen, heads, dim] tensor; for K and V the
+// head is the shared GQA/MQA head h / (heads_q / heads_kv), so K/V are never copied.
+template <typename Elem>
+__device__ __forceinline__ Elem* head_ptr(uint64_t base, int64_t batch_stride, int64_t head_stride, int head) {
+    return reinterpret_cast<Elem*>(base) + cta_batch() * batch_stride + head * head_stride;
+}
+__device__ __forceinline__ int kv_head(const FwdParams& p) { return cta_head() / (p.heads_q / p.heads_kv); }
+
+template <typename T, typename Elem>
+__device__ __forceinline__ void load_kv(Elem* sK_stage, Elem* sV_stage, const FwdParams& p, int n0, int tid) {
+    const int hk = kv_head(p);
+    load_tile<T, T::kBlockN>(sK_stage, head_ptr<const Elem>(p.k, p.k_batch_stride, p.k_head_stride, hk),
+                             p.k_row_stride, n0, p.seqlen_k, tid);
+    load_tile<T, T::kBlockN>(sV_stage, head_ptr<const Elem>(p.v, p.v_batch_stride, p.v_head_stride, hk),
+                             p.v_row_stride, n0, p.seqlen_k, tid);
+}
+
+template <typename Elem, int kHeadDim>
+__device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
+    using T = Fa2Traits<kHeadDim>;
+    using M = Mma<Elem>;
+    constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kStride = T::kStride;
+    constexpr int kMTiles = T::kMTiles, kNTiles = T::kNTiles, kDTiles = T::kDTiles;
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    Elem* sQ = reinterpret_cast<Elem*>(smem_raw);  // [kBlockM][kStride], later O staging
+    Elem* sK = sQ + kBlockM * kStride;              // [kStages][kBlockN][kStride]
+    Elem* sV = sK + T::kStages * kBlockN * kStride;  // [kStages][kBlockN][kStride]
+    constexpr uint32_t kStageBytes = kBlockN * kStride * 2;  // one K (or V) stage
+
+    const int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int seqlen_q = p.seqlen_q;
+    const int m0 = m_block * kBlockM;                  // first query row of this CTA
+    const int m_last = min(m0 + kBlockM, seqlen_q) - 1;  // last real query row
+
+    const float slope_log2 = alibi_log2(p, head);
+
+    // Keys any row of this CTA can see: [range_first.lo, range_last.hi] (window bounds are
+    // monotone in the row, so the first and last real rows bound the union).
+    const KeyRange range_first = key_range(p, m0), range_last = key_range(p, m_last);
+    const int j_lo = range_first.lo, j_hi = range_last.hi;
+    const int n_min = j_lo / kBlockN;
+    const int n_max = j_hi >= j_lo ? j_hi / kBlockN + 1 : n_min;  // exclusive; empty => no tiles
+
+    // Prologue: Q and the first K/V tile in flight, as one cp.async group. Key tiles are visited
+    // from the last one down, so the diagonal/boundary tiles that need the mask come first and set
+    // a sane row max early.
+    load_tile<T, kBlockM>(sQ, head_ptr<const Elem>(p.q, p.q_batch_stride, p.q_head_stride, head),
+                          p.q_row_stride, m0, seqlen_q, tid);
+    if (n_max > n_min) load_kv<T>(sK, sV, p, (n_max - 1) * kBlockN, tid);
+    cp_async_commit();
+
+    // Per lane: O accumulators (f32), running max m (log2 units) and partial sum l of its 2 rows
+    // per m-tile ([mt][0] = row g, [mt][1] = row g + 8; l is summed over the quad only at the end).
+    float acc_o[kMTiles][kDTiles][4];
+    float row_max[kMTiles][2], row_sum[kMTiles][2];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc_o[mt][dt][i] = 0.f;
+        row_max[mt][0] = row_max[mt][1] = -INFINITY;
+        row_sum[mt][0] = row_sum[mt][1] = 0.f;
+    }
+
+    const int wrow = warp_row0(warp, kMTiles);  // first CTA row of this warp
+    const uint32_t sQ_u32 = smem_u32(sQ), sK_u32 = smem_u32(sK), sV_u32 = smem_u32(sV);
+    // Per-lane ldmatrix row addresses (bytes), fixed parts; the loops add the tile offsets.
+    const uint32_t q_lane = ((wrow + ldsm_q_row(lane)) * kStride + ldsm_q_col(lane)) * 2;
+    const uint32_t k_lane = (ldsm_k_row(lane) * kStride + ldsm_k_col(lane)) * 2;
+    const uint32_t v_lane = (ldsm_v_row(lane) * kStride + ldsm_v_col(lane)) * 2;
+
+    // Two-stage K/V ring, one barrier per tile: tile j sits in stage (n_max - 1 - j) & 1; at the top
+    // of its iteration every thread waits for its own copies of tile j and the barrier makes them
+    // visible to all, and also proves every warp is done with tile j+1, whose stage then receives
+    // tile j-1. So each load overlaps one whole tile of compute (QK^T, softmax, PV).
+    for (int n_block = n_max - 1, stage = 0; n_block >= n_min; --n_block, stage ^= 1) {
+        const int n0 = n_block * kBlockN;
+        cp_async_wait<0>();  // tile j (and, first time, Q) landed for this thread ...
+        __syncthreads();     // ... and for every thread; every warp is done with tile j+1
+        if (n_block > n_min)
+            load_kv<T>(sK + (stage ^ 1) * kBlockN * kStride, sV + (stage ^ 1) * kBlockN * kStride, p,
+                       n0 - kBlockN, tid);
+        cp_async_commit();
+        const uint32_t sK_stage = sK_u32 + stage * kStageBytes, sV_stage = sV_u32 + stage * kStageBytes;
+
+        // ---- S = Q K_j^T: acc_s[mt][nt] is the 16x8 tile (rows wrow+16mt.., keys n0+8nt..) ----
+        float acc_s[kMTiles][kNTiles][4];
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc_s[mt][nt][i] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < T::kKSteps; ++ks) {
+            uint32_t qa[kMTiles][4];  // A fragments of Q rows (16mt..), d = 16ks..16ks+15
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt)
+                ldmatrix_x4(qa[mt], sQ_u32 + q_lane + (mt * 16 * kStride + ks * 16) * 2);
+#pragma unroll
+            for (int np = 0; np < kNTiles / 2; ++np) {
+                uint32_t kb[4];  // B fragments of n-tiles 2np (kb[0], kb[1]) and 2np+1 (kb[2], kb[3])
+                ldmatrix_x4(kb, sK_stage + k_lane + (np * 16 * kStride + ks * 16) * 2);
+#pragma unroll
+                for (int mt = 0; mt < kMTiles; ++mt) {
+                    M::run(acc_s[mt][2 * np], qa[mt], kb[0], kb[1]);
+                    M::run(acc_s[mt][2 * np + 1], qa[mt], kb[2], kb[3]);
+                }
+            }
+        }
+
+        // ---- scores -> log2 units, softcap, ALiBi; mask only tiles that cross a boundary ----
+        scores_to_log2(acc_s, p, slope_log2, m0 + wrow, n0, lane);
+        // A tile needs no mask when every (row, key) of it is visible: all keys < seqlen_k, the
+        // tile's last key within the first row's right bound, its first key within the last
+        // row's left bound (ranges of the CTA's first and last real rows).
+        if (n0 + kBlockN - 1 > range_first.hi || n0 < range_last.lo)
+            apply_mask(acc_s, p, m0 + wrow, n0, lane);
+
+        // ---- online softmax (rows g: i = 0,1; rows g+8: i = 2,3) ----
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+                float mx = row_max[mt][hr];
+#pragma unroll
+                for (int nt = 0; nt < kNTiles; ++nt)
+                    mx = fmaxf(mx, fmaxf(acc_s[mt][nt][2 * hr], acc_s[mt][nt][2 * hr + 1]));
+                mx = quad_max(mx);
+                // -inf guard: a row with no visible key so far subtracts 0, never (-inf) - (-inf).
+                const float m_use = mx == -INFINITY ? 0.f : mx;
+                const float corr = ex2(row_max[mt][hr] - m_use);  // old -inf -> 0
+                row_max[mt][hr] = mx;
+                float sum = 0.f;
+#pragma unroll
+                for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float pr = ex2(acc_s[mt][nt][2 * hr + e] - m_use);
+                        acc_s[mt][nt][2 * hr + e] = pr;
+                        sum += pr;
+                    }
+                row_sum[mt][hr] = row_sum[mt][hr] * corr + sum;
+#pragma unroll
+                for (int dt = 0; dt < kDTiles; ++dt) {
+                    acc_o[mt][dt][2 * hr] *= corr;
+                    acc_o[mt][dt][2 * hr + 1] *= corr;
+                }
+            }
+
+        // ---- O += P V_j; P's A fragment comes straight from acc_s (fa2_layout.h) ----
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+            uint32_t pa[kMTiles][4];
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const float* src = acc_s[mt][2 * kk + p_src_tile(r)];
+                    pa[mt][r] = M::pack(src[p_src_elem(r, 0)], src[p_src_elem(r, 1)]);
+                }
+#pragma unroll
+            for (int dp = 0; dp < kDTiles / 2; ++dp) {
+                uint32_t vb[4];  // B fragments of d-tiles 2dp (vb[0], vb[1]) and 2dp+1 (vb[2], vb[3])
+                ldmatrix_x4_trans(vb, sV_stage + v_lane + (kk * 16 * kStride + dp * 16) * 2);
+#pragma unroll
+                for (int mt = 0; mt < kMTiles; ++mt) {
+                    M::run(acc_o[mt][2 * dp], pa[mt], vb[0], vb[1]);
+                    M::run(acc_o[mt][2 * dp + 1], pa[mt], vb[2], vb[3]);
+                }
+            }
+        }
+    }
+
+    // ---- epilogue: O / l, LSE, O through shared memory (reusing sQ) with 16-byte stores ----
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with sQ (and no cp.async is left in flight)
+    const bool write_lse = (p.flags & FA_FLAG_RETURN_LSE) != 0u;
+    // lse is [batch, heads_q, seqlen_q] f32 (natural log); only touched when requested.
+    float* gLse = write_lse ? reinterpret_cast<float*>(p.lse) +
+                                  (static_cast<int64_t>(batch) * p.heads_q + head) * seqlen_q
+                            : nullptr;
+    Elem* sO = sQ;
+    Elem* gO = head_ptr<Elem>(p.o, p.o_batch_stride, p.o_head_stride, head);
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            const float l = quad_sum(row_sum[mt][hr]);
+            // A row that saw no visible key has l = 0: output 0 and LSE -inf.
+            const bool empty = !(l > 0.f);
+            const float inv = empty ? 0.f : 1.f / l;
+            const int srow = wrow + mt * 16 + hr * 8 + (lane >> 2);  // row inside the CTA tile
+            if (write_lse && (lane & 3) == 0 && m0 + srow < seqlen_q)
+                gLse[m0 + srow] = empty ? -INFINITY : (row_max[mt][hr] + log2f(l)) * kLn2;
+#pragma unroll
+            for (int dt = 0; dt < kDTiles; ++dt) {
+                const int col = dt * 8 + acc_col(lane, 2 * hr);
+                *reinterpret_cast<uint32_t*>(sO + srow * kStride + col) =
+                    M::pack(acc_o[mt][dt][2 * hr] * inv, acc_o[mt][dt][2 * hr + 1] * inv);
+            }
+        }
+    __syncthreads();
+    constexpr int kChunks = T::kChunksPerRow;
+    for (int c = tid; c < kBlockM * kChunks; c += T::kNThreads) {
+        const int r = c / kChunks;
+        const int col = (c % kChunks) * 8;
+        if (m0 + r < seqlen_q)
+            *reinterpret_cast<uint4*>(gO + static_cast<int64_t>(m0 + r) * p.o_row_stride + col) =
+                *reinterpret_cast<const uint4*>(sO + r * kStride + col);
+    }
+}
+
+}  // namespace fa2
+
+// ---- instances: extern "C" so the host looks them up by plain name -------------------------------
+// One instance: fa2_fwd_hd<D>_<f16|bf16>, the symbol build/instances.rs `kernel_symbol` gives.
+namespace fa2 {
+using elem_f16 = __half;
+using elem_bf16 = __nv_bfloat16;
+}  // namespace fa2
+#define FA2_KERNEL(HDIM, DT)                                                                        \
+    extern "C" __global__ void __launch_bounds__(fa2::Fa2Traits<HDIM>::kNThreads, 1)               \
+        fa2_fwd_hd##HDIM##_##DT(const __grid_constant__ FwdParams p) {                              \
+        fa2::fwd_kernel<fa2::elem_##DT, HDIM>(p);                                                   \
+    }
+#define FA2_KERNEL_(HDIM, DT) FA2_KERNEL(HDIM, DT)  // expands FA_HEAD_DIM before pasting
+
+#ifdef FA_HEAD_DIM
+// The crate's build: build.rs generates one unit per head dim from build/instances.rs, with the
+// row's tile as macros, then writes FA_INSTANCE(f16) and FA_INSTANCE(bf16). The row must be
+// exactly what the traits compute, or the host would launch with the wrong shape.
+static_assert(fa2::Fa2Traits<FA_HEAD_DIM>::kBlockM == FA_BLOCK_M &&
+                  fa2::Fa2Traits<FA_HEAD_DIM>::kBlockN == FA_BLOCK_N &&
+                  fa2::Fa2Traits<FA_HEAD_DIM>::kNThreads == FA_THREADS,
+              "build/instances.rs fa2 tile disagrees with fa2_traits.cuh");
+static_assert(fa2::Fa2Traits<FA_HEAD_DIM>::kSmemBytes == FA_SMEM_BYTES,
+              "build/instances.rs fa2_smem_bytes disagrees with fa2_traits.cuh");
+#define FA_INSTANCE(DT) FA2_KERNEL_(FA_HEAD_DIM, DT)
+#else
+// Standalone (scripts/check-fa2.sh, cuda/test/fa2_emu): every head dim, or -DFA2_ONLY_HDIM=<D>.
+#define FA2_HDIM(HDIM) FA2_KERNEL(HDIM, f16) FA2_KERNEL(HDIM, bf16)
+#if !defined(FA2_ONLY_HDIM) || FA2_ONLY_HDIM == 32
+FA2_HDIM(32)
+#endif
+#if !defined(FA2_ONLY_HDIM) || FA2_ONLY_HDIM == 64
+FA2_HDIM(64)
+#endif
+#if !defined(FA2_ONLY_HDIM) || FA2_ONLY_HDIM == 96
+FA2_HDIM(96)
+#endif
+#if !defined(FA2_ONLY_HDIM) || FA2_ONLY_HDIM == 128
+FA2_HDIM(128)
+#endif
+#if !defined(FA2_ONLY_HDIM) || FA2_ONLY_HDIM == 192
+FA2_HDIM(192)
+#endif
+#if !defined(FA2_ONLY_HDIM) || FA2_ONLY_HDIM == 256
+FA2_HDIM(256)
+#endif
+#endif
+
+// The launch table of the header comment, checked against the traits.
+#define FA2_CHECK(D, M, N, W, SMEM)                                                                   \
+    static_assert(fa2::Fa2Traits<D>::kBlockM == M && fa2::Fa2Traits<D>::kBlockN == N &&              \
+                      fa2::Fa2Traits<D>::kNWarps == W && fa2::Fa2Traits<D>::kSmemBytes == SMEM,      \
+                  "docs/fa2.md launch table out of date for hdim " #D);
+FA2_CHECK(32, 128, 64, 4, 30720)
+FA2_CHECK(64, 128, 64, 4, 55296)
+FA2_CHECK(96, 128, 64, 4, 79872)
+FA2_CHECK(128, 128, 32, 4, 69632)
+FA2_CHECK(192, 64, 32, 4, 76800)
+FA2_CHECK(256, 64, 32, 4, 101376)

@@ -1,0 +1,65 @@
+// Tile shapes of the FA2 kernel, one specialisation per head dim. The host mirrors these numbers
+// (docs/fa2.md has the table): grid = (ceil(seqlen_q / kBlockM), heads_q, batch), block =
+// kNThreads, dynamic shared memory = kSmemBytes (above 48 KiB the launcher must first raise
+// CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES to kSmemBytes).
+//
+// Choices start from FA2's sm80 launch table (Dao-AILab/flash-attention csrc,
+// flash_fwd_launch_template.h): 128 query rows with 4 warps up to hdim 128 (each warp owns 32 rows
+// = 2 m-tiles, so every K/V fragment read from shared memory feeds two mma), and 64 rows with
+// 4 warps x 1 m-tile for hdim 192/256, where 2 m-tiles would not fit in 255 registers (O alone is
+// 4 * hdim / 8 floats per thread per m-tile). Differences from FA2, both measured with ptxas -v:
+//  - hdim 128 uses 128x32, not 128x64: with 64 S + 128 O accumulators per thread ptxas spilled
+//    16-90 bytes at 255 registers; 128x32 keeps the two-m-tile reuse of K/V fragments.
+//  - K/V use a two-stage ring (one barrier per tile, each load overlapping a whole tile of
+//    compute) instead of FA2's single K and V buffers; to fit 99 KiB with the ring, hdim 192/256
+//    take 32-key tiles (FA2: 64x64 single-buffered).
+// Every instance fits the 99 KiB opt-in limit of sm_86/sm_89, so one cubin runs on all sm_80+ parts.
+#pragma once
+
+namespace fa2 {
+
+// Largest dynamic shared memory per block of the smallest sm_8x part (sm_86/sm_89: 99 KiB opt-in).
+constexpr int kSmemLimitSm8x = 99 * 1024;
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+struct Fa2TraitsBase {
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockM = kBlockM_;  // query rows per CTA
+    static constexpr int kBlockN = kBlockN_;  // keys per K/V tile
+    static constexpr int kNWarps = kNWarps_;
+    static constexpr int kNThreads = kNWarps * 32;
+    // Each warp owns kMTiles consecutive m16 tiles of the CTA's rows (split-Q, no cross-warp sums).
+    static constexpr int kMTiles = kBlockM / (16 * kNWarps);
+    static constexpr int kNTiles = kBlockN / 8;   // n8 tiles of S per m-tile
+    static constexpr int kDTiles = kHeadDim / 8;  // n8 tiles of O per m-tile
+    static constexpr int kKSteps = kHeadDim / 16; // k16 steps of Q K^T
+    // Row pitch of every shared tile, in elements: 16 bytes of padding keep ldmatrix conflict-free
+    // (see fa2_layout.h) and keep each row 16-byte aligned for cp.async and the 16-byte O stores.
+    static constexpr int kStride = kHeadDim + 8;
+    static constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks per global row
+    static constexpr int kElemBytes = 2;                // f16 / bf16
+    // Q (reused for O staging) plus a kStages-deep ring of K/V tiles: tile j-1 loads while tile j
+    // is computed, with one barrier per tile.
+    static constexpr int kStages = 2;
+    static constexpr int kSmemQ = kBlockM * kStride * kElemBytes;
+    static constexpr int kSmemK = kStages * kBlockN * kStride * kElemBytes;
+    static constexpr int kSmemV = kStages * kBlockN * kStride * kElemBytes;
+    static constexpr int kSmemBytes = kSmemQ + kSmemK + kSmemV;
+
+    static_assert(kHeadDim % 16 == 0, "head dim must be a multiple of the mma k (16)");
+    static_assert(kBlockN % 16 == 0, "K/V tile must be a multiple of 16 keys (ldmatrix.x4 pairs)");
+    static_assert(kBlockM == 16 * kNWarps * kMTiles, "kBlockM must split into m16 tiles per warp");
+    static_assert(kSmemBytes <= kSmemLimitSm8x, "shared memory above the sm_86/89 opt-in limit");
+    static_assert((kStride * kElemBytes) % 16 == 0, "rows must stay 16-byte aligned");
+};
+
+template <int kHeadDim>
+struct Fa2Traits;
+template <> struct Fa2Traits<32> : Fa2TraitsBase<32, 128, 64, 4> {};
+template <> struct Fa2Traits<64> : Fa2TraitsBase<64, 128, 64, 4> {};
+template <> struct Fa2Traits<96> : Fa2TraitsBase<96, 128, 64, 4> {};
+template <> struct Fa2Traits<128> : Fa2TraitsBase<128, 128, 32, 4> {};
+template <> struct Fa2Traits<192> : Fa2TraitsBase<192, 64, 32, 4> {};
+template <> struct Fa2Traits<256> : Fa2TraitsBase<256, 64, 32, 4> {};
+
+}  // namespace fa2
