@@ -2,6 +2,9 @@
 //! otherwise; prints the backend, time, TFLOP/s and max error against the float64 reference.
 //!
 //! `cargo run --release --example attention [-- --batch 1 --heads 8 --seqlen 2048 --head-dim 128 --causal --dtype f32]`
+//!
+//! The dtype defaults to bf16 when a CUDA GPU is present (the GPU kernels take f16/bf16) and to
+//! f32 otherwise.
 
 use flash_attn::reference::{attention_f64, max_abs_diff};
 use flash_attn::{forward, DType, ForwardOptions, Mask, Problem, Tensor};
@@ -9,7 +12,12 @@ use std::time::Instant;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
-    let (mut b, mut h, mut s, mut d, mut causal, mut dtype, mut iters) = (1, 8, 2048, 128, false, DType::F32, 5);
+    #[cfg(feature = "cuda")]
+    let gpu = flash_attn::cuda::device_count() > 0;
+    #[cfg(not(feature = "cuda"))]
+    let gpu = false;
+    let default_dtype = if gpu { DType::BF16 } else { DType::F32 };
+    let (mut b, mut h, mut s, mut d, mut causal, mut dtype, mut iters) = (1, 8, 2048, 128, false, default_dtype, 5);
     while let Some(a) = args.next() {
         let mut num = || -> Result<usize, Box<dyn std::error::Error>> {
             Ok(args.next().ok_or("missing value")?.parse()?)
