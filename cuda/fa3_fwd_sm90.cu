@@ -1,0 +1,566 @@
+// FA3-style forward attention for Hopper (sm_90a), bf16/f16, built as a ladder of stages that
+// each add one mechanism (docs/fa3.md has the status, launch configuration and tensor maps):
+//   stage 1  wgmma only: one warpgroup per 64 query rows, Q/K/V copied by plain 16-byte loads
+//            into 128B-swizzled shared memory, S = Q K^T (both operands in smem) and O += P V
+//            (P from registers, V through a transposed "MN-major" descriptor).
+//   stage 2  + TMA (cp.async.bulk.tensor.4d) into a 2-slot K/V ring with mbarrier
+//            expect_tx / try_wait.parity phase tracking; one warpgroup, thread 0 issues.
+//   stage 3  + warp specialisation: warpgroup 0 produces (TMA, setmaxnreg.dec), warpgroups 1-2
+//            consume (setmaxnreg.inc), each on its own 64 of the CTA's 128 query rows; slots are
+//            released through "empty" mbarriers.
+// Layouts (smem tiles, descriptors, register fragments) are derived in wgmma_sm90.cuh.
+//
+// Semantics (same as every backend): s = scale * q.k, optional softcap, bottom-right aligned
+// causal/sliding window, GQA (kv head = q head / (heads_q / heads_kv)), LSE (natural log) on
+// request, rows with no visible key give O = 0 and LSE = -inf. No ALiBi: the dispatcher must not
+// route FA_FLAG_ALIBI here. Seqlens need not be multiples of the tile: loads past the end are
+// zero (plain loads: explicit; TMA: out-of-bounds fill) and those keys are masked.
+// Host requirements: head_dim == the instance's D; q/k/v/o row, head and batch strides multiples
+// of 8 elements and base addresses 16-byte aligned (16-byte vector loads / TMA strides).
+#include <climits>
+
+#include "fa_params.h"
+#include "fa3_traits.cuh"
+#include "mbarrier_sm90.cuh"
+#include "tma_sm90.cuh"
+#include "wgmma_sm90.cuh"
+
+namespace fa3 {
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+__device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx(-inf) = +0
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ float fast_tanh(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Key tiles [n_begin, n_end) a block of query rows [m_begin, m_end) can see. Bottom-right
+// alignment: query i sees keys i + off - left ..= i + off + right, off = seqlen_k - seqlen_q.
+struct KvRange {
+    int n_begin, n_end;
+};
+__device__ __forceinline__ KvRange kv_tile_range(const FwdParams& p, int m_begin, int m_end,
+                                                 int block_n) {
+    const int off = p.seqlen_k - p.seqlen_q;
+    int j_end = p.seqlen_k;  // one past the last key any row may see
+    if (p.window_right >= 0) j_end = min(j_end, (m_end - 1) + off + p.window_right + 1);
+    int j_begin = 0;
+    if (p.window_left >= 0) j_begin = max(0, m_begin + off - p.window_left);
+    KvRange r;
+    r.n_begin = j_begin / block_n;
+    r.n_end = j_end <= j_begin ? r.n_begin : (j_end + block_n - 1) / block_n;
+    return r;
+}
+
+// Per-warpgroup online-softmax state and output accumulator: this thread's two rows
+// (16w + g and 16w + g + 8 of the warpgroup's 64) and its D/2 accumulator columns.
+template <int D>
+struct Acc {
+    float o[D / 2];
+    float row_max[2];  // running max of raw (unscaled) scores, -inf before any visible key
+    float row_sum[2];  // this thread's partial sum of exp2(...) (reduced over 4 lanes at the end)
+};
+
+// Fragment coordinates of this thread inside its warpgroup (see wgmma_sm90.cuh "Fragments").
+struct FragPos {
+    int row0;  // 16w + g; the thread's second row is row0 + 8
+    int col0;  // 2t: the thread's columns in chunk j are 8j + col0 + {0, 1}
+};
+__device__ __forceinline__ FragPos frag_pos(int thread_in_wg) {
+    const int warp = thread_in_wg / 32, lane = thread_in_wg % 32;
+    return FragPos{16 * warp + lane / 4, 2 * (lane % 4)};
+}
+
+// S[64 x BN] = Q_wg[64 x D] K_tile[BN x D]^T. q_addr: the warpgroup's first Q row in slab 0;
+// k_addr: slab 0 of the K tile. Issues D/16 x BN/64 m64n64k16 instructions as one group and
+// waits for it.
+template <class Tr, class T>
+__device__ __forceinline__ void gemm_qk(float (&s)[Tr::kBlockN / 2], uint32_t q_addr,
+                                        uint32_t k_addr) {
+    wgmma_fence();  // s was read by the previous tile's softmax
+#pragma unroll
+    for (int kk = 0; kk < Tr::kHeadDim / kMmaK; ++kk) {
+        const int slab = kk / (kSlabCols / kMmaK), step = kk % (kSlabCols / kMmaK);
+        const uint64_t da =
+            desc_kmajor_sw128(q_addr + slab * Tr::kQSlabStride + step * kMmaKBytes);
+#pragma unroll
+        for (int nh = 0; nh < Tr::kBlockN / kMmaN; ++nh) {
+            // Keys 64nh.. of the tile: 64 rows * 128 B further into the same slab.
+            const uint64_t db = desc_kmajor_sw128(k_addr + slab * Tr::kKvSlabStride +
+                                                  nh * kMmaN * kSwizzleBytes + step * kMmaKBytes);
+            wgmma_m64n64k16_ss<T>(&s[nh * (kMmaN / 2)], da, db, kk > 0 ? 1 : 0);
+        }
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(s);
+}
+
+// O[64 x D] += P[64 x BN] V_tile[BN x D]; P is given as A fragments a[k] for keys 16k..16k+15.
+template <class Tr, class T>
+__device__ __forceinline__ void gemm_pv(float (&o)[Tr::kHeadDim / 2],
+                                        const uint32_t (&a)[Tr::kBlockN / kMmaK][4],
+                                        uint32_t v_addr) {
+    wgmma_fence();  // o was rescaled and a written by ordinary instructions
+#pragma unroll
+    for (int kk = 0; kk < Tr::kBlockN / kMmaK; ++kk) {
+#pragma unroll
+        for (int nh = 0; nh < Tr::kHeadDim / kMmaN; ++nh) {
+            // Output columns 64nh.. = slab nh of V; keys 16kk.. = 16 rows * 128 B per step.
+            const uint64_t db = desc_mnmajor_sw128(
+                v_addr + nh * Tr::kKvSlabStride + kk * kMmaK * kSwizzleBytes, Tr::kKvSlabStride);
+            wgmma_m64n64k16_rs_tb<T>(&o[nh * (kMmaN / 2)], a[kk], db);
+        }
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(o);
+}
+
+// One K/V tile of the online softmax for this warpgroup: mask S, update max/sum, rescale O,
+// turn S into P fragments, O += P V. m_first: global query row of the warpgroup's row 0.
+template <class Tr, class T>
+__device__ __forceinline__ void consume_tile(const FwdParams& p, Acc<Tr::kHeadDim>& acc,
+                                             float (&s)[Tr::kBlockN / 2], const FragPos& fp,
+                                             int m_first, int n_tile, uint32_t v_addr) {
+    constexpr int kChunks = Tr::kBlockN / 8;  // 8-column accumulator chunks
+    const bool softcap = (p.flags & FA_FLAG_SOFTCAP) != 0;
+    if (softcap) {  // s = cap * tanh(scale * s / cap); exp2 then uses log2(e) (fa_params.h)
+        const float pre = p.softmax_scale / p.softcap;
+#pragma unroll
+        for (int i = 0; i < Tr::kBlockN / 2; ++i) s[i] = p.softcap * fast_tanh(s[i] * pre);
+    }
+    const float scale_log2 = p.softmax_scale_log2;
+
+    // Mask: keys past seqlen_k (zero-filled loads) and outside the window.
+    const int off = p.seqlen_k - p.seqlen_q;
+    const int n0 = n_tile * Tr::kBlockN;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int i = m_first + fp.row0 + 8 * h;
+        const int lo = p.window_left >= 0 ? i + off - p.window_left : INT_MIN;
+        const int hi = min(p.seqlen_k - 1, p.window_right >= 0 ? i + off + p.window_right
+                                                                : INT_MAX);
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int j = n0 + 8 * c + fp.col0 + e;
+                if (j < lo || j > hi) s[4 * c + 2 * h + e] = -INFINITY;
+            }
+        }
+    }
+
+    // Online softmax per row (4 lanes share a row: reduce over lane bits 0 and 1).
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float mx = acc.row_max[h];
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c)
+            mx = fmaxf(mx, fmaxf(s[4 * c + 2 * h], s[4 * c + 2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        // -inf guard: with nothing visible yet keep the offset finite so exp2 gives 0, not NaN.
+        const float mx_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
+        const float corr = fast_exp2(acc.row_max[h] * scale_log2 - mx_scaled);  // old max -inf: 0
+        acc.row_max[h] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                float& x = s[4 * c + 2 * h + e];
+                x = fast_exp2(fmaf(x, scale_log2, -mx_scaled));
+                sum += x;
+            }
+        }
+        acc.row_sum[h] = acc.row_sum[h] * corr + sum;
+#pragma unroll
+        for (int c = 0; c < Tr::kHeadDim / 8; ++c) {
+            acc.o[4 * c + 2 * h] *= corr;
+            acc.o[4 * c + 2 * h + 1] *= corr;
+        }
+    }
+
+    // S accumulator -> P A-fragments (wgmma_sm90.cuh: a[r] = pack(d[8k + 2r], d[8k + 2r + 1])).
+    uint32_t a[Tr::kBlockN / kMmaK][4];
+#pragma unroll
+    for (int k = 0; k < Tr::kBlockN / kMmaK; ++k)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) a[k][r] = pack2<T>(s[8 * k + 2 * r], s[8 * k + 2 * r + 1]);
+
+    gemm_pv<Tr, T>(acc.o, a, v_addr);
+}
+
+template <int D>
+__device__ __forceinline__ void acc_init(Acc<D>& acc) {
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) acc.o[i] = 0.f;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        acc.row_max[h] = -INFINITY;
+        acc.row_sum[h] = 0.f;
+    }
+}
+
+// Normalise and write this thread's part of O (and LSE) straight from registers.
+template <class Tr, class T>
+__device__ __forceinline__ void write_output(const FwdParams& p, Acc<Tr::kHeadDim>& acc,
+                                             const FragPos& fp, int m_first, int batch,
+                                             int head) {
+    const bool softcap = (p.flags & FA_FLAG_SOFTCAP) != 0;
+    // Natural-log scale of the max: scores were multiplied by scale_log2 = scale * log2(e)
+    // (softcap: log2(e) after the cap, i.e. natural scale 1).
+    const float max_scale = softcap ? 1.f : p.softmax_scale;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float l = acc.row_sum[h];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float inv = l > 0.f ? 1.f / l : 0.f;  // no visible key: O = 0
+        const int i = m_first + fp.row0 + 8 * h;
+        if (i >= p.seqlen_q) continue;
+        T* orow = reinterpret_cast<T*>(p.o) + batch * p.o_batch_stride + i * p.o_row_stride +
+                  head * p.o_head_stride;
+#pragma unroll
+        for (int c = 0; c < Tr::kHeadDim / 8; ++c) {
+            const uint32_t v =
+                pack2<T>(acc.o[4 * c + 2 * h] * inv, acc.o[4 * c + 2 * h + 1] * inv);
+            *reinterpret_cast<uint32_t*>(orow + 8 * c + fp.col0) = v;
+        }
+        if ((p.flags & FA_FLAG_RETURN_LSE) && fp.col0 == 0) {
+            const float lse = l > 0.f ? acc.row_max[h] * max_scale + logf(l) : -INFINITY;
+            reinterpret_cast<float*>(p.lse)[(static_cast<int64_t>(batch) * p.heads_q + head) *
+                                                p.seqlen_q +
+                                            i] = lse;
+        }
+    }
+}
+
+// Block coordinates: x = query tile (heaviest first under a causal/window mask), y = q head,
+// z = batch.
+struct BlockCoord {
+    int m_block, head, kv_head, batch;
+};
+__device__ __forceinline__ BlockCoord block_coord(const FwdParams& p) {
+    BlockCoord bc;
+    bc.m_block = p.window_right >= 0 ? static_cast<int>(gridDim.x - 1 - blockIdx.x)
+                                     : static_cast<int>(blockIdx.x);
+    bc.head = blockIdx.y;
+    bc.kv_head = bc.head / (p.heads_q / p.heads_kv);
+    bc.batch = blockIdx.z;
+    return bc;
+}
+
+// 1024-aligned start of the dynamic shared memory (Fa3Traits::kSmemBytes includes the slack).
+__device__ __forceinline__ uint8_t* aligned_smem(uint8_t* raw) {
+    const uint32_t pad = (kSwizzleAtomBytes - (smem_u32(raw) % kSwizzleAtomBytes)) %
+                         kSwizzleAtomBytes;
+    return raw + pad;
+}
+
+// ---------------------------------------------------------------- stage 1: wgmma only
+
+// Copies rows [0, rows_valid) of a [ROWS x D] tile (row stride in elements) into SW128 slabs
+// with 16-byte loads; rows past rows_valid become zeros. Every thread of the CTA takes part.
+template <int ROWS, int D, class T>
+__device__ __forceinline__ void load_tile_sw128(uint8_t* dst, const T* src, int64_t row_stride,
+                                                int rows_valid, int tid, int nthreads) {
+    constexpr int kChunksPerRow = D / 8;                  // 16-byte chunks
+    constexpr int kChunksPerSlabRow = kSlabCols / 8;      // 8
+    for (int idx = tid; idx < ROWS * kChunksPerRow; idx += nthreads) {
+        const int r = idx / kChunksPerRow, c = idx % kChunksPerRow;
+        const int slab = c / kChunksPerSlabRow, cc = c % kChunksPerSlabRow;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (r < rows_valid) v = *reinterpret_cast<const uint4*>(src + r * row_stride + 8 * c);
+        const int byte = slab * ROWS * kSwizzleBytes + r * kSwizzleBytes +
+                         ((cc ^ (r % kSwizzleAtomRows)) * 16);
+        *reinterpret_cast<uint4*>(dst + byte) = v;
+    }
+}
+
+template <class T, int D>
+__device__ __forceinline__ void stage1(const FwdParams& p) {
+    using Tr = Fa3Traits<1, D>;
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t* smem = aligned_smem(smem_raw);
+    uint8_t* sq = smem + Tr::kOffQ;
+    uint8_t* sk = smem + Tr::kOffK;
+    uint8_t* sv = smem + Tr::kOffV;
+
+    const int tid = threadIdx.x;
+    const BlockCoord bc = block_coord(p);
+    const int m0 = bc.m_block * Tr::kBlockM;
+    const KvRange kv = kv_tile_range(p, m0, min(m0 + Tr::kBlockM, p.seqlen_q), Tr::kBlockN);
+
+    const T* q = reinterpret_cast<const T*>(p.q) + bc.batch * p.q_batch_stride +
+                 m0 * p.q_row_stride + bc.head * p.q_head_stride;
+    const T* k = reinterpret_cast<const T*>(p.k) + bc.batch * p.k_batch_stride +
+                 bc.kv_head * p.k_head_stride;
+    const T* v = reinterpret_cast<const T*>(p.v) + bc.batch * p.v_batch_stride +
+                 bc.kv_head * p.v_head_stride;
+
+    load_tile_sw128<Tr::kBlockM, D>(sq, q, p.q_row_stride, p.seqlen_q - m0, tid, Tr::kThreads);
+
+    const FragPos fp = frag_pos(tid);
+    Acc<D> acc;
+    acc_init(acc);
+    float s[Tr::kBlockN / 2];
+#pragma unroll
+    for (int i = 0; i < Tr::kBlockN / 2; ++i) s[i] = 0.f;
+
+    for (int n = kv.n_begin; n < kv.n_end; ++n) {
+        __syncthreads();  // every thread's wgmmas of the previous tile have completed (wait 0)
+        const int n0 = n * Tr::kBlockN;
+        load_tile_sw128<Tr::kBlockN, D>(sk, k + n0 * p.k_row_stride, p.k_row_stride,
+                                        p.seqlen_k - n0, tid, Tr::kThreads);
+        load_tile_sw128<Tr::kBlockN, D>(sv, v + n0 * p.v_row_stride, p.v_row_stride,
+                                        p.seqlen_k - n0, tid, Tr::kThreads);
+        fence_proxy_async_smem();  // generic-proxy stores -> visible to wgmma (async proxy)
+        __syncthreads();
+        gemm_qk<Tr, T>(s, smem_u32(sq), smem_u32(sk));
+        consume_tile<Tr, T>(p, acc, s, fp, m0, n, smem_u32(sv));
+    }
+    write_output<Tr, T>(p, acc, fp, m0, bc.batch, bc.head);
+}
+
+// ---------------------------------------------------------------- TMA issue (stages 2, 3)
+
+// Q rows [m0, m0 + kBlockM) of (head, batch): one 64-row box per slab per 64 rows.
+template <class Tr>
+__device__ __forceinline__ void issue_q(const TmaDesc* tq, uint8_t* sq, uint64_t* bar, int m0,
+                                        int head, int batch) {
+    mbar_arrive_expect_tx(bar, Tr::kTmaQBytes);
+#pragma unroll
+    for (int slab = 0; slab < Tr::kSlabs; ++slab)
+#pragma unroll
+        for (int rb = 0; rb < Tr::kBlockM / Tr::kTmaBoxRowsQ; ++rb)
+            tma_load_4d(sq + slab * Tr::kQSlabStride + rb * Tr::kTmaBoxRowsQ * kSwizzleBytes, tq,
+                        bar, slab * kSlabCols, m0 + rb * Tr::kTmaBoxRowsQ, head, batch);
+}
+
+// K and V tile n into ring slot `slot`, both counted on kv_full[slot].
+template <class Tr>
+__device__ __forceinline__ void issue_kv(const TmaDesc* tk, const TmaDesc* tv, uint8_t* sk,
+                                         uint8_t* sv, uint64_t* bar, int slot, int n,
+                                         int kv_head, int batch) {
+    mbar_arrive_expect_tx(bar, Tr::kTmaKvBytes);
+    uint8_t* dk = sk + slot * Tr::kKvTileBytes;
+    uint8_t* dv = sv + slot * Tr::kKvTileBytes;
+#pragma unroll
+    for (int slab = 0; slab < Tr::kSlabs; ++slab) {
+        tma_load_4d(dk + slab * Tr::kKvSlabStride, tk, bar, slab * kSlabCols, n * Tr::kBlockN,
+                    kv_head, batch);
+        tma_load_4d(dv + slab * Tr::kKvSlabStride, tv, bar, slab * kSlabCols, n * Tr::kBlockN,
+                    kv_head, batch);
+    }
+}
+
+// Barrier block layout: [0] q_full, [1 .. 1+S) kv_full, [1+S .. 1+2S) kv_empty.
+template <class Tr>
+struct Barriers {
+    uint64_t* q_full;
+    uint64_t* kv_full;
+    uint64_t* kv_empty;
+    __device__ __forceinline__ explicit Barriers(uint8_t* smem) {
+        uint64_t* b = reinterpret_cast<uint64_t*>(smem + Tr::kOffBarriers);
+        q_full = b;
+        kv_full = b + 1;
+        kv_empty = b + 1 + Tr::kKvStages;
+    }
+};
+
+// ---------------------------------------------------------------- stage 2: + TMA, mbarriers
+
+template <class T, int D>
+__device__ __forceinline__ void stage2(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk,
+                                       const TmaDesc* tv) {
+    using Tr = Fa3Traits<2, D>;
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t* smem = aligned_smem(smem_raw);
+    uint8_t* sq = smem + Tr::kOffQ;
+    uint8_t* sk = smem + Tr::kOffK;
+    uint8_t* sv = smem + Tr::kOffV;
+    Barriers<Tr> bars(smem);
+
+    const int tid = threadIdx.x;
+    const BlockCoord bc = block_coord(p);
+    const int m0 = bc.m_block * Tr::kBlockM;
+    const KvRange kv = kv_tile_range(p, m0, min(m0 + Tr::kBlockM, p.seqlen_q), Tr::kBlockN);
+    const int n_tiles = kv.n_end - kv.n_begin;
+    const bool issuer = tid == 0;
+
+    if (issuer) {
+        mbar_init(bars.q_full, 1);
+        for (int st = 0; st < Tr::kKvStages; ++st) mbar_init(&bars.kv_full[st], 1);
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (issuer && n_tiles > 0) {
+        tma_prefetch_desc(tq);
+        tma_prefetch_desc(tk);
+        tma_prefetch_desc(tv);
+        issue_q<Tr>(tq, sq, bars.q_full, m0, bc.head, bc.batch);
+        for (int it = 0; it < min(n_tiles, Tr::kKvStages); ++it)
+            issue_kv<Tr>(tk, tv, sk, sv, &bars.kv_full[it], it, kv.n_begin + it, bc.kv_head,
+                         bc.batch);
+    }
+
+    const FragPos fp = frag_pos(tid);
+    Acc<D> acc;
+    acc_init(acc);
+    float s[Tr::kBlockN / 2];
+#pragma unroll
+    for (int i = 0; i < Tr::kBlockN / 2; ++i) s[i] = 0.f;
+
+    if (n_tiles > 0) mbar_wait(bars.q_full, 0);
+    for (int it = 0; it < n_tiles; ++it) {
+        const int slot = it % Tr::kKvStages;
+        mbar_wait(&bars.kv_full[slot], (it / Tr::kKvStages) & 1);
+        gemm_qk<Tr, T>(s, smem_u32(sq), smem_u32(sk + slot * Tr::kKvTileBytes));
+        consume_tile<Tr, T>(p, acc, s, fp, m0, kv.n_begin + it,
+                            smem_u32(sv + slot * Tr::kKvTileBytes));
+        // Both wgmma groups reading this slot were waited on by every thread; after the CTA
+        // barrier the slot may be refilled (async proxy writes after async proxy reads).
+        __syncthreads();
+        if (issuer && it + Tr::kKvStages < n_tiles)
+            issue_kv<Tr>(tk, tv, sk, sv, &bars.kv_full[slot], slot,
+                         kv.n_begin + it + Tr::kKvStages, bc.kv_head, bc.batch);
+    }
+    write_output<Tr, T>(p, acc, fp, m0, bc.batch, bc.head);
+}
+
+// ---------------------------------------------------------------- stage 3: + warp specialisation
+
+template <class T, int D>
+__device__ __forceinline__ void stage3(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk,
+                                       const TmaDesc* tv) {
+    using Tr = Fa3Traits<3, D>;
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t* smem = aligned_smem(smem_raw);
+    uint8_t* sq = smem + Tr::kOffQ;
+    uint8_t* sk = smem + Tr::kOffK;
+    uint8_t* sv = smem + Tr::kOffV;
+    Barriers<Tr> bars(smem);
+
+    const int tid = threadIdx.x;
+    const int warpgroup = tid / kWarpgroupThreads;
+    const bool is_producer = warpgroup < Tr::kProducerWarpgroups;
+    const BlockCoord bc = block_coord(p);
+    const int m0 = bc.m_block * Tr::kBlockM;
+    const KvRange kv = kv_tile_range(p, m0, min(m0 + Tr::kBlockM, p.seqlen_q), Tr::kBlockN);
+    const int n_tiles = kv.n_end - kv.n_begin;
+
+    if (tid == 0) {
+        mbar_init(bars.q_full, 1);
+        for (int st = 0; st < Tr::kKvStages; ++st) {
+            mbar_init(&bars.kv_full[st], 1);                        // producer's expect_tx
+            mbar_init(&bars.kv_empty[st], Tr::kConsumerThreads);   // every consumer thread
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();  // the last CTA-wide barrier: roles diverge below
+
+    if (is_producer) {
+        setmaxnreg_dec<Tr::kProducerRegs>();
+        if (tid == 0 && n_tiles > 0) {
+            tma_prefetch_desc(tq);
+            tma_prefetch_desc(tk);
+            tma_prefetch_desc(tv);
+            issue_q<Tr>(tq, sq, bars.q_full, m0, bc.head, bc.batch);
+            for (int it = 0; it < n_tiles; ++it) {
+                const int slot = it % Tr::kKvStages;
+                // Use u = it / S of this slot needs use u - 1 released (its phase u - 1 done).
+                if (it >= Tr::kKvStages)
+                    mbar_wait(&bars.kv_empty[slot], ((it / Tr::kKvStages) - 1) & 1);
+                issue_kv<Tr>(tk, tv, sk, sv, &bars.kv_full[slot], slot, kv.n_begin + it,
+                             bc.kv_head, bc.batch);
+            }
+        }
+    } else {
+        setmaxnreg_inc<Tr::kConsumerRegs>();
+        const int cw = warpgroup - Tr::kProducerWarpgroups;  // consumer index: query rows 64cw..
+        const int m_first = m0 + cw * kMmaM;
+        const uint32_t q_addr = smem_u32(sq) + cw * kMmaM * kSwizzleBytes;
+        const FragPos fp = frag_pos(tid % kWarpgroupThreads);
+        Acc<D> acc;
+        acc_init(acc);
+        float s[Tr::kBlockN / 2];
+#pragma unroll
+        for (int i = 0; i < Tr::kBlockN / 2; ++i) s[i] = 0.f;
+
+        if (n_tiles > 0) mbar_wait(bars.q_full, 0);
+        for (int it = 0; it < n_tiles; ++it) {
+            const int slot = it % Tr::kKvStages;
+            mbar_wait(&bars.kv_full[slot], (it / Tr::kKvStages) & 1);
+            gemm_qk<Tr, T>(s, q_addr, smem_u32(sk + slot * Tr::kKvTileBytes));
+            consume_tile<Tr, T>(p, acc, s, fp, m_first, kv.n_begin + it,
+                                smem_u32(sv + slot * Tr::kKvTileBytes));
+            mbar_arrive(&bars.kv_empty[slot]);  // this thread's wgmma reads of the slot are done
+        }
+        write_output<Tr, T>(p, acc, fp, m_first, bc.batch, bc.head);
+    }
+}
+
+#else  // not sm_90a: the instances exist (so every target links) but do nothing.
+
+template <class T, int D>
+__device__ __forceinline__ void stage1(const FwdParams&) {}
+template <class T, int D>
+__device__ __forceinline__ void stage2(const FwdParams&, const TmaDesc*, const TmaDesc*,
+                                       const TmaDesc*) {}
+template <class T, int D>
+__device__ __forceinline__ void stage3(const FwdParams&, const TmaDesc*, const TmaDesc*,
+                                       const TmaDesc*) {}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+}  // namespace fa3
+
+// ---------------------------------------------------------------- instances
+// Symbol: fa3_s<stage>_fwd_<dtype>_hd<D>. Compile one head dim per nvcc job with
+// -DFA3_ONLY_HDIM=<D>. Stage 1 takes only the params; stages 2-3 also take the tensor maps of
+// Q, K, V (docs/fa3.md). __launch_bounds__ pins the thread count each stage is written for.
+
+#define FA3_S1(DT, T, D)                                                                   \
+    extern "C" __global__ void __launch_bounds__(fa3::Fa3Traits<1, D>::kThreads, 1)        \
+        fa3_s1_fwd_##DT##_hd##D(const __grid_constant__ FwdParams p) {                     \
+        fa3::stage1<T, D>(p);                                                              \
+    }
+#define FA3_S2(DT, T, D)                                                                   \
+    extern "C" __global__ void __launch_bounds__(fa3::Fa3Traits<2, D>::kThreads, 1)        \
+        fa3_s2_fwd_##DT##_hd##D(const __grid_constant__ FwdParams p,                       \
+                                const __grid_constant__ fa3::TmaDesc tmap_q,               \
+                                const __grid_constant__ fa3::TmaDesc tmap_k,               \
+                                const __grid_constant__ fa3::TmaDesc tmap_v) {             \
+        fa3::stage2<T, D>(p, &tmap_q, &tmap_k, &tmap_v);                                   \
+    }
+#define FA3_S3(DT, T, D)                                                                   \
+    extern "C" __global__ void __launch_bounds__(fa3::Fa3Traits<3, D>::kThreads, 1)        \
+        fa3_s3_fwd_##DT##_hd##D(const __grid_constant__ FwdParams p,                       \
+                                const __grid_constant__ fa3::TmaDesc tmap_q,               \
+                                const __grid_constant__ fa3::TmaDesc tmap_k,               \
+                                const __grid_constant__ fa3::TmaDesc tmap_v) {             \
+        fa3::stage3<T, D>(p, &tmap_q, &tmap_k, &tmap_v);                                   \
+    }
+#define FA3_ALL_STAGES(D)          \
+    FA3_S1(bf16, __nv_bfloat16, D) \
+    FA3_S1(f16, __half, D)         \
+    FA3_S2(bf16, __nv_bfloat16, D) \
+    FA3_S2(f16, __half, D)         \
+    FA3_S3(bf16, __nv_bfloat16, D) \
+    FA3_S3(f16, __half, D)
+
+#if !defined(FA3_ONLY_HDIM) || FA3_ONLY_HDIM == 64
+FA3_ALL_STAGES(64)
+#endif
+#if !defined(FA3_ONLY_HDIM) || FA3_ONLY_HDIM == 128
+FA3_ALL_STAGES(128)
+#endif

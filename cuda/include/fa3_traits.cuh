@@ -1,0 +1,76 @@
+// Tile shapes, warpgroup roles and shared-memory plan of the FA3-style sm_90a kernels, one
+// struct per (stage, head_dim). Everything the host needs for a launch (threads, dynamic smem,
+// rows per CTA) is a constexpr here and repeated in docs/fa3.md.
+#pragma once
+#include "wgmma_sm90.cuh"
+
+namespace fa3 {
+
+constexpr int kWarpgroupThreads = 128;  // 4 warps issue one wgmma together
+
+// The stage ladder (docs/fa3.md):
+//   1: wgmma only, plain loads into swizzled smem, one warpgroup, single-buffered K/V.
+//   2: + TMA into a K/V ring guarded by mbarriers, one warpgroup (thread 0 issues the copies).
+//   3: + warp specialisation: a producer warpgroup (TMA, setmaxnreg.dec) and two consumer
+//      warpgroups (setmaxnreg.inc), each consumer owning 64 query rows.
+template <int Stage, int HeadDim>
+struct Fa3Traits {
+    static_assert(Stage >= 1 && Stage <= 3, "stages 1..3 are implemented");
+    static_assert(HeadDim % kSlabCols == 0 && HeadDim <= 256, "head_dim: 64, 128, 192 or 256");
+
+    static constexpr int kStage = Stage;
+    static constexpr int kHeadDim = HeadDim;
+    static constexpr int kSlabs = HeadDim / kSlabCols;  // 64-column SW128 slabs per row
+
+    static constexpr int kConsumerWarpgroups = Stage >= 3 ? 2 : 1;
+    static constexpr int kProducerWarpgroups = Stage >= 3 ? 1 : 0;
+    static constexpr int kThreads = kWarpgroupThreads * (kConsumerWarpgroups + kProducerWarpgroups);
+    static constexpr int kConsumerThreads = kWarpgroupThreads * kConsumerWarpgroups;
+
+    // Query rows per CTA: 64 per consumer warpgroup (the M of one wgmma).
+    static constexpr int kBlockM = kMmaM * kConsumerWarpgroups;
+    // Keys per K/V tile. 128 keeps S (64 fp32/thread) + O (D/2) + P (32 b32) under the 240
+    // consumer registers for D <= 128; D = 256 would need O = 128 regs, so it uses 64 keys.
+    // (FA3 proper uses 128x128 causal / 128x176 non-causal at hdim 128; we use 128 for both.)
+    static constexpr int kBlockN = HeadDim <= 128 ? 128 : 64;
+    static_assert(kBlockN % kMmaN == 0, "N is issued as m64n64 instructions");
+
+    // K/V ring depth: stage 1 loads synchronously into one buffer.
+    static constexpr int kKvStages = Stage >= 2 ? 2 : 1;
+
+    // Register split for the warp-specialised stage (3 warpgroups = 384 threads share 64K regs:
+    // 128 * (24 + 2 * 240) = 64512 <= 65536). The kernel is compiled with
+    // __launch_bounds__(384, 1), i.e. at most 168 registers at entry.
+    static constexpr int kProducerRegs = 24;
+    static constexpr int kConsumerRegs = 240;
+
+    // Shared-memory plan (bytes). Every tile is a whole number of 1024-byte swizzle atoms, so
+    // each one starts 1024-aligned once the base is.
+    static constexpr int kElemBytes = 2;
+    static constexpr int kQBytes = kBlockM * HeadDim * kElemBytes;
+    static constexpr int kKvTileBytes = kBlockN * HeadDim * kElemBytes;  // one K or one V tile
+    static constexpr int kQSlabStride = kBlockM * kSwizzleBytes;           // bytes between Q slabs
+    static constexpr int kKvSlabStride = kBlockN * kSwizzleBytes;          // ... between K/V slabs
+    static constexpr int kOffQ = 0;
+    static constexpr int kOffK = kOffQ + kQBytes;
+    static constexpr int kOffV = kOffK + kKvStages * kKvTileBytes;
+    static constexpr int kOffBarriers = kOffV + kKvStages * kKvTileBytes;
+    // q_full + kv_full[stages] + kv_empty[stages], 8 bytes each.
+    static constexpr int kNumBarriers = 1 + 2 * kKvStages;
+    static constexpr int kSmemUsed = kOffBarriers + 8 * kNumBarriers;
+    // Dynamic smem is only guaranteed 16-byte aligned: ask for one extra atom and round up.
+    static constexpr int kSmemBytes = kSmemUsed + kSwizzleAtomBytes;
+
+    // TMA boxes (elements): {64 columns (= 128 B swizzle span), rows, 1 head, 1 batch}.
+    static constexpr int kTmaBoxCols = kSlabCols;
+    static constexpr int kTmaBoxRowsQ = kMmaM;  // a 128-row Q tile is two boxes per slab
+    static constexpr int kTmaBoxRowsKv = kBlockN;
+    static constexpr int kTmaQBytes = kQBytes;
+    static constexpr int kTmaKvBytes = 2 * kKvTileBytes;  // K and V of one stage, one barrier
+
+    static_assert(kQBytes % kSwizzleAtomBytes == 0 && kKvTileBytes % kSwizzleAtomBytes == 0,
+                  "tiles must be whole swizzle atoms");
+    static_assert(kSmemBytes <= 227 * 1024, "sm_90 opt-in shared memory is 227 KiB per block");
+};
+
+}  // namespace fa3
