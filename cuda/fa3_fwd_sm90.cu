@@ -243,6 +243,13 @@ __device__ __forceinline__ void write_output(const FwdParams& p, Acc<Tr::kHeadDi
     }
 }
 
+// Consumer-side wait: every thread polls, then the warp reconverges before the next
+// `.sync.aligned` wgmma instruction (which requires all lanes to execute it together).
+__device__ __forceinline__ void consumer_wait(uint64_t* bar, uint32_t parity) {
+    mbar_wait(bar, parity);
+    __syncwarp();
+}
+
 // Block coordinates: x = query tile (heaviest first under a causal/window mask), y = q head,
 // z = batch.
 struct BlockCoord {
@@ -420,10 +427,10 @@ __device__ __forceinline__ void stage2(const FwdParams& p, const TmaDesc* tq, co
 #pragma unroll
     for (int i = 0; i < Tr::kBlockN / 2; ++i) s[i] = 0.f;
 
-    if (n_tiles > 0) mbar_wait(bars.q_full, 0);
+    if (n_tiles > 0) consumer_wait(bars.q_full, 0);
     for (int it = 0; it < n_tiles; ++it) {
         const int slot = it % Tr::kKvStages;
-        mbar_wait(&bars.kv_full[slot], (it / Tr::kKvStages) & 1);
+        consumer_wait(&bars.kv_full[slot], (it / Tr::kKvStages) & 1);
         gemm_qk<Tr, T>(s, smem_u32(sq), smem_u32(sk + slot * Tr::kKvTileBytes));
         consume_tile<Tr, T>(p, acc, s, fp, m0, kv.n_begin + it,
                             smem_u32(sv + slot * Tr::kKvTileBytes));
@@ -496,10 +503,10 @@ __device__ __forceinline__ void stage3(const FwdParams& p, const TmaDesc* tq, co
 #pragma unroll
         for (int i = 0; i < Tr::kBlockN / 2; ++i) s[i] = 0.f;
 
-        if (n_tiles > 0) mbar_wait(bars.q_full, 0);
+        if (n_tiles > 0) consumer_wait(bars.q_full, 0);
         for (int it = 0; it < n_tiles; ++it) {
             const int slot = it % Tr::kKvStages;
-            mbar_wait(&bars.kv_full[slot], (it / Tr::kKvStages) & 1);
+            consumer_wait(&bars.kv_full[slot], (it / Tr::kKvStages) & 1);
             gemm_qk<Tr, T>(s, q_addr, smem_u32(sk + slot * Tr::kKvTileBytes));
             consume_tile<Tr, T>(p, acc, s, fp, m_first, kv.n_begin + it,
                                 smem_u32(sv + slot * Tr::kKvTileBytes));
@@ -563,4 +570,7 @@ FA3_ALL_STAGES(64)
 #endif
 #if !defined(FA3_ONLY_HDIM) || FA3_ONLY_HDIM == 128
 FA3_ALL_STAGES(128)
+#endif
+#if !defined(FA3_ONLY_HDIM) || FA3_ONLY_HDIM == 256
+FA3_ALL_STAGES(256)
 #endif

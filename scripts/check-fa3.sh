@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Compile-only checks of the FA3-style sm_90a kernels (cuda/fa3_fwd_sm90.cu); no GPU needed.
+#
+# For each head dim (one nvcc job each, -DFA3_ONLY_HDIM=<D>, at most FA3_JOBS in parallel):
+#   * builds the sm_90a cubin with ptxas -v and records registers / spills / compile time;
+#   * dumps SASS and requires, per kernel: HGMMA (every stage), UTMALDG + SYNCS (stage 2+),
+#     USETMAXREG (stage 3), no LDL/STL (local memory), 0 spill bytes, 0 stack;
+#   * checks the PTX is .version 9.0 / .target sm_90a, and that the file still compiles (to empty
+#     kernels) for sm_80.
+# Prints one table row per kernel and exits non-zero on the first violated rule.
+# Usage: scripts/check-fa3.sh [head_dim ...]   (default: 64 128 256)
+# Env: FA3_JOBS (default 2), FA3_OUT (default target/fa3-check).
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+bin="$("$root/scripts/install-cuda-toolchain.sh")"
+export PATH="$bin:$PATH"
+out="${FA3_OUT:-$root/target/fa3-check}"
+jobs="${FA3_JOBS:-2}"
+hdims=("$@")
+[ ${#hdims[@]} -gt 0 ] || hdims=(64 128 256)
+mkdir -p "$out"
+src=cuda/fa3_fwd_sm90.cu
+flags=(-std=c++17 -O3 -Icuda/include)
+
+build_one() {  # $1 = head dim
+  local d=$1 t0 t1
+  t0=$(date +%s.%N)
+  nvcc -cubin "${flags[@]}" -Xptxas=-v -gencode=arch=compute_90a,code=sm_90a \
+    -DFA3_ONLY_HDIM="$d" "$src" -o "$out/fa3_hd$d.sm90a.cubin" > "$out/fa3_hd$d.ptxas.txt" 2>&1
+  t1=$(date +%s.%N)
+  echo "$t0 $t1" | awk '{printf "%.1f\n", $2 - $1}' > "$out/fa3_hd$d.seconds"
+  cuobjdump --dump-sass "$out/fa3_hd$d.sm90a.cubin" > "$out/fa3_hd$d.sass"
+}
+
+pids=()
+for d in "${hdims[@]}"; do
+  build_one "$d" &
+  pids+=($!)
+  if [ ${#pids[@]} -ge "$jobs" ]; then wait "${pids[0]}"; pids=("${pids[@]:1}"); fi
+done
+for p in "${pids[@]}"; do wait "$p"; done
+
+fail=0
+printf '%-24s %5s %6s %6s %7s %7s %5s %8s %s\n' kernel regs spillB stackB hgmma utmaldg syncs setmaxr ldl/stl
+for d in "${hdims[@]}"; do
+  [ -s "$out/fa3_hd$d.sass" ] || { echo "hd$d: no cubin (see $out/fa3_hd$d.ptxas.txt)"; exit 1; }
+  if grep -q "error" "$out/fa3_hd$d.ptxas.txt"; then cat "$out/fa3_hd$d.ptxas.txt"; exit 1; fi
+  # ptxas -v: "Compiling entry function 'X'", then "N bytes stack frame, S bytes spill stores,
+  # L bytes spill loads", then "Used R registers".
+  awk '
+    /Compiling entry function/ { match($0, /'"'"'[^'"'"']+'"'"'/); fn = substr($0, RSTART + 1, RLENGTH - 2) }
+    /bytes stack frame/ { stack[fn] = $1; spill[fn] = $5 + $9 }
+    /Used [0-9]+ registers/ { for (i = 1; i <= NF; i++) if ($i == "Used") regs[fn] = $(i + 1) }
+    END { for (f in regs) print f, regs[f], spill[f], stack[f] }
+  ' "$out/fa3_hd$d.ptxas.txt" | sort > "$out/fa3_hd$d.regs"
+  awk '
+    /Function :/ { fn = $3 }
+    / HGMMA/ { h[fn]++ } / UTMALDG/ { u[fn]++ } / SYNCS/ { s[fn]++ } / USETMAXREG/ { m[fn]++ }
+    / LDL| STL/ { l[fn]++ }
+    END { for (f in h) print f, h[f] + 0, u[f] + 0, s[f] + 0, m[f] + 0, l[f] + 0 }
+  ' "$out/fa3_hd$d.sass" | sort > "$out/fa3_hd$d.ops"
+  n=$(wc -l < "$out/fa3_hd$d.regs")
+  [ "$n" -eq 6 ] || { echo "hd$d: expected 6 kernels, ptxas reported $n"; fail=1; }
+  while read -r fn regs spill stack; do
+    read -r _ hg ut sy mx ls < <(grep "^$fn " "$out/fa3_hd$d.ops" || echo "$fn 0 0 0 0 0")
+    stage=${fn#fa3_s}; stage=${stage%%_*}
+    printf '%-24s %5s %6s %6s %7s %7s %5s %8s %s\n' "$fn" "$regs" "$spill" "$stack" "$hg" "$ut" "$sy" "$mx" "$ls"
+    bad=()
+    [ "$spill" -eq 0 ] || bad+=("spills")
+    [ "$stack" -eq 0 ] || bad+=("stack frame")
+    [ "$ls" -eq 0 ] || bad+=("LDL/STL")
+    [ "$hg" -gt 0 ] || bad+=("no HGMMA")
+    if [ "$stage" -ge 2 ]; then
+      [ "$ut" -gt 0 ] || bad+=("no UTMALDG")
+      [ "$sy" -gt 0 ] || bad+=("no SYNCS")
+    fi
+    if [ "$stage" -ge 3 ]; then [ "$mx" -gt 0 ] || bad+=("no USETMAXREG"); fi
+    if [ ${#bad[@]} -gt 0 ]; then echo "  FAIL $fn: ${bad[*]}"; fail=1; fi
+  done < "$out/fa3_hd$d.regs"
+  if grep -q "serialized" "$out/fa3_hd$d.ptxas.txt"; then
+    echo "  WARN hd$d: ptxas serialises some wgmma:"; grep "serialized" "$out/fa3_hd$d.ptxas.txt"
+  fi
+  echo "  hd$d: nvcc wall time $(cat "$out/fa3_hd$d.seconds") s"
+done
+
+# PTX version/target, and the non-sm_90a build (empty kernels) still compiles.
+nvcc -ptx "${flags[@]}" -arch=compute_90a -DFA3_ONLY_HDIM=64 "$src" -o "$out/fa3_hd64.compute90a.ptx"
+grep -q '^\.version 9\.0' "$out/fa3_hd64.compute90a.ptx" || { echo "FAIL: PTX is not .version 9.0"; fail=1; }
+grep -q '^\.target sm_90a' "$out/fa3_hd64.compute90a.ptx" || { echo "FAIL: PTX target is not sm_90a"; fail=1; }
+nvcc -cubin "${flags[@]}" -gencode=arch=compute_80,code=sm_80 -DFA3_ONLY_HDIM=64 "$src" \
+  -o "$out/fa3_hd64.sm80.cubin" || { echo "FAIL: does not compile for sm_80"; fail=1; }
+
+if [ "$fail" -ne 0 ]; then echo "check-fa3: FAILED"; exit 1; fi
+echo "check-fa3: OK (compile-checked only; nothing here ran on a GPU)"
