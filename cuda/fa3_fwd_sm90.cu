@@ -349,7 +349,7 @@ __device__ __forceinline__ void issue_q(const TmaDesc* tq, uint8_t* sq, uint64_t
 #pragma unroll
         for (int rb = 0; rb < Tr::kBlockM / Tr::kTmaBoxRowsQ; ++rb)
             tma_load_4d(sq + slab * Tr::kQSlabStride + rb * Tr::kTmaBoxRowsQ * kSwizzleBytes, tq,
-                        bar, slab * kSlabCols, m0 + rb * Tr::kTmaBoxRowsQ, head, batch);
+                        bar, slab * kSlabCols, head, m0 + rb * Tr::kTmaBoxRowsQ, batch);
 }
 
 // K and V tile n into ring slot `slot`, both counted on kv_full[slot].
@@ -362,10 +362,10 @@ __device__ __forceinline__ void issue_kv(const TmaDesc* tk, const TmaDesc* tv, u
     uint8_t* dv = sv + slot * Tr::kKvTileBytes;
 #pragma unroll
     for (int slab = 0; slab < Tr::kSlabs; ++slab) {
-        tma_load_4d(dk + slab * Tr::kKvSlabStride, tk, bar, slab * kSlabCols, n * Tr::kBlockN,
-                    kv_head, batch);
-        tma_load_4d(dv + slab * Tr::kKvSlabStride, tv, bar, slab * kSlabCols, n * Tr::kBlockN,
-                    kv_head, batch);
+        tma_load_4d(dk + slab * Tr::kKvSlabStride, tk, bar, slab * kSlabCols, kv_head,
+                    n * Tr::kBlockN, batch);
+        tma_load_4d(dv + slab * Tr::kKvSlabStride, tv, bar, slab * kSlabCols, kv_head,
+                    n * Tr::kBlockN, batch);
     }
 }
 

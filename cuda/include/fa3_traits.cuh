@@ -61,7 +61,8 @@ struct Fa3Traits {
     // Dynamic smem is only guaranteed 16-byte aligned: ask for one extra atom and round up.
     static constexpr int kSmemBytes = kSmemUsed + kSwizzleAtomBytes;
 
-    // TMA boxes (elements): {64 columns (= 128 B swizzle span), rows, 1 head, 1 batch}.
+    // TMA boxes (elements), innermost first: {64 columns (= 128 B swizzle span), 1 head, rows,
+    // 1 batch}.
     static constexpr int kTmaBoxCols = kSlabCols;
     static constexpr int kTmaBoxRowsQ = kMmaM;  // a 128-row Q tile is two boxes per slab
     static constexpr int kTmaBoxRowsKv = kBlockN;

@@ -25,8 +25,10 @@ __device__ __forceinline__ void tma_prefetch_desc(const TmaDesc* map) {
 
 // 4-D tiled load of one box into shared memory; completion is reported to `bar` as transaction
 // bytes (the full box size, out-of-bounds elements included: they are written as zeros).
-// Coordinates are in elements, innermost first: {c0 = head_dim, c1 = seq, c2 = head, c3 = batch}.
-// `dst` must be aligned to the swizzle atom (1024 B for SWIZZLE_128B).
+// Coordinates are in elements, innermost first. Our maps (docs/fa3.md) describe a [b, s, h, d]
+// tensor in its natural memory order {c0 = head_dim, c1 = head, c2 = seq, c3 = batch} (strides
+// increasing for contiguous tensors), with box {64, 1, rows, 1}: the box lands in shared memory
+// as `rows` consecutive 128-byte rows. `dst` must be 1024-aligned for SWIZZLE_128B.
 __device__ __forceinline__ void tma_load_4d(void* dst, const TmaDesc* map, uint64_t* bar, int c0,
                                             int c1, int c2, int c3) {
     asm volatile(
