@@ -86,15 +86,12 @@ __device__ __forceinline__ void gemm_qk(float (&s)[Tr::kBlockN / 2], uint32_t q_
     wgmma_fence();  // s was read by the previous tile's softmax
 #pragma unroll
     for (int kk = 0; kk < Tr::kHeadDim / kMmaK; ++kk) {
-        const int slab = kk / (kSlabCols / kMmaK), step = kk % (kSlabCols / kMmaK);
-        const uint64_t da =
-            desc_kmajor_sw128(q_addr + slab * Tr::kQSlabStride + step * kMmaKBytes);
+        const uint64_t da = desc_kmajor_sw128(q_addr + Tr::qk_a_offset(kk));
 #pragma unroll
         for (int nh = 0; nh < Tr::kBlockN / kMmaN; ++nh) {
-            // Keys 64nh.. of the tile: 64 rows * 128 B further into the same slab.
-            const uint64_t db = desc_kmajor_sw128(k_addr + slab * Tr::kKvSlabStride +
-                                                  nh * kMmaN * kSwizzleBytes + step * kMmaKBytes);
-            wgmma_m64n64k16_ss<T>(&s[nh * (kMmaN / 2)], da, db, kk > 0 ? 1 : 0);
+            const uint64_t db = desc_kmajor_sw128(k_addr + Tr::qk_b_offset(kk, nh));
+            // Keys 64nh.. accumulate into chunks 8nh.. = s[32nh ..].
+            wgmma_m64n64k16_ss<T>(&s[acc_index(nh * kMmaN / 8, 0, 0)], da, db, kk > 0 ? 1 : 0);
         }
     }
     wgmma_commit();
@@ -112,10 +109,10 @@ __device__ __forceinline__ void gemm_pv(float (&o)[Tr::kHeadDim / 2],
     for (int kk = 0; kk < Tr::kBlockN / kMmaK; ++kk) {
 #pragma unroll
         for (int nh = 0; nh < Tr::kHeadDim / kMmaN; ++nh) {
-            // Output columns 64nh.. = slab nh of V; keys 16kk.. = 16 rows * 128 B per step.
-            const uint64_t db = desc_mnmajor_sw128(
-                v_addr + nh * Tr::kKvSlabStride + kk * kMmaK * kSwizzleBytes, Tr::kKvSlabStride);
-            wgmma_m64n64k16_rs_tb<T>(&o[nh * (kMmaN / 2)], a[kk], db);
+            const uint64_t db =
+                desc_mnmajor_sw128(v_addr + Tr::pv_b_offset(kk, nh), Tr::kKvSlabStride);
+            // Output columns 64nh.. accumulate into chunks 8nh.. = o[32nh ..].
+            wgmma_m64n64k16_rs_tb<T>(&o[acc_index(nh * kMmaN / 8, 0, 0)], a[kk], db);
         }
     }
     wgmma_commit();
@@ -152,7 +149,7 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, Acc<Tr::kHeadDi
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int j = n0 + 8 * c + fp.col0 + e;
-                if (j < lo || j > hi) s[4 * c + 2 * h + e] = -INFINITY;
+                if (j < lo || j > hi) s[acc_index(c, h, e)] = -INFINITY;
             }
         }
     }
@@ -163,7 +160,7 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, Acc<Tr::kHeadDi
         float mx = acc.row_max[h];
 #pragma unroll
         for (int c = 0; c < kChunks; ++c)
-            mx = fmaxf(mx, fmaxf(s[4 * c + 2 * h], s[4 * c + 2 * h + 1]));
+            mx = fmaxf(mx, fmaxf(s[acc_index(c, h, 0)], s[acc_index(c, h, 1)]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         // -inf guard: with nothing visible yet keep the offset finite so exp2 gives 0, not NaN.
@@ -175,7 +172,7 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, Acc<Tr::kHeadDi
         for (int c = 0; c < kChunks; ++c) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                float& x = s[4 * c + 2 * h + e];
+                float& x = s[acc_index(c, h, e)];
                 x = fast_exp2(fmaf(x, scale_log2, -mx_scaled));
                 sum += x;
             }
@@ -183,17 +180,18 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, Acc<Tr::kHeadDi
         acc.row_sum[h] = acc.row_sum[h] * corr + sum;
 #pragma unroll
         for (int c = 0; c < Tr::kHeadDim / 8; ++c) {
-            acc.o[4 * c + 2 * h] *= corr;
-            acc.o[4 * c + 2 * h + 1] *= corr;
+            acc.o[acc_index(c, h, 0)] *= corr;
+            acc.o[acc_index(c, h, 1)] *= corr;
         }
     }
 
-    // S accumulator -> P A-fragments (wgmma_sm90.cuh: a[r] = pack(d[8k + 2r], d[8k + 2r + 1])).
+    // S accumulator -> P A-fragments without data movement (wgmma_sm90.cuh, "Fragments").
     uint32_t a[Tr::kBlockN / kMmaK][4];
 #pragma unroll
     for (int k = 0; k < Tr::kBlockN / kMmaK; ++k)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) a[k][r] = pack2<T>(s[8 * k + 2 * r], s[8 * k + 2 * r + 1]);
+        for (int r = 0; r < 4; ++r)
+            a[k][r] = pack2<T>(s[acc_to_a_index(k, r)], s[acc_to_a_index(k, r) + 1]);
 
     gemm_pv<Tr, T>(acc.o, a, v_addr);
 }
@@ -231,7 +229,7 @@ __device__ __forceinline__ void write_output(const FwdParams& p, Acc<Tr::kHeadDi
 #pragma unroll
         for (int c = 0; c < Tr::kHeadDim / 8; ++c) {
             const uint32_t v =
-                pack2<T>(acc.o[4 * c + 2 * h] * inv, acc.o[4 * c + 2 * h + 1] * inv);
+                pack2<T>(acc.o[acc_index(c, h, 0)] * inv, acc.o[acc_index(c, h, 1)] * inv);
             *reinterpret_cast<uint32_t*>(orow + 8 * c + fp.col0) = v;
         }
         if ((p.flags & FA_FLAG_RETURN_LSE) && fp.col0 == 0) {
@@ -279,16 +277,12 @@ __device__ __forceinline__ uint8_t* aligned_smem(uint8_t* raw) {
 template <int ROWS, int D, class T>
 __device__ __forceinline__ void load_tile_sw128(uint8_t* dst, const T* src, int64_t row_stride,
                                                 int rows_valid, int tid, int nthreads) {
-    constexpr int kChunksPerRow = D / 8;                  // 16-byte chunks
-    constexpr int kChunksPerSlabRow = kSlabCols / 8;      // 8
+    constexpr int kChunksPerRow = D / 8;  // 16-byte chunks
     for (int idx = tid; idx < ROWS * kChunksPerRow; idx += nthreads) {
         const int r = idx / kChunksPerRow, c = idx % kChunksPerRow;
-        const int slab = c / kChunksPerSlabRow, cc = c % kChunksPerSlabRow;
         uint4 v = make_uint4(0, 0, 0, 0);
         if (r < rows_valid) v = *reinterpret_cast<const uint4*>(src + r * row_stride + 8 * c);
-        const int byte = slab * ROWS * kSwizzleBytes + r * kSwizzleBytes +
-                         ((cc ^ (r % kSwizzleAtomRows)) * 16);
-        *reinterpret_cast<uint4*>(dst + byte) = v;
+        *reinterpret_cast<uint4*>(dst + sw128_offset(r, 8 * c, ROWS)) = v;  // 16-byte chunk
     }
 }
 
@@ -348,8 +342,8 @@ __device__ __forceinline__ void issue_q(const TmaDesc* tq, uint8_t* sq, uint64_t
     for (int slab = 0; slab < Tr::kSlabs; ++slab)
 #pragma unroll
         for (int rb = 0; rb < Tr::kBlockM / Tr::kTmaBoxRowsQ; ++rb)
-            tma_load_4d(sq + slab * Tr::kQSlabStride + rb * Tr::kTmaBoxRowsQ * kSwizzleBytes, tq,
-                        bar, slab * kSlabCols, head, m0 + rb * Tr::kTmaBoxRowsQ, batch);
+            tma_load_4d(sq + Tr::q_box_offset(slab, rb), tq, bar, slab * kSlabCols, head,
+                        m0 + rb * Tr::kTmaBoxRowsQ, batch);
 }
 
 // K and V tile n into ring slot `slot`, both counted on kv_full[slot].
@@ -362,9 +356,9 @@ __device__ __forceinline__ void issue_kv(const TmaDesc* tk, const TmaDesc* tv, u
     uint8_t* dv = sv + slot * Tr::kKvTileBytes;
 #pragma unroll
     for (int slab = 0; slab < Tr::kSlabs; ++slab) {
-        tma_load_4d(dk + slab * Tr::kKvSlabStride, tk, bar, slab * kSlabCols, kv_head,
+        tma_load_4d(dk + Tr::kv_box_offset(slab), tk, bar, slab * kSlabCols, kv_head,
                     n * Tr::kBlockN, batch);
-        tma_load_4d(dv + slab * Tr::kKvSlabStride, tv, bar, slab * kSlabCols, kv_head,
+        tma_load_4d(dv + Tr::kv_box_offset(slab), tv, bar, slab * kSlabCols, kv_head,
                     n * Tr::kBlockN, batch);
     }
 }
@@ -495,7 +489,7 @@ __device__ __forceinline__ void stage3(const FwdParams& p, const TmaDesc* tq, co
         setmaxnreg_inc<Tr::kConsumerRegs>();
         const int cw = warpgroup - Tr::kProducerWarpgroups;  // consumer index: query rows 64cw..
         const int m_first = m0 + cw * kMmaM;
-        const uint32_t q_addr = smem_u32(sq) + cw * kMmaM * kSwizzleBytes;
+        const uint32_t q_addr = smem_u32(sq) + Tr::q_warpgroup_offset(cw);
         const FragPos fp = frag_pos(tid % kWarpgroupThreads);
         Acc<D> acc;
         acc_init(acc);

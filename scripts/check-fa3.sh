@@ -6,7 +6,9 @@
 #   * dumps SASS and requires, per kernel: HGMMA (every stage), UTMALDG + SYNCS (stage 2+),
 #     USETMAXREG (stage 3), no LDL/STL (local memory), 0 spill bytes, 0 stack;
 #   * checks the PTX is .version 9.0 / .target sm_90a, and that the file still compiles (to empty
-#     kernels) for sm_80.
+#     kernels) for sm_80;
+#   * builds and runs scripts/fa3-layout-sim.cpp (host g++): the kernel's layout helpers against a
+#     software model of TMA placement and wgmma operand/fragment layouts, exact integer S and O.
 # Prints one table row per kernel and exits non-zero on the first violated rule.
 # Usage: scripts/check-fa3.sh [head_dim ...]   (default: 64 128 256)
 # Env: FA3_JOBS (default 2), FA3_OUT (default target/fa3-check).
@@ -90,6 +92,13 @@ grep -q '^\.version 9\.0' "$out/fa3_hd64.compute90a.ptx" || { echo "FAIL: PTX is
 grep -q '^\.target sm_90a' "$out/fa3_hd64.compute90a.ptx" || { echo "FAIL: PTX target is not sm_90a"; fail=1; }
 nvcc -cubin "${flags[@]}" -gencode=arch=compute_80,code=sm_80 -DFA3_ONLY_HDIM=64 "$src" \
   -o "$out/fa3_hd64.sm80.cubin" || { echo "FAIL: does not compile for sm_80"; fail=1; }
+
+# Layout model check on the host: the kernel's offset/descriptor/fragment helpers against a
+# software model of TMA placement and wgmma operand fetch (scripts/fa3-layout-sim.cpp).
+cuda_inc="$(cd "$bin/../include" && pwd)"
+g++ -std=c++17 -O2 -D__host__= -D__device__= -D__forceinline__=inline -I"$cuda_inc" \
+  -Icuda/include scripts/fa3-layout-sim.cpp -o "$out/fa3-layout-sim" || { echo "FAIL: layout sim build"; fail=1; }
+"$out/fa3-layout-sim" || { echo "FAIL: layout sim"; fail=1; }
 
 if [ "$fail" -ne 0 ]; then echo "check-fa3: FAILED"; exit 1; fi
 echo "check-fa3: OK (compile-checked only; nothing here ran on a GPU)"

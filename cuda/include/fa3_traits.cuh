@@ -69,6 +69,34 @@ struct Fa3Traits {
     static constexpr int kTmaQBytes = kQBytes;
     static constexpr int kTmaKvBytes = 2 * kKvTileBytes;  // K and V of one stage, one barrier
 
+    // ---- Offsets the mainloop uses (bytes); shared with scripts/fa3-layout-sim.cpp. ----
+    static constexpr int kStepsPerSlab = kSlabCols / kMmaK;  // 4 k16 steps per 64-column slab
+    // S = Q K^T, reduction step kk (columns 16kk.. of D). A = Q (K-major), relative to the
+    // warpgroup's first Q row in slab 0.
+    __host__ __device__ static constexpr int qk_a_offset(int kk) {
+        return (kk / kStepsPerSlab) * kQSlabStride + (kk % kStepsPerSlab) * kMmaKBytes;
+    }
+    // B = K (K-major), keys 64nh.. of the tile: 64 rows * 128 B further into the same slab.
+    __host__ __device__ static constexpr int qk_b_offset(int kk, int nh) {
+        return (kk / kStepsPerSlab) * kKvSlabStride + nh * kMmaN * kSwizzleBytes +
+               (kk % kStepsPerSlab) * kMmaKBytes;
+    }
+    // O += P V, key step kk (keys 16kk..), output columns 64nh.. (= slab nh). B = V (MN-major).
+    __host__ __device__ static constexpr int pv_b_offset(int kk, int nh) {
+        return nh * kKvSlabStride + kk * kMmaK * kSwizzleBytes;
+    }
+    // First Q row of consumer warpgroup cw inside slab 0.
+    __host__ __device__ static constexpr int q_warpgroup_offset(int cw) {
+        return cw * kMmaM * kSwizzleBytes;
+    }
+    // TMA box destinations: Q box (slab, 64-row block rb) and K/V box (slab).
+    __host__ __device__ static constexpr int q_box_offset(int slab, int rb) {
+        return slab * kQSlabStride + rb * kTmaBoxRowsQ * kSwizzleBytes;
+    }
+    __host__ __device__ static constexpr int kv_box_offset(int slab) {
+        return slab * kKvSlabStride;
+    }
+
     static_assert(kQBytes % kSwizzleAtomBytes == 0 && kKvTileBytes % kSwizzleAtomBytes == 0,
                   "tiles must be whole swizzle atoms");
     static_assert(kSmemBytes <= 227 * 1024, "sm_90 opt-in shared memory is 227 KiB per block");

@@ -67,28 +67,47 @@ constexpr int kMmaKBytes = kMmaK * 2;               // 32: K-major step inside a
 constexpr int kMmaM = 64;                           // rows per warpgroup MMA
 constexpr int kMmaN = 64;                           // N of the one instruction shape we use
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-
 // Swizzle-mode field value for 128B swizzle.
 constexpr uint64_t kDescSwizzle128B = 1;
 
-__device__ __forceinline__ uint64_t desc_field(uint32_t bytes) {
+// The descriptor and offset helpers are __host__ too: scripts/fa3-layout-sim.cpp runs them
+// against a software model of wgmma's operand fetch.
+__host__ __device__ constexpr uint64_t desc_field(uint32_t bytes) {
     return static_cast<uint64_t>((bytes & 0x3FFFF) >> 4);  // 14-bit field, 16-byte units
 }
 
 // Descriptor for a K-major SW128 operand starting at shared address `addr` (1024-aligned slab
 // plus a 32-byte multiple for the k step).
-__device__ __forceinline__ uint64_t desc_kmajor_sw128(uint32_t addr) {
+__host__ __device__ constexpr uint64_t desc_kmajor_sw128(uint32_t addr) {
     return desc_field(addr) | (desc_field(16) << 16) |  // LBO: unused for swizzled K-major
            (desc_field(kSwizzleAtomBytes) << 32) | (kDescSwizzle128B << 62);
 }
 
 // Descriptor for an MN-major SW128 operand (use with imm-trans-b = 1). `slab_stride` is the
 // byte distance between consecutive 64-column slabs (= rows of the tile * 128).
-__device__ __forceinline__ uint64_t desc_mnmajor_sw128(uint32_t addr, uint32_t slab_stride) {
+__host__ __device__ constexpr uint64_t desc_mnmajor_sw128(uint32_t addr, uint32_t slab_stride) {
     return desc_field(addr) | (desc_field(slab_stride) << 16) |
            (desc_field(kSwizzleAtomBytes) << 32) | (kDescSwizzle128B << 62);
 }
+
+// Byte offset of element (row, col) of a [rows x D] tile stored as SW128 slabs (see above).
+__host__ __device__ constexpr int sw128_offset(int row, int col, int rows) {
+    return (col / kSlabCols) * rows * kSwizzleBytes + row * kSwizzleBytes +
+           ((((col % kSlabCols) / 8) ^ (row % kSwizzleAtomRows)) * 16) + (col % 8) * 2;
+}
+
+// Index into an m64nNk16 f32 accumulator array of the thread's element in 8-column chunk j,
+// row half h (0: row 16w+g, 1: row 16w+g+8), column parity e.
+__host__ __device__ constexpr int acc_index(int j, int h, int e) { return 4 * j + 2 * h + e; }
+
+// Reusing an accumulator as the next MMA's register A operand: register r (0..3) of the A
+// fragment for reduction step k packs accumulator elements acc_to_a_index(k, r) (low half) and
+// acc_to_a_index(k, r) + 1 (high half): a[r] covers row half r % 2 and column chunk 2k + r / 2.
+__host__ __device__ constexpr int acc_to_a_index(int k, int r) {
+    return acc_index(2 * k + r / 2, r % 2, 0);
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 __device__ __forceinline__ void wgmma_fence() {
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
