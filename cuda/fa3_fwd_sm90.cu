@@ -77,12 +77,14 @@ __device__ __forceinline__ FragPos frag_pos(int thread_in_wg) {
     return FragPos{16 * warp + lane / 4, 2 * (lane % 4)};
 }
 
-// S[64 x BN] = Q_wg[64 x D] K_tile[BN x D]^T. q_addr: the warpgroup's first Q row in slab 0;
-// k_addr: slab 0 of the K tile. Issues D/16 x BN/64 m64n64k16 instructions as one group and
-// waits for it.
+// ---- The two GEMMs, split into "issue" (asynchronous) and "wait" so stage 4 can overlap them.
+
+// Issues S[64 x BN] = Q_wg[64 x D] K_tile[BN x D]^T as one wgmma group (D/16 x BN/64
+// m64n64k16 instructions). q_addr: the warpgroup's first Q row in slab 0; k_addr: the K tile.
+// s must not be touched until the group has been waited for.
 template <class Tr, class T>
-__device__ __forceinline__ void gemm_qk(float (&s)[Tr::kBlockN / 2], uint32_t q_addr,
-                                        uint32_t k_addr) {
+__device__ __forceinline__ void issue_qk(float (&s)[Tr::kBlockN / 2], uint32_t q_addr,
+                                         uint32_t k_addr) {
     wgmma_fence();  // s was read by the previous tile's softmax
 #pragma unroll
     for (int kk = 0; kk < Tr::kHeadDim / kMmaK; ++kk) {
@@ -95,15 +97,14 @@ __device__ __forceinline__ void gemm_qk(float (&s)[Tr::kBlockN / 2], uint32_t q_
         }
     }
     wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(s);
 }
 
-// O[64 x D] += P[64 x BN] V_tile[BN x D]; P is given as A fragments a[k] for keys 16k..16k+15.
+// Issues O[64 x D] += P[64 x BN] V_tile[BN x D] as one wgmma group; P is given as A fragments
+// a[k] for keys 16k..16k+15. Neither o nor a may be touched until the group has been waited for.
 template <class Tr, class T>
-__device__ __forceinline__ void gemm_pv(float (&o)[Tr::kHeadDim / 2],
-                                        const uint32_t (&a)[Tr::kBlockN / kMmaK][4],
-                                        uint32_t v_addr) {
+__device__ __forceinline__ void issue_pv(float (&o)[Tr::kHeadDim / 2],
+                                         const uint32_t (&a)[Tr::kBlockN / kMmaK][4],
+                                         uint32_t v_addr) {
     wgmma_fence();  // o was rescaled and a written by ordinary instructions
 #pragma unroll
     for (int kk = 0; kk < Tr::kBlockN / kMmaK; ++kk) {
@@ -116,26 +117,38 @@ __device__ __forceinline__ void gemm_pv(float (&o)[Tr::kHeadDim / 2],
         }
     }
     wgmma_commit();
+}
+
+// Synchronous forms (stages 1-3): issue, wait for everything, and pin the registers after the
+// wait so the compiler cannot read them earlier.
+template <class Tr, class T>
+__device__ __forceinline__ void gemm_qk(float (&s)[Tr::kBlockN / 2], uint32_t q_addr,
+                                        uint32_t k_addr) {
+    issue_qk<Tr, T>(s, q_addr, k_addr);
+    wgmma_wait<0>();
+    fence_regs(s);
+}
+template <class Tr, class T>
+__device__ __forceinline__ void gemm_pv(float (&o)[Tr::kHeadDim / 2],
+                                        const uint32_t (&a)[Tr::kBlockN / kMmaK][4],
+                                        uint32_t v_addr) {
+    issue_pv<Tr, T>(o, a, v_addr);
     wgmma_wait<0>();
     fence_regs(o);
 }
 
-// One K/V tile of the online softmax for this warpgroup: mask S, update max/sum, rescale O,
-// turn S into P fragments, O += P V. m_first: global query row of the warpgroup's row 0.
-template <class Tr, class T>
-__device__ __forceinline__ void consume_tile(const FwdParams& p, Acc<Tr::kHeadDim>& acc,
-                                             float (&s)[Tr::kBlockN / 2], const FragPos& fp,
-                                             int m_first, int n_tile, uint32_t v_addr) {
-    constexpr int kChunks = Tr::kBlockN / 8;  // 8-column accumulator chunks
-    const bool softcap = (p.flags & FA_FLAG_SOFTCAP) != 0;
-    if (softcap) {  // s = cap * tanh(scale * s / cap); exp2 then uses log2(e) (fa_params.h)
+// ---- Softmax verbs (names mirror src/cpu/softmax.rs: mask, online_softmax, rescale_o).
+
+// Optional softcap, then -inf for keys past seqlen_k (zero-filled loads) and outside the window.
+// m_first: global query row of the warpgroup's row 0; n_tile: the K/V tile index.
+template <class Tr>
+__device__ __forceinline__ void softcap_and_mask(const FwdParams& p, float (&s)[Tr::kBlockN / 2],
+                                                 const FragPos& fp, int m_first, int n_tile) {
+    if (p.flags & FA_FLAG_SOFTCAP) {  // s = cap * tanh(scale * s / cap); exp2 then uses log2(e)
         const float pre = p.softmax_scale / p.softcap;
 #pragma unroll
         for (int i = 0; i < Tr::kBlockN / 2; ++i) s[i] = p.softcap * fast_tanh(s[i] * pre);
     }
-    const float scale_log2 = p.softmax_scale_log2;
-
-    // Mask: keys past seqlen_k (zero-filled loads) and outside the window.
     const int off = p.seqlen_k - p.seqlen_q;
     const int n0 = n_tile * Tr::kBlockN;
 #pragma unroll
@@ -145,7 +158,7 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, Acc<Tr::kHeadDi
         const int hi = min(p.seqlen_k - 1, p.window_right >= 0 ? i + off + p.window_right
                                                                 : INT_MAX);
 #pragma unroll
-        for (int c = 0; c < kChunks; ++c) {
+        for (int c = 0; c < Tr::kBlockN / 8; ++c) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int j = n0 + 8 * c + fp.col0 + e;
@@ -153,23 +166,29 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, Acc<Tr::kHeadDi
             }
         }
     }
+}
 
-    // Online softmax per row (4 lanes share a row: reduce over lane bits 0 and 1).
+// Row max update, s -> exp2(s * scale_log2 - max_scaled) in place, row sums; returns in corr[h]
+// the factor the output accumulated so far must be multiplied by. Does not touch O.
+template <class Tr>
+__device__ __forceinline__ void online_softmax(Acc<Tr::kHeadDim>& acc, float (&s)[Tr::kBlockN / 2],
+                                               float scale_log2, float (&corr)[2]) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         float mx = acc.row_max[h];
 #pragma unroll
-        for (int c = 0; c < kChunks; ++c)
+        for (int c = 0; c < Tr::kBlockN / 8; ++c)
             mx = fmaxf(mx, fmaxf(s[acc_index(c, h, 0)], s[acc_index(c, h, 1)]));
+        // 4 lanes (lane bits 0 and 1) share a row.
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         // -inf guard: with nothing visible yet keep the offset finite so exp2 gives 0, not NaN.
         const float mx_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
-        const float corr = fast_exp2(acc.row_max[h] * scale_log2 - mx_scaled);  // old max -inf: 0
+        corr[h] = fast_exp2(acc.row_max[h] * scale_log2 - mx_scaled);  // old max -inf: 0
         acc.row_max[h] = mx;
         float sum = 0.f;
 #pragma unroll
-        for (int c = 0; c < kChunks; ++c) {
+        for (int c = 0; c < Tr::kBlockN / 8; ++c) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 float& x = s[acc_index(c, h, e)];
@@ -177,22 +196,45 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, Acc<Tr::kHeadDi
                 sum += x;
             }
         }
-        acc.row_sum[h] = acc.row_sum[h] * corr + sum;
+        acc.row_sum[h] = acc.row_sum[h] * corr[h] + sum;
+    }
+}
+
+template <class Tr>
+__device__ __forceinline__ void rescale_o(Acc<Tr::kHeadDim>& acc, const float (&corr)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int c = 0; c < Tr::kHeadDim / 8; ++c) {
-            acc.o[acc_index(c, h, 0)] *= corr;
-            acc.o[acc_index(c, h, 1)] *= corr;
+            acc.o[acc_index(c, h, 0)] *= corr[h];
+            acc.o[acc_index(c, h, 1)] *= corr[h];
         }
-    }
+}
 
-    // S accumulator -> P A-fragments without data movement (wgmma_sm90.cuh, "Fragments").
-    uint32_t a[Tr::kBlockN / kMmaK][4];
+// P (exponentiated S, fp32 accumulator layout) -> 16-bit A fragments, no data movement
+// between threads (wgmma_sm90.cuh, "Fragments").
+template <class Tr, class T>
+__device__ __forceinline__ void pack_p(const float (&s)[Tr::kBlockN / 2],
+                                       uint32_t (&a)[Tr::kBlockN / kMmaK][4]) {
 #pragma unroll
     for (int k = 0; k < Tr::kBlockN / kMmaK; ++k)
 #pragma unroll
         for (int r = 0; r < 4; ++r)
             a[k][r] = pack2<T>(s[acc_to_a_index(k, r)], s[acc_to_a_index(k, r) + 1]);
+}
 
+// One K/V tile, sequentially (stages 1-3): S is already computed; mask, softmax, rescale O,
+// O += P V and wait.
+template <class Tr, class T>
+__device__ __forceinline__ void consume_tile(const FwdParams& p, Acc<Tr::kHeadDim>& acc,
+                                             float (&s)[Tr::kBlockN / 2], const FragPos& fp,
+                                             int m_first, int n_tile, uint32_t v_addr) {
+    softcap_and_mask<Tr>(p, s, fp, m_first, n_tile);
+    float corr[2];
+    online_softmax<Tr>(acc, s, p.softmax_scale_log2, corr);
+    rescale_o<Tr>(acc, corr);
+    uint32_t a[Tr::kBlockN / kMmaK][4];
+    pack_p<Tr, T>(s, a);
     gemm_pv<Tr, T>(acc.o, a, v_addr);
 }
 
