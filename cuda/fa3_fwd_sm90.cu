@@ -552,6 +552,185 @@ __device__ __forceinline__ void stage3(const FwdParams& p, const TmaDesc* tq, co
     }
 }
 
+// ---------------------------------------------------------------- stage 4: + ping-pong, overlap
+
+// Barrier block of stage 4: [0] q_full, then k_full, v_full, k_empty, v_empty (one per slot).
+template <class Tr>
+struct SplitBarriers {
+    uint64_t* q_full;
+    uint64_t* k_full;
+    uint64_t* v_full;
+    uint64_t* k_empty;
+    uint64_t* v_empty;
+    __device__ __forceinline__ explicit SplitBarriers(uint8_t* smem) {
+        uint64_t* b = reinterpret_cast<uint64_t*>(smem + Tr::kOffBarriers);
+        q_full = b;
+        k_full = b + 1;
+        v_full = b + 1 + Tr::kKvStages;
+        k_empty = b + 1 + 2 * Tr::kKvStages;
+        v_empty = b + 1 + 3 * Tr::kKvStages;
+    }
+};
+
+// One K or one V tile (all slabs) into ring slot `slot`, counted on `bar`.
+template <class Tr>
+__device__ __forceinline__ void issue_tile(const TmaDesc* map, uint8_t* ring, uint64_t* bar,
+                                           int slot, int n, int kv_head, int batch) {
+    mbar_arrive_expect_tx(bar, Tr::kKvTileBytes);
+    uint8_t* dst = ring + slot * Tr::kKvTileBytes;
+#pragma unroll
+    for (int slab = 0; slab < Tr::kSlabs; ++slab)
+        tma_load_4d(dst + Tr::kv_box_offset(slab), map, bar, slab * kSlabCols, kv_head,
+                    n * Tr::kBlockN, batch);
+}
+
+// Ping-pong token between the two consumer warpgroups: a warpgroup may issue its GEMMs only
+// while it holds the token, and passes it on right after issuing, so one warpgroup's softmax
+// runs under the other's GEMMs (FA3 paper, section 3.1). Warpgroup cw waits on barrier
+// kPingPongBarrier0 + cw, completed by the other warpgroup's arrival.
+template <class Tr>
+struct PingPong {
+    static constexpr int kBar0 = Tr::kPingPongBarrier0, kBar1 = Tr::kPingPongBarrier0 + 1;
+    static constexpr int kThreads = Tr::kPingPongThreads;
+    bool first;  // consumer warpgroup 0 (warp-uniform, so the branches below do not diverge)
+    __device__ __forceinline__ explicit PingPong(int cw) : first(cw == 0) {}
+    __device__ __forceinline__ void acquire() const {
+        if (first)
+            named_bar_sync<kBar0, kThreads>();
+        else
+            named_bar_sync<kBar1, kThreads>();
+    }
+    __device__ __forceinline__ void pass() const {
+        if (first)
+            named_bar_arrive<kBar1, kThreads>();
+        else
+            named_bar_arrive<kBar0, kThreads>();
+    }
+};
+
+template <class T, int D>
+__device__ __forceinline__ void stage4(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk,
+                                       const TmaDesc* tv) {
+    using Tr = Fa3Traits<4, D>;
+    constexpr int S = Tr::kKvStages;
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t* smem = aligned_smem(smem_raw);
+    uint8_t* sq = smem + Tr::kOffQ;
+    uint8_t* sk = smem + Tr::kOffK;
+    uint8_t* sv = smem + Tr::kOffV;
+    SplitBarriers<Tr> bars(smem);
+
+    const int tid = threadIdx.x;
+    const int warpgroup = tid / kWarpgroupThreads;
+    const bool is_producer = warpgroup < Tr::kProducerWarpgroups;
+    const BlockCoord bc = block_coord(p);
+    const int m0 = bc.m_block * Tr::kBlockM;
+    const KvRange kv = kv_tile_range(p, m0, min(m0 + Tr::kBlockM, p.seqlen_q), Tr::kBlockN);
+    const int n_tiles = kv.n_end - kv.n_begin;
+
+    if (tid == 0) {
+        mbar_init(bars.q_full, 1);
+        for (int st = 0; st < S; ++st) {
+            mbar_init(&bars.k_full[st], 1);
+            mbar_init(&bars.v_full[st], 1);
+            mbar_init(&bars.k_empty[st], Tr::kConsumerThreads);
+            mbar_init(&bars.v_empty[st], Tr::kConsumerThreads);
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();  // the last CTA-wide barrier: roles diverge below
+
+    if (is_producer) {
+        setmaxnreg_dec<Tr::kProducerRegs>();
+        if (tid == 0 && n_tiles > 0) {
+            tma_prefetch_desc(tq);
+            tma_prefetch_desc(tk);
+            tma_prefetch_desc(tv);
+            issue_q<Tr>(tq, sq, bars.q_full, m0, bc.head, bc.batch);
+            for (int it = 0; it < n_tiles; ++it) {
+                const int slot = it % S;
+                const uint32_t prev_use_parity = ((it / S) - 1) & 1;  // use it/S - 1 released
+                if (it >= S) mbar_wait(&bars.k_empty[slot], prev_use_parity);
+                issue_tile<Tr>(tk, sk, &bars.k_full[slot], slot, kv.n_begin + it, bc.kv_head,
+                               bc.batch);
+                if (it >= S) mbar_wait(&bars.v_empty[slot], prev_use_parity);
+                issue_tile<Tr>(tv, sv, &bars.v_full[slot], slot, kv.n_begin + it, bc.kv_head,
+                               bc.batch);
+            }
+        }
+        return;
+    }
+
+    setmaxnreg_inc<Tr::kConsumerRegs>();
+    const int cw = warpgroup - Tr::kProducerWarpgroups;
+    const int m_first = m0 + cw * kMmaM;
+    const uint32_t q_addr = smem_u32(sq) + Tr::q_warpgroup_offset(cw);
+    const FragPos fp = frag_pos(tid % kWarpgroupThreads);
+    const PingPong<Tr> turn(cw);
+    Acc<D> acc;
+    acc_init(acc);
+    float s[Tr::kBlockN / 2];
+#pragma unroll
+    for (int i = 0; i < Tr::kBlockN / 2; ++i) s[i] = 0.f;
+    uint32_t a[Tr::kBlockN / kMmaK][4];  // P of the tile whose PV is issued next
+    float corr[2];
+    const float scale_log2 = p.softmax_scale_log2;
+    auto k_addr = [&](int it) { return smem_u32(sk + (it % S) * Tr::kKvTileBytes); };
+    auto v_addr = [&](int it) { return smem_u32(sv + (it % S) * Tr::kKvTileBytes); };
+    auto full_parity = [](int it) { return static_cast<uint32_t>((it / S) & 1); };
+
+    if (n_tiles > 0) {
+        // Token accounting: each warpgroup has n_tiles + 1 issue points (S_0; n_tiles - 1 x
+        // {S_it, PV_it-1}; PV_last) and acquires/passes once per point. Consumer 1 hands the
+        // first token to consumer 0 and skips its very last pass, so both named barriers see
+        // exactly as many arrivals as waits and nothing is left pending at exit.
+        if (cw == 1) turn.pass();
+        consumer_wait(bars.q_full, 0);
+
+        // Prologue: S_0, its softmax, P_0.
+        consumer_wait(&bars.k_full[0], full_parity(0));
+        turn.acquire();
+        issue_qk<Tr, T>(s, q_addr, k_addr(0));
+        turn.pass();
+        wgmma_wait<0>();
+        fence_regs(s);
+        mbar_arrive(&bars.k_empty[0]);
+        softcap_and_mask<Tr>(p, s, fp, m_first, kv.n_begin);
+        online_softmax<Tr>(acc, s, scale_log2, corr);  // O is still 0: no rescale needed
+        pack_p<Tr, T>(s, a);
+
+        for (int it = 1; it < n_tiles; ++it) {
+            consumer_wait(&bars.k_full[it % S], full_parity(it));
+            consumer_wait(&bars.v_full[(it - 1) % S], full_parity(it - 1));
+            turn.acquire();
+            issue_qk<Tr, T>(s, q_addr, k_addr(it));      // group 1: S_it
+            issue_pv<Tr, T>(acc.o, a, v_addr(it - 1));    // group 2: O += P_it-1 V_it-1
+            turn.pass();
+            wgmma_wait<1>();  // groups retire in order: S_it is ready, PV may still run
+            fence_regs(s);
+            mbar_arrive(&bars.k_empty[it % S]);
+            softcap_and_mask<Tr>(p, s, fp, m_first, kv.n_begin + it);
+            online_softmax<Tr>(acc, s, scale_log2, corr);  // overlaps PV_it-1; O untouched
+            wgmma_wait<0>();
+            fence_regs(acc.o);
+            mbar_arrive(&bars.v_empty[(it - 1) % S]);
+            rescale_o<Tr>(acc, corr);  // O now refers to the new row max
+            pack_p<Tr, T>(s, a);       // a is free: PV_it-1 has retired
+        }
+
+        // Epilogue: PV of the last tile.
+        const int last = n_tiles - 1;
+        consumer_wait(&bars.v_full[last % S], full_parity(last));
+        turn.acquire();
+        issue_pv<Tr, T>(acc.o, a, v_addr(last));
+        if (cw == 0) turn.pass();
+        wgmma_wait<0>();
+        fence_regs(acc.o);
+        mbar_arrive(&bars.v_empty[last % S]);
+    }
+    write_output<Tr, T>(p, acc, fp, m_first, bc.batch, bc.head);
+}
+
 #else  // not sm_90a: the instances exist (so every target links) but do nothing.
 
 template <class T, int D>
@@ -561,6 +740,9 @@ __device__ __forceinline__ void stage2(const FwdParams&, const TmaDesc*, const T
                                        const TmaDesc*) {}
 template <class T, int D>
 __device__ __forceinline__ void stage3(const FwdParams&, const TmaDesc*, const TmaDesc*,
+                                       const TmaDesc*) {}
+template <class T, int D>
+__device__ __forceinline__ void stage4(const FwdParams&, const TmaDesc*, const TmaDesc*,
                                        const TmaDesc*) {}
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
@@ -593,13 +775,23 @@ __device__ __forceinline__ void stage3(const FwdParams&, const TmaDesc*, const T
                                 const __grid_constant__ fa3::TmaDesc tmap_v) {             \
         fa3::stage3<T, D>(p, &tmap_q, &tmap_k, &tmap_v);                                   \
     }
+#define FA3_S4(DT, T, D)                                                                   \
+    extern "C" __global__ void __launch_bounds__(fa3::Fa3Traits<4, D>::kThreads, 1)        \
+        fa3_s4_fwd_##DT##_hd##D(const __grid_constant__ FwdParams p,                       \
+                                const __grid_constant__ fa3::TmaDesc tmap_q,               \
+                                const __grid_constant__ fa3::TmaDesc tmap_k,               \
+                                const __grid_constant__ fa3::TmaDesc tmap_v) {             \
+        fa3::stage4<T, D>(p, &tmap_q, &tmap_k, &tmap_v);                                   \
+    }
 #define FA3_ALL_STAGES(D)          \
     FA3_S1(bf16, __nv_bfloat16, D) \
     FA3_S1(f16, __half, D)         \
     FA3_S2(bf16, __nv_bfloat16, D) \
     FA3_S2(f16, __half, D)         \
     FA3_S3(bf16, __nv_bfloat16, D) \
-    FA3_S3(f16, __half, D)
+    FA3_S3(f16, __half, D)         \
+    FA3_S4(bf16, __nv_bfloat16, D) \
+    FA3_S4(f16, __half, D)
 
 #if !defined(FA3_ONLY_HDIM) || FA3_ONLY_HDIM == 64
 FA3_ALL_STAGES(64)

@@ -4,7 +4,9 @@
 # For each head dim (one nvcc job each, -DFA3_ONLY_HDIM=<D>, at most FA3_JOBS in parallel):
 #   * builds the sm_90a cubin with ptxas -v and records registers / spills / compile time;
 #   * dumps SASS and requires, per kernel: HGMMA (every stage), UTMALDG + SYNCS (stage 2+),
-#     USETMAXREG (stage 3), no LDL/STL (local memory), 0 spill bytes, 0 stack;
+#     USETMAXREG (stage 3+), BAR.ARV (named-barrier ping-pong) and WARPGROUP.DEPBAR.LE gsb0, 0x1
+#     (a wait that leaves one wgmma group in flight: the intra-warpgroup overlap) for stage 4,
+#     no LDL/STL (local memory), 0 spill bytes, 0 stack;
 #   * checks the PTX is .version 9.0 / .target sm_90a, and that the file still compiles (to empty
 #     kernels) for sm_80;
 #   * builds and runs scripts/fa3-layout-sim.cpp (host g++): the kernel's layout helpers against a
@@ -44,7 +46,7 @@ done
 for p in "${pids[@]}"; do wait "$p"; done
 
 fail=0
-printf '%-24s %5s %6s %6s %7s %7s %5s %8s %s\n' kernel regs spillB stackB hgmma utmaldg syncs setmaxr ldl/stl
+printf '%-24s %5s %6s %6s %6s %7s %5s %7s %6s %6s %s\n' kernel regs spillB stackB hgmma utmaldg syncs setmaxr bararv wait1 ldl/stl
 for d in "${hdims[@]}"; do
   [ -s "$out/fa3_hd$d.sass" ] || { echo "hd$d: no cubin (see $out/fa3_hd$d.ptxas.txt)"; exit 1; }
   if grep -q "error" "$out/fa3_hd$d.ptxas.txt"; then cat "$out/fa3_hd$d.ptxas.txt"; exit 1; fi
@@ -59,15 +61,15 @@ for d in "${hdims[@]}"; do
   awk '
     /Function :/ { fn = $3 }
     / HGMMA/ { h[fn]++ } / UTMALDG/ { u[fn]++ } / SYNCS/ { s[fn]++ } / USETMAXREG/ { m[fn]++ }
-    / LDL| STL/ { l[fn]++ }
-    END { for (f in h) print f, h[f] + 0, u[f] + 0, s[f] + 0, m[f] + 0, l[f] + 0 }
+    / LDL| STL/ { l[fn]++ } / BAR\.ARV/ { a[fn]++ } /WARPGROUP\.DEPBAR\.LE gsb0, 0x1/ { w[fn]++ }
+    END { for (f in h) print f, h[f] + 0, u[f] + 0, s[f] + 0, m[f] + 0, a[f] + 0, w[f] + 0, l[f] + 0 }
   ' "$out/fa3_hd$d.sass" | sort > "$out/fa3_hd$d.ops"
   n=$(wc -l < "$out/fa3_hd$d.regs")
-  [ "$n" -eq 6 ] || { echo "hd$d: expected 6 kernels, ptxas reported $n"; fail=1; }
+  [ "$n" -eq 8 ] || { echo "hd$d: expected 8 kernels (4 stages x 2 dtypes), ptxas reported $n"; fail=1; }
   while read -r fn regs spill stack; do
-    read -r _ hg ut sy mx ls < <(grep "^$fn " "$out/fa3_hd$d.ops" || echo "$fn 0 0 0 0 0")
+    read -r _ hg ut sy mx ar w1 ls < <(grep "^$fn " "$out/fa3_hd$d.ops" || echo "$fn 0 0 0 0 0 0 0")
     stage=${fn#fa3_s}; stage=${stage%%_*}
-    printf '%-24s %5s %6s %6s %7s %7s %5s %8s %s\n' "$fn" "$regs" "$spill" "$stack" "$hg" "$ut" "$sy" "$mx" "$ls"
+    printf '%-24s %5s %6s %6s %6s %7s %5s %7s %6s %6s %s\n' "$fn" "$regs" "$spill" "$stack" "$hg" "$ut" "$sy" "$mx" "$ar" "$w1" "$ls"
     bad=()
     [ "$spill" -eq 0 ] || bad+=("spills")
     [ "$stack" -eq 0 ] || bad+=("stack frame")
@@ -78,6 +80,10 @@ for d in "${hdims[@]}"; do
       [ "$sy" -gt 0 ] || bad+=("no SYNCS")
     fi
     if [ "$stage" -ge 3 ]; then [ "$mx" -gt 0 ] || bad+=("no USETMAXREG"); fi
+    if [ "$stage" -ge 4 ]; then
+      [ "$ar" -gt 0 ] || bad+=("no BAR.ARV")
+      [ "$w1" -gt 0 ] || bad+=("no wgmma wait leaving a group in flight")
+    fi
     if [ ${#bad[@]} -gt 0 ]; then echo "  FAIL $fn: ${bad[*]}"; fail=1; fi
   done < "$out/fa3_hd$d.regs"
   if grep -q "serialized" "$out/fa3_hd$d.ptxas.txt"; then

@@ -226,6 +226,9 @@ int main() {
     run<3, 64>();
     run<3, 128>();
     run<3, 256>();
+    run<4, 64>();
+    run<4, 128>();
+    run<4, 256>();
     if (g_failures) {
         std::fprintf(stderr, "fa3-layout-sim: %d mismatches\n", g_failures);
         return 1;

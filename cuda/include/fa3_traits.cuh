@@ -13,9 +13,12 @@ constexpr int kWarpgroupThreads = 128;  // 4 warps issue one wgmma together
 //   2: + TMA into a K/V ring guarded by mbarriers, one warpgroup (thread 0 issues the copies).
 //   3: + warp specialisation: a producer warpgroup (TMA, setmaxnreg.dec) and two consumer
 //      warpgroups (setmaxnreg.inc), each consumer owning 64 query rows.
+//   4: + ping-pong (the two consumers take turns issuing their GEMMs, named barriers) and
+//      intra-warpgroup overlap (QK^T of tile j+1 and PV of tile j in flight during the softmax
+//      of tile j+1); K and V get separate full/empty barriers.
 template <int Stage, int HeadDim>
 struct Fa3Traits {
-    static_assert(Stage >= 1 && Stage <= 3, "stages 1..3 are implemented");
+    static_assert(Stage >= 1 && Stage <= 4, "stages 1..4 are implemented");
     static_assert(HeadDim % kSlabCols == 0 && HeadDim <= 256, "head_dim: 64, 128, 192 or 256");
 
     static constexpr int kStage = Stage;
@@ -55,8 +58,10 @@ struct Fa3Traits {
     static constexpr int kOffK = kOffQ + kQBytes;
     static constexpr int kOffV = kOffK + kKvStages * kKvTileBytes;
     static constexpr int kOffBarriers = kOffV + kKvStages * kKvTileBytes;
-    // q_full + kv_full[stages] + kv_empty[stages], 8 bytes each.
-    static constexpr int kNumBarriers = 1 + 2 * kKvStages;
+    // Stages 2-3: q_full, kv_full[slots], kv_empty[slots]. Stage 4 (K and V separately):
+    // q_full, k_full[slots], v_full[slots], k_empty[slots], v_empty[slots]. 8 bytes each.
+    static constexpr bool kSplitKv = Stage >= 4;
+    static constexpr int kNumBarriers = 1 + (kSplitKv ? 4 : 2) * kKvStages;
     static constexpr int kSmemUsed = kOffBarriers + 8 * kNumBarriers;
     // Dynamic smem is only guaranteed 16-byte aligned: ask for one extra atom and round up.
     static constexpr int kSmemBytes = kSmemUsed + kSwizzleAtomBytes;
@@ -67,7 +72,11 @@ struct Fa3Traits {
     static constexpr int kTmaBoxRowsQ = kMmaM;  // a 128-row Q tile is two boxes per slab
     static constexpr int kTmaBoxRowsKv = kBlockN;
     static constexpr int kTmaQBytes = kQBytes;
-    static constexpr int kTmaKvBytes = 2 * kKvTileBytes;  // K and V of one stage, one barrier
+    static constexpr int kTmaKvBytes = 2 * kKvTileBytes;  // K and V of one slot, one barrier
+    // Stage 4 ping-pong: hardware named barrier ids (0 is __syncthreads), one per consumer
+    // warpgroup, each completed by both consumer warpgroups (2 x 128 threads).
+    static constexpr int kPingPongBarrier0 = 1;
+    static constexpr int kPingPongThreads = 2 * kWarpgroupThreads;
 
     // ---- Offsets the mainloop uses (bytes); shared with scripts/fa3-layout-sim.cpp. ----
     static constexpr int kStepsPerSlab = kSlabCols / kMmaK;  // 4 k16 steps per 64-column slab

@@ -67,6 +67,22 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
     }
 }
 
+// Hardware named barriers (bar.sync / bar.arrive with an id and a thread count): `sync` blocks
+// until `threads` threads have arrived at barrier `id` (itself included); `arrive` counts this
+// warp's threads and does not wait. Used for warpgroup ping-pong: one warpgroup syncs, the other
+// arrives. Id 0 is __syncthreads'; counts are multiples of 32. Ids are immediates so ptxas
+// knows how many barriers the kernel uses.
+template <int Id, int Threads>
+__device__ __forceinline__ void named_bar_sync() {
+    static_assert(Id > 0 && Id < 16 && Threads % 32 == 0, "named barrier id/count");
+    asm volatile("bar.sync %0, %1;\n" ::"n"(Id), "n"(Threads) : "memory");
+}
+template <int Id, int Threads>
+__device__ __forceinline__ void named_bar_arrive() {
+    static_assert(Id > 0 && Id < 16 && Threads % 32 == 0, "named barrier id/count");
+    asm volatile("bar.arrive %0, %1;\n" ::"n"(Id), "n"(Threads) : "memory");
+}
+
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 }  // namespace fa3

@@ -11,8 +11,8 @@ use crate::error::{Error, Operand, Result};
 use crate::tensor::DType;
 
 /// Stages with an instance in `cuda/fa3_fwd_sm90.cu` (1 = wgmma only, 2 = + TMA/mbarrier ring,
-/// 3 = + warp specialisation).
-pub(crate) const FA3_STAGES: [u32; 3] = [1, 2, 3];
+/// 3 = + warp specialisation, 4 = + ping-pong and intra-warpgroup overlap).
+pub(crate) const FA3_STAGES: [u32; 4] = [1, 2, 3, 4];
 /// Head dims with an instance.
 pub(crate) const FA3_HEAD_DIMS: [usize; 3] = [64, 128, 256];
 
@@ -59,7 +59,9 @@ pub(crate) fn geometry(stage: u32, head_dim: usize) -> Option<Fa3Geometry> {
     let elem = 2; // bf16 / f16
     let q_bytes = block_m * d * elem;
     let kv_tile = block_n * d * elem;
-    let barriers = 8 * (1 + 2 * kv_stages); // q_full, kv_full[S], kv_empty[S]
+    // q_full, kv_full[S], kv_empty[S]; stage 4 has K and V barriers apart (4 per slot).
+    let per_slot = if stage >= 4 { 4 } else { 2 };
+    let barriers = 8 * (1 + per_slot * kv_stages);
     let used = q_bytes + 2 * kv_stages * kv_tile + barriers;
     Some(Fa3Geometry {
         threads: WARPGROUP_THREADS * (consumers + producers),
@@ -280,6 +282,9 @@ mod tests {
             (3, 64, 384, 128, 128, 2, 82984),
             (3, 128, 384, 128, 128, 2, 164904),
             (3, 256, 384, 128, 64, 2, 197672),
+            (4, 64, 384, 128, 128, 2, 83016),
+            (4, 128, 384, 128, 128, 2, 164936),
+            (4, 256, 384, 128, 64, 2, 197704),
         ];
         for (stage, hd, threads, block_m, block_n, kv_stages, smem_bytes) in want {
             let g = geometry(stage, hd).unwrap();
@@ -296,7 +301,7 @@ mod tests {
             );
             assert!(g.smem_bytes <= 227 * 1024, "fits the sm_90 opt-in limit");
         }
-        assert_eq!(geometry(4, 128), None);
+        assert_eq!(geometry(5, 128), None);
         assert_eq!(geometry(2, 96), None);
     }
 
