@@ -305,6 +305,20 @@ __device__ __forceinline__ BlockCoord block_coord(const FwdParams& p) {
     return bc;
 }
 
+// Stage 5's linear tile numbering: t = m_index * (heads_q * batch) + batch * heads_q + head,
+// with m_index counting query tiles from the last one (the heaviest under a causal/window mask,
+// so the first wave of CTAs takes the longest tiles).
+__device__ __forceinline__ BlockCoord tile_coord(const FwdParams& p, int t, int num_m_blocks) {
+    const int per_m = p.heads_q * p.batch;
+    const int m_index = t / per_m, rest = t % per_m;
+    BlockCoord bc;
+    bc.m_block = p.window_right >= 0 ? num_m_blocks - 1 - m_index : m_index;
+    bc.head = rest % p.heads_q;
+    bc.kv_head = bc.head / (p.heads_q / p.heads_kv);
+    bc.batch = rest / p.heads_q;
+    return bc;
+}
+
 // 1024-aligned start of the dynamic shared memory (Fa3Traits::kSmemBytes includes the slack).
 __device__ __forceinline__ uint8_t* aligned_smem(uint8_t* raw) {
     const uint32_t pad = (kSwizzleAtomBytes - (smem_u32(raw) % kSwizzleAtomBytes)) %
@@ -552,9 +566,11 @@ __device__ __forceinline__ void stage3(const FwdParams& p, const TmaDesc* tq, co
     }
 }
 
-// ---------------------------------------------------------------- stage 4: + ping-pong, overlap
+// ---------------------------------------------------------------- stages 4-5: ping-pong, overlap,
+// ---------------------------------------------------------------- persistent scheduling
 
-// Barrier block of stage 4: [0] q_full, then k_full, v_full, k_empty, v_empty (one per slot).
+// Barrier block of stages 4-5: [0] q_full, then k_full, v_full, k_empty, v_empty (one per slot),
+// then q_empty (stage 5 reloads Q into the same buffer for its next tile).
 template <class Tr>
 struct SplitBarriers {
     uint64_t* q_full;
@@ -562,6 +578,7 @@ struct SplitBarriers {
     uint64_t* v_full;
     uint64_t* k_empty;
     uint64_t* v_empty;
+    uint64_t* q_empty;
     __device__ __forceinline__ explicit SplitBarriers(uint8_t* smem) {
         uint64_t* b = reinterpret_cast<uint64_t*>(smem + Tr::kOffBarriers);
         q_full = b;
@@ -569,6 +586,18 @@ struct SplitBarriers {
         v_full = b + 1 + Tr::kKvStages;
         k_empty = b + 1 + 2 * Tr::kKvStages;
         v_empty = b + 1 + 3 * Tr::kKvStages;
+        q_empty = b + 1 + 4 * Tr::kKvStages;
+    }
+    __device__ __forceinline__ void init() {  // one thread
+        mbar_init(q_full, 1);
+        mbar_init(q_empty, Tr::kConsumerThreads);
+        for (int st = 0; st < Tr::kKvStages; ++st) {
+            mbar_init(&k_full[st], 1);                       // producer's expect_tx
+            mbar_init(&v_full[st], 1);
+            mbar_init(&k_empty[st], Tr::kConsumerThreads);  // every consumer thread
+            mbar_init(&v_empty[st], Tr::kConsumerThreads);
+        }
+        mbar_init_fence();
     }
 };
 
@@ -585,9 +614,13 @@ __device__ __forceinline__ void issue_tile(const TmaDesc* map, uint8_t* ring, ui
 }
 
 // Ping-pong token between the two consumer warpgroups: a warpgroup may issue its GEMMs only
-// while it holds the token, and passes it on right after issuing, so one warpgroup's softmax
-// runs under the other's GEMMs (FA3 paper, section 3.1). Warpgroup cw waits on barrier
-// kPingPongBarrier0 + cw, completed by the other warpgroup's arrival.
+// while it holds the token and passes it on right after issuing, so one warpgroup's softmax
+// runs under the other's GEMMs (FA3 paper, section 3.1). Consumer 0 waits on barrier kBar0,
+// completed by consumer 1's arrival, and vice versa.
+// Accounting (must balance, or a barrier is left pending): consumer 1 passes once at start
+// (the first token goes to consumer 0); afterwards both acquire + pass once per GEMM issue
+// point, and the two consumers have the same issue points (same tiles); at the very end
+// consumer 0 acquires once more to absorb consumer 1's last pass.
 template <class Tr>
 struct PingPong {
     static constexpr int kBar0 = Tr::kPingPongBarrier0, kBar1 = Tr::kPingPongBarrier0 + 1;
@@ -606,13 +639,133 @@ struct PingPong {
         else
             named_bar_arrive<kBar0, kThreads>();
     }
+    __device__ __forceinline__ void start() const {
+        if (!first) pass();
+    }
+    __device__ __forceinline__ void finish() const {
+        if (first) acquire();
+    }
 };
 
-template <class T, int D>
-__device__ __forceinline__ void stage4(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk,
-                                       const TmaDesc* tv) {
-    using Tr = Fa3Traits<4, D>;
+// Ring positions carried across the tiles of one CTA (stage 5 runs several tiles per CTA).
+// kv_it counts K/V tiles, q_use counts Q loads (tiles with at least one K/V tile); producer and
+// consumers advance them identically, so their parities agree.
+struct RingPos {
+    int kv_it = 0;
+    int q_use = 0;
+};
+
+// One query tile of one (head, batch) seen by the producer thread: Q (after the previous Q was
+// released), then K_j and V_j for every visible K/V tile j.
+template <class Tr>
+__device__ __forceinline__ void produce_tile(const TmaDesc* tq, const TmaDesc* tk,
+                                             const TmaDesc* tv, uint8_t* sq, uint8_t* sk,
+                                             uint8_t* sv, SplitBarriers<Tr>& bars,
+                                             const BlockCoord& bc, const KvRange& kv,
+                                             RingPos& pos) {
     constexpr int S = Tr::kKvStages;
+    const int n_tiles = kv.n_end - kv.n_begin;
+    if (n_tiles <= 0) return;
+    if (pos.q_use > 0) mbar_wait(bars.q_empty, (pos.q_use - 1) & 1);
+    issue_q<Tr>(tq, sq, bars.q_full, bc.m_block * Tr::kBlockM, bc.head, bc.batch);
+    ++pos.q_use;
+    for (int j = 0; j < n_tiles; ++j, ++pos.kv_it) {
+        const int slot = pos.kv_it % S;
+        const uint32_t prev_use_parity = ((pos.kv_it / S) - 1) & 1;  // use kv_it/S - 1 released
+        if (pos.kv_it >= S) mbar_wait(&bars.k_empty[slot], prev_use_parity);
+        issue_tile<Tr>(tk, sk, &bars.k_full[slot], slot, kv.n_begin + j, bc.kv_head, bc.batch);
+        if (pos.kv_it >= S) mbar_wait(&bars.v_empty[slot], prev_use_parity);
+        issue_tile<Tr>(tv, sv, &bars.v_full[slot], slot, kv.n_begin + j, bc.kv_head, bc.batch);
+    }
+}
+
+// One query tile seen by consumer warpgroup cw (its 64 rows): the overlapped mainloop
+//   S_0; softmax_0 | for j >= 1: {S_j, PV_j-1} issued, wait S_j, softmax_j under PV_j-1,
+//   wait PV, rescale O | PV_last
+// then the epilogue. Releases K_j as soon as S_j retires, V_j after PV_j, Q after the last S.
+template <class Tr, class T>
+__device__ __forceinline__ void consume_tile_overlapped(const FwdParams& p, uint8_t* sq,
+                                                        uint8_t* sk, uint8_t* sv,
+                                                        SplitBarriers<Tr>& bars,
+                                                        const BlockCoord& bc, const KvRange& kv,
+                                                        RingPos& pos, int cw,
+                                                        const PingPong<Tr>& turn) {
+    constexpr int S = Tr::kKvStages;
+    const int n_tiles = kv.n_end - kv.n_begin;
+    const int m_first = bc.m_block * Tr::kBlockM + cw * kMmaM;
+    const FragPos fp = frag_pos(threadIdx.x % kWarpgroupThreads);
+    Acc<Tr::kHeadDim> acc;
+    acc_init(acc);
+    if (n_tiles > 0) {
+        const uint32_t q_addr = smem_u32(sq) + Tr::q_warpgroup_offset(cw);
+        const float scale_log2 = p.softmax_scale_log2;
+        const int it0 = pos.kv_it;  // ring position of K/V tile 0 of this query tile
+        auto k_addr = [&](int j) { return smem_u32(sk + ((it0 + j) % S) * Tr::kKvTileBytes); };
+        auto v_addr = [&](int j) { return smem_u32(sv + ((it0 + j) % S) * Tr::kKvTileBytes); };
+        auto slot = [&](int j) { return (it0 + j) % S; };
+        auto full_parity = [&](int j) { return static_cast<uint32_t>(((it0 + j) / S) & 1); };
+        float s[Tr::kBlockN / 2];
+        uint32_t a[Tr::kBlockN / kMmaK][4];  // P of the tile whose PV is issued next
+        float corr[2];
+
+        consumer_wait(bars.q_full, pos.q_use & 1);
+
+        // Prologue: S_0, its softmax, P_0.
+        consumer_wait(&bars.k_full[slot(0)], full_parity(0));
+        turn.acquire();
+        issue_qk<Tr, T>(s, q_addr, k_addr(0));
+        turn.pass();
+        wgmma_wait<0>();
+        fence_regs(s);
+        mbar_arrive(&bars.k_empty[slot(0)]);
+        if (n_tiles == 1) mbar_arrive(bars.q_empty);  // last read of Q has retired
+        softcap_and_mask<Tr>(p, s, fp, m_first, kv.n_begin);
+        online_softmax<Tr>(acc, s, scale_log2, corr);  // O is still 0: no rescale needed
+        pack_p<Tr, T>(s, a);
+
+        for (int j = 1; j < n_tiles; ++j) {
+            consumer_wait(&bars.k_full[slot(j)], full_parity(j));
+            consumer_wait(&bars.v_full[slot(j - 1)], full_parity(j - 1));
+            turn.acquire();
+            issue_qk<Tr, T>(s, q_addr, k_addr(j));      // group 1: S_j
+            issue_pv<Tr, T>(acc.o, a, v_addr(j - 1));    // group 2: O += P_j-1 V_j-1
+            turn.pass();
+            wgmma_wait<1>();  // groups retire in order: S_j is ready, PV may still run
+            fence_regs(s);
+            mbar_arrive(&bars.k_empty[slot(j)]);
+            if (j == n_tiles - 1) mbar_arrive(bars.q_empty);
+            softcap_and_mask<Tr>(p, s, fp, m_first, kv.n_begin + j);
+            online_softmax<Tr>(acc, s, scale_log2, corr);  // overlaps PV_j-1; O untouched
+            wgmma_wait<0>();
+            fence_regs(acc.o);
+            mbar_arrive(&bars.v_empty[slot(j - 1)]);
+            rescale_o<Tr>(acc, corr);  // O now refers to the new row max
+            pack_p<Tr, T>(s, a);       // a is free: PV_j-1 has retired
+        }
+
+        // Epilogue: PV of the last tile.
+        const int last = n_tiles - 1;
+        consumer_wait(&bars.v_full[slot(last)], full_parity(last));
+        turn.acquire();
+        issue_pv<Tr, T>(acc.o, a, v_addr(last));
+        turn.pass();
+        wgmma_wait<0>();
+        fence_regs(acc.o);
+        mbar_arrive(&bars.v_empty[slot(last)]);
+
+        pos.kv_it += n_tiles;
+        ++pos.q_use;
+    }
+    write_output<Tr, T>(p, acc, fp, m_first, bc.batch, bc.head);
+}
+
+// Stage 4: one query tile per CTA (grid as in stages 1-3), overlapped ping-pong mainloop.
+// Stage 5: persistent: gridDim.x CTAs (ideally the SM count) walk the tiles t = blockIdx.x,
+// blockIdx.x + gridDim.x, ...; tiles are numbered heaviest first under a causal/window mask.
+template <int Stage, class T, int D>
+__device__ __forceinline__ void stage45(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk,
+                                        const TmaDesc* tv) {
+    using Tr = Fa3Traits<Stage, D>;
     extern __shared__ uint8_t smem_raw[];
     uint8_t* smem = aligned_smem(smem_raw);
     uint8_t* sq = smem + Tr::kOffQ;
@@ -623,112 +776,46 @@ __device__ __forceinline__ void stage4(const FwdParams& p, const TmaDesc* tq, co
     const int tid = threadIdx.x;
     const int warpgroup = tid / kWarpgroupThreads;
     const bool is_producer = warpgroup < Tr::kProducerWarpgroups;
-    const BlockCoord bc = block_coord(p);
-    const int m0 = bc.m_block * Tr::kBlockM;
-    const KvRange kv = kv_tile_range(p, m0, min(m0 + Tr::kBlockM, p.seqlen_q), Tr::kBlockN);
-    const int n_tiles = kv.n_end - kv.n_begin;
+    // Tile walk: stage 4 has exactly one tile (from blockIdx), stage 5 strides over all of them.
+    const int num_m_blocks = (p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
+    const int num_tiles = Stage >= 5 ? num_m_blocks * p.heads_q * p.batch : 1;
+    const int tile_begin = Stage >= 5 ? static_cast<int>(blockIdx.x) : 0;
+    const int tile_step = Stage >= 5 ? static_cast<int>(gridDim.x) : 1;
+    auto coord = [&](int t) {
+        if (Stage < 5) return block_coord(p);
+        return tile_coord(p, t, num_m_blocks);
+    };
+    auto range = [&](const BlockCoord& bc) {
+        const int m0 = bc.m_block * Tr::kBlockM;
+        return kv_tile_range(p, m0, min(m0 + Tr::kBlockM, p.seqlen_q), Tr::kBlockN);
+    };
 
-    if (tid == 0) {
-        mbar_init(bars.q_full, 1);
-        for (int st = 0; st < S; ++st) {
-            mbar_init(&bars.k_full[st], 1);
-            mbar_init(&bars.v_full[st], 1);
-            mbar_init(&bars.k_empty[st], Tr::kConsumerThreads);
-            mbar_init(&bars.v_empty[st], Tr::kConsumerThreads);
-        }
-        mbar_init_fence();
-    }
+    if (tid == 0) bars.init();
     __syncthreads();  // the last CTA-wide barrier: roles diverge below
 
+    RingPos pos;
     if (is_producer) {
         setmaxnreg_dec<Tr::kProducerRegs>();
-        if (tid == 0 && n_tiles > 0) {
+        if (tid == 0) {
             tma_prefetch_desc(tq);
             tma_prefetch_desc(tk);
             tma_prefetch_desc(tv);
-            issue_q<Tr>(tq, sq, bars.q_full, m0, bc.head, bc.batch);
-            for (int it = 0; it < n_tiles; ++it) {
-                const int slot = it % S;
-                const uint32_t prev_use_parity = ((it / S) - 1) & 1;  // use it/S - 1 released
-                if (it >= S) mbar_wait(&bars.k_empty[slot], prev_use_parity);
-                issue_tile<Tr>(tk, sk, &bars.k_full[slot], slot, kv.n_begin + it, bc.kv_head,
-                               bc.batch);
-                if (it >= S) mbar_wait(&bars.v_empty[slot], prev_use_parity);
-                issue_tile<Tr>(tv, sv, &bars.v_full[slot], slot, kv.n_begin + it, bc.kv_head,
-                               bc.batch);
+            for (int t = tile_begin; t < num_tiles; t += tile_step) {
+                const BlockCoord bc = coord(t);
+                produce_tile<Tr>(tq, tk, tv, sq, sk, sv, bars, bc, range(bc), pos);
             }
         }
         return;
     }
-
     setmaxnreg_inc<Tr::kConsumerRegs>();
     const int cw = warpgroup - Tr::kProducerWarpgroups;
-    const int m_first = m0 + cw * kMmaM;
-    const uint32_t q_addr = smem_u32(sq) + Tr::q_warpgroup_offset(cw);
-    const FragPos fp = frag_pos(tid % kWarpgroupThreads);
     const PingPong<Tr> turn(cw);
-    Acc<D> acc;
-    acc_init(acc);
-    float s[Tr::kBlockN / 2];
-#pragma unroll
-    for (int i = 0; i < Tr::kBlockN / 2; ++i) s[i] = 0.f;
-    uint32_t a[Tr::kBlockN / kMmaK][4];  // P of the tile whose PV is issued next
-    float corr[2];
-    const float scale_log2 = p.softmax_scale_log2;
-    auto k_addr = [&](int it) { return smem_u32(sk + (it % S) * Tr::kKvTileBytes); };
-    auto v_addr = [&](int it) { return smem_u32(sv + (it % S) * Tr::kKvTileBytes); };
-    auto full_parity = [](int it) { return static_cast<uint32_t>((it / S) & 1); };
-
-    if (n_tiles > 0) {
-        // Token accounting: each warpgroup has n_tiles + 1 issue points (S_0; n_tiles - 1 x
-        // {S_it, PV_it-1}; PV_last) and acquires/passes once per point. Consumer 1 hands the
-        // first token to consumer 0 and skips its very last pass, so both named barriers see
-        // exactly as many arrivals as waits and nothing is left pending at exit.
-        if (cw == 1) turn.pass();
-        consumer_wait(bars.q_full, 0);
-
-        // Prologue: S_0, its softmax, P_0.
-        consumer_wait(&bars.k_full[0], full_parity(0));
-        turn.acquire();
-        issue_qk<Tr, T>(s, q_addr, k_addr(0));
-        turn.pass();
-        wgmma_wait<0>();
-        fence_regs(s);
-        mbar_arrive(&bars.k_empty[0]);
-        softcap_and_mask<Tr>(p, s, fp, m_first, kv.n_begin);
-        online_softmax<Tr>(acc, s, scale_log2, corr);  // O is still 0: no rescale needed
-        pack_p<Tr, T>(s, a);
-
-        for (int it = 1; it < n_tiles; ++it) {
-            consumer_wait(&bars.k_full[it % S], full_parity(it));
-            consumer_wait(&bars.v_full[(it - 1) % S], full_parity(it - 1));
-            turn.acquire();
-            issue_qk<Tr, T>(s, q_addr, k_addr(it));      // group 1: S_it
-            issue_pv<Tr, T>(acc.o, a, v_addr(it - 1));    // group 2: O += P_it-1 V_it-1
-            turn.pass();
-            wgmma_wait<1>();  // groups retire in order: S_it is ready, PV may still run
-            fence_regs(s);
-            mbar_arrive(&bars.k_empty[it % S]);
-            softcap_and_mask<Tr>(p, s, fp, m_first, kv.n_begin + it);
-            online_softmax<Tr>(acc, s, scale_log2, corr);  // overlaps PV_it-1; O untouched
-            wgmma_wait<0>();
-            fence_regs(acc.o);
-            mbar_arrive(&bars.v_empty[(it - 1) % S]);
-            rescale_o<Tr>(acc, corr);  // O now refers to the new row max
-            pack_p<Tr, T>(s, a);       // a is free: PV_it-1 has retired
-        }
-
-        // Epilogue: PV of the last tile.
-        const int last = n_tiles - 1;
-        consumer_wait(&bars.v_full[last % S], full_parity(last));
-        turn.acquire();
-        issue_pv<Tr, T>(acc.o, a, v_addr(last));
-        if (cw == 0) turn.pass();
-        wgmma_wait<0>();
-        fence_regs(acc.o);
-        mbar_arrive(&bars.v_empty[last % S]);
+    turn.start();
+    for (int t = tile_begin; t < num_tiles; t += tile_step) {
+        const BlockCoord bc = coord(t);
+        consume_tile_overlapped<Tr, T>(p, sq, sk, sv, bars, bc, range(bc), pos, cw, turn);
     }
-    write_output<Tr, T>(p, acc, fp, m_first, bc.batch, bc.head);
+    turn.finish();
 }
 
 #else  // not sm_90a: the instances exist (so every target links) but do nothing.
@@ -741,9 +828,9 @@ __device__ __forceinline__ void stage2(const FwdParams&, const TmaDesc*, const T
 template <class T, int D>
 __device__ __forceinline__ void stage3(const FwdParams&, const TmaDesc*, const TmaDesc*,
                                        const TmaDesc*) {}
-template <class T, int D>
-__device__ __forceinline__ void stage4(const FwdParams&, const TmaDesc*, const TmaDesc*,
-                                       const TmaDesc*) {}
+template <int Stage, class T, int D>
+__device__ __forceinline__ void stage45(const FwdParams&, const TmaDesc*, const TmaDesc*,
+                                        const TmaDesc*) {}
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
@@ -775,13 +862,13 @@ __device__ __forceinline__ void stage4(const FwdParams&, const TmaDesc*, const T
                                 const __grid_constant__ fa3::TmaDesc tmap_v) {             \
         fa3::stage3<T, D>(p, &tmap_q, &tmap_k, &tmap_v);                                   \
     }
-#define FA3_S4(DT, T, D)                                                                   \
-    extern "C" __global__ void __launch_bounds__(fa3::Fa3Traits<4, D>::kThreads, 1)        \
-        fa3_s4_fwd_##DT##_hd##D(const __grid_constant__ FwdParams p,                       \
-                                const __grid_constant__ fa3::TmaDesc tmap_q,               \
-                                const __grid_constant__ fa3::TmaDesc tmap_k,               \
-                                const __grid_constant__ fa3::TmaDesc tmap_v) {             \
-        fa3::stage4<T, D>(p, &tmap_q, &tmap_k, &tmap_v);                                   \
+#define FA3_S45(S, DT, T, D)                                                               \
+    extern "C" __global__ void __launch_bounds__(fa3::Fa3Traits<S, D>::kThreads, 1)        \
+        fa3_s##S##_fwd_##DT##_hd##D(const __grid_constant__ FwdParams p,                   \
+                                    const __grid_constant__ fa3::TmaDesc tmap_q,           \
+                                    const __grid_constant__ fa3::TmaDesc tmap_k,           \
+                                    const __grid_constant__ fa3::TmaDesc tmap_v) {         \
+        fa3::stage45<S, T, D>(p, &tmap_q, &tmap_k, &tmap_v);                               \
     }
 #define FA3_ALL_STAGES(D)          \
     FA3_S1(bf16, __nv_bfloat16, D) \
@@ -790,8 +877,10 @@ __device__ __forceinline__ void stage4(const FwdParams&, const TmaDesc*, const T
     FA3_S2(f16, __half, D)         \
     FA3_S3(bf16, __nv_bfloat16, D) \
     FA3_S3(f16, __half, D)         \
-    FA3_S4(bf16, __nv_bfloat16, D) \
-    FA3_S4(f16, __half, D)
+    FA3_S45(4, bf16, __nv_bfloat16, D) \
+    FA3_S45(4, f16, __half, D)     \
+    FA3_S45(5, bf16, __nv_bfloat16, D) \
+    FA3_S45(5, f16, __half, D)
 
 #if !defined(FA3_ONLY_HDIM) || FA3_ONLY_HDIM == 64
 FA3_ALL_STAGES(64)

@@ -5,7 +5,7 @@
 #   * builds the sm_90a cubin with ptxas -v and records registers / spills / compile time;
 #   * dumps SASS and requires, per kernel: HGMMA (every stage), UTMALDG + SYNCS (stage 2+),
 #     USETMAXREG (stage 3+), BAR.ARV (named-barrier ping-pong) and WARPGROUP.DEPBAR.LE gsb0, 0x1
-#     (a wait that leaves one wgmma group in flight: the intra-warpgroup overlap) for stage 4,
+#     (a wait that leaves one wgmma group in flight: the intra-warpgroup overlap) for stages 4-5,
 #     no LDL/STL (local memory), 0 spill bytes, 0 stack;
 #   * checks the PTX is .version 9.0 / .target sm_90a, and that the file still compiles (to empty
 #     kernels) for sm_80;
@@ -65,7 +65,7 @@ for d in "${hdims[@]}"; do
     END { for (f in h) print f, h[f] + 0, u[f] + 0, s[f] + 0, m[f] + 0, a[f] + 0, w[f] + 0, l[f] + 0 }
   ' "$out/fa3_hd$d.sass" | sort > "$out/fa3_hd$d.ops"
   n=$(wc -l < "$out/fa3_hd$d.regs")
-  [ "$n" -eq 8 ] || { echo "hd$d: expected 8 kernels (4 stages x 2 dtypes), ptxas reported $n"; fail=1; }
+  [ "$n" -eq 10 ] || { echo "hd$d: expected 10 kernels (5 stages x 2 dtypes), ptxas reported $n"; fail=1; }
   while read -r fn regs spill stack; do
     read -r _ hg ut sy mx ar w1 ls < <(grep "^$fn " "$out/fa3_hd$d.ops" || echo "$fn 0 0 0 0 0 0 0")
     stage=${fn#fa3_s}; stage=${stage%%_*}

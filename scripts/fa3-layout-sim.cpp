@@ -229,6 +229,9 @@ int main() {
     run<4, 64>();
     run<4, 128>();
     run<4, 256>();
+    run<5, 64>();
+    run<5, 128>();
+    run<5, 256>();
     if (g_failures) {
         std::fprintf(stderr, "fa3-layout-sim: %d mismatches\n", g_failures);
         return 1;

@@ -16,9 +16,11 @@ constexpr int kWarpgroupThreads = 128;  // 4 warps issue one wgmma together
 //   4: + ping-pong (the two consumers take turns issuing their GEMMs, named barriers) and
 //      intra-warpgroup overlap (QK^T of tile j+1 and PV of tile j in flight during the softmax
 //      of tile j+1); K and V get separate full/empty barriers.
+//   5: + persistent scheduling: gridDim.x CTAs stride over all (query tile, head, batch) tiles,
+//      heaviest first; the K/V ring and the Q buffer (q_empty barrier) carry over tiles.
 template <int Stage, int HeadDim>
 struct Fa3Traits {
-    static_assert(Stage >= 1 && Stage <= 4, "stages 1..4 are implemented");
+    static_assert(Stage >= 1 && Stage <= 5, "stages 1..5 are implemented");
     static_assert(HeadDim % kSlabCols == 0 && HeadDim <= 256, "head_dim: 64, 128, 192 or 256");
 
     static constexpr int kStage = Stage;
@@ -58,10 +60,11 @@ struct Fa3Traits {
     static constexpr int kOffK = kOffQ + kQBytes;
     static constexpr int kOffV = kOffK + kKvStages * kKvTileBytes;
     static constexpr int kOffBarriers = kOffV + kKvStages * kKvTileBytes;
-    // Stages 2-3: q_full, kv_full[slots], kv_empty[slots]. Stage 4 (K and V separately):
-    // q_full, k_full[slots], v_full[slots], k_empty[slots], v_empty[slots]. 8 bytes each.
+    // Stages 2-3: q_full, kv_full[slots], kv_empty[slots]. Stages 4-5 (K and V separately):
+    // q_full, k_full[slots], v_full[slots], k_empty[slots], v_empty[slots], q_empty.
+    // 8 bytes each.
     static constexpr bool kSplitKv = Stage >= 4;
-    static constexpr int kNumBarriers = 1 + (kSplitKv ? 4 : 2) * kKvStages;
+    static constexpr int kNumBarriers = kSplitKv ? 2 + 4 * kKvStages : 1 + 2 * kKvStages;
     static constexpr int kSmemUsed = kOffBarriers + 8 * kNumBarriers;
     // Dynamic smem is only guaranteed 16-byte aligned: ask for one extra atom and round up.
     static constexpr int kSmemBytes = kSmemUsed + kSwizzleAtomBytes;

@@ -11,8 +11,9 @@ use crate::error::{Error, Operand, Result};
 use crate::tensor::DType;
 
 /// Stages with an instance in `cuda/fa3_fwd_sm90.cu` (1 = wgmma only, 2 = + TMA/mbarrier ring,
-/// 3 = + warp specialisation, 4 = + ping-pong and intra-warpgroup overlap).
-pub(crate) const FA3_STAGES: [u32; 4] = [1, 2, 3, 4];
+/// 3 = + warp specialisation, 4 = + ping-pong and intra-warpgroup overlap, 5 = + persistent
+/// tile scheduler).
+pub(crate) const FA3_STAGES: [u32; 5] = [1, 2, 3, 4, 5];
 /// Head dims with an instance.
 pub(crate) const FA3_HEAD_DIMS: [usize; 3] = [64, 128, 256];
 
@@ -59,9 +60,13 @@ pub(crate) fn geometry(stage: u32, head_dim: usize) -> Option<Fa3Geometry> {
     let elem = 2; // bf16 / f16
     let q_bytes = block_m * d * elem;
     let kv_tile = block_n * d * elem;
-    // q_full, kv_full[S], kv_empty[S]; stage 4 has K and V barriers apart (4 per slot).
-    let per_slot = if stage >= 4 { 4 } else { 2 };
-    let barriers = 8 * (1 + per_slot * kv_stages);
+    // Stages 2-3: q_full, kv_full[S], kv_empty[S]. Stages 4-5: K and V apart (4 per slot)
+    // plus q_empty.
+    let barriers = 8 * if stage >= 4 {
+        2 + 4 * kv_stages
+    } else {
+        1 + 2 * kv_stages
+    };
     let used = q_bytes + 2 * kv_stages * kv_tile + barriers;
     Some(Fa3Geometry {
         threads: WARPGROUP_THREADS * (consumers + producers),
@@ -72,7 +77,8 @@ pub(crate) fn geometry(stage: u32, head_dim: usize) -> Option<Fa3Geometry> {
     })
 }
 
-/// Grid of a launch: (query tiles, heads_q, batch).
+/// Grid of a stage 1-4 launch: (query tiles, heads_q, batch). Stage 5 is persistent: use
+/// `persistent_grid`.
 pub(crate) fn grid(
     g: &Fa3Geometry,
     batch: usize,
@@ -81,6 +87,19 @@ pub(crate) fn grid(
 ) -> (u32, u32, u32) {
     let tiles = seqlen_q.div_ceil(g.block_m as usize);
     (tiles as u32, heads_q as u32, batch as u32)
+}
+
+/// Grid of a stage-5 (persistent) launch: (min(SM count, tiles), 1, 1); the CTAs stride over
+/// the `ceil(seqlen_q / block_m) * heads_q * batch` tiles.
+pub(crate) fn persistent_grid(
+    g: &Fa3Geometry,
+    batch: usize,
+    seqlen_q: usize,
+    heads_q: usize,
+    sm_count: usize,
+) -> (u32, u32, u32) {
+    let tiles = seqlen_q.div_ceil(g.block_m as usize) * heads_q * batch;
+    (tiles.min(sm_count).max(1) as u32, 1, 1)
 }
 
 /// `extern "C"` name of an instance, e.g. `fa3_s2_fwd_bf16_hd128`.
@@ -282,9 +301,12 @@ mod tests {
             (3, 64, 384, 128, 128, 2, 82984),
             (3, 128, 384, 128, 128, 2, 164904),
             (3, 256, 384, 128, 64, 2, 197672),
-            (4, 64, 384, 128, 128, 2, 83016),
-            (4, 128, 384, 128, 128, 2, 164936),
-            (4, 256, 384, 128, 64, 2, 197704),
+            (4, 64, 384, 128, 128, 2, 83024),
+            (4, 128, 384, 128, 128, 2, 164944),
+            (4, 256, 384, 128, 64, 2, 197712),
+            (5, 64, 384, 128, 128, 2, 83024),
+            (5, 128, 384, 128, 128, 2, 164944),
+            (5, 256, 384, 128, 64, 2, 197712),
         ];
         for (stage, hd, threads, block_m, block_n, kv_stages, smem_bytes) in want {
             let g = geometry(stage, hd).unwrap();
@@ -301,7 +323,7 @@ mod tests {
             );
             assert!(g.smem_bytes <= 227 * 1024, "fits the sm_90 opt-in limit");
         }
-        assert_eq!(geometry(5, 128), None);
+        assert_eq!(geometry(6, 128), None);
         assert_eq!(geometry(2, 96), None);
     }
 
@@ -311,6 +333,13 @@ mod tests {
         assert_eq!(grid(&g, 2, 1000, 16), (8, 16, 2)); // ceil(1000 / 128) = 8
         let g = geometry(1, 64).unwrap();
         assert_eq!(grid(&g, 1, 64, 1), (1, 1, 1));
+        let g5 = geometry(5, 128).unwrap();
+        assert_eq!(persistent_grid(&g5, 2, 1000, 16, 132), (132, 1, 1)); // 256 tiles
+        assert_eq!(persistent_grid(&g5, 1, 100, 2, 132), (2, 1, 1)); // 2 tiles
+        assert_eq!(
+            symbol(5, DType::BF16, 256).as_deref(),
+            Some("fa3_s5_fwd_bf16_hd256")
+        );
         assert_eq!(
             symbol(2, DType::BF16, 128).as_deref(),
             Some("fa3_s2_fwd_bf16_hd128")
