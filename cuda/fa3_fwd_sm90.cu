@@ -8,6 +8,11 @@
 //   stage 3  + warp specialisation: warpgroup 0 produces (TMA, setmaxnreg.dec), warpgroups 1-2
 //            consume (setmaxnreg.inc), each on its own 64 of the CTA's 128 query rows; slots are
 //            released through "empty" mbarriers.
+//   stage 4  + ping-pong (the consumers pass a GEMM-issue token through two named barriers) and
+//            intra-warpgroup overlap (S_j+1 and PV_j in flight during the softmax of S_j+1);
+//            separate K and V barriers.
+//   stage 5  + persistent scheduling (CTAs stride over heaviest-first tiles; the ring and the Q
+//            buffer carry across tiles).
 // Layouts (smem tiles, descriptors, register fragments) are derived in wgmma_sm90.cuh.
 //
 // Semantics (same as every backend): s = scale * q.k, optional softcap, bottom-right aligned
@@ -387,7 +392,7 @@ __device__ __forceinline__ void stage1(const FwdParams& p) {
     write_output<Tr, T>(p, acc, fp, m0, bc.batch, bc.head);
 }
 
-// ---------------------------------------------------------------- TMA issue (stages 2, 3)
+// ---------------------------------------------------------------- TMA issue (stages 2-5)
 
 // Q rows [m0, m0 + kBlockM) of (head, batch): one 64-row box per slab per 64 rows.
 template <class Tr>
