@@ -10,7 +10,8 @@
 #   * checks the PTX is .version 9.0 / .target sm_90a, and that the file still compiles (to empty
 #     kernels) for sm_80;
 #   * builds and runs scripts/fa3-layout-sim.cpp (host g++): the kernel's layout helpers against a
-#     software model of TMA placement and wgmma operand/fragment layouts, exact integer S and O.
+#     software model of TMA placement and wgmma operand/fragment layouts, exact integer S and O;
+#   * builds target/fa3-check/fa3-gpu-smoke (scripts/fa3-gpu-smoke.cpp), the no-Rust GPU test.
 # Prints one table row per kernel and exits non-zero on the first violated rule.
 # Usage: scripts/check-fa3.sh [head_dim ...]   (default: 64 128 256)
 # Env: FA3_JOBS (default 2), FA3_OUT (default target/fa3-check).
@@ -105,6 +106,12 @@ cuda_inc="$(cd "$bin/../include" && pwd)"
 g++ -std=c++17 -O2 -D__host__= -D__device__= -D__forceinline__=inline -I"$cuda_inc" \
   -Icuda/include scripts/fa3-layout-sim.cpp -o "$out/fa3-layout-sim" || { echo "FAIL: layout sim build"; fail=1; }
 "$out/fa3-layout-sim" || { echo "FAIL: layout sim"; fail=1; }
+
+# The GPU smoke test (runs only where a GPU is): build it so a GPU window can start at once with
+#   timeout 300 target/fa3-check/fa3-gpu-smoke [--stages 12345] [--bench]
+g++ -std=c++17 -O2 -Wall -static-libstdc++ -static-libgcc -I"$cuda_inc" -Icuda/include \
+  -D__host__= -D__device__= -D__forceinline__=inline scripts/fa3-gpu-smoke.cpp -ldl \
+  -o "$out/fa3-gpu-smoke" || { echo "FAIL: fa3-gpu-smoke build"; fail=1; }
 
 if [ "$fail" -ne 0 ]; then echo "check-fa3: FAILED"; exit 1; fi
 echo "check-fa3: OK (compile-checked only; nothing here ran on a GPU)"
