@@ -10,7 +10,8 @@
 //       -ldl -o target/fa3-check/fa3-gpu-smoke
 // Run (on the GPU machine, from the repository root; one line per case, flushed before each
 // launch so a hang names its rung; wrap in `timeout`):
-//   target/fa3-check/fa3-gpu-smoke [--stages 1,2,3,4,5] [--bench]
+//   target/fa3-check/fa3-gpu-smoke [--stages 12345] [--ctas N] [--bench]
+// --ctas N caps stage 5's persistent grid (default: the SM count), so each CTA runs many tiles.
 // Exit status 0 only if every case passed.
 #include <dlfcn.h>
 
@@ -305,17 +306,19 @@ void bench(const Run& r, bool causal) {
 int main(int argc, char** argv) {
     std::vector<int> stages = {1, 2, 3, 4, 5};
     bool do_bench = false;
+    int ctas = 0;  // 0: the SM count
     std::string dir = "target/fa3-check";
     for (int i = 1; i < argc; ++i) {
         const std::string a = argv[i];
         if (a == "--bench") do_bench = true;
+        else if (a == "--ctas" && i + 1 < argc) ctas = std::atoi(argv[++i]);
         else if (a == "--dir" && i + 1 < argc) dir = argv[++i];
         else if (a == "--stages" && i + 1 < argc) {
             stages.clear();
             for (const char* s = argv[++i]; *s; ++s)
                 if (*s >= '1' && *s <= '5') stages.push_back(*s - '0');
         } else {
-            std::printf("usage: %s [--stages 12345] [--bench] [--dir target/fa3-check]\n", argv[0]);
+            std::printf("usage: %s [--stages 12345] [--ctas N] [--bench] [--dir target/fa3-check]\n", argv[0]);
             return 2;
         }
     }
@@ -356,7 +359,7 @@ int main(int argc, char** argv) {
         for (int stage : stages)
             for (bool bf16 : {true, false}) {
                 const std::string name = "fa3_s" + std::to_string(stage) + "_fwd_" + (bf16 ? "bf16" : "f16") + "_hd" + std::to_string(d);
-                Run r{nullptr, stage, d, sms, bf16};
+                Run r{nullptr, stage, d, ctas > 0 ? ctas : sms, bf16};
                 CK(p_cuModuleGetFunction(&r.fn, mod, name.c_str()));
                 CK(p_cuFuncSetAttribute(r.fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, geometry(stage, d).smem));
                 for (const Case& c : cases) {

@@ -21,6 +21,13 @@ for s in 1 2 3 4 5; do
     *) echo "stage $s: FAILED (exit $rc)" ;;
   esac
 done
+case $passed in
+  *5*)
+    for n in 1 3; do
+      echo "== stage 5 with $n CTA(s)"
+      timeout 120 "$bin" --stages 5 --ctas "$n" || echo "stage 5 with $n CTA(s): FAILED or TIMEOUT"
+    done ;;
+esac
 echo "== passing stages: ${passed:-none}"
 if [ -n "$passed" ] && command -v compute-sanitizer > /dev/null; then
   for tool in memcheck racecheck synccheck; do
