@@ -394,17 +394,23 @@ __device__ __forceinline__ void stage1(const FwdParams& p) {
 
 // ---------------------------------------------------------------- TMA issue (stages 2-5)
 
-// Q rows [m0, m0 + kBlockM) of (head, batch): one 64-row box per slab per 64 rows.
+// Q rows [m0, m0 + kBlockM) of (head, batch): one 64-row box per slab per 64 rows. Boxes that
+// start at or past seqlen_q are skipped (and not counted in expect_tx) rather than relying on
+// TMA's behaviour for a box lying entirely out of bounds; their smem rows keep stale data, which
+// only feeds query rows >= seqlen_q (row-wise softmax, never written back).
 template <class Tr>
 __device__ __forceinline__ void issue_q(const TmaDesc* tq, uint8_t* sq, uint64_t* bar, int m0,
-                                        int head, int batch) {
-    mbar_arrive_expect_tx(bar, Tr::kTmaQBytes);
+                                        int seqlen_q, int head, int batch) {
+    constexpr int kBoxes = Tr::kBlockM / Tr::kTmaBoxRowsQ;
+    const int live = min(kBoxes, (seqlen_q - m0 + Tr::kTmaBoxRowsQ - 1) / Tr::kTmaBoxRowsQ);
+    mbar_arrive_expect_tx(bar, live * (Tr::kTmaQBytes / kBoxes));
 #pragma unroll
     for (int slab = 0; slab < Tr::kSlabs; ++slab)
 #pragma unroll
-        for (int rb = 0; rb < Tr::kBlockM / Tr::kTmaBoxRowsQ; ++rb)
-            tma_load_4d(sq + Tr::q_box_offset(slab, rb), tq, bar, slab * kSlabCols, head,
-                        m0 + rb * Tr::kTmaBoxRowsQ, batch);
+        for (int rb = 0; rb < kBoxes; ++rb)
+            if (rb < live)
+                tma_load_4d(sq + Tr::q_box_offset(slab, rb), tq, bar, slab * kSlabCols, head,
+                            m0 + rb * Tr::kTmaBoxRowsQ, batch);
 }
 
 // K and V tile n into ring slot `slot`, both counted on kv_full[slot].
@@ -469,7 +475,7 @@ __device__ __forceinline__ void stage2(const FwdParams& p, const TmaDesc* tq, co
         tma_prefetch_desc(tq);
         tma_prefetch_desc(tk);
         tma_prefetch_desc(tv);
-        issue_q<Tr>(tq, sq, bars.q_full, m0, bc.head, bc.batch);
+        issue_q<Tr>(tq, sq, bars.q_full, m0, p.seqlen_q, bc.head, bc.batch);
         for (int it = 0; it < min(n_tiles, Tr::kKvStages); ++it)
             issue_kv<Tr>(tk, tv, sk, sv, &bars.kv_full[it], it, kv.n_begin + it, bc.kv_head,
                          bc.batch);
@@ -536,7 +542,7 @@ __device__ __forceinline__ void stage3(const FwdParams& p, const TmaDesc* tq, co
             tma_prefetch_desc(tq);
             tma_prefetch_desc(tk);
             tma_prefetch_desc(tv);
-            issue_q<Tr>(tq, sq, bars.q_full, m0, bc.head, bc.batch);
+            issue_q<Tr>(tq, sq, bars.q_full, m0, p.seqlen_q, bc.head, bc.batch);
             for (int it = 0; it < n_tiles; ++it) {
                 const int slot = it % Tr::kKvStages;
                 // Use u = it / S of this slot needs use u - 1 released (its phase u - 1 done).
@@ -663,7 +669,7 @@ struct RingPos {
 // One query tile of one (head, batch) seen by the producer thread: Q (after the previous Q was
 // released), then K_j and V_j for every visible K/V tile j.
 template <class Tr>
-__device__ __forceinline__ void produce_tile(const TmaDesc* tq, const TmaDesc* tk,
+__device__ __forceinline__ void produce_tile(int seqlen_q, const TmaDesc* tq, const TmaDesc* tk,
                                              const TmaDesc* tv, uint8_t* sq, uint8_t* sk,
                                              uint8_t* sv, SplitBarriers<Tr>& bars,
                                              const BlockCoord& bc, const KvRange& kv,
@@ -672,7 +678,7 @@ __device__ __forceinline__ void produce_tile(const TmaDesc* tq, const TmaDesc* t
     const int n_tiles = kv.n_end - kv.n_begin;
     if (n_tiles <= 0) return;
     if (pos.q_use > 0) mbar_wait(bars.q_empty, (pos.q_use - 1) & 1);
-    issue_q<Tr>(tq, sq, bars.q_full, bc.m_block * Tr::kBlockM, bc.head, bc.batch);
+    issue_q<Tr>(tq, sq, bars.q_full, bc.m_block * Tr::kBlockM, seqlen_q, bc.head, bc.batch);
     ++pos.q_use;
     for (int j = 0; j < n_tiles; ++j, ++pos.kv_it) {
         const int slot = pos.kv_it % S;
@@ -807,7 +813,7 @@ __device__ __forceinline__ void stage45(const FwdParams& p, const TmaDesc* tq, c
             tma_prefetch_desc(tv);
             for (int t = tile_begin; t < num_tiles; t += tile_step) {
                 const BlockCoord bc = coord(t);
-                produce_tile<Tr>(tq, tk, tv, sq, sk, sv, bars, bc, range(bc), pos);
+                produce_tile<Tr>(p.seqlen_q, tq, tk, tv, sq, sk, sv, bars, bc, range(bc), pos);
             }
         }
         return;
