@@ -156,6 +156,14 @@ __device__ __forceinline__ void softcap_and_mask(const FwdParams& p, float (&s)[
     }
     const int off = p.seqlen_k - p.seqlen_q;
     const int n0 = n_tile * Tr::kBlockN;
+    // Skip the element tests when no (row, key) of this warpgroup's 64 x BN block can be masked:
+    // keys j in [n0, n0 + BN - 1], rows i in [m_first, m_first + 63]. Warpgroup-uniform branch.
+    const int n_last = n0 + Tr::kBlockN - 1;
+    const bool need_mask =
+        n_last >= p.seqlen_k ||
+        (p.window_left >= 0 && n0 < m_first + (kMmaM - 1) + off - p.window_left) ||
+        (p.window_right >= 0 && n_last > m_first + off + p.window_right);
+    if (!need_mask) return;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int i = m_first + fp.row0 + 8 * h;
