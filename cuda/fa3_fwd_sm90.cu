@@ -45,24 +45,6 @@ __device__ __forceinline__ float fast_tanh(float x) {
     return y;
 }
 
-// Key tiles [n_begin, n_end) a block of query rows [m_begin, m_end) can see. Bottom-right
-// alignment: query i sees keys i + off - left ..= i + off + right, off = seqlen_k - seqlen_q.
-struct KvRange {
-    int n_begin, n_end;
-};
-__device__ __forceinline__ KvRange kv_tile_range(const FwdParams& p, int m_begin, int m_end,
-                                                 int block_n) {
-    const int off = p.seqlen_k - p.seqlen_q;
-    int j_end = p.seqlen_k;  // one past the last key any row may see
-    if (p.window_right >= 0) j_end = min(j_end, (m_end - 1) + off + p.window_right + 1);
-    int j_begin = 0;
-    if (p.window_left >= 0) j_begin = max(0, m_begin + off - p.window_left);
-    KvRange r;
-    r.n_begin = j_begin / block_n;
-    r.n_end = j_end <= j_begin ? r.n_begin : (j_end + block_n - 1) / block_n;
-    return r;
-}
-
 // Per-warpgroup online-softmax state and output accumulator: this thread's two rows
 // (16w + g and 16w + g + 8 of the warpgroup's 64) and its D/2 accumulator columns.
 template <int D>
@@ -156,14 +138,8 @@ __device__ __forceinline__ void softcap_and_mask(const FwdParams& p, float (&s)[
     }
     const int off = p.seqlen_k - p.seqlen_q;
     const int n0 = n_tile * Tr::kBlockN;
-    // Skip the element tests when no (row, key) of this warpgroup's 64 x BN block can be masked:
-    // keys j in [n0, n0 + BN - 1], rows i in [m_first, m_first + 63]. Warpgroup-uniform branch.
-    const int n_last = n0 + Tr::kBlockN - 1;
-    const bool need_mask =
-        n_last >= p.seqlen_k ||
-        (p.window_left >= 0 && n0 < m_first + (kMmaM - 1) + off - p.window_left) ||
-        (p.window_right >= 0 && n_last > m_first + off + p.window_right);
-    if (!need_mask) return;
+    // Warpgroup-uniform: skip the element tests on tiles where nothing can be masked.
+    if (!block_needs_mask(p, m_first, kMmaM, n0, Tr::kBlockN)) return;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int i = m_first + fp.row0 + 8 * h;

@@ -16,7 +16,8 @@
 //    (16w + g + 8h, 8j + 2t + e) for j < N/8, h, e in {0, 1}.
 //  * register A fragment (16-bit): a[r] holds row 16w + g + 8 (r % 2), cols 8 (r / 2) + 2t + {0, 1}.
 // What it proves: the kernel's address arithmetic and index helpers agree with that model for
-// every stage and head dim. What it cannot prove: that the model is what the silicon does.
+// every stage and head dim; the K/V tile range and mask-skip predicates agree with the
+// visibility rule (brute force). What it cannot prove: that the model is what the silicon does.
 //
 // Build (scripts/check-fa3.sh does this): g++ -std=c++17 -O1 -D__host__= -D__device__=
 //   -D__forceinline__=inline -I<cuda include> -Icuda/include scripts/fa3-layout-sim.cpp
@@ -214,9 +215,59 @@ void run() {
                 g_failures ? "MISMATCH" : "S and O exact");
 }
 
+// Brute force of the tile-range and mask-skip predicates against key_visible(): every visible
+// key of every row of a query block lies in its K/V tile range, no tile of the range starts past
+// seqlen_k (so no K/V TMA box is entirely out of bounds), and a tile judged mask-free really
+// has every (row, key) of the warpgroup's 64 rows visible.
+void check_ranges() {
+    uint32_t seed = 777;
+    auto rnd = [&](int n) {
+        seed = seed * 1664525u + 1013904223u;
+        return static_cast<int>((seed >> 8) % static_cast<uint32_t>(n));
+    };
+    int cases = 0;
+    for (int trial = 0; trial < 3000; ++trial) {
+        FwdParams p{};
+        p.seqlen_q = 1 + rnd(300);
+        p.seqlen_k = 1 + rnd(300);
+        p.window_left = rnd(3) == 0 ? -1 : rnd(80);
+        p.window_right = rnd(3) == 0 ? -1 : rnd(3) == 0 ? 0 : rnd(80);
+        const int block_m = rnd(2) ? 64 : 128, block_n = rnd(2) ? 64 : 128;
+        for (int m_begin = 0; m_begin < p.seqlen_q; m_begin += block_m) {
+            const int m_end = m_begin + block_m < p.seqlen_q ? m_begin + block_m : p.seqlen_q;
+            const KvRange r = kv_tile_range(p, m_begin, m_end, block_n);
+            ++cases;
+            if (r.n_end < r.n_begin || r.n_begin < 0 ||
+                (r.n_end > r.n_begin && (r.n_end - 1) * block_n >= p.seqlen_k)) {
+                std::fprintf(stderr, "  bad range [%d, %d) sq %d sk %d\n", r.n_begin, r.n_end,
+                             p.seqlen_q, p.seqlen_k);
+                ++g_failures;
+            }
+            for (int i = m_begin; i < m_end; ++i)
+                for (int j = 0; j < p.seqlen_k; ++j)
+                    if (key_visible(p, i, j) && (j < r.n_begin * block_n || j >= r.n_end * block_n)) {
+                        if (g_failures++ < 10)
+                            std::fprintf(stderr, "  visible key %d of row %d outside tiles [%d, %d)\n", j, i,
+                                         r.n_begin, r.n_end);
+                    }
+            for (int m_first = m_begin; m_first < m_begin + block_m; m_first += 64)
+                for (int n = r.n_begin; n < r.n_end; ++n) {
+                    if (block_needs_mask(p, m_first, 64, n * block_n, block_n)) continue;
+                    for (int i = m_first; i < m_first + 64; ++i)
+                        for (int j = n * block_n; j < (n + 1) * block_n; ++j)
+                            if (!key_visible(p, i, j) && g_failures++ < 10)
+                                std::fprintf(stderr, "  mask skipped but (%d, %d) hidden\n", i, j);
+                }
+        }
+    }
+    std::printf("fa3-layout-sim: tile ranges and mask skip: %d query blocks %s\n", cases,
+                g_failures ? "MISMATCH" : "consistent with key_visible");
+}
+
 }  // namespace
 
 int main() {
+    check_ranges();
     run<1, 64>();
     run<1, 128>();
     run<1, 256>();
