@@ -11,7 +11,8 @@
 #     kernels) for sm_80;
 #   * builds and runs scripts/fa3-layout-sim.cpp (host g++): the kernel's layout helpers against a
 #     software model of TMA placement and wgmma operand/fragment layouts, exact integer S and O;
-#   * builds target/fa3-check/fa3-gpu-smoke (scripts/fa3-gpu-smoke.cpp), the no-Rust GPU test.
+#   * builds target/fa3-check/fa3-gpu-smoke (scripts/fa3-gpu-smoke.cpp), the no-Rust GPU test,
+#     and runs it against a fake libcuda (scripts/fa3-fake-libcuda.cpp) as a harness self-test.
 # Prints one table row per kernel and exits non-zero on the first violated rule.
 # Usage: scripts/check-fa3.sh [head_dim ...]   (default: 64 128 256)
 # Env: FA3_JOBS (default 2), FA3_OUT (default target/fa3-check).
@@ -112,6 +113,17 @@ g++ -std=c++17 -O2 -D__host__= -D__device__= -D__forceinline__=inline -I"$cuda_i
 g++ -std=c++17 -O2 -Wall -static-libstdc++ -static-libgcc -I"$cuda_inc" -Icuda/include \
   -D__host__= -D__device__= -D__forceinline__=inline scripts/fa3-gpu-smoke.cpp -ldl \
   -o "$out/fa3-gpu-smoke" || { echo "FAIL: fa3-gpu-smoke build"; fail=1; }
+
+# Harness self-test: the smoke test against a fake libcuda.so.1 that validates each launch
+# (grid/block/smem vs Fa3Traits, tensor-map arguments) and computes attention on the CPU from the
+# FwdParams it receives (scripts/fa3-fake-libcuda.cpp). Proves the harness, not the kernels.
+mkdir -p "$out/fake"
+g++ -std=c++17 -O2 -Wall -shared -fPIC -I"$cuda_inc" -Icuda/include -D__host__= -D__device__= \
+  -D__forceinline__=inline scripts/fa3-fake-libcuda.cpp -o "$out/fake/libcuda.so.1" \
+  || { echo "FAIL: fake libcuda build"; fail=1; }
+LD_LIBRARY_PATH="$out/fake" "$out/fa3-gpu-smoke" --hd 64 --ctas 3 > "$out/fake-smoke.txt" 2>&1 \
+  && echo "fa3-gpu-smoke vs fake libcuda (harness self-test, hd 64, all stages): $(tail -1 "$out/fake-smoke.txt")" \
+  || { cat "$out/fake-smoke.txt"; echo "FAIL: smoke harness self-test"; fail=1; }
 
 if [ "$fail" -ne 0 ]; then echo "check-fa3: FAILED"; exit 1; fi
 echo "check-fa3: OK (compile-checked only; nothing here ran on a GPU)"
