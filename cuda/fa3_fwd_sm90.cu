@@ -139,7 +139,7 @@ __device__ __forceinline__ void softcap_and_mask(const FwdParams& p, float (&s)[
     const int off = p.seqlen_k - p.seqlen_q;
     const int n0 = n_tile * Tr::kBlockN;
     // Warpgroup-uniform: skip the element tests on tiles where nothing can be masked.
-    if (!block_needs_mask(p, m_first, kMmaM, n0, Tr::kBlockN)) return;
+    if (Tr::kSkipUnmaskedTiles && !block_needs_mask(p, m_first, kMmaM, n0, Tr::kBlockN)) return;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int i = m_first + fp.row0 + 8 * h;

@@ -85,6 +85,11 @@ struct Fa3Traits {
     static constexpr int kBlockN = HeadDim <= 128 ? 128 : 64;
     static_assert(kBlockN % kMmaN == 0, "N is issued as m64n64 instructions");
 
+    // Skip the per-element mask on K/V tiles where every (row, key) is visible. Off only for
+    // the persistent stage at hd 256: its consumers sit at the 240-register ceiling (O alone is
+    // 128 registers) and the extra branch made ptxas spill there.
+    static constexpr bool kSkipUnmaskedTiles = !(Stage >= 5 && HeadDim > 128);
+
     // K/V ring depth: stage 1 loads synchronously into one buffer.
     static constexpr int kKvStages = Stage >= 2 ? 2 : 1;
 
