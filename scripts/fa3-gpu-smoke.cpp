@@ -38,9 +38,12 @@ namespace {
     X(cuDeviceGetAttribute) X(cuModuleLoadData) X(cuModuleGetFunction) X(cuFuncSetAttribute) \
     X(cuMemAlloc) X(cuMemFree) X(cuMemcpyHtoD) X(cuMemcpyDtoH) X(cuMemsetD8)                 \
     X(cuLaunchKernel) X(cuCtxSynchronize) X(cuTensorMapEncodeTiled) X(cuGetErrorString)      \
-    X(cuEventCreate) X(cuEventRecord) X(cuEventSynchronize) X(cuEventElapsedTime)
+    X(cuEventCreate) X(cuEventRecord) X(cuEventSynchronize)
 #define FA3_DECLARE(fn) decltype(&fn) p_##fn = nullptr;
 FA3_DRIVER_FNS(FA3_DECLARE)
+// cuda.h 13 maps cuEventElapsedTime to its _v2 (driver >= 12.8); the original symbol, same
+// signature, exists in every driver, so look that one up by its literal name.
+CUresult (*p_cuEventElapsedTime)(float*, CUevent, CUevent) = nullptr;
 
 void check(CUresult r, const char* what) {
     if (r == CUDA_SUCCESS) return;
@@ -64,6 +67,12 @@ void load_driver() {
         std::exit(2);                                                              \
     }
     FA3_DRIVER_FNS(FA3_LOAD)
+    p_cuEventElapsedTime =
+        reinterpret_cast<CUresult (*)(float*, CUevent, CUevent)>(dlsym(lib, "cuEventElapsedTime"));
+    if (!p_cuEventElapsedTime) {
+        std::printf("FATAL: libcuda lacks cuEventElapsedTime\n");
+        std::exit(2);
+    }
 }
 
 // ---- host 16-bit conversions (round to nearest even)
