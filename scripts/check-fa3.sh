@@ -4,7 +4,7 @@
 # For each head dim (one nvcc job each, -DFA3_ONLY_HDIM=<D>, at most FA3_JOBS in parallel):
 #   * builds the sm_90a cubin with ptxas -v and records registers / spills / compile time;
 #   * dumps SASS and requires, per kernel: HGMMA (every stage), UTMALDG + SYNCS (stage 2+),
-#     USETMAXREG (stage 3+), BAR.ARV (named-barrier ping-pong) and WARPGROUP.DEPBAR.LE gsb0, 0x1
+#     USETMAXREG and exactly 168 entry registers (stage 3+), BAR.ARV (named-barrier ping-pong) and WARPGROUP.DEPBAR.LE gsb0, 0x1
 #     (a wait that leaves one wgmma group in flight: the intra-warpgroup overlap) for stages 4-5,
 #     no LDL/STL (local memory), 0 spill bytes, 0 stack;
 #   * checks the PTX is .version 9.0 / .target sm_90a, and that the file still compiles (to empty
@@ -81,7 +81,13 @@ for d in "${hdims[@]}"; do
       [ "$ut" -gt 0 ] || bad+=("no UTMALDG")
       [ "$sy" -gt 0 ] || bad+=("no SYNCS")
     fi
-    if [ "$stage" -ge 3 ]; then [ "$mx" -gt 0 ] || bad+=("no USETMAXREG"); fi
+    if [ "$stage" -ge 3 ]; then
+      [ "$mx" -gt 0 ] || bad+=("no USETMAXREG")
+      # setmaxnreg only moves registers inside the CTA's launch allocation: 384 threads x 168 =
+      # 128 x 24 (producer) + 256 x 240 (consumers). Fewer at entry and the consumers' inc
+      # would wait forever.
+      [ "$regs" -eq 168 ] || bad+=("entry registers $regs != 168 (setmaxnreg budget)")
+    fi
     if [ "$stage" -ge 4 ]; then
       [ "$ar" -gt 0 ] || bad+=("no BAR.ARV")
       [ "$w1" -gt 0 ] || bad+=("no wgmma wait leaving a group in flight")
