@@ -3,17 +3,18 @@
 #
 # For each head dim (one nvcc job each, -DFA3_ONLY_HDIM=<D>, at most FA3_JOBS in parallel):
 #   * builds the sm_90a cubin with ptxas -v and records registers / spills / compile time;
-#   * dumps SASS and requires, per kernel: HGMMA (every stage), UTMALDG + SYNCS (stage 2+),
-#     USETMAXREG and exactly 168 entry registers (stage 3+), BAR.ARV (named-barrier ping-pong) and WARPGROUP.DEPBAR.LE gsb0, 0x1
-#     (a wait that leaves one wgmma group in flight: the intra-warpgroup overlap) for stages 4-5,
-#     no LDL/STL (local memory), 0 spill bytes, 0 stack;
+#   * dumps SASS and requires, per kernel: HGMMA (every stage); UTMALDG + SYNCS (stage 2+);
+#     USETMAXREG and exactly 168 entry registers (stage 3+); BAR.ARV (named-barrier ping-pong)
+#     and WARPGROUP.DEPBAR.LE gsb0, 0x1 (a wait leaving one wgmma group in flight: the
+#     intra-warpgroup overlap) for stages 4-5; no LDL/STL (local memory), 0 spill bytes, 0 stack;
 #   * checks the PTX is .version 9.0 / .target sm_90a, and that the file still compiles (to empty
 #     kernels) for sm_80;
 #   * builds and runs scripts/fa3-layout-sim.cpp (host g++): the kernel's layout helpers against a
-#     software model of TMA placement and wgmma operand/fragment layouts, exact integer S and O;
+#     software model of TMA placement and wgmma operand/fragment layouts (exact integer S and O),
+#     and the tile-range / mask-skip predicates brute-forced against the visibility rule;
 #   * builds target/fa3-check/fa3-gpu-smoke (scripts/fa3-gpu-smoke.cpp), the no-Rust GPU test,
 #     and runs it against a fake libcuda (scripts/fa3-fake-libcuda.cpp) as a harness self-test.
-# Prints one table row per kernel and exits non-zero on the first violated rule.
+# Prints one table row per kernel; exits non-zero if any rule is violated.
 # Usage: scripts/check-fa3.sh [head_dim ...]   (default: 64 128 256)
 # Env: FA3_JOBS (default 2), FA3_OUT (default target/fa3-check).
 set -euo pipefail
