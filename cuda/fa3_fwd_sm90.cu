@@ -832,50 +832,85 @@ __device__ __forceinline__ void stage45(const FwdParams&, const TmaDesc*, const 
 }  // namespace fa3
 
 // ---------------------------------------------------------------- instances
-// Symbol: fa3_s<stage>_fwd_<dtype>_hd<D>. Compile one head dim per nvcc job with
-// -DFA3_ONLY_HDIM=<D>. Stage 1 takes only the params; stages 2-3 also take the tensor maps of
-// Q, K, V (docs/fa3.md). __launch_bounds__ pins the thread count each stage is written for.
+// Symbol: fa3s<stage>_fwd_hd<D>_<dtype> (the table's `<family>_fwd_hd<D>_<dtype>` convention,
+// build/instances.rs: one family row per stage, "fa3s1".."fa3s5"). Stage 1 takes only the
+// params; stages 2-5 also take the tensor maps of Q, K, V (docs/fa3.md). __launch_bounds__ pins
+// the thread count each stage is written for.
+//
+// Two ways to build this file:
+//   * build.rs (the crate): one unit per (stage, head dim); it defines FA_FAMILY (fa3s<N>),
+//     FA_HEAD_DIM, FA_BLOCK_M, FA_BLOCK_N, FA_THREADS and FA_SMEM_BYTES from the table, which
+//     the static_asserts below check against Fa3Traits, then writes FA_INSTANCE(f16) and
+//     FA_INSTANCE(bf16).
+//   * standalone (scripts/check-fa3.sh): every stage of one head dim per job with
+//     -DFA3_ONLY_HDIM=<D> (or all 30 kernels without it).
 
 #define FA3_S1(DT, T, D)                                                                   \
     extern "C" __global__ void __launch_bounds__(fa3::Fa3Traits<1, D>::kThreads, 1)        \
-        fa3_s1_fwd_##DT##_hd##D(const __grid_constant__ FwdParams p) {                     \
+        fa3s1_fwd_hd##D##_##DT(const __grid_constant__ FwdParams p) {                      \
         fa3::stage1<T, D>(p);                                                              \
     }
 #define FA3_S2(DT, T, D)                                                                   \
     extern "C" __global__ void __launch_bounds__(fa3::Fa3Traits<2, D>::kThreads, 1)        \
-        fa3_s2_fwd_##DT##_hd##D(const __grid_constant__ FwdParams p,                       \
-                                const __grid_constant__ fa3::TmaDesc tmap_q,               \
-                                const __grid_constant__ fa3::TmaDesc tmap_k,               \
-                                const __grid_constant__ fa3::TmaDesc tmap_v) {             \
+        fa3s2_fwd_hd##D##_##DT(const __grid_constant__ FwdParams p,                        \
+                               const __grid_constant__ fa3::TmaDesc tmap_q,                \
+                               const __grid_constant__ fa3::TmaDesc tmap_k,                \
+                               const __grid_constant__ fa3::TmaDesc tmap_v) {              \
         fa3::stage2<T, D>(p, &tmap_q, &tmap_k, &tmap_v);                                   \
     }
 #define FA3_S3(DT, T, D)                                                                   \
     extern "C" __global__ void __launch_bounds__(fa3::Fa3Traits<3, D>::kThreads, 1)        \
-        fa3_s3_fwd_##DT##_hd##D(const __grid_constant__ FwdParams p,                       \
-                                const __grid_constant__ fa3::TmaDesc tmap_q,               \
-                                const __grid_constant__ fa3::TmaDesc tmap_k,               \
-                                const __grid_constant__ fa3::TmaDesc tmap_v) {             \
+        fa3s3_fwd_hd##D##_##DT(const __grid_constant__ FwdParams p,                        \
+                               const __grid_constant__ fa3::TmaDesc tmap_q,                \
+                               const __grid_constant__ fa3::TmaDesc tmap_k,                \
+                               const __grid_constant__ fa3::TmaDesc tmap_v) {              \
         fa3::stage3<T, D>(p, &tmap_q, &tmap_k, &tmap_v);                                   \
     }
 #define FA3_S45(S, DT, T, D)                                                               \
     extern "C" __global__ void __launch_bounds__(fa3::Fa3Traits<S, D>::kThreads, 1)        \
-        fa3_s##S##_fwd_##DT##_hd##D(const __grid_constant__ FwdParams p,                   \
-                                    const __grid_constant__ fa3::TmaDesc tmap_q,           \
-                                    const __grid_constant__ fa3::TmaDesc tmap_k,           \
-                                    const __grid_constant__ fa3::TmaDesc tmap_v) {         \
+        fa3s##S##_fwd_hd##D##_##DT(const __grid_constant__ FwdParams p,                    \
+                                   const __grid_constant__ fa3::TmaDesc tmap_q,            \
+                                   const __grid_constant__ fa3::TmaDesc tmap_k,            \
+                                   const __grid_constant__ fa3::TmaDesc tmap_v) {          \
         fa3::stage45<S, T, D>(p, &tmap_q, &tmap_k, &tmap_v);                               \
     }
-#define FA3_ALL_STAGES(D)          \
-    FA3_S1(bf16, __nv_bfloat16, D) \
-    FA3_S1(f16, __half, D)         \
-    FA3_S2(bf16, __nv_bfloat16, D) \
-    FA3_S2(f16, __half, D)         \
-    FA3_S3(bf16, __nv_bfloat16, D) \
-    FA3_S3(f16, __half, D)         \
-    FA3_S45(4, bf16, __nv_bfloat16, D) \
-    FA3_S45(4, f16, __half, D)     \
-    FA3_S45(5, bf16, __nv_bfloat16, D) \
-    FA3_S45(5, f16, __half, D)
+#define FA3_S4(DT, T, D) FA3_S45(4, DT, T, D)
+#define FA3_S5(DT, T, D) FA3_S45(5, DT, T, D)
+#define FA3_TYPE_bf16 __nv_bfloat16
+#define FA3_TYPE_f16 __half
+
+#if defined(FA_FAMILY)
+// The stage of the family row this unit was generated for (FA_FAMILY is a bare token).
+#define FA3_STAGE_OF_fa3s1 1
+#define FA3_STAGE_OF_fa3s2 2
+#define FA3_STAGE_OF_fa3s3 3
+#define FA3_STAGE_OF_fa3s4 4
+#define FA3_STAGE_OF_fa3s5 5
+#define FA3_CAT_(a, b) a##b
+#define FA3_CAT(a, b) FA3_CAT_(a, b)
+#define FA3_STAGE FA3_CAT(FA3_STAGE_OF_, FA_FAMILY)
+// The table (build/instances.rs) and the traits must agree on the launch shape.
+static_assert(FA_THREADS == fa3::Fa3Traits<FA3_STAGE, FA_HEAD_DIM>::kThreads, "table: threads");
+static_assert(FA_BLOCK_M == fa3::Fa3Traits<FA3_STAGE, FA_HEAD_DIM>::kBlockM, "table: block_m");
+static_assert(FA_BLOCK_N == fa3::Fa3Traits<FA3_STAGE, FA_HEAD_DIM>::kBlockN, "table: block_n");
+static_assert(FA_SMEM_BYTES == fa3::Fa3Traits<FA3_STAGE, FA_HEAD_DIM>::kSmemBytes,
+              "table: dynamic shared memory (fa3_smem_bytes in build/instances.rs)");
+// Two expansion levels so FA3_STAGE and FA_HEAD_DIM become literals before pasting.
+#define FA3_INSTANCE_(S, DT, D) FA3_S##S(DT, FA3_TYPE_##DT, D)
+#define FA3_INSTANCE(S, DT, D) FA3_INSTANCE_(S, DT, D)
+#define FA_INSTANCE(DT) FA3_INSTANCE(FA3_STAGE, DT, FA_HEAD_DIM)
+#else
+#define FA3_ALL_STAGES(D)              \
+    FA3_S1(bf16, __nv_bfloat16, D)     \
+    FA3_S1(f16, __half, D)             \
+    FA3_S2(bf16, __nv_bfloat16, D)     \
+    FA3_S2(f16, __half, D)             \
+    FA3_S3(bf16, __nv_bfloat16, D)     \
+    FA3_S3(f16, __half, D)             \
+    FA3_S4(bf16, __nv_bfloat16, D)     \
+    FA3_S4(f16, __half, D)             \
+    FA3_S5(bf16, __nv_bfloat16, D)     \
+    FA3_S5(f16, __half, D)
 
 #if !defined(FA3_ONLY_HDIM) || FA3_ONLY_HDIM == 64
 FA3_ALL_STAGES(64)
@@ -886,3 +921,4 @@ FA3_ALL_STAGES(128)
 #if !defined(FA3_ONLY_HDIM) || FA3_ONLY_HDIM == 256
 FA3_ALL_STAGES(256)
 #endif
+#endif  // FA_FAMILY

@@ -71,7 +71,7 @@ for d in "${hdims[@]}"; do
   [ "$n" -eq 10 ] || { echo "hd$d: expected 10 kernels (5 stages x 2 dtypes), ptxas reported $n"; fail=1; }
   while read -r fn regs spill stack; do
     read -r _ hg ut sy mx ar w1 ls < <(grep "^$fn " "$out/fa3_hd$d.ops" || echo "$fn 0 0 0 0 0 0 0")
-    stage=${fn#fa3_s}; stage=${stage%%_*}
+    stage=${fn#fa3s}; stage=${stage%%_*}
     printf '%-24s %5s %6s %6s %6s %7s %5s %7s %6s %6s %s\n' "$fn" "$regs" "$spill" "$stack" "$hg" "$ut" "$sy" "$mx" "$ar" "$w1" "$ls"
     bad=()
     [ "$spill" -eq 0 ] || bad+=("spills")

@@ -1,5 +1,5 @@
 // A fake libcuda.so.1 for testing scripts/fa3-gpu-smoke.cpp on a machine without a GPU: "device"
-// memory is host memory, and cuLaunchKernel of an fa3_s<stage>_fwd_<dtype>_hd<D> kernel checks
+// memory is host memory, and cuLaunchKernel of an fa3s<stage>_fwd_hd<D>_<dtype> kernel checks
 // the launch configuration against Fa3Traits, then computes the attention on the CPU from the
 // FwdParams it was given. A smoke run against it proves the harness (parameter packing, strides,
 // flags, tensor-map arguments, reference, tolerances) is self-consistent; it says nothing about
@@ -132,7 +132,7 @@ CUresult CUDAAPI cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned
                                 unsigned bz, unsigned smem, CUstream, void** args, void**) {
     int stage = 0, d = 0;
     char dt[8] = {0};
-    if (std::sscanf(reinterpret_cast<const char*>(f), "fa3_s%d_fwd_%7[a-z0-9]_hd%d", &stage, dt, &d) != 3)
+    if (std::sscanf(reinterpret_cast<const char*>(f), "fa3s%d_fwd_hd%d_%7[a-z0-9]", &stage, &d, dt) != 3)
         return fail("unknown kernel name");
     const bool bf16 = std::strcmp(dt, "bf16") == 0;
     Expect e{};

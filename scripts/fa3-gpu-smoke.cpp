@@ -378,7 +378,7 @@ int main(int argc, char** argv) {
         CK(p_cuModuleLoadData(&mod, image.data()));
         for (int stage : stages)
             for (bool bf16 : {true, false}) {
-                const std::string name = "fa3_s" + std::to_string(stage) + "_fwd_" + (bf16 ? "bf16" : "f16") + "_hd" + std::to_string(d);
+                const std::string name = "fa3s" + std::to_string(stage) + "_fwd_hd" + std::to_string(d) + "_" + (bf16 ? "bf16" : "f16");
                 Run r{nullptr, stage, d, ctas > 0 ? ctas : sms, bf16};
                 CK(p_cuModuleGetFunction(&r.fn, mod, name.c_str()));
                 CK(p_cuFuncSetAttribute(r.fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, geometry(stage, d).smem));

@@ -1,11 +1,9 @@
-//! Host side of the FA3-style sm_90a kernels (`cuda/fa3_fwd_sm90.cu`): the kernel symbol, the
-//! launch geometry of each (stage, head_dim) instance, and the three TMA tensor maps stages 2-3
-//! take after `FwdParams`. Mirrors `cuda/include/fa3_traits.cuh` (the tests pin the numbers the
-//! C++ traits produce) and `docs/fa3.md`.
-//!
-//! Not referenced by the crate yet: the lead wires it into `src/cuda/` dispatch. The pure parts
-//! (`geometry`, `symbol`, `tma_specs`) need no CUDA; `tensor_maps_for` encodes the maps through
-//! `cudarc::driver::sys::cuTensorMapEncodeTiled` and is compiled only with the `cuda` feature.
+//! TMA and geometry helpers of the FA3-style sm_90a kernels (`cuda/fa3_fwd_sm90.cu`), used by
+//! `fa3.rs`: the launch geometry of each (stage, head_dim) instance as `Fa3Traits` computes it
+//! (a test pins the table rows of build/instances.rs to it, another pins it to the numbers the
+//! C++ traits print), the grids, and the three TMA tensor maps stages 2-5 take after
+//! `FwdParams` (docs/fa3.md). `tensor_maps_for` encodes them through
+//! `cudarc::driver::sys::cuTensorMapEncodeTiled`.
 
 use crate::error::{Error, Operand, Result};
 use crate::tensor::DType;
@@ -13,6 +11,7 @@ use crate::tensor::DType;
 /// Stages with an instance in `cuda/fa3_fwd_sm90.cu` (1 = wgmma only, 2 = + TMA/mbarrier ring,
 /// 3 = + warp specialisation, 4 = + ping-pong and intra-warpgroup overlap, 5 = + persistent
 /// tile scheduler).
+#[cfg_attr(not(test), allow(dead_code))]
 pub(crate) const FA3_STAGES: [u32; 5] = [1, 2, 3, 4, 5];
 /// Head dims with an instance.
 pub(crate) const FA3_HEAD_DIMS: [usize; 3] = [64, 128, 256];
@@ -48,6 +47,7 @@ pub(crate) struct Fa3Geometry {
 }
 
 /// Same arithmetic as `Fa3Traits<Stage, HeadDim>`; `None` for a pair without an instance.
+#[cfg_attr(not(test), allow(dead_code))]
 pub(crate) fn geometry(stage: u32, head_dim: usize) -> Option<Fa3Geometry> {
     if !FA3_STAGES.contains(&stage) || !FA3_HEAD_DIMS.contains(&head_dim) {
         return None;
@@ -100,17 +100,6 @@ pub(crate) fn persistent_grid(
 ) -> (u32, u32, u32) {
     let tiles = seqlen_q.div_ceil(g.block_m as usize) * heads_q * batch;
     (tiles.min(sm_count).max(1) as u32, 1, 1)
-}
-
-/// `extern "C"` name of an instance, e.g. `fa3_s2_fwd_bf16_hd128`.
-pub(crate) fn symbol(stage: u32, dtype: DType, head_dim: usize) -> Option<String> {
-    geometry(stage, head_dim)?;
-    let dt = match dtype {
-        DType::BF16 => "bf16",
-        DType::F16 => "f16",
-        DType::F32 => return None,
-    };
-    Some(format!("fa3_s{stage}_fwd_{dt}_hd{head_dim}"))
 }
 
 /// Where one operand lives: `[batch, seqlen, heads, head_dim]` with element strides for batch,
@@ -214,7 +203,7 @@ pub(crate) fn tma_specs(
     ])
 }
 
-/// Encodes the three tensor maps of a stage-2/3 launch; pass them, in order Q, K, V, after the
+/// Encodes the three tensor maps of a stage-2..5 launch; pass them, in order Q, K, V, after the
 /// `FwdParams` argument (each as its `opaque: [u64; 16]`).
 ///
 /// # Safety
@@ -328,7 +317,7 @@ mod tests {
     }
 
     #[test]
-    fn grid_and_symbol() {
+    fn grids() {
         let g = geometry(3, 128).unwrap();
         assert_eq!(grid(&g, 2, 1000, 16), (8, 16, 2)); // ceil(1000 / 128) = 8
         let g = geometry(1, 64).unwrap();
@@ -336,19 +325,6 @@ mod tests {
         let g5 = geometry(5, 128).unwrap();
         assert_eq!(persistent_grid(&g5, 2, 1000, 16, 132), (132, 1, 1)); // 256 tiles
         assert_eq!(persistent_grid(&g5, 1, 100, 2, 132), (2, 1, 1)); // 2 tiles
-        assert_eq!(
-            symbol(5, DType::BF16, 256).as_deref(),
-            Some("fa3_s5_fwd_bf16_hd256")
-        );
-        assert_eq!(
-            symbol(2, DType::BF16, 128).as_deref(),
-            Some("fa3_s2_fwd_bf16_hd128")
-        );
-        assert_eq!(
-            symbol(3, DType::F16, 64).as_deref(),
-            Some("fa3_s3_fwd_f16_hd64")
-        );
-        assert_eq!(symbol(1, DType::F32, 64), None);
     }
 
     #[test]
