@@ -62,7 +62,7 @@ if [ -x "$here/bin/gpu_forward" ]; then
     case $rc in
       0) res=PASS; fa3_passed="$fa3_passed$s"; detail="$(grep -E "^fa3 stage $s: passed" "$out/fa3.log" | tail -1)" ;;
       124) res=FAIL; detail="TIMEOUT (hang? the last case line in fa3.log names the shape)" ;;
-      *) res=FAIL; detail="rc=$rc $(grep -E 'panicked|fa3 stage' "$out/fa3.log" | tail -1 | cut -c1-120)" ;;
+      *) res=FAIL; detail="rc=$rc $(sed -n "/^== fa3_stage$s\$/,\$p" "$out/fa3.log" | grep -A1 -E 'panicked' | tail -1 | cut -c1-120)" ;;
     esac
     row "fa3 stage $s" "$res" $((SECONDS - t0)) "$detail"
   done
