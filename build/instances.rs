@@ -170,7 +170,100 @@ fn fa2_smem_bytes(t: &Tile) -> u32 {
 /// FA2 threads: 4 warps split the query rows (split-Q), for every head dim.
 const FA2_THREADS: u32 = 128;
 
-/// The families. Add FA2/FA3/FA4 rows here.
+
+/// The stage of an FA3 ladder family ("fa3s1" .. "fa3s5" -> 1 .. 5); `None` for every other
+/// family. The family name is the single record of the stage: cuda/fa3_fwd_sm90.cu reads it
+/// from the FA_FAMILY token build.rs defines, the host (src/cuda/fa3.rs) from the name.
+pub fn fa3_stage(family: &str) -> Option<u32> {
+    let stage: u32 = family.strip_prefix("fa3s")?.parse().ok()?;
+    (1..=FA3_MAX_STAGE).contains(&stage).then_some(stage)
+}
+
+/// The highest stage of the FA3 ladder (docs/fa3.md).
+pub const FA3_MAX_STAGE: u32 = 5;
+
+/// FA3: one warpgroup (128 threads) issues each wgmma; stages 1-2 run one consumer warpgroup,
+/// stages 3-5 a producer warpgroup plus two consumers.
+const FA3_WARPGROUP: u32 = 128;
+/// FA3 query rows per consumer warpgroup (the M of wgmma m64nNk16).
+const FA3_ROWS_PER_CONSUMER: u32 = 64;
+/// FA3 dynamic shared memory slack: the kernel rounds its base up to a 1024-byte swizzle atom.
+const FA3_SMEM_SLACK: u32 = 1024;
+/// FA3 mbarriers are 8 bytes.
+const FA3_MBARRIER_BYTES: u32 = 8;
+
+/// The FA3 tile of (stage, head_dim): 64 query rows per consumer warpgroup; 128 keys per K/V
+/// tile up to head_dim 128, 64 at 256 (the O accumulator then takes 128 registers).
+const fn fa3_tile(stage: u32, head_dim: u32) -> Tile {
+    let consumers = if stage >= 3 { 2 } else { 1 };
+    let producers = if stage >= 3 { 1 } else { 0 };
+    Tile {
+        head_dim,
+        block_m: FA3_ROWS_PER_CONSUMER * consumers,
+        block_n: if head_dim <= 128 { 128 } else { 64 },
+        threads: FA3_WARPGROUP * (consumers + producers),
+    }
+}
+
+/// FA3 shared memory of a stage's tile: Q (block_m rows), a K and a V ring of `slots` tiles
+/// (1 in stage 1, 2 from stage 2), the mbarriers (stages 2-3: q_full + kv_full/kv_empty per
+/// slot; stages 4-5: q_full, q_empty + k_full/v_full/k_empty/v_empty per slot; stage 1 still
+/// reserves the stage-2/3 set: the traits share one layout) and the alignment slack. Mirrors
+/// `Fa3Traits::kSmemBytes` (cuda/include/fa3_traits.cuh), which the kernel static_asserts
+/// equal to FA_SMEM_BYTES.
+const fn fa3_smem(stage: u32, t: &Tile) -> u32 {
+    let elem = 2; // f16 / bf16
+    let slots = if stage >= 2 { 2 } else { 1 };
+    let barriers = if stage >= 4 { 2 + 4 * slots } else { 1 + 2 * slots };
+    t.block_m * t.head_dim * elem + 2 * slots * t.block_n * t.head_dim * elem + FA3_MBARRIER_BYTES * barriers + FA3_SMEM_SLACK
+}
+fn fa3s1_smem(t: &Tile) -> u32 {
+    fa3_smem(1, t)
+}
+fn fa3s2_smem(t: &Tile) -> u32 {
+    fa3_smem(2, t)
+}
+fn fa3s3_smem(t: &Tile) -> u32 {
+    fa3_smem(3, t)
+}
+fn fa3s4_smem(t: &Tile) -> u32 {
+    fa3_smem(4, t)
+}
+fn fa3s5_smem(t: &Tile) -> u32 {
+    fa3_smem(5, t)
+}
+
+/// One row of the FA3 ladder: cuda/fa3_fwd_sm90.cu (sm_90a only, by its file name) for head
+/// dims 64/128/256. No stage has run on a GPU yet: not `gpu_verified`, and not `auto` (Auto
+/// keeps FA2/FA1 on Hopper until a stage passes scripts/gpu-check.sh there). Ranked above FA1
+/// and FA2, higher stages higher, so an explicit `Variant::Fa3` takes the highest stage.
+const fn fa3_family(
+    name: &'static str,
+    stage: u32,
+    sass_expect: &'static [&'static str],
+    tiles: &'static [Tile],
+    smem_bytes: fn(&Tile) -> u32,
+) -> Family {
+    Family {
+        name,
+        variant: "Fa3",
+        source: "cuda/fa3_fwd_sm90.cu",
+        tiles,
+        min_sm: 90,
+        gpu_verified: false,
+        auto: false,
+        sass_expect,
+        options: &[],
+        rank: 30 + stage,
+        cpu_emulation: None,
+        smem_bytes,
+    }
+}
+const FA3_S1_TILES: &[Tile] = &[fa3_tile(1, 64), fa3_tile(1, 128), fa3_tile(1, 256)];
+const FA3_S2_TILES: &[Tile] = &[fa3_tile(2, 64), fa3_tile(2, 128), fa3_tile(2, 256)];
+const FA3_S345_TILES: &[Tile] = &[fa3_tile(3, 64), fa3_tile(3, 128), fa3_tile(3, 256)];
+
+/// The families. Add FA4 rows here.
 pub const FAMILIES: &[Family] = &[Family {
     name: "fa1",
     variant: "Fa1",
@@ -227,4 +320,13 @@ Family {
     // Its emulation needs ISA models of mma/ldmatrix/cp.async: cuda/test/fa2_emu, run by tests/fa2_host.rs.
     cpu_emulation: None,
     smem_bytes: fa2_smem_bytes,
-}];
+},
+    // The FA3 ladder (docs/fa3.md): stage N adds one Hopper mechanism to stage N-1.
+    // 1 wgmma; 2 + TMA/mbarrier ring; 3 + warp specialisation (setmaxnreg); 4 + ping-pong and
+    // intra-warpgroup overlap; 5 + persistent grid (min(SMs, tiles) CTAs).
+    fa3_family("fa3s1", 1, &["HGMMA"], FA3_S1_TILES, fa3s1_smem),
+    fa3_family("fa3s2", 2, &["HGMMA", "UTMALDG", "SYNCS"], FA3_S2_TILES, fa3s2_smem),
+    fa3_family("fa3s3", 3, &["HGMMA", "UTMALDG", "SYNCS", "USETMAXREG"], FA3_S345_TILES, fa3s3_smem),
+    fa3_family("fa3s4", 4, &["HGMMA", "UTMALDG", "SYNCS", "USETMAXREG"], FA3_S345_TILES, fa3s4_smem),
+    fa3_family("fa3s5", 5, &["HGMMA", "UTMALDG", "SYNCS", "USETMAXREG"], FA3_S345_TILES, fa3s5_smem),
+];

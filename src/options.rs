@@ -127,6 +127,9 @@ pub struct ForwardOptions {
     pub rescale: Rescale,
     /// CPU worker threads; `None` uses `std::thread::available_parallelism`.
     pub cpu_threads: Option<usize>,
+    /// The rung of the FA3 stage ladder to run (1..=5, docs/fa3.md), with `Variant::Fa3` only;
+    /// `None` runs the highest GPU-verified stage, or the highest compiled one if none is.
+    pub fa3_stage: Option<u8>,
 }
 
 impl ForwardOptions {
@@ -179,6 +182,12 @@ impl ForwardOptions {
     }
     pub fn cpu_threads(mut self, n: usize) -> Self {
         self.cpu_threads = Some(n);
+        self
+    }
+    /// Runs stage `stage` (1..=5) of the FA3 ladder; needs `variant(Variant::Fa3)`. Checked
+    /// when the problem is validated ([`crate::Error::InvalidOption`]).
+    pub fn fa3_stage(mut self, stage: u8) -> Self {
+        self.fa3_stage = Some(stage);
         self
     }
 }

@@ -31,7 +31,13 @@ pub struct Problem {
     pub precision: Precision,
     pub exp2: Exp2,
     pub rescale: Rescale,
+    /// The FA3 stage requested with `Variant::Fa3` (validated: 1..=FA3_MAX_STAGE).
+    pub fa3_stage: Option<u8>,
 }
+
+/// Stages of the FA3 ladder (cuda/fa3_fwd_sm90.cu); the CUDA dispatch tests check it against
+/// the kernel table's `FA3_MAX_STAGE`.
+pub(crate) const FA3_MAX_STAGE: u8 = 5;
 
 impl Problem {
     /// Validates q, k, v and the options. Every refusal is a typed error.
@@ -103,6 +109,22 @@ impl Problem {
             }
         }
         crate::numerics::validate(opts.precision, opts.exp2, opts.rescale, head_dim)?;
+        if let Some(stage) = opts.fa3_stage {
+            if opts.variant != crate::options::Variant::Fa3 {
+                return Err(Error::InvalidOption {
+                    option: "fa3_stage",
+                    got: format!("{stage} with Variant::{:?}", opts.variant),
+                    expected: "Variant::Fa3 (a stage of the FA3 ladder runs only when FA3 is requested)".into(),
+                });
+            }
+            if !(1..=FA3_MAX_STAGE).contains(&stage) {
+                return Err(Error::InvalidOption {
+                    option: "fa3_stage",
+                    got: stage.to_string(),
+                    expected: format!("1..={FA3_MAX_STAGE}"),
+                });
+            }
+        }
         Ok(Problem {
             batch,
             seqlen_q,
@@ -120,6 +142,7 @@ impl Problem {
             precision: opts.precision,
             exp2: opts.exp2,
             rescale: opts.rescale,
+            fa3_stage: opts.fa3_stage,
         })
     }
 

@@ -135,3 +135,15 @@ fn unavailable_backend_is_refused() {
     let e = err(&t(s), &t(s), &t(s), &ForwardOptions::default().backend(Backend::Cuda(999)));
     assert!(matches!(e, Error::BackendUnavailable { .. } | Error::Cuda { .. }), "{e}");
 }
+
+#[test]
+fn fa3_stage_is_validated_before_any_backend() {
+    let s = [1, 4, 1, 64];
+    for (variant, stage) in [(Variant::Fa3, 0), (Variant::Fa3, 6), (Variant::Auto, 2), (Variant::Fa2, 1)] {
+        let e = err(&t(s), &t(s), &t(s), &ForwardOptions::default().variant(variant).fa3_stage(stage));
+        assert!(matches!(e, Error::InvalidOption { option: "fa3_stage", .. }), "{variant:?} stage {stage}: {e}");
+    }
+    // A valid stage gets past validation: the CPU then refuses the GPU variant.
+    let opts = ForwardOptions::default().backend(Backend::Cpu).variant(Variant::Fa3).fa3_stage(3);
+    assert!(matches!(err(&t(s), &t(s), &t(s), &opts), Error::VariantUnavailable { .. }));
+}

@@ -10,7 +10,7 @@
 mod common;
 use common::*;
 use cudarc::driver::{CudaStream, DeviceRepr};
-use flash_attn::cuda::{kernels::FAMILIES, DeviceLse, DeviceTensor, DeviceTensorMut, Engine};
+use flash_attn::cuda::{kernels::fa3_stage, kernels::FAMILIES, DeviceLse, DeviceTensor, DeviceTensorMut, Engine};
 use flash_attn::reference::{attention_f64, attention_naive, max_abs_diff};
 use flash_attn::{Backend, DType, Element, Error, ForwardOptions, Mask, Problem, Tensor, TensorView, Variant};
 use half::{bf16, f16};
@@ -48,7 +48,9 @@ fn variants(engine: &Engine) -> Vec<Variant> {
     let (major, minor) = engine.device().compute_capability();
     let sm = (major * 10 + minor) as u32;
     let mut out = vec![Variant::Auto];
-    for fam in FAMILIES {
+    // The FA3 stage ladder has its own matrix (fa3_stage1..5 below): it refuses ALiBi and head
+    // dims other than 64/128/256, which this generic matrix draws.
+    for fam in FAMILIES.iter().filter(|f| fa3_stage(f.name).is_none()) {
         let var = variant_of(fam.variant);
         if sm >= fam.min_sm {
             out.push(var);
@@ -378,6 +380,151 @@ fn sanitizer_subset() {
                     let opts = ForwardOptions::default().mask(mask).return_lse(true).alibi_slopes(vec![0.25f32; 4]).variant(var);
                     check(&engine, &stream, [q.view(), k.view(), v.view()], &opts, &format!("{dtype:?} d{d} {mask:?} {var:?}"));
                 }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------- FA3 stage ladder
+// One test per stage (scripts/gpu-check-run.sh runs them in ascending order, each under its
+// own timeout, so a hang in stage N names its rung and leaves the window to the others).
+
+/// Whether this GPU runs the FA3 kernels (sm_90a SASS: compute capability 9.0 only). Elsewhere
+/// the stage must be refused with VariantUnavailable, which is checked.
+fn fa3_runs_here(engine: &Engine, stage: u8) -> bool {
+    let opts = ForwardOptions::default().variant(Variant::Fa3).fa3_stage(stage);
+    let d = engine.dispatch([1, 64, 1, 64], [1, 64, 1, 64], DType::BF16, &opts);
+    if engine.device().compute_capability() == (9, 0) {
+        let d = d.unwrap_or_else(|e| panic!("fa3 stage {stage} on sm_90: {e}"));
+        assert_eq!(d.kernel, format!("fa3s{stage}_fwd_hd64_bf16"));
+        true
+    } else {
+        assert!(matches!(d, Err(Error::VariantUnavailable { .. })), "fa3 stage {stage} off sm_90: {d:?}");
+        false
+    }
+}
+
+/// The FA3 matrix of one stage: bf16/f16 × head_dim 64/128/256 × (plain; GQA + causal with
+/// sq < sk; a sliding window; sq > sk causal: rows with no key give O = 0, LSE = -inf; softcap;
+/// several K/V tiles (ring wrap); odd seqlens with GQA 7:1 and a causal window), each against
+/// the float64 reference with FlashAttention's tolerance, outputs NaN-poisoned; then more
+/// query tiles than SMs (stage 5: many tiles per CTA), and the typed refusals (ALiBi, head_dim
+/// 96, strides off the 16-byte rule).
+fn fa3_matrix(stage: u8) {
+    let engine = engine();
+    if !fa3_runs_here(&engine, stage) {
+        return;
+    }
+    let stream = engine.device().context().new_stream().unwrap();
+    let mut rng = Rng(0xfa3 + stage as u64);
+    let fa3 = ForwardOptions::default().variant(Variant::Fa3).fa3_stage(stage);
+    // (batch, sq, sk, hq, hkv, mask, softcap, lse)
+    type Case = (usize, usize, usize, usize, usize, Mask, Option<f32>, bool);
+    let cases: &[Case] = &[
+        (1, 128, 128, 1, 1, Mask::None, None, false),
+        (2, 100, 300, 4, 2, Mask::Causal, None, true),
+        (1, 257, 257, 2, 2, Mask::window(64, 16), None, true),
+        (1, 300, 100, 2, 1, Mask::Causal, None, true),
+        (1, 150, 200, 2, 2, Mask::None, Some(30.0), true),
+        (1, 70, 520, 1, 1, Mask::None, None, true),
+        (2, 77, 333, 7, 1, Mask::causal_window(40), None, true),
+    ];
+    let mut worst = 0.0f64;
+    for dtype in [DType::BF16, DType::F16] {
+        for d in [64usize, 128, 256] {
+            for &(b, sq, sk, hq, hkv, mask, softcap, lse) in cases {
+                let q = randn(&mut rng, dtype, [b, sq, hq, d]);
+                let k = randn(&mut rng, dtype, [b, sk, hkv, d]);
+                let v = randn(&mut rng, dtype, [b, sk, hkv, d]);
+                let mut opts = fa3.clone().mask(mask).return_lse(lse);
+                if let Some(c) = softcap {
+                    opts = opts.softcap(c);
+                }
+                let dt = if dtype == DType::BF16 { "bf16" } else { "f16" };
+                let chosen = engine.dispatch([b, sq, hq, d], [b, sk, hkv, d], dtype, &opts).unwrap();
+                assert_eq!(chosen.kernel, format!("fa3s{stage}_fwd_hd{d}_{dt}"), "{}", chosen.reason);
+                let what = format!("fa3 stage {stage} {dtype:?} b{b} sq{sq} sk{sk} hq{hq} hkv{hkv} d{d} {mask:?} softcap {softcap:?}");
+                worst = worst.max(check(&engine, &stream, [q.view(), k.view(), v.view()], &opts, &what));
+            }
+        }
+    }
+    // More (query tile, head, batch) tiles than any GPU has SMs: stage 5's CTAs take many each.
+    for dtype in [DType::BF16, DType::F16] {
+        let q = randn(&mut rng, dtype, [4, 520, 16, 64]);
+        let k = randn(&mut rng, dtype, [4, 64, 4, 64]);
+        let v = randn(&mut rng, dtype, [4, 64, 4, 64]);
+        let opts = fa3.clone().causal(true).return_lse(true);
+        let what = format!("fa3 stage {stage} {dtype:?} many tiles");
+        worst = worst.max(check(&engine, &stream, [q.view(), k.view(), v.view()], &opts, &what));
+    }
+    // Refusals are typed errors.
+    let alibi = fa3.clone().alibi_slopes(vec![0.25f32; 2]);
+    let e = engine.dispatch([1, 64, 2, 64], [1, 64, 2, 64], DType::BF16, &alibi);
+    assert!(matches!(&e, Err(Error::VariantUnavailable { reason, .. }) if reason.contains("ALiBi")), "{e:?}");
+    let e = engine.dispatch([1, 64, 2, 96], [1, 64, 2, 96], DType::BF16, &fa3);
+    assert!(matches!(e, Err(Error::VariantUnavailable { .. })), "{e:?}");
+    let padded = randn(&mut rng, DType::BF16, [1, 64, 1, 68]);
+    let data = match padded.view().data() {
+        flash_attn::Data::BF16(x) => x.to_vec(),
+        _ => unreachable!(),
+    };
+    let strided = [64 * 68, 68, 64]; // rows 68 elements apart: 136 bytes, not a multiple of 16
+    let shape = [1, 64, 1, 64];
+    let r = run_typed::<bf16>(&engine, &stream, [(&data, shape, strided), (&data, shape, strided), (&data, shape, strided)], &fa3);
+    assert!(matches!(r, Err(Error::InvalidLayout { .. })), "stride 68: {:?}", r.err());
+    println!("fa3 stage {stage}: passed; worst err/bound {worst:.3}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fa3_stage1() {
+    fa3_matrix(1);
+}
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fa3_stage2() {
+    fa3_matrix(2);
+}
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fa3_stage3() {
+    fa3_matrix(3);
+}
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fa3_stage4() {
+    fa3_matrix(4);
+}
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fa3_stage5() {
+    fa3_matrix(5);
+}
+
+/// The short FA3 subset scripts/gpu-check-run.sh runs under compute-sanitizer (memcheck,
+/// racecheck, synccheck), one stage at a time (`FA3_SANITIZE_STAGE`, default all): every head
+/// dim, seqlens off the tiles, causal, GQA, LSE, both dtypes.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fa3_sanitizer_subset() {
+    let engine = engine();
+    let stages: Vec<u8> = match std::env::var("FA3_SANITIZE_STAGE") {
+        Ok(s) => vec![s.parse().expect("FA3_SANITIZE_STAGE: 1..=5")],
+        Err(_) => (1..=5).collect(),
+    };
+    let stream = engine.device().context().new_stream().unwrap();
+    let mut rng = Rng(17);
+    for stage in stages {
+        if !fa3_runs_here(&engine, stage) {
+            continue;
+        }
+        for dtype in [DType::F16, DType::BF16] {
+            for d in [64usize, 128, 256] {
+                let q = randn(&mut rng, dtype, [1, 100, 4, d]);
+                let k = randn(&mut rng, dtype, [1, 300, 2, d]);
+                let v = randn(&mut rng, dtype, [1, 300, 2, d]);
+                let opts = ForwardOptions::default().variant(Variant::Fa3).fa3_stage(stage).causal(true).return_lse(true);
+                check(&engine, &stream, [q.view(), k.view(), v.view()], &opts, &format!("fa3 stage {stage} {dtype:?} d{d}"));
             }
         }
     }

@@ -13,7 +13,7 @@
 #![cfg(feature = "cuda")]
 
 use flash_attn::cuda::kernels::{
-    kernel_symbol, targets_for, Image, Target, ARCHS_FILTER, CUOBJDUMP, DTYPE_NAMES, FAMILIES, HDIMS_FILTER, IMAGES,
+    fa3_stage, kernel_symbol, targets_for, Image, Target, ARCHS_FILTER, CUOBJDUMP, DTYPE_NAMES, FAMILIES, HDIMS_FILTER, IMAGES,
     WHY_NO_KERNELS,
 };
 use std::process::Command;
@@ -183,4 +183,29 @@ fn toolchain_present_when_required() {
     } else {
         println!("FLASH_ATTN_REQUIRE_NVCC is not 1: kernels built: {}", IMAGES.len());
     }
+}
+
+/// FA3 stages 3-5 move registers with setmaxnreg inside the CTA's launch allocation: 384
+/// threads × 168 = 128 × 24 (producer) + 256 × 240 (consumers). If ptxas allocated fewer than
+/// 168 at entry the consumers' `setmaxnreg.inc` would wait forever (docs/fa3.md, risk 6).
+#[test]
+#[cfg_attr(not(fa_kernels), ignore = "nvcc was not found at build time, so no kernel was built (run scripts/install-cuda-toolchain.sh)")]
+fn fa3_warp_specialised_stages_enter_with_168_registers() {
+    const ENTRY_REGISTERS: u32 = 168;
+    let mut checked = 0;
+    for img in cubins().filter(|i| fa3_stage(i.family).is_some_and(|s| s >= 3)) {
+        for (name, regs, ..) in report_stats(img.report) {
+            assert_eq!(regs, ENTRY_REGISTERS, "{name}: {regs} registers at entry");
+            checked += 1;
+        }
+    }
+    let fa3s3 = FAMILIES.iter().find(|f| f.name == "fa3s3").expect("the FA3 ladder is in the table");
+    let built = keep_filter(ARCHS_FILTER, "90a") && fa3s3.tiles.iter().any(|t| keep_filter(HDIMS_FILTER, &t.head_dim.to_string()));
+    if built {
+        assert!(checked > 0, "no FA3 stage 3-5 cubin was checked");
+    }
+}
+
+fn keep_filter(filter: &str, x: &str) -> bool {
+    filter.trim().is_empty() || filter.split(',').any(|f| f.trim() == x)
 }

@@ -7,7 +7,7 @@
 //! - An explicit variant that cannot run is an error naming why, never a silent fallback.
 
 use super::device::Device;
-use super::kernels::{Family, Image, Tile, FAMILIES};
+use super::kernels::{fa3_stage, targets_for, Family, Image, Tile, FAMILIES};
 
 /// What dispatch needs to know about a GPU: a trait so the table logic is tested without one.
 pub(crate) trait Gpu {
@@ -51,6 +51,8 @@ pub(crate) struct Choice {
     /// A higher-ranked family Auto passed over because one of its own preconditions failed
     /// (src/cuda/<family>.rs), and why; shown in `Dispatch::reason`.
     pub passed_over: Option<(&'static Family, &'static str)>,
+    /// Why this rung of a ladder (the FA3 stages) was taken; empty for single-family variants.
+    pub pick: &'static str,
 }
 
 /// The kernel-symbol suffix of a dtype the GPU kernels take.
@@ -87,6 +89,11 @@ fn fit(fam: &'static Family, dev: &impl Gpu, p: &Problem) -> std::result::Result
     if dev.sm() < fam.min_sm {
         return Err(format!("needs sm_{} or newer, this GPU is sm_{}", fam.min_sm, dev.sm()));
     }
+    let (major, minor) = ((dev.sm() / 10) as i32, (dev.sm() % 10) as i32);
+    if !targets_for(fam.source).iter().any(|t| t.runs_on(major, minor)) {
+        let names: Vec<&str> = targets_for(fam.source).iter().map(|t| t.name()).collect();
+        return Err(format!("is built only for sm_{} (arch-specific features), this GPU is sm_{}", names.join("/sm_"), dev.sm()));
+    }
     let dtype = dtype_name(p.dtype).ok_or_else(|| format!("takes f16/bf16, not {:?}", p.dtype))?;
     for opt in needed_options(p).into_iter().flatten() {
         if !fam.options.contains(&opt) {
@@ -97,6 +104,11 @@ fn fit(fam: &'static Family, dev: &impl Gpu, p: &Problem) -> std::result::Result
     let mut too_big = true;
     for tile in fam.tiles.iter().filter(|t| t.head_dim as usize >= p.head_dim) {
         too_big = false;
+        if fa3_stage(fam.name).is_some() {
+            if let Some(why) = super::fa3::refusal(p, tile) {
+                return Err(why);
+            }
+        }
         let Some(image) = dev.image_for(fam.name, tile.head_dim) else { continue };
         let smem = (fam.smem_bytes)(tile);
         if smem > dev.max_smem_optin() {
@@ -106,7 +118,7 @@ fn fit(fam: &'static Family, dev: &impl Gpu, p: &Problem) -> std::result::Result
                 dev.max_smem_optin()
             ));
         }
-        return Ok(Choice { family: fam, tile, dtype, image, passed_over: None });
+        return Ok(Choice { family: fam, tile, dtype, image, passed_over: None, pick: "" });
     }
     let dims: Vec<u32> = fam.tiles.iter().map(|t| t.head_dim).collect();
     Err(if too_big {
@@ -171,20 +183,7 @@ pub(crate) fn choose(dev: &impl Gpu, p: &Problem, variant: Variant) -> Result<Ch
 /// `choose` over a given table (the real one, or a test's).
 fn choose_in(families: &'static [Family], dev: &impl Gpu, p: &Problem, variant: Variant) -> Result<Choice> {
     if variant != Variant::Auto {
-        let want = variant_name(variant);
-        let fam = families.iter().find(|f| f.variant == want).ok_or_else(|| Error::VariantUnavailable {
-            variant,
-            reason: "no kernel of this family is built into this crate".into(),
-        })?;
-        let unavailable = |why: &str| Error::VariantUnavailable {
-            variant,
-            reason: format!("{} on {} (sm_{}): {why}", fam.name, dev.name(), dev.sm()),
-        };
-        let c = fit(fam, dev, p).map_err(|why| unavailable(&why))?;
-        return match precondition(fam, c.tile, p) {
-            Some(why) => Err(unavailable(why)),
-            None => Ok(c),
-        };
+        return choose_explicit(families, dev, p, variant);
     }
     auto_below(families, dev, p, u32::MAX)
 }
@@ -210,6 +209,53 @@ fn auto_below(families: &'static [Family], dev: &impl Gpu, p: &Problem, rank: u3
     let mut best = best.ok_or_else(|| no_kernel_error(families, dev, p))?;
     best.passed_over = passed.filter(|(f, _)| f.rank > best.family.rank);
     Ok(best)
+}
+
+/// An explicitly requested variant. A variant with several families (the FA3 stage ladder)
+/// runs the stage `p.fa3_stage` names, else the highest GPU-verified stage that runs the
+/// problem, else (none verified) the highest-ranked one that does; `Choice::pick` says which.
+fn choose_explicit(families: &'static [Family], dev: &impl Gpu, p: &Problem, variant: Variant) -> Result<Choice> {
+    let want = variant_name(variant);
+    let unavailable = |reason: String| Error::VariantUnavailable { variant, reason };
+    let of_variant = || families.iter().filter(move |f| f.variant == want);
+    let ladder = of_variant().count() > 1;
+    let wanted_stage = |f: &Family| p.fa3_stage.is_none_or(|s| fa3_stage(f.name) == Some(u32::from(s)));
+    let candidates = || of_variant().filter(move |f| wanted_stage(f));
+    if of_variant().next().is_none() {
+        return Err(unavailable("no kernel of this family is built into this crate".into()));
+    }
+    if candidates().next().is_none() {
+        let names: Vec<&str> = of_variant().map(|f| f.name).collect();
+        return Err(unavailable(format!("no stage {:?} among {}", p.fa3_stage, names.join(", "))));
+    }
+    // Verified beats unverified; among equals, the higher rank (the higher stage) wins.
+    let key = |c: &Choice| (c.family.gpu_verified, c.family.rank);
+    let best = candidates().filter_map(|f| fit(f, dev, p).ok()).max_by_key(key);
+    match best {
+        Some(mut c) => {
+            if let Some(why) = precondition(c.family, c.tile, p) {
+                return Err(unavailable(format!("{} on {} (sm_{}): {why}", c.family.name, dev.name(), dev.sm())));
+            }
+            if ladder {
+                c.pick = if p.fa3_stage.is_some() {
+                    "the stage fa3_stage asked for"
+                } else if c.family.gpu_verified {
+                    "the highest GPU-verified stage that runs this problem"
+                } else if candidates().any(|f| f.gpu_verified) {
+                    "no GPU-verified stage runs this problem: the highest compiled stage that does"
+                } else {
+                    "no stage is GPU-verified yet: the highest compiled stage that runs this problem"
+                };
+            }
+            Ok(c)
+        }
+        None => {
+            // The refusal of the highest-ranked candidate (all stages refuse alike).
+            let fam = candidates().max_by_key(|f| f.rank).expect("checked non-empty above");
+            let why = fit(fam, dev, p).err().unwrap_or_default();
+            Err(unavailable(format!("{} on {} (sm_{}): {why}", fam.name, dev.name(), dev.sm())))
+        }
+    }
 }
 
 /// The error when Auto finds nothing: the most specific reason.
@@ -257,8 +303,10 @@ fn reason_in(families: &'static [Family], dev: &impl Gpu, c: &Choice, requested:
             s += &format!("; {} passed over: {why}", f.name);
         }
         s
-    } else {
+    } else if c.pick.is_empty() {
         format!("{} requested", variant_name(requested))
+    } else {
+        format!("{} requested: {}, {}", variant_name(requested), c.family.name, c.pick)
     };
     format!(
         "{how}; {} sm_{} ({}), head_dim instance {}, {} image{}",
@@ -301,9 +349,31 @@ mod tests {
             smem_bytes: smem,
         }
     }
-    /// A table as it will look with FA2 and FA3 merged: FA3 not yet allowed in Auto.
-    static TABLE: &[Family] =
-        &[family("fa1", "Fa1", 80, true, 1), family("fa2", "Fa2", 80, true, 2), family("fa3", "Fa3", 90, false, 3)];
+    /// An FA3 ladder row as the real table has them (sm_90a-only source, not in Auto).
+    const fn fa3_row(name: &'static str, stage: u32, gpu_verified: bool) -> Family {
+        Family {
+            source: "cuda/fa3_fwd_sm90.cu",
+            gpu_verified,
+            ..family(name, "Fa3", 90, false, 30 + stage)
+        }
+    }
+    /// A table as it will look with FA2 and FA3 merged: FA3 (three stages here) not yet
+    /// allowed in Auto.
+    static TABLE: &[Family] = &[
+        family("fa1", "Fa1", 80, true, 1),
+        family("fa2", "Fa2", 80, true, 2),
+        fa3_row("fa3s1", 1, false),
+        fa3_row("fa3s2", 2, false),
+        fa3_row("fa3s3", 3, false),
+    ];
+    /// The same after stage 2 passed on a GPU.
+    static TABLE_S2_VERIFIED: &[Family] = &[
+        family("fa1", "Fa1", 80, true, 1),
+        family("fa2", "Fa2", 80, true, 2),
+        fa3_row("fa3s1", 1, true),
+        fa3_row("fa3s2", 2, true),
+        fa3_row("fa3s3", 3, false),
+    ];
 
     const fn image(family: &'static str, head_dim: u32, target: Target) -> Image {
         Image { family, head_dim, target, bytes: &[], report: "" }
@@ -323,8 +393,17 @@ mod tests {
         image("fa2", 256, Target::Sm80),
         image("fa2", 128, Target::Sm90a),
         image("fa2", 256, Target::Sm90a),
-        image("fa3", 64, Target::Sm90a),
-        image("fa3", 128, Target::Sm90a),
+        image("fa3s1", 64, Target::Sm90a),
+        image("fa3s1", 128, Target::Sm90a),
+        image("fa3s1", 256, Target::Sm90a),
+        image("fa3s2", 64, Target::Sm90a),
+        image("fa3s2", 128, Target::Sm90a),
+        image("fa3s2", 256, Target::Sm90a),
+        // stage 3: head_dim 256 pruned from the build
+        image("fa3s3", 64, Target::Sm90a),
+        image("fa3s3", 128, Target::Sm90a),
+        // a build that (wrongly) had an sm_100a image of the sm_90a-only source
+        image("fa3s3", 128, Target::Sm100a),
     ];
 
     struct FakeGpu {
@@ -351,6 +430,7 @@ mod tests {
     const H100: FakeGpu = FakeGpu { cc: (9, 0), smem: 227 * 1024 };
     const A100: FakeGpu = FakeGpu { cc: (8, 0), smem: 163 * 1024 };
     const RTX5090: FakeGpu = FakeGpu { cc: (12, 0), smem: 99 * 1024 };
+    const B200: FakeGpu = FakeGpu { cc: (10, 0), smem: 227 * 1024 };
 
     fn problem(dtype: DType, head_dim: usize, opts: &ForwardOptions) -> Problem {
         Problem::from_shapes([1, 100, 4, head_dim], [1, 100, 2, head_dim], [1, 100, 2, head_dim], dtype, opts).unwrap()
@@ -364,9 +444,9 @@ mod tests {
         let c = pick(&H100, 128, Variant::Auto).unwrap();
         assert_eq!((c.family.name, c.image.target), ("fa2", Target::Sm90a));
         let why = reason_in(TABLE, &H100, &c, Variant::Auto);
-        assert!(why.contains("fa3 not picked by Auto"), "{why}");
+        assert!(why.contains("fa3s1, fa3s2, fa3s3 not picked by Auto"), "{why}");
         // Explicitly requested, FA3 runs.
-        assert_eq!(pick(&H100, 128, Variant::Fa3).unwrap().family.name, "fa3");
+        assert_eq!(pick(&H100, 128, Variant::Fa3).unwrap().family.name, "fa3s3");
     }
 
     #[test]
@@ -377,6 +457,81 @@ mod tests {
         assert!(matches!(e, Error::VariantUnavailable { variant: Variant::Fa4, .. }), "{e:?}");
         let e = pick(&H100, 200, Variant::Fa3).unwrap_err();
         assert!(matches!(e, Error::VariantUnavailable { .. }), "{e:?}");
+    }
+
+    fn fa3(table: &'static [Family], gpu: &FakeGpu, head_dim: usize, opts: &ForwardOptions) -> Result<Choice> {
+        let opts = opts.clone().variant(Variant::Fa3);
+        choose_in(table, gpu, &problem(DType::BF16, head_dim, &opts), Variant::Fa3)
+    }
+
+    #[test]
+    fn fa3_without_a_stage_runs_the_highest_verified_else_the_highest_compiled() {
+        let none = ForwardOptions::default();
+        let c = fa3(TABLE, &H100, 128, &none).unwrap();
+        assert_eq!((c.family.name, c.tile.head_dim, c.image.target), ("fa3s3", 128, Target::Sm90a));
+        let why = reason_in(TABLE, &H100, &c, Variant::Fa3);
+        assert!(why.contains("Fa3 requested: fa3s3, no stage is GPU-verified yet"), "{why}");
+        assert!(why.contains("not yet verified on a GPU"), "{why}");
+        // Stage 3 has no hd256 image: the highest compiled stage that runs it is 2.
+        assert_eq!(fa3(TABLE, &H100, 256, &none).unwrap().family.name, "fa3s2");
+        // Once stage 2 is verified it wins over the unverified stage 3.
+        let c = fa3(TABLE_S2_VERIFIED, &H100, 128, &none).unwrap();
+        assert_eq!(c.family.name, "fa3s2");
+        let why = reason_in(TABLE_S2_VERIFIED, &H100, &c, Variant::Fa3);
+        assert!(why.contains("the highest GPU-verified stage"), "{why}");
+        assert!(!why.contains("not yet verified"), "{why}");
+    }
+
+    #[test]
+    fn fa3_stage_selects_the_rung() {
+        let c = fa3(TABLE, &H100, 64, &ForwardOptions::default().fa3_stage(1)).unwrap();
+        assert_eq!(c.family.name, "fa3s1");
+        assert!(reason_in(TABLE, &H100, &c, Variant::Fa3).contains("fa3s1, the stage fa3_stage asked for"));
+        // Explicit beats verified.
+        assert_eq!(fa3(TABLE_S2_VERIFIED, &H100, 64, &ForwardOptions::default().fa3_stage(3)).unwrap().family.name, "fa3s3");
+        // A valid stage this table lacks, and a stage whose image was pruned.
+        let e = fa3(TABLE, &H100, 64, &ForwardOptions::default().fa3_stage(5)).unwrap_err();
+        assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("no stage Some(5)")), "{e:?}");
+        let e = fa3(TABLE, &H100, 256, &ForwardOptions::default().fa3_stage(3)).unwrap_err();
+        assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("no image built")), "{e:?}");
+    }
+
+    #[test]
+    fn fa3_stage_is_validated() {
+        let shapes = ([1, 10, 2, 64], [1, 10, 2, 64]);
+        let check = |opts: ForwardOptions| Problem::from_shapes(shapes.0, shapes.1, shapes.1, DType::BF16, &opts);
+        for bad in [0, 6, 255] {
+            let e = check(ForwardOptions::default().variant(Variant::Fa3).fa3_stage(bad)).unwrap_err();
+            assert!(matches!(e, Error::InvalidOption { option: "fa3_stage", .. }), "{e:?}");
+        }
+        for other in [Variant::Auto, Variant::Fa2] {
+            let e = check(ForwardOptions::default().variant(other).fa3_stage(2)).unwrap_err();
+            assert!(matches!(e, Error::InvalidOption { option: "fa3_stage", .. }), "{e:?}");
+        }
+        assert_eq!(check(ForwardOptions::default().variant(Variant::Fa3).fa3_stage(5)).unwrap().fa3_stage, Some(5));
+    }
+
+    #[test]
+    fn fa3_refusals() {
+        let none = ForwardOptions::default();
+        let refused = |r: Result<Choice>, what: &str| match r {
+            Err(Error::VariantUnavailable { variant: Variant::Fa3, reason }) => assert!(reason.contains(what), "{reason}"),
+            other => panic!("expected a refusal naming {what:?}, got {other:?}"),
+        };
+        refused(fa3(TABLE, &H100, 128, &none.clone().alibi_slopes(vec![0.25; 4])), "ALiBi");
+        refused(fa3(TABLE, &H100, 96, &none), "exactly");
+        refused(fa3(TABLE, &H100, 32, &none), "exactly");
+        refused(fa3(TABLE, &H100, 512, &none), "head_dim up to");
+        refused(fa3(TABLE, &A100, 128, &none), "sm_90");
+        refused(fa3(TABLE, &B200, 128, &none), "built only for sm_90a");
+        refused(fa3(TABLE, &RTX5090, 128, &none), "built only for sm_90a");
+        let f32p = problem(DType::F32, 128, &none.clone().variant(Variant::Fa3));
+        let e = choose_in(TABLE, &H100, &f32p, Variant::Fa3).unwrap_err();
+        assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("F32")), "{e:?}");
+        // Auto never routes to FA3 (unverified) and still runs ALiBi on Hopper.
+        let alibi = none.clone().alibi_slopes(vec![0.25; 4]);
+        let c = choose_in(TABLE, &H100, &problem(DType::BF16, 128, &alibi), Variant::Auto).unwrap();
+        assert_eq!(c.family.name, "fa2");
     }
 
     #[test]

@@ -434,6 +434,9 @@ impl Engine {
     }
 
     fn launch_params(&self, stream: &CudaStream, c: &Choice, mut params: FwdParams) -> Result<()> {
+        if let Some(stage) = super::kernels::fa3_stage(c.family.name) {
+            return super::fa3::launch(&self.dev, stream, c, stage, params);
+        }
         let f = self.dev.function(c.family, c.tile, c.dtype)?;
         let grid = (
             params.seqlen_q.unsigned_abs().div_ceil(f.tile.block_m),

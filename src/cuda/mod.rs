@@ -7,6 +7,7 @@
 //! | `params` | `FwdParams`, the FFI struct mirrored from `cuda/include/fa_params.h` |
 //! | `device` | driver detection, contexts, compute capability, lazily loaded module cache |
 //! | `dispatch` | (SM, dtype, head_dim, options, variant) -> kernel instance |
+//! | `fa3`, `fa3_tma` | the FA3 stage ladder's refusals, layout checks, TMA tensor maps and launch |
 //! | `engine` | the device-memory API: [`Engine`], [`DeviceTensor`], caller's stream and output |
 //! | `fa2` | the FA2 family's host-side preconditions (its launch is the generic one) |
 
@@ -14,6 +15,8 @@ mod device;
 mod dispatch;
 mod engine;
 mod fa2;
+mod fa3;
+mod fa3_tma;
 #[doc(hidden)]
 pub mod kernels;
 pub mod params;

@@ -1,0 +1,167 @@
+// Tile shapes, warpgroup roles and shared-memory plan of the FA3-style sm_90a kernels, one
+// struct per (stage, head_dim). Everything the host needs for a launch (threads, dynamic smem,
+// rows per CTA) is a constexpr here and repeated in docs/fa3.md.
+#pragma once
+#include "fa_params.h"
+#include "wgmma_sm90.cuh"
+
+namespace fa3 {
+
+// ---- Tile ranges and mask predicates (__host__ too: scripts/fa3-layout-sim.cpp brute-forces
+// them against the visibility rule).
+
+// Key j is visible to query i iff i + off - left <= j <= i + off + right (off = seqlen_k -
+// seqlen_q, bottom-right aligned; -1 = unbounded side) and j < seqlen_k.
+__host__ __device__ constexpr bool key_visible(const FwdParams& p, int i, int j) {
+    const int off = p.seqlen_k - p.seqlen_q;
+    return j >= 0 && j < p.seqlen_k && (p.window_left < 0 || j >= i + off - p.window_left) &&
+           (p.window_right < 0 || j <= i + off + p.window_right);
+}
+
+// Key tiles [n_begin, n_end) that a block of query rows [m_begin, m_end) can see (every tile
+// holding at least one visible key of some row in the block; n_end == n_begin when none).
+struct KvRange {
+    int n_begin, n_end;
+};
+__host__ __device__ constexpr KvRange kv_tile_range(const FwdParams& p, int m_begin, int m_end,
+                                                    int block_n) {
+    const int off = p.seqlen_k - p.seqlen_q;
+    int j_end = p.seqlen_k;  // one past the last key any row may see
+    if (p.window_right >= 0) {
+        const int last = (m_end - 1) + off + p.window_right + 1;
+        j_end = last < j_end ? last : j_end;
+    }
+    int j_begin = 0;
+    if (p.window_left >= 0) {
+        const int first = m_begin + off - p.window_left;
+        j_begin = first > 0 ? first : 0;
+    }
+    const int n_begin = j_begin / block_n;
+    return KvRange{n_begin, j_end <= j_begin ? n_begin : (j_end + block_n - 1) / block_n};
+}
+
+// False only when every (row, key) of rows [m_first, m_first + rows) x keys [n0, n0 + block_n)
+// is visible, so the per-element mask can be skipped.
+__host__ __device__ constexpr bool block_needs_mask(const FwdParams& p, int m_first, int rows,
+                                                    int n0, int block_n) {
+    const int off = p.seqlen_k - p.seqlen_q;
+    const int n_last = n0 + block_n - 1;
+    return n_last >= p.seqlen_k ||
+           (p.window_left >= 0 && n0 < m_first + (rows - 1) + off - p.window_left) ||
+           (p.window_right >= 0 && n_last > m_first + off + p.window_right);
+}
+
+constexpr int kWarpgroupThreads = 128;  // 4 warps issue one wgmma together
+
+// The stage ladder (docs/fa3.md):
+//   1: wgmma only, plain loads into swizzled smem, one warpgroup, single-buffered K/V.
+//   2: + TMA into a K/V ring guarded by mbarriers, one warpgroup (thread 0 issues the copies).
+//   3: + warp specialisation: a producer warpgroup (TMA, setmaxnreg.dec) and two consumer
+//      warpgroups (setmaxnreg.inc), each consumer owning 64 query rows.
+//   4: + ping-pong (the two consumers take turns issuing their GEMMs, named barriers) and
+//      intra-warpgroup overlap (QK^T of tile j+1 and PV of tile j in flight during the softmax
+//      of tile j+1); K and V get separate full/empty barriers.
+//   5: + persistent scheduling: gridDim.x CTAs stride over all (query tile, head, batch) tiles,
+//      heaviest first; the K/V ring and the Q buffer (q_empty barrier) carry over tiles.
+template <int Stage, int HeadDim>
+struct Fa3Traits {
+    static_assert(Stage >= 1 && Stage <= 5, "stages 1..5 are implemented");
+    static_assert(HeadDim % kSlabCols == 0 && HeadDim <= 256, "head_dim: 64, 128, 192 or 256");
+
+    static constexpr int kStage = Stage;
+    static constexpr int kHeadDim = HeadDim;
+    static constexpr int kSlabs = HeadDim / kSlabCols;  // 64-column SW128 slabs per row
+
+    static constexpr int kConsumerWarpgroups = Stage >= 3 ? 2 : 1;
+    static constexpr int kProducerWarpgroups = Stage >= 3 ? 1 : 0;
+    static constexpr int kThreads = kWarpgroupThreads * (kConsumerWarpgroups + kProducerWarpgroups);
+    static constexpr int kConsumerThreads = kWarpgroupThreads * kConsumerWarpgroups;
+
+    // Query rows per CTA: 64 per consumer warpgroup (the M of one wgmma).
+    static constexpr int kBlockM = kMmaM * kConsumerWarpgroups;
+    // Keys per K/V tile. 128 keeps S (64 fp32/thread) + O (D/2) + P (32 b32) under the 240
+    // consumer registers for D <= 128; D = 256 would need O = 128 regs, so it uses 64 keys.
+    // (FA3 proper uses 128x128 causal / 128x176 non-causal at hdim 128; we use 128 for both.)
+    static constexpr int kBlockN = HeadDim <= 128 ? 128 : 64;
+    static_assert(kBlockN % kMmaN == 0, "N is issued as m64n64 instructions");
+
+    // Skip the per-element mask on K/V tiles where every (row, key) is visible. Off only for
+    // the persistent stage at hd 256: its consumers sit at the 240-register ceiling (O alone is
+    // 128 registers) and the extra branch made ptxas spill there.
+    static constexpr bool kSkipUnmaskedTiles = !(Stage >= 5 && HeadDim > 128);
+
+    // K/V ring depth: stage 1 loads synchronously into one buffer.
+    static constexpr int kKvStages = Stage >= 2 ? 2 : 1;
+
+    // Register split for the warp-specialised stage (3 warpgroups = 384 threads share 64K regs:
+    // 128 * (24 + 2 * 240) = 64512 <= 65536). The kernel is compiled with
+    // __launch_bounds__(384, 1), i.e. at most 168 registers at entry.
+    static constexpr int kProducerRegs = 24;
+    static constexpr int kConsumerRegs = 240;
+
+    // Shared-memory plan (bytes). Every tile is a whole number of 1024-byte swizzle atoms, so
+    // each one starts 1024-aligned once the base is.
+    static constexpr int kElemBytes = 2;
+    static constexpr int kQBytes = kBlockM * HeadDim * kElemBytes;
+    static constexpr int kKvTileBytes = kBlockN * HeadDim * kElemBytes;  // one K or one V tile
+    static constexpr int kQSlabStride = kBlockM * kSwizzleBytes;           // bytes between Q slabs
+    static constexpr int kKvSlabStride = kBlockN * kSwizzleBytes;          // ... between K/V slabs
+    static constexpr int kOffQ = 0;
+    static constexpr int kOffK = kOffQ + kQBytes;
+    static constexpr int kOffV = kOffK + kKvStages * kKvTileBytes;
+    static constexpr int kOffBarriers = kOffV + kKvStages * kKvTileBytes;
+    // Stages 2-3: q_full, kv_full[slots], kv_empty[slots]. Stages 4-5 (K and V separately):
+    // q_full, k_full[slots], v_full[slots], k_empty[slots], v_empty[slots], q_empty.
+    // 8 bytes each.
+    static constexpr bool kSplitKv = Stage >= 4;
+    static constexpr int kNumBarriers = kSplitKv ? 2 + 4 * kKvStages : 1 + 2 * kKvStages;
+    static constexpr int kSmemUsed = kOffBarriers + 8 * kNumBarriers;
+    // Dynamic smem is only guaranteed 16-byte aligned: ask for one extra atom and round up.
+    static constexpr int kSmemBytes = kSmemUsed + kSwizzleAtomBytes;
+
+    // TMA boxes (elements), innermost first: {64 columns (= 128 B swizzle span), 1 head, rows,
+    // 1 batch}.
+    static constexpr int kTmaBoxCols = kSlabCols;
+    static constexpr int kTmaBoxRowsQ = kMmaM;  // a 128-row Q tile is two boxes per slab
+    static constexpr int kTmaBoxRowsKv = kBlockN;
+    static constexpr int kTmaQBytes = kQBytes;
+    static constexpr int kTmaKvBytes = 2 * kKvTileBytes;  // K and V of one slot, one barrier
+    // Stage 4 ping-pong: hardware named barrier ids (0 is __syncthreads), one per consumer
+    // warpgroup, each completed by both consumer warpgroups (2 x 128 threads).
+    static constexpr int kPingPongBarrier0 = 1;
+    static constexpr int kPingPongThreads = 2 * kWarpgroupThreads;
+
+    // ---- Offsets the mainloop uses (bytes); shared with scripts/fa3-layout-sim.cpp. ----
+    static constexpr int kStepsPerSlab = kSlabCols / kMmaK;  // 4 k16 steps per 64-column slab
+    // S = Q K^T, reduction step kk (columns 16kk.. of D). A = Q (K-major), relative to the
+    // warpgroup's first Q row in slab 0.
+    __host__ __device__ static constexpr int qk_a_offset(int kk) {
+        return (kk / kStepsPerSlab) * kQSlabStride + (kk % kStepsPerSlab) * kMmaKBytes;
+    }
+    // B = K (K-major), keys 64nh.. of the tile: 64 rows * 128 B further into the same slab.
+    __host__ __device__ static constexpr int qk_b_offset(int kk, int nh) {
+        return (kk / kStepsPerSlab) * kKvSlabStride + nh * kMmaN * kSwizzleBytes +
+               (kk % kStepsPerSlab) * kMmaKBytes;
+    }
+    // O += P V, key step kk (keys 16kk..), output columns 64nh.. (= slab nh). B = V (MN-major).
+    __host__ __device__ static constexpr int pv_b_offset(int kk, int nh) {
+        return nh * kKvSlabStride + kk * kMmaK * kSwizzleBytes;
+    }
+    // First Q row of consumer warpgroup cw inside slab 0.
+    __host__ __device__ static constexpr int q_warpgroup_offset(int cw) {
+        return cw * kMmaM * kSwizzleBytes;
+    }
+    // TMA box destinations: Q box (slab, 64-row block rb) and K/V box (slab).
+    __host__ __device__ static constexpr int q_box_offset(int slab, int rb) {
+        return slab * kQSlabStride + rb * kTmaBoxRowsQ * kSwizzleBytes;
+    }
+    __host__ __device__ static constexpr int kv_box_offset(int slab) {
+        return slab * kKvSlabStride;
+    }
+
+    static_assert(kQBytes % kSwizzleAtomBytes == 0 && kKvTileBytes % kSwizzleAtomBytes == 0,
+                  "tiles must be whole swizzle atoms");
+    static_assert(kSmemBytes <= 227 * 1024, "sm_90 opt-in shared memory is 227 KiB per block");
+};
+
+}  // namespace fa3
