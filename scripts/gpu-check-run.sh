@@ -3,8 +3,12 @@
 # compute-sanitizer when present). Copied to gpu-check/run.sh by scripts/gpu-check.sh.
 #   1. every GPU test binary with --include-ignored (the #[ignore]d GPU tests and the rest),
 #   2. compute-sanitizer memcheck (and racecheck) on the short `sanitizer_subset` test,
-#   3. each bench binary briefly (criterion: 0.5 s warm-up, 1 s measurement),
-# then a summary table, printed last. Full logs go to $OUT (at most 8 files: the device tool's
+#   3. each bench binary briefly (criterion: 0.5 s warm-up, 1 s measurement; the GPU one on
+#      its short sweep, FA_BENCH_QUICK=1),
+#   4. the short performance run: bin/fa-bench (one JSON line per shape and variant: hdim 64
+#      and 128 at seqlen 4K, 16K tokens, causal and not, bf16) and peers_torch.py (torch SDPA
+#      flash and cuDNN) on the same shapes, into $OUT/perf.jsonl (~90 s at most),
+# then a summary table with the performance lines, printed last. Full logs go to $OUT (at most 8 files: the device tool's
 # limit), or gpu-check/out when OUT is unset. Budget: well under 5 minutes.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -74,10 +78,49 @@ for b in "$here"/bin/bench-*; do
   [ -x "$b" ] || continue
   name="$(basename "$b")"
   t0=$SECONDS
-  timeout 60 "$b" --bench --warm-up-time 0.5 --measurement-time 1 >>"$out/bench.log" 2>&1
+  FA_BENCH_QUICK=1 timeout 60 "$b" --bench --warm-up-time 0.5 --measurement-time 1 >>"$out/bench.log" 2>&1
   rc=$?
   row "$name" "$([ $rc = 0 ] && echo PASS || echo FAIL)" $((SECONDS - t0)) "rc=$rc (numbers in bench.log)"
 done
+# 4. Short performance run: ours per variant, then the torch peers, same shapes, one JSON line
+# each into perf.jsonl (notes and skipped variants go to bench.log). A variant the GPU's
+# dispatch refuses prints why and no line.
+perf="$out/perf.jsonl"
+: >"$perf"
+if [ -x "$here/bin/fa-bench" ]; then
+  t0=$SECONDS
+  n_fail=0
+  for d in 64 128; do
+    for causal in "" "--causal"; do
+      for variant in fa1 fa2 fa3 fa4; do
+        if [ $((SECONDS - t0)) -ge 75 ]; then
+          echo "perf: time budget spent, skipping $variant d$d $causal" >>"$out/bench.log"
+          continue
+        fi
+        echo "== fa-bench $variant d$d $causal" >>"$out/bench.log"
+        # 16K tokens: batch 4 x seqlen 4096, hidden 2048 (heads = 2048 / head_dim).
+        timeout 30 "$here/bin/fa-bench" --backend cuda --variant "$variant" --dtype bf16 --batch 4 \
+          --seqlen 4096 --heads $((2048 / d)) --head-dim "$d" $causal --warmup 1 --runs 7 --launches 5 \
+          --check-rows 16 --copy-mib 256 >>"$perf" 2>>"$out/bench.log" || n_fail=$((n_fail + 1))
+      done
+    done
+  done
+  ours=$(grep -c '"impl":"flash_attn"' "$perf")
+  row "perf: fa-bench (short)" "$([ $n_fail = 0 ] && [ "$ours" -gt 0 ] && echo PASS || echo FAIL)" $((SECONDS - t0)) \
+    "$ours JSON lines, $n_fail failed runs (refused variants: no line, reason in bench.log)"
+else
+  row "perf: fa-bench (short)" FAIL 0 "bin/fa-bench missing"
+fi
+if python3 -c "import torch" 2>/dev/null && [ -f "$here/peers_torch.py" ]; then
+  t0=$SECONDS
+  PYTHONUNBUFFERED=1 timeout 90 python3 "$here/peers_torch.py" --quick --reps 7 --launches 10 >>"$perf" 2>>"$out/bench.log"
+  rc=$?
+  peers=$(grep -c '"impl":"torch-sdpa' "$perf")
+  row "perf: peers_torch.py --quick" "$([ $rc = 0 ] && echo PASS || echo FAIL)" $((SECONDS - t0)) "rc=$rc, $peers JSON lines"
+else
+  row "perf: peers_torch.py --quick" SKIP 0 "torch not importable or peers_torch.py missing"
+fi
+
 [ ${#rows[@]} -gt 0 ] || row "(nothing ran)" FAIL 0 "no binaries under $here/bin"
 
 {
@@ -85,7 +128,24 @@ done
   echo "== flash_attn GPU check ($(head -1 "$out/env.log"); $(sed -n 4p "$out/env.log" | cut -d, -f1-2))"
   printf '%-34s %-6s %7s  %s\n' step result time detail
   printf '%s\n' "${rows[@]}"
-  echo "logs: $out/{env,tests,memcheck,racecheck,bench}.log, summary.txt"
+  if [ -s "$perf" ]; then
+    echo
+    echo "short performance run (bf16, 16K tokens; ms = median per launch; all fields in perf.jsonl):"
+    python3 - "$perf" <<'PY' 2>&1 || cat "$perf"
+import json, sys
+num = lambda x, spec: format(x, spec) if isinstance(x, (int, float)) else "-"
+print(f"{'impl':<17} {'kernel':<28} {'shape':<24} {'ms':>8} {'TFLOP/s':>8} {'%roof':>6} {'max_err':>9}")
+for line in open(sys.argv[1]):
+    try:
+        r = json.loads(line)
+    except ValueError:
+        continue
+    shape = f"b{r['batch']} s{r['seqlen_q']} h{r['heads_q']} d{r['head_dim']}{' causal' if r['causal'] else ''}"
+    print(f"{r['impl']:<17} {str(r['kernel'])[:28]:<28} {shape:<24} {num(r['ms'], '8.3f')} {num(r['tflops'], '8.1f')} "
+          f"{num(r.get('pct_roofline'), '6.1f')} {num(r.get('max_err'), '9.2e')}")
+PY
+  fi
+  echo "logs: $out/{env,tests,memcheck,racecheck,bench}.log, perf.jsonl, summary.txt"
 } | tee -a "$summary"
 printf '%s\n' "${rows[@]}" | grep -q ' FAIL ' && exit 1
 exit 0
