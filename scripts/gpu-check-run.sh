@@ -92,14 +92,14 @@ if [ -x "$here/bin/fa-bench" ]; then
   n_fail=0
   for d in 64 128; do
     for causal in "" "--causal"; do
-      for variant in fa1 fa2 fa3 fa4; do
-        if [ $((SECONDS - t0)) -ge 75 ]; then
+      for variant in fa1 fa2 fa3; do  # no FA4 kernel family exists yet (benches/gpu.rs still tries it)
+        if [ $((SECONDS - t0)) -ge 60 ]; then
           echo "perf: time budget spent, skipping $variant d$d $causal" >>"$out/bench.log"
           continue
         fi
         echo "== fa-bench $variant d$d $causal" >>"$out/bench.log"
         # 16K tokens: batch 4 x seqlen 4096, hidden 2048 (heads = 2048 / head_dim).
-        timeout 30 "$here/bin/fa-bench" --backend cuda --variant "$variant" --dtype bf16 --batch 4 \
+        timeout 20 "$here/bin/fa-bench" --backend cuda --variant "$variant" --dtype bf16 --batch 4 \
           --seqlen 4096 --heads $((2048 / d)) --head-dim "$d" $causal --warmup 1 --runs 7 --launches 5 \
           --check-rows 16 --copy-mib 256 >>"$perf" 2>>"$out/bench.log" || n_fail=$((n_fail + 1))
       done
@@ -113,7 +113,7 @@ else
 fi
 if python3 -c "import torch" 2>/dev/null && [ -f "$here/peers_torch.py" ]; then
   t0=$SECONDS
-  PYTHONUNBUFFERED=1 timeout 90 python3 "$here/peers_torch.py" --quick --reps 7 --launches 10 >>"$perf" 2>>"$out/bench.log"
+  PYTHONUNBUFFERED=1 timeout 60 python3 "$here/peers_torch.py" --quick --reps 7 --launches 10 >>"$perf" 2>>"$out/bench.log"
   rc=$?
   peers=$(grep -c '"impl":"torch-sdpa' "$perf")
   row "perf: peers_torch.py --quick" "$([ $rc = 0 ] && echo PASS || echo FAIL)" $((SECONDS - t0)) "rc=$rc, $peers JSON lines"
