@@ -10,14 +10,16 @@ mod support;
 
 use criterion::{Criterion, SamplingMode, Throughput};
 use flash_attn::roofline::{lookup_gpu, Math, Roofline};
-use flash_attn::{flops, DType, ForwardOptions, Variant};
+use flash_attn::{flops, Backend, DType, ForwardOptions, Variant};
 use std::time::Duration;
 use support::gpu::{self, GpuHarness};
 
 const SAMPLES: usize = 10;
 /// Launches between two events: long enough that event resolution (~0.5 µs) is negligible.
 const LAUNCHES_PER_REP: usize = 20;
-const WARMUP_LAUNCHES: usize = 5;
+/// Launches before each timed batch (criterion's own warm-up phase does the long warm-up; these
+/// only refill the queue after criterion's pause between samples).
+const WARMUP_LAUNCHES: usize = 2;
 /// Bytes of the device-to-device copy that measures bandwidth (far beyond any L2).
 const COPY_BYTES: usize = 1 << 30;
 
@@ -61,19 +63,23 @@ fn main() {
     group.sampling_mode(SamplingMode::Flat);
 
     // TODO(lead): add fp8 (Precision::Fp8 { scaling: PerBlock{..}, hadamard: Some(seed) }) once
-    // the FP8 kernels exist; `time_forward` returning Err skips it where unsupported.
+    // the FP8 kernels exist; `prepare` returning Err skips it where unsupported.
     for case in gpu::sweep(DType::BF16, tokens, quick) {
         let (q, k, v) = case.inputs(1);
-        let base = ForwardOptions::default().mask(case.mask);
+        let base = ForwardOptions::default().mask(case.mask).backend(Backend::Cuda(info.ordinal));
         let p = case.problem(&q, &k, &v, &base);
         let cost = flops::cost(&p);
         let sets = gpu::rotating_sets(cost.bytes, info.l2_bytes);
         for variant in [Variant::Fa1, Variant::Fa2, Variant::Fa3, Variant::Fa4] {
             let opts = base.clone().variant(variant);
-            // Upload and probe once: a variant this GPU does not support is skipped.
-            if let Err(why) = harness.prepare(&case, &opts, sets) {
-                println!("skip {:?} {}: {why}", variant, case.id());
-                continue;
+            // Ask the dispatch, upload and probe once: a variant this GPU does not run is
+            // skipped with the dispatch's reason.
+            match harness.prepare(&q, &k, &v, &opts, sets) {
+                Ok(d) => println!("{variant:?} {}: {} ({})", case.id(), d.kernel, d.reason),
+                Err(why) => {
+                    println!("skip {variant:?} {}: {why}", case.id());
+                    continue;
+                }
             }
             group.throughput(Throughput::Elements(cost.flops));
             group.bench_function(format!("{variant:?}/{}", case.id()), |b| {

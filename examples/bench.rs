@@ -10,13 +10,23 @@
 //! --causal | --window LEFT,RIGHT
 //! --lse                          also return the LSE (counted in the bytes)
 //! --warmup N (2)  --runs N (10)  --max-seconds T (20: stop early after 3 runs past T)
+//! --launches N (10)              GPU: launches between two CUDA events (one repetition);
+//!                                the warm-up is `warmup` such batches, `runs` repetitions
+//! --copy-mib N (512)             GPU: bytes of the device-to-device copy timed for bandwidth
 //! --check-rows N (32)            rows checked against the float64 reference (0: none)
 //! --no-gemm                      CPU: skip measuring the GEMM rate (no % of roofline)
 //! --peak-tflops X --bandwidth-tbs Y   override the roofline
 //! --seed N
 //! ```
 //! Prints one JSON line (fields in `benches/support/mod.rs::Record::json`) on stdout; notes go
-//! to stderr. Asked for a GPU where none is usable, it says so on stderr and exits 0.
+//! to stderr. Asked for a GPU where none is usable, it says so on stderr and exits 0; a variant
+//! or dtype the GPU's dispatch refuses also exits 0 with the reason and no line.
+//!
+//! On a GPU (`support::gpu::GpuHarness`): the inputs are uploaded once into enough rotating sets
+//! to exceed twice the L2, timed with CUDA events around batches of launches after a warm-up,
+//! median per-launch time reported; the roofline is the GPU table's peak with the bandwidth
+//! measured by a device-to-device copy; the output of set 0 is downloaded once and sampled
+//! rows are compared with the float64 reference.
 
 #[path = "../benches/support/mod.rs"]
 mod support;
@@ -46,13 +56,15 @@ struct Args {
     peak_tflops: Option<f64>,
     bandwidth_tbs: Option<f64>,
     seed: u64,
+    launches: usize,
+    copy_mib: usize,
 }
 
 const USAGE: &str = "usage: bench [--backend cpu|auto|cuda[:N]] [--variant auto|fa1|fa2|fa3|fa4] \
 [--dtype f32|f16|bf16] [--fp8 tensor|block:ROWS] [--hadamard SEED] [--batch B] [--seqlen S] \
 [--seqlen-q SQ] [--seqlen-k SK] [--heads H] [--heads-kv HKV] [--head-dim D] [--causal] \
 [--window L,R] [--lse] [--warmup N] [--runs N] [--max-seconds T] [--check-rows N] [--no-gemm] \
-[--peak-tflops X] [--bandwidth-tbs Y] [--seed N]";
+[--peak-tflops X] [--bandwidth-tbs Y] [--seed N] [--launches N] [--copy-mib N]";
 
 fn parse() -> Result<Args, String> {
     let mut a = Args {
@@ -76,6 +88,8 @@ fn parse() -> Result<Args, String> {
         peak_tflops: None,
         bandwidth_tbs: None,
         seed: 1,
+        launches: 10,
+        copy_mib: 512,
     };
     let mut hadamard = None;
     let mut it = std::env::args().skip(1);
@@ -145,6 +159,8 @@ fn parse() -> Result<Args, String> {
             "--peak-tflops" => a.peak_tflops = Some(num(&flag, val()?)?),
             "--bandwidth-tbs" => a.bandwidth_tbs = Some(num(&flag, val()?)?),
             "--seed" => a.seed = num(&flag, val()?)?,
+            "--launches" => a.launches = num::<usize>(&flag, val()?)?.max(1),
+            "--copy-mib" => a.copy_mib = num(&flag, val()?)?,
             "-h" | "--help" => return Err(USAGE.into()),
             // `cargo bench`/`cargo run` may pass this through.
             "--bench" => {}
@@ -178,19 +194,21 @@ fn main() {
             std::process::exit(2);
         }
     };
-    if let Backend::Cuda(dev) = a.backend {
-        // TODO(lead): time GPU runs through support::gpu::GpuHarness (device buffers, CUDA
-        // events, rotating sets) instead of the host `forward`, whose copies would be timed.
-        match support::gpu::open(dev) {
+    // The GPU path: asked for (`--backend cuda[:N]`), or `auto` with a usable GPU.
+    match a.backend {
+        Backend::Cuda(dev) => match support::gpu::open(dev) {
+            Ok(h) => return gpu_main(&a, h),
             Err(why) => {
                 eprintln!("no CUDA GPU present: nothing to benchmark ({why})");
                 return;
             }
-            Ok(_) => {
-                eprintln!("GPU timing through the harness is not wired yet (examples/bench.rs)");
-                return;
+        },
+        Backend::Auto => {
+            if let Ok(h) = support::gpu::open(0) {
+                return gpu_main(&a, h);
             }
         }
+        _ => {}
     }
     let threads = support::gemm_use_all_cores();
     let case = Case {
@@ -314,10 +332,8 @@ fn main() {
             }
             Some(r)
         }
-        _ if !on_cpu => None, // GPU: filled from the harness's device info (TODO above)
         _ => None,
     };
-    let _ = lookup_gpu; // used by the GPU path once wired
 
     let max_err =
         (a.check_rows > 0).then(|| support::sampled_max_error(&p, &q, &k, &v, &out, a.check_rows, a.seed + 1));
@@ -362,4 +378,147 @@ fn main() {
         ))
     );
     println!("{}", rec.json());
+}
+
+/// `--backend cuda` (or auto with a GPU): one shape through the harness, one JSON line.
+fn gpu_main(a: &Args, mut h: Box<dyn support::gpu::GpuHarness>) {
+    let info = h.info().clone();
+    let case = Case {
+        batch: a.batch,
+        seqlen_q: a.seqlen_q,
+        seqlen_k: a.seqlen_k,
+        heads_q: a.heads,
+        heads_kv: a.heads_kv.unwrap_or(a.heads),
+        head_dim: a.head_dim,
+        dtype: a.dtype.unwrap_or(DType::BF16),
+        mask: a.mask,
+    };
+    let (q, k, v) = case.inputs(a.seed);
+    let opts = ForwardOptions::default()
+        .mask(case.mask)
+        .backend(Backend::Cuda(info.ordinal))
+        .variant(a.variant)
+        .precision(a.precision)
+        .return_lse(a.lse);
+    let p = match flash_attn::Problem::new(&q.view(), &k.view(), &v.view(), &opts) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("invalid shape/options: {e}");
+            std::process::exit(2);
+        }
+    };
+    if a.lse {
+        eprintln!("note: the GPU timing runs without the LSE output (the harness launches with lse = None)");
+    }
+    let cost = flops::cost(&p);
+    let sets = support::gpu::rotating_sets(cost.bytes, info.l2_bytes);
+    let dispatch = match h.prepare(&q, &k, &v, &opts, sets) {
+        Ok(d) => d,
+        Err(why) => {
+            // A variant/dtype this GPU does not run: a note, no line (scripts loop over variants).
+            eprintln!("skip {:?} {} on {}: {why}", a.variant, case.id(), info.name);
+            return;
+        }
+    };
+    let timing = match h.time(a.warmup.max(1) * a.launches, a.runs, a.launches) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("{} failed after a successful probe: {e}", dispatch.kernel);
+            std::process::exit(1);
+        }
+    };
+    let times = &timing.ms_per_launch;
+    let ms = support::median(times);
+    let bw = if a.copy_mib > 0 { h.copy_bandwidth(a.copy_mib << 20).ok() } else { None };
+    let math = Math::of(case.dtype, a.precision);
+    let mut roofline = lookup_gpu(&info.name, info.sm).and_then(|(g, m)| Roofline::gpu(g, m, math)).map(|r| match bw {
+        Some(bw) => r.with_measured_bandwidth(bw, &format!("device-to-device copy of {} MiB, CUDA events", a.copy_mib)),
+        None => r,
+    });
+    if roofline.is_none() {
+        eprintln!(
+            "{} (sm_{}{}) is not in flash_attn::roofline::GPUS: no % of roofline",
+            info.name, info.sm.0, info.sm.1
+        );
+    }
+    if let (Some(pk), Some(bwt)) = (a.peak_tflops, a.bandwidth_tbs) {
+        roofline = Some(Roofline {
+            machine: "given".into(),
+            math,
+            peak_flops: pk * 1e12,
+            peak_source: "--peak-tflops".into(),
+            bandwidth: bwt * 1e12,
+            bandwidth_source: "--bandwidth-tbs".into(),
+        });
+    } else if let Some(r) = roofline.as_mut() {
+        if let Some(pk) = a.peak_tflops {
+            r.peak_flops = pk * 1e12;
+            r.peak_source = "--peak-tflops".into();
+        }
+        if let Some(bwt) = a.bandwidth_tbs {
+            r.bandwidth = bwt * 1e12;
+            r.bandwidth_source = "--bandwidth-tbs".into();
+        }
+    }
+    let max_err = if a.check_rows > 0 {
+        match h.output() {
+            Ok(out) => Some(support::sampled_max_error(&p, &q, &k, &v, &out, a.check_rows, a.seed + 1)),
+            Err(e) => {
+                eprintln!("downloading the output failed: {e}");
+                std::process::exit(1);
+            }
+        }
+    } else {
+        None
+    };
+    let rec = Record {
+        impl_name: "flash_attn".into(),
+        machine: info.name.clone(),
+        backend: dispatch.backend.clone(),
+        kernel: dispatch.kernel.clone(),
+        variant: format!("{:?}", a.variant).to_lowercase(),
+        case,
+        precision: precision_name(a.precision),
+        cost,
+        ms,
+        ms_min: Some(times.iter().copied().fold(f64::INFINITY, f64::min)),
+        runs: times.len(),
+        roofline,
+        max_err,
+        err_rows: a.check_rows,
+        gemm_flops: None,
+        gemm_flops_best: None,
+        gemm_ratio_paired: None,
+        cpu_time_rates: None,
+    };
+    eprintln!(
+        "{} on {} (sm_{}{}, {} SMs, L2 {} MiB; {}; clocks {}): {:.3} ms, {:.1} TFLOP/s, {sets} rotating sets, {} x {} launches{}",
+        rec.kernel,
+        info.name,
+        info.sm.0,
+        info.sm.1,
+        info.sm_count,
+        info.l2_bytes >> 20,
+        info.driver,
+        info.clocks(),
+        ms,
+        rec.flops_per_s() / 1e12,
+        times.len(),
+        a.launches,
+        bw.map_or(String::new(), |b| format!(", copy {:.2} TB/s", b / 1e12)),
+    );
+    println!(
+        "{}",
+        rec.json_with(&[
+            ("gpu", support::js(&info.name)),
+            ("driver", support::js(&info.driver)),
+            ("clocks", support::js(&info.clocks())),
+            ("sm", support::js(&format!("{}.{}", info.sm.0, info.sm.1))),
+            ("sm_count", info.sm_count.to_string()),
+            ("l2_bytes", info.l2_bytes.to_string()),
+            ("rotating_sets", sets.to_string()),
+            ("launches_per_rep", a.launches.to_string()),
+            ("dispatch_reason", support::js(&dispatch.reason)),
+        ])
+    );
 }

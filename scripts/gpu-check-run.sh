@@ -7,8 +7,12 @@
 #      own timeout, so a hang in stage N names its rung and leaves the window to the rest,
 #   2. compute-sanitizer memcheck (and racecheck) on the short `sanitizer_subset` test, and
 #      memcheck on `fa3_sanitizer_subset` for each FA3 stage that passed (own timeout each),
-#   3. each bench binary briefly (criterion: 0.5 s warm-up, 1 s measurement),
-# then a summary table, printed last. Full logs go to $OUT (at most 8 files: the device tool's
+#   3. each bench binary briefly (criterion: 0.5 s warm-up, 1 s measurement; the GPU one on
+#      its short sweep, FA_BENCH_QUICK=1),
+#   4. the short performance run: bin/fa-bench (one JSON line per shape and variant: hdim 64
+#      and 128 at seqlen 4K, 16K tokens, causal and not, bf16) and peers_torch.py (torch SDPA
+#      flash and cuDNN) on the same shapes, into $OUT/perf.jsonl (~90 s at most),
+# then a summary table with the performance lines, printed last. Full logs go to $OUT (at most 8 files: the device tool's
 # limit), or gpu-check/out when OUT is unset. Budget: well under 5 minutes.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -93,13 +97,12 @@ fi
 
 # 2c. memcheck on each FA3 stage that passed (a stage that failed or hung would only waste time).
 if command -v compute-sanitizer >/dev/null && [ -x "$here/bin/gpu_forward" ] && [ -n "$fa3_passed" ]; then
-  : >"$out/fa3-memcheck.log"
-  for s in $(echo "$fa3_passed" | grep -o .); do
+    for s in $(echo "$fa3_passed" | grep -o .); do
     t0=$SECONDS
     FA3_SANITIZE_STAGE=$s timeout 40 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 \
-      "$here/bin/gpu_forward" --ignored --exact fa3_sanitizer_subset --test-threads=1 >>"$out/fa3-memcheck.log" 2>&1
+      "$here/bin/gpu_forward" --ignored --exact fa3_sanitizer_subset --test-threads=1 >>"$out/memcheck.log" 2>&1
     rc=$?
-    errs="$(grep -E 'ERROR SUMMARY' "$out/fa3-memcheck.log" | tail -1)"
+    errs="$(grep -E 'ERROR SUMMARY' "$out/memcheck.log" | tail -1)"
     row "memcheck fa3 stage $s" "$([ $rc = 0 ] && echo PASS || echo FAIL)" $((SECONDS - t0)) "rc=$rc ${errs:-no summary}"
   done
 fi
@@ -110,10 +113,49 @@ for b in "$here"/bin/bench-*; do
   [ -x "$b" ] || continue
   name="$(basename "$b")"
   t0=$SECONDS
-  timeout 60 "$b" --bench --warm-up-time 0.5 --measurement-time 1 >>"$out/bench.log" 2>&1
+  FA_BENCH_QUICK=1 timeout 60 "$b" --bench --warm-up-time 0.5 --measurement-time 1 >>"$out/bench.log" 2>&1
   rc=$?
   row "$name" "$([ $rc = 0 ] && echo PASS || echo FAIL)" $((SECONDS - t0)) "rc=$rc (numbers in bench.log)"
 done
+# 4. Short performance run: ours per variant, then the torch peers, same shapes, one JSON line
+# each into perf.jsonl (notes and skipped variants go to bench.log). A variant the GPU's
+# dispatch refuses prints why and no line.
+perf="$out/perf.jsonl"
+: >"$perf"
+if [ -x "$here/bin/fa-bench" ]; then
+  t0=$SECONDS
+  n_fail=0
+  for d in 64 128; do
+    for causal in "" "--causal"; do
+      for variant in fa1 fa2 fa3; do  # no FA4 kernel family exists yet (benches/gpu.rs still tries it)
+        if [ $((SECONDS - t0)) -ge 60 ]; then
+          echo "perf: time budget spent, skipping $variant d$d $causal" >>"$out/bench.log"
+          continue
+        fi
+        echo "== fa-bench $variant d$d $causal" >>"$out/bench.log"
+        # 16K tokens: batch 4 x seqlen 4096, hidden 2048 (heads = 2048 / head_dim).
+        timeout 20 "$here/bin/fa-bench" --backend cuda --variant "$variant" --dtype bf16 --batch 4 \
+          --seqlen 4096 --heads $((2048 / d)) --head-dim "$d" $causal --warmup 1 --runs 7 --launches 5 \
+          --check-rows 16 --copy-mib 256 >>"$perf" 2>>"$out/bench.log" || n_fail=$((n_fail + 1))
+      done
+    done
+  done
+  ours=$(grep -c '"impl":"flash_attn"' "$perf")
+  row "perf: fa-bench (short)" "$([ $n_fail = 0 ] && [ "$ours" -gt 0 ] && echo PASS || echo FAIL)" $((SECONDS - t0)) \
+    "$ours JSON lines, $n_fail failed runs (refused variants: no line, reason in bench.log)"
+else
+  row "perf: fa-bench (short)" FAIL 0 "bin/fa-bench missing"
+fi
+if python3 -c "import torch" 2>/dev/null && [ -f "$here/peers_torch.py" ]; then
+  t0=$SECONDS
+  PYTHONUNBUFFERED=1 timeout 60 python3 "$here/peers_torch.py" --quick --reps 7 --launches 10 >>"$perf" 2>>"$out/bench.log"
+  rc=$?
+  peers=$(grep -c '"impl":"torch-sdpa' "$perf")
+  row "perf: peers_torch.py --quick" "$([ $rc = 0 ] && echo PASS || echo FAIL)" $((SECONDS - t0)) "rc=$rc, $peers JSON lines"
+else
+  row "perf: peers_torch.py --quick" SKIP 0 "torch not importable or peers_torch.py missing"
+fi
+
 [ ${#rows[@]} -gt 0 ] || row "(nothing ran)" FAIL 0 "no binaries under $here/bin"
 
 {
@@ -122,7 +164,24 @@ done
   printf '%-34s %-6s %7s  %s\n' step result time detail
   printf '%s\n' "${rows[@]}"
   echo "fa3 stages passed: ${fa3_passed:-none} (mark them gpu_verified in build/instances.rs, docs/fa3.md)"
-  echo "logs: $out/{env,tests,fa3,memcheck,racecheck,fa3-memcheck,bench}.log, summary.txt"
+  if [ -s "$perf" ]; then
+    echo
+    echo "short performance run (bf16, 16K tokens; ms = median per launch; all fields in perf.jsonl):"
+    python3 - "$perf" <<'PY' 2>&1 || cat "$perf"
+import json, sys
+num = lambda x, spec: format(x, spec) if isinstance(x, (int, float)) else "-"
+print(f"{'impl':<17} {'kernel':<28} {'shape':<24} {'ms':>8} {'TFLOP/s':>8} {'%roof':>6} {'max_err':>9}")
+for line in open(sys.argv[1]):
+    try:
+        r = json.loads(line)
+    except ValueError:
+        continue
+    shape = f"b{r['batch']} s{r['seqlen_q']} h{r['heads_q']} d{r['head_dim']}{' causal' if r['causal'] else ''}"
+    print(f"{r['impl']:<17} {str(r['kernel'])[:28]:<28} {shape:<24} {num(r['ms'], '8.3f')} {num(r['tflops'], '8.1f')} "
+          f"{num(r.get('pct_roofline'), '6.1f')} {num(r.get('max_err'), '9.2e')}")
+PY
+  fi
+  echo "logs: $out/{env,tests,fa3,memcheck,racecheck,bench}.log, perf.jsonl, summary.txt"
 } | tee -a "$summary"
 printf '%s\n' "${rows[@]}" | grep -q ' FAIL ' && exit 1
 exit 0

@@ -51,6 +51,10 @@ for line in open(src):
             shutil.copy2(exe, out)
             print(f"gathered {out}", file=sys.stderr)
 PY
+# The one-shape bench (JSON lines for the short performance run) and the torch peers script
+# (with the GPU table it parses).
+cp target/release/examples/bench "$dest/bin/fa-bench"
+cp scripts/peers_torch.py src/roofline.rs "$dest/"
 strip "$dest"/bin/* 2>/dev/null || true
 cp scripts/gpu-check-run.sh "$dest/run.sh"
 chmod +x "$dest/run.sh"

@@ -1,36 +1,50 @@
-//! The boundary between the GPU benches and the CUDA runtime.
+//! The boundary between the GPU benches and the CUDA runtime: the [`GpuHarness`] trait and
+//! [`open`], implemented on the crate's device-memory API (`flash_attn::cuda::Engine`,
+//! `DeviceTensor`, `Engine::launch` on the caller's stream) with cudarc for buffers, events and
+//! a device-to-device copy.
 //!
-//! Everything GPU-specific the benches need is the [`GpuHarness`] trait and [`open`]. Until the
-//! CUDA backend is wired here, [`open`] reports that no GPU is usable, and `benches/gpu.rs` and
-//! `examples/bench.rs --backend cuda` print "no CUDA GPU present" and exit 0.
+//! [`open`] returns `Err` (with the reason) and never panics when there is no driver, no such
+//! device, or no kernels built into the crate; `benches/gpu.rs` and `examples/bench.rs --backend
+//! cuda` then print "no CUDA GPU present" and exit 0.
 //!
-//! TODO(lead, after merging the CUDA runtime): implement [`GpuHarness`] for the crate's CUDA
-//! context and return it from [`open`]. It needs:
-//! - device properties: name (`cuDeviceGetName`), compute capability, SM count, L2 size
-//!   (`CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE`), driver version (`cuDriverGetVersion`), current SM
-//!   and memory clocks if available (NVML or `nvidia-smi --query-gpu=clocks.sm,clocks.mem`);
-//! - device buffers: [`rotating_sets`] sets of q, k, v, o (and LSE) uploaded once, so that
-//!   successive launches read inputs that are not in L2;
-//! - a launch entry point taking device pointers (not the host `forward`, whose copies would be
-//!   timed), returning the kernel name it chose (`Dispatch::kernel`);
-//! - CUDA events (`cuEventCreate`/`cuEventRecord`/`cuEventElapsedTime`) on the launch stream;
-//! - a device-to-device copy (`cuMemcpyDtoDAsync`) for the bandwidth ceiling.
+//! Timing: inputs are uploaded once into `sets` independent device buffers (set 0 holds the
+//! caller's tensors; the others are copies at other addresses, so that one pass over the sets
+//! is at least twice the L2 and no launch reads inputs left in L2 by the previous one). Each
+//! repetition is a pair of CUDA events on the launch stream around a batch of launches cycling
+//! through the sets; per-launch ms = elapsed / launches.
 
 use super::Case;
-use flash_attn::{ForwardOptions, Output, Tensor};
+use flash_attn::{Dispatch, ForwardOptions, Output, Tensor};
 
 /// What the report prints about the GPU.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct GpuInfo {
     pub ordinal: usize,
+    /// As the driver reports it (`cuDeviceGetName`).
     pub name: String,
+    /// Compute capability (major, minor).
     pub sm: (u32, u32),
     pub sm_count: u32,
     pub l2_bytes: usize,
-    /// e.g. "CUDA driver 13.0 (580.82)".
+    /// e.g. "CUDA driver API 13.0, driver 580.82".
     pub driver: String,
+    /// Current clocks from `nvidia-smi` when it is there.
     pub sm_clock_mhz: Option<u32>,
     pub mem_clock_mhz: Option<u32>,
+}
+
+impl GpuInfo {
+    /// "SM 1980 MHz, memory 3201 MHz" or "unknown".
+    pub fn clocks(&self) -> String {
+        match (self.sm_clock_mhz, self.mem_clock_mhz) {
+            (None, None) => "unknown".into(),
+            (s, m) => format!(
+                "SM {} MHz, memory {} MHz",
+                s.map_or("?".into(), |x| x.to_string()),
+                m.map_or("?".into(), |x| x.to_string())
+            ),
+        }
+    }
 }
 
 /// One timed configuration.
@@ -51,27 +65,346 @@ pub trait GpuHarness {
     /// read + written) / time, best of a few.
     fn copy_bandwidth(&mut self, bytes: usize) -> Result<f64, String>;
 
-    /// Prepares `case` with `opts` (variant, precision, ...) for timing: uploads `sets`
-    /// independent sets of random inputs (see [`rotating_sets`]), allocates outputs and runs one
-    /// probe launch. An unsupported variant/precision on this GPU is `Err` with the crate's
-    /// reason (the bench skips it). Replaces the previously prepared case.
-    fn prepare(&mut self, case: &Case, opts: &ForwardOptions, sets: usize) -> Result<(), String>;
+    /// Prepares q, k, v (f16 or bf16) with `opts` (variant, mask, ...) for timing: asks the
+    /// dispatch first (a variant or dtype this GPU does not run is `Err` with the crate's reason,
+    /// before anything is uploaded), then uploads `sets` copies of the inputs (see
+    /// [`rotating_sets`]), allocates one output per set and runs one probe launch, waiting for
+    /// it. Replaces the previously prepared case.
+    fn prepare(
+        &mut self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        opts: &ForwardOptions,
+        sets: usize,
+    ) -> Result<Dispatch, String>;
 
     /// Times the prepared case: `warmup` launches, then `reps` repetitions, each an event,
     /// `launches_per_rep` launches cycling through the input sets, another event; per-launch ms
     /// = elapsed / launches_per_rep.
     fn time(&mut self, warmup: usize, reps: usize, launches_per_rep: usize) -> Result<GpuTiming, String>;
 
-    /// One forward pass on these host inputs on this GPU (for the sampled error check).
-    fn forward_once(&mut self, q: &Tensor, k: &Tensor, v: &Tensor, opts: &ForwardOptions) -> Result<Output, String>;
+    /// Downloads the output of set 0 (the caller's inputs) of the prepared case, once, for the
+    /// sampled error check.
+    fn output(&mut self) -> Result<Output, String>;
 }
 
-/// The harness for CUDA device `ordinal`, or why there is none.
+/// The harness for CUDA device `ordinal`, or why there is none. Never panics: the driver is
+/// looked for before any other driver call, and a panic inside cudarc (e.g. a symbol an old
+/// driver lacks) is caught and reported as the reason.
 pub fn open(ordinal: usize) -> Result<Box<dyn GpuHarness>, String> {
-    // TODO(lead): when the CUDA runtime is merged, build the harness here; keep returning Err
-    // (with the runtime's reason) when there is no driver or no device.
-    let _ = ordinal;
-    Err("the CUDA runtime is not wired into the benches yet (benches/support/gpu.rs: open)".into())
+    #[cfg(feature = "cuda")]
+    {
+        // SAFETY: is_culib_present only tries to dlopen libcuda; it has no preconditions.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err("no CUDA driver (libcuda.so) was found".into());
+        }
+        let quiet = std::panic::take_hook();
+        std::panic::set_hook(Box::new(|_| {}));
+        let opened = std::panic::catch_unwind(|| cuda::Harness::open(ordinal));
+        std::panic::set_hook(quiet);
+        match opened {
+            Ok(r) => r.map(|h| Box::new(h) as Box<dyn GpuHarness>),
+            Err(p) => Err(format!(
+                "the CUDA driver failed while opening device {ordinal}: {}",
+                p.downcast_ref::<String>().map(String::as_str).or(p.downcast_ref::<&str>().copied()).unwrap_or("panic")
+            )),
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = ordinal;
+        Err("built without the `cuda` feature".into())
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::{GpuHarness, GpuInfo, GpuTiming};
+    use cudarc::driver::sys::{self, CUdevice_attribute as Attr};
+    use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
+    use flash_attn::cuda::{DeviceTensor, DeviceTensorMut, Engine};
+    use flash_attn::{Dispatch, Element, ForwardOptions, Output, OwnedData, Shape, Tensor};
+    use half::{bf16, f16};
+    use std::sync::Arc;
+
+    /// Repetitions of the bandwidth copy; the best is kept.
+    const COPY_REPS: usize = 5;
+
+    /// One input set and its output.
+    struct Set<T> {
+        q: CudaSlice<T>,
+        k: CudaSlice<T>,
+        v: CudaSlice<T>,
+        o: CudaSlice<T>,
+    }
+
+    /// The device buffers of the prepared case, by dtype.
+    enum Sets {
+        F16(Vec<Set<f16>>),
+        BF16(Vec<Set<bf16>>),
+    }
+
+    /// The prepared case.
+    struct Prepared {
+        sets: Sets,
+        q_shape: Shape,
+        k_shape: Shape,
+        v_shape: Shape,
+        opts: ForwardOptions,
+        dispatch: Dispatch,
+        /// The next set to launch on (rotation continues across `time` calls).
+        next: usize,
+    }
+
+    pub(super) struct Harness {
+        info: GpuInfo,
+        engine: Engine,
+        /// The context's default stream: the only stream used, so cudarc tracks no events per
+        /// buffer use and the launches are ordered after the uploads.
+        stream: Arc<CudaStream>,
+        case: Option<Prepared>,
+    }
+
+    fn err(call: &str) -> impl Fn(cudarc::driver::DriverError) -> String + '_ {
+        move |e| format!("{call}: {e:?}")
+    }
+
+    fn attr(ctx: &CudaContext, a: Attr) -> Option<i32> {
+        ctx.attribute(a).ok()
+    }
+
+    /// The driver's CUDA API version, "13.0".
+    fn driver_api_version() -> Option<String> {
+        let mut v = 0i32;
+        // SAFETY: cuDriverGetVersion writes one int through the pointer, which is valid; the
+        // driver library is present (checked by `open`).
+        let r = unsafe { sys::cuDriverGetVersion(&mut v) };
+        (r == sys::CUresult::CUDA_SUCCESS).then(|| format!("{}.{}", v / 1000, (v % 1000) / 10))
+    }
+
+    /// `nvidia-smi --query-gpu=FIELDS` for the GPU at this PCI address (nvidia-smi's indices
+    /// need not match CUDA ordinals), one string per field.
+    fn smi(pci: &str, fields: &str) -> Option<Vec<String>> {
+        let out = std::process::Command::new("nvidia-smi")
+            .args([&format!("--query-gpu={fields}"), "--format=csv,noheader,nounits", "-i", pci])
+            .output()
+            .ok()?;
+        let text = String::from_utf8(out.stdout).ok()?;
+        let line = text.lines().next()?.trim().to_string();
+        (out.status.success() && !line.is_empty()).then(|| line.split(',').map(|s| s.trim().to_string()).collect())
+    }
+
+    impl Harness {
+        pub(super) fn open(ordinal: usize) -> Result<Harness, String> {
+            // Engine::new checks the driver, the device count and that kernels were built.
+            let engine = Engine::new(ordinal).map_err(|e| e.to_string())?;
+            let dev = engine.device().clone();
+            let ctx = dev.context().clone();
+            let (major, minor) = dev.compute_capability();
+            let pci = match (
+                attr(&ctx, Attr::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID),
+                attr(&ctx, Attr::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID),
+                attr(&ctx, Attr::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID),
+            ) {
+                (Some(d), Some(b), Some(s)) => format!("{d:08X}:{b:02X}:{s:02X}.0"),
+                _ => ordinal.to_string(),
+            };
+            let smi_vals = smi(&pci, "driver_version,clocks.sm,clocks.mem");
+            let field = |i: usize| smi_vals.as_ref().and_then(|v| v.get(i)).cloned();
+            let api = driver_api_version().unwrap_or_else(|| "?".into());
+            let driver = match field(0) {
+                Some(d) => format!("CUDA driver API {api}, driver {d}"),
+                None => format!("CUDA driver API {api}"),
+            };
+            let info = GpuInfo {
+                ordinal,
+                name: dev.name().to_string(),
+                sm: (major.max(0) as u32, minor.max(0) as u32),
+                sm_count: attr(&ctx, Attr::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).unwrap_or(0).max(0) as u32,
+                l2_bytes: attr(&ctx, Attr::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE).unwrap_or(0).max(0) as usize,
+                driver,
+                sm_clock_mhz: field(1).and_then(|s| s.parse().ok()),
+                mem_clock_mhz: field(2).and_then(|s| s.parse().ok()),
+            };
+            let stream = dev.default_stream();
+            Ok(Harness { info, engine, stream, case: None })
+        }
+
+        fn event(&self) -> Result<cudarc::driver::CudaEvent, String> {
+            self.stream.context().new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(err("cuEventCreate"))
+        }
+
+        /// One launch on set `i` of the prepared case.
+        fn launch(&mut self, i: usize) -> Result<(), String> {
+            let c = self.case.as_mut().ok_or("nothing prepared")?;
+            let (engine, stream) = (&self.engine, &self.stream);
+            match &mut c.sets {
+                Sets::F16(s) => launch_set(engine, stream, &mut s[i], c.q_shape, c.k_shape, c.v_shape, &c.opts),
+                Sets::BF16(s) => launch_set(engine, stream, &mut s[i], c.q_shape, c.k_shape, c.v_shape, &c.opts),
+            }
+        }
+
+        fn n_sets(&self) -> usize {
+            match self.case.as_ref().map(|c| &c.sets) {
+                Some(Sets::F16(s)) => s.len(),
+                Some(Sets::BF16(s)) => s.len(),
+                None => 0,
+            }
+        }
+    }
+
+    /// Enqueues one forward on `set` (no allocation, no synchronization: `Engine::launch`).
+    fn launch_set<T: Element + DeviceRepr>(
+        engine: &Engine,
+        stream: &Arc<CudaStream>,
+        set: &mut Set<T>,
+        q_shape: Shape,
+        k_shape: Shape,
+        v_shape: Shape,
+        opts: &ForwardOptions,
+    ) -> Result<(), String> {
+        let q = DeviceTensor::new(&set.q, stream, q_shape);
+        let k = DeviceTensor::new(&set.k, stream, k_shape);
+        let v = DeviceTensor::new(&set.v, stream, v_shape);
+        let mut o = DeviceTensorMut::new(&mut set.o, stream, q_shape);
+        engine.launch(stream, &q, &k, &v, &mut o, None, opts).map_err(|e| e.to_string())
+    }
+
+    /// `sets` copies of (q, k, v) on the device, each with a zeroed output.
+    fn upload<T: DeviceRepr + ValidAsZeroBits>(
+        stream: &Arc<CudaStream>,
+        q: &[T],
+        k: &[T],
+        v: &[T],
+        sets: usize,
+    ) -> Result<Vec<Set<T>>, String> {
+        let first = Set {
+            q: stream.clone_htod(q).map_err(err("cuMemcpyHtoD(q)"))?,
+            k: stream.clone_htod(k).map_err(err("cuMemcpyHtoD(k)"))?,
+            v: stream.clone_htod(v).map_err(err("cuMemcpyHtoD(v)"))?,
+            o: stream.alloc_zeros(q.len()).map_err(err("cuMemAlloc(o)"))?,
+        };
+        let mut all = Vec::with_capacity(sets);
+        for _ in 1..sets.max(1) {
+            // Same values at other addresses: what matters for L2 is that the bytes differ in
+            // place, and device copies are far faster than re-uploading.
+            let copy = |s: &CudaSlice<T>| -> Result<CudaSlice<T>, String> {
+                let mut d = stream.alloc_zeros(s.len()).map_err(err("cuMemAlloc"))?;
+                stream.memcpy_dtod(s, &mut d).map_err(err("cuMemcpyDtoD"))?;
+                Ok(d)
+            };
+            all.push(Set {
+                q: copy(&first.q)?,
+                k: copy(&first.k)?,
+                v: copy(&first.v)?,
+                o: stream.alloc_zeros(q.len()).map_err(err("cuMemAlloc(o)"))?,
+            });
+        }
+        all.insert(0, first);
+        Ok(all)
+    }
+
+    impl GpuHarness for Harness {
+        fn info(&self) -> &GpuInfo {
+            &self.info
+        }
+
+        fn copy_bandwidth(&mut self, bytes: usize) -> Result<f64, String> {
+            let src = self.stream.alloc_zeros::<u8>(bytes).map_err(err("cuMemAlloc"))?;
+            let mut dst = self.stream.alloc_zeros::<u8>(bytes).map_err(err("cuMemAlloc"))?;
+            self.stream.memcpy_dtod(&src, &mut dst).map_err(err("cuMemcpyDtoD"))?; // warm-up
+            let (a, b) = (self.event()?, self.event()?);
+            let mut best = f64::INFINITY;
+            for _ in 0..COPY_REPS {
+                a.record(&self.stream).map_err(err("cuEventRecord"))?;
+                self.stream.memcpy_dtod(&src, &mut dst).map_err(err("cuMemcpyDtoD"))?;
+                b.record(&self.stream).map_err(err("cuEventRecord"))?;
+                best = best.min(a.elapsed_ms(&b).map_err(err("cuEventElapsedTime"))? as f64);
+            }
+            // Bytes read + bytes written.
+            Ok(2.0 * bytes as f64 / (best * 1e-3))
+        }
+
+        fn prepare(
+            &mut self,
+            q: &Tensor,
+            k: &Tensor,
+            v: &Tensor,
+            opts: &ForwardOptions,
+            sets: usize,
+        ) -> Result<Dispatch, String> {
+            self.case = None; // free the previous case's buffers first
+            self.stream.synchronize().map_err(err("cuStreamSynchronize"))?;
+            let dispatch = self.engine.dispatch(q.shape(), k.shape(), q.dtype(), opts).map_err(|e| e.to_string())?;
+            let sets = sets.max(1);
+            let sets = match (q.data(), k.data(), v.data()) {
+                (OwnedData::F16(q), OwnedData::F16(k), OwnedData::F16(v)) => {
+                    Sets::F16(upload(&self.stream, q, k, v, sets)?)
+                }
+                (OwnedData::BF16(q), OwnedData::BF16(k), OwnedData::BF16(v)) => {
+                    Sets::BF16(upload(&self.stream, q, k, v, sets)?)
+                }
+                _ => return Err(format!("the GPU kernels take f16 or bf16 (one dtype), not {:?}", q.dtype())),
+            };
+            self.case = Some(Prepared {
+                sets,
+                q_shape: q.shape(),
+                k_shape: k.shape(),
+                v_shape: v.shape(),
+                opts: opts.clone(),
+                dispatch: dispatch.clone(),
+                next: 0,
+            });
+            // The probe: loads the module, and a fault shows here rather than in the timing.
+            self.launch(0)?;
+            self.stream.synchronize().map_err(err("cuStreamSynchronize (probe launch)"))?;
+            Ok(dispatch)
+        }
+
+        fn time(&mut self, warmup: usize, reps: usize, launches_per_rep: usize) -> Result<GpuTiming, String> {
+            let n = self.n_sets();
+            if n == 0 {
+                return Err("nothing prepared".into());
+            }
+            let mut next = self.case.as_ref().map_or(0, |c| c.next);
+            for _ in 0..warmup {
+                self.launch(next % n)?;
+                next += 1;
+            }
+            let (a, b) = (self.event()?, self.event()?);
+            let per = launches_per_rep.max(1);
+            let mut ms = Vec::with_capacity(reps);
+            for _ in 0..reps.max(1) {
+                a.record(&self.stream).map_err(err("cuEventRecord"))?;
+                for _ in 0..per {
+                    self.launch(next % n)?;
+                    next += 1;
+                }
+                b.record(&self.stream).map_err(err("cuEventRecord"))?;
+                // elapsed_ms waits for both events: a kernel fault surfaces here.
+                ms.push(a.elapsed_ms(&b).map_err(err("cuEventElapsedTime"))? as f64 / per as f64);
+            }
+            let c = self.case.as_mut().expect("checked above");
+            c.next = next;
+            Ok(GpuTiming { ms_per_launch: ms, kernel: c.dispatch.kernel.clone() })
+        }
+
+        fn output(&mut self) -> Result<Output, String> {
+            let c = self.case.as_ref().ok_or("nothing prepared")?;
+            let o = match &c.sets {
+                Sets::F16(s) => {
+                    Tensor::from_vec(self.stream.clone_dtoh(&s[0].o).map_err(err("cuMemcpyDtoH"))?, c.q_shape)
+                }
+                Sets::BF16(s) => {
+                    Tensor::from_vec(self.stream.clone_dtoh(&s[0].o).map_err(err("cuMemcpyDtoH"))?, c.q_shape)
+                }
+            }
+            .map_err(|e| e.to_string())?;
+            self.stream.synchronize().map_err(err("cuStreamSynchronize"))?;
+            Ok(Output { o, lse: None, dispatch: c.dispatch.clone() })
+        }
+    }
 }
 
 #[allow(unused_imports)] // used by benches/gpu.rs only
@@ -79,11 +412,12 @@ pub use flash_attn::roofline::rotating_sets;
 
 /// The GPU sweep of the issue: batch × seqlen = `tokens` (16K), seqlen 512..=16K, head_dim
 /// 64/128/256 with hidden 2048 (32/16/8 heads, as FA3's paper), causal and not, in `dtype`.
-/// `quick` keeps hdim 128 at 1K and 8K tokens for the one-command GPU check.
+/// `quick` is the short sweep of the one-command GPU check: hdim 64 and 128 at seqlen 4K (the
+/// same shapes as `scripts/peers_torch.py --quick` and `scripts/gpu-bench.sh`).
 pub fn sweep(dtype: flash_attn::DType, tokens: usize, quick: bool) -> Vec<Case> {
     const HIDDEN: usize = 2048;
-    let seqlens: &[usize] = if quick { &[1024, 8192] } else { &[512, 1024, 2048, 4096, 8192, 16384] };
-    let dims: &[usize] = if quick { &[128] } else { &[64, 128, 256] };
+    let seqlens: &[usize] = if quick { &[4096] } else { &[512, 1024, 2048, 4096, 8192, 16384] };
+    let dims: &[usize] = if quick { &[64, 128] } else { &[64, 128, 256] };
     let mut cases = Vec::new();
     for &d in dims {
         for &s in seqlens {

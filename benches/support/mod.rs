@@ -375,6 +375,25 @@ impl Record {
     }
 
     pub fn json(&self) -> String {
+        self.json_with(&[])
+    }
+
+    /// [`Record::json`] with extra fields appended (values already JSON: use [`js`]/[`jn`]),
+    /// e.g. the GPU's driver and clocks, which `scripts/report.py` prints per machine.
+    pub fn json_with(&self, extra: &[(&str, String)]) -> String {
+        let mut line = self.json_fields();
+        for (key, value) in extra {
+            line.push(',');
+            line.push_str(&js(key));
+            line.push(':');
+            line.push_str(value);
+        }
+        line.push('}');
+        line
+    }
+
+    /// The fields of the JSON object, without the closing brace.
+    fn json_fields(&self) -> String {
         let c = &self.case;
         let (window_left, window_right) = match c.mask {
             Mask::Window { left, right, .. } => (left.to_string(), right.to_string()),
@@ -399,7 +418,7 @@ impl Record {
                 "\"heads_q\":{},\"heads_kv\":{},\"head_dim\":{},\"causal\":{},\"window_left\":{},",
                 "\"window_right\":{},\"flops\":{},\"bytes\":{},\"intensity\":{},\"ms\":{},\"ms_min\":{},\"runs\":{},",
                 "\"tflops\":{},\"peak_tflops\":{},\"bandwidth_tbs\":{},\"pct_roofline\":{},",
-                "\"roofline_source\":{},\"gemm_tflops\":{},\"gemm_tflops_best\":{},\"gemm_ratio_paired\":{},\"tflops_cputime\":{},\"gemm_tflops_cputime\":{},\"max_err\":{},\"err_rows\":{}}}"
+                "\"roofline_source\":{},\"gemm_tflops\":{},\"gemm_tflops_best\":{},\"gemm_ratio_paired\":{},\"tflops_cputime\":{},\"gemm_tflops_cputime\":{},\"max_err\":{},\"err_rows\":{}"
             ),
             js(&self.impl_name),
             js(&self.machine),
