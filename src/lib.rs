@@ -21,9 +21,11 @@
 //!
 //! | module | role |
 //! |---|---|
-//! | [`reference`] | naive float64 attention, used only to check |
-//! | `cpu` | the CPU backend (tiled online softmax, 6×16 AVX2 micro-kernel, std threads) |
+//! | [`reference`](mod@reference) | naive float64 attention, used only to check |
+//! | `cpu` | the CPU backend (tiled online softmax in 16-query panels, 6×16 AVX2 micro-kernel, std threads) |
 //! | [`numerics`] | exp2 polynomial, FP8, Hadamard: shared constants with `cuda/include/` |
+//! | `cuda` (feature `cuda`) | kernel table, dispatch, device-memory `Engine` over embedded cubins (docs/cuda.md) |
+//! | [`flops`], [`roofline`] | the FLOP/byte model and per-device ceilings used by benches and examples |
 
 #[doc = include_str!("../README.md")]
 #[cfg(doctest)]
