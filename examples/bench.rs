@@ -211,16 +211,7 @@ fn main() {
         _ => {}
     }
     let threads = support::gemm_use_all_cores();
-    let case = Case {
-        batch: a.batch,
-        seqlen_q: a.seqlen_q,
-        seqlen_k: a.seqlen_k,
-        heads_q: a.heads,
-        heads_kv: a.heads_kv.unwrap_or(a.heads),
-        head_dim: a.head_dim,
-        dtype: a.dtype.unwrap_or(DType::F32),
-        mask: a.mask,
-    };
+    let case = a.case(DType::F32);
     let (q, k, v) = case.inputs(a.seed);
     let opts = ForwardOptions::default()
         .mask(case.mask)
@@ -380,19 +371,26 @@ fn main() {
     println!("{}", rec.json());
 }
 
+impl Args {
+    /// The run's shape and mask, in `default_dtype` unless `--dtype` was given.
+    fn case(&self, default_dtype: DType) -> Case {
+        Case {
+            batch: self.batch,
+            seqlen_q: self.seqlen_q,
+            seqlen_k: self.seqlen_k,
+            heads_q: self.heads,
+            heads_kv: self.heads_kv.unwrap_or(self.heads),
+            head_dim: self.head_dim,
+            dtype: self.dtype.unwrap_or(default_dtype),
+            mask: self.mask,
+        }
+    }
+}
+
 /// `--backend cuda` (or auto with a GPU): one shape through the harness, one JSON line.
 fn gpu_main(a: &Args, mut h: Box<dyn support::gpu::GpuHarness>) {
     let info = h.info().clone();
-    let case = Case {
-        batch: a.batch,
-        seqlen_q: a.seqlen_q,
-        seqlen_k: a.seqlen_k,
-        heads_q: a.heads,
-        heads_kv: a.heads_kv.unwrap_or(a.heads),
-        head_dim: a.head_dim,
-        dtype: a.dtype.unwrap_or(DType::BF16),
-        mask: a.mask,
-    };
+    let case = a.case(DType::BF16);
     let (q, k, v) = case.inputs(a.seed);
     let opts = ForwardOptions::default()
         .mask(case.mask)
