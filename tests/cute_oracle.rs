@@ -142,6 +142,7 @@ fn our_layouts_equal_cute() {
     let mut expected: Vec<String> = vec![
         "cute-oracle: CUTLASS 4.2.0".into(),
         "cute-oracle sm90: 128B swizzle".into(),
+        "cute-oracle sm90: canonical atoms = swizzle(linear offset)".into(),
         "cute-oracle sm90: MN-major LBO with N = 128, 256 instructions".into(),
         "cute-oracle sm90: wgmma accumulator and P->A register fragments".into(),
         "cute-oracle sm90: e4m3 K-major SW128 descriptors".into(),

@@ -90,6 +90,24 @@ void check_swizzle() {
             EXPECT(sw128_offset(r, c, 8) == co::swizzle_atom_offset(co::Major::K, 128, 2, r, c),
                    "atom (%d, %d)", r, c);
     section("128B swizzle (model swizzle128, sw128_offset atom)", c0, b0);
+    // The interface's own conventions (cute_maps.h), for its other users: every canonical atom is
+    // the swizzle function applied to the row-major (K-major) / column-major (MN-major) offset.
+    const long c1 = g_cases;
+    const int b1 = g_bad;
+    for (int sw : {0, 32, 64, 128})
+        for (int eb : {1, 2, 4}) {
+            const int row_bytes = sw ? sw : 16, per_row = row_bytes / eb;
+            for (int r = 0; r < 8; ++r)
+                for (int c = 0; c < per_row; ++c) {
+                    const uint32_t lin = static_cast<uint32_t>(r * row_bytes + c * eb);
+                    EXPECT(co::swizzle_atom_offset(co::Major::K, sw, eb, r, c) == int(co::swizzle_addr(sw, lin)),
+                           "K atom sw %d eb %d (%d, %d)", sw, eb, r, c);
+                    EXPECT(co::swizzle_atom_offset(co::Major::MN, sw, eb, c, r) == int(co::swizzle_addr(sw, lin)),
+                           "MN atom sw %d eb %d (%d, %d)", sw, eb, c, r);
+                }
+            EXPECT(co::swizzle_atom_offset(co::Major::K, sw, eb, 8, 0) == -1, "K atom bounds");
+        }
+    section("canonical atoms = swizzle(linear offset), 128B/64B/32B/none x 1/2/4 bytes (cute_maps.h)", c1, b1);
 }
 
 // Storage of one stage's tiles: where the kernel (plain loads or TMA) puts each element.
