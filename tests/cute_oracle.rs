@@ -9,7 +9,10 @@
 //!   reuse equal CuTe's layouts / `CLayout_64xN` / `ALayout_64x16`;
 //! - the sm_80 mma.m16n8k16 A/B/C maps and ldmatrix(.trans) maps of cuda/include/fa2_layout.h and
 //!   cuda/test/fa2_layout_test.cpp equal CuTe's SM80 MMA traits and SM75 LDSM copy traits;
-//! - e4m3 (FP8) K-major descriptors, and deliberate mutations are detected.
+//! - e4m3 (FP8) K-major descriptors, and deliberate mutations are detected;
+//! - `our_wgmma_instructions_equal_cutes` (compile-checked only): our wgmma wrappers and CuTe's
+//!   MMA_64x64x16 SS / RS ops, compiled for sm_90a (cuda/test/oracle/gmma_forms.cu), become the same
+//!   HGMMA instructions (operand kinds, `.tnspB`, accumulate vs overwrite), bf16 and f16.
 //!
 //! CuTe is a test-only dependency installed by scripts/install-cutlass.sh (nvidia-cutlass from
 //! PyPI, pinned); it needs the CUDA toolkit's headers too. Hence `#[ignore]`: scripts/test.sh
@@ -179,6 +182,124 @@ fn our_layouts_equal_cute() {
             assert!(n > 0, "{line}");
         }
     }
+}
+
+/// nvcc (build.rs's, else $NVCC) and the cuobjdump next to it.
+fn nvcc_and_cuobjdump() -> (PathBuf, PathBuf) {
+    let nvcc = [
+        flash_attn::cuda::kernels::NVCC.to_string(),
+        std::env::var("NVCC").unwrap_or_default(),
+    ]
+    .into_iter()
+    .map(PathBuf::from)
+    .find(|p| p.is_file())
+    .expect("no nvcc (build.rs found none and $NVCC is unset)");
+    let cuobjdump = nvcc.with_file_name("cuobjdump");
+    assert!(cuobjdump.is_file(), "no cuobjdump next to {}", nvcc.display());
+    (nvcc, cuobjdump)
+}
+
+/// The HGMMA / WARPGROUP instructions of each kernel of a SASS dump, register numbers and
+/// encodings dropped: (kernel, instructions).
+fn gmma_instructions(sass: &str) -> Vec<(String, Vec<String>)> {
+    let mut out: Vec<(String, Vec<String>)> = Vec::new();
+    for line in sass.lines() {
+        if let Some(name) = line.trim().strip_prefix("Function : ") {
+            out.push((name.trim().to_string(), Vec::new()));
+            continue;
+        }
+        let Some(code) = line
+            .trim()
+            .strip_prefix("/*")
+            .and_then(|l| l.split_once("*/"))
+            .map(|(_, c)| c)
+        else {
+            continue;
+        };
+        let code = code.split(';').next().unwrap_or("").trim();
+        if !(code.starts_with("HGMMA") || code.starts_with("WARPGROUP")) {
+            continue;
+        }
+        let normalised: Vec<String> = code
+            .split_inclusive(|c: char| !c.is_ascii_alphanumeric())
+            .map(|tok| {
+                let (word, sep) = tok.split_at(tok.trim_end_matches(|c: char| !c.is_ascii_alphanumeric()).len());
+                let reg = |p: &str| {
+                    word.strip_prefix(p)
+                        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+                };
+                let word = if reg("UR") {
+                    "UR"
+                } else if reg("R") {
+                    "R"
+                } else {
+                    word
+                };
+                format!("{word}{sep}")
+            })
+            .collect();
+        if let Some((_, v)) = out.last_mut() {
+            v.push(normalised.concat());
+        }
+    }
+    out
+}
+
+#[test]
+#[ignore = "needs the CuTe headers (scripts/install-cutlass.sh) and nvcc; scripts/test.sh runs it"]
+fn our_wgmma_instructions_equal_cutes() {
+    let cutlass = cutlass_include();
+    let (nvcc, cuobjdump) = nvcc_and_cuobjdump();
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cute-oracle");
+    std::fs::create_dir_all(&dir).unwrap();
+    let cubin = dir.join("gmma_forms.cubin");
+    let out = Command::new(&nvcc)
+        .args([
+            "-std=c++17",
+            "-O3",
+            "-cubin",
+            "-gencode=arch=compute_90a,code=sm_90a",
+            "-isystem",
+        ])
+        .arg(&cutlass)
+        .arg("-I")
+        .arg(root().join("cuda/include"))
+        .arg(root().join("cuda/test/oracle/gmma_forms.cu"))
+        .arg("-o")
+        .arg(&cubin)
+        .output()
+        .expect("run nvcc");
+    assert!(
+        out.status.success(),
+        "nvcc failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let dump = Command::new(&cuobjdump)
+        .arg("--dump-sass")
+        .arg(&cubin)
+        .output()
+        .expect("run cuobjdump");
+    assert!(dump.status.success(), "cuobjdump failed");
+    let kernels = gmma_instructions(&String::from_utf8_lossy(&dump.stdout));
+    let mut pairs = 0;
+    for dt in ["bf16", "f16"] {
+        for form in ["ss_acc", "ss_zero", "rs"] {
+            let find = |imp: &str| {
+                let name = format!("{imp}_{dt}_{form}");
+                kernels
+                    .iter()
+                    .find(|(n, _)| *n == name)
+                    .map(|(_, v)| v.clone())
+                    .unwrap_or_else(|| panic!("no {name}"))
+            };
+            let (ours, cute) = (find("ours"), find("cute"));
+            println!("{dt} {form}: ours {ours:?}\n{dt} {form}: CuTe {cute:?}");
+            assert!(ours.iter().any(|i| i.starts_with("HGMMA")), "{dt} {form}: no HGMMA");
+            assert_eq!(ours, cute, "{dt} {form}: our wgmma differs from CuTe's");
+            pairs += 1;
+        }
+    }
+    assert_eq!(pairs, 6);
 }
 
 fn wait_ok(name: &str, child: std::process::Child) {
