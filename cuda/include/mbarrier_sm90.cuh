@@ -18,7 +18,9 @@ __device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
 }
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Inline PTX: only when nvcc compiles for sm_90a. The CPU emulator (cuda/test/emu, which defines
+// FA_HOST_EMULATION) supplies host versions of exactly the functions in this block.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && !defined(FA_HOST_EMULATION)
 
 // One thread initialises; `count` arrivals (mbarrier.arrive / arrive.expect_tx) complete a phase.
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
@@ -60,13 +62,6 @@ __device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
     return done != 0;
 }
 
-// Blocks until the phase with `parity` has completed. try_wait itself suspends for a
-// hardware-chosen time before returning false, so the loop is not a hot spin.
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-    while (!mbar_try_wait(bar, parity)) {
-    }
-}
-
 // Hardware named barriers (bar.sync / bar.arrive with an id and a thread count): `sync` blocks
 // until `threads` threads have arrived at barrier `id` (itself included); `arrive` counts this
 // warp's threads and does not wait. Used for warpgroup ping-pong: one warpgroup syncs, the other
@@ -81,6 +76,17 @@ template <int Id, int Threads>
 __device__ __forceinline__ void named_bar_arrive() {
     static_assert(Id > 0 && Id < 16 && Threads % 32 == 0, "named barrier id/count");
     asm volatile("bar.arrive %0, %1;\n" ::"n"(Id), "n"(Threads) : "memory");
+}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL && !FA_HOST_EMULATION
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// Blocks until the phase with `parity` has completed. try_wait itself suspends for a
+// hardware-chosen time before returning false, so the loop is not a hot spin.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+    while (!mbar_try_wait(bar, parity)) {
+    }
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
