@@ -14,6 +14,7 @@
 //   out <name> <device address> <bytes> <file>      output buffer: NaN-poisoned, written back
 //   tmap <data_type> <rank> <address> <dims..> <strides (rank-1)..> <box..> <elem strides..>
 //        <interleave> <swizzle> <l2 promotion> <oob fill>     (cuTensorMapEncodeTiled's arguments)
+//   print-maps                 print every encoded map as the kernel receives it (decoded)
 // Exit status: 0 ok, 2 bad launch file or rejected tensor map, 3 a failed emulator check,
 // 4 deadlock, 5 outputs differ between seeds.
 #include <sys/mman.h>
@@ -99,6 +100,14 @@ struct Tmap {
 
 std::vector<Buffer> g_buffers;
 
+uint64_t untranslate(uint64_t host) {
+    for (const Buffer& b : g_buffers) {
+        const uint64_t h = reinterpret_cast<uint64_t>(b.host);
+        if (host >= h && host <= h + b.bytes) return b.dev + (host - h);
+    }
+    return 0;
+}
+
 uint64_t translate(uint64_t dev, const char* what) {
     if (dev == 0) return 0;
     for (const Buffer& b : g_buffers)
@@ -133,6 +142,7 @@ int main(int argc, char** argv) {
     std::vector<uint64_t> seeds;
     std::vector<unsigned char> params_bytes;
     std::vector<Tmap> tmaps;
+    bool print_maps = false;
     std::string line;
     while (std::getline(in, line)) {
         std::istringstream ls(line);
@@ -201,6 +211,8 @@ int main(int argc, char** argv) {
             t.l2 = static_cast<uint32_t>(num(a[i++]));
             t.oob = static_cast<uint32_t>(num(a[i++]));
             tmaps.push_back(t);
+        } else if (key == "print-maps") {
+            print_maps = true;
         } else {
             usage_error("unknown directive " + key);
         }
@@ -236,6 +248,20 @@ int main(int argc, char** argv) {
                                                     t.box.data(), t.elem_strides.data(), t.interleave, t.swizzle, t.l2,
                                                     t.oob, &why);
         if (rc != 0) usage_error("tensor map " + std::to_string(i) + " rejected (cuTensorMapEncodeTiled would fail): " + why);
+        if (print_maps) {
+            emu::TensorMapFields f;
+            if (!emu::decode_tensor_map(maps[i].b, &f)) usage_error("tensor map does not decode");
+            std::printf("tmap %zu: data_type %u rank %u address %#" PRIx64 " dims", i, f.data_type, f.rank,
+                        untranslate(f.global_address));
+            for (uint32_t d = 0; d < f.rank; ++d) std::printf(" %" PRIu64, f.dims[d]);
+            std::printf(" strides");
+            for (uint32_t d = 1; d < f.rank; ++d) std::printf(" %" PRIu64, f.strides[d]);
+            std::printf(" box");
+            for (uint32_t d = 0; d < f.rank; ++d) std::printf(" %u", f.box[d]);
+            std::printf(" elem_strides");
+            for (uint32_t d = 0; d < f.rank; ++d) std::printf(" %u", f.elem_strides[d]);
+            std::printf(" interleave %u swizzle %u l2 %u oob %u\n", f.interleave, f.swizzle, f.l2_promotion, f.oob_fill);
+        }
     }
     Entry e{invoke, &p, {nullptr, nullptr, nullptr}};
     for (size_t i = 0; i < maps.size(); ++i) e.maps[i] = maps[i].b;

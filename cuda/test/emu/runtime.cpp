@@ -719,6 +719,9 @@ void fiber_main(Fiber* f) {
              f->group_end.size() - f->groups_retired);
     for (const CpCopy& c : g_cta->cp)
         if (c.tid == f->tid) fail("thread exits with cp.async copies in flight (no cp.async.wait_group)");
+    if (g_cta->bars[0].arrived)
+        fail("__syncthreads has %u of %u threads waiting while this thread exits (it can never complete)",
+             g_cta->bars[0].arrived, g_cta->bars[0].expected);
     f->done = true;
     f->runnable = false;
     auto& r = g_cta->runnable;
