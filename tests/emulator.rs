@@ -113,10 +113,8 @@ fn wrappers_match_the_instruction_headers() {
                     guard_at = None;
                 }
                 depth -= 1;
-            } else if t.starts_with("#else") || t.starts_with("#elif") {
-                if guard_at == Some(depth) {
-                    guard_at = None;
-                }
+            } else if (t.starts_with("#else") || t.starts_with("#elif")) && guard_at == Some(depth) {
+                guard_at = None;
             }
             let code = line.split("//").next().unwrap();
             if (code.contains("asm(") || code.contains("asm volatile")) && guard_at.is_none() {
@@ -226,12 +224,14 @@ fn fa1_all_instances() {
 }
 
 /// FA2, all 12 instances (head dims x dtypes): GQA/MQA, causal with empty rows, windows, softcap,
-/// ALiBi, seqlen_q = 1, ragged seqlens, [b,h,s,d] strides.
+/// ALiBi, seqlen_q = 1, ragged seqlens, [b,h,s,d] strides; 30 random configurations more in the
+/// full matrix.
 #[test]
 fn fa2_all_instances() {
     let alibi = |hq: usize| (0..hq).map(|h| (-8.0 * (h as f32 + 1.0) / hq as f32).exp2()).collect::<Vec<_>>();
+    type Row = (DType, usize, usize, usize, usize, usize, usize, Mask, Option<f32>, bool, bool, bool);
     #[rustfmt::skip]
-    let list: &[(DType, usize, usize, usize, usize, usize, usize, Mask, Option<f32>, bool, bool, bool)] = &[
+    let list: &[Row] = &[
         // dtype, hd, b, hq, hkv, sq, sk, mask, softcap, alibi, lse, bhsd
         (DType::F16, 32, 1, 4, 2, 70, 150, Mask::window(20, 5), None, true, true, false),
         (DType::F16, 64, 2, 3, 1, 130, 100, Mask::None, None, false, true, false),
@@ -254,6 +254,29 @@ fn fa2_all_instances() {
         let mut c = Case::new("fa2", dtype, [b, sq, hq, hd], [b, sk, hkv, hd], o);
         c.bhsd = bhsd;
         cases.push(c);
+    }
+    if full() {
+        // 30 random configurations: head dim, dtype, batch 1-2, GQA 1-3, seqlens 1-300, window
+        // sides -1 or 0-120, softcap, ALiBi, LSE, layout.
+        let mut rng = common::Rng(0x5EED_F2F2);
+        let mut pick = |lo: u64, hi: u64| lo + rng.next_u64() % (hi - lo + 1);
+        for _ in 0..30 {
+            let hd = [32, 64, 96, 128, 192, 256][pick(0, 5) as usize];
+            let dtype = if pick(0, 1) == 1 { DType::BF16 } else { DType::F16 };
+            let (b, hkv) = (pick(1, 2) as usize, pick(1, 2) as usize);
+            let hq = hkv * pick(1, 3) as usize;
+            let sq = if pick(0, 3) == 0 { 1 } else { pick(1, 300) as usize };
+            let sk = pick(1, 300) as usize;
+            let left = if pick(0, 2) == 0 { pick(0, 120) as i64 } else { -1 };
+            let right = if pick(0, 2) == 0 { pick(0, 120) as i64 } else if pick(0, 1) == 1 { 0 } else { -1 };
+            let cap = (pick(0, 3) == 0).then(|| 10.0 + pick(0, 40) as f32);
+            let o = opts(Mask::window(left, right), cap, pick(0, 3) != 0);
+            let o = if pick(0, 3) == 0 { o.alibi_slopes(alibi(hq)) } else { o };
+            let mut c = Case::new("fa2", dtype, [b, sq, hq, hd], [b, sk, hkv, hd], o);
+            c.bhsd = pick(0, 1) == 1;
+            c.label = "random".into();
+            cases.push(c);
+        }
     }
     check_all("fa2", &cases, &[]);
 }

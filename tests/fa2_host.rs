@@ -4,6 +4,7 @@
 //!   mma.m16n8k16 from the PTX ISA, checks every fragment map of cuda/include/fa2_layout.h
 //!   against it, replays the kernel's warp loops on integer tiles for every head dim, and checks
 //!   ldmatrix bank conflicts and load coverage (about 0.1 s to run).
+//!
 //! It shares one reading of the PTX ISA with the kernel: it checks the index math, not the hardware
 //! (docs/fa2.md, "Known risks"). The whole kernel runs in the CPU emulator: tests/emulator.rs,
 //! `fa2_all_instances`. g++ is required (nvcc needs it too): a missing g++ fails this test with a

@@ -192,6 +192,11 @@ impl FwdParams {
     }
 }
 
+// SAFETY: FwdParams is #[repr(C)], Copy, made only of integers and floats with no padding
+// (size and every offset asserted above to match fa_params.h), so its bytes are a valid kernel
+// argument of type `FwdParams`.
+unsafe impl cudarc::driver::DeviceRepr for FwdParams {}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -220,8 +225,3 @@ mod tests {
         assert_eq!(at(offset_of!(FwdParams, reserved), 4), &9u32.to_ne_bytes());
     }
 }
-
-// SAFETY: FwdParams is #[repr(C)], Copy, made only of integers and floats with no padding
-// (size and every offset asserted above to match fa_params.h), so its bytes are a valid kernel
-// argument of type `FwdParams`.
-unsafe impl cudarc::driver::DeviceRepr for FwdParams {}

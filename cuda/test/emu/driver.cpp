@@ -266,6 +266,9 @@ int main(int argc, char** argv) {
     Entry e{invoke, &p, {nullptr, nullptr, nullptr}};
     for (size_t i = 0; i < maps.size(); ++i) e.maps[i] = maps[i].b;
 
+    std::printf("launch %s: grid (%u,%u,%u), %u threads, %u bytes of dynamic shared memory, %s registers per thread at entry\n",
+                kernel.c_str(), cfg.grid.x, cfg.grid.y, cfg.grid.z, cfg.block.x, cfg.smem_bytes,
+                cfg.entry_regs ? std::to_string(cfg.entry_regs).c_str() : "65536/threads (no ptxas report)");
     std::vector<std::vector<unsigned char>> first;
     for (size_t si = 0; si < seeds.size(); ++si) {
         for (Buffer& b : g_buffers)
