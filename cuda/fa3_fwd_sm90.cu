@@ -35,6 +35,7 @@ __device__ const char* hang_barrier_name(unsigned int offset, int* slot);
 
 #include "fa_params.h"
 #include "fa3_traits.cuh"
+#include "fast_math_sm90.cuh"
 #include "mbarrier_sm90.cuh"
 #include "tma_sm90.cuh"
 #include "wgmma_sm90.cuh"
@@ -42,17 +43,6 @@ __device__ const char* hang_barrier_name(unsigned int offset, int* slot);
 namespace fa3 {
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-
-__device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx(-inf) = +0
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-__device__ __forceinline__ float fast_tanh(float x) {
-    float y;
-    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
 
 // Per-warpgroup online-softmax state and output accumulator: this thread's two rows
 // (16w + g and 16w + g + 8 of the warpgroup's 64) and its D/2 accumulator columns.

@@ -29,11 +29,11 @@
 
 use super::device::{cuda_err, Device};
 use super::dispatch::{self, Choice};
-use super::params::{FwdParams, FLAG_ALIBI, FLAG_RETURN_LSE, FLAG_SOFTCAP};
+use super::params::FwdParams;
 use crate::api::Dispatch;
 use crate::error::{Error, Operand, Result};
 use crate::options::ForwardOptions;
-use crate::problem::{Problem, LOG2E};
+use crate::problem::Problem;
 use crate::tensor::{contiguous_strides, DType, Element, Shape};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, SyncOnDrop};
 use std::marker::PhantomData;
@@ -365,51 +365,8 @@ impl Engine {
                 ),
             });
         }
-        let st = |s: usize| s as i64; // strides were checked to address inside the buffer: they fit
-        let window = |w: Option<usize>| w.map_or(-1, |x| x.min(i32::MAX as usize) as i32);
-        let mut flags = 0;
-        if lse_ptr != 0 {
-            flags |= FLAG_RETURN_LSE;
-        }
-        if p.softcap.is_some() {
-            flags |= FLAG_SOFTCAP;
-        }
-        if alibi_ptr != 0 {
-            flags |= FLAG_ALIBI;
-        }
-        let params = FwdParams {
-            q: q.ptr,
-            k: k.ptr,
-            v: v.ptr,
-            o: o.ptr,
-            lse: lse_ptr,
-            alibi_slopes: alibi_ptr,
-            q_batch_stride: st(q.strides[0]),
-            q_row_stride: st(q.strides[1]),
-            q_head_stride: st(q.strides[2]),
-            k_batch_stride: st(k.strides[0]),
-            k_row_stride: st(k.strides[1]),
-            k_head_stride: st(k.strides[2]),
-            v_batch_stride: st(v.strides[0]),
-            v_row_stride: st(v.strides[1]),
-            v_head_stride: st(v.strides[2]),
-            o_batch_stride: st(o.strides[0]),
-            o_row_stride: st(o.strides[1]),
-            o_head_stride: st(o.strides[2]),
-            batch: p.batch as i32,
-            seqlen_q: p.seqlen_q as i32,
-            seqlen_k: p.seqlen_k as i32,
-            heads_q: p.heads_q as i32,
-            heads_kv: p.heads_kv as i32,
-            head_dim: p.head_dim as i32,
-            window_left: window(p.left),
-            window_right: window(p.right),
-            softmax_scale: p.scale,
-            softmax_scale_log2: if p.softcap.is_some() { LOG2E } else { p.scale * LOG2E },
-            softcap: p.softcap.unwrap_or(0.0),
-            flags,
-            ..FwdParams::default()
-        };
+        // Strides were checked above to address inside the buffers, seqlens to fit i32.
+        let params = FwdParams::for_launch(&p, ptrs, strides, lse_ptr, alibi_ptr);
         self.launch_params(stream, &c, params)?;
         Ok(c)
     }
@@ -438,11 +395,7 @@ impl Engine {
             return super::fa3::launch(&self.dev, stream, c, stage, params);
         }
         let f = self.dev.function(c.family, c.tile, c.dtype)?;
-        let grid = (
-            params.seqlen_q.unsigned_abs().div_ceil(f.tile.block_m),
-            params.heads_q.unsigned_abs(),
-            params.batch.unsigned_abs(),
-        );
+        let grid = super::plan::launch_grid(c.family, f.tile, &params, 0);
         let block = (f.tile.threads, 1, 1);
         self.dev.context().bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
         let mut args = [&mut params as *mut FwdParams as *mut std::ffi::c_void];

@@ -8,6 +8,7 @@
 //! | `device` | driver detection, contexts, compute capability, lazily loaded module cache |
 //! | `dispatch` | (SM, dtype, head_dim, options, variant) -> kernel instance |
 //! | `fa3`, `fa3_tma` | the FA3 stage ladder's refusals, layout checks, TMA tensor maps and launch |
+//! | `plan` | one launch as data (symbol, grid, block, smem, params, tensor-map arguments), for the CPU emulator |
 //! | `engine` | the device-memory API: [`Engine`], [`DeviceTensor`], caller's stream and output |
 //! | `fa2` | the FA2 family's host-side preconditions (its launch is the generic one) |
 
@@ -20,6 +21,8 @@ mod fa3_tma;
 #[doc(hidden)]
 pub mod kernels;
 pub mod params;
+#[doc(hidden)]
+pub mod plan;
 
 pub use device::{device_count, Device};
 pub use engine::{DeviceLse, DeviceTensor, DeviceTensorMut, Engine};
