@@ -92,12 +92,15 @@ __host__ __device__ inline void print_timeout(uint32_t bx, uint32_t by, uint32_t
 
 #if defined(__CUDA_ARCH__)
 
-// Nanosecond global timer (PTX %globaltimer).
+// Nanosecond global timer (PTX %globaltimer). The CPU emulator (cuda/test/emu/emu.h) supplies
+// its host version.
+#if !defined(FA_HOST_EMULATION)
 __device__ __forceinline__ uint64_t globaltimer_ns() {
     uint64_t t;
     asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
     return t;
 }
+#endif  // !FA_HOST_EMULATION
 
 // The wait board: per CTA (linear block index modulo kBoardCtas) and warp, what the warp waits on.
 constexpr uint32_t kBoardCtas = 1024, kBoardWarps = 32;

@@ -1,7 +1,7 @@
 // Force-included (g++ -include) before a kernel source when the CPU emulator compiles it: maps
 // the CUDA language onto plain C++ and supplies host versions of exactly the inline-PTX
 // wrappers of the instruction headers (cuda/include/{mma_sm80,wgmma_sm90,mbarrier_sm90,
-// tma_sm90,fast_math_sm90}.cuh, launch.cuh), which those headers compile out under
+// tma_sm90,fast_math_sm90}.cuh, launch.cuh, hang_check.cuh's clock), which those headers compile out under
 // FA_HOST_EMULATION. tests/emulator.rs checks that the two lists of wrappers are the same.
 // The headers' other code (descriptor builders, layouts, mbar_wait, pack2, ...) is used as is.
 //
@@ -13,6 +13,7 @@
 #define __CUDA_ARCH_FEAT_SM90_ALL 1
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -92,6 +93,15 @@ constexpr ::emu::Elem elem_of() {
     return std::is_same<T, __half>::value ? ::emu::Elem::F16 : ::emu::Elem::BF16;
 }
 }  // namespace emu_detail
+
+// ---- hang_check.cuh (the opt-in GPU hang diagnosis; its clock) ----
+namespace fa_hang {
+inline uint64_t globaltimer_ns() {
+    return static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+            .count());
+}
+}  // namespace fa_hang
 
 // ---- mma_sm80.cuh ----
 namespace fa2 {
