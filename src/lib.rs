@@ -37,6 +37,7 @@ mod cpu;
 pub mod cuda;
 mod cuda_host;
 mod error;
+mod names;
 pub mod flops;
 pub mod numerics;
 mod options;
@@ -45,8 +46,8 @@ pub mod reference;
 pub mod roofline;
 mod tensor;
 
-pub use api::{forward, Dispatch, Output};
+pub use api::{forward, forward_into, Dispatch, Output};
 pub use error::{Error, Operand, Result};
 pub use options::{Backend, Exp2, Fp8Scaling, ForwardOptions, Mask, Precision, Rescale, Variant};
 pub use problem::{Problem, LOG2E};
-pub use tensor::{AsTensorView, DType, Data, Element, OwnedData, Shape, Tensor, TensorView};
+pub use tensor::{AsTensorView, DType, Data, DataMut, Element, OwnedData, Shape, Tensor, TensorView};

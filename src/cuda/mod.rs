@@ -27,4 +27,4 @@ pub use engine::{DeviceLse, DeviceTensor, DeviceTensorMut, Engine};
 
 pub(crate) use device::why_unusable;
 pub(crate) use dispatch::choose;
-pub(crate) use engine::forward_host_typed;
+pub(crate) use engine::{forward_host_into_typed, forward_host_typed};
