@@ -161,10 +161,10 @@ fn main() {
     for &t in &skipped {
         let (maj, min) = min_cuda(t);
         println!(
-            "cargo:warning=flash_attn: nvcc {}.{} cannot build {} (needs CUDA {maj}.{min}+); those GPUs run the compute_80 PTX instead",
+            "cargo:warning=flash_attn: nvcc {}.{} cannot build sm_{} (needs CUDA {maj}.{min}+); those GPUs run the compute_80 PTX instead",
             tc.version.0,
             tc.version.1,
-            t.nvcc_args().last().unwrap_or(&"")
+            t.name()
         );
     }
     let cache = cache_dir(&out);
