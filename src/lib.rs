@@ -27,6 +27,8 @@
 //! | `cuda` (feature `cuda`) | kernel table, dispatch, device-memory `Engine` over embedded cubins (docs/cuda.md) |
 //! | [`flops`], [`roofline`] | the FLOP/byte model and per-device ceilings used by benches and examples |
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
 #[doc = include_str!("../README.md")]
 #[cfg(doctest)]
 pub struct ReadmeDoctests;
@@ -34,6 +36,7 @@ pub struct ReadmeDoctests;
 mod api;
 mod cpu;
 #[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub mod cuda;
 mod cuda_host;
 mod error;

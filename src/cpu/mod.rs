@@ -75,6 +75,7 @@ const EXP_BIAS: f32 = 127.0;
 /// conversion would not: Rust's saturating `as i32` is scalarised). NaN propagates through the
 /// product; x ≤ −127 gives 0 (below f32's normal range, irrelevant to a softmax).
 #[inline(always)]
+#[allow(clippy::manual_clamp)] // `f32::clamp` asserts its bounds; the `if` chain is what vectorises (and passes NaN)
 fn exp2_fast(x: f32) -> f32 {
     // `if` chains rather than min/max so that NaN passes through.
     let x = if x < EXP2_CLAMP_LOW { EXP2_CLAMP_LOW } else if x > EXP_BIAS { EXP_BIAS } else { x };
@@ -163,6 +164,7 @@ struct ScoreMod {
 /// column, `Oᵀ += Vᵀ·Pᵀ` (A = 6 columns of V, B = the Pᵀ panel as it lies): no per-tile packing.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
+#[allow(clippy::needless_range_loop)] // `pn` indexes the panel's keys, Q and score slices alike
 fn attend_block<M: Exp2Math, const FMA: bool>(
     p: &Problem,
     q: &TensorView,
