@@ -168,7 +168,8 @@ fn main() {
         );
     }
     let cache = cache_dir(&out);
-    std::fs::create_dir_all(&cache).unwrap_or_else(|e| panic!("cannot create the kernel cache {}: {e}", cache.display()));
+    std::fs::create_dir_all(&cache)
+        .unwrap_or_else(|e| panic!("cannot create the kernel cache {}: {e}", cache.display()));
     let gen_dir = out.join("gen");
     std::fs::create_dir_all(&gen_dir).unwrap();
     let include_dir = root.join("cuda/include");
@@ -387,10 +388,7 @@ fn find_nvcc(toolchain_dirs: &[PathBuf]) -> Option<PathBuf> {
             .filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("python3")))
             .collect();
         pythons.sort();
-        let found = pythons
-            .into_iter()
-            .map(|py| py.join("site-packages/nvidia/cu13/bin/nvcc"))
-            .find(|p| is_file(p));
+        let found = pythons.into_iter().map(|py| py.join("site-packages/nvidia/cu13/bin/nvcc")).find(|p| is_file(p));
         if found.is_some() {
             return found;
         }
@@ -423,7 +421,8 @@ fn inspect(nvcc: &Path) -> Result<Toolchain, String> {
     // changes their size or date even where nvcc's own version text stays the same.
     for tool in [nvcc.to_path_buf(), bin.join("ptxas"), bin.join("../nvvm/bin/cicc"), bin.join("fatbinary")] {
         if let Ok(m) = std::fs::metadata(&tool) {
-            let mtime = m.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()).unwrap_or_default();
+            let mtime =
+                m.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()).unwrap_or_default();
             writeln!(fingerprint, "{} {} {}", tool.display(), m.len(), mtime.as_nanos()).unwrap();
         }
     }

@@ -75,11 +75,7 @@ pub fn forward(
     Ok(Output {
         o: out.o,
         lse: p.return_lse.then_some(out.lse),
-        dispatch: Dispatch {
-            backend: "cpu".into(),
-            kernel: out.kernel.into(),
-            reason: why_cpu,
-        },
+        dispatch: Dispatch { backend: "cpu".into(), kernel: out.kernel.into(), reason: why_cpu },
     })
 }
 

@@ -17,7 +17,12 @@ fn main() -> candle_core::Result<()> {
     let k = Tensor::randn(0f32, 1., (b, h, s, d), &dev)?;
     let v = Tensor::randn(0f32, 1., (b, h, s, d), &dev)?;
     let t = Instant::now();
-    let ours = flash_attn(&q.transpose(1, 2)?, &k.transpose(1, 2)?, &v.transpose(1, 2)?, ForwardOptions::default().causal(true))?;
+    let ours = flash_attn(
+        &q.transpose(1, 2)?,
+        &k.transpose(1, 2)?,
+        &v.transpose(1, 2)?,
+        ForwardOptions::default().causal(true),
+    )?;
     let ours_ms = t.elapsed().as_secs_f64() * 1e3;
 
     let t = Instant::now();

@@ -125,7 +125,9 @@ impl CustomOp3 for FlashAttn {
         use candle_core::DType;
         match (s1.dtype(), s2.dtype(), s3.dtype()) {
             (DType::F16, DType::F16, DType::F16) => cuda::run::<half::f16>(&self.opts, (s1, l1), (s2, l2), (s3, l3)),
-            (DType::BF16, DType::BF16, DType::BF16) => cuda::run::<half::bf16>(&self.opts, (s1, l1), (s2, l2), (s3, l3)),
+            (DType::BF16, DType::BF16, DType::BF16) => {
+                cuda::run::<half::bf16>(&self.opts, (s1, l1), (s2, l2), (s3, l3))
+            }
             (a, b, c) => Err(candle_core::Error::Msg(format!(
                 "flash_attn on CUDA: q, k, v must all be f16 or bf16, got {a:?}, {b:?}, {c:?}"
             ))),
@@ -136,6 +138,8 @@ impl CustomOp3 for FlashAttn {
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::{bshd, err};
+    // candle's own cudarc (the one its storage is made of), re-exported by candle.
+    use candle_core::cuda_backend::cudarc;
     use candle_core::cuda_backend::CudaDType;
     use candle_core::{CudaStorage, Layout, Shape};
     use flash_attn::cuda::{DeviceTensor, DeviceTensorMut, Engine};
@@ -170,7 +174,8 @@ mod cuda {
         let engine = engine_for(stream.context())?;
         let ((sq, stq), (sk, stk), (sv, stv)) = (bshd(lq, "q")?, bshd(lk, "k")?, bshd(lv, "v")?);
         let (dq, dk, dv) = (q.as_cuda_slice::<T>()?, k.as_cuda_slice::<T>()?, v.as_cuda_slice::<T>()?);
-        let (vq, vk, vv) = (dq.slice(lq.start_offset()..), dk.slice(lk.start_offset()..), dv.slice(lv.start_offset()..));
+        let (vq, vk, vv) =
+            (dq.slice(lq.start_offset()..), dk.slice(lk.start_offset()..), dv.slice(lv.start_offset()..));
         let n: usize = sq.iter().product();
         let mut o = dev.alloc_zeros::<T>(n)?;
         {

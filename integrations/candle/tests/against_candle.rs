@@ -22,7 +22,8 @@ fn candle_attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> candle_
         let off = sk - sq;
         let mask: Vec<u8> = (0..sq).flat_map(|i| (0..sk).map(move |j| u8::from(j > i + off))).collect();
         let mask = Tensor::from_vec(mask, (sq, sk), q.device())?.broadcast_as(scores.shape())?;
-        let ninf = Tensor::new(f32::NEG_INFINITY, q.device())?.to_dtype(scores.dtype())?.broadcast_as(scores.shape())?;
+        let ninf =
+            Tensor::new(f32::NEG_INFINITY, q.device())?.to_dtype(scores.dtype())?.broadcast_as(scores.shape())?;
         mask.where_cond(&ninf, &scores)?
     } else {
         scores

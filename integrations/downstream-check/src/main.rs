@@ -24,10 +24,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("{} ({})", d.kernel, d.reason);
     }
     // An engine without cudarc streams: raw addresses and a raw CUstream.
-    let (qp, op) = (
-        flash_attn_raw_ptr(&q, &stream),
-        flash_attn_raw_ptr(&o, &stream),
-    );
+    let (qp, op) = (flash_attn_raw_ptr(&q, &stream), flash_attn_raw_ptr(&o, &stream));
     // SAFETY: q and o are live allocations of `n` bf16 in this context, ordered on `stream`.
     unsafe {
         let t = DeviceTensor::from_raw(qp, n, flash_attn::DType::BF16, shape);
