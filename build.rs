@@ -23,7 +23,9 @@
 //! Env vars: FLASH_ATTN_ARCHS ("80,90a,100a,ptx", default all) and FLASH_ATTN_HDIMS
 //! ("64,128", default all) prune the build; FLASH_ATTN_REQUIRE_NVCC=1 makes a missing or
 //! unusable nvcc an error (CI sets it where the toolchain is installed);
-//! FLASH_ATTN_KERNEL_CACHE moves the cache.
+//! FLASH_ATTN_KERNEL_CACHE moves the cache; FLASH_ATTN_HANG_CHECK=1 builds the hang-diagnosis
+//! variant of the kernels (see `hang_check`; the define is in the unit text, so the cache keeps
+//! the two variants apart).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -51,6 +53,7 @@ const ENV_VARS: &[&str] = &[
     "FLASH_ATTN_HDIMS",
     "FLASH_ATTN_REQUIRE_NVCC",
     "FLASH_ATTN_KERNEL_CACHE",
+    "FLASH_ATTN_HANG_CHECK",
     // nvcc reads these itself; they change what it builds.
     "NVCC_PREPEND_FLAGS",
     "NVCC_APPEND_FLAGS",
@@ -101,6 +104,10 @@ fn main() {
         println!("cargo:rerun-if-env-changed={v}");
     }
     println!("cargo:rustc-check-cfg=cfg(fa_kernels)");
+    println!("cargo:rustc-check-cfg=cfg(fa_hang_check)");
+    if hang_check() {
+        println!("cargo:rustc-cfg=fa_hang_check");
+    }
     let require = std::env::var("FLASH_ATTN_REQUIRE_NVCC").is_ok_and(|v| v == "1");
 
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
@@ -349,6 +356,19 @@ fn files_under(dir: &Path) -> Vec<PathBuf> {
     out
 }
 
+/// FLASH_ATTN_HANG_CHECK=1: the opt-in hang-diagnosis build (cuda/include/hang_check.cuh,
+/// docs/fa3.md "Hang check"): every generated unit defines FA_HANG_CHECK, so each mbarrier wait
+/// of the kernels reports block, warp, barrier and parity and traps instead of hanging. Unset,
+/// empty or "0": the normal build (the waits are the plain loops).
+fn hang_check() -> bool {
+    match std::env::var("FLASH_ATTN_HANG_CHECK") {
+        Ok(v) if v == "1" => true,
+        Ok(v) if v.is_empty() || v == "0" => false,
+        Ok(v) => panic!("FLASH_ATTN_HANG_CHECK={v:?}: expected 1 (hang-check build) or 0 / unset"),
+        Err(_) => false,
+    }
+}
+
 /// A comma-separated env var, `None` when unset or empty.
 fn env_list(name: &str) -> Option<Vec<String>> {
     let v = std::env::var(name).ok()?;
@@ -515,6 +535,10 @@ fn unit_source(root: &Path, fam: &Family, tile: &Tile) -> String {
     writeln!(s, "#define FA_BLOCK_N {}", tile.block_n).unwrap();
     writeln!(s, "#define FA_THREADS {}", tile.threads).unwrap();
     writeln!(s, "#define FA_SMEM_BYTES {}", (fam.smem_bytes)(tile)).unwrap();
+    if hang_check() {
+        // In the unit text, so anything keyed on the unit (a kernel cache) tells the variants apart.
+        writeln!(s, "#define FA_HANG_CHECK 1").unwrap();
+    }
     writeln!(s, "#include \"{}\"", root.join(fam.source).display()).unwrap();
     for dt in DTYPE_NAMES {
         writeln!(s, "FA_INSTANCE({dt})").unwrap();

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it: installs the pinned CUDA 13.0 compiler from PyPI (so every
-# kernel is compiled and the SASS/ptxas checks run), then `cargo test`, clippy, and the two
-# integration crates. GPU tests are #[ignore]d and reported as ignored; run them on a GPU
-# machine with scripts/gpu-check.sh.
+# kernel is compiled and the SASS/ptxas checks run) and the pinned CUTLASS/CuTe headers (the
+# test-only oracle of tests/cute_oracle.rs), then `cargo test`, clippy, and the two integration
+# crates. GPU tests are #[ignore]d and reported as ignored; run them on a GPU machine with
+# scripts/gpu-check.sh.
 #
 # Needs python3 with venv and pip, access to PyPI and crates.io, ~300 MB for the toolchain
 # (.cuda-toolchain/) and a few GB for target/ directories.
@@ -12,6 +13,8 @@ root="$PWD"
 section() { echo "== [${SECONDS}s] $*"; }
 bin="$(scripts/install-cuda-toolchain.sh)"
 export NVCC="$bin/nvcc"
+cutlass_include="$(scripts/install-cutlass.sh)"
+export FLASH_ATTN_CUTLASS_INCLUDE="$cutlass_include"
 # With the toolchain present, compile-only checks must run: a missing nvcc is then a failure.
 export FLASH_ATTN_REQUIRE_NVCC=1
 # One kernel cache for this crate and the integration crates (their own target dirs): each
@@ -20,9 +23,9 @@ export FLASH_ATTN_KERNEL_CACHE="$root/target/flash-attn-kernels"
 export CARGO_TERM_COLOR=never
 section "cargo test"
 cargo test "$@"
-# Compile-only checks that need nvcc (ignored in a plain `cargo test`, required here).
+# Checks that need nvcc or the CuTe headers (ignored in a plain `cargo test`, required here).
 section "nvcc-only checks"
-cargo test --test numerics_cuda_parity "$@" -- --ignored
+cargo test --test numerics_cuda_parity --test cute_oracle "$@" -- --ignored
 # Benches must build too (running them is `cargo bench`, not a test).
 section "benches build"
 cargo test --benches --no-run "$@"
