@@ -99,31 +99,9 @@ fn parse() -> Result<Args, String> {
             s.parse().map_err(|_| format!("{flag}: not a number: {s}"))
         }
         match flag.as_str() {
-            "--backend" => {
-                let v = val()?;
-                a.backend = match v.as_str() {
-                    "cpu" => Backend::Cpu,
-                    "auto" => Backend::Auto,
-                    "cuda" => Backend::Cuda(0),
-                    s if s.starts_with("cuda:") => Backend::Cuda(num("--backend", s[5..].to_string())?),
-                    _ => return Err(format!("--backend: unknown {v}")),
-                }
-            }
-            "--variant" => {
-                let v = val()?;
-                a.variant = match v.as_str() {
-                    "auto" => Variant::Auto,
-                    "fa1" => Variant::Fa1,
-                    "fa2" => Variant::Fa2,
-                    "fa3" => Variant::Fa3,
-                    "fa4" => Variant::Fa4,
-                    _ => return Err(format!("--variant: unknown {v}")),
-                }
-            }
-            "--dtype" => {
-                let v = val()?;
-                a.dtype = Some(support::parse_dtype(&v).ok_or(format!("--dtype: unknown {v}"))?);
-            }
+            "--backend" => a.backend = val()?.parse().map_err(|e| format!("--backend: {e}"))?,
+            "--variant" => a.variant = val()?.parse().map_err(|e| format!("--variant: {e}"))?,
+            "--dtype" => a.dtype = Some(val()?.parse().map_err(|e| format!("--dtype: {e}"))?),
             "--fp8" => {
                 let v = val()?;
                 let scaling = match v.as_str() {
@@ -333,7 +311,7 @@ fn main() {
         machine: if on_cpu { flash_attn::roofline::cpu_name() } else { out.dispatch.backend.clone() },
         backend: out.dispatch.backend.clone(),
         kernel: out.dispatch.kernel.clone(),
-        variant: format!("{:?}", a.variant).to_lowercase(),
+        variant: a.variant.to_string(),
         case,
         precision: precision_name(a.precision),
         cost,
@@ -474,7 +452,7 @@ fn gpu_main(a: &Args, mut h: Box<dyn support::gpu::GpuHarness>) {
         machine: info.name.clone(),
         backend: dispatch.backend.clone(),
         kernel: dispatch.kernel.clone(),
-        variant: format!("{:?}", a.variant).to_lowercase(),
+        variant: a.variant.to_string(),
         case,
         precision: precision_name(a.precision),
         cost,

@@ -61,6 +61,9 @@ pub enum Error {
     TooLarge { what: String },
     /// A CUDA driver call failed.
     Cuda { call: String, message: String },
+    /// A stream of another CUDA context than the engine's, or a device tensor bound to another
+    /// stream than the one the launch is enqueued on.
+    StreamMismatch { what: String, got: String, expected: String },
 }
 
 impl fmt::Display for Error {
@@ -112,6 +115,9 @@ impl fmt::Display for Error {
             }
             Error::TooLarge { what } => write!(f, "{what} is too large for this machine's address space"),
             Error::Cuda { call, message } => write!(f, "CUDA error in {call}: {message}"),
+            Error::StreamMismatch { what, got, expected } => {
+                write!(f, "stream mismatch for {what}: got {got}, expected {expected}")
+            }
         }
     }
 }

@@ -27,6 +27,8 @@
 //! | `cuda` (feature `cuda`) | kernel table, dispatch, device-memory `Engine` over embedded cubins (docs/cuda.md) |
 //! | [`flops`], [`roofline`] | the FLOP/byte model and per-device ceilings used by benches and examples |
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
 #[doc = include_str!("../README.md")]
 #[cfg(doctest)]
 pub struct ReadmeDoctests;
@@ -34,9 +36,11 @@ pub struct ReadmeDoctests;
 mod api;
 mod cpu;
 #[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub mod cuda;
 mod cuda_host;
 mod error;
+mod names;
 pub mod flops;
 pub mod numerics;
 mod options;
@@ -45,8 +49,8 @@ pub mod reference;
 pub mod roofline;
 mod tensor;
 
-pub use api::{forward, Dispatch, Output};
+pub use api::{forward, forward_into, Dispatch, Output};
 pub use error::{Error, Operand, Result};
 pub use options::{Backend, Exp2, Fp8Scaling, ForwardOptions, Mask, Precision, Rescale, Variant};
 pub use problem::{Problem, LOG2E};
-pub use tensor::{AsTensorView, DType, Data, Element, OwnedData, Shape, Tensor, TensorView};
+pub use tensor::{AsTensorView, DType, Data, DataMut, Element, OwnedData, Shape, Tensor, TensorView};

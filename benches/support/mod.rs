@@ -60,7 +60,7 @@ impl Case {
             Mask::Window { left, right, causal } => format!("win{left}_{right}{}", if causal { "c" } else { "" }),
             _ => "mask".to_string(),
         };
-        format!("b{}_{seq}_{heads}_d{}_{}_{mask}", self.batch, self.head_dim, dtype_name(self.dtype))
+        format!("b{}_{seq}_{heads}_d{}_{}_{mask}", self.batch, self.head_dim, self.dtype)
     }
 
     /// Seeded normal inputs q, k, v.
@@ -80,24 +80,6 @@ impl Case {
     /// The validated problem (for the FLOP model and the reference).
     pub fn problem(&self, q: &Tensor, k: &Tensor, v: &Tensor, opts: &ForwardOptions) -> Problem {
         Problem::new(&q.view(), &k.view(), &v.view(), opts).expect("bench case is valid")
-    }
-}
-
-pub fn dtype_name(d: DType) -> &'static str {
-    match d {
-        DType::F32 => "f32",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        _ => "other",
-    }
-}
-
-pub fn parse_dtype(s: &str) -> Option<DType> {
-    match s {
-        "f32" | "fp32" | "float32" => Some(DType::F32),
-        "f16" | "fp16" | "float16" => Some(DType::F16),
-        "bf16" | "bfloat16" => Some(DType::BF16),
-        _ => None,
     }
 }
 
@@ -425,7 +407,7 @@ impl Record {
             js(&self.backend),
             js(&self.kernel),
             js(&self.variant),
-            js(dtype_name(c.dtype)),
+            js(&c.dtype.to_string()),
             js(&self.precision),
             js(if self.precision == "native" { math.name() } else { "fp8" }),
             c.batch,

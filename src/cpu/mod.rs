@@ -18,7 +18,7 @@ use crate::numerics::hadamard::Rotation;
 use crate::numerics::quant::fake_quantize;
 use crate::options::Precision;
 use crate::problem::{Problem, LOG2E};
-use crate::tensor::{Element, OwnedData, Tensor, TensorView};
+use crate::tensor::{DataMut, Element, Tensor, TensorView};
 use gemm::{micro_kernel, Acc, MR, NR};
 use softmax::{finalize, max_get_scale, online_softmax, rescale_o, Exp2Math, RowState};
 use std::sync::Mutex;
@@ -75,6 +75,7 @@ const EXP_BIAS: f32 = 127.0;
 /// conversion would not: Rust's saturating `as i32` is scalarised). NaN propagates through the
 /// product; x ≤ −127 gives 0 (below f32's normal range, irrelevant to a softmax).
 #[inline(always)]
+#[allow(clippy::manual_clamp)] // `f32::clamp` asserts its bounds; the `if` chain is what vectorises (and passes NaN)
 fn exp2_fast(x: f32) -> f32 {
     // `if` chains rather than min/max so that NaN passes through.
     let x = if x < EXP2_CLAMP_LOW { EXP2_CLAMP_LOW } else if x > EXP_BIAS { EXP_BIAS } else { x };
@@ -163,6 +164,7 @@ struct ScoreMod {
 /// column, `Oᵀ += Vᵀ·Pᵀ` (A = 6 columns of V, B = the Pᵀ panel as it lies): no per-tile packing.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
+#[allow(clippy::needless_range_loop)] // `pn` indexes the panel's keys, Q and score slices alike
 fn attend_block<M: Exp2Math, const FMA: bool>(
     p: &Problem,
     q: &TensorView,
@@ -359,6 +361,17 @@ pub(crate) fn threads(requested: Option<usize>) -> usize {
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
+fn check_head_dim(p: &Problem) -> Result<()> {
+    if p.head_dim > MAX_HEAD_DIM {
+        return Err(Error::UnsupportedHeadDim {
+            head_dim: p.head_dim,
+            backend: "the CPU backend".into(),
+            supported: format!("1..={MAX_HEAD_DIM}"),
+        });
+    }
+    Ok(())
+}
+
 /// The CPU forward pass on validated inputs, with the given exp2/rounding arithmetic.
 pub(crate) fn forward_with<M: Exp2Math>(
     p: &Problem,
@@ -368,13 +381,24 @@ pub(crate) fn forward_with<M: Exp2Math>(
     math: M,
     nthreads: usize,
 ) -> Result<CpuOutput> {
-    if p.head_dim > MAX_HEAD_DIM {
-        return Err(Error::UnsupportedHeadDim {
-            head_dim: p.head_dim,
-            backend: "the CPU backend".into(),
-            supported: format!("1..={MAX_HEAD_DIM}"),
-        });
-    }
+    check_head_dim(p)?;
+    let mut o = Tensor::zeros(p.dtype, [p.batch, p.seqlen_q, p.heads_q, p.head_dim])?;
+    let lse = forward_with_into(p, q, k, v, math, nthreads, o.data_mut().as_data_mut())?;
+    Ok(CpuOutput { o, lse, kernel: path_name() })
+}
+
+/// As [`forward_with`], writing the output into `dst` (contiguous `[batch, seqlen_q, heads_q,
+/// head_dim]` of the problem's dtype, checked by the caller); returns the LSE.
+fn forward_with_into<M: Exp2Math>(
+    p: &Problem,
+    q: &TensorView,
+    k: &TensorView,
+    v: &TensorView,
+    math: M,
+    nthreads: usize,
+    dst: DataMut<'_>,
+) -> Result<Vec<f32>> {
+    check_head_dim(p)?;
     let d = p.head_dim;
     let sm = match p.softcap {
         None => ScoreMod { q_mul: 1.0, score_mul: p.scale * LOG2E, softcap_log2: None },
@@ -449,14 +473,13 @@ pub(crate) fn forward_with<M: Exp2Math>(
         }
     }
 
-    let mut o = Tensor::zeros(p.dtype, [p.batch, p.seqlen_q, p.heads_q, d])?;
-    match o.data_mut() {
-        OwnedData::F32(v) => to_seq_major(p, &o_hm, v, nthreads),
-        OwnedData::F16(v) => to_seq_major(p, &o_hm, v, nthreads),
-        OwnedData::BF16(v) => to_seq_major(p, &o_hm, v, nthreads),
+    match dst {
+        DataMut::F32(v) => to_seq_major(p, &o_hm, v, nthreads),
+        DataMut::F16(v) => to_seq_major(p, &o_hm, v, nthreads),
+        DataMut::BF16(v) => to_seq_major(p, &o_hm, v, nthreads),
     }
     pool::give(o_hm);
-    Ok(CpuOutput { o, lse, kernel: path_name() })
+    Ok(lse)
 }
 
 /// `[b, h, s, d]` f32 → `[b, s, h, d]` in the output type, split over threads by blocks of rows
@@ -489,22 +512,35 @@ fn to_seq_major<T: Element>(p: &Problem, src: &[f32], dst: &mut [T], nthreads: u
 /// runs the emulation of a kernel's arithmetic (`numerics::emulate`), and FP8 first rotates
 /// (optionally) and fake-quantises Q, K, V (`numerics::quant::fake_quantize`).
 pub(crate) fn run(p: &Problem, q: &TensorView, k: &TensorView, v: &TensorView, nthreads: usize) -> Result<CpuOutput> {
+    check_head_dim(p)?;
+    let mut o = Tensor::zeros(p.dtype, [p.batch, p.seqlen_q, p.heads_q, p.head_dim])?;
+    let (lse, kernel) = run_into(p, q, k, v, nthreads, o.data_mut().as_data_mut())?;
+    Ok(CpuOutput { o, lse, kernel })
+}
+
+/// As [`run`], writing the output into `dst` (contiguous `[batch, seqlen_q, heads_q, head_dim]`
+/// of the problem's dtype, checked by the caller); returns the LSE and the path's name.
+pub(crate) fn run_into(
+    p: &Problem,
+    q: &TensorView,
+    k: &TensorView,
+    v: &TensorView,
+    nthreads: usize,
+    dst: DataMut<'_>,
+) -> Result<(Vec<f32>, &'static str)> {
     let math = EmulatedMath::for_problem(p);
     if math.is_native() {
-        return forward_with(p, q, k, v, Native, nthreads);
+        return Ok((forward_with_into(p, q, k, v, Native, nthreads, dst)?, path_name()));
     }
     let Precision::Fp8 { scaling, hadamard } = p.precision else {
-        let mut out = forward_with(p, q, k, v, math, nthreads)?;
-        out.kernel = "cpu-tiled-emulated-exp2";
-        return Ok(out);
+        return Ok((forward_with_into(p, q, k, v, math, nthreads, dst)?, "cpu-tiled-emulated-exp2"));
     };
     let rot = hadamard.and_then(|seed| Rotation::new(p.head_dim, seed));
     let q8 = fake_quantize(q, scaling, rot.as_ref())?;
     let k8 = fake_quantize(k, scaling, rot.as_ref())?;
     let v8 = fake_quantize(v, scaling, None)?;
-    let mut out = forward_with(p, &q8.view(), &k8.view(), &v8.view(), math, nthreads)?;
-    out.kernel = "cpu-tiled-emulated-fp8";
-    Ok(out)
+    let lse = forward_with_into(p, &q8.view(), &k8.view(), &v8.view(), math, nthreads, dst)?;
+    Ok((lse, "cpu-tiled-emulated-fp8"))
 }
 
 /// Name of the micro-kernel path this CPU takes.

@@ -13,7 +13,7 @@ use super::params::FwdParams;
 use crate::error::{Error, Operand, Result};
 use crate::problem::Problem;
 use crate::tensor::DType;
-use cudarc::driver::{sys, CudaStream, DeviceRepr};
+use cudarc::driver::{sys, DeviceRepr};
 
 /// Element multiple every batch/row/head stride must be: 8 × 2 bytes = 16 bytes (stage 1's
 /// 16-byte vector loads, TMA's stride rule).
@@ -124,7 +124,7 @@ fn tensor_maps(stage: u32, dtype: DType, p: &FwdParams) -> Result<[TensorMap; 3]
 /// # Errors
 /// [`Error::InvalidLayout`] for layouts the kernels (or TMA) cannot read, [`Error::Cuda`] when
 /// a driver call fails.
-pub(crate) fn launch(dev: &Device, stream: &CudaStream, c: &Choice, stage: u32, mut params: FwdParams) -> Result<()> {
+pub(crate) fn launch(dev: &Device, stream: sys::CUstream, c: &Choice, stage: u32, mut params: FwdParams) -> Result<()> {
     check_layout(&params)?;
     let f = dev.function(c.family, c.tile, c.dtype)?;
     dev.context().bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
@@ -159,7 +159,7 @@ pub(crate) fn launch(dev: &Device, stream: &CudaStream, c: &Choice, stage: u32, 
     // were checked by the engine (within the buffers) and above (alignment); block and dynamic
     // shared memory are the table row's, which the kernel static_asserts against its traits,
     // and the function's shared-memory opt-in was set when it was loaded.
-    unsafe { cudarc::driver::result::launch_kernel(f.func.cu_function(), grid, block, f.smem_bytes, stream.cu_stream(), args) }
+    unsafe { cudarc::driver::result::launch_kernel(f.func, grid, block, f.smem_bytes, stream, args) }
         .map_err(cuda_err("cuLaunchKernel"))
 }
 
