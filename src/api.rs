@@ -41,6 +41,7 @@ pub fn forward(
 ) -> Result<Output> {
     let (q, k, v) = (q.as_view(), k.as_view(), v.as_view());
     let p = Problem::new(&q, &k, &v, opts)?;
+    crate::serving::check_num_splits(opts)?;
     let (gpu, why_cpu) = match opts.backend {
         Backend::Cpu => (None, "Backend::Cpu requested".to_string()),
         Backend::Auto => match crate::cuda_host::auto_device(&p, opts) {
@@ -60,6 +61,25 @@ pub fn forward(
         });
     }
     let threads = cpu::threads(opts.cpu_threads);
+    if cpu::inplace::prefers_dense(&p) {
+        // Few query rows (decode): read K/V in place rather than pack them for 16-row panels.
+        let layout = crate::serving::BatchLayout::dense(p.batch, p.seqlen_q, p.seqlen_k);
+        let out = crate::serving::run_inplace(&p, &layout, &q, &k, &v, threads, opts.num_splits)?;
+        return Ok(Output {
+            o: out.o,
+            lse: p.return_lse.then_some(out.lse),
+            dispatch: Dispatch {
+                backend: "cpu".into(),
+                kernel: cpu::inplace::path_name().into(),
+                reason: format!(
+                    "{why_cpu}; seqlen_q {} <= {}: the in-place decode path, {} key split(s)",
+                    p.seqlen_q,
+                    cpu::inplace::DENSE_MAX_SEQLEN_Q,
+                    out.splits
+                ),
+            },
+        });
+    }
     let out = cpu::run(&p, &q, &k, &v, threads)?;
     Ok(Output {
         o: out.o,
