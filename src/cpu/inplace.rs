@@ -187,52 +187,100 @@ fn fma<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
     }
 }
 
+/// `W` consecutive elements from `x` as a value (one bounds check; then registers).
+#[inline(always)]
+fn load<const W: usize>(s: &[f32], x: usize) -> [f32; W] {
+    let mut a = [0.0; W];
+    a.copy_from_slice(&s[x..x + W]);
+    a
+}
+
+/// `a · b + c` lane by lane.
+#[inline(always)]
+fn fma_lanes<const W: usize, const FMA: bool>(a: [f32; W], b: [f32; W], c: [f32; W]) -> [f32; W] {
+    std::array::from_fn(|l| fma::<FMA>(a[l], b[l], c[l]))
+}
+
 /// Sum of 8 lanes as a tree (two halves, then pairs), which vectorises.
 #[inline(always)]
-fn hsum8(a: &[f32; 8]) -> f32 {
+fn hsum8(a: [f32; 8]) -> f32 {
     let h = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
     (h[0] + h[2]) + (h[1] + h[3])
 }
 
-/// `s[t][l0 + r] = q_{l0 + r} · k_{t}` for `NQ` query rows and `NK` keys from `t0`: `NQ·NK`
-/// accumulators of 8 lanes over head_dim, one horizontal sum each at the end.
+/// Dot products of one query row with 4 key rows, all of length head_dim: one 8-lane
+/// accumulator per key over the 8-element chunks (the query chunk loaded once for all keys), a
+/// scalar tail for `d % 8`, and one horizontal sum per key.
+///
+/// The shape of this loop matters to LLVM: a zip of whole chunks with one accumulator per key
+/// keeps each accumulator in a vector register along head_dim. The `black_box` keeps the final
+/// horizontal sums from being vectorised across keys, which LLVM otherwise does by rebuilding
+/// the whole loop across keys, with shuffles. (Index loops over several query rows at once, or
+/// chunks copied into local arrays, end up scalar or shuffled the same way.)
 #[inline(always)]
-fn qk_tile<const NQ: usize, const NK: usize, const FMA: bool>(
-    q: &[f32],
-    d: usize,
-    l0: usize,
-    krows: &[&[f32]],
-    t0: usize,
-    s: &mut [[f32; NR]],
-) {
-    let qr: [&[f32]; NQ] = std::array::from_fn(|r| &q[(l0 + r) * d..(l0 + r + 1) * d]);
-    let kr: [&[f32]; NK] = std::array::from_fn(|t| &krows[t0 + t][..d]);
-    let mut acc = [[[0.0f32; 8]; NQ]; NK];
-    let mut x = 0;
-    while x + 8 <= d {
-        for t in 0..NK {
-            let kc = &kr[t][x..x + 8];
-            for r in 0..NQ {
-                let qc = &qr[r][x..x + 8];
-                for l in 0..8 {
-                    acc[t][r][l] = fma::<FMA>(qc[l], kc[l], acc[t][r][l]);
+fn dot_row4<const FMA: bool>(q: &[f32], k: [&[f32]; 4]) -> [f32; 4] {
+    let mut acc = [[0.0f32; 8]; 4];
+    let chunks = q.chunks_exact(8).zip(k[0].chunks_exact(8)).zip(k[1].chunks_exact(8));
+    let chunks = chunks.zip(k[2].chunks_exact(8)).zip(k[3].chunks_exact(8));
+    for ((((x, y0), y1), y2), y3) in chunks {
+        for (t, y) in [y0, y1, y2, y3].into_iter().enumerate() {
+            for l in 0..8 {
+                acc[t][l] = fma::<FMA>(x[l], y[l], acc[t][l]);
+            }
+        }
+    }
+    let acc = std::hint::black_box(acc);
+    let mut out: [f32; 4] = std::array::from_fn(|t| hsum8(acc[t]));
+    let n8 = q.len() / 8 * 8;
+    if n8 < q.len() {
+        for (t, o) in out.iter_mut().enumerate() {
+            *o += q[n8..]
+                .iter()
+                .zip(&k[t][n8..])
+                .fold(0.0, |a, (x, y)| fma::<FMA>(*x, *y, a));
+        }
+    }
+    out
+}
+
+/// [`dot_row4`] for one key.
+#[inline(always)]
+fn dot_row1<const FMA: bool>(q: &[f32], k: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    for (x, y) in q.chunks_exact(8).zip(k.chunks_exact(8)) {
+        for l in 0..8 {
+            acc[l] = fma::<FMA>(x[l], y[l], acc[l]);
+        }
+    }
+    let n8 = q.len() / 8 * 8;
+    hsum8(acc)
+        + q[n8..]
+            .iter()
+            .zip(&k[n8..])
+            .fold(0.0, |a, (x, y)| fma::<FMA>(*x, *y, a))
+}
+
+/// `s[t][l] = q_l · k_t` for the panel's `nl` query rows and the chunk's keys `krows`, four keys
+/// at a time (their rows stay in L1 while every query row passes over them).
+#[inline(always)]
+fn qk_panel<const FMA: bool>(q: &[f32], d: usize, nl: usize, krows: &[&[f32]], s: &mut [[f32; NR]]) {
+    let mut t0 = 0;
+    while t0 < krows.len() {
+        if t0 + 4 <= krows.len() {
+            let kr: [&[f32]; 4] = std::array::from_fn(|t| &krows[t0 + t][..d]);
+            for l in 0..nl {
+                let sums = dot_row4::<FMA>(&q[l * d..(l + 1) * d], kr);
+                for (t, &x) in sums.iter().enumerate() {
+                    s[t0 + t][l % NR] = x;
                 }
             }
-        }
-        x += 8;
-    }
-    let mut tail = [[0.0f32; NQ]; NK];
-    while x < d {
-        for t in 0..NK {
-            for r in 0..NQ {
-                tail[t][r] = fma::<FMA>(qr[r][x], kr[t][x], tail[t][r]);
+            t0 += 4;
+        } else {
+            let kr = &krows[t0][..d];
+            for l in 0..nl {
+                s[t0][l % NR] = dot_row1::<FMA>(&q[l * d..(l + 1) * d], kr);
             }
-        }
-        x += 1;
-    }
-    for t in 0..NK {
-        for r in 0..NQ {
-            s[t0 + t][l0 + r] = hsum8(&acc[t][r]) + tail[t][r];
+            t0 += 1;
         }
     }
 }
@@ -248,17 +296,12 @@ fn pv_strip<const NQ: usize, const W: usize, const FMA: bool>(
     p: &[[f32; NR]],
     vrows: &[&[f32]],
 ) {
-    let mut acc = [[0.0f32; W]; NQ];
-    for (r, a) in acc.iter_mut().enumerate() {
-        a.copy_from_slice(&o[(l0 + r) * d + x..][..W]);
-    }
+    let mut acc: [[f32; W]; NQ] = std::array::from_fn(|r| load::<W>(o, (l0 + r) * d + x));
     for (pt, vt) in p.iter().zip(vrows) {
-        let vc = &vt[x..x + W];
-        for (r, a) in acc.iter_mut().enumerate() {
-            let pr = pt[l0 + r];
-            for l in 0..W {
-                a[l] = fma::<FMA>(pr, vc[l], a[l]);
-            }
+        let vc = load::<W>(vt, x);
+        let pr: [f32; NQ] = std::array::from_fn(|r| pt[(l0 + r) % NR]);
+        for r in 0..NQ {
+            acc[r] = fma_lanes::<W, FMA>([pr[r]; W], vc, acc[r]);
         }
     }
     for (r, a) in acc.iter().enumerate() {
@@ -361,31 +404,8 @@ fn attend<M: Exp2Math, const FMA: bool>(c: &Ctx<'_, M>, it: &mut Item<'_>, scr: 
             let full = (l0..l0 + nl).all(|r| lo[r] <= plo && hi[r] >= phi);
             let qp = &q[l0 * d..(l0 + NR) * d];
             let sp = &mut s[c0..c1];
-            // S = Q·Kᵀ for this panel's rows, two keys and up to four rows at a time.
-            let mut t = 0;
-            while t < sp.len() {
-                let two = t + 2 <= sp.len();
-                let kr = &krows[c0..c1];
-                let mut r = 0;
-                while r < nl {
-                    match (nl - r >= 4, nl - r >= 2, two) {
-                        (true, _, true) => qk_tile::<4, 2, FMA>(qp, d, r, kr, t, sp),
-                        (true, _, false) => qk_tile::<4, 1, FMA>(qp, d, r, kr, t, sp),
-                        (false, true, true) => qk_tile::<2, 2, FMA>(qp, d, r, kr, t, sp),
-                        (false, true, false) => qk_tile::<2, 1, FMA>(qp, d, r, kr, t, sp),
-                        (false, false, true) => qk_tile::<1, 2, FMA>(qp, d, r, kr, t, sp),
-                        (false, false, false) => qk_tile::<1, 1, FMA>(qp, d, r, kr, t, sp),
-                    }
-                    r += if nl - r >= 4 {
-                        4
-                    } else if nl - r >= 2 {
-                        2
-                    } else {
-                        1
-                    };
-                }
-                t += if two { 2 } else { 1 };
-            }
+            // S = Q·Kᵀ for this panel's rows.
+            qk_panel::<FMA>(qp, d, nl, &krows[c0..c1], sp);
             // Softcap and ALiBi (into log2 units; the softmax then multiplies by 1), the mask,
             // and −inf for the padding lanes.
             for (tl, row) in sp.iter_mut().enumerate() {
