@@ -64,7 +64,8 @@ pub fn forward(
     if cpu::inplace::prefers_dense(&p) {
         // Few query rows (decode): read K/V in place rather than pack them for 16-row panels.
         let layout = crate::serving::BatchLayout::dense(p.batch, p.seqlen_q, p.seqlen_k);
-        let out = crate::serving::run_inplace(&p, &layout, &q, &k, &v, threads, opts.num_splits)?;
+        let run = cpu::inplace::RunOpts { threads, splits: opts.num_splits, skip: &[] };
+        let out = crate::serving::run_inplace(&p, &layout, (&q, &k, &v), run)?;
         return Ok(Output {
             o: out.o,
             lse: p.return_lse.then_some(out.lse),

@@ -159,6 +159,9 @@ fn varlen_case(o: &Opts, lens_q: &[usize], lens_k: &[usize], dtype: DType) -> Re
     let opts = o.forward();
     let out = forward_varlen(&q, &k, &v, &seqs, &opts).map_err(|e| TestCaseError::fail(e.to_string()))?;
     prop_assert_eq!(out.o.shape(), [1, tq, hq, d]);
+    // Sequences of more than 16 query rows (with keys) take the tiled path, the rest run in place.
+    let tiled = lens_q.iter().zip(lens_k).any(|(&q, &k)| q > 16 && k > 0);
+    prop_assert_eq!(out.dispatch.kernel.contains(" + "), tiled, "{:?}", out.dispatch);
     prop_assert_eq!(out.lse.as_ref().map(|l| l.len()), o.lse.then_some(hq * tq));
     let ov = out.o.to_f32_vec();
     let mut worst = 0.0f64;

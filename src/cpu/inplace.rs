@@ -521,17 +521,26 @@ struct SeqPlan {
     ns: usize,
 }
 
+/// How one in-place call runs.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RunOpts<'a> {
+    pub threads: usize,
+    /// Forced split count (`ForwardOptions::num_splits`), or `None` for [`num_splits`].
+    pub splits: Option<usize>,
+    /// Sequences another path computes (`true`): no items; their output rows stay 0.
+    pub skip: &'a [bool],
+}
+
 /// The in-place forward pass on a validated problem and layout.
 pub(crate) fn forward<M: Exp2Math>(
     p: &Problem,
     layout: &BatchLayout<'_>,
-    q: &TensorView<'_>,
-    k: &TensorView<'_>,
-    v: &TensorView<'_>,
+    (q, k, v): (&TensorView<'_>, &TensorView<'_>, &TensorView<'_>),
     math: M,
-    threads: usize,
-    splits: Option<usize>,
+    run: RunOpts<'_>,
 ) -> Result<InplaceOutput> {
+    let RunOpts { threads, splits, skip } = run;
+    let seqlen_q = |b: usize| if skip.get(b).copied().unwrap_or(false) { 0 } else { layout.seqlen_q(b) };
     if p.head_dim > MAX_HEAD_DIM {
         return Err(Error::UnsupportedHeadDim {
             head_dim: p.head_dim,
@@ -547,7 +556,7 @@ pub(crate) fn forward<M: Exp2Math>(
     let mut spans: Vec<Vec<(usize, usize)>> = Vec::with_capacity(batch);
     let (mut base_items, mut work, mut max_span) = (0usize, 0u64, 0usize);
     for b in 0..batch {
-        let (sq, sk) = (layout.seqlen_q(b), layout.seqlen_k(b));
+        let (sq, sk) = (seqlen_q(b), layout.seqlen_k(b));
         let rows = sq * g;
         let ps = Problem {
             batch: 1,
@@ -583,7 +592,7 @@ pub(crate) fn forward<M: Exp2Math>(
     let mut metas: Vec<(usize, usize, usize, usize, usize, usize)> = Vec::new(); // b, hk, r0, r1, k0, k1
     let mut max_ns = 1;
     for (b, blocks) in spans.iter().enumerate() {
-        let rows = layout.seqlen_q(b) * g;
+        let rows = seqlen_q(b) * g;
         let span = blocks.iter().map(|s| s.1 - s.0).max().unwrap_or(0);
         let ns = match splits {
             Some(_) => ns_all.min(span).max(1),
@@ -674,9 +683,9 @@ pub(crate) fn forward<M: Exp2Math>(
         hq,
     };
     match o.data_mut() {
-        OwnedData::F32(x) => combine(&parts, layout, x, &mut lse_tok, threads),
-        OwnedData::F16(x) => combine(&parts, layout, x, &mut lse_tok, threads),
-        OwnedData::BF16(x) => combine(&parts, layout, x, &mut lse_tok, threads),
+        OwnedData::F32(x) => combine(&parts, layout, &seqlen_q, x, &mut lse_tok, threads),
+        OwnedData::F16(x) => combine(&parts, layout, &seqlen_q, x, &mut lse_tok, threads),
+        OwnedData::BF16(x) => combine(&parts, layout, &seqlen_q, x, &mut lse_tok, threads),
     }
     pool::give(part_o);
     // [token][head] -> [outer][head][row].
@@ -714,13 +723,20 @@ struct Tokens<'o, T> {
 /// Tokens per merge item.
 const MERGE_TOKENS: usize = 64;
 
-fn combine<T: Element>(parts: &Parts<'_>, layout: &BatchLayout<'_>, o: &mut [T], lse: &mut [f32], threads: usize) {
+fn combine<T: Element>(
+    parts: &Parts<'_>,
+    layout: &BatchLayout<'_>,
+    seqlen_q: &dyn Fn(usize) -> usize,
+    o: &mut [T],
+    lse: &mut [f32],
+    threads: usize,
+) {
     let (hq, d) = (parts.hq, parts.d);
     let mut items = Vec::new();
     let (mut o_rest, mut l_rest) = (o, lse);
     let mut next_token = 0;
     for b in 0..layout.batch() {
-        let sq = layout.seqlen_q(b);
+        let sq = seqlen_q(b);
         if sq == 0 {
             continue;
         }

@@ -31,7 +31,7 @@ use crate::error::{Error, Operand, Result};
 use crate::numerics::emulate::EmulatedMath;
 use crate::options::{Backend, ForwardOptions, Precision, Variant};
 use crate::problem::Problem;
-use crate::tensor::{numel, AsTensorView, Element, Shape, TensorView};
+use crate::tensor::{numel, AsTensorView, Data, Element, OwnedData, Shape, TensorView};
 
 /// The sequence offsets of a variable-length batch (FlashAttention's `cu_seqlens_q`,
 /// `cu_seqlens_k`, `max_seqlen_q`, `max_seqlen_k`).
@@ -482,24 +482,95 @@ fn run(
 ) -> Result<Output> {
     let (p, layout) = prepare(q, k, v, ql, kl, opts)?;
     let threads = cpu::threads(opts.cpu_threads);
-    let out = run_inplace(&p, &layout, q, k, v, threads, opts.num_splits)?;
+    // Long query sequences whose keys lie in one contiguous run (packed k/v or a dense cache)
+    // go to the tiled path one by one: with many rows its packing pays off. The rest, and every
+    // paged sequence, run in place in one call.
+    let tiled: Vec<bool> = (0..layout.batch()).map(|b| tiled_fits(&layout, b)).collect();
+    let n_tiled = tiled.iter().filter(|&&t| t).count();
+    let run = inplace::RunOpts { threads, splits: opts.num_splits, skip: &tiled };
+    let mut out = run_inplace(&p, &layout, (q, k, v), run)?;
+    for b in (0..layout.batch()).filter(|&b| tiled[b]) {
+        run_tiled(&p, &layout, b, (q, k, v), threads, &mut out)?;
+    }
     let reason = match opts.backend {
         Backend::Cpu => "Backend::Cpu requested".to_string(),
         _ => "varlen / KV-cache attention runs on the CPU backend (no GPU kernels for it yet)".to_string(),
+    };
+    let (kernel, tiled_note) = if n_tiled > 0 {
+        (
+            format!("{} + {}", inplace::path_name(), cpu::path_name()),
+            format!(
+                ", {n_tiled} sequence(s) of more than {} query rows on the tiled path",
+                inplace::DENSE_MAX_SEQLEN_Q
+            ),
+        )
+    } else {
+        (inplace::path_name().to_string(), String::new())
     };
     Ok(Output {
         o: out.o,
         lse: p.return_lse.then_some(out.lse),
         dispatch: Dispatch {
             backend: "cpu".into(),
-            kernel: inplace::path_name().into(),
-            reason: format!(
-                "{reason}; {what}: {} sequences, {} key split(s)",
-                layout.batch(),
-                out.splits
-            ),
+            kernel,
+            reason: format!("{reason}; {what}: {} sequences, {} key split(s){tiled_note}", layout.batch(), out.splits),
         },
     })
+}
+
+/// Whether sequence `b` runs on the tiled path: more query rows than the in-place path is
+/// meant for, at least one key, and its keys contiguous in memory.
+fn tiled_fits(layout: &BatchLayout<'_>, b: usize) -> bool {
+    matches!(layout.kv_layout(), KvLayout::Varlen { .. } | KvLayout::Cache { .. } | KvLayout::Dense)
+        && layout.seqlen_q(b) > inplace::DENSE_MAX_SEQLEN_Q
+        && layout.seqlen_k(b) > 0
+}
+
+/// Rows `row0..row0 + rows` of batch entry `outer` of `t`, as a `[1, rows, heads, head_dim]`
+/// view of the same memory.
+fn rows_view<'a>(t: &TensorView<'a>, outer: usize, row0: usize, rows: usize) -> TensorView<'a> {
+    let [_, _, h, d] = t.shape();
+    let off = t.offset(outer, row0, 0);
+    let shape = [1, rows, h, d];
+    match t.data() {
+        Data::F32(x) => TensorView::with_strides(&x[off..], shape, t.strides()),
+        Data::F16(x) => TensorView::with_strides(&x[off..], shape, t.strides()),
+        Data::BF16(x) => TensorView::with_strides(&x[off..], shape, t.strides()),
+    }
+}
+
+/// Sequence `b` through the tiled path (`cpu::run`, its own problem), written into `out`.
+fn run_tiled(
+    p: &Problem,
+    layout: &BatchLayout<'_>,
+    b: usize,
+    (q, k, v): (&TensorView<'_>, &TensorView<'_>, &TensorView<'_>),
+    threads: usize,
+    out: &mut inplace::InplaceOutput,
+) -> Result<()> {
+    let (sq, sk) = (layout.seqlen_q(b), layout.seqlen_k(b));
+    let (qo, q0) = layout.q_row(b, 0);
+    let (ko, k0) = layout.kv_row(b, 0);
+    let qs = rows_view(q, qo, q0, sq);
+    let (ks, vs) = (rows_view(k, ko, k0, sk), rows_view(v, ko, k0, sk));
+    let ps = Problem { batch: 1, seqlen_q: sq, seqlen_k: sk, ..p.clone() };
+    let r = cpu::run(&ps, &qs, &ks, &vs, threads)?;
+    let (hq, d, q_rows) = (p.heads_q, p.head_dim, layout.q_rows());
+    let t0 = (qo * q_rows + q0) * hq * d;
+    let n = sq * hq * d;
+    match (out.o.data_mut(), r.o.data()) {
+        (OwnedData::F32(dst), OwnedData::F32(src)) => dst[t0..t0 + n].copy_from_slice(src),
+        (OwnedData::F16(dst), OwnedData::F16(src)) => dst[t0..t0 + n].copy_from_slice(src),
+        (OwnedData::BF16(dst), OwnedData::BF16(src)) => dst[t0..t0 + n].copy_from_slice(src),
+        _ => {
+            return Err(Error::DTypeMismatch { operand: Operand::O, got: r.o.dtype(), expected: out.o.dtype() });
+        }
+    }
+    for h in 0..hq {
+        let at = (qo * hq + h) * q_rows + q0;
+        out.lse[at..at + sq].copy_from_slice(&r.lse[h * sq..(h + 1) * sq]);
+    }
+    Ok(())
 }
 
 /// The in-place CPU path with the problem's arithmetic (native, or the emulated exp2 / lazy
@@ -507,16 +578,13 @@ fn run(
 pub(crate) fn run_inplace(
     p: &Problem,
     layout: &BatchLayout<'_>,
-    q: &TensorView<'_>,
-    k: &TensorView<'_>,
-    v: &TensorView<'_>,
-    threads: usize,
-    splits: Option<usize>,
+    qkv: (&TensorView<'_>, &TensorView<'_>, &TensorView<'_>),
+    run: inplace::RunOpts<'_>,
 ) -> Result<inplace::InplaceOutput> {
     let math = EmulatedMath::for_problem(p);
     if math.is_native() {
-        inplace::forward(p, layout, q, k, v, cpu::Native, threads, splits)
+        inplace::forward(p, layout, qkv, cpu::Native, run)
     } else {
-        inplace::forward(p, layout, q, k, v, math, threads, splits)
+        inplace::forward(p, layout, qkv, math, run)
     }
 }
