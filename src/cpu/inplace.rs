@@ -432,17 +432,16 @@ fn attend<M: Exp2Math, const FMA: bool>(c: &Ctx<'_, M>, it: &mut Item<'_>, scr: 
             // and −inf for the padding lanes.
             for (tl, row) in sp.iter_mut().enumerate() {
                 let j = plo + tl;
-                for l in 0..nl {
+                for (l, x) in row.iter_mut().enumerate().take(nl) {
                     let rl = l0 + l;
                     if needs_bias {
-                        let x = row[l];
-                        row[l] = match c.sm.softcap_log2 {
+                        *x = match c.sm.softcap_log2 {
                             Some(cl) => cl * x.tanh(),
-                            None => x * c.sm.score_mul,
+                            None => *x * c.sm.score_mul,
                         } + ps.alibi_bias(head[rl], qi[rl], j) * LOG2E;
                     }
                     if !full && (j < lo[rl] || j >= hi[rl]) {
-                        row[l] = f32::NEG_INFINITY;
+                        *x = f32::NEG_INFINITY;
                     }
                 }
                 row[nl..].iter_mut().for_each(|x| *x = f32::NEG_INFINITY);
@@ -540,7 +539,13 @@ pub(crate) fn forward<M: Exp2Math>(
     run: RunOpts<'_>,
 ) -> Result<InplaceOutput> {
     let RunOpts { threads, splits, skip } = run;
-    let seqlen_q = |b: usize| if skip.get(b).copied().unwrap_or(false) { 0 } else { layout.seqlen_q(b) };
+    let seqlen_q = |b: usize| {
+        if skip.get(b).copied().unwrap_or(false) {
+            0
+        } else {
+            layout.seqlen_q(b)
+        }
+    };
     if p.head_dim > MAX_HEAD_DIM {
         return Err(Error::UnsupportedHeadDim {
             head_dim: p.head_dim,
@@ -647,7 +652,7 @@ pub(crate) fn forward<M: Exp2Math>(
             });
         }
         // Heaviest first, so the last items to finish are short.
-        items.sort_by(|a, b| b.cost.cmp(&a.cost));
+        items.sort_by_key(|it| std::cmp::Reverse(it.cost));
         let ctx = Ctx {
             p,
             layout,

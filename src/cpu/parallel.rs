@@ -39,7 +39,7 @@ pub(crate) fn for_each<T: Send, S>(
     };
     std::thread::scope(|sc| {
         for _ in 1..n {
-            sc.spawn(&worker);
+            sc.spawn(worker);
         }
         worker();
     });

@@ -17,6 +17,32 @@
 //!
 //! These run on the CPU backend today (the in-place path: no repack of the cache per call, all
 //! query heads of a GQA group in one pass over their K/V, split-KV when the workers would idle).
+//!
+//! ```
+//! # fn main() -> Result<(), flash_attn::Error> {
+//! use flash_attn::serving::{forward_kvcache_append, BlockTable, KvCacheMut};
+//! use flash_attn::{ForwardOptions, Mask, Tensor};
+//! // 2 sequences, 8 query heads on 2 kv heads, head_dim 64, pages of 16 keys, 8 blocks.
+//! let (hq, hkv, d, page) = (8, 2, 64, 16);
+//! let mut k_cache = vec![0.0f32; 8 * page * hkv * d];
+//! let mut v_cache = k_cache.clone();
+//! let table = [3, 0, 5, -1, 1, 7, 2, 6]; // [batch, 4 blocks per sequence], any order
+//! let seqlens = [20, 33]; // keys already cached
+//! let q = Tensor::from_vec(vec![0.1f32; 2 * hq * d], [2, 1, hq, d])?; // one new token each
+//! let k_new = Tensor::from_vec(vec![0.2f32; 2 * hkv * d], [2, 1, hkv, d])?;
+//! let mut cache = KvCacheMut {
+//!     k: &mut k_cache,
+//!     v: &mut v_cache,
+//!     shape: [8, page, hkv, d],
+//!     seqlens: &seqlens,
+//!     block_table: Some(BlockTable { ids: &table, max_blocks_per_seq: 4 }),
+//! };
+//! let opts = ForwardOptions::default().mask(Mask::Causal).return_lse(true);
+//! let out = forward_kvcache_append(&q, &mut cache, &k_new, &k_new, &opts)?;
+//! assert_eq!(out.o.shape(), [2, 1, hq, d]); // the caller now counts 21 and 34 cached keys
+//! # Ok(())
+//! # }
+//! ```
 
 pub mod layout;
 pub(crate) mod merge;
@@ -487,7 +513,11 @@ fn run(
     // paged sequence, run in place in one call.
     let tiled: Vec<bool> = (0..layout.batch()).map(|b| tiled_fits(&layout, b)).collect();
     let n_tiled = tiled.iter().filter(|&&t| t).count();
-    let run = inplace::RunOpts { threads, splits: opts.num_splits, skip: &tiled };
+    let run = inplace::RunOpts {
+        threads,
+        splits: opts.num_splits,
+        skip: &tiled,
+    };
     let mut out = run_inplace(&p, &layout, (q, k, v), run)?;
     for b in (0..layout.batch()).filter(|&b| tiled[b]) {
         run_tiled(&p, &layout, b, (q, k, v), threads, &mut out)?;
@@ -513,7 +543,11 @@ fn run(
         dispatch: Dispatch {
             backend: "cpu".into(),
             kernel,
-            reason: format!("{reason}; {what}: {} sequences, {} key split(s){tiled_note}", layout.batch(), out.splits),
+            reason: format!(
+                "{reason}; {what}: {} sequences, {} key split(s){tiled_note}",
+                layout.batch(),
+                out.splits
+            ),
         },
     })
 }
@@ -521,8 +555,10 @@ fn run(
 /// Whether sequence `b` runs on the tiled path: more query rows than the in-place path is
 /// meant for, at least one key, and its keys contiguous in memory.
 fn tiled_fits(layout: &BatchLayout<'_>, b: usize) -> bool {
-    matches!(layout.kv_layout(), KvLayout::Varlen { .. } | KvLayout::Cache { .. } | KvLayout::Dense)
-        && layout.seqlen_q(b) > inplace::DENSE_MAX_SEQLEN_Q
+    matches!(
+        layout.kv_layout(),
+        KvLayout::Varlen { .. } | KvLayout::Cache { .. } | KvLayout::Dense
+    ) && layout.seqlen_q(b) > inplace::DENSE_MAX_SEQLEN_Q
         && layout.seqlen_k(b) > 0
 }
 
@@ -553,7 +589,12 @@ fn run_tiled(
     let (ko, k0) = layout.kv_row(b, 0);
     let qs = rows_view(q, qo, q0, sq);
     let (ks, vs) = (rows_view(k, ko, k0, sk), rows_view(v, ko, k0, sk));
-    let ps = Problem { batch: 1, seqlen_q: sq, seqlen_k: sk, ..p.clone() };
+    let ps = Problem {
+        batch: 1,
+        seqlen_q: sq,
+        seqlen_k: sk,
+        ..p.clone()
+    };
     let r = cpu::run(&ps, &qs, &ks, &vs, threads)?;
     let (hq, d, q_rows) = (p.heads_q, p.head_dim, layout.q_rows());
     let t0 = (qo * q_rows + q0) * hq * d;
@@ -563,7 +604,11 @@ fn run_tiled(
         (OwnedData::F16(dst), OwnedData::F16(src)) => dst[t0..t0 + n].copy_from_slice(src),
         (OwnedData::BF16(dst), OwnedData::BF16(src)) => dst[t0..t0 + n].copy_from_slice(src),
         _ => {
-            return Err(Error::DTypeMismatch { operand: Operand::O, got: r.o.dtype(), expected: out.o.dtype() });
+            return Err(Error::DTypeMismatch {
+                operand: Operand::O,
+                got: r.o.dtype(),
+                expected: out.o.dtype(),
+            });
         }
     }
     for h in 0..hq {
