@@ -218,6 +218,17 @@ fn malformed_caches() {
     );
     let e = forward_kvcache(&t([2, 1, 4, 8]), &KvCache::dense(k.view(), k.view(), &[1, 11]), &opts()).unwrap_err();
     seq_err(e, "cache_seqlens", &["cache_seqlens[1] = 11", "at most 10"]);
+    // A cache of capacity 0 with nothing cached: every row sees no key (0, LSE −inf).
+    let empty = t([2, 0, 2, 8]);
+    let c = KvCache::dense(empty.view(), empty.view(), &[0, 0]);
+    let out = forward_kvcache(&t([2, 1, 4, 8]), &c, &opts().return_lse(true)).unwrap();
+    assert!(out.lse.unwrap().iter().all(|&x| x == f32::NEG_INFINITY));
+    let e = forward_kvcache(
+        &t([2, 1, 4, 8]),
+        &KvCache::dense(empty.view(), empty.view(), &[0, 1]),
+        &opts(),
+    );
+    seq_err(e.unwrap_err(), "cache_seqlens", &["cache_seqlens[1] = 1", "at most 0"]);
 }
 
 #[test]
@@ -317,6 +328,15 @@ fn appends_are_checked_before_any_write() {
         ) && e.to_string().contains("holds 5"),
         "{e}"
     );
+    // Appending 0 rows writes nothing and is not an error.
+    let mut cache = KvCacheMut {
+        k: &mut kc,
+        v: &mut vc,
+        shape,
+        seqlens: &[4, 0, 1],
+        block_table: None,
+    };
+    append_kv(&mut cache, &t([3, 0, 1, 8]), &t([3, 0, 1, 8])).unwrap();
     // An attention option refused after a valid append: nothing was written either.
     let mut cache = KvCacheMut {
         k: &mut kc,

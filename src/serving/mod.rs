@@ -317,10 +317,11 @@ fn check_append<T: Element>(
             });
         }
     }
+    // A cache of capacity 0 and an append of 0 rows are allowed (nothing is written).
     let (kc, _) = cache.views();
-    kc.check_layout(Operand::K)?;
-    k_new.check_layout(Operand::K)?;
-    v_new.check_layout(Operand::V)?;
+    check_view(&kc, Operand::K, true)?;
+    check_view(k_new, Operand::K, true)?;
+    check_view(v_new, Operand::V, true)?;
     for (op, t) in [(Operand::K, k_new), (Operand::V, v_new)] {
         if t.dtype() != T::DTYPE {
             return Err(Error::DTypeMismatch {
@@ -436,8 +437,12 @@ fn prepare<'a>(
     opts: &ForwardOptions,
 ) -> Result<(Problem, BatchLayout<'a>)> {
     let q_packed = matches!(ql, QueryLayout::Varlen { .. });
-    // A packed k may have 0 rows; a paged cache with page size 0 is reported by the layout.
-    let k_empty_ok = matches!(kl, KvLayout::Varlen { .. } | KvLayout::Paged { .. });
+    // A packed k and a dense cache may have 0 rows (nothing is read: the layout checks the
+    // lengths); a paged cache with page size 0 is reported by the layout.
+    let k_empty_ok = matches!(
+        kl,
+        KvLayout::Varlen { .. } | KvLayout::Cache { .. } | KvLayout::Paged { .. }
+    );
     check_view(q, Operand::Q, q_packed)?;
     check_view(k, Operand::K, k_empty_ok)?;
     check_view(v, Operand::V, k_empty_ok)?;
