@@ -582,7 +582,8 @@ pub(crate) fn forward<M: Exp2Math>(
                 }
                 let span = if lo < hi { (lo, hi) } else { (0, 0) };
                 max_span = max_span.max(span.1 - span.0);
-                work = work.saturating_add(((r1 - r0) * hkv * (span.1 - span.0) * d) as u64);
+                let pairs = ((r1 - r0) * hkv) as u64 * (span.1 - span.0) as u64;
+                work = work.saturating_add(pairs.saturating_mul(d as u64));
                 span
             })
             .collect();
