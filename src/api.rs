@@ -66,11 +66,32 @@ pub fn forward(
 ) -> Result<Output> {
     let (q, k, v) = (q.as_view(), k.as_view(), v.as_view());
     let p = Problem::new(&q, &k, &v, opts)?;
+    crate::serving::check_num_splits(opts)?;
     let why_cpu = match route(&p, opts)? {
         Route::Gpu(dev) => return crate::cuda_host::forward_host(&p, &q, &k, &v, opts, dev),
         Route::Cpu(why) => why,
     };
     let threads = cpu::threads(opts.cpu_threads);
+    if cpu::inplace::prefers_dense(&p) {
+        // Few query rows (decode): read K/V in place rather than pack them for 16-row panels.
+        let layout = crate::serving::BatchLayout::dense(p.batch, p.seqlen_q, p.seqlen_k);
+        let run = cpu::inplace::RunOpts { threads, splits: opts.num_splits, skip: &[] };
+        let out = crate::serving::run_inplace(&p, &layout, (&q, &k, &v), run)?;
+        return Ok(Output {
+            o: out.o,
+            lse: p.return_lse.then_some(out.lse),
+            dispatch: Dispatch {
+                backend: "cpu".into(),
+                kernel: cpu::inplace::path_name().into(),
+                reason: format!(
+                    "{why_cpu}; seqlen_q {} <= {}: the in-place decode path, {} key split(s)",
+                    p.seqlen_q,
+                    cpu::inplace::DENSE_MAX_SEQLEN_Q,
+                    out.splits
+                ),
+            },
+        });
+    }
     let out = cpu::run(&p, &q, &k, &v, threads)?;
     Ok(Output {
         o: out.o,

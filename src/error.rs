@@ -59,6 +59,9 @@ pub enum Error {
     VariantUnavailable { variant: crate::Variant, reason: String },
     /// An allocation size overflowed `usize`.
     TooLarge { what: String },
+    /// A sequence-layout argument of the varlen / paged / KV-cache API is malformed: `cu_seqlens`,
+    /// `block_table`, `cache_seqlens`, page size, max seqlens, cache capacity (docs/serving.md).
+    InvalidSeqLayout { what: String, got: String, expected: String },
     /// A CUDA driver call failed.
     Cuda { call: String, message: String },
     /// A stream of another CUDA context than the engine's, or a device tensor bound to another
@@ -114,6 +117,9 @@ impl fmt::Display for Error {
                 write!(f, "kernel variant {variant:?} is not available: {reason}")
             }
             Error::TooLarge { what } => write!(f, "{what} is too large for this machine's address space"),
+            Error::InvalidSeqLayout { what, got, expected } => {
+                write!(f, "invalid {what}: got {got}, expected {expected}")
+            }
             Error::Cuda { call, message } => write!(f, "CUDA error in {call}: {message}"),
             Error::StreamMismatch { what, got, expected } => {
                 write!(f, "stream mismatch for {what}: got {got}, expected {expected}")

@@ -26,6 +26,7 @@
 //! | [`numerics`] | exp2 polynomial, FP8, Hadamard: shared constants with `cuda/include/` |
 //! | `cuda` (feature `cuda`) | kernel table, dispatch, device-memory `Engine` over embedded cubins (docs/cuda.md) |
 //! | [`flops`], [`roofline`] | the FLOP/byte model and per-device ceilings used by benches and examples |
+//! | [`serving`] | varlen batches, dense and paged KV caches with append, split-KV decode, `merge_states` (docs/serving.md) |
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
@@ -47,6 +48,7 @@ mod options;
 mod problem;
 pub mod reference;
 pub mod roofline;
+pub mod serving;
 mod tensor;
 
 pub use api::{forward, forward_into, Dispatch, Output};

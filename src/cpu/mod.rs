@@ -8,6 +8,8 @@
 //! `std` threads; each writes its own disjoint slice of the output.
 
 mod gemm;
+pub(crate) mod inplace;
+mod parallel;
 mod pool;
 pub mod softmax;
 
@@ -155,6 +157,15 @@ struct ScoreMod {
     score_mul: f32,
     /// With softcap: `cap · log2 e` multiplies `tanh(q_mul · q·k)`.
     softcap_log2: Option<f32>,
+}
+
+impl ScoreMod {
+    fn new(p: &Problem) -> Self {
+        match p.softcap {
+            None => ScoreMod { q_mul: 1.0, score_mul: p.scale * LOG2E, softcap_log2: None },
+            Some(cap) => ScoreMod { q_mul: p.scale / cap, score_mul: 1.0, softcap_log2: Some(cap * LOG2E) },
+        }
+    }
 }
 
 /// One work item: query rows `i0..i1` of head `h` against the packed K/V of its kv head.
@@ -400,10 +411,7 @@ fn forward_with_into<M: Exp2Math>(
 ) -> Result<Vec<f32>> {
     check_head_dim(p)?;
     let d = p.head_dim;
-    let sm = match p.softcap {
-        None => ScoreMod { q_mul: 1.0, score_mul: p.scale * LOG2E, softcap_log2: None },
-        Some(cap) => ScoreMod { q_mul: p.scale / cap, score_mul: 1.0, softcap_log2: Some(cap * LOG2E) },
-    };
+    let sm = ScoreMod::new(p);
     let n_o = crate::tensor::numel([p.batch, p.heads_q, p.seqlen_q, d], "output")?;
     // Internal layout [batch, heads_q, seqlen_q, d] so each work item owns a contiguous slice.
     let mut o_hm = pool::take(n_o);
