@@ -10,6 +10,12 @@
 //! - the sm_80 mma.m16n8k16 A/B/C maps and ldmatrix(.trans) maps of cuda/include/fa2_layout.h and
 //!   cuda/test/fa2_layout_test.cpp equal CuTe's SM80 MMA traits and SM75 LDSM copy traits;
 //! - e4m3 (FP8) K-major descriptors, and deliberate mutations are detected;
+//! - the emulator's layout decoders (cuda/test/emu/sm90_layouts.h, sm80_layouts.h; checked by
+//!   cuda/test/oracle/check_emu.cpp): descriptor fields against CuTe's `GmmaDescriptor` bitfield,
+//!   the operand fetch through CuTe's own descriptors for every oracle tile (every swizzle mode,
+//!   K- and MN-major, 16- and 8-bit), LBO ignored where unused (the N = 64 V), the swizzles, TMA
+//!   box placement, the wgmma accumulator / A16 / A8 maps, mma.sync and ldmatrix(.trans) maps,
+//!   and 25 deliberately wrong decoders are caught;
 //! - `our_wgmma_instructions_equal_cutes` (compile-checked only): our wgmma wrappers and CuTe's
 //!   MMA_64x64x16 SS / RS ops, compiled for sm_90a (cuda/test/oracle/gmma_forms.cu), become the same
 //!   HGMMA instructions (operand kinds, `.tnspB`, accumulate vs overwrite), bf16 and f16.
@@ -94,6 +100,8 @@ fn our_layouts_equal_cute() {
         .collect();
     let sm90_incs: Vec<(&str, &Path)> = cuda_sys.iter().copied().chain([("-I", kernel_inc.as_path())]).collect();
     let sm80_incs = vec![("-I", kernel_inc.as_path())];
+    let emu_inc = root().join("cuda/test/emu");
+    let emu_incs = vec![("-I", emu_inc.as_path())];
     let warn = vec!["-Wall", "-Wextra"];
     // The kernel headers' __host__ __device__ helpers as plain host functions.
     let host = vec![
@@ -107,6 +115,7 @@ fn our_layouts_equal_cute() {
         ("cute_maps", &warn, &cute_incs),
         ("check_sm90", &host, &sm90_incs),
         ("check_sm80", &warn, &sm80_incs),
+        ("check_emu", &warn, &emu_incs),
         ("oracle_main", &warn, &vec![]),
     ];
     // Two at a time: the CuTe unit dominates (about 20 s of g++), the rest is a few seconds.
@@ -155,6 +164,16 @@ fn our_layouts_equal_cute() {
         "cute-oracle sm80: ldmatrix .x4 / .x4.trans".into(),
         "cute-oracle sm80: FA2 ldmatrix addressing -> mma fragments, P reuse".into(),
         "cute-oracle sm80: mutations (A halves, B registers, V without .trans): 3 of 3 detected".into(),
+        "cute-oracle emu: descriptor fields".into(),
+        "cute-oracle emu: swizzle_addr".into(),
+        "cute-oracle emu: operand_addr through CuTe's descriptors".into(),
+        "cute-oracle emu: tma_smem_addr".into(),
+        "cute-oracle emu: wgmma fragments".into(),
+        "cute-oracle emu: sm_80 mma_a/b/c_coord".into(),
+        "cute-oracle emu: operand_addr ignores LBO where the layout does not use it".into(),
+        "cute-oracle emu: mutations (operand addressing x6, LBO use, descriptor fields x4, desc_problem, swizzle x2, \
+         TMA, accumulator x2, A16, A8 x2, mma A/B/C, ldmatrix x2): 25 of 25 detected"
+            .into(),
     ];
     for stage in 1..=5 {
         expected.push(format!(
@@ -172,10 +191,10 @@ fn our_layouts_equal_cute() {
             line.contains("equal to CuTe") || line.contains("detected") || line.contains("CUTLASS"),
             "{line}"
         );
-        // "N checks": at least one element was compared.
+        // "N checks" (after the last ": "): at least one element was compared.
         if let Some(n) = line
-            .split(": ")
-            .nth(2)
+            .rsplit(": ")
+            .next()
             .and_then(|s| s.split(' ').next())
             .and_then(|n| n.parse::<u64>().ok())
         {

@@ -161,13 +161,16 @@ using Rs16n64 = SM90_64x64x16_F32BF16BF16_RS<K, MN>;
 using Rs16n128 = SM90_64x128x16_F32BF16BF16_RS<K, MN>;
 using Rs16n256 = SM90_64x256x16_F32BF16BF16_RS<K, MN>;
 using Ss16Mn = SM90_64x64x16_F32BF16BF16_SS<K, MN>;
+using Ss16MnA = SM90_64x64x16_F32BF16BF16_SS<MN, K>;
+using Ss16n256 = SM90_64x256x16_F32BF16BF16_SS<K, K>;
 using Bf = bfloat16_t;
 using E4 = float_e4m3_t;
 
 // The tiles our FA3 kernels use (cuda/include/fa3_traits.cuh: Q [BM x D] as A, K [BN x D] as B,
 // both K-major; V [BN x D] as the MN-major B [D x BN] of P V), the wider-N forms of the V
-// descriptor (where LBO is used), the e4m3 K-major tiles FP8 will need, and one tile per other
-// swizzle mode for the emulator's decoder.
+// descriptor (where LBO is used), the e4m3 K-major tiles FP8 will need, and for the emulator's
+// decoder one tile per other swizzle mode (A and B, K- and MN-major, 16- and 8-bit) and one wide
+// K-major B.
 const Entry kEntries[] = {
     // Q: A, K-major, 16-bit, rows = BM (64: stages 1-2; 128: stages 3-5; one instruction = 64 rows).
     entry<Ss16, Bf, K, true, 128, 64, 64, 64>(),
@@ -207,6 +210,16 @@ const Entry kEntries[] = {
     entry<Ss16Mn, Bf, MN, false, 64, 64, 64, 64>(),
     entry<Ss16Mn, Bf, MN, false, 32, 64, 64, 64>(),
     entry<Ss16Mn, Bf, MN, false, 0, 64, 64, 64>(),
+    // For the emulator's decoder (cuda/test/oracle/check_emu.cpp), which serves any operand the
+    // ISA allows: MN-major A from shared memory in every swizzle mode (transpose-A), e4m3 in the
+    // two remaining modes, and a K-major B of one N = 256 instruction (the widest SBO walk).
+    entry<Ss16MnA, Bf, MN, true, 128, 64, 64, 64>(),
+    entry<Ss16MnA, Bf, MN, true, 64, 64, 64, 64>(),
+    entry<Ss16MnA, Bf, MN, true, 32, 64, 64, 64>(),
+    entry<Ss16MnA, Bf, MN, true, 0, 64, 64, 64>(),
+    entry<Ss8, E4, K, true, 32, 64, 64, 64>(),
+    entry<Ss8, E4, K, true, 0, 64, 64, 64>(),
+    entry<Ss16n256, Bf, K, false, 128, 256, 64, 256>(),
 };
 
 bool same_tile(const GmmaTile& a, const GmmaTile& b) {
@@ -298,6 +311,27 @@ bool gmma_desc(const GmmaTile& tile, int mn_block, int k_block, GmmaDesc* out) {
     out->base_offset = d.bitfield.base_offset_;
     out->layout_type = d.bitfield.layout_type_;
     return true;
+}
+
+GmmaDesc gmma_desc_fields(uint64_t raw) {
+    GmmaDescriptor d(raw);
+    return GmmaDesc{raw,
+                    static_cast<uint32_t>(d.bitfield.start_address_) << 4,
+                    static_cast<uint32_t>(d.bitfield.leading_byte_offset_) << 4,
+                    static_cast<uint32_t>(d.bitfield.stride_byte_offset_) << 4,
+                    d.bitfield.base_offset_,
+                    d.bitfield.layout_type_};
+}
+
+uint64_t gmma_desc_pack(uint32_t start_bytes, uint32_t lbo_bytes, uint32_t sbo_bytes, int base_offset,
+                        int layout_type) {
+    GmmaDescriptor d;  // all bits 0
+    d.bitfield.start_address_ = static_cast<uint16_t>((start_bytes >> 4) & 0x3FFF);
+    d.bitfield.leading_byte_offset_ = static_cast<uint16_t>((lbo_bytes >> 4) & 0x3FFF);
+    d.bitfield.stride_byte_offset_ = static_cast<uint16_t>((sbo_bytes >> 4) & 0x3FFF);
+    d.bitfield.base_offset_ = static_cast<uint8_t>(base_offset & 7);
+    d.bitfield.layout_type_ = static_cast<uint8_t>(layout_type & 3);
+    return d.desc_;
 }
 
 bool gmma_tile_offset(const GmmaTile& tile, int mn, int k, int64_t* byte_offset) {

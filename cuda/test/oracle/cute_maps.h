@@ -6,8 +6,8 @@
 // CuTe's definitions are the ones NVIDIA's own kernels run on hardware.
 //
 // This header does not include CuTe: any host test (the FA3 layout checks in
-// cuda/test/oracle/check_sm90.cpp, the FA2 ones in check_sm80.cpp, the emulator's decoders in
-// cuda/test/emu/) can include it and link cute_maps.cpp, which is the only file compiled against
+// cuda/test/oracle/check_sm90.cpp, the FA2 ones in check_sm80.cpp, the emulator's decoders of
+// cuda/test/emu/ in check_emu.cpp) can include it and link cute_maps.cpp, which is the only file compiled against
 // the CuTe headers (g++ -std=c++17, CuTe include dir, the CUDA toolkit's include/ and
 // include/cccl/; tests/cute_oracle.rs shows the command line).
 //
@@ -102,6 +102,14 @@ const GmmaTile* gmma_tiles(int* n);
 // [inst_mn * mn_block, +inst_mn) x k [k_per_inst * k_block, +k_per_inst) with k_per_inst = 256 /
 // elem_bits (32 bytes). False for an unsupported tile or a block outside it.
 bool gmma_desc(const GmmaTile& tile, int mn_block, int k_block, GmmaDesc* out);
+
+// CuTe's own bit layout of the 64-bit descriptor (the GmmaDescriptor union's bitfield,
+// cute/arch/mma_sm90_desc.hpp), independent of any tile: the fields CuTe reads from `raw`
+// (start_offset, lbo, sbo in bytes = field << 4; raw = the input), and the descriptor CuTe's
+// bitfield makes of the given fields (bytes >> 4, each truncated to its field width; every bit
+// outside the fields 0).
+GmmaDesc gmma_desc_fields(uint64_t raw);
+uint64_t gmma_desc_pack(uint32_t start_bytes, uint32_t lbo_bytes, uint32_t sbo_bytes, int base_offset, int layout_type);
 
 // CuTe's layout function of the same tile: byte offset from the (1024-aligned) tile base of
 // element (mn, k), swizzle applied as the hardware does. False outside / unsupported.

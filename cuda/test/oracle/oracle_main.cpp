@@ -1,5 +1,6 @@
 // The CuTe oracle's test program (tests/cute_oracle.rs builds and runs it): our sm_90a and sm_80
-// layouts against NVIDIA's CuTe definitions (cute_maps.h). One line per checked group; exit 1 on
+// layouts (the kernels' helpers: check_sm90.cpp, check_sm80.cpp; the emulator's decoders:
+// check_emu.cpp) against NVIDIA's CuTe definitions (cute_maps.h). One line per checked group; exit 1 on
 // any mismatch.
 #include <cstdio>
 
@@ -7,10 +8,11 @@
 
 int check_sm90();
 int check_sm80();
+int check_emu();
 
 int main() {
     std::printf("cute-oracle: CUTLASS %s\n", cute_oracle::cutlass_version());
-    const int bad = check_sm90() + check_sm80();
+    const int bad = check_sm90() + check_sm80() + check_emu();
     if (bad) {
         std::printf("cute-oracle: %d MISMATCHES\n", bad);
         return 1;
