@@ -6,6 +6,7 @@
 #define FA_HOST_EMULATION 1
 
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdlib>
@@ -42,7 +43,16 @@ namespace emu {
 inline thread_local EmuDim3 thread_idx, block_idx;
 inline EmuDim3 block_dim, grid_dim;
 inline unsigned dynamic_smem = 0;
-inline std::barrier<>* block_barrier = nullptr;
+// __syncthreads_or: threads OR their predicate into or_acc before the barrier; the barrier's
+// completion step (run once, after every thread arrived and before any leaves) publishes it in
+// or_result and clears or_acc for the next barrier. or_result is read before the next barrier
+// can complete, which needs this thread too.
+inline std::atomic<int> or_acc{0};
+inline int or_result = 0;
+struct OrCompletion {
+    void operator()() noexcept { or_result = or_acc.exchange(0); }
+};
+inline std::barrier<OrCompletion>* block_barrier = nullptr;
 struct Warp {
     std::barrier<> bar{32};
     float vals[32];
@@ -56,6 +66,11 @@ inline std::vector<Warp>* warps = nullptr;
 #define gridDim emu::grid_dim
 
 inline void __syncthreads() { emu::block_barrier->arrive_and_wait(); }
+inline int __syncthreads_or(int predicate) {
+    if (predicate) emu::or_acc.store(1);
+    emu::block_barrier->arrive_and_wait();
+    return emu::or_result;
+}
 inline unsigned fa_dynamic_smem_bytes() { return emu::dynamic_smem; }
 [[noreturn]] inline void __trap() { std::abort(); }
 
@@ -82,7 +97,7 @@ void emu_launch(Kernel kernel, EmuDim3 grid, unsigned threads, unsigned smem_byt
         for (unsigned y = 0; y < grid.y; ++y)
             for (unsigned x = 0; x < grid.x; ++x) {
                 std::fill(smem, smem + smem_floats, NAN);
-                std::barrier<> bar(threads);
+                std::barrier<emu::OrCompletion> bar(threads);
                 std::vector<emu::Warp> warps(threads / 32);
                 emu::block_barrier = &bar;
                 emu::warps = &warps;

@@ -8,6 +8,7 @@
 FA_INSTANCE(f16)
 FA_INSTANCE(bf16)
 
+#include <climits>
 #include <cstdint>
 #include <cstdio>
 
@@ -19,6 +20,11 @@ struct Case {
     int batch, sq, sk, hq, hkv, d, left, right;
     float softcap;
     bool alibi, lse;
+    // The edges (issue 10): `target` > 0 sets the softmax scale so that the largest |score| is
+    // `target` (e.g. near f32::MAX, where log2-unit scores overflow); `poison` 1 sets V = +inf at
+    // key `poison_key`, 2 sets every V to NaN.
+    double target = 0.0;
+    int poison = 0, poison_key = 0;
 };
 
 struct Rng {
@@ -39,6 +45,30 @@ bool run_case(const Case& c, const char* dt, void (*kernel)(FwdParams), double r
     std::vector<T> q(nq), k(nk), v(nk), o(nq, fa_from_float<T>(NAN));
     for (auto* t : {&q, &k, &v})
         for (auto& x : *t) x = fa_from_float<T>((float)rng.normal());
+    for (int b = 0; b < c.batch; ++b)
+        for (int j = 0; j < c.sk; ++j)
+            for (int h = 0; h < c.hkv; ++h)
+                for (int e = 0; e < c.d; ++e) {
+                    T& x = v[(((size_t)b * c.sk + j) * c.hkv + h) * c.d + e];
+                    if (c.poison == 2 || (c.poison == 1 && j == c.poison_key)) x = fa_from_float<T>(c.poison == 1 ? INFINITY : NAN);
+                }
+    // The softmax scale: 1/sqrt(d), or the one that makes the largest |q.k| over visible pairs
+    // equal `target`.
+    double scale = 1.0 / std::sqrt((double)c.d);
+    if (c.target > 0) {
+        double max_dot = 0;
+        for (int b = 0; b < c.batch; ++b)
+            for (int h = 0; h < c.hq; ++h)
+                for (int i = 0; i < c.sq; ++i)
+                    for (int j = 0; j < c.sk; ++j) {
+                        double dot = 0;
+                        for (int e = 0; e < c.d; ++e)
+                            dot += (double)fa_to_float(q[(((size_t)b * c.sq + i) * c.hq + h) * c.d + e]) *
+                                   fa_to_float(k[(((size_t)b * c.sk + j) * c.hkv + h / (c.hq / c.hkv)) * c.d + e]);
+                        max_dot = std::max(max_dot, std::abs(dot));
+                    }
+        scale = c.target / max_dot;
+    }
     std::vector<float> lse((size_t)c.batch * c.hq * c.sq, NAN), slopes(c.hq);
     for (int h = 0; h < c.hq; ++h) slopes[h] = 0.5f / (h + 1);
 
@@ -54,8 +84,9 @@ bool run_case(const Case& c, const char* dt, void (*kernel)(FwdParams), double r
     p.k_head_stride = p.v_head_stride = c.d;
     p.batch = c.batch, p.seqlen_q = c.sq, p.seqlen_k = c.sk, p.heads_q = c.hq, p.heads_kv = c.hkv, p.head_dim = c.d;
     p.window_left = c.left, p.window_right = c.right;
-    p.softmax_scale = 1.f / std::sqrt((float)c.d);
-    p.softmax_scale_log2 = c.softcap > 0 ? FA_LOG2E : p.softmax_scale * FA_LOG2E;
+    p.softmax_scale = (float)scale;
+    // As the engine sets it: log2 e for natural-unit scores (softcap or ALiBi), else scale * log2 e.
+    p.softmax_scale_log2 = (c.softcap > 0 || c.alibi) ? FA_LOG2E : p.softmax_scale * FA_LOG2E;
     p.softcap = c.softcap;
     p.flags = (c.lse ? FA_FLAG_RETURN_LSE : 0) | (c.softcap > 0 ? FA_FLAG_SOFTCAP : 0) | (c.alibi ? FA_FLAG_ALIBI : 0);
 
@@ -103,6 +134,10 @@ bool run_case(const Case& c, const char* dt, void (*kernel)(FwdParams), double r
                 for (int dd = 0; dd < c.d; ++dd) {
                     const double ref = sum > 0 ? acc[dd] / sum : 0.0;
                     const double got = fa_to_float(orow[dd]);
+                    if (!std::isfinite(ref)) {  // the row sees a poisoned V: it must not look finite
+                        if (std::isfinite(got)) ok = false;
+                        continue;
+                    }
                     const double err = std::abs(got - ref);  // NaN (unwritten) fails below
                     if (!(err <= rel_tol * std::abs(ref) + 1e-4)) ok = false;
                     if (!(err <= max_err)) max_err = err;
@@ -115,9 +150,10 @@ bool run_case(const Case& c, const char* dt, void (*kernel)(FwdParams), double r
                     if (!(err <= max_lse_err)) max_lse_err = err;
                 }
             }
-    std::printf("%-4s hd%-3d b%d sq%-3d sk%-3d hq%d hkv%d d%-3d win(%d,%d) softcap %g alibi %d lse %d: max err %.3g, lse err %.3g  %s\n",
-                dt, FA_HEAD_DIM, c.batch, c.sq, c.sk, c.hq, c.hkv, c.d, c.left, c.right, c.softcap, c.alibi, c.lse, max_err,
-                max_lse_err, ok ? "ok" : "FAIL");
+    std::printf("%-4s hd%-3d b%d sq%-3d sk%-3d hq%d hkv%d d%-3d win(%d,%d) softcap %g alibi %d lse %d target %g poison %d: "
+                "max err %.3g, lse err %.3g  %s\n",
+                dt, FA_HEAD_DIM, c.batch, c.sq, c.sk, c.hq, c.hkv, c.d, c.left, c.right, c.softcap, c.alibi, c.lse,
+                c.target, c.poison, max_err, max_lse_err, ok ? "ok" : "FAIL");
     return ok;
 }
 
@@ -131,6 +167,15 @@ int main() {
         {1, 66, 66, 3, 3, hd, 10, 0, 0.f, false, true},       // causal window
         {1, 33, 80, 2, 2, tail, -1, -1, 0.f, true, false},    // no mask, ALiBi, no LSE
         {1, 20, 50, 2, 1, hd, 2, -1, 0.f, false, true},       // left bound only
+        // The edges (issue 10):
+        {1, 40, 70, 2, 1, hd, INT_MAX, INT_MAX, 0.f, false, true},  // huge bounds: no mask
+        {1, 70, 40, 2, 2, hd, INT_MAX, 0, 0.f, false, true},        // huge left, causal, sq > sk
+        {1, 30, 50, 1, 1, hd, 0, INT_MAX, 0.f, false, true},        // huge right
+        {1, 33, 45, 2, 1, hd, -1, 0, 0.f, false, true, 3.0e38},   // largest |score| 3e38
+        {1, 33, 45, 2, 1, tail, 9, 2, 0.f, false, true, 2.5e38},  // window, tail dims
+        {1, 40, 40, 2, 2, hd, -1, 0, 0.f, false, true, 0.0, 1, 20},  // V = inf at key 20
+        {1, 50, 20, 1, 1, hd, -1, 0, 0.f, false, true, 0.0, 2},      // V = NaN, empty rows
+        {1, 40, 40, 1, 1, hd, 5, 5, 0.f, true, true, 0.0, 1, 17},    // window + ALiBi, inf
     };
     Rng rng{0x9E3779B97F4A7C15ULL};
     bool ok = true;
