@@ -9,6 +9,7 @@
 //   g++ -std=c++20 -O2 -pthread -fno-strict-aliasing -include cuda/test/fa2_emu/cuda_shim.h
 //       -Icuda/test/fa2_emu -Icuda/include cuda/test/fa2_emu/fa2_emu_test.cpp -o fa2_emu_test
 //   fa2_emu_test [--quick | --random N [seed]]
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <memory>
@@ -78,6 +79,11 @@ struct Case {
     float softcap;
     bool alibi, lse;
     bool bhsd = false;  // tensors laid out [b, h, s, d] instead of [b, s, h, d] (strides differ)
+    // The edges (issue 10): `target` > 0 sets the softmax scale so that the largest |score| is
+    // `target` (near f32::MAX log2-unit scores overflow); `poison` 1 sets every V to +inf, 2 to
+    // NaN (rows that see a key must not look finite; rows that see none are exactly 0).
+    double target = 0.0;
+    int poison = 0;
 };
 
 static int g_fail = 0;
@@ -100,7 +106,7 @@ static bool run_case(const Case& c, emu::CpAsync mode) {
         v(k.size());
     for (auto& x : q) x = to_bits(nd(rng));
     for (auto& x : k) x = to_bits(nd(rng));
-    for (auto& x : v) x = to_bits(nd(rng));
+    for (auto& x : v) x = to_bits(c.poison == 1 ? INFINITY : c.poison == 2 ? NAN : nd(rng));
     const size_t o_elems = size_t(c.batch) * c.sq * c.hq * D, guard = 4096;
     std::vector<uint16_t> o(o_elems + guard, 0x7e00);  // NaN poison (f16 and bf16 alike: exp all 1s)
     std::vector<float> lse(size_t(c.batch) * c.hq * c.sq + guard, NAN);
@@ -124,9 +130,24 @@ static bool run_case(const Case& c, emu::CpAsync mode) {
     p.o_batch_stride = p.q_batch_stride; p.o_row_stride = p.q_row_stride; p.o_head_stride = p.q_head_stride;
     p.batch = c.batch; p.seqlen_q = c.sq; p.seqlen_k = c.sk; p.heads_q = c.hq; p.heads_kv = c.hkv;
     p.head_dim = D; p.window_left = c.left; p.window_right = c.right;
-    const double scale = 1.0 / std::sqrt(double(D));
+    double scale = 1.0 / std::sqrt(double(D));
+    if (c.target > 0) {  // the scale that makes the largest |q.k| equal `target`
+        double max_dot = 0;
+        for (int b = 0; b < c.batch; ++b)
+            for (int h = 0; h < c.hq; ++h)
+                for (int i = 0; i < c.sq; ++i)
+                    for (int j = 0; j < c.sk; ++j) {
+                        double dot = 0;
+                        for (int d = 0; d < D; ++d)
+                            dot += double(to_f(q[off(b, i, h, c.sq, c.hq) + d])) *
+                                   to_f(k[off(b, j, h / (c.hq / c.hkv), c.sk, c.hkv) + d]);
+                        max_dot = std::max(max_dot, std::fabs(dot));
+                    }
+        scale = c.target / max_dot;
+    }
     p.softmax_scale = float(scale);
-    p.softmax_scale_log2 = c.softcap > 0 ? float(M_LOG2E) : float(scale * M_LOG2E);
+    // As the engine sets it: log2 e for natural-unit scores (softcap or ALiBi), else scale * log2 e.
+    p.softmax_scale_log2 = (c.softcap > 0 || c.alibi) ? float(M_LOG2E) : float(double(p.softmax_scale) * M_LOG2E);
     p.softcap = c.softcap;
     p.flags = (c.lse ? FA_FLAG_RETURN_LSE : 0u) | (c.softcap > 0 ? FA_FLAG_SOFTCAP : 0u) | (c.alibi ? FA_FLAG_ALIBI : 0u);
 
@@ -150,7 +171,7 @@ static bool run_case(const Case& c, emu::CpAsync mode) {
                     const uint16_t* kj = &k[off(b, j, hk, c.sk, c.hkv)];
                     double dot = 0;
                     for (int d = 0; d < D; ++d) dot += double(to_f(qi[d])) * to_f(kj[d]);
-                    double sc = dot * scale;
+                    double sc = dot * double(p.softmax_scale);
                     if (c.softcap > 0) sc = c.softcap * std::tanh(sc / c.softcap);
                     if (c.alibi) sc -= slopes[h] * std::fabs(double(diag - j));
                     s[j] = sc;
@@ -166,6 +187,10 @@ static bool run_case(const Case& c, emu::CpAsync mode) {
                             if (s[j] != -INFINITY)
                                 ref += std::exp(s[j] - m) / l * to_f(v[off(b, j, hk, c.sk, c.hkv) + d]);
                     const double got = to_f(oi[d]);
+                    if (!std::isfinite(ref)) {  // sees a poisoned V: must not look finite
+                        if (std::isfinite(got)) ok = false;
+                        continue;
+                    }
                     const double err = std::fabs(got - ref);
                     if (!(err <= max_err)) max_err = std::isnan(err) ? INFINITY : std::max(max_err, err);
                     if (l == 0 && got != 0.0) ok = false;
@@ -182,7 +207,8 @@ static bool run_case(const Case& c, emu::CpAsync mode) {
     for (size_t i = size_t(c.batch) * c.hq * c.sq; i < lse.size(); ++i) ok = ok && std::isnan(lse[i]);
     // Tolerances: P and O are rounded to the 16-bit type (f16: 2^-11 relative, bf16: 2^-8).
     const double tol = c.bf16 ? 3e-2 : 4e-3;
-    ok = ok && max_err <= tol && max_lse_err <= 1e-3;
+    // LSE: f32 rounding of the max, relative for scores near f32::MAX.
+    ok = ok && max_err <= tol && max_lse_err <= (c.target > 0 ? 1e-6 * c.target : 1e-3);
     std::printf("%-44s %-4s cp.async@%-5s max|dO| %.2e  max|dLSE| %.2e  %s\n", c.name, c.bf16 ? "bf16" : "f16",
                 mode == emu::CpAsync::AtIssue ? "issue" : "wait", max_err, max_lse_err, ok ? "ok" : "FAIL");
     if (!ok) ++g_fail;
@@ -244,6 +270,14 @@ int main(int argc, char** argv) {
         {"hd96 causal seqlen_q=1 [b,h,s,d]", true, 96, 1, 2, 2, 1, 200, -1, 0, 0.f, false, true, true},
         {"hd192 alibi full", true, 192, 1, 2, 1, 70, 70, -1, -1, 0.f, true, true},
         {"hd64 softcap50 causal multi-block", false, 64, 1, 1, 1, 300, 300, -1, 0, 50.f, false, true},
+        // The edges (issue 10): huge window bounds, scores near f32::MAX, infinite and NaN V.
+        {"hd64 window(INT_MAX,INT_MAX) sq<sk", false, 64, 1, 2, 1, 90, 200, INT_MAX, INT_MAX, 0.f, false, true},
+        {"hd128 window(INT_MAX,0) sq>sk", true, 128, 1, 2, 2, 150, 70, INT_MAX, 0, 0.f, false, true},
+        {"hd32 window(0,INT_MAX)", false, 32, 1, 1, 1, 100, 130, 0, INT_MAX, 0.f, false, true},
+        {"hd64 causal |score| 3e38", false, 64, 1, 2, 1, 100, 140, -1, 0, 0.f, false, true, false, 3.0e38},
+        {"hd128 window(40,8) |score| 2.5e38", true, 128, 1, 2, 2, 130, 130, 40, 8, 0.f, false, true, false, 2.5e38},
+        {"hd64 causal sq>sk V=+inf", false, 64, 1, 2, 1, 150, 60, -1, 0, 0.f, false, true, false, 0.0, 1},
+        {"hd96 causal sq>sk V=NaN", true, 96, 1, 1, 1, 140, 50, -1, 0, 0.f, false, true, false, 0.0, 2},
     };
     for (const Case& c : cases) {
         run_case(c, emu::CpAsync::AtWait);
