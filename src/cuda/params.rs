@@ -52,7 +52,8 @@ pub struct FwdParams {
     pub descale_block: i32,
     /// Natural units, multiplies q·k.
     pub softmax_scale: f32,
-    /// softmax_scale·log2(e) without softcap; log2(e) with softcap.
+    /// Score units to log2 units: softmax_scale·log2(e) for raw q·k scores; log2(e) for
+    /// natural-unit scores (softcap or ALiBi on). See cuda/include/softmax_fwd.cuh.
     pub softmax_scale_log2: f32,
     /// The cap (0 when off).
     pub softcap: f32,
