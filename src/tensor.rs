@@ -126,7 +126,10 @@ impl Data<'_> {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    /// Element `i` widened to f32. `i` must be in bounds (checked by validation beforehand).
+    /// Element `i` widened to f32.
+    ///
+    /// # Panics
+    /// If `i` is out of bounds, as slice indexing does.
     #[inline]
     pub fn get_f32(&self, i: usize) -> f32 {
         match self {
@@ -136,6 +139,9 @@ impl Data<'_> {
         }
     }
     /// Widen `dst.len()` consecutive elements starting at `start` into `dst`.
+    ///
+    /// # Panics
+    /// If `start + dst.len()` exceeds the length, as slice indexing does.
     #[inline]
     pub fn read_f32(&self, start: usize, dst: &mut [f32]) {
         let n = dst.len();
@@ -414,7 +420,8 @@ impl Tensor {
     pub(crate) fn data_mut(&mut self) -> &mut OwnedData {
         &mut self.data
     }
-    /// All elements widened to f32, contiguous order.
+    /// All elements widened to f32, contiguous order (an infallible copy, like `Vec::clone`: at
+    /// most twice the tensor's own size).
     pub fn to_f32_vec(&self) -> Vec<f32> {
         let d = self.data.as_data();
         (0..d.len()).map(|i| d.get_f32(i)).collect()

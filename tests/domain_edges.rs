@@ -10,6 +10,7 @@ use flash_attn::reference::{attention_f64, attention_naive, max_abs_diff};
 use flash_attn::*;
 use proptest::prelude::*;
 
+#[allow(clippy::too_many_arguments)]
 fn qkv(seed: u64, dtype: DType, b: usize, sq: usize, sk: usize, hq: usize, hk: usize, d: usize) -> (Tensor, Tensor, Tensor) {
     let mut rng = Rng(seed);
     (randn(&mut rng, dtype, [b, sq, hq, d]), randn(&mut rng, dtype, [b, sk, hk, d]), randn(&mut rng, dtype, [b, sk, hk, d]))
