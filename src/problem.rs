@@ -101,7 +101,7 @@ impl Problem {
         // A bound past the sequence sees the same keys as the sequence's length (module docs).
         let (left, right) = (left.map(|l| l.min(seqlen_k)), right.map(|r| r.min(seqlen_q)));
         if let Some(cap) = opts.softcap {
-            // Normal, so that 1 / cap (the argument of tanh is s · (1 / cap)) is finite.
+            // Normal, so that 1 / cap is finite (the FA2/FA3 kernels multiply by it).
             if !(cap.is_finite() && cap >= f32::MIN_POSITIVE) {
                 return Err(Error::InvalidSoftcap(cap));
             }

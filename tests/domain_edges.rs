@@ -32,19 +32,39 @@ struct Measured {
     ours_finite: bool,
 }
 
+/// q or k with its head_dim reordered by `perm` (`x'[i] = x[perm(i)]`): the same dot products in
+/// exact arithmetic, summed in another order by a straightforward implementation.
+fn permute_d(t: &Tensor, perm: impl Fn(usize, usize) -> usize) -> Tensor {
+    let d = t.shape()[3];
+    let x = t.to_f32_vec();
+    let y: Vec<f32> = (0..x.len()).map(|i| x[i / d * d + perm(i % d, d)]).collect();
+    Tensor::from_f32(&y, t.dtype(), t.shape()).unwrap()
+}
+
 /// `forward` against the float64 reference. The yardstick is the straightforward f32 softmax of
 /// the same (already rounded) inputs: "wherever a naive f32 softmax is finite, ours is too, and
-/// within FlashAttention's rule of it" (output rounding to a 16-bit dtype is in its floor).
+/// within FlashAttention's rule of it" (output rounding to a 16-bit dtype is in its floor). At
+/// large magnitudes both errors are dominated by the f32 rounding of the dot products, which
+/// depends on the summation order: the naive error is the largest of three orders (forward,
+/// reversed, rotated by d/2), so that the rule compares with f32's noise level rather than with
+/// one lucky draw of it. LSEs compare with the reference rounded to f32 (an LSE beyond
+/// f32::MAX is ±inf in any f32 result).
 fn measure(q: &Tensor, k: &Tensor, v: &Tensor, opts: &ForwardOptions) -> (Output, Measured) {
     let out = forward(q, k, v, opts).unwrap_or_else(|e| panic!("forward refused: {e}"));
     let p = Problem::new(&q.view(), &k.view(), &v.view(), opts).unwrap();
     let r = attention_f64(&p, &q.view(), &k.view(), &v.view()).unwrap();
     let naive = attention_naive(&p, &q.view(), &k.view(), &v.view(), DType::F32).unwrap();
+    let mut naive_err = max_abs_diff(&naive, &r.o);
+    for perm in [|i: usize, d: usize| d - 1 - i, |i: usize, d: usize| (i + d / 2) % d] {
+        let (qp, kp) = (permute_d(q, perm), permute_d(k, perm));
+        let other = attention_naive(&p, &qp.view(), &kp.view(), &v.view(), DType::F32).unwrap();
+        naive_err = naive_err.max(max_abs_diff(&other, &r.o));
+    }
     let ours: Vec<f64> = out.o.to_f32_vec().iter().map(|&x| x as f64).collect();
-    let naive_err = max_abs_diff(&naive, &r.o);
     let lse_err = out.lse.as_ref().map_or(0.0, |l| {
         let l64: Vec<f64> = l.iter().map(|&x| x as f64).collect();
-        max_abs_diff(&l64, &r.lse)
+        let r32: Vec<f64> = r.lse.iter().map(|&x| x as f32 as f64).collect();
+        max_abs_diff(&l64, &r32)
     });
     let lse_scale = r.lse.iter().filter(|x| x.is_finite()).fold(1.0f64, |a, x| a.max(x.abs()));
     let m = Measured {
@@ -114,7 +134,7 @@ fn any_bound() -> impl Strategy<Value = i64> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 512, failure_persistence: None, ..ProptestConfig::default() })]
 
     /// Window bounds over all of i64: a typed error below -1 (or right != 0 with causal),
     /// otherwise the same result as the equivalent small window, which matches the reference.
@@ -195,7 +215,7 @@ fn large_scores_with_small_differences() {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 96, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
 
     /// Scores up to the top of f32's range: wherever the naive f32 softmax is finite, ours is
     /// finite and within FlashAttention's rule of the float64 reference.
@@ -206,7 +226,7 @@ proptest! {
         sq in 1usize..50, sk in 1usize..90, d in prop::sample::select(vec![8usize, 32, 64]),
         mask in prop::sample::select(vec![Mask::None, Mask::Causal, Mask::window(5, 3)]),
         softcap in prop::option::weighted(0.2, 1.0f32..1e30), alibi in prop::bool::weighted(0.2),
-        seed in any::<u64>(),
+        lazy in prop::bool::weighted(0.25), seed in any::<u64>(),
     ) {
         let max_in = match dtype { DType::F16 => 15, _ => in_log2 };
         let amp = 2f32.powi(in_log2.min(max_in));
@@ -218,6 +238,10 @@ proptest! {
         }
         if alibi {
             opts = opts.alibi_slopes(vec![0.5f32, 1e-3]);
+        }
+        if lazy {
+            // FA4's lazy rescaling (the emulated path): exact up to rounding, same rule.
+            opts = opts.rescale(Rescale::Lazy { threshold: 8.0 });
         }
         let (_, m) = measure(&q, &k, &v, &opts);
         if m.naive_finite {
@@ -477,7 +501,16 @@ proptest! {
                 prop_assert_eq!(out.o.shape(), q.shape());
                 let p = Problem::new(&q, &k, &v, &opts).unwrap();
                 let work = logical_bytes([p.batch, p.heads_q, p.seqlen_q, p.seqlen_k], p.head_dim);
-                let finite_opts = opts.precision == Precision::Native && opts.softcap.is_none_or(|c| c < 1e30);
+                // Numbers are checked for the native arithmetic (FP8 and low-degree exp2 have their
+                // own accuracy, tested in tests/numerics.rs) and moderate scales: with a scale
+                // like 1e16 the softmax is an argmax over dot products that may tie in f32 and
+                // differ at 1e-8 in f64, where no f32 result can match the reference (large
+                // scores are `scores_up_to_the_f32_range`'s business, on inputs without ties).
+                let finite_opts = opts.precision == Precision::Native
+                    && opts.exp2 == Exp2::Accurate
+                    && opts.softmax_scale.is_none_or(|s| s <= 100.0)
+                    && opts.alibi_slopes.as_ref().is_none_or(|s| s.iter().all(|x| x.abs() <= 100.0))
+                    && opts.softcap.is_none_or(|c| c < 1e30);
                 if work <= 1 << 20 && finite_opts {
                     let r = attention_f64(&p, &q, &k, &v).unwrap();
                     let naive = attention_naive(&p, &q, &k, &v, DType::F32).unwrap();
@@ -534,7 +567,7 @@ fn poison(t: &Tensor, at: &[(usize, usize, f32)], heads: usize, d: usize) -> Ten
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 128, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
 
     /// NaN and ±inf anywhere in q, k, v: a row's output depends only on its own q and the keys
     /// it sees. Rows with finite q that see only finite keys are exactly what they would be with

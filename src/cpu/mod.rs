@@ -205,8 +205,8 @@ struct ScoreMod {
     /// Score units to natural units (for the LSE): `scale`, or 1.
     u: f32,
     scale: f32,
-    /// With softcap: `(cap, 1 / cap)`, the score being `cap · tanh(s · (1 / cap))`.
-    softcap: Option<(f32, f32)>,
+    /// With softcap: the cap, the score being `cap · tanh(s / cap)`.
+    softcap: Option<f32>,
 }
 
 impl ScoreMod {
@@ -217,7 +217,7 @@ impl ScoreMod {
             c: if natural { LOG2E } else { p.scale * LOG2E },
             u: if natural { 1.0 } else { p.scale },
             scale: p.scale,
-            softcap: p.softcap.map(|cap| (cap, 1.0 / cap)),
+            softcap: p.softcap,
         }
     }
 }
@@ -310,8 +310,11 @@ fn attend_block<M: Exp2Math, const FMA: bool>(
                 for (jl, row) in sp.chunks_exact_mut(NR).enumerate() {
                     for (lane, x) in row.iter_mut().enumerate().take(nrows.saturating_sub(pn * NR)) {
                         let s = *x * sm.scale;
+                        // A division, as a straightforward implementation writes it: for a cap
+                        // far above the scores, (s / cap) * cap gives s back to within an ulp,
+                        // where s * (1 / cap) * cap accumulates three roundings.
                         let s = match sm.softcap {
-                            Some((cap, inv)) => cap * (s * inv).tanh(),
+                            Some(cap) => cap * (s / cap).tanh(),
                             None => s,
                         };
                         *x = s + p.alibi_bias(h, i0 + pn * NR + lane, k0 + jl);
