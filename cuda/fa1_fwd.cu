@@ -138,10 +138,9 @@ __device__ __forceinline__ void forward(const FwdParams& p) {
     const bool alibi = (p.flags & FA_FLAG_ALIBI) != 0;
     const float slope = alibi ? reinterpret_cast<const float*>(p.alibi_slopes)[head] : 0.f;
     // Score units (softmax_fwd.cuh): raw q.k, or natural units with softcap / ALiBi. c is the
-    // host's softmax_scale_log2 (scale * log2 e, or log2 e for natural units); u -> natural.
+    // host's softmax_scale_log2 (scale * log2 e, or log2 e for natural units), read from the
+    // params where it is used (a register held across the loop spilled at hdim 192).
     const bool natural = softcap || alibi;
-    const float c = p.softmax_scale_log2;
-    const float u = natural ? 1.f : p.softmax_scale;
 
     float acc[kRowsPerThread][kDimsPerThread];
     float row_max[kRowsPerThread];  // running max, score units
@@ -208,12 +207,12 @@ __device__ __forceinline__ void forward(const FwdParams& p) {
                 tile_max = fmaxf(tile_max, x);
             }
             float m_new, m_ref;
-            const float alpha = fa_softmax_rescale(row_max[i], group_max(tile_max), c, m_new, m_ref);
+            const float alpha = fa_softmax_rescale(row_max[i], group_max(tile_max), p.softmax_scale_log2, m_new, m_ref);
             row_max[i] = m_new;
             float tile_sum = 0.f;
 #pragma unroll
             for (int j = 0; j < kKeysPerThread; ++j) {
-                const float e = fa_softmax_p(s[i][j], m_ref, c);  // masked: exp2(-inf) = 0
+                const float e = fa_softmax_p(s[i][j], m_ref, p.softmax_scale_log2);  // masked: exp2(-inf) = 0
                 sP[row_local * kPStride + cg + j * kColGroups] = e;
                 tile_sum += e;
             }
@@ -232,6 +231,7 @@ __device__ __forceinline__ void forward(const FwdParams& p) {
 
     // Epilogue: O / l, LSE. Rows past seqlen_q and dims past head_dim are not written.
     const bool write_lse = (p.flags & FA_FLAG_RETURN_LSE) != 0;
+    const float u = natural ? 1.f : p.softmax_scale;  // score units -> natural (LSE)
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
         const int row = m0 + rg * kRowsPerThread + i;
