@@ -32,7 +32,7 @@ __host__ __device__ constexpr KvRange kv_tile_range(const FwdParams& p, int m_be
 // is visible, so the per-element mask can be skipped.
 __host__ __device__ constexpr bool block_needs_mask(const FwdParams& p, int m_first, int rows,
                                                     int n0, int block_n) {
-    return fa_tile_needs_mask(p, m_first, (long long)m_first + rows - 1, n0, (long long)n0 + block_n - 1);
+    return fa_tile_needs_mask(p, m_first, m_first + rows - 1, n0, (long long)n0 + block_n - 1);
 }
 
 constexpr int kWarpgroupThreads = 128;  // 4 warps issue one wgmma together

@@ -4,10 +4,13 @@
 // and 0 <= j < seqlen_k; a negative bound is unbounded (-1 by convention). Causal is
 // window_right = 0.
 //
-// Positions are formed in 64 bits and clamped to [0, seqlen_k] before they come back as int, so
-// no sum of a row, the diagonal offset and a bound can overflow, whatever int32 values the params
-// hold (the host also clamps bounds to the sequence, src/problem.rs; this header does not rely on
-// it). Kernels then compare 32-bit key indices against the clamped bounds.
+// The sums of a row, the diagonal offset and a bound are formed in 64 bits (only the one add that
+// can overflow: the other terms are differences of non-negative ints) and clamped to
+// [0, seqlen_k] before they come back as int, so nothing overflows whatever int32 values the
+// params hold (the host also clamps bounds to the sequence, src/problem.rs; this header does not
+// rely on it). Kernels then compare 32-bit key indices against the clamped bounds. Rows are >= 0.
+// (Written for register pressure too: FA3 stages 4-5 at head_dim 256 sit at their 168-register
+// budget, and a fully 64-bit form spilled there.)
 //
 // Plain C++ apart from the qualifiers, so the host emulations and scripts/fa3-layout-sim.cpp
 // compile it unchanged.
@@ -20,22 +23,25 @@ FA_MASK_FN long long fa_clamp_keys(long long x, long long seqlen_k) {
     return x < 0 ? 0 : (x > seqlen_k ? seqlen_k : x);
 }
 
-// First key query row i sees, in [0, seqlen_k].
-FA_MASK_FN int fa_key_lo(const FwdParams& p, long long i) {
+// First key query row i (>= 0) sees, in [0, seqlen_k].
+FA_MASK_FN int fa_key_lo(const FwdParams& p, int i) {
     if (p.window_left < 0) return 0;
-    const long long lo = i + (long long)p.seqlen_k - p.seqlen_q - p.window_left;
-    return (int)fa_clamp_keys(lo, p.seqlen_k);
+    // i - left and seqlen_k - seqlen_q are differences of non-negative ints: they fit; only their
+    // sum needs 64 bits.
+    const long long lo = (long long)(i - p.window_left) + (p.seqlen_k - p.seqlen_q);
+    return lo < 0 ? 0 : (lo > p.seqlen_k ? p.seqlen_k : (int)lo);
 }
 
-// One past the last key query row i sees, in [0, seqlen_k] (no key when hi <= lo).
-FA_MASK_FN int fa_key_hi(const FwdParams& p, long long i) {
+// One past the last key query row i (>= 0) sees, in [0, seqlen_k] (no key when hi <= lo).
+FA_MASK_FN int fa_key_hi(const FwdParams& p, int i) {
     if (p.window_right < 0) return p.seqlen_k;
-    const long long hi = i + (long long)p.seqlen_k - p.seqlen_q + p.window_right + 1;
-    return (int)fa_clamp_keys(hi, p.seqlen_k);
+    // seqlen_k - seqlen_q + 1 <= seqlen_k fits (seqlen_q >= 1); i + right needs 64 bits.
+    const long long hi = (long long)i + p.window_right + (p.seqlen_k - p.seqlen_q + 1);
+    return hi < 0 ? 0 : (hi > p.seqlen_k ? p.seqlen_k : (int)hi);
 }
 
 // Whether query row i sees key j.
-FA_MASK_FN bool fa_key_visible(const FwdParams& p, long long i, long long j) {
+FA_MASK_FN bool fa_key_visible(const FwdParams& p, int i, long long j) {
     return j >= fa_key_lo(p, i) && j < fa_key_hi(p, i);
 }
 
@@ -46,7 +52,7 @@ struct FaKeyTiles {
     int n_begin, n_end;
 };
 FA_MASK_FN FaKeyTiles fa_key_tiles(const FwdParams& p, int row_begin, int row_end, int block_n) {
-    const int lo = fa_key_lo(p, row_begin), hi = fa_key_hi(p, (long long)row_end - 1);
+    const int lo = fa_key_lo(p, row_begin), hi = fa_key_hi(p, row_end - 1);
     const int n_begin = lo / block_n;
     return FaKeyTiles{n_begin, hi <= lo ? n_begin : (int)(((long long)hi + block_n - 1) / block_n)};
 }
@@ -54,7 +60,7 @@ FA_MASK_FN FaKeyTiles fa_key_tiles(const FwdParams& p, int row_begin, int row_en
 // Whether some (row, key) of rows [row_first, row_last] x keys [key_first, key_last] is hidden
 // (false: every pair is visible and the per-element mask may be skipped). Keys at or past
 // seqlen_k count as hidden.
-FA_MASK_FN bool fa_tile_needs_mask(const FwdParams& p, long long row_first, long long row_last,
+FA_MASK_FN bool fa_tile_needs_mask(const FwdParams& p, int row_first, int row_last,
                                    long long key_first, long long key_last) {
     return key_first < fa_key_lo(p, row_last) || key_last >= fa_key_hi(p, row_first);
 }
