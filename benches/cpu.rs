@@ -19,11 +19,16 @@
 //! At the end a summary table gives each case's rates and ratios, and the same numbers go to
 //! `target/bench/cpu.jsonl` (or `FA_BENCH_JSON`) as one JSON line per run for
 //! `scripts/report.py`.
+//!
+//! A second group, `decode_cpu`, times decode steps (one query row per sequence against a long
+//! K/V cache: the in-place path, dense and paged with shuffled blocks) with throughput in bytes
+//! of K/V read, the figure that matters for decode; its summary table gives K/V GB/s and its
+//! JSON lines go to `target/bench/cpu-decode.jsonl` (or `FA_BENCH_DECODE_JSON`).
 
 mod support;
 
 use criterion::{Criterion, SamplingMode, Throughput};
-use flash_attn::{flops, forward, Backend, DType, ForwardOptions, Output};
+use flash_attn::{flops, forward, Backend, DType, ForwardOptions, Mask, Output};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -231,9 +236,117 @@ fn main() {
         });
     }
     group.finish();
+    let decode = decode_group(&mut c, &samples);
     c.final_summary();
 
     summary(threads, &gemm_rates, &roof, &records);
+    decode_summary(&decode);
+}
+
+/// Decode shapes: one query row per sequence against a long cache, dense (`forward`) or paged
+/// with `page_size`-key blocks (`serving::forward_kvcache`). The first is the figure of the CPU
+/// speed issue: 4096 keys, 32 query heads on 8 kv heads, head_dim 128, f32.
+fn decode_cases() -> Vec<(Case, Option<usize>)> {
+    let dec = |batch, seqlen_k, heads_q, heads_kv, dtype| Case {
+        batch,
+        seqlen_q: 1,
+        seqlen_k,
+        heads_q,
+        heads_kv,
+        head_dim: 128,
+        dtype,
+        mask: Mask::None,
+    };
+    vec![
+        (dec(1, 4096, 32, 8, DType::F32), None),
+        (dec(1, 4096, 32, 8, DType::F32), Some(16)),
+        (dec(1, 4096, 32, 8, DType::F32), Some(256)),
+        (dec(1, 4096, 32, 8, DType::BF16), None),
+        (dec(1, 4096, 32, 8, DType::BF16), Some(16)),
+        (dec(1, 4096, 32, 32, DType::F32), None),
+        (dec(8, 2048, 32, 8, DType::BF16), Some(16)),
+        (dec(1, 32768, 32, 8, DType::BF16), Some(256)),
+        // One kv head: the split-KV path spreads its keys over the workers.
+        (dec(1, 16384, 8, 1, DType::F32), None),
+    ]
+}
+
+/// One measured decode case: (case, page size, median ms, best ms, kernel and reason, max err).
+type DecodeRecord = (Case, Option<usize>, f64, f64, String, f64);
+
+fn decode_group(c: &mut Criterion, samples: &Samples) -> Vec<DecodeRecord> {
+    let mut out = Vec::new();
+    let mut group = c.benchmark_group("decode_cpu");
+    group.sampling_mode(SamplingMode::Flat);
+    for (case, page) in decode_cases() {
+        let (q, k, v) = case.inputs(1);
+        let opts = ForwardOptions::default().backend(Backend::Cpu);
+        let p = case.problem(&q, &k, &v, &opts);
+        let paged = page.map(|ps| support::PagedKv::new(&k, &v, ps, 7));
+        let id = format!("{}_{}", case.id(), page.map_or("dense".to_string(), |ps| format!("page{ps}")));
+        let mut first: Option<Output> = None;
+        group.throughput(Throughput::Bytes(support::kv_bytes(&case)));
+        group.bench_function(&id, |b| {
+            b.iter_custom(|iters| {
+                let t = Instant::now();
+                for _ in 0..iters {
+                    let o = match &paged {
+                        Some(pk) => flash_attn::serving::forward_kvcache(&q, &pk.cache(), &opts),
+                        None => forward(&q, &k, &v, &opts),
+                    };
+                    first.get_or_insert(o.expect("CPU decode runs"));
+                }
+                let e = t.elapsed();
+                record(samples, &id, e, iters);
+                e
+            })
+        });
+        let (Some((ms, ms_min, _)), Some(o)) = (measured(samples, &id, SAMPLES), first) else {
+            continue; // filtered out on the command line
+        };
+        let err = support::sampled_max_error(&p, &q, &k, &v, &o, ERR_ROWS, 7);
+        let what = format!("{} ({})", o.dispatch.kernel, o.dispatch.reason);
+        out.push((case, page, ms, ms_min, what, err));
+    }
+    group.finish();
+    out
+}
+
+fn decode_summary(recs: &[DecodeRecord]) {
+    if recs.is_empty() {
+        return;
+    }
+    println!("\n## CPU decode: K/V bytes read per second (median and best of the last {SAMPLES} samples)");
+    println!("\n| case | K/V layout | ms (median) | K/V GB/s median | K/V GB/s best | max err |");
+    println!("|---|---|---:|---:|---:|---:|");
+    let mut lines = Vec::new();
+    for (case, page, ms, best, what, err) in recs {
+        let gbs = |t: f64| support::kv_bytes(case) as f64 / (t * 1e-3) / 1e9;
+        let layout = page.map_or("dense".to_string(), |ps| format!("paged, {ps}-key blocks"));
+        println!("| {} | {layout} | {ms:.3} | {:.1} | {:.1} | {err:.1e} |", case.id(), gbs(*ms), gbs(*best));
+        lines.push(format!(
+            "{{\"impl\":\"flash_attn\",\"case\":{},\"kv_layout\":{},\"ms\":{},\"ms_min\":{},\"kv_gbs\":{},\"kv_gbs_best\":{},\"max_err\":{},\"kernel\":{}}}",
+            support::js(&case.id()),
+            support::js(&layout),
+            support::jn(*ms),
+            support::jn(*best),
+            support::jn(gbs(*ms)),
+            support::jn(gbs(*best)),
+            support::jn(*err),
+            support::js(what)
+        ));
+    }
+    let path = std::env::var("FA_BENCH_DECODE_JSON").unwrap_or_else(|_| "target/bench/cpu-decode.jsonl".into());
+    let write = || -> std::io::Result<()> {
+        if let Some(dir) = std::path::Path::new(&path).parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        std::fs::write(&path, lines.join("\n") + "\n")
+    };
+    match write() {
+        Ok(()) => println!("\nJSON lines: {path}"),
+        Err(e) => eprintln!("could not write {path}: {e}"),
+    }
 }
 
 fn summary(threads: usize, gemm_rates: &[(String, f64)], roof: &flash_attn::roofline::Roofline, records: &[Record]) {

@@ -116,9 +116,9 @@ pub struct Family {
     pub options: &'static [&'static str],
     /// Auto preference: higher wins among the families that can run a problem.
     pub rank: u32,
-    /// A host harness that runs this family's kernel source on the CPU (threads for CUDA
-    /// threads; tests/emulate_kernels.rs compiles it with g++ per tile). Only for families in
-    /// plain CUDA C++ (no tensor-core or async-copy instructions to emulate).
+    /// The test of tests/emulator.rs that runs this family's kernel source, unchanged, in the
+    /// CPU emulator (cuda/test/emu, docs/emulator.md); `None` for a family the emulator cannot
+    /// run yet (tests/emulator.rs requires every row to name its test).
     pub cpu_emulation: Option<&'static str>,
     /// Dynamic shared memory of a tile's launch, in bytes. The build passes it to the kernel as
     /// FA_SMEM_BYTES, which static_asserts it against its own layout; the host launches with it.
@@ -240,6 +240,7 @@ fn fa3s5_smem(t: &Tile) -> u32 {
 const fn fa3_family(
     name: &'static str,
     stage: u32,
+    cpu_emulation: Option<&'static str>,
     sass_expect: &'static [&'static str],
     tiles: &'static [Tile],
     smem_bytes: fn(&Tile) -> u32,
@@ -255,7 +256,7 @@ const fn fa3_family(
         sass_expect,
         options: &[],
         rank: 30 + stage,
-        cpu_emulation: None,
+        cpu_emulation,
         smem_bytes,
     }
 }
@@ -287,7 +288,7 @@ pub const FAMILIES: &[Family] = &[Family {
     sass_expect: &["FFMA", "MUFU.EX2"],
     options: &[],
     rank: 1,
-    cpu_emulation: Some("cuda/emu/fa1_emu.cpp"),
+    cpu_emulation: Some("fa1_all_instances"),
     smem_bytes: fa1_smem_bytes,
 },
 Family {
@@ -308,7 +309,7 @@ Family {
         Tile { head_dim: 256, block_m: 64, block_n: 32, threads: FA2_THREADS },
     ],
     min_sm: 80,
-    // Compile-checked and emulated on the CPU (cuda/test/fa2_emu) only; set to true once
+    // Compile-checked and run in the emulator (tests/emulator.rs) only; set to true once
     // scripts/gpu-check.sh passes on a GPU.
     gpu_verified: false,
     // Auto picks it over FA1 wherever it runs the problem (sm_80+, and Hopper until FA3 is verified).
@@ -317,16 +318,15 @@ Family {
     sass_expect: &["HMMA.16816.F32", "LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS"],
     options: &[],
     rank: 2,
-    // Its emulation needs ISA models of mma/ldmatrix/cp.async: cuda/test/fa2_emu, run by tests/fa2_host.rs.
-    cpu_emulation: None,
+    cpu_emulation: Some("fa2_all_instances"),
     smem_bytes: fa2_smem_bytes,
 },
     // The FA3 ladder (docs/fa3.md): stage N adds one Hopper mechanism to stage N-1.
     // 1 wgmma; 2 + TMA/mbarrier ring; 3 + warp specialisation (setmaxnreg); 4 + ping-pong and
     // intra-warpgroup overlap; 5 + persistent grid (min(SMs, tiles) CTAs).
-    fa3_family("fa3s1", 1, &["HGMMA"], FA3_S1_TILES, fa3s1_smem),
-    fa3_family("fa3s2", 2, &["HGMMA", "UTMALDG", "SYNCS"], FA3_S2_TILES, fa3s2_smem),
-    fa3_family("fa3s3", 3, &["HGMMA", "UTMALDG", "SYNCS", "USETMAXREG"], FA3_S345_TILES, fa3s3_smem),
-    fa3_family("fa3s4", 4, &["HGMMA", "UTMALDG", "SYNCS", "USETMAXREG"], FA3_S345_TILES, fa3s4_smem),
-    fa3_family("fa3s5", 5, &["HGMMA", "UTMALDG", "SYNCS", "USETMAXREG"], FA3_S345_TILES, fa3s5_smem),
+    fa3_family("fa3s1", 1, Some("fa3_stage1"), &["HGMMA"], FA3_S1_TILES, fa3s1_smem),
+    fa3_family("fa3s2", 2, Some("fa3_stage2"), &["HGMMA", "UTMALDG", "SYNCS"], FA3_S2_TILES, fa3s2_smem),
+    fa3_family("fa3s3", 3, Some("fa3_stage3"), &["HGMMA", "UTMALDG", "SYNCS", "USETMAXREG"], FA3_S345_TILES, fa3s3_smem),
+    fa3_family("fa3s4", 4, Some("fa3_stage4"), &["HGMMA", "UTMALDG", "SYNCS", "USETMAXREG"], FA3_S345_TILES, fa3s4_smem),
+    fa3_family("fa3s5", 5, Some("fa3_stage5"), &["HGMMA", "UTMALDG", "SYNCS", "USETMAXREG"], FA3_S345_TILES, fa3s5_smem),
 ];

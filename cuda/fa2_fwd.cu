@@ -28,7 +28,7 @@
 // per head dim, FA_HEAD_DIM/FA_BLOCK_M/FA_BLOCK_N/FA_THREADS/FA_SMEM_BYTES defined, then
 // FA_INSTANCE(f16) and FA_INSTANCE(bf16)); the row is static_asserted against the traits below.
 // Standalone (no FA_HEAD_DIM) it instantiates every head dim, or only -DFA2_ONLY_HDIM=<D>:
-// scripts/check-fa2.sh and the host emulation (cuda/test/fa2_emu) build it that way.
+// scripts/check-fa2.sh builds it that way.
 #include <math.h>
 #include <stdint.h>
 
@@ -324,7 +324,7 @@ static_assert(fa2::Fa2Traits<FA_HEAD_DIM>::kSmemBytes == FA_SMEM_BYTES,
               "build/instances.rs fa2_smem_bytes disagrees with fa2_traits.cuh");
 #define FA_INSTANCE(DT) FA2_KERNEL_(FA_HEAD_DIM, DT)
 #else
-// Standalone (scripts/check-fa2.sh, cuda/test/fa2_emu): every head dim, or -DFA2_ONLY_HDIM=<D>.
+// Standalone (scripts/check-fa2.sh): every head dim, or -DFA2_ONLY_HDIM=<D>.
 #define FA2_HDIM(HDIM) FA2_KERNEL(HDIM, f16) FA2_KERNEL(HDIM, bf16)
 #if !defined(FA2_ONLY_HDIM) || FA2_ONLY_HDIM == 32
 FA2_HDIM(32)

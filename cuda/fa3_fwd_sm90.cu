@@ -24,8 +24,18 @@
 // of 8 elements and base addresses 16-byte aligned (16-byte vector loads / TMA strides).
 #include <climits>
 
+#if defined(FA_HANG_CHECK)
+// Hang-check builds (cuda/include/hang_check.cuh) name a stuck mbarrier from its shared-memory
+// offset; defined at the end of this file from the Barriers / SplitBarriers layouts.
+namespace fa3 {
+__device__ const char* hang_barrier_name(unsigned int offset, int* slot);
+}
+#define FA_HANG_BARRIER_NAME(offset, slot) fa3::hang_barrier_name(offset, slot)
+#endif
+
 #include "fa_params.h"
 #include "fa3_traits.cuh"
+#include "fast_math_sm90.cuh"
 #include "mbarrier_sm90.cuh"
 #include "tma_sm90.cuh"
 #include "wgmma_sm90.cuh"
@@ -33,17 +43,6 @@
 namespace fa3 {
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-
-__device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx(-inf) = +0
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-__device__ __forceinline__ float fast_tanh(float x) {
-    float y;
-    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
 
 // Per-warpgroup online-softmax state and output accumulator: this thread's two rows
 // (16w + g and 16w + g + 8 of the warpgroup's 64) and its D/2 accumulator columns.
@@ -432,6 +431,12 @@ struct Barriers {
         kv_full = b + 1;
         kv_empty = b + 1 + Tr::kKvStages;
     }
+    // The name and slot of barrier number i of the block (hang-check reports).
+    __device__ static const char* name(int i, int* slot) {
+        constexpr int S = Tr::kKvStages;
+        *slot = i == 0 ? 0 : (i - 1) % S;
+        return i == 0 ? "q_full" : i <= S ? "kv_full" : i <= 2 * S ? "kv_empty" : nullptr;
+    }
 };
 
 // ---------------------------------------------------------------- stage 2: + TMA, mbarriers
@@ -589,6 +594,14 @@ struct SplitBarriers {
         v_empty = b + 1 + 3 * Tr::kKvStages;
         q_empty = b + 1 + 4 * Tr::kKvStages;
     }
+    // The name and slot of barrier number i of the block (hang-check reports).
+    __device__ static const char* name(int i, int* slot) {
+        constexpr int S = Tr::kKvStages;
+        const int group = i == 0 ? -1 : (i - 1) / S;  // 0 k_full, 1 v_full, 2 k_empty, 3 v_empty, 4 q_empty
+        *slot = i == 0 ? 0 : (i - 1) % S;
+        const char* names[] = {"k_full", "v_full", "k_empty", "v_empty"};
+        return i == 0 ? "q_full" : group < 4 ? names[group] : i == 1 + 4 * S ? "q_empty" : nullptr;
+    }
     __device__ __forceinline__ void init() {  // one thread
         mbar_init(q_full, 1);
         mbar_init(q_empty, Tr::kConsumerThreads);
@@ -679,6 +692,21 @@ __device__ __forceinline__ void produce_tile(int seqlen_q, const TmaDesc* tq, co
         issue_tile<Tr>(tv, sv, &bars.v_full[slot], slot, kv.n_begin + j, bc.kv_head, bc.batch);
     }
 }
+
+#if defined(FA_HANG_CHECK)
+// Hang-check builds only: the producer thread stays until the consumers have released the last Q
+// buffer and K/V slots it filled. A consumer stuck in a named barrier (bar.sync cannot time out)
+// then makes this wait time out, and its report prints the CTA's wait board.
+template <class Tr>
+__device__ __forceinline__ void watch_release(SplitBarriers<Tr>& bars, const RingPos& pos) {
+    constexpr int S = Tr::kKvStages;
+    for (int it = max(0, pos.kv_it - S); it < pos.kv_it; ++it) {  // the last use of each slot
+        mbar_wait(&bars.k_empty[it % S], (it / S) & 1);
+        mbar_wait(&bars.v_empty[it % S], (it / S) & 1);
+    }
+    if (pos.q_use > 0) mbar_wait(bars.q_empty, (pos.q_use - 1) & 1);
+}
+#endif
 
 // One query tile seen by consumer warpgroup cw (its 64 rows): the overlapped mainloop
 //   S_0; softmax_0 | for j >= 1: {S_j, PV_j-1} issued, wait S_j, softmax_j under PV_j-1,
@@ -805,6 +833,9 @@ __device__ __forceinline__ void stage45(const FwdParams& p, const TmaDesc* tq, c
                 const BlockCoord bc = coord(t);
                 produce_tile<Tr>(p.seqlen_q, tq, tk, tv, sq, sk, sv, bars, bc, range(bc), pos);
             }
+#if defined(FA_HANG_CHECK)
+            watch_release<Tr>(bars, pos);
+#endif
         }
         return;
     }
@@ -885,6 +916,14 @@ __device__ __forceinline__ void stage45(const FwdParams&, const TmaDesc*, const 
 #define FA3_TYPE_bf16 __nv_bfloat16
 #define FA3_TYPE_f16 __half
 
+#if defined(FA_HANG_CHECK)
+// The hang-check name hook declared at the top: barrier block index -> name. Only a build.rs unit
+// knows its one (stage, head dim); the standalone all-stages build reports offsets only.
+#if defined(FA_FAMILY) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FA3_HANG_NAMES 1
+#endif
+#endif
+
 #if defined(FA_FAMILY)
 // The stage of the family row this unit was generated for (FA_FAMILY is a bare token).
 #define FA3_STAGE_OF_fa3s1 1
@@ -905,6 +944,15 @@ static_assert(FA_SMEM_BYTES == fa3::Fa3Traits<FA3_STAGE, FA_HEAD_DIM>::kSmemByte
 #define FA3_INSTANCE_(S, DT, D) FA3_S##S(DT, FA3_TYPE_##DT, D)
 #define FA3_INSTANCE(S, DT, D) FA3_INSTANCE_(S, DT, D)
 #define FA_INSTANCE(DT) FA3_INSTANCE(FA3_STAGE, DT, FA_HEAD_DIM)
+#if defined(FA3_HANG_NAMES)
+__device__ const char* fa3::hang_barrier_name(unsigned int offset, int* slot) {
+    using Tr = fa3::Fa3Traits<FA3_STAGE, FA_HEAD_DIM>;
+    *slot = -1;
+    if (Tr::kStage == 1 || offset < Tr::kOffBarriers || offset >= Tr::kSmemUsed || offset % 8) return nullptr;
+    const int i = static_cast<int>(offset - Tr::kOffBarriers) / 8;
+    return Tr::kSplitKv ? fa3::SplitBarriers<Tr>::name(i, slot) : fa3::Barriers<Tr>::name(i, slot);
+}
+#endif
 #else
 #define FA3_ALL_STAGES(D)              \
     FA3_S1(bf16, __nv_bfloat16, D)     \
@@ -928,3 +976,10 @@ FA3_ALL_STAGES(128)
 FA3_ALL_STAGES(256)
 #endif
 #endif  // FA_FAMILY
+
+#if defined(FA_HANG_CHECK) && !defined(FA3_HANG_NAMES)
+__device__ const char* fa3::hang_barrier_name(unsigned int, int* slot) {
+    *slot = -1;
+    return nullptr;
+}
+#endif

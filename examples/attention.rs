@@ -1,5 +1,6 @@
 //! The main job: attention on a realistic shape, on the GPU when there is one and on the CPU
-//! otherwise; prints the backend, time, TFLOP/s and max error against the float64 reference.
+//! otherwise; prints the backend, kernel, time, throughput (TFLOP/s on a GPU, GFLOP/s on the
+//! CPU), max error against the float64 reference, and why that backend and kernel were chosen.
 //!
 //! `cargo run --release --example attention [-- --batch 1 --heads 8 --seqlen 2048 --head-dim 128 --causal --dtype f32]`
 //!
@@ -29,14 +30,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "--head-dim" => d = num()?,
             "--iters" => iters = num()?,
             "--causal" => causal = true,
-            "--dtype" => {
-                dtype = match args.next().as_deref() {
-                    Some("f32") => DType::F32,
-                    Some("f16") => DType::F16,
-                    Some("bf16") => DType::BF16,
-                    other => return Err(format!("--dtype f32|f16|bf16, got {other:?}").into()),
-                }
-            }
+            "--dtype" => dtype = args.next().ok_or("--dtype needs f32, f16 or bf16")?.parse()?,
             other => return Err(format!("unknown argument {other}").into()),
         }
     }
@@ -66,13 +60,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let flops = 4.0 * p.visible_pairs() as f64 * d as f64;
     let r = attention_f64(&p, &q.view(), &k.view(), &v.view())?;
     let ours: Vec<f64> = out.o.to_f32_vec().iter().map(|&x| x as f64).collect();
+    // A CPU does tens to hundreds of GFLOP/s; "TFLOP/s=0.0478" would hide the digits that matter.
+    let rate = if out.dispatch.backend == "cpu" {
+        format!("GFLOP/s={:.1}", flops / med / 1e9)
+    } else {
+        format!("TFLOP/s={:.1}", flops / med / 1e12)
+    };
     println!(
-        "backend={} kernel={} shape=[{b},{s},{h},{d}] dtype={dtype:?} causal={causal} median_ms={:.3} TFLOP/s={:.4} max_err={:.3e}",
+        "backend={} kernel={} shape=[{b},{s},{h},{d}] dtype={dtype} causal={causal} median_ms={:.3} {rate} max_err={:.3e}",
         out.dispatch.backend,
         out.dispatch.kernel,
         med * 1e3,
-        flops / med / 1e12,
         max_abs_diff(&ours, &r.o)
     );
+    println!("why: {}", if out.dispatch.reason.is_empty() { "-" } else { &out.dispatch.reason });
     Ok(())
 }

@@ -9,6 +9,9 @@
 //! --batch B --seqlen S (or --seqlen-q / --seqlen-k) --heads H --heads-kv HKV --head-dim D
 //! --causal | --window LEFT,RIGHT
 //! --lse                          also return the LSE (counted in the bytes)
+//! --page-size N                  CPU: K/V in a paged cache of N-key blocks, shuffled, through
+//!                                `serving::forward_kvcache` (the decode/paged path)
+//! --splits N  --threads N        CPU: force the split-KV count / the worker threads
 //! --warmup N (2)  --runs N (10)  --max-seconds T (20: stop early after 3 runs past T)
 //! --launches N (10)              GPU: launches between two CUDA events (one repetition);
 //!                                the warm-up is `warmup` such batches, `runs` repetitions
@@ -58,13 +61,17 @@ struct Args {
     seed: u64,
     launches: usize,
     copy_mib: usize,
+    page_size: Option<usize>,
+    splits: Option<usize>,
+    threads: Option<usize>,
 }
 
 const USAGE: &str = "usage: bench [--backend cpu|auto|cuda[:N]] [--variant auto|fa1|fa2|fa3|fa4] \
 [--dtype f32|f16|bf16] [--fp8 tensor|block:ROWS] [--hadamard SEED] [--batch B] [--seqlen S] \
 [--seqlen-q SQ] [--seqlen-k SK] [--heads H] [--heads-kv HKV] [--head-dim D] [--causal] \
 [--window L,R] [--lse] [--warmup N] [--runs N] [--max-seconds T] [--check-rows N] [--no-gemm] \
-[--peak-tflops X] [--bandwidth-tbs Y] [--seed N] [--launches N] [--copy-mib N]";
+[--peak-tflops X] [--bandwidth-tbs Y] [--seed N] [--launches N] [--copy-mib N] [--page-size N] \
+[--splits N] [--threads N]";
 
 fn parse() -> Result<Args, String> {
     let mut a = Args {
@@ -90,6 +97,9 @@ fn parse() -> Result<Args, String> {
         seed: 1,
         launches: 10,
         copy_mib: 512,
+        page_size: None,
+        splits: None,
+        threads: None,
     };
     let mut hadamard = None;
     let mut it = std::env::args().skip(1);
@@ -99,31 +109,9 @@ fn parse() -> Result<Args, String> {
             s.parse().map_err(|_| format!("{flag}: not a number: {s}"))
         }
         match flag.as_str() {
-            "--backend" => {
-                let v = val()?;
-                a.backend = match v.as_str() {
-                    "cpu" => Backend::Cpu,
-                    "auto" => Backend::Auto,
-                    "cuda" => Backend::Cuda(0),
-                    s if s.starts_with("cuda:") => Backend::Cuda(num("--backend", s[5..].to_string())?),
-                    _ => return Err(format!("--backend: unknown {v}")),
-                }
-            }
-            "--variant" => {
-                let v = val()?;
-                a.variant = match v.as_str() {
-                    "auto" => Variant::Auto,
-                    "fa1" => Variant::Fa1,
-                    "fa2" => Variant::Fa2,
-                    "fa3" => Variant::Fa3,
-                    "fa4" => Variant::Fa4,
-                    _ => return Err(format!("--variant: unknown {v}")),
-                }
-            }
-            "--dtype" => {
-                let v = val()?;
-                a.dtype = Some(support::parse_dtype(&v).ok_or(format!("--dtype: unknown {v}"))?);
-            }
+            "--backend" => a.backend = val()?.parse().map_err(|e| format!("--backend: {e}"))?,
+            "--variant" => a.variant = val()?.parse().map_err(|e| format!("--variant: {e}"))?,
+            "--dtype" => a.dtype = Some(val()?.parse().map_err(|e| format!("--dtype: {e}"))?),
             "--fp8" => {
                 let v = val()?;
                 let scaling = match v.as_str() {
@@ -161,6 +149,9 @@ fn parse() -> Result<Args, String> {
             "--seed" => a.seed = num(&flag, val()?)?,
             "--launches" => a.launches = num::<usize>(&flag, val()?)?.max(1),
             "--copy-mib" => a.copy_mib = num(&flag, val()?)?,
+            "--page-size" => a.page_size = Some(num::<usize>(&flag, val()?)?.max(1)),
+            "--splits" => a.splits = Some(num(&flag, val()?)?),
+            "--threads" => a.threads = Some(num(&flag, val()?)?),
             "-h" | "--help" => return Err(USAGE.into()),
             // `cargo bench`/`cargo run` may pass this through.
             "--bench" => {}
@@ -213,12 +204,18 @@ fn main() {
     let threads = support::gemm_use_all_cores();
     let case = a.case(DType::F32);
     let (q, k, v) = case.inputs(a.seed);
-    let opts = ForwardOptions::default()
+    let mut opts = ForwardOptions::default()
         .mask(case.mask)
         .backend(a.backend)
         .variant(a.variant)
         .precision(a.precision)
         .return_lse(a.lse);
+    if let Some(n) = a.splits {
+        opts = opts.num_splits(n);
+    }
+    if let Some(n) = a.threads {
+        opts = opts.cpu_threads(n);
+    }
     let p = match flash_attn::Problem::new(&q.view(), &k.view(), &v.view(), &opts) {
         Ok(p) => p,
         Err(e) => {
@@ -227,10 +224,17 @@ fn main() {
         }
     };
     let cost = flops::cost(&p);
+    // The paged layout holds the same keys as k and v, so the dense reference checks it.
+    let paged = a.page_size.map(|ps| support::PagedKv::new(&k, &v, ps, a.seed + 7));
 
     let run = || -> Result<(Output, f64), flash_attn::Error> {
         let mut out = None;
-        let ms = support::time_ms(|| out = Some(forward(&q, &k, &v, &opts)));
+        let ms = support::time_ms(|| {
+            out = Some(match &paged {
+                Some(pk) => flash_attn::serving::forward_kvcache(&q, &pk.cache(), &opts),
+                None => forward(&q, &k, &v, &opts),
+            })
+        });
         Ok((out.expect("set by the closure")?, ms))
     };
     let mut first = None;
@@ -333,7 +337,7 @@ fn main() {
         machine: if on_cpu { flash_attn::roofline::cpu_name() } else { out.dispatch.backend.clone() },
         backend: out.dispatch.backend.clone(),
         kernel: out.dispatch.kernel.clone(),
-        variant: format!("{:?}", a.variant).to_lowercase(),
+        variant: a.variant.to_string(),
         case,
         precision: precision_name(a.precision),
         cost,
@@ -368,7 +372,22 @@ fn main() {
             gemm_flops_best.unwrap_or(f64::NAN) / 1e9
         ))
     );
-    println!("{}", rec.json());
+    // Decode is bound by reading K and V: their bytes over the median time.
+    let kv_gbs = support::kv_bytes(&rec.case) as f64 / (ms * 1e-3) / 1e9;
+    eprintln!(
+        "K/V read: {kv_gbs:.1} GB/s ({}; {})",
+        a.page_size.map_or("dense".to_string(), |ps| format!("paged, {ps}-key blocks, shuffled")),
+        out.dispatch.reason
+    );
+    println!(
+        "{}",
+        rec.json_with(&[
+            ("kv_layout", support::js(if a.page_size.is_some() { "paged" } else { "dense" })),
+            ("page_size", a.page_size.map_or("null".into(), |p| p.to_string())),
+            ("kv_gbs", support::jn(kv_gbs)),
+            ("dispatch_reason", support::js(&out.dispatch.reason)),
+        ])
+    );
 }
 
 impl Args {
@@ -474,7 +493,7 @@ fn gpu_main(a: &Args, mut h: Box<dyn support::gpu::GpuHarness>) {
         machine: info.name.clone(),
         backend: dispatch.backend.clone(),
         kernel: dispatch.kernel.clone(),
-        variant: format!("{:?}", a.variant).to_lowercase(),
+        variant: a.variant.to_string(),
         case,
         precision: precision_name(a.precision),
         cost,

@@ -7,9 +7,8 @@
 #  3. SASS (cuobjdump) of every cubin (sm_80, sm_90a, sm_100a): contains HMMA, LDSM, LDSM.T and
 #     LDGSTS (cp.async), and no LDL/STL (local memory);
 #  4. the host test of the fragment index math (cuda/test/fa2_layout_test.cpp, g++);
-#  5. the host emulation: the unchanged kernel source run on the CPU against a float64 reference
-#     (cuda/test/fa2_emu, g++ -std=c++20; about 1 minute on 2 cores, FA2_EMU=quick halves it,
-#     FA2_EMU=0 skips it).
+#  5. the kernel source run in the CPU emulator against the float64 reference, every instance
+#     (`cargo test --test emulator fa2_all_instances`, cuda/test/emu; FA2_EMU=0 skips it).
 # Prints registers per instance and the wall time per nvcc job. Exit status 0 only if all pass.
 #
 # Usage: scripts/check-fa2.sh [out_dir]   (NVCC=... overrides the compiler; JOBS=2 parallel jobs)
@@ -90,11 +89,8 @@ awk -v j="$JOBS" -v t0="$t_all0" -v t1="$t_all1" 'BEGIN { printf "all nvcc jobs 
 g++ -std=c++17 -O1 -Wall -Wextra -I"$root/cuda/include" "$root/cuda/test/fa2_layout_test.cpp" -o "$out/fa2_layout_test"
 "$out/fa2_layout_test" || fail=1
 
-if [ "${FA2_EMU:-full}" != 0 ]; then
-  g++ -std=c++20 -O2 -pthread -fno-strict-aliasing -include "$root/cuda/test/fa2_emu/cuda_shim.h" \
-    -I"$root/cuda/test/fa2_emu" -I"$root/cuda/include" "$root/cuda/test/fa2_emu/fa2_emu_test.cpp" \
-    -o "$out/fa2_emu_test"
-  if [ "${FA2_EMU:-full}" = quick ]; then "$out/fa2_emu_test" --quick || fail=1; else "$out/fa2_emu_test" || fail=1; fi
+if [ "${FA2_EMU:-1}" != 0 ]; then
+  (cd "$root" && cargo test --test emulator fa2_all_instances) || fail=1
 fi
 
 if [ "$fail" = 0 ]; then echo "check-fa2: OK"; else echo "check-fa2: FAILED" >&2; fi

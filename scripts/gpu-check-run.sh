@@ -4,7 +4,10 @@
 #   1. every GPU test binary with --include-ignored (the #[ignore]d GPU tests and the rest),
 #      except the FA3 stage ladder, which runs next:
 #   1b. FA3 stages 1..5 in ascending order, one test each (gpu_forward fa3_stage<N>) under its
-#      own timeout, so a hang in stage N names its rung and leaves the window to the rest,
+#      own timeout, so a hang in stage N names its rung and leaves the window to the rest; a stage
+#      that timed out is rerun once with bin/hang-check/gpu_forward (kernels built with
+#      FLASH_ATTN_HANG_CHECK=1: a wait stuck for 1 s prints block, warp, barrier and parity, then
+#      traps after 2 s), so the window yields a message instead of only a timeout,
 #   2. compute-sanitizer memcheck (and racecheck) on the short `sanitizer_subset` test, and
 #      memcheck on `fa3_sanitizer_subset` for each FA3 stage that passed (own timeout each),
 #   3. each bench binary briefly (criterion: 0.5 s warm-up, 1 s measurement; the GPU one on
@@ -55,6 +58,7 @@ done
 
 # 1b. The FA3 stage ladder (docs/fa3.md), lowest rung first, each stage alone under a timeout.
 fa3_passed=""
+hang_lines=""
 : >"$out/fa3.log"
 if [ -x "$here/bin/gpu_forward" ]; then
   for s in 1 2 3 4 5; do
@@ -69,6 +73,24 @@ if [ -x "$here/bin/gpu_forward" ]; then
       *) res=FAIL; detail="rc=$rc $(sed -n "/^== fa3_stage$s\$/,\$p" "$out/fa3.log" | grep -A1 -E 'panicked' | tail -1 | cut -c1-120)" ;;
     esac
     row "fa3 stage $s" "$res" $((SECONDS - t0)) "$detail"
+    if [ $rc = 124 ] && [ -x "$here/bin/hang-check/gpu_forward" ]; then
+      # The hang-check kernels report the stuck wait and trap: the test then fails fast.
+      t0=$SECONDS
+      echo "== fa3_stage$s hang-check rerun" >>"$out/fa3.log"
+      timeout "${FA3_HANG_RERUN_TIMEOUT:-40}" "$here/bin/hang-check/gpu_forward" --ignored --exact "fa3_stage$s" \
+        --nocapture >>"$out/fa3.log" 2>&1
+      rc=$?
+      diag="$(sed -n "/^== fa3_stage$s hang-check rerun\$/,\$p" "$out/fa3.log" | grep -m1 'flash_attn hang check: HANG:' \
+        | sed 's/^flash_attn hang check: HANG: //' | cut -c1-110)"
+      case $rc in
+        0) res=DIAG; detail="rerun passed: hang not reproduced with the hang-check kernels" ;;
+        124) res=DIAG; detail="rerun timed out too: ${diag:-no wait reported (all stuck in bar.sync, or a loop?)}" ;;
+        *) res=DIAG; detail="${diag:-rc=$rc, no hang report (see fa3.log)}" ;;
+      esac
+      row "fa3 stage $s hang-check rerun" "$res" $((SECONDS - t0)) "$detail"
+      hang_lines+="$(sed -n "/^== fa3_stage$s hang-check rerun\$/,\$p" "$out/fa3.log" | grep 'flash_attn hang check' \
+        | head -12 | sed "s/^/fa3 stage $s: /")"$'\n'
+    fi
   done
 fi
 grep -E '^test .* FAILED|panicked' "$out/tests.log" "$out/fa3.log" | head -20 >>"$summary"
@@ -164,6 +186,11 @@ fi
   printf '%-34s %-6s %7s  %s\n' step result time detail
   printf '%s\n' "${rows[@]}"
   echo "fa3 stages passed: ${fa3_passed:-none} (mark them gpu_verified in build/instances.rs, docs/fa3.md)"
+  if [ -n "${hang_lines//$'\n'/}" ]; then
+    echo
+    echo "hang-check reports (first lines per timed-out stage; all in fa3.log):"
+    printf '%s' "$hang_lines"
+  fi
   if [ -s "$perf" ]; then
     echo
     echo "short performance run (bf16, 16K tokens; ms = median per launch; all fields in perf.jsonl):"

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One-command GPU check, build half (here, with Rust and the CUDA toolchain, no GPU needed):
-# builds the release GPU test binaries and bench binaries with every kernel, strips them and
-# gathers them with a run script in gpu-check/ (git-ignored, < 64 MiB, what the device tool's
+# builds the release GPU test binaries and bench binaries with every kernel, plus gpu_forward
+# once more with the hang-check kernels (FLASH_ATTN_HANG_CHECK=1, in target/hang-check: the run
+# half reruns a timed-out FA3 stage with it to get a message instead of a timeout), strips them
+# and gathers them with a run script in gpu-check/ (git-ignored, < 64 MiB, what the device tool's
 # `carry` takes). On the GPU machine (no Rust there) run the other half:
 #     bash gpu-check/run.sh          # logs and summary under $OUT (or gpu-check/out)
 # With the device tool: run(command="bash gpu-check/run.sh", carry=["gpu-check"], timeout_s=420).
@@ -25,7 +27,8 @@ export CARGO_TERM_COLOR=never
 rm -rf "$dest"
 mkdir -p "$dest/bin"
 json="$(mktemp)"
-trap 'rm -f "$json"' EXIT
+hang_json="$(mktemp)"
+trap 'rm -f "$json" "$hang_json"' EXIT
 
 echo "== cargo test --release --no-run" >&2
 cargo test --release --no-run --message-format=json-render-diagnostics >"$json"
@@ -33,6 +36,11 @@ echo "== cargo bench --no-run" >&2
 cargo bench --no-run --message-format=json-render-diagnostics >>"$json"
 echo "== cargo build --release --examples" >&2
 cargo build --release --examples >&2
+# The hang-check variant of gpu_forward (its own target dir, so neither build invalidates the
+# other's kernels).
+echo "== FLASH_ATTN_HANG_CHECK=1 cargo test --release --no-run --test gpu_forward" >&2
+FLASH_ATTN_HANG_CHECK=1 CARGO_TARGET_DIR="$root/target/hang-check" \
+  cargo test --release --no-run --test gpu_forward --message-format=json-render-diagnostics >"$hang_json"
 
 # The GPU test binaries (tests/gpu_*.rs) and the GPU bench binary.
 python3 - "$json" "$dest/bin" <<'PY'
@@ -56,11 +64,24 @@ for line in open(src):
             shutil.copy2(exe, out)
             print(f"gathered {out}", file=sys.stderr)
 PY
+mkdir -p "$dest/bin/hang-check"
+python3 - "$hang_json" "$dest/bin/hang-check" <<'PY'
+import json, shutil, sys, os
+for line in open(sys.argv[1]):
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu_forward":
+        shutil.copy2(m["executable"], os.path.join(sys.argv[2], "gpu_forward"))
+        print(f"gathered {sys.argv[2]}/gpu_forward (hang-check kernels)", file=sys.stderr)
+PY
+[ -x "$dest/bin/hang-check/gpu_forward" ] || { echo "no hang-check gpu_forward was built" >&2; exit 1; }
 # The one-shape bench (JSON lines for the short performance run) and the torch peers script
 # (with the GPU table it parses).
 cp target/release/examples/bench "$dest/bin/fa-bench"
 cp scripts/peers_torch.py src/roofline.rs "$dest/"
-strip "$dest"/bin/* 2>/dev/null || true
+find "$dest/bin" -type f -exec strip {} + 2>/dev/null || true
 cp scripts/gpu-check-run.sh "$dest/run.sh"
 chmod +x "$dest/run.sh"
 git -C "$root" rev-parse --short HEAD > "$dest/COMMIT" 2>/dev/null || echo unknown > "$dest/COMMIT"

@@ -4,7 +4,7 @@
 use crate::error::{Error, Result};
 use crate::options::ForwardOptions;
 use crate::problem::Problem;
-use crate::tensor::TensorView;
+use crate::tensor::{DataMut, TensorView};
 
 /// The device `Backend::Auto` uses for this problem, or why none (then the CPU runs).
 /// Auto takes the GPU only when a kernel runs the problem there: f32 inputs, or options no
@@ -55,6 +55,54 @@ pub(crate) fn forward_host(
             supported: "F16, BF16 (convert f32 inputs, or use Backend::Cpu)".into(),
         }),
     }
+}
+
+/// As [`forward_host`], into the caller's buffers (lengths and dtype checked by the caller).
+#[cfg(feature = "cuda")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn forward_host_into(
+    p: &Problem,
+    q: &TensorView,
+    k: &TensorView,
+    v: &TensorView,
+    out: DataMut<'_>,
+    lse: Option<&mut [f32]>,
+    opts: &ForwardOptions,
+    dev: usize,
+) -> Result<crate::Dispatch> {
+    use crate::tensor::Data;
+    let engine = crate::cuda::Engine::new(dev)?;
+    match (q.data(), k.data(), v.data(), out) {
+        (Data::F16(a), Data::F16(b), Data::F16(c), DataMut::F16(o)) => {
+            crate::cuda::forward_host_into_typed(&engine, p, q, k, v, [a, b, c], o, lse, opts)
+        }
+        (Data::BF16(a), Data::BF16(b), Data::BF16(c), DataMut::BF16(o)) => {
+            crate::cuda::forward_host_into_typed(&engine, p, q, k, v, [a, b, c], o, lse, opts)
+        }
+        _ => Err(Error::UnsupportedDType {
+            dtype: p.dtype,
+            backend: format!("cuda:{dev}"),
+            supported: "F16, BF16 (convert f32 inputs, or use Backend::Cpu)".into(),
+        }),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn forward_host_into(
+    _p: &Problem,
+    _q: &TensorView,
+    _k: &TensorView,
+    _v: &TensorView,
+    _out: DataMut<'_>,
+    _lse: Option<&mut [f32]>,
+    _opts: &ForwardOptions,
+    dev: usize,
+) -> Result<crate::Dispatch> {
+    Err(Error::BackendUnavailable {
+        backend: format!("cuda:{dev}"),
+        reason: "the crate was built without the `cuda` feature".into(),
+    })
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -62,8 +62,14 @@ pub enum Error {
     /// A size overflows `usize` or the address space, an allocation failed, or a problem exceeds
     /// a kernel's limits. `what` names the object and its size.
     TooLarge { what: String },
+    /// A sequence-layout argument of the varlen / paged / KV-cache API is malformed: `cu_seqlens`,
+    /// `block_table`, `cache_seqlens`, page size, max seqlens, cache capacity (docs/serving.md).
+    InvalidSeqLayout { what: String, got: String, expected: String },
     /// A CUDA driver call failed.
     Cuda { call: String, message: String },
+    /// A stream of another CUDA context than the engine's, or a device tensor bound to another
+    /// stream than the one the launch is enqueued on.
+    StreamMismatch { what: String, got: String, expected: String },
 }
 
 impl fmt::Display for Error {
@@ -121,7 +127,13 @@ impl fmt::Display for Error {
                 write!(f, "kernel variant {variant:?} is not available: {reason}")
             }
             Error::TooLarge { what } => write!(f, "too large: {what}"),
+            Error::InvalidSeqLayout { what, got, expected } => {
+                write!(f, "invalid {what}: got {got}, expected {expected}")
+            }
             Error::Cuda { call, message } => write!(f, "CUDA error in {call}: {message}"),
+            Error::StreamMismatch { what, got, expected } => {
+                write!(f, "stream mismatch for {what}: got {got}, expected {expected}")
+            }
         }
     }
 }

@@ -26,6 +26,9 @@
 //! | [`numerics`] | exp2 polynomial, FP8, Hadamard: shared constants with `cuda/include/` |
 //! | `cuda` (feature `cuda`) | kernel table, dispatch, device-memory `Engine` over embedded cubins (docs/cuda.md) |
 //! | [`flops`], [`roofline`] | the FLOP/byte model and per-device ceilings used by benches and examples |
+//! | [`serving`] | varlen batches, dense and paged KV caches with append, split-KV decode, `merge_states` (docs/serving.md) |
+
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 #[doc = include_str!("../README.md")]
 #[cfg(doctest)]
@@ -34,19 +37,22 @@ pub struct ReadmeDoctests;
 mod api;
 mod cpu;
 #[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub mod cuda;
 mod cuda_host;
 mod error;
+mod names;
 pub mod flops;
 pub mod numerics;
 mod options;
 mod problem;
 pub mod reference;
 pub mod roofline;
+pub mod serving;
 mod tensor;
 
-pub use api::{forward, Dispatch, Output};
+pub use api::{forward, forward_into, Dispatch, Output};
 pub use error::{Error, Operand, Result};
 pub use options::{Backend, Exp2, Fp8Scaling, ForwardOptions, Mask, Precision, Rescale, Variant};
 pub use problem::{Problem, LOG2E, MIN_SOFTMAX_SCALE};
-pub use tensor::{AsTensorView, DType, Data, Element, OwnedData, Shape, Tensor, TensorView};
+pub use tensor::{AsTensorView, DType, Data, DataMut, Element, OwnedData, Shape, Tensor, TensorView};

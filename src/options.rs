@@ -135,6 +135,11 @@ pub struct ForwardOptions {
     /// The rung of the FA3 stage ladder to run (1..=5, docs/fa3.md), with `Variant::Fa3` only;
     /// `None` runs the highest GPU-verified stage, or the highest compiled one if none is.
     pub fa3_stage: Option<u8>,
+    /// Key splits per work item on the split-KV (flash-decoding) paths: `None` uses the
+    /// heuristic (docs/serving.md), `Some(n)` forces `n` (1..=128; 1 never splits). A
+    /// performance choice only: every count gives the same attention up to rounding. Paths that
+    /// do not split (the tiled prefill path) ignore it.
+    pub num_splits: Option<usize>,
 }
 
 impl ForwardOptions {
@@ -193,6 +198,11 @@ impl ForwardOptions {
     /// when the problem is validated ([`crate::Error::InvalidOption`]).
     pub fn fa3_stage(mut self, stage: u8) -> Self {
         self.fa3_stage = Some(stage);
+        self
+    }
+    /// Forces `n` key splits on the split-KV paths (see [`ForwardOptions::num_splits`]).
+    pub fn num_splits(mut self, n: usize) -> Self {
+        self.num_splits = Some(n);
         self
     }
 }

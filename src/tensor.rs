@@ -50,6 +50,10 @@ pub trait Element: sealed::Sealed + Copy + Send + Sync + Default + 'static {
     fn wrap(s: &[Self]) -> Data<'_>;
     /// Wrap an owned vector of this type.
     fn wrap_owned(v: Vec<Self>) -> OwnedData;
+    /// Wrap a mutable slice of this type (an output buffer).
+    fn wrap_mut(s: &mut [Self]) -> DataMut<'_>;
+    /// The vector inside `d` when it holds this type, else `d` back.
+    fn unwrap_owned(d: OwnedData) -> std::result::Result<Vec<Self>, OwnedData>;
 }
 
 impl Element for f32 {
@@ -65,6 +69,15 @@ impl Element for f32 {
     }
     fn wrap_owned(v: Vec<Self>) -> OwnedData {
         OwnedData::F32(v)
+    }
+    fn wrap_mut(s: &mut [Self]) -> DataMut<'_> {
+        DataMut::F32(s)
+    }
+    fn unwrap_owned(d: OwnedData) -> std::result::Result<Vec<Self>, OwnedData> {
+        match d {
+            OwnedData::F32(v) => Ok(v),
+            other => Err(other),
+        }
     }
 }
 
@@ -82,6 +95,15 @@ impl Element for f16 {
     fn wrap_owned(v: Vec<Self>) -> OwnedData {
         OwnedData::F16(v)
     }
+    fn wrap_mut(s: &mut [Self]) -> DataMut<'_> {
+        DataMut::F16(s)
+    }
+    fn unwrap_owned(d: OwnedData) -> std::result::Result<Vec<Self>, OwnedData> {
+        match d {
+            OwnedData::F16(v) => Ok(v),
+            other => Err(other),
+        }
+    }
 }
 
 impl Element for bf16 {
@@ -97,6 +119,15 @@ impl Element for bf16 {
     }
     fn wrap_owned(v: Vec<Self>) -> OwnedData {
         OwnedData::BF16(v)
+    }
+    fn wrap_mut(s: &mut [Self]) -> DataMut<'_> {
+        DataMut::BF16(s)
+    }
+    fn unwrap_owned(d: OwnedData) -> std::result::Result<Vec<Self>, OwnedData> {
+        match d {
+            OwnedData::BF16(v) => Ok(v),
+            other => Err(other),
+        }
     }
 }
 
@@ -161,6 +192,34 @@ impl Data<'_> {
     }
 }
 
+/// A mutable slice of one of the element types: a caller's output buffer.
+#[derive(Debug)]
+pub enum DataMut<'a> {
+    F32(&'a mut [f32]),
+    F16(&'a mut [f16]),
+    BF16(&'a mut [bf16]),
+}
+
+impl DataMut<'_> {
+    pub fn dtype(&self) -> DType {
+        match self {
+            DataMut::F32(_) => DType::F32,
+            DataMut::F16(_) => DType::F16,
+            DataMut::BF16(_) => DType::BF16,
+        }
+    }
+    pub fn len(&self) -> usize {
+        match self {
+            DataMut::F32(s) => s.len(),
+            DataMut::F16(s) => s.len(),
+            DataMut::BF16(s) => s.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// An owned, contiguous buffer of one of the element types.
 #[derive(Clone, Debug, PartialEq)]
 pub enum OwnedData {
@@ -188,6 +247,14 @@ impl OwnedData {
     }
     pub fn dtype(&self) -> DType {
         self.as_data().dtype()
+    }
+    /// The buffer as a mutable slice.
+    pub fn as_data_mut(&mut self) -> DataMut<'_> {
+        match self {
+            OwnedData::F32(v) => DataMut::F32(v),
+            OwnedData::F16(v) => DataMut::F16(v),
+            OwnedData::BF16(v) => DataMut::BF16(v),
+        }
     }
 }
 
@@ -416,6 +483,22 @@ impl Tensor {
     }
     pub fn data(&self) -> &OwnedData {
         &self.data
+    }
+    /// The owned buffer (contiguous `[batch, seqlen, heads, head_dim]`), without a copy.
+    pub fn into_data(self) -> OwnedData {
+        self.data
+    }
+    /// The elements as a `Vec<T>` (contiguous order), without a copy.
+    ///
+    /// # Errors
+    /// [`Error::UnsupportedDType`] when `T` is not the tensor's element type.
+    pub fn into_vec<T: Element>(self) -> Result<Vec<T>> {
+        let have = self.dtype();
+        T::unwrap_owned(self.data).map_err(|_| Error::UnsupportedDType {
+            dtype: T::DTYPE,
+            backend: "Tensor::into_vec (the tensor's element type)".into(),
+            supported: format!("{have:?}"),
+        })
     }
     pub(crate) fn data_mut(&mut self) -> &mut OwnedData {
         &mut self.data

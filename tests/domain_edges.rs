@@ -342,9 +342,18 @@ fn broadcast_views_with_huge_logical_sizes_are_refused_before_allocating() {
     let q = TensorView::with_strides(&row, [1, 1 << 40, 1, d], [0, 0, 0]);
     let e = forward(&q, &small, &small, &ForwardOptions::default()).unwrap_err();
     assert!(matches!(e, Error::TooLarge { .. }), "{e}");
-    // k and v of 2^40 keys.
+    // k and v of 2^40 keys, for the tiled path (more than 16 query rows), which packs K and V
+    // per kv head: refused before packing. (With at most 16 query rows the in-place path streams
+    // K and V where they lie, materialising nothing: a broadcast K of any length is computed, in
+    // time proportional to its length.)
+    let q32 = Tensor::from_vec(vec![0.5f32; 32 * d], [1, 32, 1, d]).unwrap();
     let kv = TensorView::with_strides(&row, [1, 1 << 40, 1, d], [0, 0, 0]);
-    let e = forward(&small, &kv, &kv, &ForwardOptions::default()).unwrap_err();
+    let e = forward(&q32, &kv, &kv, &ForwardOptions::default()).unwrap_err();
+    assert!(matches!(e, Error::TooLarge { .. }), "{e}");
+    // A decode step (one query row: the in-place path) over 2^40 broadcast sequences.
+    let qd = TensorView::with_strides(&row, [1 << 40, 1, 1, d], [0, 0, 0]);
+    let kd = TensorView::with_strides(&row, [1 << 40, 4, 1, d], [0, 0, 0]);
+    let e = forward(&qd, &kd, &kd, &ForwardOptions::default()).unwrap_err();
     assert!(matches!(e, Error::TooLarge { .. }), "{e}");
     // Batch and heads of 2^62 (their product with the rest overflows usize).
     let b = TensorView::with_strides(&row, [1 << 62, 1, 4, d], [0, 0, 0]);
@@ -470,8 +479,13 @@ proptest! {
             let b = logical_bytes(s, 4);
             prop_assume!(b <= 1 << 22 || b >= 1 << 46 || s.contains(&0));
         }
+        // Problems that would be computed must be small. An impossible k is refused (TooLarge,
+        // when packed) only on the tiled path; with at most 16 query rows the in-place path
+        // streams it without materialising anything, i.e. would really compute it.
         let work = logical_bytes(qs, 1).saturating_mul(ks[1] as u128);
-        prop_assume!(work <= 1 << 24 || logical_bytes(qs, 4) >= 1 << 46 || logical_bytes(ks, 4) >= 1 << 46);
+        let q_impossible = logical_bytes(qs, 4) >= 1 << 46;
+        let k_impossible_and_packed = logical_bytes(ks, 4) >= 1 << 46 && qs[1] > 16;
+        prop_assume!(work <= 1 << 24 || q_impossible || k_impossible_and_packed);
         let (qst, kst) = (strides_for(modes[0], qs, qst_free), strides_for(modes[1], ks, kst_free));
         let buf: Vec<f32> = (0..1 << 16).map(|i| ((i * 37) % 101) as f32 / 50.0 - 1.0).collect();
         let data = Tensor::from_f32(&buf, dtype, [1, 1, 1, 1 << 16]).unwrap();

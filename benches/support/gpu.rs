@@ -95,8 +95,7 @@ pub trait GpuHarness {
 pub fn open(ordinal: usize) -> Result<Box<dyn GpuHarness>, String> {
     #[cfg(feature = "cuda")]
     {
-        // SAFETY: is_culib_present only tries to dlopen libcuda; it has no preconditions.
-        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        if !flash_attn::cuda::driver_present() {
             return Err("no CUDA driver (libcuda.so) was found".into());
         }
         let quiet = std::panic::take_hook();

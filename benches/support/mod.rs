@@ -7,6 +7,7 @@ pub mod gpu;
 
 use flash_attn::reference::attention_f64_rows;
 use flash_attn::roofline::{Math, Roofline};
+use flash_attn::serving::{BlockTable, KvCache};
 use flash_attn::{flops, DType, ForwardOptions, Mask, Output, Problem, Tensor};
 use std::time::Instant;
 
@@ -60,7 +61,7 @@ impl Case {
             Mask::Window { left, right, causal } => format!("win{left}_{right}{}", if causal { "c" } else { "" }),
             _ => "mask".to_string(),
         };
-        format!("b{}_{seq}_{heads}_d{}_{}_{mask}", self.batch, self.head_dim, dtype_name(self.dtype))
+        format!("b{}_{seq}_{heads}_d{}_{}_{mask}", self.batch, self.head_dim, self.dtype)
     }
 
     /// Seeded normal inputs q, k, v.
@@ -80,24 +81,6 @@ impl Case {
     /// The validated problem (for the FLOP model and the reference).
     pub fn problem(&self, q: &Tensor, k: &Tensor, v: &Tensor, opts: &ForwardOptions) -> Problem {
         Problem::new(&q.view(), &k.view(), &v.view(), opts).expect("bench case is valid")
-    }
-}
-
-pub fn dtype_name(d: DType) -> &'static str {
-    match d {
-        DType::F32 => "f32",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        _ => "other",
-    }
-}
-
-pub fn parse_dtype(s: &str) -> Option<DType> {
-    match s {
-        "f32" | "fp32" | "float32" => Some(DType::F32),
-        "f16" | "fp16" | "float16" => Some(DType::F16),
-        "bf16" | "bfloat16" => Some(DType::BF16),
-        _ => None,
     }
 }
 
@@ -122,6 +105,59 @@ impl Rng {
         let (u1, u2) = (self.uniform(), self.uniform());
         ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
     }
+}
+
+/// The K/V of a dense case copied into a paged cache `[num_blocks, page_size, heads_kv,
+/// head_dim]` whose blocks are shuffled (seeded), as an engine's allocator leaves them: the
+/// decode benchmark of the paged path reads the same keys as the dense one.
+pub struct PagedKv {
+    pub k: Tensor,
+    pub v: Tensor,
+    pub table: Vec<i32>,
+    pub seqlens: Vec<i32>,
+    pub pages_per_seq: usize,
+}
+
+impl PagedKv {
+    pub fn new(k: &Tensor, v: &Tensor, page_size: usize, seed: u64) -> PagedKv {
+        let [b, sk, hkv, d] = k.shape();
+        let pages = sk.div_ceil(page_size);
+        let nb = b * pages;
+        let mut ids: Vec<i32> = (0..nb as i32).collect();
+        let mut rng = Rng::new(seed);
+        for i in (1..ids.len()).rev() {
+            ids.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+        }
+        let row = hkv * d;
+        let (kf, vf) = (k.to_f32_vec(), v.to_f32_vec());
+        let (mut kc, mut vc) = (vec![0.0f32; nb * page_size * row], vec![0.0f32; nb * page_size * row]);
+        for bi in 0..b {
+            for j in 0..sk {
+                let at = (ids[bi * pages + j / page_size] as usize * page_size + j % page_size) * row;
+                let from = (bi * sk + j) * row;
+                kc[at..at + row].copy_from_slice(&kf[from..from + row]);
+                vc[at..at + row].copy_from_slice(&vf[from..from + row]);
+            }
+        }
+        let shape = [nb, page_size, hkv, d];
+        PagedKv {
+            k: Tensor::from_f32(&kc, k.dtype(), shape).expect("shape is consistent"),
+            v: Tensor::from_f32(&vc, k.dtype(), shape).expect("shape is consistent"),
+            table: ids,
+            seqlens: vec![sk as i32; b],
+            pages_per_seq: pages,
+        }
+    }
+
+    pub fn cache(&self) -> KvCache<'_> {
+        let table = BlockTable { ids: &self.table, max_blocks_per_seq: self.pages_per_seq };
+        KvCache::paged(self.k.view(), self.v.view(), &self.seqlens, table)
+    }
+}
+
+/// Bytes of K and V a decode step reads (each key and value once).
+pub fn kv_bytes(case: &Case) -> u64 {
+    2 * (case.batch * case.seqlen_k * case.heads_kv * case.head_dim * case.dtype.size()) as u64
 }
 
 /// Median of a non-empty sample (mean of the two middle values for an even count).
@@ -425,7 +461,7 @@ impl Record {
             js(&self.backend),
             js(&self.kernel),
             js(&self.variant),
-            js(dtype_name(c.dtype)),
+            js(&c.dtype.to_string()),
             js(&self.precision),
             js(if self.precision == "native" { math.name() } else { "fp8" }),
             c.batch,

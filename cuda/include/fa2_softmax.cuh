@@ -13,7 +13,7 @@
 //   The -inf guard: while a row has seen only masked keys m = -inf and we subtract 0 instead,
 //   so 2^(-inf - 0) = 0 and never NaN from (-inf) - (-inf).
 // Portable C++ apart from __device__: the GPU-only primitives (ex2, quad shuffles) live in
-// mma_sm80.cuh, so the host emulation (cuda/test/fa2_emu) can compile this file unchanged.
+// mma_sm80.cuh, so the CPU emulator (cuda/test/emu) can compile this file unchanged.
 #pragma once
 #include <math.h>
 #include <stdint.h>

@@ -8,8 +8,13 @@
 // Communication Instructions: mbarrier", phases and tx-count.)
 //
 // Only compiled for sm_90a (the file is included by *_sm90.cu files; the bodies are guarded).
+// With FA_HANG_CHECK defined (build.rs: FLASH_ATTN_HANG_CHECK=1) the waits report and trap
+// instead of hanging (hang_check.cuh); without it they are exactly the plain loops below.
 #pragma once
 #include <stdint.h>
+#if defined(FA_HANG_CHECK)
+#include "hang_check.cuh"
+#endif
 
 namespace fa3 {
 
@@ -18,7 +23,9 @@ __device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
 }
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Inline PTX: only when nvcc compiles for sm_90a. The CPU emulator (cuda/test/emu, which defines
+// FA_HOST_EMULATION) supplies host versions of exactly the functions in this block.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && !defined(FA_HOST_EMULATION)
 
 // One thread initialises; `count` arrivals (mbarrier.arrive / arrive.expect_tx) complete a phase.
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
@@ -60,13 +67,6 @@ __device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
     return done != 0;
 }
 
-// Blocks until the phase with `parity` has completed. try_wait itself suspends for a
-// hardware-chosen time before returning false, so the loop is not a hot spin.
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-    while (!mbar_try_wait(bar, parity)) {
-    }
-}
-
 // Hardware named barriers (bar.sync / bar.arrive with an id and a thread count): `sync` blocks
 // until `threads` threads have arrived at barrier `id` (itself included); `arrive` counts this
 // warp's threads and does not wait. Used for warpgroup ping-pong: one warpgroup syncs, the other
@@ -75,12 +75,42 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 template <int Id, int Threads>
 __device__ __forceinline__ void named_bar_sync() {
     static_assert(Id > 0 && Id < 16 && Threads % 32 == 0, "named barrier id/count");
+#if defined(FA_HANG_CHECK)
+    fa_hang::board_set(fa_hang::Wait{fa_hang::kNamedBarrier, Id, Threads});  // bar.sync cannot time out
+#endif
     asm volatile("bar.sync %0, %1;\n" ::"n"(Id), "n"(Threads) : "memory");
+#if defined(FA_HANG_CHECK)
+    fa_hang::board_clear();
+#endif
 }
 template <int Id, int Threads>
 __device__ __forceinline__ void named_bar_arrive() {
     static_assert(Id > 0 && Id < 16 && Threads % 32 == 0, "named barrier id/count");
     asm volatile("bar.arrive %0, %1;\n" ::"n"(Id), "n"(Threads) : "memory");
+}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL && !FA_HOST_EMULATION
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+#if defined(FA_HANG_CHECK)
+// The bounded wait, out of line so the clock, board and report code stay out of the callers'
+// register allocation.
+__device__ __noinline__ void mbar_wait_checked(uint64_t* bar, uint32_t parity) {
+    fa_hang::checked_wait([&] { return mbar_try_wait(bar, parity); },
+                          fa_hang::Wait{fa_hang::kMbarrier, fa_hang::smem_offset(bar), parity});
+}
+#endif
+
+// Blocks until the phase with `parity` has completed. try_wait itself suspends for a
+// hardware-chosen time before returning false, so the loop is not a hot spin.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+#if defined(FA_HANG_CHECK)
+    if (!mbar_try_wait(bar, parity)) mbar_wait_checked(bar, parity);
+#else
+    while (!mbar_try_wait(bar, parity)) {
+    }
+#endif
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

@@ -1,10 +1,10 @@
 // Thin wrappers over the sm_80 warp-level instructions the FA2 kernel uses: cp.async (global ->
 // shared, 16 bytes, zero-fill), ldmatrix (shared -> mma fragments) and mma.sync m16n8k16 with f32
 // accumulation, plus the other GPU-only primitives of the kernel (ex2, quad shuffles, %ctaid).
-// cuda/test/fa2_emu/mma_sm80.cuh implements the same API on the host, from the PTX ISA text, to
-// run the unchanged kernel source on the CPU. Fragment layouts are documented (and host-tested) in fa2_layout.h. All of these
-// exist on sm_80 and every later architecture (sm_90a and sm_100a keep mma.sync), so the same
-// source compiles for every target of the crate.
+// The CPU emulator (cuda/test/emu) implements the PTX wrappers on the host, from the PTX ISA text,
+// to run the unchanged kernel source on the CPU. Fragment layouts are documented (and host-tested)
+// in fa2_layout.h. All of these exist on sm_80 and every later architecture (sm_90a and sm_100a
+// keep mma.sync), so the same source compiles for every target of the crate.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -18,6 +18,11 @@ namespace fa2 {
 __device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
 }
+
+// Every inline-PTX wrapper of this header sits inside the FA_HOST_EMULATION guards below: the CPU
+// emulator (cuda/test/emu) compiles the kernel sources unchanged and supplies host versions of
+// exactly these functions (their semantics, from the PTX ISA, are modelled there).
+#if !defined(FA_HOST_EMULATION)
 
 // ---- cp.async ------------------------------------------------------------------------------------
 // 16-byte asynchronous copy, L2-only (.cg: K/V tiles are reused by other CTAs through L2, not L1).
@@ -52,40 +57,27 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
 // ---- mma.sync m16n8k16, f32 accumulate -----------------------------------------------------------
 // d += a * b with d the C/D fragment, a the A fragment (4 regs), b0/b1 the B fragment.
 template <typename Elem>
-struct Mma;
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
 
 template <>
-struct Mma<__half> {
-    static __device__ __forceinline__ void run(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                               uint32_t b1) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-            "{%8, %9}, {%0, %1, %2, %3};\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-    // Two floats -> one .f16x2 register, `lo` in the low 16 bits (the lower element index).
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-        __half2 h = __floats2half2_rn(lo, hi);  // .x = lo (low half), .y = hi
-        return *reinterpret_cast<uint32_t*>(&h);
-    }
-};
+__device__ __forceinline__ void mma_m16n8k16<__half>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                     uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
 
 template <>
-struct Mma<__nv_bfloat16> {
-    static __device__ __forceinline__ void run(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                               uint32_t b1) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-            "{%8, %9}, {%0, %1, %2, %3};\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-        __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);  // .x = lo (low half), .y = hi
-        return *reinterpret_cast<uint32_t*>(&h);
-    }
-};
+__device__ __forceinline__ void mma_m16n8k16<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                            uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
 
 // ---- softmax primitives --------------------------------------------------------------------------
 // 2^x with the MUFU.EX2 unit; ftz is harmless (p < 2^-126 contributes nothing next to p = 1 of
@@ -94,16 +86,6 @@ __device__ __forceinline__ float ex2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
-}
-
-// Max / sum over the 4 lanes of a quad (lanes 4g..4g+3 share a row of every accumulator tile).
-__device__ __forceinline__ float quad_max(float x) {
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-    x += __shfl_xor_sync(0xffffffffu, x, 1);
-    return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
 // ---- CTA coordinates ------------------------------------------------------------------------------
@@ -119,6 +101,39 @@ __device__ __forceinline__ int cta_batch() {
     int v;
     asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(v));
     return v;
+}
+
+#endif  // !FA_HOST_EMULATION
+
+// ---- the mma interface the kernel uses: one struct per element type ------------------------------
+template <typename Elem>
+struct Mma {
+    static __device__ __forceinline__ void run(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                               uint32_t b1) {
+        mma_m16n8k16<Elem>(d, a, b0, b1);
+    }
+    // Two floats -> one 16-bit x2 register, `lo` in the low 16 bits (the lower element index).
+    static __device__ __forceinline__ uint32_t pack(float lo, float hi);
+};
+template <>
+__device__ __forceinline__ uint32_t Mma<__half>::pack(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);  // .x = lo (low half), .y = hi
+    return *reinterpret_cast<uint32_t*>(&h);
+}
+template <>
+__device__ __forceinline__ uint32_t Mma<__nv_bfloat16>::pack(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);  // .x = lo (low half), .y = hi
+    return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// Max / sum over the 4 lanes of a quad (lanes 4g..4g+3 share a row of every accumulator tile).
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
 }  // namespace fa2

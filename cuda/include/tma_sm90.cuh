@@ -16,7 +16,9 @@ struct alignas(128) TmaDesc {
 };
 static_assert(sizeof(TmaDesc) == 128, "CUtensorMap is 128 bytes");
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Inline PTX: only when nvcc compiles for sm_90a. The CPU emulator (cuda/test/emu, which defines
+// FA_HOST_EMULATION) supplies host versions of exactly the functions in this block.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && !defined(FA_HOST_EMULATION)
 
 // Pull the descriptor into the TMA unit's cache ahead of the first copy.
 __device__ __forceinline__ void tma_prefetch_desc(const TmaDesc* map) {
@@ -45,6 +47,22 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+// elect.sync over the full warp: true in exactly one lane (the same lane for every thread of the
+// warp), for "one thread of the warp issues" patterns without hard-coding lane 0. Every lane of
+// the warp must execute it.
+__device__ __forceinline__ bool elect_one_sync() {
+    uint32_t pred = 0;
+    asm volatile(
+        "{\n"
+        ".reg .b32 lane;\n"
+        ".reg .pred p;\n"
+        "elect.sync lane|p, 0xffffffff;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(pred));
+    return pred != 0;
+}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL && !FA_HOST_EMULATION
 
 }  // namespace fa3

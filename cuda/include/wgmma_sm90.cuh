@@ -107,7 +107,9 @@ __host__ __device__ constexpr int acc_to_a_index(int k, int r) {
     return acc_index(2 * k + r / 2, r % 2, 0);
 }
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Inline PTX: only when nvcc compiles for sm_90a. The CPU emulator (cuda/test/emu, which defines
+// FA_HOST_EMULATION) supplies host versions of exactly the functions in this block.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && !defined(FA_HOST_EMULATION)
 
 __device__ __forceinline__ void wgmma_fence() {
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -193,6 +195,10 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs_tb(float* d, const uint32_t (
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
     }
 }
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL && !FA_HOST_EMULATION
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 // Two f32 -> one b32 holding two 16-bit values, low half = x (the lower column).
 template <class T>

@@ -8,6 +8,8 @@
 //! `std` threads; each writes its own disjoint slice of the output.
 
 mod gemm;
+pub(crate) mod inplace;
+mod parallel;
 mod pool;
 pub mod softmax;
 
@@ -18,7 +20,7 @@ use crate::numerics::hadamard::Rotation;
 use crate::numerics::quant::fake_quantize;
 use crate::options::Precision;
 use crate::problem::{Problem, LOG2E};
-use crate::tensor::{try_filled, Element, OwnedData, Tensor, TensorView};
+use crate::tensor::{try_filled, DataMut, Element, Tensor, TensorView};
 use gemm::{micro_kernel, micro_kernel_skip_zero_b, Acc, MR, NR};
 use softmax::{finalize, max_get_scale, online_softmax, rescale_o, Exp2Math, RowState};
 use std::sync::Mutex;
@@ -77,6 +79,7 @@ const EXP_BIAS: f32 = 127.0;
 /// product; x < −126 gives 0 (below f32's normal range, irrelevant to a softmax). Positive
 /// arguments are clamped to 0 (never reached; the clamp keeps the exponent bits in range).
 #[inline(always)]
+#[allow(clippy::manual_clamp)] // `f32::clamp` asserts its bounds; the `if` chain is what vectorises (and passes NaN)
 fn exp2_fast(x: f32) -> f32 {
     // `if` chains rather than min/max so that NaN passes through.
     let x = if x < EXP2_CLAMP_LOW { EXP2_CLAMP_LOW } else if x > 0.0 { 0.0 } else { x };
@@ -229,6 +232,7 @@ impl ScoreMod {
 /// column, `Oᵀ += Vᵀ·Pᵀ` (A = 6 columns of V, B = the Pᵀ panel as it lies): no per-tile packing.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
+#[allow(clippy::needless_range_loop)] // `pn` indexes the panel's keys, Q and score slices alike
 fn attend_block<M: Exp2Math, const FMA: bool>(
     p: &Problem,
     q: &TensorView,
@@ -475,12 +479,27 @@ pub(crate) fn forward_with<M: Exp2Math>(
     nthreads: usize,
 ) -> Result<CpuOutput> {
     check_head_dim(p)?;
+    let mut o = Tensor::zeros(p.dtype, [p.batch, p.seqlen_q, p.heads_q, p.head_dim])?;
+    let lse = forward_with_into(p, q, k, v, math, nthreads, o.data_mut().as_data_mut())?;
+    Ok(CpuOutput { o, lse, kernel: path_name() })
+}
+
+/// As [`forward_with`], writing the output into `dst` (contiguous `[batch, seqlen_q, heads_q,
+/// head_dim]` of the problem's dtype, checked by the caller); returns the LSE.
+fn forward_with_into<M: Exp2Math>(
+    p: &Problem,
+    q: &TensorView,
+    k: &TensorView,
+    v: &TensorView,
+    math: M,
+    nthreads: usize,
+    dst: DataMut<'_>,
+) -> Result<Vec<f32>> {
+    check_head_dim(p)?;
     let d = p.head_dim;
     let sm = ScoreMod::new(p);
-    // Every size first, then the outputs: a problem too large for this machine fails here,
-    // before any work.
+    // Every size first: a problem too large for this machine fails here, before any work.
     let sz = Sizes::new(p)?;
-    let mut o = Tensor::zeros(p.dtype, [p.batch, p.seqlen_q, p.heads_q, d])?;
     // Internal layout [batch, heads_q, seqlen_q, d] so each work item owns a contiguous slice.
     let mut o_hm = pool::take(sz.n_o, "output")?;
     let mut lse = try_filled(sz.n_lse, f32::NEG_INFINITY, || "LSE".into())?;
@@ -546,13 +565,13 @@ pub(crate) fn forward_with<M: Exp2Math>(
         }
     }
 
-    match o.data_mut() {
-        OwnedData::F32(v) => to_seq_major(p, &o_hm, v, nthreads),
-        OwnedData::F16(v) => to_seq_major(p, &o_hm, v, nthreads),
-        OwnedData::BF16(v) => to_seq_major(p, &o_hm, v, nthreads),
+    match dst {
+        DataMut::F32(v) => to_seq_major(p, &o_hm, v, nthreads),
+        DataMut::F16(v) => to_seq_major(p, &o_hm, v, nthreads),
+        DataMut::BF16(v) => to_seq_major(p, &o_hm, v, nthreads),
     }
     pool::give(o_hm);
-    Ok(CpuOutput { o, lse, kernel: path_name() })
+    Ok(lse)
 }
 
 /// `[b, h, s, d]` f32 → `[b, s, h, d]` in the output type, split over threads by blocks of rows
@@ -591,22 +610,34 @@ fn to_seq_major<T: Element>(p: &Problem, src: &[f32], dst: &mut [T], nthreads: u
 /// (optionally) and fake-quantises Q, K, V (`numerics::quant::fake_quantize`).
 pub(crate) fn run(p: &Problem, q: &TensorView, k: &TensorView, v: &TensorView, nthreads: usize) -> Result<CpuOutput> {
     check_head_dim(p)?; // before the FP8 preprocessing reads anything
+    let mut o = Tensor::zeros(p.dtype, [p.batch, p.seqlen_q, p.heads_q, p.head_dim])?;
+    let (lse, kernel) = run_into(p, q, k, v, nthreads, o.data_mut().as_data_mut())?;
+    Ok(CpuOutput { o, lse, kernel })
+}
+
+/// As [`run`], writing the output into `dst` (contiguous `[batch, seqlen_q, heads_q, head_dim]`
+/// of the problem's dtype, checked by the caller); returns the LSE and the path's name.
+pub(crate) fn run_into(
+    p: &Problem,
+    q: &TensorView,
+    k: &TensorView,
+    v: &TensorView,
+    nthreads: usize,
+    dst: DataMut<'_>,
+) -> Result<(Vec<f32>, &'static str)> {
     let math = EmulatedMath::for_problem(p);
     if math.is_native() {
-        return forward_with(p, q, k, v, Native, nthreads);
+        return Ok((forward_with_into(p, q, k, v, Native, nthreads, dst)?, path_name()));
     }
     let Precision::Fp8 { scaling, hadamard } = p.precision else {
-        let mut out = forward_with(p, q, k, v, math, nthreads)?;
-        out.kernel = "cpu-tiled-emulated-exp2";
-        return Ok(out);
+        return Ok((forward_with_into(p, q, k, v, math, nthreads, dst)?, "cpu-tiled-emulated-exp2"));
     };
     let rot = hadamard.and_then(|seed| Rotation::new(p.head_dim, seed));
     let q8 = fake_quantize(q, scaling, rot.as_ref())?;
     let k8 = fake_quantize(k, scaling, rot.as_ref())?;
     let v8 = fake_quantize(v, scaling, None)?;
-    let mut out = forward_with(p, &q8.view(), &k8.view(), &v8.view(), math, nthreads)?;
-    out.kernel = "cpu-tiled-emulated-fp8";
-    Ok(out)
+    let lse = forward_with_into(p, &q8.view(), &k8.view(), &v8.view(), math, nthreads, dst)?;
+    Ok((lse, "cpu-tiled-emulated-fp8"))
 }
 
 /// Name of the micro-kernel path this CPU takes.

@@ -82,6 +82,7 @@ pub fn panel_max(panel: &[f32]) -> [f32; NR] {
 ///
 /// The final normalisation is exact either way; only rounding differs from eager rescaling.
 #[inline(always)]
+#[allow(clippy::neg_cmp_op_on_partial_ord)] // `!(a > b)` is meant: it is also true for a NaN tile max
 pub fn max_get_scale<M: Exp2Math>(st: &mut RowState, tile_max: f32, c: f32, math: &M) -> f32 {
     if !(tile_max > st.m) {
         // No growth, or a NaN tile max (propagated by `exp2` in `online_softmax`).

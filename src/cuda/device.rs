@@ -1,11 +1,11 @@
 //! CUDA devices: driver detection, contexts, compute capability, and a lazily loaded cache of
-//! the embedded kernel images per device. Every CUDA status becomes [`Error::Cuda`].
+//! the embedded kernel images per context. Every CUDA status becomes [`Error::Cuda`].
 
 use super::kernels::{Family, Image, Target, Tile, IMAGES, WHY_NO_KERNELS};
 use crate::error::{Error, Result};
-use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule, CudaStream, DriverError};
-use cudarc::nvrtc::Ptx;
+use cudarc::driver::{result, sys, CudaContext, CudaStream, DriverError};
 use std::collections::HashMap;
+use std::ffi::CString;
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// The default dynamic shared memory limit; more needs the per-function opt-in attribute.
@@ -16,13 +16,32 @@ pub(crate) fn cuda_err(call: &'static str) -> impl FnOnce(DriverError) -> Error 
     move |e| Error::Cuda { call: call.into(), message: format!("{e:?}") }
 }
 
+/// Whether the CUDA driver library can be called.
+///
+/// With the `cuda-dynamic-loading` feature (the default) cudarc loads libcuda at the first call
+/// and panics when it is missing, so this looks for it first. With the bare `cuda` feature the
+/// application chose cudarc's linking mode (candle: `dynamic-linking`): the driver is linked
+/// into the process, so it is present whenever the process runs. An application that uses
+/// cudarc's dynamic loading with the bare feature should enable `cuda-dynamic-loading` too, so a
+/// machine without a driver is reported instead of reaching cudarc's panic.
+pub fn driver_present() -> bool {
+    #[cfg(feature = "cuda-dynamic-loading")]
+    {
+        // SAFETY: is_culib_present only tries to dlopen libcuda; it has no preconditions.
+        unsafe { sys::is_culib_present() }
+    }
+    #[cfg(not(feature = "cuda-dynamic-loading"))]
+    {
+        true
+    }
+}
+
 /// Why no CUDA device can be used, or `None` when the driver is present and kernels were built.
 pub(crate) fn why_unusable() -> Option<String> {
     if IMAGES.is_empty() {
         return Some(format!("no CUDA kernels were built into this crate ({WHY_NO_KERNELS})"));
     }
-    // SAFETY: is_culib_present only tries to dlopen libcuda; it has no preconditions.
-    if !unsafe { sys::is_culib_present() } {
+    if !driver_present() {
         return Some("no CUDA driver (libcuda.so) was found".into());
     }
     None
@@ -30,8 +49,8 @@ pub(crate) fn why_unusable() -> Option<String> {
 
 /// The number of CUDA devices (0 when the driver is missing or has none).
 pub fn device_count() -> usize {
-    // SAFETY: as above; checked first because every other driver call panics without libcuda.
-    if !unsafe { sys::is_culib_present() } {
+    // Checked first because every other driver call panics without libcuda.
+    if !driver_present() {
         return 0;
     }
     CudaContext::device_count().map(|n| n.max(0) as usize).unwrap_or(0)
@@ -48,15 +67,46 @@ pub(crate) fn pick_image(images: &'static [Image], family: &str, head_dim: u32, 
         .find_map(of)
 }
 
-/// A function ready to launch: the loaded kernel and its launch shape.
+/// A loaded module, unloaded in its context when the last function of it is dropped.
+#[derive(Debug)]
+struct Module {
+    raw: sys::CUmodule,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: a CUmodule is a driver handle, usable from any thread once its context is current
+// (every use binds it first); the driver API is thread-safe.
+unsafe impl Send for Module {}
+// SAFETY: as above; the handle is never mutated after the load.
+unsafe impl Sync for Module {}
+
+impl Drop for Module {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `raw` was loaded by cuModuleLoadData in `ctx` and is unloaded once, here;
+            // every function of it is held through an Arc of this module, so none is used after.
+            let _ = unsafe { result::module::unload(self.raw) };
+        }
+    }
+}
+
+/// A function ready to launch: the kernel, its module (kept loaded) and its launch shape.
 #[derive(Clone, Debug)]
 pub(crate) struct Loaded {
-    pub func: CudaFunction,
+    pub func: sys::CUfunction,
+    _module: Arc<Module>,
     pub tile: &'static Tile,
     pub smem_bytes: u32,
 }
 
-/// One CUDA device with its context and the kernels loaded so far.
+// SAFETY: a CUfunction is a driver handle into `_module`, which this value keeps loaded; it is
+// only passed to cuLaunchKernel/cuFuncSetAttribute, which are thread-safe.
+unsafe impl Send for Loaded {}
+// SAFETY: as above; the handle is never mutated.
+unsafe impl Sync for Loaded {}
+
+/// One CUDA context (a device's primary context, or one an engine brought) with the kernels
+/// loaded into it so far.
 #[derive(Debug)]
 pub struct Device {
     ctx: Arc<CudaContext>,
@@ -65,15 +115,18 @@ pub struct Device {
     name: String,
     max_smem_optin: u32,
     /// (family, head_dim) -> loaded module, loaded at first use.
-    modules: Mutex<HashMap<(&'static str, u32), Arc<CudaModule>>>,
+    modules: Mutex<HashMap<(&'static str, u32), Arc<Module>>>,
     /// (family, head_dim, dtype name) -> function with its shared memory attribute set.
     functions: Mutex<HashMap<(&'static str, u32, &'static str), Loaded>>,
 }
 
-static DEVICES: OnceLock<Mutex<HashMap<usize, Arc<Device>>>> = OnceLock::new();
+/// The devices opened on primary contexts, once per process (a primary context lives as long
+/// as the process retains it, so caching it costs nothing). Contexts an engine brings are not
+/// cached here: their modules go when the engine goes, and the engine's context can be destroyed.
+static PRIMARY: OnceLock<Mutex<Vec<Arc<Device>>>> = OnceLock::new();
 
 impl Device {
-    /// The device with this ordinal, opened once per process.
+    /// The device with this ordinal, on its primary context, opened once per process.
     ///
     /// # Errors
     /// [`Error::BackendUnavailable`] without driver, kernels or such a device;
@@ -83,9 +136,9 @@ impl Device {
         if let Some(why) = why_unusable() {
             return Err(Error::BackendUnavailable { backend: backend(), reason: why });
         }
-        let map = DEVICES.get_or_init(|| Mutex::new(HashMap::new()));
+        let map = PRIMARY.get_or_init(|| Mutex::new(Vec::new()));
         let mut map = map.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(d) = map.get(&ordinal) {
+        if let Some(d) = map.iter().find(|d| d.ordinal == ordinal) {
             return Ok(d.clone());
         }
         let count = CudaContext::device_count().map_err(cuda_err("cuDeviceGetCount"))?;
@@ -96,22 +149,47 @@ impl Device {
             });
         }
         let ctx = CudaContext::new(ordinal).map_err(cuda_err("cuDevicePrimaryCtxRetain"))?;
+        let dev = Arc::new(Device::open(ctx)?);
+        map.push(dev.clone());
+        Ok(dev)
+    }
+
+    /// The device of a context an engine already holds (candle's `CudaDevice::cuda_stream()
+    /// .context()`, or any `CudaContext`). A primary context is matched by its `CUcontext`
+    /// handle with the one [`Device::get`] opened (cudarc hands out a fresh `Arc` for the same
+    /// primary context on every `CudaContext::new`), so its loaded kernels are shared; another
+    /// context gets its own module cache, released with the returned value.
+    ///
+    /// # Errors
+    /// As [`Device::get`].
+    pub fn for_context(ctx: Arc<CudaContext>) -> Result<Arc<Device>> {
+        if let Some(why) = why_unusable() {
+            return Err(Error::BackendUnavailable { backend: format!("cuda:{}", ctx.ordinal()), reason: why });
+        }
+        if ctx.is_primary() {
+            let primary = Device::get(ctx.ordinal())?;
+            if primary.ctx.cu_ctx() == ctx.cu_ctx() {
+                return Ok(primary);
+            }
+        }
+        Ok(Arc::new(Device::open(ctx)?))
+    }
+
+    fn open(ctx: Arc<CudaContext>) -> Result<Device> {
         let cc = ctx.compute_capability().map_err(cuda_err("cuDeviceGetAttribute(COMPUTE_CAPABILITY)"))?;
         let name = ctx.name().map_err(cuda_err("cuDeviceGetName"))?;
         let max_smem_optin = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .map_err(cuda_err("cuDeviceGetAttribute(MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)"))?;
-        let dev = Arc::new(Device {
+        Ok(Device {
+            ordinal: ctx.ordinal(),
             ctx,
-            ordinal,
             cc,
             name,
             max_smem_optin: max_smem_optin.max(0) as u32,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
-        });
-        map.insert(ordinal, dev.clone());
-        Ok(dev)
+        })
     }
 
     pub fn ordinal(&self) -> usize {
@@ -166,23 +244,37 @@ impl Device {
                     if image.target == Target::Ptx80 {
                         bytes.push(0); // cuModuleLoadData reads PTX as a NUL-terminated string
                     }
-                    let m = self.ctx.load_module(Ptx::from_binary(bytes)).map_err(cuda_err("cuModuleLoadData"))?;
+                    self.ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+                    // SAFETY: `bytes` is a whole cubin, or PTX text with its NUL terminator, as
+                    // nvcc wrote it (build.rs), alive for the call (the driver copies the image).
+                    let raw = unsafe { result::module::load_data(bytes.as_ptr().cast()) }
+                        .map_err(cuda_err("cuModuleLoadData"))?;
+                    let m = Arc::new(Module { raw, ctx: self.ctx.clone() });
                     modules.insert((family.name, tile.head_dim), m.clone());
                     m
                 }
             }
         };
         let symbol = super::kernels::kernel_symbol(family.name, tile.head_dim, dtype);
-        let func = module.load_function(&symbol).map_err(cuda_err("cuModuleGetFunction"))?;
+        let c_symbol = CString::new(symbol).map_err(|e| Error::Cuda {
+            call: "cuModuleGetFunction".into(),
+            message: format!("kernel symbol with a NUL byte: {e}"),
+        })?;
+        // SAFETY: `module.raw` is loaded (the Arc keeps it so) in the current context.
+        let func = unsafe { result::module::get_function(module.raw, c_symbol) }.map_err(cuda_err("cuModuleGetFunction"))?;
         let smem_bytes = (family.smem_bytes)(tile);
         if smem_bytes > DEFAULT_SMEM_LIMIT {
-            func.set_attribute(
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                smem_bytes as i32,
-            )
+            // SAFETY: `func` is a function of the loaded module above.
+            unsafe {
+                result::function::set_function_attribute(
+                    func,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem_bytes as i32,
+                )
+            }
             .map_err(cuda_err("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)"))?;
         }
-        let loaded = Loaded { func, tile, smem_bytes };
+        let loaded = Loaded { func, _module: module, tile, smem_bytes };
         functions.insert(key, loaded.clone());
         Ok(loaded)
     }

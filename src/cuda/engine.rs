@@ -1,7 +1,10 @@
-//! The device-memory API for engines: borrowed device tensors, a caller-chosen stream, output
-//! into a caller-provided buffer. After the first call of a given kernel (module load) and of a
-//! given ALiBi slope set (one upload), `Engine::forward` allocates nothing and never
-//! synchronizes: it validates, picks the kernel (a table lookup) and enqueues one launch.
+//! The device-memory API for engines: borrowed device tensors, the caller's stream (a cudarc
+//! `CudaStream` of any `Arc` of the same context, e.g. candle's, or a raw `CUstream` for
+//! engines that do not use cudarc), output into a caller-provided buffer. After the first call
+//! of a given kernel (module load) and of a given ALiBi slope set (one asynchronous upload on
+//! the caller's stream, or [`Engine::prepare_alibi`] beforehand), `Engine::launch` allocates
+//! nothing and never synchronizes: it validates, picks the kernel (a table lookup) and enqueues
+//! one launch, so it can be captured in a CUDA graph.
 //!
 //! ```no_run
 //! # fn main() -> flash_attn::Result<()> {
@@ -29,15 +32,23 @@
 
 use super::device::{cuda_err, Device};
 use super::dispatch::{self, Choice};
-use super::params::{FwdParams, FLAG_ALIBI, FLAG_RETURN_LSE, FLAG_SOFTCAP};
+use super::params::FwdParams;
 use crate::api::Dispatch;
 use crate::error::{Error, Operand, Result};
 use crate::options::ForwardOptions;
-use crate::problem::{Problem, LOG2E};
+use crate::problem::Problem;
 use crate::tensor::{contiguous_strides, DType, Element, Shape};
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, SyncOnDrop};
+use cudarc::driver::{result, sys, CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, SyncOnDrop};
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
+
+/// A `CUstream` handle kept as an address, so the tensors that remember theirs are `Send`
+/// (only compared, never dereferenced).
+type StreamId = usize;
+
+fn stream_id(s: sys::CUstream) -> StreamId {
+    s as StreamId
+}
 
 /// Largest grid y/z dimension (heads on y, batch on z).
 const MAX_GRID_YZ: usize = 65535;
@@ -55,7 +66,7 @@ pub struct DeviceTensor<'a> {
     shape: Shape,
     strides: [usize; 3],
     /// The stream the tensor was bound to (None for raw pointers).
-    stream: Option<cudarc::driver::sys::CUstream>,
+    stream: Option<StreamId>,
     /// cudarc's read record: dropped after the launch, so later writers wait for the kernel.
     _guard: Option<SyncOnDrop<'a>>,
     _borrow: PhantomData<&'a ()>,
@@ -69,7 +80,7 @@ pub struct DeviceTensorMut<'a> {
     dtype: DType,
     shape: Shape,
     strides: [usize; 3],
-    stream: Option<cudarc::driver::sys::CUstream>,
+    stream: Option<StreamId>,
     _guard: Option<SyncOnDrop<'a>>,
     _borrow: PhantomData<&'a mut ()>,
 }
@@ -79,7 +90,7 @@ pub struct DeviceTensorMut<'a> {
 pub struct DeviceLse<'a> {
     ptr: u64,
     len: usize,
-    stream: Option<cudarc::driver::sys::CUstream>,
+    stream: Option<StreamId>,
     _guard: Option<SyncOnDrop<'a>>,
     _borrow: PhantomData<&'a mut ()>,
 }
@@ -100,7 +111,7 @@ impl<'a> DeviceTensor<'a> {
             dtype: T::DTYPE,
             shape,
             strides: strides_of(shape),
-            stream: Some(stream.cu_stream()),
+            stream: Some(stream_id(stream.cu_stream())),
             _guard: Some(guard),
             _borrow: PhantomData,
         }
@@ -143,7 +154,7 @@ impl<'a> DeviceTensorMut<'a> {
             dtype: T::DTYPE,
             shape,
             strides: strides_of(shape),
-            stream: Some(stream.cu_stream()),
+            stream: Some(stream_id(stream.cu_stream())),
             _guard: Some(guard),
             _borrow: PhantomData,
         }
@@ -172,7 +183,7 @@ impl<'a> DeviceLse<'a> {
     pub fn new<S: DevicePtrMut<f32>>(data: &'a mut S, stream: &'a CudaStream) -> Self {
         let len = data.len();
         let (ptr, guard) = data.device_ptr_mut(stream);
-        DeviceLse { ptr, len, stream: Some(stream.cu_stream()), _guard: Some(guard), _borrow: PhantomData }
+        DeviceLse { ptr, len, stream: Some(stream_id(stream.cu_stream())), _guard: Some(guard), _borrow: PhantomData }
     }
 
     /// # Safety
@@ -203,35 +214,77 @@ fn check_layout(op: Operand, shape: Shape, strides: [usize; 3], len: usize) -> R
     }
 }
 
-fn check_stream(op: Operand, bound: Option<cudarc::driver::sys::CUstream>, launch: &CudaStream) -> Result<()> {
+fn check_stream(op: Operand, bound: Option<StreamId>, launch: StreamId) -> Result<()> {
     match bound {
-        Some(s) if s != launch.cu_stream() => Err(Error::InvalidLayout {
-            operand: op,
-            reason: "the tensor was bound to another stream than the one `forward` launches on".into(),
+        Some(s) if s != launch => Err(Error::StreamMismatch {
+            what: format!("{op} (a tensor bound with `new(.., stream, ..)`)"),
+            got: format!("bound to stream {s:#x}"),
+            expected: format!("the stream the launch is enqueued on ({launch:#x}); bind it to that stream"),
         }),
         _ => Ok(()),
     }
 }
 
-/// Runs the forward kernels on one device.
+/// Runs the forward kernels on one device (one CUDA context).
 #[derive(Debug)]
 pub struct Engine {
     dev: Arc<Device>,
-    /// ALiBi slope sets already uploaded (each kept alive while the engine lives, so a kernel
-    /// still reading an older set never sees it freed).
+    /// ALiBi slope sets already uploaded, each kept while the engine lives (a kernel still
+    /// reading an older set never sees it freed).
     alibi: Mutex<Vec<AlibiOnDevice>>,
 }
 
-/// A host slope set and its device copy.
-type AlibiOnDevice = (Arc<[f32]>, CudaSlice<f32>);
+/// A slope set on the device: uploaded once, asynchronously, on the stream of the call that
+/// first used it; `ready` is recorded after the copy so a launch on another stream can wait for
+/// it while it is still in flight.
+#[derive(Debug)]
+struct AlibiOnDevice {
+    /// The host copy: compared with later sets, and the source of the asynchronous copy (so it
+    /// must outlive it).
+    host: Arc<[f32]>,
+    ptr: sys::CUdeviceptr,
+    ready: sys::CUevent,
+    uploaded_on: StreamId,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: the device pointer and the event are driver handles of `ctx`, used only through
+// driver calls (thread-safe) with the context bound; the host slopes are immutable.
+unsafe impl Send for AlibiOnDevice {}
+
+impl Drop for AlibiOnDevice {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `ptr` and `ready` were created in `ctx` by `Engine::alibi_on_device` and are
+            // released once, here. cuMemFree waits for the device work that may still read the
+            // slopes (it synchronizes), so no kernel sees them freed.
+            unsafe {
+                let _ = result::event::destroy(self.ready);
+                let _ = result::free_sync(self.ptr);
+            }
+        }
+    }
+}
 
 impl Engine {
-    /// An engine on CUDA device `ordinal`.
+    /// An engine on CUDA device `ordinal` (its primary context, the one cudarc's
+    /// `CudaContext::new(ordinal)` and candle use).
     ///
     /// # Errors
     /// [`Error::BackendUnavailable`] without a driver, built kernels or such a device.
     pub fn new(ordinal: usize) -> Result<Self> {
         Ok(Engine { dev: Device::get(ordinal)?, alibi: Mutex::new(Vec::new()) })
+    }
+
+    /// An engine on a context the caller already holds, e.g. candle's
+    /// `cuda_device.cuda_stream().context().clone()`. For a primary context this shares the
+    /// kernels [`Engine::new`] loads; streams of that context are accepted whichever `Arc` they
+    /// came through (contexts are compared by their `CUcontext` handle).
+    ///
+    /// # Errors
+    /// As [`Engine::new`].
+    pub fn from_context(ctx: Arc<CudaContext>) -> Result<Self> {
+        Ok(Engine { dev: Device::for_context(ctx)?, alibi: Mutex::new(Vec::new()) })
     }
 
     pub fn device(&self) -> &Arc<Device> {
@@ -256,6 +309,19 @@ impl Engine {
         }
     }
 
+    /// `stream` as a raw handle, after checking it belongs to the engine's context.
+    fn own_stream(&self, stream: &CudaStream) -> Result<sys::CUstream> {
+        let (got, want) = (stream.context().cu_ctx(), self.dev.context().cu_ctx());
+        if got != want {
+            return Err(Error::StreamMismatch {
+                what: "stream".into(),
+                got: format!("a stream of context {:#x} (device {})", got as usize, stream.context().ordinal()),
+                expected: format!("a stream of the engine's context {:#x} (device {})", want as usize, self.dev.ordinal()),
+            });
+        }
+        Ok(stream.cu_stream())
+    }
+
     /// Attention forward on device memory: `o = softmax(mask(scale · Q·Kᵀ)) · V`, enqueued on
     /// `stream`. q, k, v and o are f16 or bf16 (one dtype); `lse`, when given, receives the
     /// natural-log LSE `[batch, heads_q, seqlen_q]` (and `opts.return_lse` is then implied).
@@ -264,7 +330,8 @@ impl Engine {
     ///
     /// # Errors
     /// Validation errors as [`crate::forward`], dtype/layout errors of the device tensors,
-    /// dispatch errors, [`Error::Cuda`] when the launch fails.
+    /// [`Error::StreamMismatch`] for a stream of another context or a tensor bound to another
+    /// stream, dispatch errors, [`Error::Cuda`] when the launch fails.
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
@@ -276,7 +343,8 @@ impl Engine {
         lse: Option<&mut DeviceLse>,
         opts: &ForwardOptions,
     ) -> Result<Dispatch> {
-        let c = self.forward_inner(stream, q, k, v, o, lse, opts)?;
+        let raw = self.own_stream(stream)?;
+        let c = self.forward_inner(raw, q, k, v, o, lse, opts)?;
         Ok(self.record(&c, opts))
     }
 
@@ -295,13 +363,72 @@ impl Engine {
         lse: Option<&mut DeviceLse>,
         opts: &ForwardOptions,
     ) -> Result<()> {
+        let raw = self.own_stream(stream)?;
+        self.forward_inner(raw, q, k, v, o, lse, opts).map(|_| ())
+    }
+
+    /// As [`Engine::launch`] on a raw `CUstream`, for engines that do not use cudarc (their
+    /// tensors come from [`DeviceTensor::from_raw`]). The stream's context is checked against
+    /// the engine's (`cuStreamGetCtx`).
+    ///
+    /// # Safety
+    /// `stream` is a valid stream handle (or null, the context's legacy default stream) that
+    /// stays alive until the launch is enqueued; the caller orders it with the work of its
+    /// owner as for any launch.
+    ///
+    /// # Errors
+    /// As [`Engine::forward`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn launch_raw(
+        &self,
+        stream: sys::CUstream,
+        q: &DeviceTensor,
+        k: &DeviceTensor,
+        v: &DeviceTensor,
+        o: &mut DeviceTensorMut,
+        lse: Option<&mut DeviceLse>,
+        opts: &ForwardOptions,
+    ) -> Result<()> {
+        self.dev.context().bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: `stream` is a valid handle (the caller's contract); `ctx` is a valid out pointer.
+        unsafe { sys::cuStreamGetCtx(stream, &mut ctx) }.result().map_err(cuda_err("cuStreamGetCtx"))?;
+        let want = self.dev.context().cu_ctx();
+        if ctx != want {
+            return Err(Error::StreamMismatch {
+                what: "raw stream".into(),
+                got: format!("a stream of context {:#x}", ctx as usize),
+                expected: format!("a stream of the engine's context {:#x} (device {})", want as usize, self.dev.ordinal()),
+            });
+        }
         self.forward_inner(stream, q, k, v, o, lse, opts).map(|_| ())
+    }
+
+    /// Uploads an ALiBi slope set (one per query head) on `stream` without synchronizing, so
+    /// later launches with the same set (`opts.alibi_slopes`, compared by content) upload
+    /// nothing; call it before capturing launches into a CUDA graph (a set first seen during a
+    /// capture is an error, since a host-to-device copy from pageable memory cannot be
+    /// captured). Without it, the first launch with a set uploads it the same way on its stream.
+    ///
+    /// # Errors
+    /// [`Error::InvalidAlibi`] for a non-finite slope, [`Error::StreamMismatch`], [`Error::Cuda`].
+    pub fn prepare_alibi(&self, stream: &CudaStream, slopes: &[f32]) -> Result<()> {
+        if let Some(bad) = slopes.iter().find(|x| !x.is_finite()) {
+            return Err(Error::InvalidAlibi {
+                got: slopes.len(),
+                expected: slopes.len(),
+                reason: format!("slope {bad} is not finite"),
+            });
+        }
+        let raw = self.own_stream(stream)?;
+        self.dev.context().bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+        self.alibi_on_device(&Arc::from(slopes), raw).map(|_| ())
     }
 
     #[allow(clippy::too_many_arguments)]
     fn forward_inner(
         &self,
-        stream: &CudaStream,
+        stream: sys::CUstream,
         q: &DeviceTensor,
         k: &DeviceTensor,
         v: &DeviceTensor,
@@ -309,18 +436,13 @@ impl Engine {
         lse: Option<&mut DeviceLse>,
         opts: &ForwardOptions,
     ) -> Result<Choice> {
-        if !Arc::ptr_eq(stream.context(), self.dev.context()) {
-            return Err(Error::BackendUnavailable {
-                backend: format!("cuda:{}", self.dev.ordinal()),
-                reason: "the stream belongs to another device's context".into(),
-            });
-        }
+        let sid = stream_id(stream);
         for (op, t) in [(Operand::Q, q), (Operand::K, k), (Operand::V, v)] {
             check_layout(op, t.shape, t.strides, t.len)?;
-            check_stream(op, t.stream, stream)?;
+            check_stream(op, t.stream, sid)?;
         }
         check_layout(Operand::O, o.shape, o.strides, o.len)?;
-        check_stream(Operand::O, o.stream, stream)?;
+        check_stream(Operand::O, o.stream, sid)?;
         for (op, dt) in [(Operand::K, k.dtype), (Operand::V, v.dtype), (Operand::O, o.dtype)] {
             if dt != q.dtype {
                 return Err(Error::DTypeMismatch { operand: op, got: dt, expected: q.dtype });
@@ -350,11 +472,12 @@ impl Engine {
                         expected: format!("at least {need} f32 ([batch, heads_q, seqlen_q])"),
                     });
                 }
-                check_stream(Operand::O, l.stream, stream)?;
+                check_stream(Operand::O, l.stream, sid)?;
                 l.ptr
             }
             None => 0,
         };
+        self.dev.context().bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
         let alibi_ptr = match &p.alibi {
             Some(slopes) => self.alibi_on_device(slopes, stream)?,
             None => 0,
@@ -376,89 +499,78 @@ impl Engine {
                 ),
             });
         }
-        let st = |s: usize| s as i64; // strides were checked to address inside the buffer: they fit
-        // Problem::new clamped the bounds to the sequence (<= 2^30 here); mask.cuh is 64-bit anyway.
-        let window = |w: Option<usize>| w.map_or(-1, |x| x.min(MAX_SEQLEN) as i32);
-        let mut flags = 0;
-        if lse_ptr != 0 {
-            flags |= FLAG_RETURN_LSE;
-        }
-        if p.softcap.is_some() {
-            flags |= FLAG_SOFTCAP;
-        }
-        if alibi_ptr != 0 {
-            flags |= FLAG_ALIBI;
-        }
-        let params = FwdParams {
-            q: q.ptr,
-            k: k.ptr,
-            v: v.ptr,
-            o: o.ptr,
-            lse: lse_ptr,
-            alibi_slopes: alibi_ptr,
-            q_batch_stride: st(q.strides[0]),
-            q_row_stride: st(q.strides[1]),
-            q_head_stride: st(q.strides[2]),
-            k_batch_stride: st(k.strides[0]),
-            k_row_stride: st(k.strides[1]),
-            k_head_stride: st(k.strides[2]),
-            v_batch_stride: st(v.strides[0]),
-            v_row_stride: st(v.strides[1]),
-            v_head_stride: st(v.strides[2]),
-            o_batch_stride: st(o.strides[0]),
-            o_row_stride: st(o.strides[1]),
-            o_head_stride: st(o.strides[2]),
-            batch: p.batch as i32,
-            seqlen_q: p.seqlen_q as i32,
-            seqlen_k: p.seqlen_k as i32,
-            heads_q: p.heads_q as i32,
-            heads_kv: p.heads_kv as i32,
-            head_dim: p.head_dim as i32,
-            window_left: window(p.left),
-            window_right: window(p.right),
-            softmax_scale: p.scale,
-            // Score units -> log2 units (softmax_fwd.cuh): natural-unit scores with softcap or
-            // ALiBi, raw q·k otherwise.
-            softmax_scale_log2: if p.softcap.is_some() || p.alibi.is_some() { LOG2E } else { p.scale * LOG2E },
-            softcap: p.softcap.unwrap_or(0.0),
-            flags,
-            ..FwdParams::default()
-        };
+        // Strides were checked above to address inside the buffers, seqlens to fit i32.
+        let params = FwdParams::for_launch(&p, ptrs, strides, lse_ptr, alibi_ptr);
         self.launch_params(stream, &c, params)?;
         Ok(c)
     }
 
-    /// The device copy of a slope set, uploaded (and synchronized, so any stream may read it)
-    /// the first time this set is seen.
-    fn alibi_on_device(&self, slopes: &Arc<[f32]>, stream: &CudaStream) -> Result<u64> {
+    /// The device copy of a slope set: uploaded on `stream` (no synchronization) the first time
+    /// the set is seen; a launch on another stream waits (on the device) for that upload while
+    /// it is still in flight. The context is current.
+    fn alibi_on_device(&self, slopes: &Arc<[f32]>, stream: sys::CUstream) -> Result<u64> {
         let mut cache = self.alibi.lock().unwrap_or_else(|e| e.into_inner());
-        let found = cache.iter().position(|(s, _)| Arc::ptr_eq(s, slopes) || s[..] == slopes[..]);
-        let i = match found {
-            Some(i) => i,
-            None => {
-                let ds = self.dev.default_stream();
-                let buf = ds.clone_htod(&slopes[..]).map_err(cuda_err("cuMemcpyHtoDAsync(alibi)"))?;
-                ds.synchronize().map_err(cuda_err("cuStreamSynchronize(alibi)"))?;
-                cache.push((slopes.clone(), buf));
-                cache.len() - 1
+        let found = cache.iter().position(|a| Arc::ptr_eq(&a.host, slopes) || a.host[..] == slopes[..]);
+        let Some(i) = found else {
+            // SAFETY: `stream` is a valid stream of the current context (checked by the caller).
+            let capturing = unsafe { result::stream::is_capturing(stream) }.map_err(cuda_err("cuStreamIsCapturing"))?;
+            if capturing != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+                return Err(Error::InvalidOption {
+                    option: "alibi_slopes",
+                    got: format!("a slope set of {} heads first seen while the stream is being captured", slopes.len()),
+                    expected: "slopes uploaded before the capture (Engine::prepare_alibi, or one launch with them)".into(),
+                });
             }
+            let bytes = std::mem::size_of_val(&slopes[..]);
+            // SAFETY: plain driver calls in the current context; `host` (an Arc of the slopes,
+            // kept in the cache entry) outlives the asynchronous copy, and `ptr` holds `bytes`.
+            let entry = unsafe {
+                let ptr = result::malloc_sync(bytes).map_err(cuda_err("cuMemAlloc(alibi)"))?;
+                let ready = match result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING) {
+                    Ok(e) => e,
+                    Err(e) => {
+                        let _ = result::free_sync(ptr);
+                        return Err(cuda_err("cuEventCreate(alibi)")(e));
+                    }
+                };
+                let entry = AlibiOnDevice {
+                    host: slopes.clone(),
+                    ptr,
+                    ready,
+                    uploaded_on: stream_id(stream),
+                    ctx: self.dev.context().clone(),
+                };
+                result::memcpy_htod_async(entry.ptr, &entry.host[..], stream).map_err(cuda_err("cuMemcpyHtoDAsync(alibi)"))?;
+                result::event::record(entry.ready, stream).map_err(cuda_err("cuEventRecord(alibi)"))?;
+                entry
+            };
+            let ptr = entry.ptr;
+            cache.push(entry);
+            return Ok(ptr);
         };
-        let (ptr, _record) = cache[i].1.device_ptr(stream);
-        Ok(ptr)
+        let a = &cache[i];
+        if a.uploaded_on != stream_id(stream) {
+            // SAFETY: `a.ready` is an event of the current context, recorded after the upload.
+            match unsafe { result::event::query(a.ready) } {
+                Ok(()) => {} // the upload is done: nothing to wait for (and nothing to capture)
+                Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_READY => {
+                    // SAFETY: as above; `stream` is a valid stream of the current context.
+                    unsafe { result::stream::wait_event(stream, a.ready, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+                        .map_err(cuda_err("cuStreamWaitEvent(alibi)"))?;
+                }
+                Err(e) => return Err(cuda_err("cuEventQuery(alibi)")(e)),
+            }
+        }
+        Ok(a.ptr)
     }
 
-    fn launch_params(&self, stream: &CudaStream, c: &Choice, mut params: FwdParams) -> Result<()> {
+    fn launch_params(&self, stream: sys::CUstream, c: &Choice, mut params: FwdParams) -> Result<()> {
         if let Some(stage) = super::kernels::fa3_stage(c.family.name) {
             return super::fa3::launch(&self.dev, stream, c, stage, params);
         }
         let f = self.dev.function(c.family, c.tile, c.dtype)?;
-        let grid = (
-            params.seqlen_q.unsigned_abs().div_ceil(f.tile.block_m),
-            params.heads_q.unsigned_abs(),
-            params.batch.unsigned_abs(),
-        );
+        let grid = super::plan::launch_grid(c.family, f.tile, &params, 0);
         let block = (f.tile.threads, 1, 1);
-        self.dev.context().bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
         let mut args = [&mut params as *mut FwdParams as *mut std::ffi::c_void];
         // SAFETY: the kernel takes exactly one parameter, `const __grid_constant__ FwdParams`,
         // whose layout FwdParams mirrors (size and offsets asserted on both sides); `args`
@@ -467,14 +579,7 @@ impl Engine {
         // and the kernel is launched with the block size and dynamic shared memory its
         // instance was compiled for (the kernel traps otherwise).
         unsafe {
-            cudarc::driver::result::launch_kernel(
-                f.func.cu_function(),
-                grid,
-                block,
-                f.smem_bytes,
-                stream.cu_stream(),
-                &mut args,
-            )
+            cudarc::driver::result::launch_kernel(f.func, grid, block, f.smem_bytes, stream, &mut args)
         }
         .map_err(cuda_err("cuLaunchKernel"))
     }
@@ -494,17 +599,40 @@ pub(crate) fn forward_host_typed<T>(
 where
     T: Element + DeviceRepr + cudarc::driver::ValidAsZeroBits,
 {
+    let o_shape = q.shape();
+    let mut o_host = vec![T::default(); crate::tensor::numel(o_shape, "output")?];
+    let mut lse_host = p.return_lse.then(|| vec![0f32; p.batch * p.heads_q * p.seqlen_q]);
+    let dispatch = forward_host_into_typed(engine, p, q, k, v, data, &mut o_host, lse_host.as_deref_mut(), opts)?;
+    Ok(crate::Output { o: crate::tensor::Tensor::from_vec(o_host, o_shape)?, lse: lse_host, dispatch })
+}
+
+/// As [`forward_host_typed`], downloading into the caller's buffers (`o_dst` contiguous
+/// `[batch, seqlen_q, heads_q, head_dim]`, `lse_dst` `[batch, heads_q, seqlen_q]`; lengths
+/// checked by the caller).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn forward_host_into_typed<T>(
+    engine: &Engine,
+    p: &Problem,
+    q: &crate::tensor::TensorView,
+    k: &crate::tensor::TensorView,
+    v: &crate::tensor::TensorView,
+    data: [&[T]; 3],
+    o_dst: &mut [T],
+    lse_dst: Option<&mut [f32]>,
+    opts: &ForwardOptions,
+) -> Result<Dispatch>
+where
+    T: Element + DeviceRepr + cudarc::driver::ValidAsZeroBits,
+{
     let stream = engine.device().default_stream();
     let up = |s: &[T]| stream.clone_htod(s).map_err(cuda_err("cuMemcpyHtoDAsync"));
     let (dq, dk, dv) = (up(data[0])?, up(data[1])?, up(data[2])?);
     let o_shape = q.shape();
-    let n_o = crate::tensor::numel(o_shape, "output")?;
-    let mut d_o = stream.alloc_zeros::<T>(n_o).map_err(cuda_err("cuMemAllocAsync(o)"))?;
+    let mut d_o = stream.alloc_zeros::<T>(o_dst.len()).map_err(cuda_err("cuMemAllocAsync(o)"))?;
     let n_lse = p.batch * p.heads_q * p.seqlen_q;
-    let mut d_lse = if p.return_lse {
-        Some(stream.alloc_zeros::<f32>(n_lse).map_err(cuda_err("cuMemAllocAsync(lse)"))?)
-    } else {
-        None
+    let mut d_lse = match lse_dst {
+        Some(_) => Some(stream.alloc_zeros::<f32>(n_lse).map_err(cuda_err("cuMemAllocAsync(lse)"))?),
+        None => None,
     };
     let dispatch = {
         let tq = DeviceTensor::new(&dq, &stream, q.shape()).with_strides(q.strides());
@@ -514,12 +642,11 @@ where
         let mut tl = d_lse.as_mut().map(|l| DeviceLse::new(l, &stream));
         engine.forward(&stream, &tq, &tk, &tv, &mut to, tl.as_mut(), opts)?
     };
-    let o_host: Vec<T> = stream.clone_dtoh(&d_o).map_err(cuda_err("cuMemcpyDtoHAsync(o)"))?;
-    let lse_host = match &d_lse {
-        Some(l) => Some(stream.clone_dtoh(l).map_err(cuda_err("cuMemcpyDtoHAsync(lse)"))?),
-        None => None,
-    };
+    stream.memcpy_dtoh(&d_o, o_dst).map_err(cuda_err("cuMemcpyDtoHAsync(o)"))?;
+    if let (Some(l), Some(dst)) = (&d_lse, lse_dst) {
+        stream.memcpy_dtoh(l, dst).map_err(cuda_err("cuMemcpyDtoHAsync(lse)"))?;
+    }
     // Kernel faults surface here, as an error of the synchronize.
     stream.synchronize().map_err(cuda_err("cuStreamSynchronize"))?;
-    Ok(crate::Output { o: crate::tensor::Tensor::from_vec(o_host, o_shape)?, lse: lse_host, dispatch })
+    Ok(dispatch)
 }

@@ -13,7 +13,7 @@ use super::params::FwdParams;
 use crate::error::{Error, Operand, Result};
 use crate::problem::Problem;
 use crate::tensor::DType;
-use cudarc::driver::{sys, CudaStream, DeviceRepr};
+use cudarc::driver::{sys, DeviceRepr};
 
 /// Element multiple every batch/row/head stride must be: 8 × 2 bytes = 16 bytes (stage 1's
 /// 16-byte vector loads, TMA's stride rule).
@@ -54,7 +54,7 @@ unsafe impl DeviceRepr for TensorMap {}
 const _: () = assert!(std::mem::size_of::<TensorMap>() == 128 && std::mem::align_of::<TensorMap>() == 128);
 
 /// Operand layouts as the tensor maps need them, from the launch parameters.
-fn layouts(p: &FwdParams) -> [OperandLayout; 3] {
+pub(crate) fn layouts(p: &FwdParams) -> [OperandLayout; 3] {
     let l = |seqlen: i32, heads: i32, st: [i64; 3]| OperandLayout {
         batch: p.batch as usize,
         seqlen: seqlen as usize,
@@ -124,27 +124,19 @@ fn tensor_maps(stage: u32, dtype: DType, p: &FwdParams) -> Result<[TensorMap; 3]
 /// # Errors
 /// [`Error::InvalidLayout`] for layouts the kernels (or TMA) cannot read, [`Error::Cuda`] when
 /// a driver call fails.
-pub(crate) fn launch(dev: &Device, stream: &CudaStream, c: &Choice, stage: u32, mut params: FwdParams) -> Result<()> {
+pub(crate) fn launch(dev: &Device, stream: sys::CUstream, c: &Choice, stage: u32, mut params: FwdParams) -> Result<()> {
     check_layout(&params)?;
     let f = dev.function(c.family, c.tile, c.dtype)?;
-    let g = fa3_tma::Fa3Geometry {
-        threads: f.tile.threads,
-        block_m: f.tile.block_m,
-        block_n: f.tile.block_n,
-        kv_stages: 0, // not used by the grid
-        smem_bytes: f.smem_bytes,
-    };
-    let (b, sq, hq) = (params.batch as usize, params.seqlen_q as usize, params.heads_q as usize);
     dev.context().bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
-    let grid = if stage >= 5 {
-        let sms = dev
-            .context()
+    let sms = if stage >= 5 {
+        dev.context()
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(cuda_err("cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)"))?;
-        fa3_tma::persistent_grid(&g, b, sq, hq, sms.max(1) as usize)
+            .map_err(cuda_err("cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)"))?
+            .max(1) as u32
     } else {
-        fa3_tma::grid(&g, b, sq, hq)
+        0 // not used by the grid
     };
+    let grid = super::plan::launch_grid(c.family, f.tile, &params, sms);
     let block = (f.tile.threads, 1, 1);
     let mut maps = if stage >= 2 { Some(tensor_maps(stage, dtype_of(c.dtype), &params)?) } else { None };
     let p_arg = &mut params as *mut FwdParams as *mut std::ffi::c_void;
@@ -167,7 +159,7 @@ pub(crate) fn launch(dev: &Device, stream: &CudaStream, c: &Choice, stage: u32, 
     // were checked by the engine (within the buffers) and above (alignment); block and dynamic
     // shared memory are the table row's, which the kernel static_asserts against its traits,
     // and the function's shared-memory opt-in was set when it was loaded.
-    unsafe { cudarc::driver::result::launch_kernel(f.func.cu_function(), grid, block, f.smem_bytes, stream.cu_stream(), args) }
+    unsafe { cudarc::driver::result::launch_kernel(f.func, grid, block, f.smem_bytes, stream, args) }
         .map_err(cuda_err("cuLaunchKernel"))
 }
 

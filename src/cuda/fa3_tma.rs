@@ -115,11 +115,31 @@ pub(crate) struct OperandLayout {
     pub head_stride: usize,
 }
 
-/// The arguments of one `cuTensorMapEncodeTiled` call (rank 4), innermost dimension first:
-/// {head_dim, heads, seqlen, batch}. Data type: BFLOAT16 / FLOAT16 by the problem's dtype;
-/// interleave NONE, swizzle 128B, L2 promotion 256B, OOB fill NONE (= zeros).
+/// `CUtensorMapDataType` values (cuda.h), as passed to `cuTensorMapEncodeTiled`.
+pub(crate) const TMA_DTYPE_FLOAT16: u32 = 6;
+pub(crate) const TMA_DTYPE_BFLOAT16: u32 = 9;
+/// `CU_TENSOR_MAP_INTERLEAVE_NONE`.
+pub(crate) const TMA_INTERLEAVE_NONE: u32 = 0;
+/// `CU_TENSOR_MAP_SWIZZLE_128B`: the 128-byte swizzle wgmma's SW128 descriptors un-do.
+pub(crate) const TMA_SWIZZLE_128B: u32 = 3;
+/// `CU_TENSOR_MAP_L2_PROMOTION_L2_256B`.
+pub(crate) const TMA_L2_PROMOTION_256B: u32 = 3;
+/// `CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE`: out-of-bounds elements are zeros.
+pub(crate) const TMA_OOB_FILL_NONE: u32 = 0;
+/// Rank of every map: {head_dim, heads, seqlen, batch}.
+pub(crate) const TMA_RANK: u32 = 4;
+
+/// Every argument of one `cuTensorMapEncodeTiled` call except the output map and the global
+/// address: `tensor_maps_for` passes exactly these to the driver, and the CPU emulator
+/// (`crate::cuda::emulation`) encodes the map its kernels receive from the same values. Rank 4,
+/// innermost dimension first: {head_dim, heads, seqlen, batch}. Data type BFLOAT16 / FLOAT16 by
+/// the problem's dtype; interleave NONE, swizzle 128B, L2 promotion 256B, OOB fill NONE (= zeros).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct TmaSpec {
+pub struct TmaSpec {
+    /// `CUtensorMapDataType`.
+    pub data_type: u32,
+    /// Always `TMA_RANK`.
+    pub rank: u32,
     /// Global extents in elements.
     pub dims: [u64; 4],
     /// Byte strides of dims 1..4 (dim 0 is contiguous).
@@ -128,9 +148,15 @@ pub(crate) struct TmaSpec {
     pub box_dims: [u32; 4],
     /// Always 1: every element of the box is loaded.
     pub elem_strides: [u32; 4],
+    /// `CUtensorMapInterleave`, `CUtensorMapSwizzle`, `CUtensorMapL2promotion`,
+    /// `CUtensorMapFloatOOBfill` values.
+    pub interleave: u32,
+    pub swizzle: u32,
+    pub l2_promotion: u32,
+    pub oob_fill: u32,
 }
 
-fn tma_spec(op: Operand, l: &OperandLayout, box_rows: u32, elem_bytes: u64) -> Result<TmaSpec> {
+fn tma_spec(op: Operand, l: &OperandLayout, box_rows: u32, data_type: u32, elem_bytes: u64) -> Result<TmaSpec> {
     let bad = |reason: String| Error::InvalidLayout {
         operand: op,
         reason,
@@ -168,10 +194,16 @@ fn tma_spec(op: Operand, l: &OperandLayout, box_rows: u32, elem_bytes: u64) -> R
         }
     }
     Ok(TmaSpec {
+        data_type,
+        rank: TMA_RANK,
         dims,
         strides,
         box_dims: [SLAB_COLS, 1, box_rows, 1],
         elem_strides: [1; 4],
+        interleave: TMA_INTERLEAVE_NONE,
+        swizzle: TMA_SWIZZLE_128B,
+        l2_promotion: TMA_L2_PROMOTION_256B,
+        oob_fill: TMA_OOB_FILL_NONE,
     })
 }
 
@@ -196,10 +228,11 @@ pub(crate) fn tma_specs(
         });
     }
     let e = dtype.size() as u64;
+    let t = if dtype == DType::BF16 { TMA_DTYPE_BFLOAT16 } else { TMA_DTYPE_FLOAT16 };
     Ok([
-        tma_spec(Operand::Q, q, ROWS_PER_WARPGROUP, e)?,
-        tma_spec(Operand::K, k, g.block_n, e)?,
-        tma_spec(Operand::V, v, g.block_n, e)?,
+        tma_spec(Operand::Q, q, ROWS_PER_WARPGROUP, t, e)?,
+        tma_spec(Operand::K, k, g.block_n, t, e)?,
+        tma_spec(Operand::V, v, g.block_n, t, e)?,
     ])
 }
 
@@ -219,10 +252,6 @@ pub(crate) unsafe fn tensor_maps_for(
 ) -> Result<[cudarc::driver::sys::CUtensorMap; 3]> {
     use cudarc::driver::sys;
     let specs = tma_specs(stage, dtype, layouts[0], layouts[1], layouts[2])?;
-    let data_type = match dtype {
-        DType::BF16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-        _ => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-    };
     let operands = [Operand::Q, Operand::K, Operand::V];
     let mut maps = [sys::CUtensorMap { opaque: [0; 16] }; 3];
     for i in 0..3 {
@@ -233,23 +262,27 @@ pub(crate) unsafe fn tensor_maps_for(
             });
         }
         let s = &specs[i];
-        // SAFETY: every pointer argument points at a live local array of the rank (4) or
-        // rank - 1 (strides) entries the call reads; `maps[i]` is a writable, 128-aligned
+        let e = cu_enums(s).map_err(|what| Error::Cuda {
+            call: format!("cuTensorMapEncodeTiled({})", operands[i]),
+            message: format!("no CUDA enum value for {what}"),
+        })?;
+        // SAFETY: every pointer argument points at a live array of the spec (rank 4 entries,
+        // rank - 1 for the strides) the call reads; `maps[i]` is a writable, 128-aligned
         // CUtensorMap; the caller guarantees the driver is loaded (see # Safety).
         let r = unsafe {
             sys::cuTensorMapEncodeTiled(
                 &mut maps[i],
-                data_type,
-                4,
+                e.0,
+                s.rank,
                 ptrs[i] as *mut std::ffi::c_void,
                 s.dims.as_ptr(),
                 s.strides.as_ptr(),
                 s.box_dims.as_ptr(),
                 s.elem_strides.as_ptr(),
-                sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+                e.1,
+                e.2,
+                e.3,
+                e.4,
             )
         };
         r.result().map_err(|e| Error::Cuda {
@@ -260,9 +293,68 @@ pub(crate) unsafe fn tensor_maps_for(
     Ok(maps)
 }
 
+/// The spec's enum values as cudarc's driver enums (`Err`: which field has no such value).
+#[cfg(feature = "cuda")]
+#[allow(clippy::type_complexity)]
+fn cu_enums(
+    s: &TmaSpec,
+) -> std::result::Result<
+    (
+        cudarc::driver::sys::CUtensorMapDataType,
+        cudarc::driver::sys::CUtensorMapInterleave,
+        cudarc::driver::sys::CUtensorMapSwizzle,
+        cudarc::driver::sys::CUtensorMapL2promotion,
+        cudarc::driver::sys::CUtensorMapFloatOOBfill,
+    ),
+    &'static str,
+> {
+    use cudarc::driver::sys::*;
+    let data_type = match s.data_type {
+        TMA_DTYPE_FLOAT16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+        TMA_DTYPE_BFLOAT16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        _ => return Err("data_type"),
+    };
+    let interleave = match s.interleave {
+        TMA_INTERLEAVE_NONE => CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+        _ => return Err("interleave"),
+    };
+    let swizzle = match s.swizzle {
+        TMA_SWIZZLE_128B => CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+        _ => return Err("swizzle"),
+    };
+    let l2 = match s.l2_promotion {
+        TMA_L2_PROMOTION_256B => CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        _ => return Err("l2_promotion"),
+    };
+    let oob = match s.oob_fill {
+        TMA_OOB_FILL_NONE => CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        _ => return Err("oob_fill"),
+    };
+    Ok((data_type, interleave, swizzle, l2, oob))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The numbers the emulator receives are the driver's enum values (cuda.h): cudarc's enums
+    /// carry the same discriminants, and `cu_enums` maps each spec field onto them.
+    #[test]
+    fn spec_enum_values_are_the_drivers() {
+        use cudarc::driver::sys::*;
+        assert_eq!(CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16 as u32, TMA_DTYPE_FLOAT16);
+        assert_eq!(CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 as u32, TMA_DTYPE_BFLOAT16);
+        assert_eq!(CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE as u32, TMA_INTERLEAVE_NONE);
+        assert_eq!(CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B as u32, TMA_SWIZZLE_128B);
+        assert_eq!(CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B as u32, TMA_L2_PROMOTION_256B);
+        assert_eq!(CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE as u32, TMA_OOB_FILL_NONE);
+        let q = contiguous(1, 10, 2, 64);
+        for dt in [DType::BF16, DType::F16] {
+            let spec = tma_specs(2, dt, &q, &q, &q).unwrap()[0];
+            let (d, i, s, l, o) = cu_enums(&spec).unwrap();
+            assert_eq!((d as u32, i as u32, s as u32, l as u32, o as u32), (spec.data_type, 0, 3, 3, 0));
+        }
+    }
 
     fn contiguous(batch: usize, seqlen: usize, heads: usize, head_dim: usize) -> OperandLayout {
         OperandLayout {

@@ -21,6 +21,7 @@
 ///
 /// Source: FlashAttention-4, `flash_attn/cute/utils.py` `POLY_EX2`, obtained with Sollya
 /// `fpminimax(exp(x * log(2.0)), d, [|1,24...|], [0;1], relative)` (constant term fixed to 1).
+#[allow(clippy::excessive_precision)] // FA4's exact decimal expansions of the f32 values, digit for digit
 pub const POLY_EX2: [&[f32]; 6] = [
     &[1.0],
     &[1.0, 0.922497093677520751953125],

@@ -73,3 +73,7 @@ pub fn check_forward(q: &Tensor, k: &Tensor, v: &Tensor, opts: &ForwardOptions) 
     };
     (out, Check { err, naive_err, bound, lse_err })
 }
+
+/// The CPU emulator of the kernel sources (cuda/test/emu), for tests/emulator.rs.
+#[cfg(feature = "cuda")]
+pub mod emu;

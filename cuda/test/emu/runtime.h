@@ -1,0 +1,139 @@
+// The CPU emulator's runtime: what the host versions of the kernels' instruction wrappers
+// (emu.h) call. One CTA at a time runs on one OS thread; each of its CUDA threads is a fiber
+// with its own stack, and a seeded scheduler switches fibers at every synchronising or
+// asynchronous primitive, so different seeds give different legal interleavings. Asynchronous
+// work (TMA copies, wgmma execution, cp.async copies) lands at scheduler-chosen later points.
+// Every rule the emulator checks fails the run with a diagnosis (emu::fail); a run where every
+// fiber is blocked is diagnosed as a deadlock, per warp, and fails, never hangs.
+//
+// Implementation and the list of checks: runtime.cpp. Layout decoding: sm80_layouts.h,
+// sm90_layouts.h.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace emu {
+
+struct Dim3 {
+    unsigned x = 1, y = 1, z = 1;
+};
+
+// Fails the run: prints "EMU ERROR", the message, the CTA/thread and its call stack, then exits
+// with status 3.
+[[noreturn]] void fail(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+
+// ---- the kernel's view of itself (threadIdx, blockIdx, ...) ----
+const Dim3& thread_idx();
+const Dim3& block_idx();
+const Dim3& block_dim();
+const Dim3& grid_dim();
+unsigned dynamic_smem_bytes();
+
+// ---- shared memory ----
+// The shared window every kernel's `extern __shared__` array aliases (emu.h).
+extern "C" unsigned char emu_shared_window[];
+constexpr size_t kWindowBytes = 256 * 1024;
+// Shared-window address of a generic pointer (fails when it does not point into the CTA's
+// dynamic shared memory).
+uint32_t cvta_shared(const void* p);
+// Host pointer of [addr, addr + bytes) of the window (fails when out of the allocation).
+unsigned char* smem_ptr(uint32_t addr, uint32_t bytes, const char* what);
+
+// ---- CTA-wide and warp-wide synchronisation ----
+void syncthreads();
+// __syncthreads_or: the barrier, and whether any thread's predicate was nonzero.
+int syncthreads_or(int predicate);
+void bar_sync(unsigned id, unsigned count);
+void bar_arrive(unsigned id, unsigned count);
+void syncwarp(unsigned mask);
+uint32_t shfl_xor(unsigned mask, uint32_t v, int lane_mask, int width);
+bool elect_one();
+[[noreturn]] void trap();
+
+// ---- sm_80 ----
+enum class Elem { F16, BF16, E4M3, E5M2 };
+void cp_async(uint32_t dst, const void* src, int cp_size, int src_bytes);
+void cp_async_commit();
+void cp_async_wait(int n);
+void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr, bool trans);
+void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, Elem e);
+int ctaid(int dim);
+
+// ---- approximate math (MUFU) ----
+float ex2_approx_ftz(float x);
+float tanh_approx(float x);
+
+// ---- sm_90 mbarrier, TMA, fences ----
+void mbar_init(uint32_t bar, uint32_t count);
+void mbar_init_fence();
+void mbar_arrive(uint32_t bar);
+void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes);
+bool mbar_try_wait_parity(uint32_t bar, uint32_t parity);
+void fence_proxy_async();
+void tma_prefetch(const void* map);
+void tma_load(uint32_t dst, const void* map, uint32_t bar, const int32_t* coords, int rank);
+
+// ---- sm_90 wgmma ----
+struct WgmmaInstr {
+    int m, n, k;       // shape: m64nNk16 (16-bit) / k32 (8-bit)
+    Elem a_type, b_type;
+    bool a_from_regs;  // RS form: A in 4 registers per thread
+    uint64_t desc_a;   // SS form only
+    uint64_t desc_b;
+    int scale_d;       // 0: D = A B; 1: D = A B + D
+    int scale_a, scale_b;  // +1 / -1
+    int trans_a, trans_b;  // 1: MN-major operand
+};
+void wgmma_fence();
+void wgmma_commit();
+void wgmma_wait(int n);
+void wgmma_issue(const WgmmaInstr& ins, float* d, const uint32_t* a_regs);
+// Registers the kernel pins after a wait (fence_regs): they must not still be in flight.
+void wgmma_check_regs(const float* d, int n);
+void setmaxnreg(bool inc, int regs);
+
+// ---- TMA descriptors (the emulator's encoding of a CUtensorMap, 128 bytes) ----
+// Same argument list and enum values as cuTensorMapEncodeTiled; returns 0 (CUDA_SUCCESS) or 1
+// (CUDA_ERROR_INVALID_VALUE) with the reason in *why.
+int encode_tensor_map_tiled(void* map, uint32_t data_type, uint32_t rank, const void* global_address,
+                            const uint64_t* global_dim, const uint64_t* global_strides, const uint32_t* box_dim,
+                            const uint32_t* element_strides, uint32_t interleave, uint32_t swizzle,
+                            uint32_t l2_promotion, uint32_t oob_fill, std::string* why);
+struct TensorMapFields {
+    uint32_t data_type, rank, interleave, swizzle, l2_promotion, oob_fill;
+    uint64_t global_address;
+    uint64_t dims[5], strides[5];  // strides[0] = element size, strides[i] of dim i
+    uint32_t box[5], elem_strides[5];
+};
+bool decode_tensor_map(const void* map, TensorMapFields* out);
+
+// ---- launching ----
+struct LaunchConfig {
+    Dim3 grid, block;
+    unsigned smem_bytes = 0;    // dynamic shared memory
+    unsigned entry_regs = 0;    // registers per thread at entry (ptxas report); 0: 65536 / threads
+    uint64_t seed = 1;          // scheduler seed
+    uint32_t window_offset = 0; // shared address of the dynamic smem (0: chosen from the seed)
+    bool verbose = false;
+};
+// Runs `entry` (the kernel body, once per thread) over the grid, one CTA at a time. Returns
+// normally when every CTA finished and every end-of-CTA check passed; fails the process
+// otherwise.
+void launch(const LaunchConfig& cfg, void (*entry)(void*), void* arg);
+
+// Counters of the last launch (for the driver's summary line).
+struct Stats {
+    uint64_t ctas, switches, wgmma_ops, tma_copies, cp_async_copies, mbar_waits, deadlock_checks;
+};
+Stats stats();
+
+// ---- kernels compiled into this program (emu.h's EMU_KERNEL registers them) ----
+// Calls the kernel with its FwdParams and, for kernels that take them, its 128-byte tensor maps.
+using KernelInvoker = void (*)(const void* params, const void* const* maps);
+void register_kernel(const char* name, KernelInvoker invoke, int nmaps);
+KernelInvoker find_kernel(const std::string& name, int* nmaps);
+std::vector<std::string> kernel_names();
+
+}  // namespace emu

@@ -1,0 +1,862 @@
+//! The in-place CPU path: attention that reads K and V where they lie (dense, packed, a dense
+//! cache or a paged cache, any dtype), for decode, paged KV caches and variable-length batches.
+//!
+//! Unlike the tiled path of `cpu/mod.rs`, nothing is repacked per call: a work item takes a block
+//! of up to [`RB`] query rows that share one kv head (every query head of the GQA group and the
+//! sequence's query positions, flattened as `row = i · group + head_in_group`) and streams over
+//! that kv head's keys in chunks of [`KC`], reading each K and V row once per item (f16/bf16
+//! rows are widened into a chunk-sized L1 buffer, f32 rows are used in place). Products are
+//! vectorised over head_dim with small register tiles (4 rows × 2 keys for `Q·Kᵀ`, 4 rows × 16
+//! columns for `P·V`); scores are held as panels of [`NR`] = 16 rows per key, the layout of the
+//! shared online-softmax verbs (`cpu/softmax.rs`), which run unchanged.
+//!
+//! Split-KV (flash-decoding): when there are too few items to occupy the workers, each item's
+//! key range is split; each split writes its normalised output and LSE, and a second pass merges
+//! them with `serving::merge::merge_row` (the arithmetic of the public `merge_states`). The
+//! split count is [`num_splits`]'s heuristic or the caller's `num_splits`.
+//!
+//! All parallel work goes through `cpu::parallel::for_each`.
+
+use super::gemm::NR;
+use super::parallel;
+use super::pool;
+use super::softmax::{finalize, max_get_scale, online_softmax, panel_max, Exp2Math, RowState};
+use super::{ScoreMod, MAX_HEAD_DIM};
+use crate::error::{Error, Result};
+use crate::problem::Problem;
+use crate::serving::layout::BatchLayout;
+use crate::serving::merge::merge_row;
+use crate::tensor::{numel, try_filled, Data, Element, OwnedData, Tensor, TensorView};
+
+/// Query rows per work item (4 panels of 16).
+pub const RB: usize = 64;
+/// Keys per chunk: the K and V rows of a chunk stay in L1/L2 while every panel of the item uses
+/// them.
+pub const KC: usize = 64;
+/// A split of the keys must hold at least this many: below it the split's fixed costs (loading
+/// the queries, the merge, a thread's start while threads are spawned per call) outweigh the
+/// parallelism it buys.
+pub const MIN_SPLIT_KEYS: usize = 512;
+/// Most splits of one item's keys (FlashAttention's limit too).
+pub const MAX_SPLITS: usize = 128;
+/// A split count is accepted when its worker efficiency is within this fraction of the best one
+/// (FlashAttention's `num_splits_heuristic` uses 0.85), so the smallest good count wins.
+const SPLIT_EFFICIENCY: f64 = 0.85;
+/// Multiply-adds a thread must get before another thread is started (roughly 50 µs of work).
+const MIN_WORK_PER_THREAD: u64 = 1 << 18;
+/// The dense forward takes this path when `seqlen_q` is at most this: the tiled path packs all of
+/// K/V per call and computes 16-row panels per head, most of them padding for a decode step.
+pub const DENSE_MAX_SEQLEN_Q: usize = 16;
+
+/// Number of key splits per work item (flash-decoding), FlashAttention's rule on CPU workers.
+///
+/// `items` work items (each a pass over one kv head's keys) go to `workers` threads. Without
+/// splitting, the last round of items leaves `workers - items % workers` threads idle; with `s`
+/// splits there are `items · s` pieces and the efficiency is
+/// `items·s / (ceil(items·s / workers) · workers)`. Candidates are `s = 1 ..=
+/// min(MAX_SPLITS, keys / MIN_SPLIT_KEYS)` and the smallest `s` whose efficiency is within
+/// 85 % of the best wins. So: never with one worker, never when the keys are too few for two
+/// splits of [`MIN_SPLIT_KEYS`], and never when the items already fill the workers (8 kv heads
+/// on 2 cores: 1 split; 1 kv head with 4096 keys on 2 cores: 2 splits).
+pub fn num_splits(items: usize, workers: usize, keys: usize) -> usize {
+    let max_s = MAX_SPLITS.min(keys / MIN_SPLIT_KEYS).max(1);
+    if workers <= 1 || items == 0 || max_s == 1 {
+        return 1;
+    }
+    let eff = |s: usize| {
+        let pieces = items * s;
+        pieces as f64 / (pieces.div_ceil(workers) * workers) as f64
+    };
+    let best = (1..=max_s).map(eff).fold(0.0, f64::max);
+    (1..=max_s).find(|&s| eff(s) >= SPLIT_EFFICIENCY * best).unwrap_or(1)
+}
+
+/// Whether the dense forward should take the in-place path.
+pub(crate) fn prefers_dense(p: &Problem) -> bool {
+    p.seqlen_q <= DENSE_MAX_SEQLEN_Q && matches!(p.precision, crate::options::Precision::Native)
+}
+
+/// The result of the in-place path: `o` as `[q batch dim, q rows, heads_q, head_dim]` in q's
+/// dtype, `lse` as `[q batch dim, heads_q, q rows]`.
+pub(crate) struct InplaceOutput {
+    pub o: Tensor,
+    pub lse: Vec<f32>,
+    /// Largest number of key splits any sequence used.
+    pub splits: usize,
+}
+
+/// Everything an item reads.
+struct Ctx<'a, M> {
+    p: &'a Problem,
+    layout: &'a BatchLayout<'a>,
+    q: TensorView<'a>,
+    k: TensorView<'a>,
+    v: TensorView<'a>,
+    sm: ScoreMod,
+    math: M,
+    group: usize,
+}
+
+/// One work item: rows `r0..r1` of the (sequence `b`, kv head `hk`) group, keys `k0..k1` (a
+/// split), writing normalised outputs `[rows][d]` and LSEs.
+struct Item<'o> {
+    b: usize,
+    hk: usize,
+    r0: usize,
+    r1: usize,
+    k0: usize,
+    k1: usize,
+    cost: u64,
+    o: &'o mut [f32],
+    lse: &'o mut [f32],
+}
+
+/// Per-worker buffers, sized once.
+struct Scratch {
+    /// Query rows `[RB][d]`.
+    q: Vec<f32>,
+    /// Unnormalised outputs `[RB][d]`.
+    o: Vec<f32>,
+    /// One panel's scores, then probabilities: `[KC][NR]`.
+    s: Vec<[f32; NR]>,
+    rows: Vec<RowState>,
+    /// Per row: visible keys `[lo, hi)` (clipped to the split), query position, query head.
+    lo: Vec<usize>,
+    hi: Vec<usize>,
+    qi: Vec<usize>,
+    head: Vec<usize>,
+    /// Widened K and V rows of one chunk (16-bit inputs only): `[KC][d]`.
+    kbuf: Vec<f32>,
+    vbuf: Vec<f32>,
+    /// Element offsets of the chunk's K and V rows.
+    kofs: Vec<usize>,
+    vofs: Vec<usize>,
+}
+
+impl Scratch {
+    fn new(d: usize, half: bool) -> Self {
+        let hb = if half { KC * d } else { 0 };
+        Scratch {
+            q: vec![0.0; RB * d],
+            o: vec![0.0; RB * d],
+            s: vec![[0.0; NR]; KC],
+            rows: vec![RowState::EMPTY; RB],
+            lo: vec![0; RB],
+            hi: vec![0; RB],
+            qi: vec![0; RB],
+            head: vec![0; RB],
+            kbuf: vec![0.0; hb],
+            vbuf: vec![0.0; hb],
+            kofs: vec![0; KC],
+            vofs: vec![0; KC],
+        }
+    }
+}
+
+/// f16 → f32, exact, branch-free so that it vectorises: the exponent and mantissa bits moved to
+/// f32's positions and scaled by 2^112 (the difference of the exponent biases; this also turns
+/// f16 subnormals into the right normal f32), infinities and NaNs given f32's all-ones exponent,
+/// the sign put back.
+#[inline(always)]
+fn widen_f16(src: &[half::f16], dst: &mut [f32]) {
+    const SCALE: f32 = f32::from_bits((127 + 112) << 23); // 2^112
+    for (a, h) in dst.iter_mut().zip(src) {
+        let h = u32::from(h.to_bits());
+        let em = (h & 0x7fff) << 13;
+        let finite = f32::from_bits(em) * SCALE;
+        let v = if em >= 0x7c00 << 13 {
+            f32::from_bits(em | 0x7f80_0000)
+        } else {
+            finite
+        };
+        *a = f32::from_bits(v.to_bits() | ((h & 0x8000) << 16));
+    }
+}
+
+/// The rows of a chunk as f32 slices: in place for f32, widened into `buf` for 16-bit types
+/// (inlined into the AVX2 context, where both widenings vectorise).
+#[inline(always)]
+fn chunk_rows<'r>(data: Data<'r>, ofs: &[usize], d: usize, buf: &'r mut [f32]) -> [&'r [f32]; KC] {
+    let n = ofs.len();
+    match data {
+        Data::F32(x) => std::array::from_fn(|j| if j < n { &x[ofs[j]..ofs[j] + d] } else { &[] }),
+        Data::F16(x) => {
+            for (dst, &o) in buf.chunks_exact_mut(d).zip(ofs) {
+                widen_f16(&x[o..o + d], dst);
+            }
+            let mut it = buf.chunks_exact(d);
+            std::array::from_fn(|j| if j < n { it.next().unwrap_or(&[]) } else { &[] })
+        }
+        Data::BF16(x) => {
+            for (dst, &o) in buf.chunks_exact_mut(d).zip(ofs) {
+                // bf16 is the high half of an f32: exact widening (a NaN stays a NaN).
+                for (a, b) in dst.iter_mut().zip(&x[o..o + d]) {
+                    *a = f32::from_bits(u32::from(b.to_bits()) << 16);
+                }
+            }
+            let mut it = buf.chunks_exact(d);
+            std::array::from_fn(|j| if j < n { it.next().unwrap_or(&[]) } else { &[] })
+        }
+    }
+}
+
+#[inline(always)]
+fn fma<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
+    if FMA {
+        a.mul_add(b, c)
+    } else {
+        a * b + c
+    }
+}
+
+/// `W` consecutive elements from `x` as a value (one bounds check; then registers).
+#[inline(always)]
+fn load<const W: usize>(s: &[f32], x: usize) -> [f32; W] {
+    let mut a = [0.0; W];
+    a.copy_from_slice(&s[x..x + W]);
+    a
+}
+
+/// `a · b + c` lane by lane.
+#[inline(always)]
+fn fma_lanes<const W: usize, const FMA: bool>(a: [f32; W], b: [f32; W], c: [f32; W]) -> [f32; W] {
+    std::array::from_fn(|l| fma::<FMA>(a[l], b[l], c[l]))
+}
+
+/// Sum of 8 lanes as a tree (two halves, then pairs), which vectorises.
+#[inline(always)]
+fn hsum8(a: [f32; 8]) -> f32 {
+    let h = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
+    (h[0] + h[2]) + (h[1] + h[3])
+}
+
+/// Dot products of one query row with 4 key rows, all of length head_dim: one 8-lane
+/// accumulator per key over the 8-element chunks (the query chunk loaded once for all keys), a
+/// scalar tail for `d % 8`, and one horizontal sum per key.
+///
+/// The shape of this loop matters to LLVM: a zip of whole chunks with one accumulator per key
+/// keeps each accumulator in a vector register along head_dim. The `black_box` keeps the final
+/// horizontal sums from being vectorised across keys, which LLVM otherwise does by rebuilding
+/// the whole loop across keys, with shuffles. (Index loops over several query rows at once, or
+/// chunks copied into local arrays, end up scalar or shuffled the same way.)
+#[inline(always)]
+fn dot_row4<const FMA: bool>(q: &[f32], k: [&[f32]; 4]) -> [f32; 4] {
+    let mut acc = [[0.0f32; 8]; 4];
+    let chunks = q.chunks_exact(8).zip(k[0].chunks_exact(8)).zip(k[1].chunks_exact(8));
+    let chunks = chunks.zip(k[2].chunks_exact(8)).zip(k[3].chunks_exact(8));
+    for ((((x, y0), y1), y2), y3) in chunks {
+        for (t, y) in [y0, y1, y2, y3].into_iter().enumerate() {
+            for l in 0..8 {
+                acc[t][l] = fma::<FMA>(x[l], y[l], acc[t][l]);
+            }
+        }
+    }
+    let acc = std::hint::black_box(acc);
+    let mut out: [f32; 4] = std::array::from_fn(|t| hsum8(acc[t]));
+    let n8 = q.len() / 8 * 8;
+    if n8 < q.len() {
+        for (t, o) in out.iter_mut().enumerate() {
+            *o += q[n8..]
+                .iter()
+                .zip(&k[t][n8..])
+                .fold(0.0, |a, (x, y)| fma::<FMA>(*x, *y, a));
+        }
+    }
+    out
+}
+
+/// [`dot_row4`] for one key.
+#[inline(always)]
+fn dot_row1<const FMA: bool>(q: &[f32], k: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    for (x, y) in q.chunks_exact(8).zip(k.chunks_exact(8)) {
+        for l in 0..8 {
+            acc[l] = fma::<FMA>(x[l], y[l], acc[l]);
+        }
+    }
+    let n8 = q.len() / 8 * 8;
+    hsum8(acc)
+        + q[n8..]
+            .iter()
+            .zip(&k[n8..])
+            .fold(0.0, |a, (x, y)| fma::<FMA>(*x, *y, a))
+}
+
+/// `s[t][l] = q_l · k_t` for the panel's `nl` query rows and the chunk's keys `krows`, four keys
+/// at a time (their rows stay in L1 while every query row passes over them).
+#[inline(always)]
+fn qk_panel<const FMA: bool>(q: &[f32], d: usize, nl: usize, krows: &[&[f32]], s: &mut [[f32; NR]]) {
+    let mut t0 = 0;
+    while t0 < krows.len() {
+        if t0 + 4 <= krows.len() {
+            let kr: [&[f32]; 4] = std::array::from_fn(|t| &krows[t0 + t][..d]);
+            for l in 0..nl {
+                let sums = dot_row4::<FMA>(&q[l * d..(l + 1) * d], kr);
+                for (t, &x) in sums.iter().enumerate() {
+                    s[t0 + t][l % NR] = x;
+                }
+            }
+            t0 += 4;
+        } else {
+            let kr = &krows[t0][..d];
+            for l in 0..nl {
+                s[t0][l % NR] = dot_row1::<FMA>(&q[l * d..(l + 1) * d], kr);
+            }
+            t0 += 1;
+        }
+    }
+}
+
+/// `o_{l0 + r}[x..x + W] += Σ_t p[t][l0 + r] · v_t[x..x + W]` for `NQ` rows: `NQ × W`
+/// accumulators held over all keys of the chunk. `SKIP`: a zero probability (a key the row does
+/// not see) contributes nothing even when V is infinite or NaN (`0 · inf` is NaN), so a key's V
+/// reaches only the rows that see it; used on chunks where some row does not see some key.
+#[inline(always)]
+fn pv_strip<const NQ: usize, const W: usize, const FMA: bool, const SKIP: bool>(
+    o: &mut [f32],
+    d: usize,
+    x: usize,
+    l0: usize,
+    p: &[[f32; NR]],
+    vrows: &[&[f32]],
+) {
+    let mut acc: [[f32; W]; NQ] = std::array::from_fn(|r| load::<W>(o, (l0 + r) * d + x));
+    for (pt, vt) in p.iter().zip(vrows) {
+        let vc = load::<W>(vt, x);
+        let pr: [f32; NQ] = std::array::from_fn(|r| pt[(l0 + r) % NR]);
+        for r in 0..NQ {
+            let t = fma_lanes::<W, FMA>([pr[r]; W], vc, acc[r]);
+            acc[r] = if SKIP && pr[r] == 0.0 { acc[r] } else { t };
+        }
+    }
+    for (r, a) in acc.iter().enumerate() {
+        o[(l0 + r) * d + x..][..W].copy_from_slice(a);
+    }
+}
+
+#[inline(always)]
+fn pv_rows<const NQ: usize, const FMA: bool, const SKIP: bool>(
+    o: &mut [f32],
+    d: usize,
+    l0: usize,
+    p: &[[f32; NR]],
+    vrows: &[&[f32]],
+) {
+    let mut x = 0;
+    while x + 16 <= d {
+        pv_strip::<NQ, 16, FMA, SKIP>(o, d, x, l0, p, vrows);
+        x += 16;
+    }
+    if x + 8 <= d {
+        pv_strip::<NQ, 8, FMA, SKIP>(o, d, x, l0, p, vrows);
+        x += 8;
+    }
+    while x < d {
+        pv_strip::<NQ, 1, FMA, SKIP>(o, d, x, l0, p, vrows);
+        x += 1;
+    }
+}
+
+/// `O += P·V` for the panel's `nl` rows, 4, 2 or 1 at a time.
+#[inline(always)]
+fn pv_panel<const FMA: bool, const SKIP: bool>(o: &mut [f32], d: usize, nl: usize, p: &[[f32; NR]], vrows: &[&[f32]]) {
+    let mut r = 0;
+    while r < nl {
+        if nl - r >= 4 {
+            pv_rows::<4, FMA, SKIP>(o, d, r, p, vrows);
+            r += 4;
+        } else if nl - r >= 2 {
+            pv_rows::<2, FMA, SKIP>(o, d, r, p, vrows);
+            r += 2;
+        } else {
+            pv_rows::<1, FMA, SKIP>(o, d, r, p, vrows);
+            r += 1;
+        }
+    }
+}
+
+/// Runs one item: see the module documentation.
+#[inline(always)]
+fn attend<M: Exp2Math, const FMA: bool>(c: &Ctx<'_, M>, it: &mut Item<'_>, scr: &mut Scratch) {
+    let d = c.p.head_dim;
+    let g = c.group;
+    let (b, hk) = (it.b, it.hk);
+    let nrows = it.r1 - it.r0;
+    let (sq, sk) = (c.layout.seqlen_q(b), c.layout.seqlen_k(b));
+    // The problem of this sequence alone: masks, ALiBi and causal alignment are per sequence.
+    let ps = Problem {
+        batch: 1,
+        seqlen_q: sq,
+        seqlen_k: sk,
+        ..c.p.clone()
+    };
+    let Scratch {
+        q,
+        o,
+        s,
+        rows,
+        lo,
+        hi,
+        qi,
+        head,
+        kbuf,
+        vbuf,
+        kofs,
+        vofs,
+    } = scr;
+
+    for rl in 0..nrows {
+        let r = it.r0 + rl;
+        let (i, h) = (r / g, hk * g + r % g);
+        let (qo, qr) = c.layout.q_row(b, i);
+        let dst = &mut q[rl * d..(rl + 1) * d];
+        c.q.read_row(qo, qr, h, dst);
+        let (l, hh) = ps.key_range(i);
+        lo[rl] = l.max(it.k0);
+        hi[rl] = hh.min(it.k1);
+        qi[rl] = i;
+        head[rl] = h;
+    }
+    // Padding rows of the last panel: zero queries, no keys.
+    let padded = nrows.div_ceil(NR) * NR;
+    q[nrows * d..padded * d].iter_mut().for_each(|x| *x = 0.0);
+    o[..padded * d].iter_mut().for_each(|x| *x = 0.0);
+    rows[..padded].iter_mut().for_each(|r| *r = RowState::EMPTY);
+
+    let lo_all = lo[..nrows].iter().copied().min().unwrap_or(0);
+    let hi_all = hi[..nrows].iter().copied().max().unwrap_or(0);
+
+    let mut j0 = lo_all;
+    while j0 < hi_all {
+        let j1 = (j0 + KC).min(hi_all);
+        let n = j1 - j0;
+        c.layout.for_kv_rows(b, j0, j1, |jl, outer, row| {
+            kofs[jl] = c.k.offset(outer, row, hk);
+            vofs[jl] = c.v.offset(outer, row, hk);
+        });
+        let krows = chunk_rows(c.k.data(), &kofs[..n], d, kbuf);
+        let vrows = chunk_rows(c.v.data(), &vofs[..n], d, vbuf);
+
+        for l0 in (0..nrows).step_by(NR) {
+            let nl = NR.min(nrows - l0);
+            let plo = lo[l0..l0 + nl].iter().copied().min().unwrap_or(0).max(j0);
+            let phi = hi[l0..l0 + nl].iter().copied().max().unwrap_or(0).min(j1);
+            if plo >= phi {
+                continue;
+            }
+            let (c0, c1) = (plo - j0, phi - j0);
+            let full = (l0..l0 + nl).all(|r| lo[r] <= plo && hi[r] >= phi);
+            let qp = &q[l0 * d..(l0 + NR) * d];
+            let sp = &mut s[c0..c1];
+            // S = Q·Kᵀ for this panel's rows.
+            qk_panel::<FMA>(qp, d, nl, &krows[c0..c1], sp);
+            // Softcap and ALiBi in natural units (score units: `cpu::softmax`), the mask, and
+            // −inf for the padding lanes.
+            for (tl, row) in sp.iter_mut().enumerate() {
+                let j = plo + tl;
+                for (l, x) in row.iter_mut().enumerate().take(nl) {
+                    let rl = l0 + l;
+                    if c.sm.natural {
+                        let s = *x * c.sm.scale;
+                        let s = match c.sm.softcap {
+                            Some(cap) => cap * (s / cap).tanh(),
+                            None => s,
+                        };
+                        *x = s + ps.alibi_bias(head[rl], qi[rl], j);
+                    }
+                    if !full && (j < lo[rl] || j >= hi[rl]) {
+                        *x = f32::NEG_INFINITY;
+                    }
+                }
+                row[nl..].iter_mut().for_each(|x| *x = f32::NEG_INFINITY);
+            }
+            // The online softmax, the verbs of the tiled path.
+            let states = &mut rows[l0..l0 + NR];
+            let tile_max = panel_max(sp.as_flattened());
+            let scales: [f32; NR] = std::array::from_fn(|l| max_get_scale(&mut states[l], tile_max[l], c.sm.c, &c.math));
+            online_softmax::<M, FMA>(states, &scales, sp.as_flattened_mut(), c.sm.c, &c.math);
+            let op = &mut o[l0 * d..(l0 + NR) * d];
+            for (l, &sc) in scales.iter().enumerate().take(nl) {
+                if sc != 1.0 {
+                    op[l * d..(l + 1) * d].iter_mut().for_each(|x| *x *= sc);
+                }
+            }
+            // O += P·V; where some row does not see some key of the chunk, zeros of P are
+            // skipped so that key's V (possibly inf/NaN) cannot reach that row.
+            let vr = &vrows[c0..c1];
+            if full {
+                pv_panel::<FMA, false>(op, d, nl, sp, vr);
+            } else {
+                pv_panel::<FMA, true>(op, d, nl, sp, vr);
+            }
+        }
+        j0 = j1;
+    }
+
+    for rl in 0..nrows {
+        let (inv, lse) = finalize(&rows[rl], c.sm.u, &c.math);
+        it.lse[rl] = lse;
+        let out = &mut it.o[rl * d..(rl + 1) * d];
+        if rows[rl].l == 0.0 {
+            out.fill(0.0); // saw no key (in this split): exactly 0
+        } else {
+            for (dst, &x) in out.iter_mut().zip(&o[rl * d..(rl + 1) * d]) {
+                *dst = x * inv;
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn attend_avx2<M: Exp2Math>(c: &Ctx<'_, M>, it: &mut Item<'_>, scr: &mut Scratch) {
+    attend::<M, true>(c, it, scr)
+}
+
+fn attend_any<M: Exp2Math>(c: &Ctx<'_, M>, it: &mut Item<'_>, scr: &mut Scratch) {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU was just checked to support AVX2 and FMA, the only requirement of a
+        // `#[target_feature]` function; the function itself is safe code.
+        unsafe { attend_avx2(c, it, scr) };
+        return;
+    }
+    attend::<M, false>(c, it, scr)
+}
+
+/// Name of the kernel this CPU runs on this path.
+pub(crate) fn path_name() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        return "cpu-inplace-avx2-fma";
+    }
+    "cpu-inplace-portable"
+}
+
+/// Work items of one sequence: `nrb` row blocks per kv head, `ns` splits each, starting at item
+/// `first` of the item list (ordered by sequence, kv head, row block, split).
+#[derive(Clone, Copy)]
+struct SeqPlan {
+    first: usize,
+    nrb: usize,
+    ns: usize,
+}
+
+/// How one in-place call runs.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RunOpts<'a> {
+    pub threads: usize,
+    /// Forced split count (`ForwardOptions::num_splits`), or `None` for [`num_splits`].
+    pub splits: Option<usize>,
+    /// Sequences another path computes (`true`): no items; their output rows stay 0.
+    pub skip: &'a [bool],
+}
+
+/// The in-place forward pass on a validated problem and layout.
+pub(crate) fn forward<M: Exp2Math>(
+    p: &Problem,
+    layout: &BatchLayout<'_>,
+    (q, k, v): (&TensorView<'_>, &TensorView<'_>, &TensorView<'_>),
+    math: M,
+    run: RunOpts<'_>,
+) -> Result<InplaceOutput> {
+    let RunOpts { threads, splits, skip } = run;
+    let seqlen_q = |b: usize| {
+        if skip.get(b).copied().unwrap_or(false) {
+            0
+        } else {
+            layout.seqlen_q(b)
+        }
+    };
+    if p.head_dim > MAX_HEAD_DIM {
+        return Err(Error::UnsupportedHeadDim {
+            head_dim: p.head_dim,
+            backend: "the CPU backend".into(),
+            supported: format!("1..={MAX_HEAD_DIM}"),
+        });
+    }
+    let (d, g, hkv, hq) = (p.head_dim, p.group(), p.heads_kv, p.heads_q);
+    let batch = layout.batch();
+    // The outputs first (fallibly): a problem whose output cannot exist (a broadcast q of 2^40
+    // sequences) fails here, before any per-sequence bookkeeping is allocated.
+    let q_outer = q.shape()[0];
+    let q_rows = layout.q_rows();
+    let mut o = Tensor::zeros(p.dtype, [q_outer, q_rows, hq, d])?;
+    let n_lse = numel([q_outer, hq, q_rows, 1], "lse")?;
+    let mut lse_tok = try_filled(n_lse, f32::NEG_INFINITY, || "LSE".into())?;
+
+    // Per sequence and row block: the keys any of its rows sees. Then how much work there is,
+    // and how many threads and splits it deserves.
+    let mut spans: Vec<Vec<(usize, usize)>> = Vec::with_capacity(batch);
+    let (mut base_items, mut work, mut max_span) = (0usize, 0u64, 0usize);
+    for b in 0..batch {
+        let (sq, sk) = (seqlen_q(b), layout.seqlen_k(b));
+        let rows = sq * g;
+        let ps = Problem {
+            batch: 1,
+            seqlen_q: sq,
+            seqlen_k: sk,
+            ..p.clone()
+        };
+        let blocks: Vec<(usize, usize)> = (0..rows.div_ceil(RB))
+            .map(|rb| {
+                let (r0, r1) = (rb * RB, ((rb + 1) * RB).min(rows));
+                let (mut lo, mut hi) = (usize::MAX, 0);
+                for i in r0 / g..=(r1 - 1) / g {
+                    let (l, h) = ps.key_range(i);
+                    if l < h {
+                        lo = lo.min(l);
+                        hi = hi.max(h);
+                    }
+                }
+                let span = if lo < hi { (lo, hi) } else { (0, 0) };
+                max_span = max_span.max(span.1 - span.0);
+                let pairs = ((r1 - r0) * hkv) as u64 * (span.1 - span.0) as u64;
+                work = work.saturating_add(pairs.saturating_mul(d as u64));
+                span
+            })
+            .collect();
+        base_items += hkv * blocks.len();
+        spans.push(blocks);
+    }
+    let threads = threads.clamp(1, (work / MIN_WORK_PER_THREAD).max(1).try_into().unwrap_or(usize::MAX));
+    let ns_all = splits.unwrap_or_else(|| num_splits(base_items, threads, max_span));
+
+    // Items (ordered by sequence, kv head, row block, split) and their output buffers.
+    let mut plans = Vec::with_capacity(batch);
+    let mut metas: Vec<(usize, usize, usize, usize, usize, usize)> = Vec::new(); // b, hk, r0, r1, k0, k1
+    let mut max_ns = 1;
+    for (b, blocks) in spans.iter().enumerate() {
+        let rows = seqlen_q(b) * g;
+        let span = blocks.iter().map(|s| s.1 - s.0).max().unwrap_or(0);
+        let ns = match splits {
+            Some(_) => ns_all.min(span).max(1),
+            None => ns_all.min(span / MIN_SPLIT_KEYS).max(1),
+        };
+        max_ns = max_ns.max(ns);
+        plans.push(SeqPlan {
+            first: metas.len(),
+            nrb: blocks.len(),
+            ns,
+        });
+        for hk in 0..hkv {
+            for (rb, &(klo, khi)) in blocks.iter().enumerate() {
+                let (r0, r1) = (rb * RB, ((rb + 1) * RB).min(rows));
+                // Even splits of the block's keys (in u64: span · s may pass 2^32).
+                let cut = |s: usize| klo + ((khi - klo) as u64 * s as u64 / ns as u64) as usize;
+                for s in 0..ns {
+                    metas.push((b, hk, r0, r1, cut(s), cut(s + 1)));
+                }
+            }
+        }
+    }
+    let part_rows: usize = metas.iter().map(|m| m.3 - m.2).sum();
+    let part_len = part_rows.checked_mul(d).ok_or_else(|| Error::TooLarge {
+        what: "split-KV partial outputs".into(),
+    })?;
+    let mut part_o = pool::take(part_len, "split-KV partial outputs")?;
+    let mut part_lse = try_filled(part_rows, f32::NEG_INFINITY, || "split-KV partial LSEs".into())?;
+    let mut offsets = Vec::with_capacity(metas.len());
+    {
+        let (mut o_rest, mut l_rest) = (&mut part_o[..], &mut part_lse[..]);
+        let mut items: Vec<Item<'_>> = Vec::with_capacity(metas.len());
+        let mut row_off = 0;
+        for &(b, hk, r0, r1, k0, k1) in &metas {
+            let n = r1 - r0;
+            let (oi, ot) = std::mem::take(&mut o_rest).split_at_mut(n * d);
+            let (li, lt) = std::mem::take(&mut l_rest).split_at_mut(n);
+            (o_rest, l_rest) = (ot, lt);
+            offsets.push(row_off);
+            row_off += n;
+            let cost = (n as u64) * (k1 - k0) as u64 + 1;
+            items.push(Item {
+                b,
+                hk,
+                r0,
+                r1,
+                k0,
+                k1,
+                cost,
+                o: oi,
+                lse: li,
+            });
+        }
+        // Heaviest first, so the last items to finish are short.
+        items.sort_by_key(|it| std::cmp::Reverse(it.cost));
+        let ctx = Ctx {
+            p,
+            layout,
+            q: *q,
+            k: *k,
+            v: *v,
+            sm: ScoreMod::new(p),
+            math,
+            group: g,
+        };
+        let half = k.dtype() != crate::tensor::DType::F32;
+        parallel::for_each(
+            &mut items,
+            threads,
+            || Scratch::new(d, half),
+            |scr, it| attend_any(&ctx, it, scr),
+        );
+    }
+
+    // Merge the splits (or copy) into o in q's dtype, sequence by sequence.
+    let parts = Parts {
+        o: &part_o,
+        lse: &part_lse,
+        offsets: &offsets,
+        plans: &plans,
+        g,
+        d,
+        hq,
+    };
+    match o.data_mut() {
+        OwnedData::F32(x) => combine(&parts, layout, &seqlen_q, x, &mut lse_tok, threads),
+        OwnedData::F16(x) => combine(&parts, layout, &seqlen_q, x, &mut lse_tok, threads),
+        OwnedData::BF16(x) => combine(&parts, layout, &seqlen_q, x, &mut lse_tok, threads),
+    }
+    pool::give(part_o);
+    // [token][head] -> [outer][head][row].
+    let mut lse = try_filled(n_lse, f32::NEG_INFINITY, || "LSE".into())?;
+    for t in 0..q_outer * q_rows {
+        let (outer, row) = (t / q_rows.max(1), t % q_rows.max(1));
+        for h in 0..hq {
+            lse[(outer * hq + h) * q_rows + row] = lse_tok[t * hq + h];
+        }
+    }
+    Ok(InplaceOutput { o, lse, splits: max_ns })
+}
+
+/// The partial states, addressed by (sequence, kv head, row block, split).
+struct Parts<'a> {
+    o: &'a [f32],
+    lse: &'a [f32],
+    /// First partial row of each item.
+    offsets: &'a [usize],
+    plans: &'a [SeqPlan],
+    g: usize,
+    d: usize,
+    hq: usize,
+}
+
+/// A run of query tokens of one sequence, with its output rows `[tokens][heads][d]` and LSEs
+/// `[tokens][heads]`.
+struct Tokens<'o, T> {
+    b: usize,
+    i0: usize,
+    o: &'o mut [T],
+    lse: &'o mut [f32],
+}
+
+/// Tokens per merge item.
+const MERGE_TOKENS: usize = 64;
+
+fn combine<T: Element>(
+    parts: &Parts<'_>,
+    layout: &BatchLayout<'_>,
+    seqlen_q: &dyn Fn(usize) -> usize,
+    o: &mut [T],
+    lse: &mut [f32],
+    threads: usize,
+) {
+    let (hq, d) = (parts.hq, parts.d);
+    let mut items = Vec::new();
+    let (mut o_rest, mut l_rest) = (o, lse);
+    let mut next_token = 0;
+    for b in 0..layout.batch() {
+        let sq = seqlen_q(b);
+        if sq == 0 {
+            continue;
+        }
+        let (outer, row) = layout.q_row(b, 0);
+        let t0 = outer * layout.q_rows() + row;
+        // Sequences are in token order in both layouts; skip any gap (none today).
+        let gap = t0 - next_token;
+        o_rest = &mut std::mem::take(&mut o_rest)[gap * hq * d..];
+        l_rest = &mut std::mem::take(&mut l_rest)[gap * hq..];
+        for i0 in (0..sq).step_by(MERGE_TOKENS) {
+            let n = MERGE_TOKENS.min(sq - i0);
+            let (oi, ot) = std::mem::take(&mut o_rest).split_at_mut(n * hq * d);
+            let (li, lt) = std::mem::take(&mut l_rest).split_at_mut(n * hq);
+            (o_rest, l_rest) = (ot, lt);
+            items.push(Tokens { b, i0, o: oi, lse: li });
+        }
+        next_token = t0 + sq;
+    }
+    let threads = if parts.plans.iter().any(|p| p.ns > 1) || items.len() > 8 {
+        threads
+    } else {
+        1
+    };
+    parallel::for_each(
+        &mut items,
+        threads,
+        || vec![0.0f32; d],
+        |row, tk| {
+            let pl = parts.plans[tk.b];
+            let n = tk.lse.len() / hq;
+            for ti in 0..n {
+                let i = tk.i0 + ti;
+                for h in 0..hq {
+                    let (hk, r) = (h / parts.g, i * parts.g + h % parts.g);
+                    let first = pl.first + (hk * pl.nrb + r / RB) * pl.ns;
+                    let rr = r % RB;
+                    let src = |s: usize| {
+                        let at = parts.offsets[first + s] + rr;
+                        (&parts.o[at * d..(at + 1) * d], parts.lse[at])
+                    };
+                    let dst = &mut tk.o[(ti * hq + h) * d..(ti * hq + h + 1) * d];
+                    let l = if pl.ns == 1 {
+                        let (x, l) = src(0);
+                        row.copy_from_slice(x);
+                        l
+                    } else {
+                        merge_row((0..pl.ns).map(src), row)
+                    };
+                    for (o, &x) in dst.iter_mut().zip(row.iter()) {
+                        *o = T::from_f32(x);
+                    }
+                    tk.lse[ti * hq + h] = l;
+                }
+            }
+        },
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f16_widening_is_exact() {
+        let all: Vec<half::f16> = (0..=u16::MAX).map(half::f16::from_bits).collect();
+        let mut out = vec![0.0f32; all.len()];
+        widen_f16(&all, &mut out);
+        for (h, &w) in all.iter().zip(&out) {
+            let want = h.to_f32();
+            assert!(
+                want.to_bits() == w.to_bits() || (want.is_nan() && w.is_nan()),
+                "{h:?}: {w} vs {want}"
+            );
+        }
+    }
+
+    #[test]
+    fn split_heuristic() {
+        // Enough items for the workers: never split.
+        assert_eq!(num_splits(8, 2, 4096), 1);
+        assert_eq!(num_splits(17, 2, 1 << 20), 1);
+        // One worker, or too few keys: never split.
+        assert_eq!(num_splits(1, 1, 1 << 20), 1);
+        assert_eq!(num_splits(1, 2, 2 * MIN_SPLIT_KEYS - 1), 1);
+        // One item, two workers: two splits; five items on two workers: ten pieces.
+        assert_eq!(num_splits(1, 2, 4096), 2);
+        assert_eq!(num_splits(5, 2, 4096), 2);
+        // Many workers, one long sequence: about one split per worker (the smallest count
+        // within 85 % of the best efficiency: 14 of 16).
+        assert_eq!(num_splits(1, 16, 1 << 20), 14);
+        assert!(num_splits(1, 1000, 1 << 20) <= MAX_SPLITS);
+    }
+}

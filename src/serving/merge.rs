@@ -1,0 +1,206 @@
+//! Merging attention states: the exact softmax recombination of attention over disjoint key
+//! sets (FlashInfer's `merge_state`; FlashAttention's split-KV combine).
+//!
+//! If `(o_i, lse_i)` is attention of one query over key set `K_i` (o normalised, lse the natural
+//! log of its softmax denominator), attention over the union of disjoint `K_i` is
+//!
+//! ```text
+//! lse = log Σ_i exp(lse_i)        o = Σ_i exp(lse_i − lse) · o_i
+//! ```
+//!
+//! computed with the max subtracted (`m = max_i lse_i`). A state with `lse = −inf` saw no key and
+//! contributes nothing (its `o` is not read); if every state has `lse = −inf` the row saw no key:
+//! `o = 0`, `lse = −inf`, never NaN. NaN in an input propagates to the row's output.
+//!
+//! The CPU split-KV combine calls [`merge_row`], the same arithmetic as the public operations.
+
+use crate::error::{Error, Operand, Result};
+use crate::tensor::{numel, AsTensorView, DType, Element, OwnedData, Tensor, TensorView};
+
+/// Merges one row: `parts` are `(o_i, lse_i)` with every `o_i` of length `out.len()`. Writes the
+/// merged output and returns the merged LSE. Weights are formed in f64, the sum accumulated in
+/// f64 per element.
+pub(crate) fn merge_row<'o>(parts: impl Iterator<Item = (&'o [f32], f32)> + Clone, out: &mut [f32]) -> f32 {
+    let mut m = f64::NEG_INFINITY;
+    let mut nan = false;
+    for (_, lse) in parts.clone() {
+        nan |= lse.is_nan();
+        m = m.max(lse as f64);
+    }
+    if nan {
+        out.iter_mut().for_each(|x| *x = f32::NAN);
+        return f32::NAN;
+    }
+    if m == f64::NEG_INFINITY {
+        out.iter_mut().for_each(|x| *x = 0.0);
+        return f32::NEG_INFINITY;
+    }
+    // m = +inf (an overflowed input) gives NaN weights below: the row shows it.
+    let sum: f64 = parts
+        .clone()
+        .filter(|p| p.1 != f32::NEG_INFINITY)
+        .map(|(_, l)| (l as f64 - m).exp())
+        .sum();
+    let lse = m + sum.ln();
+    let mut acc = [0.0f64; 64];
+    for (c, dst) in out.chunks_mut(acc.len()).enumerate() {
+        let acc = &mut acc[..dst.len()];
+        acc.iter_mut().for_each(|a| *a = 0.0);
+        for (o, l) in parts.clone().filter(|p| p.1 != f32::NEG_INFINITY) {
+            let w = (l as f64 - lse).exp();
+            for (a, &x) in acc.iter_mut().zip(&o[c * 64..]) {
+                *a += w * x as f64;
+            }
+        }
+        for (d, a) in dst.iter_mut().zip(acc.iter()) {
+            *d = *a as f32;
+        }
+    }
+    lse as f32
+}
+
+/// An attention state: output and LSE of attention over some set of keys.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AttentionState {
+    /// `[batch, seqlen, heads, head_dim]`, the dtype of the inputs.
+    pub o: Tensor,
+    /// `[batch, heads, seqlen]`, natural log, −inf for rows that saw no key.
+    pub lse: Vec<f32>,
+}
+
+/// Merges two attention states of the same queries over disjoint key sets:
+/// `o_a`, `o_b` are `[batch, seqlen, heads, head_dim]` (any dtype, both the same), `lse_a`,
+/// `lse_b` are `[batch, heads, seqlen]` (natural log), as [`crate::forward`] returns them
+/// (for a varlen call: `[1, total_q, heads, head_dim]` and `[heads, total_q]`).
+///
+/// The result is in the inputs' dtype, computed in f64; pass f32 states when the merged result
+/// is to be exact to f32 rounding.
+///
+/// # Errors
+/// [`Error::ShapeMismatch`] when the states' shapes or LSE lengths disagree,
+/// [`Error::DTypeMismatch`] when their dtypes do, [`Error::InvalidLayout`] for a view whose
+/// strides leave its buffer.
+pub fn merge_states(
+    o_a: &impl AsTensorView,
+    lse_a: &[f32],
+    o_b: &impl AsTensorView,
+    lse_b: &[f32],
+) -> Result<AttentionState> {
+    merge_states_n(&[(o_a.as_view(), lse_a), (o_b.as_view(), lse_b)])
+}
+
+/// The n-way [`merge_states`]: one state per disjoint key set, in any order (the result depends
+/// on the order only through f64 rounding).
+///
+/// # Errors
+/// As [`merge_states`], and [`Error::InvalidOption`] for an empty list.
+pub fn merge_states_n(states: &[(TensorView<'_>, &[f32])]) -> Result<AttentionState> {
+    let Some((first, _)) = states.first() else {
+        return Err(Error::InvalidOption {
+            option: "merge_states_n states",
+            got: "an empty list".into(),
+            expected: "at least one (o, lse) state".into(),
+        });
+    };
+    let shape = first.shape();
+    let dtype = first.dtype();
+    let [b, s, h, d] = shape;
+    let rows = numel([b, s, h, 1], "merged state")?;
+    for (i, (o, lse)) in states.iter().enumerate() {
+        if o.shape() != shape {
+            return Err(Error::ShapeMismatch {
+                what: format!("o of state {i}"),
+                got: format!("{:?}", o.shape()),
+                expected: format!("{shape:?} (the shape of state 0)"),
+            });
+        }
+        if o.dtype() != dtype {
+            return Err(Error::DTypeMismatch {
+                operand: Operand::O,
+                got: o.dtype(),
+                expected: dtype,
+            });
+        }
+        if rows > 0 {
+            o.check_layout(Operand::O)?;
+        }
+        if lse.len() != rows {
+            return Err(Error::ShapeMismatch {
+                what: format!("lse of state {i}"),
+                got: format!("{} values", lse.len()),
+                expected: format!("{rows} = batch {b} x heads {h} x seqlen {s} ([batch, heads, seqlen])"),
+            });
+        }
+    }
+    let mut o = Tensor::zeros(dtype, shape)?;
+    let mut lse = vec![f32::NEG_INFINITY; rows];
+    let mut parts: Vec<Vec<f32>> = vec![vec![0.0; d]; states.len()];
+    let mut row = vec![0.0f32; d];
+    let mut write = |off: usize, src: &[f32]| match o.data_mut() {
+        OwnedData::F32(v) => store(&mut v[off..off + d], src),
+        OwnedData::F16(v) => store(&mut v[off..off + d], src),
+        OwnedData::BF16(v) => store(&mut v[off..off + d], src),
+    };
+    for bi in 0..b {
+        for si in 0..s {
+            for hi in 0..h {
+                let li = (bi * h + hi) * s + si;
+                for (part, (view, _)) in parts.iter_mut().zip(states) {
+                    view.read_row(bi, si, hi, part);
+                }
+                let it = parts.iter().zip(states).map(|(p, (_, l))| (p.as_slice(), l[li]));
+                lse[li] = merge_row(it, &mut row);
+                write(((bi * s + si) * h + hi) * d, &row);
+            }
+        }
+    }
+    debug_assert!(dtype == o.dtype() || dtype == DType::F32);
+    Ok(AttentionState { o, lse })
+}
+
+fn store<T: Element>(dst: &mut [T], src: &[f32]) {
+    for (d, &x) in dst.iter_mut().zip(src) {
+        *d = T::from_f32(x);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn two_halves_make_the_whole() {
+        // One query, four keys with scores s and values v: halves {0, 1} and {2, 3}.
+        let s = [0.3f64, -1.2, 2.0, 0.7];
+        let v = [1.0f64, -2.0, 0.5, 3.0];
+        let att = |ks: &[usize]| {
+            let m = ks.iter().map(|&j| s[j]).fold(f64::NEG_INFINITY, f64::max);
+            let l: f64 = ks.iter().map(|&j| (s[j] - m).exp()).sum();
+            let o: f64 = ks.iter().map(|&j| (s[j] - m).exp() * v[j]).sum::<f64>() / l;
+            (o as f32, (m + l.ln()) as f32)
+        };
+        let (oa, la) = att(&[0, 1]);
+        let (ob, lb) = att(&[2, 3]);
+        let (o, l) = att(&[0, 1, 2, 3]);
+        let mut out = [0.0f32];
+        let lse = merge_row([(&[oa][..], la), (&[ob][..], lb)].into_iter(), &mut out);
+        assert!(
+            (out[0] - o).abs() < 1e-6 && (lse - l).abs() < 1e-6,
+            "{out:?} {lse} vs {o} {l}"
+        );
+    }
+
+    #[test]
+    fn empty_rows_never_nan() {
+        let mut out = [7.0f32; 3];
+        let nan_o = [f32::NAN; 3];
+        let lse = merge_row(
+            [(&nan_o[..], f32::NEG_INFINITY), (&nan_o[..], f32::NEG_INFINITY)].into_iter(),
+            &mut out,
+        );
+        assert_eq!((out, lse), ([0.0; 3], f32::NEG_INFINITY));
+        let one = [1.0f32, 2.0, 3.0];
+        let lse = merge_row([(&nan_o[..], f32::NEG_INFINITY), (&one[..], 0.5)].into_iter(), &mut out);
+        assert_eq!((out, lse), (one, 0.5));
+    }
+}

@@ -1,0 +1,569 @@
+//! Running kernel sources in the CPU emulator (cuda/test/emu) from Rust: building one program
+//! per (family, head dim) unit with g++ (cached under the target dir by a hash of every source and
+//! flag), turning a problem into the crate's own launch plan (`flash_attn::cuda::plan`), writing
+//! it as a launch file with the inputs, running it under several scheduler seeds, and checking the
+//! outputs against the float64 reference with the GPU tests' rule.
+#![allow(dead_code)]
+
+use super::{floor_for, randn, Rng};
+use flash_attn::cuda::kernels::{fa3_stage, Family, Target, Tile, FAMILIES, IMAGES};
+use flash_attn::cuda::plan::{plan, LaunchPlan, Operands};
+use flash_attn::reference::{attention_f64, attention_naive, max_abs_diff};
+use flash_attn::{DType, Data, ForwardOptions, Problem, Tensor, TensorView};
+use std::collections::hash_map::DefaultHasher;
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::hash::{Hash, Hasher};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// LSE tolerance of the GPU tests (tests/gpu_forward.rs): f32 softmax statistics.
+pub const LSE_TOL: f64 = 2e-3;
+
+pub fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+fn work_dir() -> PathBuf {
+    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join("emu");
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Every file under `dir`, sorted.
+fn files_under(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    if let Ok(rd) = std::fs::read_dir(dir) {
+        for e in rd.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                out.extend(files_under(&p));
+            } else {
+                out.push(p);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// A hash of the contents of every source a build can read (kernels, headers, emulator).
+fn sources_hash() -> u64 {
+    static H: OnceLock<u64> = OnceLock::new();
+    *H.get_or_init(|| {
+        let mut h = DefaultHasher::new();
+        (CXXFLAGS, UBSAN).hash(&mut h);
+        for f in files_under(&root().join("cuda")) {
+            f.hash(&mut h);
+            std::fs::read(&f).unwrap_or_default().hash(&mut h);
+        }
+        h.finish()
+    })
+}
+
+const CXXFLAGS: &[&str] =
+    &["-std=c++20", "-O2", "-g", "-fno-omit-frame-pointer", "-fno-strict-aliasing", "-Wall", "-Wextra", "-Wno-unknown-pragmas"];
+
+const UBSAN: &[&str] = &["-fsanitize=signed-integer-overflow,shift", "-fno-sanitize-recover=all"];
+
+fn includes(cuda_root: &Path) -> Vec<String> {
+    let emu = root().join("cuda/test/emu");
+    vec![
+        "-isystem".into(),
+        emu.join("include").display().to_string(),
+        "-I".into(),
+        cuda_root.join("include").display().to_string(),
+        "-I".into(),
+        emu.display().to_string(),
+    ]
+}
+
+fn gxx(args: &[String], what: &str) -> Result<(), String> {
+    let out = Command::new("nice")
+        .arg("g++")
+        .args(args)
+        .output()
+        .map_err(|e| format!("cannot run g++ ({e}): the emulator needs g++ on PATH"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!("g++ failed on {what}:\n{}", String::from_utf8_lossy(&out.stderr)))
+    }
+}
+
+/// Builds (once per process and per content) `name` with `build`, which writes the file it is
+/// given; concurrent callers of the same name wait for the first.
+type BuildCell = Arc<OnceLock<Result<PathBuf, String>>>;
+fn cached(name: &str, build: impl FnOnce(&Path) -> Result<(), String>) -> Result<PathBuf, String> {
+    static CELLS: OnceLock<Mutex<HashMap<String, BuildCell>>> = OnceLock::new();
+    let cell = CELLS.get_or_init(Default::default).lock().unwrap().entry(name.to_string()).or_default().clone();
+    cell.get_or_init(|| {
+        let path = work_dir().join(name);
+        if path.exists() {
+            return Ok(path);
+        }
+        let tmp = work_dir().join(format!("{name}.tmp{}", std::process::id()));
+        build(&tmp)?;
+        std::fs::rename(&tmp, &path).map_err(|e| e.to_string())?;
+        Ok(path)
+    })
+    .clone()
+}
+
+/// The emulator's runtime and driver objects.
+fn runtime_objects() -> Result<Vec<PathBuf>, String> {
+    let mut objs = Vec::new();
+    for src in ["runtime.cpp", "driver.cpp"] {
+        let key = format!("{}-{:016x}.o", src.trim_end_matches(".cpp"), sources_hash());
+        objs.push(cached(&key, |out| {
+            let mut a: Vec<String> = CXXFLAGS.iter().map(|s| s.to_string()).collect();
+            a.extend(includes(&root().join("cuda")));
+            a.extend(["-c".into(), root().join("cuda/test/emu").join(src).display().to_string(), "-o".into(), out.display().to_string()]);
+            gxx(&a, src)
+        })?);
+    }
+    Ok(objs)
+}
+
+/// A source mutation for the mutation self-tests: in a copy of cuda/, replace `from` by `to` in
+/// `file` (exactly one occurrence, or the test fails: the anchor must keep matching the kernel).
+#[derive(Clone, Debug)]
+pub struct Mutation {
+    pub name: &'static str,
+    pub file: &'static str,
+    pub from: &'static str,
+    pub to: &'static str,
+    /// Extra compiler definitions (mutations injected in the emulator, e.g. EMU_MUTATE_DROP_TRANS_B).
+    pub defines: &'static [&'static str],
+}
+
+impl Mutation {
+    /// Names the mutated sources: the mutation's name and a hash of its edit and of the sources.
+    fn tag(&self) -> String {
+        let mut h = DefaultHasher::new();
+        (self.file, self.from, self.to, self.defines, sources_hash()).hash(&mut h);
+        format!("{}-{:016x}", self.name, h.finish())
+    }
+}
+
+/// A copy of cuda/ with the mutation applied; returns its root.
+fn mutated_tree(m: &Mutation) -> Result<PathBuf, String> {
+    let dir = work_dir().join(format!("mut-{}", m.tag()));
+    let cuda = dir.join("cuda");
+    if !cuda.exists() {
+        for f in files_under(&root().join("cuda")) {
+            let rel = f.strip_prefix(root()).unwrap();
+            let dst = dir.join(rel);
+            std::fs::create_dir_all(dst.parent().unwrap()).unwrap();
+            std::fs::copy(&f, &dst).unwrap();
+        }
+        if !m.file.is_empty() {
+            let p = dir.join(m.file);
+            let text = std::fs::read_to_string(&p).map_err(|e| format!("{}: {e}", m.file))?;
+            let n = text.matches(m.from).count();
+            if n != 1 {
+                return Err(format!("mutation {}: {:?} occurs {n} times in {} (expected once)", m.name, m.from, m.file));
+            }
+            std::fs::write(&p, text.replacen(m.from, m.to, 1)).unwrap();
+        }
+    }
+    Ok(cuda)
+}
+
+/// The program running the kernels of (family, tile): the unit build.rs generates, plus the
+/// emulator. With a mutation, built from the mutated copy.
+pub fn unit_exe(fam: &Family, tile: &Tile, mutation: Option<&Mutation>) -> Result<PathBuf, String> {
+    let cuda_root = match mutation {
+        Some(m) => mutated_tree(m)?,
+        None => root().join("cuda"),
+    };
+    let tag = mutation.map_or(format!("{:016x}", sources_hash()), |m| m.tag());
+    let name = format!("emu_{}_hd{}-{tag}", fam.name, tile.head_dim);
+    let objs = runtime_objects()?;
+    cached(&name, |out| {
+        let mut unit = String::new();
+        writeln!(unit, "#define FA_FAMILY {}", fam.name).unwrap();
+        writeln!(unit, "#define FA_HEAD_DIM {}", tile.head_dim).unwrap();
+        writeln!(unit, "#define FA_BLOCK_M {}", tile.block_m).unwrap();
+        writeln!(unit, "#define FA_BLOCK_N {}", tile.block_n).unwrap();
+        writeln!(unit, "#define FA_THREADS {}", tile.threads).unwrap();
+        writeln!(unit, "#define FA_SMEM_BYTES {}", (fam.smem_bytes)(tile)).unwrap();
+        writeln!(unit, "#include \"{}\"", cuda_root.parent().unwrap().join(fam.source).display()).unwrap();
+        for dt in ["f16", "bf16"] {
+            writeln!(unit, "FA_INSTANCE({dt})").unwrap();
+            writeln!(unit, "EMU_KERNEL({}_fwd_hd{}_{dt})", fam.name, tile.head_dim).unwrap();
+        }
+        let src = out.with_extension("cpp");
+        std::fs::write(&src, unit).unwrap();
+        let obj = out.with_extension("o");
+        let mut a: Vec<String> = CXXFLAGS.iter().map(|s| s.to_string()).collect();
+        if let Some(m) = mutation {
+            a.extend(m.defines.iter().map(|d| format!("-D{d}")));
+        }
+        // Signed overflow in the kernel's index arithmetic wraps silently on a GPU; here it is
+        // an error with the file and line.
+        a.extend(UBSAN.iter().map(|s| s.to_string()));
+        a.extend(["-include".into(), root().join("cuda/test/emu/emu.h").display().to_string()]);
+        a.extend(includes(&cuda_root));
+        a.extend(["-c".into(), src.display().to_string(), "-o".into(), obj.display().to_string()]);
+        gxx(&a, &format!("{} hd{}", fam.name, tile.head_dim))?;
+        let mut l = vec!["-no-pie".to_string()];
+        l.extend(UBSAN.iter().map(|s| s.to_string()));
+        l.push(obj.display().to_string());
+        l.extend(objs.iter().map(|o| o.display().to_string()));
+        l.extend(["-o".into(), out.display().to_string()]);
+        gxx(&l, "link")
+    })
+}
+
+/// A standalone emulator program (self-tests): `src` under cuda/test/emu, with emu.h.
+pub fn tool_exe(src: &str) -> Result<PathBuf, String> {
+    let objs = runtime_objects()?;
+    let name = format!("{}-{:016x}", src.trim_end_matches(".cpp"), sources_hash());
+    cached(&name, |out| {
+        let obj = out.with_extension("o");
+        let mut a: Vec<String> = CXXFLAGS.iter().map(|s| s.to_string()).collect();
+        a.extend(["-include".into(), root().join("cuda/test/emu/emu.h").display().to_string()]);
+        a.extend(includes(&root().join("cuda")));
+        a.extend(["-c".into(), root().join("cuda/test/emu").join(src).display().to_string(), "-o".into(), obj.display().to_string()]);
+        gxx(&a, src)?;
+        let mut l = vec!["-no-pie".to_string(), obj.display().to_string()];
+        // The self-tests have their own main: link the runtime only.
+        l.push(objs[0].display().to_string());
+        l.extend(["-o".into(), out.display().to_string()]);
+        gxx(&l, "link")
+    })
+}
+
+/// Registers per thread at kernel entry from the ptxas report of the built image (0 when the
+/// kernels were not built: the emulator then uses 65536 / threads rounded down to 8, which is
+/// what `__launch_bounds__(threads, 1)` gives).
+pub fn entry_regs(family: &str, head_dim: u32, kernel: &str) -> u32 {
+    let target = if fa3_stage(family).is_some() { Target::Sm90a } else { Target::Sm80 };
+    let Some(img) = IMAGES.iter().find(|i| i.family == family && i.head_dim == head_dim && i.target == target) else {
+        return 0;
+    };
+    let mut in_kernel = false;
+    for line in img.report.lines() {
+        if line.contains("Compiling entry function") {
+            in_kernel = line.contains(&format!("'{kernel}'"));
+        } else if in_kernel {
+            if let Some(i) = line.find("Used ") {
+                if let Some(n) = line[i + 5..].split_whitespace().next().and_then(|n| n.parse().ok()) {
+                    return n;
+                }
+            }
+        }
+    }
+    0
+}
+
+/// One emulated launch of a problem.
+#[derive(Clone, Debug)]
+pub struct Case {
+    pub family: &'static str,
+    pub dtype: DType,
+    pub q: [usize; 4],
+    pub k: [usize; 4],
+    pub opts: ForwardOptions,
+    /// Inputs are N(0, scale^2): large scales give large-magnitude scores.
+    pub input_scale: f32,
+    pub seeds: Vec<u64>,
+    /// Persistent grid size (stage 5).
+    pub sm_count: u32,
+    /// Tensors laid out [b, h, s, d] in memory (strides differ from the contiguous [b, s, h, d]).
+    pub bhsd: bool,
+    pub label: String,
+    /// The edges of the input domain (issue 10): the softmax scale that makes the largest |q·k|
+    /// this value (e.g. near f32::MAX, where log2-unit scores overflow), compared with the naive
+    /// f32 softmax (a 16-bit one overflows) and LSEs relative to their size.
+    pub max_score: Option<f64>,
+    /// Every V set to this value (inf or NaN): rows that see no key must be exactly 0 with LSE
+    /// -inf, rows that see keys non-finite.
+    pub v_fill: Option<f32>,
+}
+
+impl Case {
+    pub fn new(family: &'static str, dtype: DType, q: [usize; 4], k: [usize; 4], opts: ForwardOptions) -> Self {
+        Case {
+            family,
+            dtype,
+            q,
+            k,
+            opts,
+            input_scale: 1.0,
+            seeds: vec![1, 2, 3],
+            sm_count: 1,
+            bhsd: false,
+            label: String::new(),
+            max_score: None,
+            v_fill: None,
+        }
+    }
+    pub fn name(&self) -> String {
+        format!(
+            "{} {:?} q{:?} k{:?}{} {:?}{}{}{} sms{}{}",
+            self.family,
+            self.dtype,
+            self.q,
+            self.k,
+            if self.bhsd { " [b,h,s,d]" } else { "" },
+            self.opts.mask,
+            self.opts.softcap.map_or(String::new(), |c| format!(" softcap{c}")),
+            if self.opts.return_lse { " lse" } else { "" },
+            if self.opts.alibi_slopes.is_some() { " alibi" } else { "" },
+            self.sm_count,
+            if self.label.is_empty() { String::new() } else { format!(" [{}]", self.label) }
+        )
+    }
+}
+
+/// A passing case: max error over its bound, and the emulator's log.
+#[derive(Clone, Debug)]
+pub struct Pass {
+    pub ratio: f64,
+    pub log: String,
+    /// The launch the run made.
+    pub plan: LaunchPlan,
+}
+/// The outcome of one case: Ok, or Err(why, with the emulator's log).
+pub type Outcome = Result<Pass, String>;
+
+fn bits_of(t: &Tensor) -> Vec<u8> {
+    match t.view().data() {
+        Data::F16(s) => s.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
+        Data::BF16(s) => s.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
+        _ => panic!("the emulated kernels take f16/bf16"),
+    }
+}
+
+/// Runs `c` under the emulator (with `mutation` if any) and compares with the reference.
+pub fn run_case(c: &Case, mutation: Option<&Mutation>) -> Outcome {
+    let mut h = DefaultHasher::new();
+    c.name().hash(&mut h);
+    let mut rng = Rng(h.finish() | 1);
+    let mut gen = |shape: [usize; 4]| {
+        let t = randn(&mut rng, c.dtype, shape);
+        if c.input_scale == 1.0 {
+            t
+        } else {
+            let v: Vec<f32> = t.to_f32_vec().iter().map(|x| x * c.input_scale).collect();
+            Tensor::from_f32(&v, c.dtype, shape).unwrap()
+        }
+    };
+    // [b, h, s, d] storage: generate that shape, view it as [b, s, h, d] with its strides.
+    let bhsd = |s: [usize; 4]| if c.bhsd { [s[0], s[2], s[1], s[3]] } else { s };
+    let (q, k, mut v) = (gen(bhsd(c.q)), gen(bhsd(c.k)), gen(bhsd(c.k)));
+    if let Some(x) = c.v_fill {
+        v = Tensor::from_f32(&vec![x; v.numel()], c.dtype, v.shape()).unwrap();
+    }
+    let mut opts = c.opts.clone();
+    if let Some(target) = c.max_score {
+        assert!(!c.bhsd, "max_score cases use the contiguous layout");
+        let ([b, sq, hq, d], [_, sk, hk, _]) = (c.q, c.k);
+        let (qx, kx) = (q.to_f32_vec(), k.to_f32_vec());
+        let mut max_dot = 0.0f64;
+        for bi in 0..b {
+            for h in 0..hq {
+                for i in 0..sq {
+                    let qr = &qx[((bi * sq + i) * hq + h) * d..][..d];
+                    for j in 0..sk {
+                        let kr = &kx[((bi * sk + j) * hk + h / (hq / hk)) * d..][..d];
+                        let dot: f64 = qr.iter().zip(kr).map(|(&a, &b)| a as f64 * b as f64).sum();
+                        max_dot = max_dot.max(dot.abs());
+                    }
+                }
+            }
+        }
+        opts.softmax_scale = Some((target / max_dot) as f32);
+    }
+    fn view<'a>(t: &'a Tensor, s: [usize; 4], bhsd: bool) -> TensorView<'a> {
+        if !bhsd {
+            return t.view();
+        }
+        let st = [s[2] * s[1] * s[3], s[3], s[1] * s[3]];
+        match t.view().data() {
+            Data::F16(d) => TensorView::with_strides(d, s, st),
+            Data::BF16(d) => TensorView::with_strides(d, s, st),
+            _ => unreachable!(),
+        }
+    }
+    let (qv, kv, vv) = (view(&q, c.q, c.bhsd), view(&k, c.k, c.bhsd), view(&v, c.k, c.bhsd));
+    let p = Problem::new(&qv, &kv, &vv, &opts).map_err(|e| format!("problem: {e}"))?;
+    // Device addresses of the emulated buffers (16-byte aligned, far apart).
+    const Q: u64 = 0x10_0000_0000;
+    const K: u64 = 0x20_0000_0000;
+    const V: u64 = 0x30_0000_0000;
+    const O: u64 = 0x40_0000_0000;
+    const LSE: u64 = 0x50_0000_0000;
+    const ALIBI: u64 = 0x60_0000_0000;
+    let ops = Operands {
+        ptrs: [Q, K, V, O],
+        strides: [qv.strides(), kv.strides(), vv.strides(), qv.strides()],
+        lse: if c.opts.return_lse { LSE } else { 0 },
+        alibi: if c.opts.alibi_slopes.is_some() { ALIBI } else { 0 },
+    };
+    let pl: LaunchPlan = plan(c.family, &p, &ops, c.sm_count).map_err(|e| format!("plan: {e}"))?;
+    let fam = FAMILIES.iter().find(|f| f.name == c.family).unwrap();
+    let exe = unit_exe(fam, &pl.tile, mutation)?;
+
+    let dir = work_dir().join("runs").join(format!("{:016x}{}", h.finish(), mutation.map_or("", |m| m.name)));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = |n: &str| dir.join(n).display().to_string();
+    let mut lf = String::new();
+    writeln!(lf, "kernel {}", pl.kernel).unwrap();
+    writeln!(lf, "grid {} {} {}", pl.grid.0, pl.grid.1, pl.grid.2).unwrap();
+    writeln!(lf, "block {}", pl.block.0).unwrap();
+    writeln!(lf, "smem {}", pl.smem_bytes).unwrap();
+    writeln!(lf, "regs {}", entry_regs(c.family, pl.tile.head_dim, &pl.kernel)).unwrap();
+    writeln!(lf, "seeds {}", c.seeds.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(" ")).unwrap();
+    let hex: String = pl.params.to_bytes().iter().map(|b| format!("{b:02x}")).collect();
+    writeln!(lf, "params {hex}").unwrap();
+    writeln!(lf, "print-maps").unwrap();
+    let n_o = c.q.iter().product::<usize>() * 2;
+    for (name, addr, t) in [("q", Q, &q), ("k", K, &k), ("v", V, &v)] {
+        let b = bits_of(t);
+        std::fs::write(file(name), &b).unwrap();
+        writeln!(lf, "in {name} {addr:#x} {} {}", b.len(), file(name)).unwrap();
+    }
+    writeln!(lf, "out o {O:#x} {n_o} {}", file("o")).unwrap();
+    let n_lse = p.batch * p.heads_q * p.seqlen_q;
+    if c.opts.return_lse {
+        writeln!(lf, "out lse {LSE:#x} {} {}", n_lse * 4, file("lse")).unwrap();
+    }
+    if let Some(s) = &c.opts.alibi_slopes {
+        let b: Vec<u8> = s.iter().flat_map(|x| x.to_le_bytes()).collect();
+        std::fs::write(file("alibi"), &b).unwrap();
+        writeln!(lf, "in alibi {ALIBI:#x} {} {}", b.len(), file("alibi")).unwrap();
+    }
+    for m in &pl.tensor_maps {
+        let s = &m.spec;
+        let join = |v: &[u64]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(" ");
+        let join32 = |v: &[u32]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(" ");
+        writeln!(
+            lf,
+            "tmap {} {} {:#x} {} {} {} {} {} {} {} {}",
+            s.data_type,
+            s.rank,
+            m.global_address,
+            join(&s.dims),
+            join(&s.strides),
+            join32(&s.box_dims),
+            join32(&s.elem_strides),
+            s.interleave,
+            s.swizzle,
+            s.l2_promotion,
+            s.oob_fill
+        )
+        .unwrap();
+    }
+    std::fs::write(file("launch"), &lf).unwrap();
+    let out = Command::new(&exe).arg(file("launch")).output().map_err(|e| format!("run {}: {e}", exe.display()))?;
+    let log = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() {
+        return Err(format!("emulator exit {:?}:\n{log}", out.status.code()));
+    }
+    // Outputs against the float64 reference, with the GPU tests' rule.
+    let o_bytes = std::fs::read(file("o")).unwrap();
+    let stored: Vec<f64> = o_bytes
+        .chunks_exact(2)
+        .map(|b| {
+            let bits = u16::from_le_bytes([b[0], b[1]]);
+            match c.dtype {
+                DType::BF16 => half::bf16::from_bits(bits).to_f64(),
+                _ => half::f16::from_bits(bits).to_f64(),
+            }
+        })
+        .collect();
+    // O has Q's strides: back to [b, s, h, d] order for the comparison.
+    let [ob, os, oh, od] = c.q;
+    let mut o = vec![0.0; stored.len()];
+    for b in 0..ob {
+        for si in 0..os {
+            for h in 0..oh {
+                let src = if c.bhsd { ((b * oh + h) * os + si) * od } else { ((b * os + si) * oh + h) * od };
+                let dst = ((b * os + si) * oh + h) * od;
+                o[dst..dst + od].copy_from_slice(&stored[src..src + od]);
+            }
+        }
+    }
+    let r = attention_f64(&p, &qv, &kv, &vv).unwrap();
+    let lse_out = || -> Vec<f64> {
+        let lb = std::fs::read(file("lse")).unwrap();
+        lb.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64).collect()
+    };
+    if c.v_fill.is_some() {
+        // Rows that see no key: exactly 0 and LSE -inf; rows that see an inf/NaN V: not finite.
+        let d = p.head_dim;
+        for (idx, (&got, &want)) in o.iter().zip(&r.o).enumerate() {
+            let i = (idx / d / p.heads_q) % p.seqlen_q;
+            let (lo, hi) = p.key_range(i);
+            if lo >= hi && got != 0.0 {
+                return Err(format!("row {i} sees no key but O = {got} at element {idx}\n{log}"));
+            }
+            if lo < hi && !want.is_finite() && got.is_finite() {
+                return Err(format!("row {i} sees a non-finite V but O = {got} at element {idx}\n{log}"));
+            }
+        }
+        if c.opts.return_lse {
+            let bad = lse_out().iter().zip(&r.lse).position(|(&g, &w)| w == f64::NEG_INFINITY && g != w);
+            if let Some(at) = bad {
+                return Err(format!("LSE {at} of a row that sees no key is not -inf\n{log}"));
+            }
+        }
+        return Ok(Pass { ratio: 0.0, log, plan: pl });
+    }
+    // Scores near f32::MAX: the straightforward softmax in f32 is the yardstick (in a 16-bit
+    // dtype its scores overflow).
+    let naive_dtype = if c.max_score.is_some() { DType::F32 } else { c.dtype };
+    let naive = attention_naive(&p, &qv, &kv, &vv, naive_dtype).unwrap();
+    if c.max_score.is_some() && o.iter().any(|x| !x.is_finite()) && naive.iter().all(|x| x.is_finite()) {
+        return Err(format!("the naive f32 softmax is finite, the kernel's output is not\n{log}"));
+    }
+    let err = max_abs_diff(&o, &r.o);
+    let bound = 2.0 * max_abs_diff(&naive, &r.o) + floor_for(c.dtype);
+    // max_abs_diff counts a NaN where the reference has a number as infinitely wrong.
+    if err > bound {
+        let worst = o.iter().zip(&r.o).enumerate().max_by(|a, b| {
+            let e = |x: &(usize, (&f64, &f64))| if x.1 .0.is_nan() { f64::INFINITY } else { (x.1 .0 - x.1 .1).abs() };
+            e(a).total_cmp(&e(b))
+        });
+        return Err(format!("max |O - ref| {err:.3e} > bound {bound:.3e} (worst at {worst:?})\n{log}"));
+    }
+    if c.opts.return_lse {
+        let lse = lse_out();
+        // Large scores: the LSE is as large, compared relative to its size and rounded to f32.
+        let (lerr, tol) = match c.max_score {
+            None => (max_abs_diff(&lse, &r.lse), LSE_TOL),
+            Some(t) => {
+                let r32: Vec<f64> = r.lse.iter().map(|&x| x as f32 as f64).collect();
+                (max_abs_diff(&lse, &r32), 1e-6 * t.max(1e3))
+            }
+        };
+        if lerr > tol {
+            return Err(format!("max |LSE - ref| {lerr:.3e} > {tol:e}\n{log}"));
+        }
+    }
+    Ok(Pass { ratio: err / bound, log, plan: pl })
+}
+
+/// Runs cases on up to `threads` worker threads; returns (case name, outcome) in order.
+pub fn run_all(cases: &[Case], mutation: Option<&Mutation>, threads: usize) -> Vec<(String, Outcome)> {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let results: Mutex<Vec<(usize, String, Outcome)>> = Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for _ in 0..threads.max(1).min(cases.len()) {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(c) = cases.get(i) else { break };
+                let t0 = std::time::Instant::now();
+                let r = run_case(c, mutation);
+                let name = format!("{} ({:.1} s)", c.name(), t0.elapsed().as_secs_f64());
+                results.lock().unwrap().push((i, name, r));
+            });
+        }
+    });
+    let mut v = results.into_inner().unwrap();
+    v.sort_by_key(|x| x.0);
+    v.into_iter().map(|(_, n, r)| (n, r)).collect()
+}

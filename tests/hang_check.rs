@@ -1,0 +1,259 @@
+//! The opt-in hang-check build (FLASH_ATTN_HANG_CHECK=1, cuda/include/hang_check.cuh, docs/fa3.md
+//! "Hang check"), without a GPU:
+//! - `wait_policy_reports_then_traps`: the kernels' own wait loop and report text run on the host
+//!   (cuda/test/hang_check_test.cpp, g++) with a fake clock: a wait that never completes prints
+//!   block, warp, barrier (name, smem offset) and parity after the limit, then traps; a wait that
+//!   completes in time prints nothing;
+//! - `hang_check_build_bounds_every_wait` (compile-checked only): build.rs's FA3 units for stages
+//!   2-5 compiled with FA_HANG_CHECK: in the PTX every `mbarrier.try_wait` of a kernel is either
+//!   followed by the call to the bounded wait or inside it, the bounded wait reads %globaltimer,
+//!   printf's and traps; the SASS has BPT.TRAP;
+//! - `embedded_images_match_the_build`: the kernels embedded by this build have the bounded waits
+//!   (BPT.TRAP in every FA3 stage 2-5 cubin) exactly when build.rs saw FLASH_ATTN_HANG_CHECK=1;
+//!   the normal build has none (its wait loop is the plain one; the cubins of the normal build
+//!   were also compared byte for byte with those before the hang check existed: identical).
+
+use std::path::Path;
+use std::process::Command;
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+#[test]
+fn wait_policy_reports_then_traps() {
+    let exe = Path::new(env!("CARGO_TARGET_TMPDIR")).join("hang_check_test");
+    let built = Command::new("g++")
+        .args([
+            "-std=c++17",
+            "-O1",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-D__host__=",
+            "-D__device__=",
+        ])
+        .arg("-I")
+        .arg(root().join("cuda/include"))
+        .arg(root().join("cuda/test/hang_check_test.cpp"))
+        .arg("-o")
+        .arg(&exe)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run g++ ({e}): this host check needs g++ on PATH"));
+    assert!(
+        built.status.success(),
+        "g++ failed:\n{}",
+        String::from_utf8_lossy(&built.stderr)
+    );
+
+    let hung = Command::new(&exe).output().expect("run hang_check_test");
+    let log = String::from_utf8_lossy(&hung.stdout).into_owned();
+    println!("{log}");
+    assert_eq!(
+        hung.status.code(),
+        Some(3),
+        "a never-completing wait must end in the trap:\n{log}"
+    );
+    let lines: Vec<&str> = log.lines().collect();
+    let want = [
+        "flash_attn hang check: HANG: block (3,1,0) warp 4 thread 130: mbarrier k_full[1] (smem +0x14010) parity 1",
+        "flash_attn hang check:   not complete after 1001 ms (144 polls)",
+        "flash_attn hang check:   board: block (3,1,0) warp 0: mbarrier k_empty[0] (smem +0x14028) parity 0",
+        "flash_attn hang check:   board: block (3,1,0) warp 8: named barrier 2 (bar.sync, 256 threads)",
+        "flash_attn hang check: TRAP: block (3,1,0) warp 4 thread 130: mbarrier k_full[1] (smem +0x14010) parity 1",
+        "flash_attn hang check:   not complete after 2002 ms (287 polls); trapping",
+        "hang_check_test: trap after 1 report(s), 287 polls",
+    ];
+    assert_eq!(lines, want, "report text");
+
+    let done = Command::new(&exe)
+        .arg("done")
+        .output()
+        .expect("run hang_check_test done");
+    let log = String::from_utf8_lossy(&done.stdout).into_owned();
+    assert!(done.status.success(), "{log}");
+    assert_eq!(log.trim(), "hang_check_test: completed after 5 polls, 0 report(s)");
+}
+
+#[cfg(feature = "cuda")]
+mod nvcc {
+    use super::root;
+    use flash_attn::cuda::kernels::{fa3_stage, Target, CUOBJDUMP, FAMILIES, IMAGES, NVCC};
+    use std::path::Path;
+    use std::process::Command;
+
+    /// The unit build.rs generates for (family, head dim), with the hang check on or off.
+    fn unit(family: &str, head_dim: u32, hang: bool) -> String {
+        let fam = FAMILIES.iter().find(|f| f.name == family).expect("family in the table");
+        let tile = fam.tiles.iter().find(|t| t.head_dim == head_dim).expect("tile");
+        let mut s = format!(
+            "#define FA_FAMILY {}\n#define FA_HEAD_DIM {}\n#define FA_BLOCK_M {}\n#define FA_BLOCK_N {}\n\
+             #define FA_THREADS {}\n#define FA_SMEM_BYTES {}\n",
+            fam.name,
+            tile.head_dim,
+            tile.block_m,
+            tile.block_n,
+            tile.threads,
+            (fam.smem_bytes)(tile)
+        );
+        if hang {
+            s.push_str("#define FA_HANG_CHECK 1\n");
+        }
+        s.push_str(&format!(
+            "#include \"{}\"\nFA_INSTANCE(bf16)\nFA_INSTANCE(f16)\n",
+            root().join(fam.source).display()
+        ));
+        s
+    }
+
+    fn nvcc(args: &[&str], input: &Path, output: &Path) {
+        let out = Command::new(NVCC)
+            .args(["-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a"])
+            .args(args)
+            .arg("-I")
+            .arg(root().join("cuda/include"))
+            .arg(input)
+            .arg("-o")
+            .arg(output)
+            .output()
+            .expect("run nvcc");
+        assert!(
+            out.status.success(),
+            "nvcc failed on {}:\n{}",
+            input.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    fn sass(cubin: &Path) -> String {
+        assert!(!CUOBJDUMP.is_empty(), "no cuobjdump next to nvcc");
+        let out = Command::new(CUOBJDUMP)
+            .arg("--dump-sass")
+            .arg(cubin)
+            .output()
+            .expect("run cuobjdump");
+        assert!(
+            out.status.success(),
+            "cuobjdump failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// PTX of one unit split into (name, body) per `.entry` / `.func`.
+    fn functions(ptx: &str) -> Vec<(String, String)> {
+        let mut out: Vec<(String, String)> = Vec::new();
+        for line in ptx.lines() {
+            let t = line.trim_start();
+            let head = t.strip_prefix(".visible ").unwrap_or(t);
+            // Definitions open their parameter list on the name's line; declarations do not.
+            if (head.starts_with(".entry ") || head.starts_with(".func ")) && t.ends_with('(') {
+                let name = head
+                    .split_whitespace()
+                    .last()
+                    .unwrap_or("")
+                    .trim_end_matches('(')
+                    .to_string();
+                out.push((name, String::new()));
+            } else if let Some((_, body)) = out.last_mut() {
+                body.push_str(line);
+                body.push('\n');
+            }
+        }
+        out
+    }
+
+    #[test]
+    #[cfg_attr(not(fa_kernels), ignore = "nvcc was not found at build time")]
+    fn hang_check_build_bounds_every_wait() {
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("hang-check");
+        std::fs::create_dir_all(&dir).unwrap();
+        for stage in 2..=5 {
+            let family = format!("fa3s{stage}");
+            let cu = dir.join(format!("{family}_hd64.cu"));
+            let ptx = dir.join(format!("{family}_hd64.ptx"));
+            std::fs::write(&cu, unit(&family, 64, true)).unwrap();
+            nvcc(&["-ptx"], &cu, &ptx);
+            let text = std::fs::read_to_string(&ptx).unwrap();
+            let funcs = functions(&text);
+            let checked = funcs
+                .iter()
+                .find(|(n, _)| n.contains("mbar_wait_checked"))
+                .unwrap_or_else(|| panic!("{family}: no out-of-line bounded wait in the PTX"));
+            // The bounded wait: a clock, a report (printf through the report function), a trap.
+            assert!(
+                checked.1.contains("%globaltimer"),
+                "{family}: the bounded wait reads no clock"
+            );
+            assert!(checked.1.contains("trap;"), "{family}: the bounded wait never traps");
+            assert!(
+                checked.1.contains("mbarrier.try_wait"),
+                "{family}: the bounded wait does not poll"
+            );
+            let report = funcs
+                .iter()
+                .find(|(n, _)| n.contains("fa_hang6report"))
+                .expect("report function");
+            assert!(report.1.contains("vprintf"), "{family}: the report prints nothing");
+            let entries: Vec<_> = funcs
+                .iter()
+                .filter(|(n, _)| n.starts_with(&format!("{family}_fwd_hd64_")))
+                .collect();
+            assert_eq!(entries.len(), 2, "{family}: bf16 and f16 kernels");
+            for (name, body) in entries {
+                let tries = body.matches("mbarrier.try_wait").count();
+                let calls = body.matches("mbar_wait_checked").count(); // the callee line of each call
+                assert!(tries > 0, "{name}: no mbarrier wait at all?");
+                assert_eq!(
+                    tries, calls,
+                    "{name}: {tries} mbarrier probes but {calls} bounded waits"
+                );
+                assert!(!body.contains("trap;") || body.contains("mbar_wait_checked"), "{name}");
+            }
+            if stage == 5 {
+                // ptxas keeps the trap (compile-checked only: nothing has run on a GPU).
+                let cubin = dir.join(format!("{family}_hd64.cubin"));
+                nvcc(&["-cubin"], &cu, &cubin);
+                let s = sass(&cubin);
+                assert!(s.contains("BPT.TRAP"), "{family}: no BPT.TRAP in the SASS");
+                assert!(s.contains("GLOBALTIMER"), "{family}: no clock read in the SASS");
+            }
+        }
+    }
+
+    #[test]
+    #[cfg_attr(not(fa_kernels), ignore = "nvcc was not found at build time: no kernels embedded")]
+    fn embedded_images_match_the_build() {
+        let hang = cfg!(fa_hang_check);
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("hang-check-images");
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut checked = 0;
+        for img in IMAGES
+            .iter()
+            .filter(|i| i.target == Target::Sm90a && fa3_stage(i.family).is_some_and(|s| s >= 2))
+        {
+            let cubin = dir.join(format!("{}_hd{}.cubin", img.family, img.head_dim));
+            std::fs::write(&cubin, img.bytes).unwrap();
+            let s = sass(&cubin);
+            assert_eq!(
+                s.contains("BPT.TRAP"),
+                hang,
+                "{} hd{}: trap present = {hang} expected",
+                img.family,
+                img.head_dim
+            );
+            assert_eq!(
+                s.contains("GLOBALTIMER"),
+                hang,
+                "{} hd{}: clock read",
+                img.family,
+                img.head_dim
+            );
+            checked += 1;
+        }
+        println!("{checked} FA3 sm_90a images checked (hang-check build: {hang})");
+        if IMAGES.iter().any(|i| i.target == Target::Sm90a) {
+            assert!(checked > 0, "sm_90a was built but no FA3 stage 2-5 image found");
+        }
+    }
+}

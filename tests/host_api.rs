@@ -1,0 +1,70 @@
+//! The host API an engine uses without copies: `forward_into` writes into the caller's buffer
+//! (the same values as `forward`), `Tensor::into_vec`/`into_data` hand the buffer out without a
+//! copy, and wrong buffers are typed errors.
+
+mod common;
+use common::*;
+use flash_attn::{forward, forward_into, Backend, DType, Error, ForwardOptions, Mask, Operand, OwnedData, Tensor};
+use half::bf16;
+
+#[test]
+fn forward_into_writes_what_forward_returns() {
+    let mut rng = Rng(41);
+    for dtype in [DType::F32, DType::BF16] {
+        let q = randn(&mut rng, dtype, [2, 33, 4, 64]);
+        let k = randn(&mut rng, dtype, [2, 47, 2, 64]);
+        let v = randn(&mut rng, dtype, [2, 47, 2, 64]);
+        let opts = ForwardOptions::default().mask(Mask::Causal).return_lse(true).backend(Backend::Cpu);
+        let want = forward(&q, &k, &v, &opts).unwrap();
+        let mut lse = vec![f32::NAN; 2 * 4 * 33];
+        let d = match dtype {
+            DType::F32 => {
+                let mut out = vec![f32::NAN; q.numel()];
+                let d = forward_into(&q, &k, &v, &mut out, Some(&mut lse), &opts).unwrap();
+                assert_eq!(OwnedData::F32(out), *want.o.data());
+                d
+            }
+            _ => {
+                let mut out = vec![bf16::NAN; q.numel()];
+                let d = forward_into(&q, &k, &v, &mut out, Some(&mut lse), &opts).unwrap();
+                assert_eq!(OwnedData::BF16(out), *want.o.data());
+                d
+            }
+        };
+        assert_eq!(lse, want.lse.unwrap());
+        assert_eq!(d, want.dispatch);
+    }
+}
+
+#[test]
+fn forward_into_refuses_wrong_buffers() {
+    let mut rng = Rng(43);
+    let q = randn(&mut rng, DType::F32, [1, 8, 2, 32]);
+    let opts = ForwardOptions::default();
+    let mut short = vec![0f32; q.numel() - 1];
+    let e = forward_into(&q, &q, &q, &mut short, None, &opts).unwrap_err();
+    assert!(matches!(&e, Error::ShapeMismatch { got, .. } if got.contains(&(q.numel() - 1).to_string())), "{e}");
+    let mut wrong_type = vec![bf16::ZERO; q.numel()];
+    let e = forward_into(&q, &q, &q, &mut wrong_type, None, &opts).unwrap_err();
+    assert_eq!(e, Error::DTypeMismatch { operand: Operand::O, got: DType::BF16, expected: DType::F32 });
+    let mut out = vec![0f32; q.numel()];
+    let mut lse = vec![0f32; 3];
+    let e = forward_into(&q, &q, &q, &mut out, Some(&mut lse), &opts).unwrap_err();
+    assert!(matches!(&e, Error::ShapeMismatch { what, .. } if what.contains("lse")), "{e}");
+}
+
+#[test]
+fn into_vec_and_into_data_do_not_copy() {
+    let v: Vec<f32> = (0..2 * 3 * 4 * 5).map(|i| i as f32).collect();
+    let ptr = v.as_ptr();
+    let t = Tensor::from_vec(v, [2, 3, 4, 5]).unwrap();
+    let back: Vec<f32> = t.clone().into_vec().unwrap();
+    assert_eq!(back, t.to_f32_vec());
+    let back = t.into_vec::<f32>().unwrap();
+    assert_eq!(back.as_ptr(), ptr, "the same allocation comes back");
+
+    let t = Tensor::zeros(DType::F16, [1, 1, 1, 4]).unwrap();
+    assert!(matches!(t.clone().into_data(), OwnedData::F16(v) if v.len() == 4));
+    let e = t.into_vec::<f32>().unwrap_err();
+    assert!(matches!(&e, Error::UnsupportedDType { dtype: DType::F32, supported, .. } if supported == "F16"), "{e}");
+}
