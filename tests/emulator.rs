@@ -320,7 +320,7 @@ fn domain_edges() {
 
 /// The shapes of the FA3 matrix: seqlens 1, 63, 65, 130, 257 (no multiple of any tile),
 /// seqlen_q != seqlen_k, every mask kind, softcap, GQA, LSE, huge window bounds (clamped by the
-/// host to i32::MAX) and large-magnitude scores.
+/// host to the sequence) and large-magnitude scores.
 struct Shape {
     label: &'static str,
     b: usize,
