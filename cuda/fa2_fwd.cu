@@ -112,7 +112,7 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
     const int m0 = m_block * kBlockM;                  // first query row of this CTA
     const int m_last = min(m0 + kBlockM, seqlen_q) - 1;  // last real query row
 
-    const float slope_log2 = alibi_log2(p, head);
+    const float slope = alibi_slope(p, head);
 
     // Keys any row of this CTA can see: [range_first.lo, range_last.hi] (window bounds are
     // monotone in the row, so the first and last real rows bound the union).
@@ -190,15 +190,17 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
             }
         }
 
-        // ---- scores -> log2 units, softcap, ALiBi; mask only tiles that cross a boundary ----
-        scores_to_log2(acc_s, p, slope_log2, m0 + wrow, n0, lane);
+        // ---- scores: raw q.k, or natural units with softcap / ALiBi; mask only tiles that
+        // cross a boundary ----
+        if (natural_scores(p)) scores_to_natural(acc_s, p, slope, m0 + wrow, n0, lane);
         // A tile needs no mask when every (row, key) of it is visible: all keys < seqlen_k, the
         // tile's last key within the first row's right bound, its first key within the last
         // row's left bound (ranges of the CTA's first and last real rows).
         if (n0 + kBlockN - 1 > range_first.hi || n0 < range_last.lo)
             apply_mask(acc_s, p, m0 + wrow, n0, lane);
 
-        // ---- online softmax (rows g: i = 0,1; rows g+8: i = 2,3) ----
+        // ---- online softmax in score units (rows g: i = 0,1; rows g+8: i = 2,3); exponents are
+        // (s - m) * c, c = softmax_scale_log2 from the constant bank (fa2_softmax.cuh) ----
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -210,14 +212,14 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
                 mx = quad_max(mx);
                 // -inf guard: a row with no visible key so far subtracts 0, never (-inf) - (-inf).
                 const float m_use = mx == -INFINITY ? 0.f : mx;
-                const float corr = ex2(row_max[mt][hr] - m_use);  // old -inf -> 0
+                const float corr = ex2((row_max[mt][hr] - m_use) * p.softmax_scale_log2);  // old -inf -> 0
                 row_max[mt][hr] = mx;
                 float sum = 0.f;
 #pragma unroll
                 for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const float pr = ex2(acc_s[mt][nt][2 * hr + e] - m_use);
+                        const float pr = ex2((acc_s[mt][nt][2 * hr + e] - m_use) * p.softmax_scale_log2);
                         acc_s[mt][nt][2 * hr + e] = pr;
                         sum += pr;
                     }
@@ -263,22 +265,25 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
                             : nullptr;
     Elem* sO = sQ;
     Elem* gO = head_ptr<Elem>(p.o, p.o_batch_stride, p.o_head_stride, head);
+    const float to_natural = natural_scores(p) ? 1.f : p.softmax_scale;  // the max's units -> natural
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
             const float l = quad_sum(row_sum[mt][hr]);
-            // A row that saw no visible key has l = 0: output 0 and LSE -inf.
-            const bool empty = !(l > 0.f);
+            // A row that saw no visible key has l = 0: output exactly 0 (not O * 0, NaN if a masked
+            // key's infinite V reached O) and LSE -inf. A NaN l (a NaN score it sees) stays NaN.
+            const bool empty = l == 0.f;
             const float inv = empty ? 0.f : 1.f / l;
             const int srow = wrow + mt * 16 + hr * 8 + (lane >> 2);  // row inside the CTA tile
             if (write_lse && (lane & 3) == 0 && m0 + srow < seqlen_q)
-                gLse[m0 + srow] = empty ? -INFINITY : (row_max[mt][hr] + log2f(l)) * kLn2;
+                gLse[m0 + srow] = empty ? -INFINITY : row_max[mt][hr] * to_natural + log2f(l) * kLn2;
 #pragma unroll
             for (int dt = 0; dt < kDTiles; ++dt) {
                 const int col = dt * 8 + acc_col(lane, 2 * hr);
-                *reinterpret_cast<uint32_t*>(sO + srow * kStride + col) =
-                    M::pack(acc_o[mt][dt][2 * hr] * inv, acc_o[mt][dt][2 * hr + 1] * inv);
+                const float o0 = empty ? 0.f : acc_o[mt][dt][2 * hr] * inv;
+                const float o1 = empty ? 0.f : acc_o[mt][dt][2 * hr + 1] * inv;
+                *reinterpret_cast<uint32_t*>(sO + srow * kStride + col) = M::pack(o0, o1);
             }
         }
     __syncthreads();

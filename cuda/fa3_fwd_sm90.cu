@@ -125,39 +125,42 @@ __device__ __forceinline__ void gemm_pv(float (&o)[Tr::kHeadDim / 2],
 
 // ---- Softmax verbs (names mirror src/cpu/softmax.rs: mask, online_softmax, rescale_o).
 
-// Optional softcap, then -inf for keys past seqlen_k (zero-filled loads) and outside the window.
-// m_first: global query row of the warpgroup's row 0; n_tile: the K/V tile index.
+// Optional softcap (natural units), then -inf for keys past seqlen_k (zero-filled loads) and
+// outside the window (the 64-bit rule of mask.cuh). m_first: global query row of the
+// warpgroup's row 0; n_tile: the K/V tile index.
 template <class Tr>
 __device__ __forceinline__ void softcap_and_mask(const FwdParams& p, float (&s)[Tr::kBlockN / 2],
                                                  const FragPos& fp, int m_first, int n_tile) {
-    if (p.flags & FA_FLAG_SOFTCAP) {  // s = cap * tanh(scale * s / cap); exp2 then uses log2(e)
-        const float pre = p.softmax_scale / p.softcap;
+    if (p.flags & FA_FLAG_SOFTCAP) {  // s = cap * tanh((scale * s) / cap); exp2 then uses log2(e)
+        // Scale first, then 1 / cap (finite: the host refuses subnormal caps), as a straightforward
+        // softmax computes it: scale / cap folded into one factor overflows to inf (inf * 0 = NaN).
+        const float inv_cap = 1.f / p.softcap;
 #pragma unroll
-        for (int i = 0; i < Tr::kBlockN / 2; ++i) s[i] = p.softcap * fast_tanh(s[i] * pre);
+        for (int i = 0; i < Tr::kBlockN / 2; ++i) s[i] = p.softcap * fast_tanh((s[i] * p.softmax_scale) * inv_cap);
     }
-    const int off = p.seqlen_k - p.seqlen_q;
     const int n0 = n_tile * Tr::kBlockN;
     // Warpgroup-uniform: skip the element tests on tiles where nothing can be masked.
     if (Tr::kSkipUnmaskedTiles && !block_needs_mask(p, m_first, kMmaM, n0, Tr::kBlockN)) return;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int i = m_first + fp.row0 + 8 * h;
-        const int lo = p.window_left >= 0 ? i + off - p.window_left : INT_MIN;
-        const int hi = min(p.seqlen_k - 1, p.window_right >= 0 ? i + off + p.window_right
-                                                                : INT_MAX);
+        const int lo = fa_key_lo(p, i), hi = fa_key_hi(p, i);  // visible keys [lo, hi)
 #pragma unroll
         for (int c = 0; c < Tr::kBlockN / 8; ++c) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int j = n0 + 8 * c + fp.col0 + e;
-                if (j < lo || j > hi) s[acc_index(c, h, e)] = -INFINITY;
+                if (j < lo || j >= hi) s[acc_index(c, h, e)] = -INFINITY;
             }
         }
     }
 }
 
-// Row max update, s -> exp2(s * scale_log2 - max_scaled) in place, row sums; returns in corr[h]
-// the factor the output accumulated so far must be multiplied by. Does not touch O.
+// Row max update (score units: raw q.k, or natural units with softcap), s -> exp2((s - max) *
+// scale_log2) in place, row sums; returns in corr[h] the factor the output accumulated so far
+// must be multiplied by. Does not touch O. Exponents come from differences only (never
+// max * scale_log2 on its own: rounded next to an FMA's exact product it was off by up to ±128
+// in the exponent once |max * scale_log2| >= 2^31); see softmax_fwd.cuh.
 template <class Tr>
 __device__ __forceinline__ void online_softmax(Acc<Tr::kHeadDim>& acc, float (&s)[Tr::kBlockN / 2],
                                                float scale_log2, float (&corr)[2]) {
@@ -170,9 +173,9 @@ __device__ __forceinline__ void online_softmax(Acc<Tr::kHeadDim>& acc, float (&s
         // 4 lanes (lane bits 0 and 1) share a row.
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        // -inf guard: with nothing visible yet keep the offset finite so exp2 gives 0, not NaN.
-        const float mx_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
-        corr[h] = fast_exp2(acc.row_max[h] * scale_log2 - mx_scaled);  // old max -inf: 0
+        // -inf guard: with nothing visible yet subtract 0 so exp2 gives 0, not NaN.
+        const float m_use = mx == -INFINITY ? 0.f : mx;
+        corr[h] = fast_exp2((acc.row_max[h] - m_use) * scale_log2);  // old max -inf: 0
         acc.row_max[h] = mx;
         float sum = 0.f;
 #pragma unroll
@@ -180,7 +183,7 @@ __device__ __forceinline__ void online_softmax(Acc<Tr::kHeadDim>& acc, float (&s
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 float& x = s[acc_index(c, h, e)];
-                x = fast_exp2(fmaf(x, scale_log2, -mx_scaled));
+                x = fast_exp2((x - m_use) * scale_log2);
                 sum += x;
             }
         }
@@ -251,19 +254,22 @@ __device__ __forceinline__ void write_output(const FwdParams& p, Acc<Tr::kHeadDi
         float l = acc.row_sum[h];
         l += __shfl_xor_sync(0xffffffffu, l, 1);
         l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const float inv = l > 0.f ? 1.f / l : 0.f;  // no visible key: O = 0
+        // No visible key: l = 0, O written as exactly 0 (not O * 0: NaN if a masked key's
+        // infinite V reached O) and LSE -inf. A NaN l (a NaN score the row sees) stays NaN.
+        const bool empty = l == 0.f;
+        const float inv = empty ? 0.f : 1.f / l;
         const int i = m_first + fp.row0 + 8 * h;
         if (i >= p.seqlen_q) continue;
         T* orow = reinterpret_cast<T*>(p.o) + batch * p.o_batch_stride + i * p.o_row_stride +
                   head * p.o_head_stride;
 #pragma unroll
         for (int c = 0; c < Tr::kHeadDim / 8; ++c) {
-            const uint32_t v =
-                pack2<T>(acc.o[acc_index(c, h, 0)] * inv, acc.o[acc_index(c, h, 1)] * inv);
-            *reinterpret_cast<uint32_t*>(orow + 8 * c + fp.col0) = v;
+            const float o0 = empty ? 0.f : acc.o[acc_index(c, h, 0)] * inv;
+            const float o1 = empty ? 0.f : acc.o[acc_index(c, h, 1)] * inv;
+            *reinterpret_cast<uint32_t*>(orow + 8 * c + fp.col0) = pack2<T>(o0, o1);
         }
         if ((p.flags & FA_FLAG_RETURN_LSE) && fp.col0 == 0) {
-            const float lse = l > 0.f ? acc.row_max[h] * max_scale + logf(l) : -INFINITY;
+            const float lse = empty ? -INFINITY : acc.row_max[h] * max_scale + logf(l);
             reinterpret_cast<float*>(p.lse)[(static_cast<int64_t>(batch) * p.heads_q + head) *
                                                 p.seqlen_q +
                                             i] = lse;

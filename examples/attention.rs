@@ -58,7 +58,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let med = times[times.len() / 2];
     let p = Problem::new(&q.view(), &k.view(), &v.view(), &opts)?;
     let flops = 4.0 * p.visible_pairs() as f64 * d as f64;
-    let r = attention_f64(&p, &q.view(), &k.view(), &v.view());
+    let r = attention_f64(&p, &q.view(), &k.view(), &v.view())?;
     let ours: Vec<f64> = out.o.to_f32_vec().iter().map(|&x| x as f64).collect();
     // A CPU does tens to hundreds of GFLOP/s; "TFLOP/s=0.0478" would hide the digits that matter.
     let rate = if out.dispatch.backend == "cpu" {

@@ -41,7 +41,7 @@ fn main() {
     let t0 = Instant::now();
     let base = ForwardOptions::default().backend(Backend::Cpu);
     let p = Problem::new(&q.view(), &k.view(), &v.view(), &base).unwrap();
-    let r = attention_f64(&p, &q.view(), &k.view(), &v.view());
+    let r = attention_f64(&p, &q.view(), &k.view(), &v.view()).expect("float64 reference");
     let run = |q: &Tensor, k: &Tensor, v: &Tensor, o: &ForwardOptions| -> f64 {
         let out = forward(q, k, v, o).expect("forward");
         let ours: Vec<f64> = out.o.to_f32_vec().iter().map(|&x| x as f64).collect();
@@ -53,7 +53,7 @@ fn main() {
             Tensor::from_f32(&k.to_f32_vec(), dtype, shape).unwrap(),
             Tensor::from_f32(&v.to_f32_vec(), dtype, shape).unwrap(),
         );
-        rmse(&attention_naive(&p, &qd.view(), &kd.view(), &vd.view(), dtype), &r.o)
+        rmse(&attention_naive(&p, &qd.view(), &kd.view(), &vd.view(), dtype).expect("float64 reference"), &r.o)
     };
     // Four arithmetic variants of every tiled row.
     let fp8_tau = (fp8_lazy_limit() * 2.0).floor() / 2.0; // largest half-integer allowed
@@ -95,9 +95,9 @@ fn main() {
         Problem::new(&q.view(), &k.view(), &v.view(), &o).unwrap()
     };
     let pt = problem_fp8(Fp8Scaling::PerTensor);
-    let naive_fp8 = rmse(&attention_naive_fp8(&pt, &q.view(), &k.view(), &v.view(), Fp8Scaling::PerTensor), &r.o);
+    let naive_fp8 = rmse(&attention_naive_fp8(&pt, &q.view(), &k.view(), &v.view(), Fp8Scaling::PerTensor).expect("float64 reference"), &r.o);
     let naive_fp8_scaled = rmse(
-        &attention_naive_fp8_p_scaled(&pt, &q.view(), &k.view(), &v.view(), Fp8Scaling::PerTensor, FP8_P_SCALE_LOG2),
+        &attention_naive_fp8_p_scaled(&pt, &q.view(), &k.view(), &v.view(), Fp8Scaling::PerTensor, FP8_P_SCALE_LOG2).expect("float64 reference"),
         &r.o,
     );
     let tiled_p = |log2: f32| rmse(&tiled_fp8_with_p_scale(&pt, &q.view(), &k.view(), &v.view(), log2).unwrap(), &r.o);

@@ -21,6 +21,7 @@
 //
 // Build (scripts/check-fa3.sh does this): g++ -std=c++17 -O1 -D__host__= -D__device__=
 //   -D__forceinline__=inline -I<cuda include> -Icuda/include scripts/fa3-layout-sim.cpp
+#include <climits>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -230,8 +231,9 @@ void check_ranges() {
         FwdParams p{};
         p.seqlen_q = 1 + rnd(300);
         p.seqlen_k = 1 + rnd(300);
-        p.window_left = rnd(3) == 0 ? -1 : rnd(80);
-        p.window_right = rnd(3) == 0 ? -1 : rnd(3) == 0 ? 0 : rnd(80);
+        // Bounds up to INT_MAX too: the 64-bit rule of mask.cuh must not overflow.
+        p.window_left = rnd(3) == 0 ? -1 : rnd(6) == 0 ? INT_MAX - rnd(2) : rnd(80);
+        p.window_right = rnd(3) == 0 ? -1 : rnd(3) == 0 ? 0 : rnd(6) == 0 ? INT_MAX - rnd(2) : rnd(80);
         const int block_m = rnd(2) ? 64 : 128, block_n = rnd(2) ? 64 : 128;
         for (int m_begin = 0; m_begin < p.seqlen_q; m_begin += block_m) {
             const int m_end = m_begin + block_m < p.seqlen_q ? m_begin + block_m : p.seqlen_q;

@@ -41,15 +41,17 @@ pub enum Error {
     UnsupportedDType { dtype: crate::DType, backend: String, supported: String },
     /// Strides or buffer length do not describe valid memory for the shape.
     InvalidLayout { operand: Operand, reason: String },
-    /// The softmax scale is NaN, infinite, zero or negative.
+    /// The softmax scale is NaN, infinite, not positive, below [`crate::MIN_SOFTMAX_SCALE`], or so
+    /// large that `scale * log2(e)` overflows f32.
     InvalidSoftmaxScale(f32),
     /// A window bound below -1 (-1 means unbounded).
     NegativeWindow { side: &'static str, value: i64 },
     /// A window that contradicts another option (e.g. causal with a positive right window).
     InconsistentWindow(String),
-    /// The softcap is NaN, infinite, zero or negative.
+    /// The softcap is NaN, infinite, not positive, or subnormal (its reciprocal overflows f32).
     InvalidSoftcap(f32),
-    /// The ALiBi slope list does not have one entry per query head, or holds a non-finite slope.
+    /// The ALiBi slope list does not have one entry per query head, holds a non-finite slope, or
+    /// a slope whose bias at the largest query-key distance overflows f32.
     InvalidAlibi { got: usize, expected: usize, reason: String },
     /// An option value outside its documented range (FP8 block size, exp2 degree, ...).
     InvalidOption { option: &'static str, got: String, expected: String },
@@ -57,7 +59,8 @@ pub enum Error {
     BackendUnavailable { backend: String, reason: String },
     /// The requested kernel variant cannot run here.
     VariantUnavailable { variant: crate::Variant, reason: String },
-    /// An allocation size overflowed `usize`.
+    /// A size overflows `usize` or the address space, an allocation failed, or a problem exceeds
+    /// a kernel's limits. `what` names the object and its size.
     TooLarge { what: String },
     /// A sequence-layout argument of the varlen / paged / KV-cache API is malformed: `cu_seqlens`,
     /// `block_table`, `cache_seqlens`, page size, max seqlens, cache capacity (docs/serving.md).
@@ -94,18 +97,25 @@ impl fmt::Display for Error {
                 write!(f, "dtype {dtype:?} is not supported by {backend}; supported: {supported}")
             }
             Error::InvalidLayout { operand, reason } => write!(f, "invalid layout for {operand}: {reason}"),
-            Error::InvalidSoftmaxScale(s) => {
-                write!(f, "softmax scale {s} is invalid; expected a finite value > 0")
-            }
+            Error::InvalidSoftmaxScale(s) => write!(
+                f,
+                "softmax scale {s:e} is invalid; expected a value in [2^-120, f32::MAX / log2(e)] \
+                 (scale * log2(e) must be a finite f32; the default is 1 / sqrt(head_dim))"
+            ),
             Error::NegativeWindow { side, value } => write!(
                 f,
                 "window {side} = {value} is invalid; expected >= 0, or -1 for unbounded"
             ),
             Error::InconsistentWindow(why) => write!(f, "inconsistent window: {why}"),
-            Error::InvalidSoftcap(c) => write!(f, "softcap {c} is invalid; expected a finite value > 0"),
+            Error::InvalidSoftcap(c) => write!(
+                f,
+                "softcap {c:e} is invalid; expected a finite value >= f32::MIN_POSITIVE (a normal f32 > 0, \
+                 so that 1 / softcap is finite)"
+            ),
             Error::InvalidAlibi { got, expected, reason } => write!(
                 f,
-                "invalid ALiBi slopes ({reason}): got {got} slopes, expected {expected} (one per query head), all finite"
+                "invalid ALiBi slopes ({reason}): got {got} slopes, expected {expected} (one per query head), \
+                 each finite with |slope| * (max(seqlen_q, seqlen_k) - 1) <= f32::MAX"
             ),
             Error::InvalidOption { option, got, expected } => {
                 write!(f, "option {option} = {got} is invalid; expected {expected}")
@@ -116,7 +126,7 @@ impl fmt::Display for Error {
             Error::VariantUnavailable { variant, reason } => {
                 write!(f, "kernel variant {variant:?} is not available: {reason}")
             }
-            Error::TooLarge { what } => write!(f, "{what} is too large for this machine's address space"),
+            Error::TooLarge { what } => write!(f, "too large: {what}"),
             Error::InvalidSeqLayout { what, got, expected } => {
                 write!(f, "invalid {what}: got {got}, expected {expected}")
             }

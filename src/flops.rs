@@ -37,21 +37,21 @@ impl Cost {
     }
 }
 
-/// FLOPs of the two products, counting only the unmasked (query, key) pairs.
+/// FLOPs of the two products, counting only the unmasked (query, key) pairs (saturating at
+/// `u64::MAX`, like every count here: a model of a problem too large to run must not panic).
 pub fn flops(p: &Problem) -> u64 {
-    FLOPS_PER_PAIR_ELEMENT * p.head_dim as u64 * p.visible_pairs()
+    FLOPS_PER_PAIR_ELEMENT.saturating_mul(p.head_dim as u64).saturating_mul(p.visible_pairs())
 }
 
 /// Minimum bytes: q, k, v read once, o written once, plus the LSE when returned.
 pub fn min_bytes(p: &Problem) -> u64 {
-    let elem = p.dtype.size() as u64;
-    let d = p.head_dim as u64;
-    let q_rows = (p.batch * p.seqlen_q * p.heads_q) as u64;
-    let kv_rows = (p.batch * p.seqlen_k * p.heads_kv) as u64;
-    let qo = 2 * q_rows * d * elem; // q read, o written (o has q's shape and dtype)
-    let kv = 2 * kv_rows * d * elem; // k and v read
-    let lse = if p.return_lse { q_rows * LSE_BYTES } else { 0 };
-    qo + kv + lse
+    let prod = |xs: &[usize]| xs.iter().fold(1u64, |a, &x| a.saturating_mul(x as u64));
+    let elem = p.dtype.size();
+    let q_rows = prod(&[p.batch, p.seqlen_q, p.heads_q]);
+    let qo = prod(&[2, p.batch, p.seqlen_q, p.heads_q, p.head_dim, elem]); // q read, o written
+    let kv = prod(&[2, p.batch, p.seqlen_k, p.heads_kv, p.head_dim, elem]); // k and v read
+    let lse = if p.return_lse { q_rows.saturating_mul(LSE_BYTES) } else { 0 };
+    qo.saturating_add(kv).saturating_add(lse)
 }
 
 /// FLOPs per byte of minimum traffic.

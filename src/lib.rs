@@ -54,5 +54,5 @@ mod tensor;
 pub use api::{forward, forward_into, Dispatch, Output};
 pub use error::{Error, Operand, Result};
 pub use options::{Backend, Exp2, Fp8Scaling, ForwardOptions, Mask, Precision, Rescale, Variant};
-pub use problem::{Problem, LOG2E};
+pub use problem::{Problem, LOG2E, MIN_SOFTMAX_SCALE};
 pub use tensor::{AsTensorView, DType, Data, DataMut, Element, OwnedData, Shape, Tensor, TensorView};

@@ -16,7 +16,8 @@ pub enum Mask {
     /// Query `i` sees keys `j <= i + seqlen_k - seqlen_q`.
     Causal,
     /// Query `i` sees keys `j` with `i + off - left <= j <= i + off + right`, `off = seqlen_k -
-    /// seqlen_q`. A bound of `-1` is unbounded (FlashAttention's convention). With
+    /// seqlen_q`. A bound of `-1` is unbounded (FlashAttention's convention); any bound up to
+    /// `i64::MAX` is accepted (one past the sequence sees what an unbounded side sees). With
     /// `causal: true` the right bound is 0: `right` must then be 0 or -1.
     Window { left: i64, right: i64, causal: bool },
 }
@@ -111,12 +112,15 @@ pub enum Rescale {
 #[derive(Clone, Debug, Default)]
 #[non_exhaustive]
 pub struct ForwardOptions {
-    /// Multiplies q·k; `None` means `1/sqrt(head_dim)`.
+    /// Multiplies q·k; `None` means `1/sqrt(head_dim)`. Must lie in
+    /// `[MIN_SOFTMAX_SCALE, f32::MAX / log2(e)]` (2^-120 up to where `scale · log2 e` overflows).
     pub softmax_scale: Option<f32>,
     pub mask: Mask,
-    /// `scores -> cap * tanh(scores / cap)` (Gemma 2), applied after the softmax scale.
+    /// `scores -> cap * tanh(scores / cap)` (Gemma 2), applied after the softmax scale. Any normal
+    /// f32 > 0 (up to `f32::MAX`).
     pub softcap: Option<f32>,
     /// One slope per query head; adds `-slope * |i + seqlen_k - seqlen_q - j|` to the scores.
+    /// Each `|slope| · (max(seqlen_q, seqlen_k) - 1)` must be a finite f32.
     pub alibi_slopes: Option<Arc<[f32]>>,
     /// Return the softmax log-sum-exp (natural log), `[batch, heads_q, seqlen_q]`.
     pub return_lse: bool,
@@ -125,7 +129,8 @@ pub struct ForwardOptions {
     pub precision: Precision,
     pub exp2: Exp2,
     pub rescale: Rescale,
-    /// CPU worker threads; `None` uses `std::thread::available_parallelism`.
+    /// CPU worker threads, capped at `std::thread::available_parallelism` (which `None` and 0
+    /// use).
     pub cpu_threads: Option<usize>,
     /// The rung of the FA3 stage ladder to run (1..=5, docs/fa3.md), with `Variant::Fa3` only;
     /// `None` runs the highest GPU-verified stage, or the highest compiled one if none is.

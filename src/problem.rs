@@ -6,8 +6,13 @@ use crate::options::{Exp2, ForwardOptions, Mask, Precision, Rescale};
 use crate::tensor::{DType, TensorView};
 use std::sync::Arc;
 
-/// `log2(e)`: scores are pre-multiplied by it so the softmax uses `exp2`.
+/// `log2(e)`: score differences are multiplied by it so the softmax uses `exp2`.
 pub const LOG2E: f32 = std::f32::consts::LOG2_E;
+
+/// The smallest softmax scale accepted, `2^-120`. Below it a difference of two f32 dot products
+/// that overflows (|q·k| near `f32::MAX`) no longer implies a negligible probability, and the
+/// backends take differences of raw dot products (`(x - max) · scale · log2 e`).
+pub const MIN_SOFTMAX_SCALE: f32 = f32::from_bits((127 - 120) << 23); // 2^-120
 
 /// A validated forward problem.
 #[derive(Clone, Debug)]
@@ -22,7 +27,9 @@ pub struct Problem {
     /// Softmax scale in natural units (multiplies q·k).
     pub scale: f32,
     /// Keys visible to query `i`: `i + off - left ..= i + off + right`, `off = seqlen_k -
-    /// seqlen_q`; `None` is unbounded.
+    /// seqlen_q`; `None` is unbounded. [`Problem::new`] clamps a bound to the sequence
+    /// (`left <= seqlen_k`, `right <= seqlen_q`): larger bounds, up to `i64::MAX`, see the same
+    /// keys, and every backend then works with positions that fit its integers.
     pub left: Option<usize>,
     pub right: Option<usize>,
     pub softcap: Option<f32>,
@@ -82,13 +89,20 @@ impl Problem {
         if heads_q % heads_kv != 0 {
             return Err(Error::HeadsNotDivisible { heads_q, heads_kv });
         }
+        // Every backend materialises (or addresses) q, k, v and o by their logical shapes: a
+        // broadcast view whose logical size cannot exist is refused here, before anything runs.
+        crate::tensor::check_size(q_shape, dtype.size(), "q (and the output o)")?;
+        crate::tensor::check_size(k_shape, dtype.size(), "k and v")?;
         let scale = opts.softmax_scale.unwrap_or(1.0 / (head_dim as f32).sqrt());
-        if !(scale.is_finite() && scale > 0.0) {
+        if !(scale.is_finite() && scale >= MIN_SOFTMAX_SCALE && (scale * LOG2E).is_finite()) {
             return Err(Error::InvalidSoftmaxScale(scale));
         }
         let (left, right) = resolve_mask(opts.mask)?;
+        // A bound past the sequence sees the same keys as the sequence's length (module docs).
+        let (left, right) = (left.map(|l| l.min(seqlen_k)), right.map(|r| r.min(seqlen_q)));
         if let Some(cap) = opts.softcap {
-            if !(cap.is_finite() && cap > 0.0) {
+            // Normal, so that 1 / cap is finite (the FA2/FA3 kernels multiply by it).
+            if !(cap.is_finite() && cap >= f32::MIN_POSITIVE) {
                 return Err(Error::InvalidSoftcap(cap));
             }
         }
@@ -105,6 +119,17 @@ impl Problem {
                     got: slopes.len(),
                     expected: heads_q,
                     reason: "a slope is not finite".into(),
+                });
+            }
+            // The bias -slope · |distance| must be a finite f32 at every distance a row can have
+            // to a key (at most max(seqlen_q, seqlen_k) - 1): an infinite bias would silently
+            // drop keys, or make a row that sees keys look as if it saw none.
+            let far = seqlen_q.max(seqlen_k) as f64 - 1.0;
+            if let Some(s) = slopes.iter().find(|s| s.abs() as f64 * far > f32::MAX as f64) {
+                return Err(Error::InvalidAlibi {
+                    got: slopes.len(),
+                    expected: heads_q,
+                    reason: format!("slope {s:e} times the largest distance {far} overflows f32"),
                 });
             }
         }
@@ -148,50 +173,47 @@ impl Problem {
 
     /// Query heads per KV head (1 for MHA).
     pub fn group(&self) -> usize {
-        self.heads_q / self.heads_kv
+        // heads_kv >= 1 in every validated problem; `max` keeps a hand-built one from dividing by 0.
+        self.heads_q / self.heads_kv.max(1)
     }
 
     /// Keys `[lo, hi)` visible to query row `i` (empty when `lo >= hi`).
+    ///
+    /// Positions are i128, so any `usize` seqlens and bounds (also in a `Problem` built by hand,
+    /// without [`Problem::new`]'s clamping) give the exact range.
     pub fn key_range(&self, i: usize) -> (usize, usize) {
-        // Positions in i64: seqlens fit (they index memory), and the sums cannot overflow.
-        let diag = i as i64 + self.seqlen_k as i64 - self.seqlen_q as i64;
-        let lo = match self.left {
-            Some(l) => (diag - l as i64).max(0),
-            None => 0,
-        };
-        let hi = match self.right {
-            Some(r) => (diag + r as i64 + 1).clamp(0, self.seqlen_k as i64),
-            None => self.seqlen_k as i64,
-        };
-        (lo.min(self.seqlen_k as i64) as usize, hi as usize)
+        let sk = self.seqlen_k as i128;
+        let diag = i as i128 + sk - self.seqlen_q as i128;
+        let lo = self.left.map_or(0, |l| (diag - l as i128).clamp(0, sk));
+        let hi = self.right.map_or(sk, |r| (diag + r as i128 + 1).clamp(0, sk));
+        (lo as usize, hi as usize)
     }
 
-    /// Whether query `i` sees key `j`, written straight from the definition.
+    /// Whether query `i` sees key `j`, written straight from the definition (in i128).
     pub fn visible(&self, i: usize, j: usize) -> bool {
-        let rel = j as i64 - (i as i64 + self.seqlen_k as i64 - self.seqlen_q as i64);
-        self.left.is_none_or(|l| rel >= -(l as i64)) && self.right.is_none_or(|r| rel <= r as i64)
+        let rel = j as i128 - (i as i128 + self.seqlen_k as i128 - self.seqlen_q as i128);
+        self.left.is_none_or(|l| rel >= -(l as i128)) && self.right.is_none_or(|r| rel <= r as i128)
     }
 
     /// The ALiBi bias of (head, i, j) in natural units (0 without ALiBi).
     pub fn alibi_bias(&self, head: usize, i: usize, j: usize) -> f32 {
         match &self.alibi {
             Some(s) => {
-                let rel = (i as i64 + self.seqlen_k as i64 - self.seqlen_q as i64 - j as i64).abs();
-                -s[head] * rel as f32
+                let rel = (i as i128 + self.seqlen_k as i128 - self.seqlen_q as i128 - j as i128).unsigned_abs();
+                -s.get(head).copied().unwrap_or(0.0) * rel as f32
             }
             None => 0.0,
         }
     }
 
-    /// Exact number of visible (query, key) pairs summed over batch and heads.
+    /// Exact number of visible (query, key) pairs summed over batch and heads (saturating at
+    /// `u64::MAX`).
     pub fn visible_pairs(&self) -> u64 {
-        let per_head: u64 = (0..self.seqlen_q)
-            .map(|i| {
-                let (lo, hi) = self.key_range(i);
-                hi.saturating_sub(lo) as u64
-            })
-            .sum();
-        per_head * (self.batch * self.heads_q) as u64
+        let per_head = (0..self.seqlen_q).fold(0u64, |acc, i| {
+            let (lo, hi) = self.key_range(i);
+            acc.saturating_add(hi.saturating_sub(lo) as u64)
+        });
+        per_head.saturating_mul((self.batch as u64).saturating_mul(self.heads_q as u64))
     }
 }
 
@@ -220,6 +242,56 @@ fn resolve_mask(mask: Mask) -> Result<(Option<usize>, Option<usize>)> {
             } else {
                 Ok((l, r))
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::Tensor;
+
+    fn problem(sq: usize, sk: usize, mask: Mask) -> Result<Problem> {
+        let q = Tensor::zeros(DType::F32, [1, sq, 1, 4])?;
+        let k = Tensor::zeros(DType::F32, [1, sk, 1, 4])?;
+        Problem::new(&q.view(), &k.view(), &k.view(), &ForwardOptions::default().mask(mask))
+    }
+
+    #[test]
+    fn min_softmax_scale_is_two_to_the_minus_120() {
+        assert_eq!(MIN_SOFTMAX_SCALE, 2f32.powi(-120));
+    }
+
+    #[test]
+    fn huge_window_bounds_are_clamped_to_the_sequence() {
+        let p = problem(7, 5, Mask::window(i64::MAX, i64::MAX)).unwrap();
+        assert_eq!((p.left, p.right), (Some(5), Some(7)));
+        let p = problem(7, 5, Mask::window(3, 2)).unwrap();
+        assert_eq!((p.left, p.right), (Some(3), Some(2)));
+        for i in 0..7 {
+            let unbounded = problem(7, 5, Mask::None).unwrap();
+            assert_eq!(problem(7, 5, Mask::window(i64::MAX, i64::MAX)).unwrap().key_range(i), unbounded.key_range(i));
+        }
+    }
+
+    #[test]
+    fn key_range_and_visible_are_exact_for_any_hand_built_problem() {
+        let mut p = problem(3, 4, Mask::None).unwrap();
+        let huge = [(usize::MAX, usize::MAX, usize::MAX, usize::MAX), (1, usize::MAX, usize::MAX, 0), (usize::MAX, 1, 0, usize::MAX)];
+        for (sq, sk, l, r) in huge {
+            p.seqlen_q = sq;
+            p.seqlen_k = sk;
+            p.left = Some(l);
+            p.right = Some(r);
+            for i in [0, 1, sq / 2, sq - 1] {
+                let (lo, hi) = p.key_range(i);
+                assert!(lo <= sk && hi <= sk);
+                for j in [0, 1, sk / 2, sk - 1].into_iter().filter(|&j| j < sk) {
+                    assert_eq!(p.visible(i, j), lo <= j && j < hi, "sq {sq} sk {sk} i {i} j {j}");
+                }
+            }
+            p.alibi = Some(vec![0.5f32].into());
+            assert!(p.alibi_bias(0, sq - 1, 0).is_finite() && p.alibi_bias(0, 0, sk - 1) <= 0.0);
         }
     }
 }

@@ -5,8 +5,37 @@
 //! would compute it in that dtype): its error against float64 is the yardstick of
 //! FlashAttention's tolerance rule, `max|ours - ref64| <= 2 * max|naive - ref64| + floor`.
 
+use crate::error::{Error, Operand, Result};
 use crate::problem::Problem;
-use crate::tensor::{DType, TensorView};
+use crate::tensor::{try_filled, DType, TensorView};
+
+/// Checks that q, k, v are the views `p` describes (shapes, layouts inside their buffers, GQA
+/// grouping and ALiBi slopes), so that a reference never indexes out of bounds, whatever `Problem`
+/// it is handed (its fields are public).
+pub(crate) fn check_views(p: &Problem, q: &TensorView, k: &TensorView, v: &TensorView) -> Result<()> {
+    let want_q = [p.batch, p.seqlen_q, p.heads_q, p.head_dim];
+    let want_kv = [p.batch, p.seqlen_k, p.heads_kv, p.head_dim];
+    for (op, t, want) in [(Operand::Q, q, want_q), (Operand::K, k, want_kv), (Operand::V, v, want_kv)] {
+        if t.shape() != want {
+            return Err(Error::ShapeMismatch {
+                what: format!("{op} (against the problem)"),
+                got: format!("{:?}", t.shape()),
+                expected: format!("{want:?}"),
+            });
+        }
+        t.check_layout(op)?;
+    }
+    if p.heads_q % p.heads_kv != 0 {
+        return Err(Error::HeadsNotDivisible { heads_q: p.heads_q, heads_kv: p.heads_kv });
+    }
+    if let Some(s) = &p.alibi {
+        if s.len() != p.heads_q {
+            return Err(Error::InvalidAlibi { got: s.len(), expected: p.heads_q, reason: "wrong length".into() });
+        }
+    }
+    crate::tensor::check_size(want_q, 8, "float64 reference output")?;
+    Ok(())
+}
 
 /// Output of a reference: `o` as `[batch, seqlen_q, heads_q, head_dim]`, `lse` as
 /// `[batch, heads_q, seqlen_q]` (natural log; −inf for rows that see no key).
@@ -38,10 +67,16 @@ fn row64(t: &TensorView, b: usize, s: usize, h: usize) -> Vec<f64> {
 }
 
 /// Float64 attention with the full score matrix per (batch, head).
-pub fn attention_f64(p: &Problem, q: &TensorView, k: &TensorView, v: &TensorView) -> RefOutput {
+///
+/// # Errors
+/// [`Error::ShapeMismatch`] / [`Error::InvalidLayout`] when the views are not the ones `p`
+/// describes, [`Error::TooLarge`] when the float64 output cannot be allocated.
+pub fn attention_f64(p: &Problem, q: &TensorView, k: &TensorView, v: &TensorView) -> Result<RefOutput> {
+    check_views(p, q, k, v)?;
     let d = p.head_dim;
-    let mut o = vec![0.0f64; p.batch * p.seqlen_q * p.heads_q * d];
-    let mut lse = vec![f64::NEG_INFINITY; p.batch * p.heads_q * p.seqlen_q];
+    let n_o = p.batch * p.seqlen_q * p.heads_q * d; // checked by check_views
+    let mut o = try_filled(n_o, 0.0f64, || "float64 reference output".into())?;
+    let mut lse = try_filled(n_o / d, f64::NEG_INFINITY, || "float64 reference LSE".into())?;
     for b in 0..p.batch {
         for h in 0..p.heads_q {
             let hk = h / p.group();
@@ -71,22 +106,34 @@ pub fn attention_f64(p: &Problem, q: &TensorView, k: &TensorView, v: &TensorView
             }
         }
     }
-    RefOutput { o, lse }
+    Ok(RefOutput { o, lse })
 }
 
 /// Float64 reference output for a few sampled `(batch, head, query row)` triples only: each row
 /// costs O(seqlen_k · head_dim), so the bench can check a large problem cheaply. Returns one
 /// `head_dim` vector per triple with the values [`attention_f64`] gives for that row (zeros for a
 /// row that sees no key).
+///
+/// # Errors
+/// As [`attention_f64`], and [`Error::InvalidOption`] for a row outside the problem.
 pub fn attention_f64_rows(
     p: &Problem,
     q: &TensorView,
     k: &TensorView,
     v: &TensorView,
     rows: &[(usize, usize, usize)],
-) -> Vec<Vec<f64>> {
+) -> Result<Vec<Vec<f64>>> {
+    check_views(p, q, k, v)?;
+    if let Some(&(b, h, i)) = rows.iter().find(|&&(b, h, i)| b >= p.batch || h >= p.heads_q || i >= p.seqlen_q) {
+        return Err(Error::InvalidOption {
+            option: "reference row",
+            got: format!("(batch {b}, head {h}, query {i})"),
+            expected: format!("batch < {}, head < {}, query < {}", p.batch, p.heads_q, p.seqlen_q),
+        });
+    }
     let d = p.head_dim;
-    rows.iter()
+    Ok(rows
+        .iter()
         .map(|&(b, h, i)| {
             let hk = h / p.group();
             let qi = row64(q, b, i, h);
@@ -110,14 +157,18 @@ pub fn attention_f64_rows(
             out.iter_mut().for_each(|x| *x /= l);
             out
         })
-        .collect()
+        .collect())
 }
 
 /// The straightforward implementation in `dtype`, as a framework computes it: S = QKᵀ with f32
 /// accumulation rounded to `dtype`, the scale applied and rounded, softcap/ALiBi in f32 rounded,
 /// softmax in f32 with P rounded to `dtype`, O = PV with f32 accumulation rounded to `dtype`.
 /// Returns `o` as f64 for comparison.
-pub fn attention_naive(p: &Problem, q: &TensorView, k: &TensorView, v: &TensorView, dtype: DType) -> Vec<f64> {
+///
+/// # Errors
+/// As [`attention_f64`].
+pub fn attention_naive(p: &Problem, q: &TensorView, k: &TensorView, v: &TensorView, dtype: DType) -> Result<Vec<f64>> {
+    check_views(p, q, k, v)?;
     let d = p.head_dim;
     let r = |x: f32| dtype.round(x);
     let row32 = |t: &TensorView, b, s, h| -> Vec<f32> {
@@ -125,7 +176,7 @@ pub fn attention_naive(p: &Problem, q: &TensorView, k: &TensorView, v: &TensorVi
         t.read_row(b, s, h, &mut out);
         out.iter().map(|&x| r(x)).collect()
     };
-    let mut o = vec![0.0f64; p.batch * p.seqlen_q * p.heads_q * d];
+    let mut o = try_filled(p.batch * p.seqlen_q * p.heads_q * d, 0.0f64, || "naive reference output".into())?;
     for b in 0..p.batch {
         for h in 0..p.heads_q {
             let hk = h / p.group();
@@ -166,7 +217,7 @@ pub fn attention_naive(p: &Problem, q: &TensorView, k: &TensorView, v: &TensorVi
             }
         }
     }
-    o
+    Ok(o)
 }
 
 /// Largest absolute difference, NaN-aware: a NaN on one side only counts as infinite error, a NaN
@@ -206,9 +257,9 @@ mod tests {
         // sq > sk with a causal window leaves the first rows with no key; softcap and GQA on top.
         let opts = ForwardOptions::default().mask(Mask::causal_window(2)).softcap(5.0);
         let p = Problem::new(&q.view(), &k.view(), &v.view(), &opts).unwrap();
-        let full = attention_f64(&p, &q.view(), &k.view(), &v.view());
+        let full = attention_f64(&p, &q.view(), &k.view(), &v.view()).unwrap();
         let rows: Vec<_> = (0..b).flat_map(|bi| (0..hq).flat_map(move |h| (0..sq).map(move |i| (bi, h, i)))).collect();
-        let sampled = attention_f64_rows(&p, &q.view(), &k.view(), &v.view(), &rows);
+        let sampled = attention_f64_rows(&p, &q.view(), &k.view(), &v.view(), &rows).unwrap();
         for (&(bi, h, i), got) in rows.iter().zip(&sampled) {
             let want = &full.o[((bi * sq + i) * hq + h) * d..][..d];
             assert!(max_abs_diff(got, want) < 1e-12, "row {bi},{h},{i}: {got:?} vs {want:?}");

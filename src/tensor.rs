@@ -157,7 +157,10 @@ impl Data<'_> {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    /// Element `i` widened to f32. `i` must be in bounds (checked by validation beforehand).
+    /// Element `i` widened to f32.
+    ///
+    /// # Panics
+    /// If `i` is out of bounds, as slice indexing does.
     #[inline]
     pub fn get_f32(&self, i: usize) -> f32 {
         match self {
@@ -167,6 +170,9 @@ impl Data<'_> {
         }
     }
     /// Widen `dst.len()` consecutive elements starting at `start` into `dst`.
+    ///
+    /// # Panics
+    /// If `start + dst.len()` exceeds the length, as slice indexing does.
     #[inline]
     pub fn read_f32(&self, start: usize, dst: &mut [f32]) {
         let n = dst.len();
@@ -223,12 +229,14 @@ pub enum OwnedData {
 }
 
 impl OwnedData {
-    pub fn zeros(dtype: DType, n: usize) -> Self {
-        match dtype {
-            DType::F32 => OwnedData::F32(vec![0.0; n]),
-            DType::F16 => OwnedData::F16(vec![f16::ZERO; n]),
-            DType::BF16 => OwnedData::BF16(vec![bf16::ZERO; n]),
-        }
+    /// `n` zeros of `dtype`, allocated fallibly: [`Error::TooLarge`] when the allocation fails.
+    pub fn zeros(dtype: DType, n: usize) -> Result<Self> {
+        let what = || format!("{n} elements of {dtype:?}");
+        Ok(match dtype {
+            DType::F32 => OwnedData::F32(try_filled(n, 0.0, what)?),
+            DType::F16 => OwnedData::F16(try_filled(n, f16::ZERO, what)?),
+            DType::BF16 => OwnedData::BF16(try_filled(n, bf16::ZERO, what)?),
+        })
     }
     pub fn as_data(&self) -> Data<'_> {
         match self {
@@ -246,24 +254,6 @@ impl OwnedData {
             OwnedData::F32(v) => DataMut::F32(v),
             OwnedData::F16(v) => DataMut::F16(v),
             OwnedData::BF16(v) => DataMut::BF16(v),
-        }
-    }
-    /// Round `src` into `self[start..start + src.len()]`.
-    #[inline]
-    pub(crate) fn write_f32(&mut self, start: usize, src: &[f32]) {
-        let n = src.len();
-        match self {
-            OwnedData::F32(v) => v[start..start + n].copy_from_slice(src),
-            OwnedData::F16(v) => {
-                for (d, x) in v[start..start + n].iter_mut().zip(src) {
-                    *d = f16::from_f32(*x);
-                }
-            }
-            OwnedData::BF16(v) => {
-                for (d, x) in v[start..start + n].iter_mut().zip(src) {
-                    *d = bf16::from_f32(*x);
-                }
-            }
         }
     }
 }
@@ -294,7 +284,46 @@ pub(crate) fn numel(shape: Shape, what: &str) -> Result<usize> {
     shape
         .iter()
         .try_fold(1usize, |acc, &x| acc.checked_mul(x))
-        .ok_or_else(|| Error::TooLarge { what: format!("{what} of shape {shape:?}") })
+        .ok_or_else(|| Error::TooLarge { what: format!("{what} of shape {shape:?} (its element count overflows usize)") })
+}
+
+/// Checks that a tensor of `shape` and `elem_bytes`-byte elements can exist in memory: its
+/// element count, its contiguous strides and its size in bytes fit (the bytes in `isize::MAX`,
+/// Rust's limit for one allocation). Returns the element count.
+pub(crate) fn check_size(shape: Shape, elem_bytes: usize, what: &str) -> Result<usize> {
+    let n = numel(shape, what)?;
+    let fits = contiguous_strides(shape).is_some() && n.checked_mul(elem_bytes).is_some_and(|b| b <= isize::MAX as usize);
+    if !fits {
+        return Err(Error::TooLarge {
+            what: format!("{what} of shape {shape:?} ({n} elements of {elem_bytes} bytes, or its strides, exceed the address space)"),
+        });
+    }
+    Ok(n)
+}
+
+/// The `n` items of `items` in a vector allocated fallibly (as [`try_filled`]).
+fn try_collect<T>(items: impl Iterator<Item = T>, n: usize, what: impl FnOnce() -> String) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    if v.try_reserve_exact(n).is_err() {
+        return Err(Error::TooLarge {
+            what: format!("{} ({} bytes): the allocation failed", what(), n as u128 * std::mem::size_of::<T>() as u128),
+        });
+    }
+    v.extend(items.take(n));
+    Ok(v)
+}
+
+/// A vector of `n` copies of `fill`, allocated fallibly: a failed allocation (or a size past
+/// `isize::MAX` bytes) is [`Error::TooLarge`] naming `what()`, never an abort.
+pub(crate) fn try_filled<T: Clone>(n: usize, fill: T, what: impl FnOnce() -> String) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    if v.try_reserve_exact(n).is_err() {
+        return Err(Error::TooLarge {
+            what: format!("{} ({} bytes): the allocation failed", what(), n as u128 * std::mem::size_of::<T>() as u128),
+        });
+    }
+    v.resize(n, fill);
+    Ok(v)
 }
 
 impl<'a> TensorView<'a> {
@@ -381,16 +410,28 @@ impl<'a> TensorView<'a> {
 }
 
 /// An owned, contiguous host tensor `[batch, seqlen, heads, head_dim]`.
+///
+/// Every constructor checks that the shape's element count, strides and size in bytes fit the
+/// address space ([`Error::TooLarge`] otherwise, also when the allocation itself fails), so a
+/// `Tensor` always has a valid view.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Tensor {
     data: OwnedData,
     shape: Shape,
+    strides: [usize; 3],
 }
 
 impl Tensor {
+    /// The checks every constructor makes: element count and strides of `shape` for `dtype`.
+    fn checked(shape: Shape, dtype: DType) -> Result<(usize, [usize; 3])> {
+        let n = check_size(shape, dtype.size(), "tensor")?;
+        // check_size verified that the strides exist.
+        Ok((n, contiguous_strides(shape).unwrap_or_default()))
+    }
+
     /// Wrap a contiguous vector. Errors if `data.len()` is not the product of `shape`.
     pub fn from_vec<T: Element>(data: Vec<T>, shape: Shape) -> Result<Self> {
-        let n = numel(shape, "tensor")?;
+        let (n, strides) = Self::checked(shape, T::DTYPE)?;
         if data.len() != n {
             return Err(Error::ShapeMismatch {
                 what: "Tensor::from_vec".into(),
@@ -398,35 +439,38 @@ impl Tensor {
                 expected: format!("{n} elements for shape {shape:?}"),
             });
         }
-        Ok(Tensor { data: T::wrap_owned(data), shape })
+        Ok(Tensor { data: T::wrap_owned(data), shape, strides })
     }
 
     /// A zero tensor of the given type and shape.
     pub fn zeros(dtype: DType, shape: Shape) -> Result<Self> {
-        let n = numel(shape, "tensor")?;
-        Ok(Tensor { data: OwnedData::zeros(dtype, n), shape })
+        let (n, strides) = Self::checked(shape, dtype)?;
+        Ok(Tensor { data: OwnedData::zeros(dtype, n)?, shape, strides })
     }
 
-    /// Elements widened to f32 (contiguous order).
+    /// Elements widened to f32 (contiguous order). The length is checked before anything is
+    /// allocated.
     pub fn from_f32(values: &[f32], dtype: DType, shape: Shape) -> Result<Self> {
-        let mut t = Tensor::zeros(dtype, shape)?;
-        if values.len() != t.numel() {
+        let (n, _) = Self::checked(shape, dtype)?;
+        if values.len() != n {
             return Err(Error::ShapeMismatch {
                 what: "Tensor::from_f32".into(),
                 got: format!("{} elements", values.len()),
-                expected: format!("{} elements for shape {shape:?}", t.numel()),
+                expected: format!("{n} elements for shape {shape:?}"),
             });
         }
-        t.data.write_f32(0, values);
-        Ok(t)
+        let (_, strides) = Self::checked(shape, dtype)?;
+        let what = || format!("tensor of shape {shape:?}");
+        let data = match dtype {
+            DType::F32 => OwnedData::F32(try_collect(values.iter().copied(), n, what)?),
+            DType::F16 => OwnedData::F16(try_collect(values.iter().map(|&x| f16::from_f32(x)), n, what)?),
+            DType::BF16 => OwnedData::BF16(try_collect(values.iter().map(|&x| bf16::from_f32(x)), n, what)?),
+        };
+        Ok(Tensor { data, shape, strides })
     }
 
     pub fn view(&self) -> TensorView<'_> {
-        TensorView {
-            data: self.data.as_data(),
-            shape: self.shape,
-            strides: contiguous_strides(self.shape).expect("shape validated at construction"),
-        }
+        TensorView { data: self.data.as_data(), shape: self.shape, strides: self.strides }
     }
     pub fn shape(&self) -> Shape {
         self.shape
@@ -459,7 +503,8 @@ impl Tensor {
     pub(crate) fn data_mut(&mut self) -> &mut OwnedData {
         &mut self.data
     }
-    /// All elements widened to f32, contiguous order.
+    /// All elements widened to f32, contiguous order (an infallible copy, like `Vec::clone`: at
+    /// most twice the tensor's own size).
     pub fn to_f32_vec(&self) -> Vec<f32> {
         let d = self.data.as_data();
         (0..d.len()).map(|i| d.get_f32(i)).collect()

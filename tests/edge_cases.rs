@@ -165,11 +165,12 @@ fn nan_in_inputs_propagates_like_the_reference() {
         assert!(o[i * 32 + 3].is_nan(), "row {i}");
         assert!(o[i * 32 + 4].is_finite());
     }
-    // Causal: rows that see key 5 get NaN. (Rows that do not see it may or may not: like
-    // FlashAttention, a kernel multiplies whole tiles, and 0 · NaN is NaN.)
+    // Causal: rows that see key 5 get NaN; rows that do not see it stay finite (the CPU skips
+    // P = 0 when V holds a NaN: a row depends only on the keys it sees).
     let out = forward(&q, &k, &v, &ForwardOptions::default().causal(true)).unwrap();
     let o = out.o.to_f32_vec();
     assert!((5..16).all(|i| o[i * 32 + 3].is_nan()));
+    assert!(o[..5 * 32].iter().all(|x| x.is_finite()), "rows 0..5 do not see key 5");
     let mut qq = q.to_f32_vec();
     qq[0] = f32::INFINITY;
     let q = Tensor::from_vec(qq, [1, 16, 1, 32]).unwrap();

@@ -281,11 +281,46 @@ fn fa2_all_instances() {
     check_all("fa2", &cases, &[]);
 }
 
+/// The edges of the input domain (issue 10), every family: window bounds up to i64::MAX (the
+/// host clamps them to the sequence; mask.cuh is 64-bit regardless), scores up to near f32::MAX
+/// and at 2^33 in log2 units against the naive f32 softmax, and V = inf / NaN with rows that see
+/// no key (exactly 0, LSE -inf) next to rows that see keys (not finite).
+#[test]
+fn domain_edges() {
+    let mut cases = Vec::new();
+    let families: [(&'static str, usize); 4] = [("fa1", 64), ("fa2", 128), ("fa3s1", 64), ("fa3s4", 128)];
+    for (family, hd) in families {
+        for dtype in [DType::F16, DType::BF16] {
+            let huge = [i64::MAX, i32::MAX as i64 + 1];
+            for (n, &h) in huge.iter().enumerate() {
+                for (sq, sk, mask) in [(90, 200, Mask::window(h, h)), (150, 70, Mask::window(h, 0)), (100, 130, Mask::window(0, h))] {
+                    let mut c = Case::new(family, dtype, [1, sq, 2, hd], [1, sk, 1, hd], opts(mask, None, true));
+                    c.label = format!("huge bound {n}");
+                    cases.push(c);
+                }
+            }
+            for (target, mask) in [(3.0e38, Mask::Causal), (2.5e38, Mask::window(40, 8)), (1e10, Mask::None)] {
+                let mut c = Case::new(family, dtype, [1, 100, 2, hd], [1, 140, 1, hd], opts(mask, None, true));
+                c.max_score = Some(target);
+                c.label = format!("max |score| {target:e}");
+                cases.push(c);
+            }
+            for fill in [f32::INFINITY, f32::NAN] {
+                let mut c = Case::new(family, dtype, [1, 150, 2, hd], [1, 60, 1, hd], opts(Mask::Causal, None, true));
+                c.v_fill = Some(fill);
+                c.label = format!("V = {fill}");
+                cases.push(c);
+            }
+        }
+    }
+    check_all("domain edges", &cases, &[]);
+}
+
 // ---------------------------------------------------------------- FA3
 
 /// The shapes of the FA3 matrix: seqlens 1, 63, 65, 130, 257 (no multiple of any tile),
 /// seqlen_q != seqlen_k, every mask kind, softcap, GQA, LSE, huge window bounds (clamped by the
-/// host to i32::MAX) and large-magnitude scores.
+/// host to the sequence) and large-magnitude scores.
 struct Shape {
     label: &'static str,
     b: usize,
@@ -346,8 +381,8 @@ fn fa3_cases(stage: u32) -> Vec<Case> {
             let s = regular[i % regular.len()];
             cases.push(fa3_case(stage, s, FA3_DTYPES[i % 2], FA3_DIMS[(i + j) % 3], sms[j % sms.len()]));
         }
-        // One huge-window shape per stage: a known failure today, so the mark is noticed when
-        // the fix lands.
+        // One huge-window shape per stage (FA3's private 32-bit mask overflowed on them; fixed
+        // by the shared 64-bit rule of mask.cuh).
         let huge: Vec<&Shape> = FA3_SHAPES.iter().filter(|s| s.label.starts_with("huge")).collect();
         cases.push(fa3_case(stage, huge[stage as usize % 2], FA3_DTYPES[stage as usize % 2], 64, 1));
     }
@@ -355,10 +390,9 @@ fn fa3_cases(stage: u32) -> Vec<Case> {
 }
 
 /// Known failures, each with its cause: they are reported and must keep failing until fixed.
-const FA3_KNOWN: &[(&str, &str)] = &[
-    ("huge window both sides", "i32 overflow of i + off + window with window bounds near i32::MAX in FA3's kv_tile_range / softcap_and_mask (being fixed on branch `edges`)"),
-    ("huge left, causal", "i32 overflow of i + off - window_left with window_left near i32::MAX in FA3's kv_tile_range / softcap_and_mask (being fixed on branch `edges`)"),
-];
+/// (None today: the huge-window shapes, which overflowed FA3's 32-bit mask, pass since FA3 uses
+/// mask.cuh's 64-bit rule.)
+const FA3_KNOWN: &[(&str, &str)] = &[];
 
 #[test]
 fn fa3_stage1() {

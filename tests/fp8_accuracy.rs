@@ -39,7 +39,7 @@ fn case_of(shape: [usize; 4], seed: u64) -> Case {
     let mut mk = || Tensor::from_f32(&fa3_outlier_values(&mut g, n), DType::F16, shape).unwrap();
     let (q, k, v) = (mk(), mk(), mk());
     let p = Problem::new(&q.view(), &k.view(), &v.view(), &ForwardOptions::default()).unwrap();
-    let reference = attention_f64(&p, &q.view(), &k.view(), &v.view()).o;
+    let reference = attention_f64(&p, &q.view(), &k.view(), &v.view()).unwrap().o;
     Case { q, k, v, reference }
 }
 
@@ -92,11 +92,11 @@ fn hadamard_cuts_the_qk_quantisation_error() {
             if hadamard {
                 rot.apply_rows(&mut x);
             }
-            Tensor::from_vec(quantize_e4m3(&x, SHAPE, SHAPE[1]).dequantize(), SHAPE).unwrap()
+            Tensor::from_vec(quantize_e4m3(&x, SHAPE, SHAPE[1]).unwrap().dequantize().unwrap(), SHAPE).unwrap()
         };
         let err = |hadamard: bool| {
             let (q8, k8) = (fq(&c.q, hadamard), fq(&c.k, hadamard));
-            rmse(&attention_f64(&p, &q8.view(), &k8.view(), &c.v.view()).o, &c.reference).powi(2)
+            rmse(&attention_f64(&p, &q8.view(), &k8.view(), &c.v.view()).unwrap().o, &c.reference).powi(2)
         };
         plain += err(false);
         rotated += err(true);
@@ -134,8 +134,8 @@ fn fa3_method_beats_the_naive_fp8_baseline() {
         &ForwardOptions::default().precision(Precision::Fp8 { scaling: Fp8Scaling::PerTensor, hadamard: None }),
     )
     .unwrap();
-    let naive = err(&attention_naive_fp8(&pt, &q, &k, &v, Fp8Scaling::PerTensor));
-    let naive_p8 = err(&attention_naive_fp8_p_scaled(&pt, &q, &k, &v, Fp8Scaling::PerTensor, FP8_P_SCALE_LOG2));
+    let naive = err(&attention_naive_fp8(&pt, &q, &k, &v, Fp8Scaling::PerTensor).unwrap());
+    let naive_p8 = err(&attention_naive_fp8_p_scaled(&pt, &q, &k, &v, Fp8Scaling::PerTensor, FP8_P_SCALE_LOG2).unwrap());
     let tiled = fp8(Fp8Scaling::PerTensor, None);
     let tiled_p1 = err(&tiled_fp8_with_p_scale(&pt, &q, &k, &v, 0.0).unwrap());
     let fa3 = fp8(Fp8Scaling::PerBlock { rows: 64 }, Some(HADAMARD_SEED));

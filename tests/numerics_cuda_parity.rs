@@ -39,7 +39,7 @@ int main() {
         else if (!strcmp(cmd, "enc")) { float x = rd(); printf("%02x %08x\n", fa_e4m3_encode(x), fa_f2u(fa_e4m3_round(x))); }
         else if (!strcmp(cmd, "dec")) { unsigned c; scanf("%x", &c); printf("%08x\n", fa_f2u(fa_e4m3_decode((uint8_t)c))); }
         else if (!strcmp(cmd, "scale")) { float a = rd(); float x = rd(); float s = fa_block_scale(a); printf("%08x %02x\n", fa_f2u(s), fa_quantize_e4m3(x, s)); }
-        else if (!strcmp(cmd, "lazy")) { float m = rd(); float t = rd(); float tau = rd(); printf("%d %d\n", (int)fa_lazy_keeps_max(m, t, tau), (int)fa_fp8_lazy_threshold_ok(tau)); }
+        else if (!strcmp(cmd, "lazy")) { float m = rd(); float t = rd(); float c = rd(); float tau = rd(); printf("%d %d\n", (int)fa_lazy_keeps_max((t - m) * c, tau), (int)fa_fp8_lazy_threshold_ok(tau)); }
         else if (!strcmp(cmd, "had")) {
             int d; unsigned long long seed; scanf("%d %llx", &d, &seed);
             float x[1024]; for (int i = 0; i < d; ++i) x[i] = rd();
@@ -168,20 +168,31 @@ fn cuda_headers_match_rust_bit_for_bit() {
             let amax = if i % 100 == 0 { 0.0 } else { (g.normal() * 10.0).abs() as f32 };
             (amax, (g.normal() as f32) * amax)
         })
+        // The edges: non-finite amax, one whose amax / 448 underflows, infinite inputs.
+        .chain([
+            (f32::INFINITY, 1.0),
+            (f32::NAN, 1.0),
+            (1e-45, 1e-45),
+            (1e-43, -1e-43),
+            (f32::MAX, f32::MAX),
+            (3.0, f32::INFINITY),
+            (3.0, f32::NEG_INFINITY),
+        ])
         .collect();
     for &(a, x) in &pairs {
         input += &format!("scale {:08x} {:08x}\n", a.to_bits(), x.to_bits());
     }
     // The lazy rule.
-    let lazy: Vec<(f32, f32, f32)> = (0..20_000)
+    let lazy: Vec<(f32, f32, f32, f32)> = (0..20_000)
         .map(|i| {
             let m = (g.normal() * 20.0) as f32;
             let taus = [0.0, 0.5, 0.8, 0.807, 0.81, 1.0, 8.0];
-            (m, m + (g.normal() * 4.0) as f32, taus[i % taus.len()])
+            let cs = [1.0, std::f32::consts::LOG2_E, 0.125 * std::f32::consts::LOG2_E, 1e-30, 1e30];
+            (m, m + (g.normal() * 4.0) as f32, cs[i % cs.len()], taus[i % taus.len()])
         })
         .collect();
-    for &(m, t, tau) in &lazy {
-        input += &format!("lazy {:08x} {:08x} {:08x}\n", m.to_bits(), t.to_bits(), tau.to_bits());
+    for &(m, t, c, tau) in &lazy {
+        input += &format!("lazy {:08x} {:08x} {:08x} {:08x}\n", m.to_bits(), t.to_bits(), c.to_bits(), tau.to_bits());
     }
     // Hadamard rotations.
     let mut rows = Vec::new();
@@ -228,9 +239,9 @@ fn cuda_headers_match_rust_bit_for_bit() {
         same_float(s, sc, &format!("block scale of {a:e}"));
         assert_eq!(u8::from_str_radix(code, 16).unwrap(), e4m3_from_f32(x / sc), "code of {x:e} / {sc:e}");
     }
-    for &(m, t, tau) in &lazy {
-        let want = format!("{} {}", lazy_keeps_max(m, t, tau) as i32, (tau < fp8_lazy_limit()) as i32);
-        assert_eq!(next(), want, "lazy rule at m {m}, tile max {t}, τ {tau}");
+    for &(m, t, c, tau) in &lazy {
+        let want = format!("{} {}", lazy_keeps_max((t - m) * c, tau) as i32, (tau < fp8_lazy_limit()) as i32);
+        assert_eq!(next(), want, "lazy rule at m {m}, tile max {t}, c {c}, τ {tau}");
     }
     for (d, seed, x) in &rows {
         let mut r = x.clone();
@@ -253,7 +264,7 @@ extern "C" __global__ void numerics_probe(float* x, unsigned char* c, int n, uns
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     float m = -INFINITY;
-    float s = fa_max_get_scale<3>(&m, x[i], 8.0f);
+    float s = fa_max_get_scale<3>(&m, x[i], 1.4426950f, 8.0f);
     float p = fa_exp2_poly<3>(x[i] - 1.0f) * s;
     c[i] = fa_quantize_e4m3(p, fa_block_scale(x[0]));
     float r[64];

@@ -3,52 +3,36 @@
 // rows per CTA) is a constexpr here and repeated in docs/fa3.md.
 #pragma once
 #include "fa_params.h"
+#include "mask.cuh"
 #include "wgmma_sm90.cuh"
 
 namespace fa3 {
 
-// ---- Tile ranges and mask predicates (__host__ too: scripts/fa3-layout-sim.cpp brute-forces
-// them against the visibility rule).
+// ---- Tile ranges and mask predicates: the shared 64-bit rule of mask.cuh (__host__ too:
+// scripts/fa3-layout-sim.cpp brute-forces them against key_visible, written from the definition).
 
 // Key j is visible to query i iff i + off - left <= j <= i + off + right (off = seqlen_k -
-// seqlen_q, bottom-right aligned; -1 = unbounded side) and j < seqlen_k.
+// seqlen_q, bottom-right aligned; -1 = unbounded side) and 0 <= j < seqlen_k. In 64 bits, so
+// bounds up to INT_MAX cannot overflow.
 __host__ __device__ constexpr bool key_visible(const FwdParams& p, int i, int j) {
-    const int off = p.seqlen_k - p.seqlen_q;
+    const long long off = (long long)p.seqlen_k - p.seqlen_q;
     return j >= 0 && j < p.seqlen_k && (p.window_left < 0 || j >= i + off - p.window_left) &&
            (p.window_right < 0 || j <= i + off + p.window_right);
 }
 
 // Key tiles [n_begin, n_end) that a block of query rows [m_begin, m_end) can see (every tile
 // holding at least one visible key of some row in the block; n_end == n_begin when none).
-struct KvRange {
-    int n_begin, n_end;
-};
+using KvRange = FaKeyTiles;
 __host__ __device__ constexpr KvRange kv_tile_range(const FwdParams& p, int m_begin, int m_end,
                                                     int block_n) {
-    const int off = p.seqlen_k - p.seqlen_q;
-    int j_end = p.seqlen_k;  // one past the last key any row may see
-    if (p.window_right >= 0) {
-        const int last = (m_end - 1) + off + p.window_right + 1;
-        j_end = last < j_end ? last : j_end;
-    }
-    int j_begin = 0;
-    if (p.window_left >= 0) {
-        const int first = m_begin + off - p.window_left;
-        j_begin = first > 0 ? first : 0;
-    }
-    const int n_begin = j_begin / block_n;
-    return KvRange{n_begin, j_end <= j_begin ? n_begin : (j_end + block_n - 1) / block_n};
+    return fa_key_tiles(p, m_begin, m_end, block_n);
 }
 
 // False only when every (row, key) of rows [m_first, m_first + rows) x keys [n0, n0 + block_n)
 // is visible, so the per-element mask can be skipped.
 __host__ __device__ constexpr bool block_needs_mask(const FwdParams& p, int m_first, int rows,
                                                     int n0, int block_n) {
-    const int off = p.seqlen_k - p.seqlen_q;
-    const int n_last = n0 + block_n - 1;
-    return n_last >= p.seqlen_k ||
-           (p.window_left >= 0 && n0 < m_first + (rows - 1) + off - p.window_left) ||
-           (p.window_right >= 0 && n_last > m_first + off + p.window_right);
+    return fa_tile_needs_mask(p, m_first, m_first + rows - 1, n0, (long long)n0 + block_n - 1);
 }
 
 constexpr int kWarpgroupThreads = 128;  // 4 warps issue one wgmma together

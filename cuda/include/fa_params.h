@@ -31,7 +31,8 @@ typedef struct FwdParams {
     int32_t window_left, window_right;
     int32_t descale_block;  // rows per FP8 scale block (0 when unused)
     float softmax_scale;       // natural units, multiplies q.k
-    float softmax_scale_log2;  // softmax_scale * log2(e) (without softcap), or log2(e) with softcap
+    float softmax_scale_log2;  // score units -> log2 units: softmax_scale * log2(e) for raw q.k scores,
+                               // log2(e) for natural-unit scores (softcap or ALiBi on)
     float softcap;             // cap (0 when off)
     uint32_t flags;            // FA_FLAG_*
     uint32_t reserved;         // keeps the size a multiple of 8

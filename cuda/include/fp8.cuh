@@ -23,9 +23,13 @@ FA_HD float fa_e4m3_decode(uint8_t code) {
 // x rounded to the nearest e4m3 value, back in f32 (what P becomes before the PV product).
 FA_HD float fa_e4m3_round(float x) { return fa_e4m3_decode(fa_e4m3_encode(x)); }
 
-// The scale of a block whose largest magnitude is amax: amax / 448, or 1 for an all-zero block
-// (NaN propagates through the codes instead).
-FA_HD float fa_block_scale(float amax) { return amax > 0.0f ? fa_div_rn(amax, FA_E4M3_MAX) : 1.0f; }
+// The scale of a block whose largest finite magnitude is amax: amax / 448, or 1 when that is not
+// a positive finite number (all-zero block, amax / 448 underflowing to 0, non-finite amax), so
+// x / scale never divides by 0 or infinity (src/numerics/quant.rs block_scale).
+FA_HD float fa_block_scale(float amax) {
+    const float s = fa_div_rn(amax, FA_E4M3_MAX);
+    return (s > 0.0f && amax <= 3.40282347e38f) ? s : 1.0f;
+}
 
 // The e4m3 code of x in a block with this scale (the descale multiplies the accumulator later).
 FA_HD uint8_t fa_quantize_e4m3(float x, float scale) { return fa_e4m3_encode(fa_div_rn(x, scale)); }

@@ -1,37 +1,66 @@
-// Which keys a query row sees (FlashAttention's bottom-right aligned causal/window mask), as
-// src/problem.rs `visible` / `key_range`: key j is visible to query i iff
-//   i + seqlen_k - seqlen_q - window_left <= j <= i + seqlen_k - seqlen_q + window_right,
-// an unbounded side (-1) being ignored. Causal is window_right = 0.
+// Which keys a query row sees: FlashAttention's bottom-right aligned causal/window mask, the one
+// rule of every kernel (FA1, FA2, FA3) and of src/problem.rs `key_range`. Query i sees key j iff
+//   i + seqlen_k - seqlen_q - window_left <= j <= i + seqlen_k - seqlen_q + window_right
+// and 0 <= j < seqlen_k; a negative bound is unbounded (-1 by convention). Causal is
+// window_right = 0.
+//
+// The sums of a row, the diagonal offset and a bound are formed in 64 bits (only the one add that
+// can overflow: the other terms are differences of non-negative ints) and clamped to
+// [0, seqlen_k] before they come back as int, so nothing overflows whatever int32 values the
+// params hold (the host also clamps bounds to the sequence, src/problem.rs; this header does not
+// rely on it). Kernels then compare 32-bit key indices against the clamped bounds. Rows are >= 0.
+// (Written for register pressure too: FA3 stages 4-5 at head_dim 256 sit at their 168-register
+// budget, and a fully 64-bit form spilled there.)
+//
+// Plain C++ apart from the qualifiers, so the host emulations and scripts/fa3-layout-sim.cpp
+// compile it unchanged.
 #pragma once
 #include "fa_params.h"
 
-struct FaMask {
-    int seqlen_q, seqlen_k;
-    int left, right;  // -1 = unbounded
-    int diag_offset;  // seqlen_k - seqlen_q: the key position of query 0's diagonal
+#define FA_MASK_FN __host__ __device__ __forceinline__ constexpr
 
-    __device__ __forceinline__ explicit FaMask(const FwdParams& p)
-        : seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k), left(p.window_left), right(p.window_right),
-          diag_offset(p.seqlen_k - p.seqlen_q) {}
+FA_MASK_FN long long fa_clamp_keys(long long x, long long seqlen_k) {
+    return x < 0 ? 0 : (x > seqlen_k ? seqlen_k : x);
+}
 
-    // Whether (i, j) is inside both sequences and the window.
-    __device__ __forceinline__ bool visible(int i, int j) const {
-        if (i >= seqlen_q || j >= seqlen_k) return false;
-        const int rel = j - (i + diag_offset);
-        return (left < 0 || rel >= -left) && (right < 0 || rel <= right);
-    }
+// First key query row i (>= 0) sees, in [0, seqlen_k].
+FA_MASK_FN int fa_key_lo(const FwdParams& p, int i) {
+    if (p.window_left < 0) return 0;
+    // i - left and seqlen_k - seqlen_q are differences of non-negative ints: they fit; only their
+    // sum needs 64 bits.
+    const long long lo = (long long)(i - p.window_left) + (p.seqlen_k - p.seqlen_q);
+    return lo < 0 ? 0 : (lo > p.seqlen_k ? p.seqlen_k : (int)lo);
+}
 
-    // First key any of the rows [row_begin, row_end) sees (clamped to [0, seqlen_k]).
-    __device__ __forceinline__ int key_begin(int row_begin) const {
-        if (left < 0) return 0;
-        const long long lo = (long long)row_begin + diag_offset - left;
-        return (int)max(0LL, min(lo, (long long)seqlen_k));
-    }
+// One past the last key query row i (>= 0) sees, in [0, seqlen_k] (no key when hi <= lo).
+FA_MASK_FN int fa_key_hi(const FwdParams& p, int i) {
+    if (p.window_right < 0) return p.seqlen_k;
+    // seqlen_k - seqlen_q + 1 <= seqlen_k fits (seqlen_q >= 1); i + right needs 64 bits.
+    const long long hi = (long long)i + p.window_right + (p.seqlen_k - p.seqlen_q + 1);
+    return hi < 0 ? 0 : (hi > p.seqlen_k ? p.seqlen_k : (int)hi);
+}
 
-    // One past the last key any of the rows [row_begin, row_end) sees (clamped to [0, seqlen_k]).
-    __device__ __forceinline__ int key_end(int row_end) const {
-        if (right < 0) return seqlen_k;
-        const long long hi = (long long)(row_end - 1) + diag_offset + right + 1;
-        return (int)max(0LL, min(hi, (long long)seqlen_k));
-    }
+// Whether query row i sees key j.
+FA_MASK_FN bool fa_key_visible(const FwdParams& p, int i, long long j) {
+    return j >= fa_key_lo(p, i) && j < fa_key_hi(p, i);
+}
+
+// The tiles of block_n keys that query rows [row_begin, row_end) can see: [n_begin, n_end), every
+// tile holding at least one visible key of some row (n_end == n_begin when none). Both bounds
+// are monotone in the row, so the first and last rows decide.
+struct FaKeyTiles {
+    int n_begin, n_end;
 };
+FA_MASK_FN FaKeyTiles fa_key_tiles(const FwdParams& p, int row_begin, int row_end, int block_n) {
+    const int lo = fa_key_lo(p, row_begin), hi = fa_key_hi(p, row_end - 1);
+    const int n_begin = lo / block_n;
+    return FaKeyTiles{n_begin, hi <= lo ? n_begin : (int)(((long long)hi + block_n - 1) / block_n)};
+}
+
+// Whether some (row, key) of rows [row_first, row_last] x keys [key_first, key_last] is hidden
+// (false: every pair is visible and the per-element mask may be skipped). Keys at or past
+// seqlen_k count as hidden.
+FA_MASK_FN bool fa_tile_needs_mask(const FwdParams& p, int row_first, int row_last,
+                                   long long key_first, long long key_last) {
+    return key_first < fa_key_lo(p, row_last) || key_last >= fa_key_hi(p, row_first);
+}

@@ -26,3 +26,19 @@ pub fn micro_kernel<const FMA: bool>(a_packed: &[f32], b_packed: &[f32], acc: &m
         }
     }
 }
+
+/// [`micro_kernel`] where a zero in B contributes nothing: `acc += a · b` only where `b != 0`.
+/// With B = Pᵀ and A = V this keeps a key's V out of the queries that do not see it (their P is
+/// 0): `0 · inf` would be NaN. Used only when V holds an infinity or a NaN.
+#[inline(always)]
+pub fn micro_kernel_skip_zero_b<const FMA: bool>(a_packed: &[f32], b_packed: &[f32], acc: &mut Acc) {
+    for (a, b) in a_packed.chunks_exact(MR).zip(b_packed.chunks_exact(NR)) {
+        for i in 0..MR {
+            let ai = a[i];
+            for j in 0..NR {
+                let t = if FMA { ai.mul_add(b[j], acc[i][j]) } else { ai * b[j] + acc[i][j] };
+                acc[i][j] = if b[j] != 0.0 { t } else { acc[i][j] };
+            }
+        }
+    }
+}

@@ -23,10 +23,10 @@ use super::pool;
 use super::softmax::{finalize, max_get_scale, online_softmax, panel_max, Exp2Math, RowState};
 use super::{ScoreMod, MAX_HEAD_DIM};
 use crate::error::{Error, Result};
-use crate::problem::{Problem, LOG2E};
+use crate::problem::Problem;
 use crate::serving::layout::BatchLayout;
 use crate::serving::merge::merge_row;
-use crate::tensor::{numel, Data, Element, OwnedData, Tensor, TensorView};
+use crate::tensor::{numel, try_filled, Data, Element, OwnedData, Tensor, TensorView};
 
 /// Query rows per work item (4 panels of 16).
 pub const RB: usize = 64;
@@ -113,7 +113,7 @@ struct Item<'o> {
 
 /// Per-worker buffers, sized once.
 struct Scratch {
-    /// Query rows `[RB][d]`, pre-multiplied by `ScoreMod::q_mul`.
+    /// Query rows `[RB][d]`.
     q: Vec<f32>,
     /// Unnormalised outputs `[RB][d]`.
     o: Vec<f32>,
@@ -308,9 +308,11 @@ fn qk_panel<const FMA: bool>(q: &[f32], d: usize, nl: usize, krows: &[&[f32]], s
 }
 
 /// `o_{l0 + r}[x..x + W] += Σ_t p[t][l0 + r] · v_t[x..x + W]` for `NQ` rows: `NQ × W`
-/// accumulators held over all keys of the chunk.
+/// accumulators held over all keys of the chunk. `SKIP`: a zero probability (a key the row does
+/// not see) contributes nothing even when V is infinite or NaN (`0 · inf` is NaN), so a key's V
+/// reaches only the rows that see it; used on chunks where some row does not see some key.
 #[inline(always)]
-fn pv_strip<const NQ: usize, const W: usize, const FMA: bool>(
+fn pv_strip<const NQ: usize, const W: usize, const FMA: bool, const SKIP: bool>(
     o: &mut [f32],
     d: usize,
     x: usize,
@@ -323,7 +325,8 @@ fn pv_strip<const NQ: usize, const W: usize, const FMA: bool>(
         let vc = load::<W>(vt, x);
         let pr: [f32; NQ] = std::array::from_fn(|r| pt[(l0 + r) % NR]);
         for r in 0..NQ {
-            acc[r] = fma_lanes::<W, FMA>([pr[r]; W], vc, acc[r]);
+            let t = fma_lanes::<W, FMA>([pr[r]; W], vc, acc[r]);
+            acc[r] = if SKIP && pr[r] == 0.0 { acc[r] } else { t };
         }
     }
     for (r, a) in acc.iter().enumerate() {
@@ -332,19 +335,43 @@ fn pv_strip<const NQ: usize, const W: usize, const FMA: bool>(
 }
 
 #[inline(always)]
-fn pv_rows<const NQ: usize, const FMA: bool>(o: &mut [f32], d: usize, l0: usize, p: &[[f32; NR]], vrows: &[&[f32]]) {
+fn pv_rows<const NQ: usize, const FMA: bool, const SKIP: bool>(
+    o: &mut [f32],
+    d: usize,
+    l0: usize,
+    p: &[[f32; NR]],
+    vrows: &[&[f32]],
+) {
     let mut x = 0;
     while x + 16 <= d {
-        pv_strip::<NQ, 16, FMA>(o, d, x, l0, p, vrows);
+        pv_strip::<NQ, 16, FMA, SKIP>(o, d, x, l0, p, vrows);
         x += 16;
     }
     if x + 8 <= d {
-        pv_strip::<NQ, 8, FMA>(o, d, x, l0, p, vrows);
+        pv_strip::<NQ, 8, FMA, SKIP>(o, d, x, l0, p, vrows);
         x += 8;
     }
     while x < d {
-        pv_strip::<NQ, 1, FMA>(o, d, x, l0, p, vrows);
+        pv_strip::<NQ, 1, FMA, SKIP>(o, d, x, l0, p, vrows);
         x += 1;
+    }
+}
+
+/// `O += P·V` for the panel's `nl` rows, 4, 2 or 1 at a time.
+#[inline(always)]
+fn pv_panel<const FMA: bool, const SKIP: bool>(o: &mut [f32], d: usize, nl: usize, p: &[[f32; NR]], vrows: &[&[f32]]) {
+    let mut r = 0;
+    while r < nl {
+        if nl - r >= 4 {
+            pv_rows::<4, FMA, SKIP>(o, d, r, p, vrows);
+            r += 4;
+        } else if nl - r >= 2 {
+            pv_rows::<2, FMA, SKIP>(o, d, r, p, vrows);
+            r += 2;
+        } else {
+            pv_rows::<1, FMA, SKIP>(o, d, r, p, vrows);
+            r += 1;
+        }
     }
 }
 
@@ -384,9 +411,6 @@ fn attend<M: Exp2Math, const FMA: bool>(c: &Ctx<'_, M>, it: &mut Item<'_>, scr: 
         let (qo, qr) = c.layout.q_row(b, i);
         let dst = &mut q[rl * d..(rl + 1) * d];
         c.q.read_row(qo, qr, h, dst);
-        if c.sm.q_mul != 1.0 {
-            dst.iter_mut().for_each(|x| *x *= c.sm.q_mul);
-        }
         let (l, hh) = ps.key_range(i);
         lo[rl] = l.max(it.k0);
         hi[rl] = hh.min(it.k1);
@@ -401,8 +425,6 @@ fn attend<M: Exp2Math, const FMA: bool>(c: &Ctx<'_, M>, it: &mut Item<'_>, scr: 
 
     let lo_all = lo[..nrows].iter().copied().min().unwrap_or(0);
     let hi_all = hi[..nrows].iter().copied().max().unwrap_or(0);
-    let needs_bias = c.p.alibi.is_some() || c.sm.softcap_log2.is_some();
-    let cmul = if needs_bias { 1.0 } else { c.sm.score_mul };
 
     let mut j0 = lo_all;
     while j0 < hi_all {
@@ -428,17 +450,19 @@ fn attend<M: Exp2Math, const FMA: bool>(c: &Ctx<'_, M>, it: &mut Item<'_>, scr: 
             let sp = &mut s[c0..c1];
             // S = Q·Kᵀ for this panel's rows.
             qk_panel::<FMA>(qp, d, nl, &krows[c0..c1], sp);
-            // Softcap and ALiBi (into log2 units; the softmax then multiplies by 1), the mask,
-            // and −inf for the padding lanes.
+            // Softcap and ALiBi in natural units (score units: `cpu::softmax`), the mask, and
+            // −inf for the padding lanes.
             for (tl, row) in sp.iter_mut().enumerate() {
                 let j = plo + tl;
                 for (l, x) in row.iter_mut().enumerate().take(nl) {
                     let rl = l0 + l;
-                    if needs_bias {
-                        *x = match c.sm.softcap_log2 {
-                            Some(cl) => cl * x.tanh(),
-                            None => *x * c.sm.score_mul,
-                        } + ps.alibi_bias(head[rl], qi[rl], j) * LOG2E;
+                    if c.sm.natural {
+                        let s = *x * c.sm.scale;
+                        let s = match c.sm.softcap {
+                            Some(cap) => cap * (s / cap).tanh(),
+                            None => s,
+                        };
+                        *x = s + ps.alibi_bias(head[rl], qi[rl], j);
                     }
                     if !full && (j < lo[rl] || j >= hi[rl]) {
                         *x = f32::NEG_INFINITY;
@@ -449,38 +473,36 @@ fn attend<M: Exp2Math, const FMA: bool>(c: &Ctx<'_, M>, it: &mut Item<'_>, scr: 
             // The online softmax, the verbs of the tiled path.
             let states = &mut rows[l0..l0 + NR];
             let tile_max = panel_max(sp.as_flattened());
-            let scales: [f32; NR] = std::array::from_fn(|l| max_get_scale(&mut states[l], tile_max[l] * cmul, &c.math));
-            online_softmax::<M, FMA>(states, &scales, sp.as_flattened_mut(), cmul, &c.math);
+            let scales: [f32; NR] = std::array::from_fn(|l| max_get_scale(&mut states[l], tile_max[l], c.sm.c, &c.math));
+            online_softmax::<M, FMA>(states, &scales, sp.as_flattened_mut(), c.sm.c, &c.math);
             let op = &mut o[l0 * d..(l0 + NR) * d];
             for (l, &sc) in scales.iter().enumerate().take(nl) {
                 if sc != 1.0 {
                     op[l * d..(l + 1) * d].iter_mut().for_each(|x| *x *= sc);
                 }
             }
-            // O += P·V.
+            // O += P·V; where some row does not see some key of the chunk, zeros of P are
+            // skipped so that key's V (possibly inf/NaN) cannot reach that row.
             let vr = &vrows[c0..c1];
-            let mut r = 0;
-            while r < nl {
-                if nl - r >= 4 {
-                    pv_rows::<4, FMA>(op, d, r, sp, vr);
-                    r += 4;
-                } else if nl - r >= 2 {
-                    pv_rows::<2, FMA>(op, d, r, sp, vr);
-                    r += 2;
-                } else {
-                    pv_rows::<1, FMA>(op, d, r, sp, vr);
-                    r += 1;
-                }
+            if full {
+                pv_panel::<FMA, false>(op, d, nl, sp, vr);
+            } else {
+                pv_panel::<FMA, true>(op, d, nl, sp, vr);
             }
         }
         j0 = j1;
     }
 
     for rl in 0..nrows {
-        let (inv, lse) = finalize(&rows[rl], &c.math);
+        let (inv, lse) = finalize(&rows[rl], c.sm.u, &c.math);
         it.lse[rl] = lse;
-        for (dst, &x) in it.o[rl * d..(rl + 1) * d].iter_mut().zip(&o[rl * d..(rl + 1) * d]) {
-            *dst = x * inv;
+        let out = &mut it.o[rl * d..(rl + 1) * d];
+        if rows[rl].l == 0.0 {
+            out.fill(0.0); // saw no key (in this split): exactly 0
+        } else {
+            for (dst, &x) in out.iter_mut().zip(&o[rl * d..(rl + 1) * d]) {
+                *dst = x * inv;
+            }
         }
     }
 }
@@ -555,6 +577,13 @@ pub(crate) fn forward<M: Exp2Math>(
     }
     let (d, g, hkv, hq) = (p.head_dim, p.group(), p.heads_kv, p.heads_q);
     let batch = layout.batch();
+    // The outputs first (fallibly): a problem whose output cannot exist (a broadcast q of 2^40
+    // sequences) fails here, before any per-sequence bookkeeping is allocated.
+    let q_outer = q.shape()[0];
+    let q_rows = layout.q_rows();
+    let mut o = Tensor::zeros(p.dtype, [q_outer, q_rows, hq, d])?;
+    let n_lse = numel([q_outer, hq, q_rows, 1], "lse")?;
+    let mut lse_tok = try_filled(n_lse, f32::NEG_INFINITY, || "LSE".into())?;
 
     // Per sequence and row block: the keys any of its rows sees. Then how much work there is,
     // and how many threads and splits it deserves.
@@ -625,8 +654,8 @@ pub(crate) fn forward<M: Exp2Math>(
     let part_len = part_rows.checked_mul(d).ok_or_else(|| Error::TooLarge {
         what: "split-KV partial outputs".into(),
     })?;
-    let mut part_o = pool::take(part_len);
-    let mut part_lse = vec![f32::NEG_INFINITY; part_rows];
+    let mut part_o = pool::take(part_len, "split-KV partial outputs")?;
+    let mut part_lse = try_filled(part_rows, f32::NEG_INFINITY, || "split-KV partial LSEs".into())?;
     let mut offsets = Vec::with_capacity(metas.len());
     {
         let (mut o_rest, mut l_rest) = (&mut part_o[..], &mut part_lse[..]);
@@ -674,11 +703,6 @@ pub(crate) fn forward<M: Exp2Math>(
     }
 
     // Merge the splits (or copy) into o in q's dtype, sequence by sequence.
-    let q_outer = q.shape()[0];
-    let q_rows = layout.q_rows();
-    let mut o = Tensor::zeros(p.dtype, [q_outer, q_rows, hq, d])?;
-    let n_lse = numel([q_outer, hq, q_rows, 1], "lse")?;
-    let mut lse_tok = vec![f32::NEG_INFINITY; n_lse];
     let parts = Parts {
         o: &part_o,
         lse: &part_lse,
@@ -695,7 +719,7 @@ pub(crate) fn forward<M: Exp2Math>(
     }
     pool::give(part_o);
     // [token][head] -> [outer][head][row].
-    let mut lse = vec![f32::NEG_INFINITY; n_lse];
+    let mut lse = try_filled(n_lse, f32::NEG_INFINITY, || "LSE".into())?;
     for t in 0..q_outer * q_rows {
         let (outer, row) = (t / q_rows.max(1), t % q_rows.max(1));
         for h in 0..hq {

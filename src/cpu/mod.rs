@@ -3,8 +3,8 @@
 //! Per (batch, kv head), K and V are packed once (f32, strips of 6 keys / 6 columns); every
 //! query head of the GQA group and every block of `BR` query rows then streams over the key
 //! tiles of `BC` keys: `Sᵀ = K·Qᵀ` (6×16 register micro-kernel), the online softmax of each
-//! query (exp2 of `x·scale·log2e − m` in one FMA, −inf guard), `Oᵀ = Oᵀ·diag(scale) + Vᵀ·Pᵀ`, and
-//! one normalisation at the end. Work items (kv head, group head, query block) are handed out heaviest first to
+//! query (exp2 of `(x − m)·scale·log2e`, −inf guard; `softmax` explains the units),
+//! `Oᵀ = Oᵀ·diag(scale) + Vᵀ·Pᵀ`, and one normalisation at the end. Work items (kv head, group head, query block) are handed out heaviest first to
 //! `std` threads; each writes its own disjoint slice of the output.
 
 mod gemm;
@@ -20,8 +20,8 @@ use crate::numerics::hadamard::Rotation;
 use crate::numerics::quant::fake_quantize;
 use crate::options::Precision;
 use crate::problem::{Problem, LOG2E};
-use crate::tensor::{DataMut, Element, Tensor, TensorView};
-use gemm::{micro_kernel, Acc, MR, NR};
+use crate::tensor::{try_filled, DataMut, Element, Tensor, TensorView};
+use gemm::{micro_kernel, micro_kernel_skip_zero_b, Acc, MR, NR};
 use softmax::{finalize, max_get_scale, online_softmax, rescale_o, Exp2Math, RowState};
 use std::sync::Mutex;
 
@@ -71,19 +71,21 @@ const ROUND_MAGIC: f32 = 12_582_912.0;
 /// The f32 exponent bias.
 const EXP_BIAS: f32 = 127.0;
 
-/// The native CPU `exp2`: the same split and degree-5 polynomial as
+/// The native CPU `exp2` for `x <= 0` (every argument of the native softmax: `(x − m)·c` with
+/// `x <= m`, and the rescale factor's `−growth`): the same split and degree-5 polynomial as
 /// [`crate::numerics::exp2::exp2_poly`], but `2^floor(x)` is built as a float from the bits of
 /// `floor(x) + 127 + 1.5·2^23` and multiplied in, so the whole function vectorises (a float→int
 /// conversion would not: Rust's saturating `as i32` is scalarised). NaN propagates through the
-/// product; x ≤ −127 gives 0 (below f32's normal range, irrelevant to a softmax).
+/// product; x < −126 gives 0 (below f32's normal range, irrelevant to a softmax). Positive
+/// arguments are clamped to 0 (never reached; the clamp keeps the exponent bits in range).
 #[inline(always)]
 #[allow(clippy::manual_clamp)] // `f32::clamp` asserts its bounds; the `if` chain is what vectorises (and passes NaN)
 fn exp2_fast(x: f32) -> f32 {
     // `if` chains rather than min/max so that NaN passes through.
-    let x = if x < EXP2_CLAMP_LOW { EXP2_CLAMP_LOW } else if x > EXP_BIAS { EXP_BIAS } else { x };
+    let x = if x < EXP2_CLAMP_LOW { EXP2_CLAMP_LOW } else if x > 0.0 { 0.0 } else { x };
     let n = x.floor();
     let p = poly_frac::<5>(x - n);
-    // n + 127 is in [0, 254]: it sits in the low 8 mantissa bits; << 23 moves it to the exponent.
+    // n + 127 is in [0, 127]: it sits in the low 8 mantissa bits; << 23 moves it to the exponent.
     let two_n = f32::from_bits((n + (ROUND_MAGIC + EXP_BIAS)).to_bits() << 23);
     p * two_n
 }
@@ -98,14 +100,16 @@ struct PackedKv {
     k: Vec<f32>,
     /// `[head_dim_pad / MR][seqlen_k_pad][MR]`: strips of 6 columns of V (i.e. rows of Vᵀ).
     v: Vec<f32>,
+    /// Every element of V is finite. Otherwise `Oᵀ += Vᵀ·Pᵀ` skips the zeros of P, so a key's
+    /// infinite or NaN V reaches only the queries that see it (`0 · inf` is NaN).
+    v_finite: bool,
 }
 
-fn pack_kv(p: &Problem, k: &TensorView, v: &TensorView, b: usize, hk: usize) -> PackedKv {
+fn pack_kv(p: &Problem, sz: &Sizes, k: &TensorView, v: &TensorView, b: usize, hk: usize) -> Result<PackedKv> {
     let d = p.head_dim;
-    let sk_pad = round_up(p.seqlen_k, MR);
-    let dv = round_up(d, MR);
-    let mut kp = pool::take(sk_pad * d);
-    let mut vp = pool::take(dv * sk_pad);
+    let sk_pad = sz.sk_pad;
+    let mut kp = pool::take(sz.k_pack, "packed K of one head")?;
+    let mut vp = pool::take(sz.v_pack, "packed V of one head")?;
     let mut row = vec![0.0f32; d];
     for j in 0..p.seqlen_k {
         let (strip, lane) = (j / MR, j % MR);
@@ -119,7 +123,52 @@ fn pack_kv(p: &Problem, k: &TensorView, v: &TensorView, b: usize, hk: usize) -> 
             vp[(x / MR) * sk_pad * MR + j * MR + x % MR] = val;
         }
     }
-    PackedKv { k: kp, v: vp }
+    let v_finite = all_finite(&vp);
+    Ok(PackedKv { k: kp, v: vp, v_finite })
+}
+
+/// Whether every element is finite: `x * 0` is 0 for a finite x and NaN for ±inf or NaN, summed
+/// in 8 independent lanes so that the loop vectorises.
+fn all_finite(x: &[f32]) -> bool {
+    let mut acc = [0.0f32; 8];
+    let chunks = x.chunks_exact(8);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for i in 0..8 {
+            acc[i] += c[i] * 0.0;
+        }
+    }
+    acc.iter().all(|&a| a == 0.0) && tail.iter().all(|t| t.is_finite())
+}
+
+/// Sizes of the CPU backend's buffers, computed with checked arithmetic before anything is
+/// allocated: a problem whose buffers cannot exist is [`Error::TooLarge`] up front.
+struct Sizes {
+    /// `seqlen_k` rounded up to the micro-kernel's strips.
+    sk_pad: usize,
+    /// f32 elements of one head's packed K, and of its packed V.
+    k_pack: usize,
+    v_pack: usize,
+    /// Output elements `[batch, heads_q, seqlen_q, head_dim]` and LSEs `[batch, heads_q, seqlen_q]`.
+    n_o: usize,
+    n_lse: usize,
+}
+
+impl Sizes {
+    fn new(p: &Problem) -> Result<Self> {
+        let too_large = |what: &str| Error::TooLarge { what: format!("the CPU backend's {what} for this problem") };
+        let d = p.head_dim;
+        let dv = round_up(d, MR); // d <= MAX_HEAD_DIM
+        let sk_pad = p.seqlen_k.checked_next_multiple_of(MR).ok_or_else(|| too_large("padded key count"))?;
+        let f32s = |n: Option<usize>, what: &str| {
+            n.filter(|&n| n <= isize::MAX as usize / 4).ok_or_else(|| too_large(what))
+        };
+        let k_pack = f32s(sk_pad.checked_mul(d), "packed K")?;
+        let v_pack = f32s(sk_pad.checked_mul(dv), "packed V")?;
+        let n_lse = f32s(p.batch.checked_mul(p.heads_q).and_then(|x| x.checked_mul(p.seqlen_q)), "LSE")?;
+        let n_o = f32s(n_lse.checked_mul(d), "output")?;
+        Ok(Sizes { sk_pad, k_pack, v_pack, n_o, n_lse })
+    }
 }
 
 /// Per-thread scratch, sized once. Everything about queries is held transposed, in panels of
@@ -148,22 +197,30 @@ impl Scratch {
     }
 }
 
-/// How scores in log2 units are formed from `Q·Kᵀ`.
+/// How scores are formed from `Q·Kᵀ` and converted (units: see `softmax`).
 #[derive(Clone, Copy)]
 struct ScoreMod {
-    /// Multiplies q when packing: 1, or `scale / cap` with softcap (the argument of tanh).
-    q_mul: f32,
-    /// Without softcap: `scale · log2 e`, applied to each dot product inside the softmax's FMA.
-    score_mul: f32,
-    /// With softcap: `cap · log2 e` multiplies `tanh(q_mul · q·k)`.
-    softcap_log2: Option<f32>,
+    /// Scores in natural units (`scale · q·k`, then softcap, then ALiBi), because softcap or
+    /// ALiBi is on; otherwise raw dot products.
+    natural: bool,
+    /// Score units to log2 units: `scale · log2 e` for raw dot products, `log2 e` for natural.
+    c: f32,
+    /// Score units to natural units (for the LSE): `scale`, or 1.
+    u: f32,
+    scale: f32,
+    /// With softcap: the cap, the score being `cap · tanh(s / cap)`.
+    softcap: Option<f32>,
 }
 
 impl ScoreMod {
     fn new(p: &Problem) -> Self {
-        match p.softcap {
-            None => ScoreMod { q_mul: 1.0, score_mul: p.scale * LOG2E, softcap_log2: None },
-            Some(cap) => ScoreMod { q_mul: p.scale / cap, score_mul: 1.0, softcap_log2: Some(cap * LOG2E) },
+        let natural = p.softcap.is_some() || p.alibi.is_some();
+        ScoreMod {
+            natural,
+            c: if natural { LOG2E } else { p.scale * LOG2E },
+            u: if natural { 1.0 } else { p.scale },
+            scale: p.scale,
+            softcap: p.softcap,
         }
     }
 }
@@ -201,7 +258,7 @@ fn attend_block<M: Exp2Math, const FMA: bool>(
             if r < nrows {
                 q.read_row(b, i0 + r, h, &mut scr.q_row);
                 for (x, &val) in scr.q_row.iter().enumerate() {
-                    dst[x * NR + lane] = if sm.q_mul == 1.0 { val } else { val * sm.q_mul };
+                    dst[x * NR + lane] = val;
                 }
             } else {
                 for x in 0..d {
@@ -225,8 +282,6 @@ fn attend_block<M: Exp2Math, const FMA: bool>(
         .chunks(NR)
         .map(|rs| (rs.iter().map(|r| r.0).min().unwrap_or(0), rs.iter().map(|r| r.1).max().unwrap_or(0)))
         .collect();
-    let needs_bias = p.alibi.is_some() || sm.softcap_log2.is_some();
-    let c = if needs_bias { 1.0 } else { sm.score_mul };
 
     let mut j0 = lo_all / MR * MR;
     while j0 < hi_all {
@@ -253,14 +308,20 @@ fn attend_block<M: Exp2Math, const FMA: bool>(
                     dst.copy_from_slice(a);
                 }
             }
-            // Softcap and ALiBi (into log2 units here; the softmax then multiplies by 1).
-            if needs_bias {
+            // Softcap and ALiBi, in natural units (as a straightforward implementation computes
+            // them: each step is finite wherever its f32 counterpart there is).
+            if sm.natural {
                 for (jl, row) in sp.chunks_exact_mut(NR).enumerate() {
                     for (lane, x) in row.iter_mut().enumerate().take(nrows.saturating_sub(pn * NR)) {
-                        *x = match sm.softcap_log2 {
-                            Some(cl) => cl * x.tanh(),
-                            None => *x * sm.score_mul,
-                        } + p.alibi_bias(h, i0 + pn * NR + lane, k0 + jl) * LOG2E;
+                        let s = *x * sm.scale;
+                        // A division, as a straightforward implementation writes it: for a cap
+                        // far above the scores, (s / cap) * cap gives s back to within an ulp,
+                        // where s * (1 / cap) * cap accumulates three roundings.
+                        let s = match sm.softcap {
+                            Some(cap) => cap * (s / cap).tanh(),
+                            None => s,
+                        };
+                        *x = s + p.alibi_bias(h, i0 + pn * NR + lane, k0 + jl);
                     }
                 }
             }
@@ -278,8 +339,8 @@ fn attend_block<M: Exp2Math, const FMA: bool>(
             // Online softmax down each query column.
             let states = &mut scr.rows[pn * NR..(pn + 1) * NR];
             let tile_max = softmax::panel_max(sp);
-            let scales: [f32; NR] = std::array::from_fn(|q| max_get_scale(&mut states[q], tile_max[q] * c, math));
-            online_softmax::<M, FMA>(states, &scales, sp, c, math);
+            let scales: [f32; NR] = std::array::from_fn(|q| max_get_scale(&mut states[q], tile_max[q], sm.c, math));
+            online_softmax::<M, FMA>(states, &scales, sp, sm.c, math);
             let op = &mut scr.o[pn * dv * NR..(pn + 1) * dv * NR];
             rescale_o(op, &scales);
             // Oᵀ += Vᵀ·Pᵀ, six columns of V at a time.
@@ -289,7 +350,12 @@ fn attend_block<M: Exp2Math, const FMA: bool>(
                 for (a, src) in acc.iter_mut().zip(o6.chunks_exact(NR)) {
                     a.copy_from_slice(src);
                 }
-                micro_kernel::<FMA>(&kv.v[base + k0 * MR..base + k1 * MR], sp, &mut acc);
+                let vs = &kv.v[base + k0 * MR..base + k1 * MR];
+                if kv.v_finite {
+                    micro_kernel::<FMA>(vs, sp, &mut acc);
+                } else {
+                    micro_kernel_skip_zero_b::<FMA>(vs, sp, &mut acc);
+                }
                 for (dst, a) in o6.chunks_exact_mut(NR).zip(&acc) {
                     dst.copy_from_slice(a);
                 }
@@ -300,11 +366,16 @@ fn attend_block<M: Exp2Math, const FMA: bool>(
 
     for r in 0..nrows {
         let (pn, lane) = (r / NR, r % NR);
-        let (inv, lse) = finalize(&scr.rows[r], math);
+        let (inv, lse) = finalize(&scr.rows[r], sm.u, math);
         lse_out[r] = lse;
         let op = &scr.o[pn * dv * NR..];
-        for (x, dst) in o_out[r * d..(r + 1) * d].iter_mut().enumerate() {
-            *dst = op[x * NR + lane] * inv;
+        let out = &mut o_out[r * d..(r + 1) * d];
+        if scr.rows[r].l == 0.0 {
+            out.fill(0.0); // saw no key: exactly 0, whatever reached O
+        } else {
+            for (x, dst) in out.iter_mut().enumerate() {
+                *dst = op[x * NR + lane] * inv;
+            }
         }
     }
 }
@@ -365,11 +436,26 @@ fn run_worker<M: Exp2Math>(
     worker::<M, false>(p, q, packed, sm, math, queue)
 }
 
-/// Number of worker threads for `opts`.
+/// Number of worker threads: the request, capped at the machine's available parallelism (more
+/// threads than cores only add scheduling and memory on this compute-bound work); `None` or 0
+/// uses the available parallelism.
 pub(crate) fn threads(requested: Option<usize>) -> usize {
-    requested
-        .filter(|&n| n > 0)
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+    let hw = std::thread::available_parallelism().map_or(1, |n| n.get());
+    requested.filter(|&n| n > 0).map_or(hw, |n| n.min(hw))
+}
+
+/// Runs `job` on up to `n` threads of `scope` (the calling thread being one of them). A thread
+/// the system refuses to start is simply not started: the others share its work.
+fn run_on<'scope, 'env, F>(scope: &'scope std::thread::Scope<'scope, 'env>, n: usize, job: &'scope F)
+where
+    F: Fn() + Sync,
+{
+    for _ in 1..n {
+        if std::thread::Builder::new().spawn_scoped(scope, job).is_err() {
+            break;
+        }
+    }
+    job();
 }
 
 fn check_head_dim(p: &Problem) -> Result<()> {
@@ -412,12 +498,13 @@ fn forward_with_into<M: Exp2Math>(
     check_head_dim(p)?;
     let d = p.head_dim;
     let sm = ScoreMod::new(p);
-    let n_o = crate::tensor::numel([p.batch, p.heads_q, p.seqlen_q, d], "output")?;
+    // Every size first: a problem too large for this machine fails here, before any work.
+    let sz = Sizes::new(p)?;
     // Internal layout [batch, heads_q, seqlen_q, d] so each work item owns a contiguous slice.
-    let mut o_hm = pool::take(n_o);
-    let mut lse = vec![f32::NEG_INFINITY; p.batch * p.heads_q * p.seqlen_q];
+    let mut o_hm = pool::take(sz.n_o, "output")?;
+    let mut lse = try_filled(sz.n_lse, f32::NEG_INFINITY, || "LSE".into())?;
 
-    let kv_bytes = 4 * (round_up(p.seqlen_k, MR) * (d + round_up(d, MR)));
+    let kv_bytes = 4 * (sz.k_pack + sz.v_pack);
     let chunk = (PACK_BUDGET_BYTES / kv_bytes.max(1)).clamp(1, p.batch * p.heads_kv);
     let nblocks = p.seqlen_q.div_ceil(BR);
     let per_kv = p.group() * nblocks; // work items per kv head
@@ -430,19 +517,20 @@ fn forward_with_into<M: Exp2Math>(
         let packed: Vec<(usize, PackedKv)> = {
             let next = Mutex::new(heads.iter().enumerate().rev().collect::<Vec<_>>());
             let out = Mutex::new(Vec::with_capacity(heads.len()));
-            std::thread::scope(|s| {
-                for _ in 0..nthreads.min(heads.len()) {
-                    s.spawn(|| loop {
-                        let job = next.lock().unwrap_or_else(|e| e.into_inner()).pop();
-                        let Some((idx, &(b, hk))) = job else { break };
-                        let pk = pack_kv(p, k, v, b, hk);
-                        out.lock().unwrap_or_else(|e| e.into_inner()).push((idx, pk));
-                    });
-                }
-            });
+            let job = || loop {
+                let job = next.lock().unwrap_or_else(|e| e.into_inner()).pop();
+                let Some((idx, &(b, hk))) = job else { break };
+                let pk = pack_kv(p, &sz, k, v, b, hk);
+                out.lock().unwrap_or_else(|e| e.into_inner()).push((idx, pk));
+            };
+            std::thread::scope(|s| run_on(s, nthreads.min(heads.len()), &job));
             let mut v = out.into_inner().unwrap_or_else(|e| e.into_inner());
             v.sort_by_key(|x| x.0);
-            v.into_iter().map(|(i, pk)| (heads[i].1, pk)).collect()
+            let mut packed = Vec::with_capacity(v.len());
+            for (i, pk) in v {
+                packed.push((heads[i].1, pk?));
+            }
+            packed
         };
         // Split this chunk's output into one slice per work item, in memory order.
         let mut items: Vec<(u64, Item)> = Vec::with_capacity(heads.len() * per_kv);
@@ -469,12 +557,8 @@ fn forward_with_into<M: Exp2Math>(
         items.sort_by_key(|x| x.0);
         let queue = Mutex::new(items.into_iter().map(|x| x.1).collect::<Vec<_>>());
         let n = nthreads.min(heads.len() * per_kv).max(1);
-        std::thread::scope(|s| {
-            for _ in 1..n {
-                s.spawn(|| run_worker(p, q, &packed, sm, &math, &queue));
-            }
-            run_worker(p, q, &packed, sm, &math, &queue);
-        });
+        let job = || run_worker(p, q, &packed, sm, &math, &queue);
+        std::thread::scope(|s| run_on(s, n, &job));
         for (_, pk) in packed {
             pool::give(pk.k);
             pool::give(pk.v);
@@ -496,21 +580,26 @@ fn to_seq_major<T: Element>(p: &Problem, src: &[f32], dst: &mut [T], nthreads: u
     let (hq, sq, d) = (p.heads_q, p.seqlen_q, p.head_dim);
     let rows = p.batch * sq;
     let per = rows.div_ceil(nthreads.max(1)).max(1);
-    std::thread::scope(|s| {
-        for (c, chunk) in dst.chunks_mut(per * hq * d).enumerate() {
-            s.spawn(move || {
-                for (r, row) in chunk.chunks_mut(hq * d).enumerate() {
-                    let (b, i) = ((c * per + r) / sq, (c * per + r) % sq);
-                    for (h, out) in row.chunks_mut(d).enumerate() {
-                        let from = &src[((b * hq + h) * sq + i) * d..][..d];
-                        for (o, &x) in out.iter_mut().zip(from) {
-                            *o = T::from_f32(x);
-                        }
-                    }
+    let convert = |c: usize, chunk: &mut [T]| {
+        for (r, row) in chunk.chunks_mut(hq * d).enumerate() {
+            let (b, i) = ((c * per + r) / sq, (c * per + r) % sq);
+            for (h, out) in row.chunks_mut(d).enumerate() {
+                let from = &src[((b * hq + h) * sq + i) * d..][..d];
+                for (o, &x) in out.iter_mut().zip(from) {
+                    *o = T::from_f32(x);
                 }
-            });
+            }
         }
-    });
+    };
+    let chunks: Vec<(usize, &mut [T])> = dst.chunks_mut(per * hq * d).enumerate().collect();
+    let n = chunks.len();
+    let queue = Mutex::new(chunks);
+    let job = || loop {
+        let next = queue.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let Some((c, chunk)) = next else { break };
+        convert(c, chunk);
+    };
+    std::thread::scope(|s| run_on(s, n, &job));
 }
 
 /// The CPU forward pass with the problem's arithmetic. Returns the output and the name of the
@@ -520,7 +609,7 @@ fn to_seq_major<T: Element>(p: &Problem, src: &[f32], dst: &mut [T], nthreads: u
 /// runs the emulation of a kernel's arithmetic (`numerics::emulate`), and FP8 first rotates
 /// (optionally) and fake-quantises Q, K, V (`numerics::quant::fake_quantize`).
 pub(crate) fn run(p: &Problem, q: &TensorView, k: &TensorView, v: &TensorView, nthreads: usize) -> Result<CpuOutput> {
-    check_head_dim(p)?;
+    check_head_dim(p)?; // before the FP8 preprocessing reads anything
     let mut o = Tensor::zeros(p.dtype, [p.batch, p.seqlen_q, p.heads_q, p.head_dim])?;
     let (lse, kernel) = run_into(p, q, k, v, nthreads, o.data_mut().as_data_mut())?;
     Ok(CpuOutput { o, lse, kernel })
@@ -558,4 +647,50 @@ pub(crate) fn path_name() -> &'static str {
         return "cpu-tiled-avx2-fma";
     }
     "cpu-tiled-portable"
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn thread_requests_are_capped_at_the_available_parallelism() {
+        let hw = std::thread::available_parallelism().map_or(1, |n| n.get());
+        assert_eq!(threads(None), hw);
+        assert_eq!(threads(Some(0)), hw);
+        assert_eq!(threads(Some(1)), 1);
+        assert_eq!(threads(Some(1_000_000)), hw);
+        assert_eq!(threads(Some(usize::MAX)), hw);
+    }
+
+    #[test]
+    fn exp2_fast_on_its_domain() {
+        assert_eq!(exp2_fast(0.0), 1.0);
+        assert_eq!(exp2_fast(-1.0), 0.5);
+        assert_eq!(exp2_fast(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp2_fast(-200.0), 0.0);
+        assert!(exp2_fast(f32::NAN).is_nan());
+        assert_eq!(exp2_fast(5.0), 1.0, "positive arguments never occur; clamped to 0");
+        for i in 0..2000 {
+            let x = -126.0 * i as f32 / 2000.0;
+            let rel = (exp2_fast(x) as f64 / (x as f64).exp2() - 1.0).abs();
+            assert!(rel < 2e-7, "{x}: {rel}");
+        }
+    }
+
+    #[test]
+    fn all_finite_sees_every_element() {
+        for n in [0usize, 1, 7, 8, 9, 64, 77] {
+            let mut x = vec![1.5f32; n];
+            assert!(all_finite(&x));
+            for i in 0..n {
+                for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                    x[i] = bad;
+                    assert!(!all_finite(&x), "n {n} i {i} {bad}");
+                    x[i] = f32::MAX;
+                    assert!(all_finite(&x));
+                }
+            }
+        }
+    }
 }

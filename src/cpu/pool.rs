@@ -4,6 +4,8 @@
 //! on first touch, which cost the CPU backend about 5-10 % of a 1×8×2048×128 call. Buffers
 //! handed back are kept (up to [`RETAIN_BYTES`] in all) for the next call; larger ones are freed.
 
+use crate::error::Result;
+use crate::tensor::try_filled;
 use std::sync::Mutex;
 
 /// Upper bound on the memory kept between calls.
@@ -15,17 +17,22 @@ fn pool() -> std::sync::MutexGuard<'static, Vec<Vec<f32>>> {
     POOL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// A buffer of `len` zeros, reusing a kept one when one is large enough.
-pub(crate) fn take(len: usize) -> Vec<f32> {
+/// A buffer of `len` zeros, reusing a kept one when one is large enough; a new one is allocated
+/// fallibly ([`crate::Error::TooLarge`] naming `what`).
+pub(crate) fn take(len: usize, what: &str) -> Result<Vec<f32>> {
     let reused = {
         let mut p = pool();
         let best = p.iter().enumerate().filter(|(_, b)| b.capacity() >= len).min_by_key(|(_, b)| b.capacity());
         best.map(|(i, _)| i).map(|i| p.swap_remove(i))
     };
-    let mut v = reused.unwrap_or_default();
-    v.clear();
-    v.resize(len, 0.0);
-    v
+    match reused {
+        Some(mut v) => {
+            v.clear();
+            v.resize(len, 0.0);
+            Ok(v)
+        }
+        None => try_filled(len, 0.0, || format!("{what}: {len} f32")),
+    }
 }
 
 /// Hands a buffer back for later calls (dropped if keeping it would exceed the bound).

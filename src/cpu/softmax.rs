@@ -3,8 +3,19 @@
 //!
 //! The CPU backend holds scores transposed, a panel of `NR` = 16 queries side by side per key
 //! (`[keys][16]`), so every verb below is a vertical operation on 16-wide vectors: the per-query
-//! max, sum and rescale vectorise with no horizontal reductions. Scores arrive as raw dot products
-//! `x`; `c` (e.g. `softmax_scale·log2 e`) converts them to log2 units inside the exponent's FMA.
+//! max, sum and rescale vectorise with no horizontal reductions.
+//!
+//! Units. Scores `x` arrive in *score units*: raw dot products `q·k` (no softcap, no ALiBi), or
+//! natural units (`scale · q·k`, softcap, ALiBi). The running max `m` is kept in the same units,
+//! and every exponent is formed as `(x − m) · c` (`c` = `scale · log2 e` or `log2 e`): the max
+//! itself gives exactly `2^0 = 1`, every other key a non-positive exponent, and nothing is ever
+//! converted to log2 units on its own. That matters at the edges of f32: `m · c` rounded to f32
+//! next to an FMA's exact `x · c` differs by up to half an ulp of `m · c`, which is ±128 in the
+//! exponent once `|m · c| >= 2^31`, and `x · c` overflows for scores above `f32::MAX / log2 e`,
+//! where a straightforward f32 softmax is still finite. `x − m` cannot overflow towards +inf
+//! (x <= m), and when it overflows towards −inf the true exponent is below −127 anyway
+//! (`c >= 2^-120 · log2 e`, `MIN_SOFTMAX_SCALE`), so P = 0 is the right answer.
+//!
 //! The running max `m` starts at −inf; while a query has seen no key, `m` stays −inf and the guard
 //! in `online_softmax` keeps `-inf - (-inf)` (NaN) from ever being formed.
 
@@ -47,29 +58,32 @@ pub fn panel_max(panel: &[f32]) -> [f32; NR] {
     acc
 }
 
-/// Folds a tile's max for one query (in log2 units, i.e. already multiplied by `c`) into its
-/// state and returns the factor its output and sum must be multiplied by (1 when nothing changes).
+/// Folds a tile's max for one query (score units) into its state and returns the factor its
+/// output and sum must be multiplied by (1 when nothing changes). `c` converts score units to
+/// log2 units.
 ///
-/// Lazy rule (FA4): when the max grows by at most `τ = threshold`, keep the stale max `m`.
+/// Lazy rule (FA4): when the max grows by at most `τ = threshold` (log2 units), keep the stale
+/// max `m`.
 ///
 /// Why this is exact and cannot overflow:
-/// - In real arithmetic `O = Σ 2^(s_j - m + c)·v_j` and `l = Σ 2^(s_j - m + c)` share the same `m`
-///   (and offset `c`), so `O / l` does not depend on which `m` was used; the LSE adds `m - c` back.
-/// - Invariant: every score seen so far is at most `m + τ` (a tile whose max exceeds `m + τ` moves
-///   `m` up to that max and rescales O and l by `2^(m_old - m_new) < 1`). Hence each
-///   `P = 2^(s - m + c) <= 2^(τ + c)`, so `l <= n_keys·2^(τ + c)` and `|O| <= l·max|v|`.
-///   `numerics::validate` caps τ at 64 and c is 0 or 8, so `|O|, l <= 2^72·n_keys·max(1, max|v|)`:
+/// - In real arithmetic `O = Σ 2^((s_j - m)·c + off)·v_j` and `l = Σ 2^((s_j - m)·c + off)` share
+///   the same `m` (and offset `off`), so `O / l` does not depend on which `m` was used; the LSE
+///   adds `m` (in natural units) back and removes the offset.
+/// - Invariant: every score seen so far satisfies `(s - m)·c <= τ` (a tile whose max exceeds that
+///   moves `m` up to its max and rescales O and l by `2^((m_old - m_new)·c) < 1`). Hence each
+///   `P = 2^((s - m)·c + off) <= 2^(τ + off)`, so `l <= n_keys·2^(τ + off)` and `|O| <= l·max|v|`.
+///   `numerics::validate` caps τ at 64 and off is 0 or 8, so `|O|, l <= 2^72·n_keys·max(1, max|v|)`:
 ///   f32 (max ~2^128) overflows only if `n_keys·max|v| >= 2^56` (e.g. 2^32 keys with |v| up to
 ///   2^24 are safe). With FA4's τ = 8 the margin is 2^112, the same order as eager rescaling's.
-/// - The exp2 argument `s - m + c` is at most `τ + c <= 72`, inside the polynomial's exponent-add
-///   range (< 128).
-/// - With P in e4m3 the bound `2^(τ + c)` must also stay below 448, hence `τ + 8 < log2(448)`
+/// - The exp2 argument is at most `τ + off <= 72`, inside the polynomial's exponent-add range
+///   (< 128); eagerly (τ = 0, off = 0) it is at most 0.
+/// - With P in e4m3 the bound `2^(τ + off)` must also stay below 448, hence `τ + 8 < log2(448)`
 ///   for FP8 (checked by `numerics::validate`).
 ///
 /// The final normalisation is exact either way; only rounding differs from eager rescaling.
 #[inline(always)]
 #[allow(clippy::neg_cmp_op_on_partial_ord)] // `!(a > b)` is meant: it is also true for a NaN tile max
-pub fn max_get_scale<M: Exp2Math>(st: &mut RowState, tile_max: f32, math: &M) -> f32 {
+pub fn max_get_scale<M: Exp2Math>(st: &mut RowState, tile_max: f32, c: f32, math: &M) -> f32 {
     if !(tile_max > st.m) {
         // No growth, or a NaN tile max (propagated by `exp2` in `online_softmax`).
         return 1.0;
@@ -78,22 +92,24 @@ pub fn max_get_scale<M: Exp2Math>(st: &mut RowState, tile_max: f32, math: &M) ->
         st.m = tile_max; // first visible key: O and l are still 0, nothing to rescale
         return 1.0;
     }
+    // > 0, possibly +inf (then the old terms are negligible: the factor is 0).
+    let growth = (tile_max - st.m) * c;
     if let Some(t) = math.lazy_threshold() {
-        if crate::numerics::lazy_keeps_max(st.m, tile_max, t) {
+        if crate::numerics::lazy_keeps_max(growth, t) {
             return 1.0;
         }
     }
-    let scale = math.exp2(st.m - tile_max);
+    let scale = math.exp2(-growth);
     st.m = tile_max;
     scale
 }
 
-/// Turns a `[keys][NR]` panel of raw scores into probabilities in place,
-/// `p = exp2(x·c − m + offset)` per query (masked scores −inf give 0), scales each query's sum by
-/// `scales` and adds the new probabilities, and rounds P for the second product.
+/// Turns a `[keys][NR]` panel of scores (score units) into probabilities in place,
+/// `p = exp2((x − m)·c + offset)` per query (masked scores −inf give 0), scales each query's sum
+/// by `scales` and adds the new probabilities, and rounds P for the second product.
 ///
-/// With `FMA`, `x·c − m` is one fused multiply-add (as FA2's FFMA): near the row max, where P
-/// matters, the difference is then exact before rounding, even when scores are large.
+/// `x − m` is exact near the max (Sterbenz), so the probabilities that matter carry only the
+/// rounding of the product by `c`; with `FMA` the offset is added in the same instruction.
 #[inline(always)]
 pub fn online_softmax<M: Exp2Math, const FMA: bool>(
     states: &mut [RowState],
@@ -106,12 +122,18 @@ pub fn online_softmax<M: Exp2Math, const FMA: bool>(
     // scores give exp2(−inf) = 0 rather than exp2(NaN).
     let shift: [f32; NR] = std::array::from_fn(|q| {
         let m = states[q].m;
-        (if m == f32::NEG_INFINITY { 0.0 } else { m }) - math.p_offset()
+        if m == f32::NEG_INFINITY {
+            0.0
+        } else {
+            m
+        }
     });
+    let off = math.p_offset();
     let mut sum = [0.0f32; NR];
     for row in panel.chunks_exact_mut(NR) {
         for q in 0..NR {
-            let arg = if FMA { row[q].mul_add(c, -shift[q]) } else { row[q] * c - shift[q] };
+            let d = row[q] - shift[q];
+            let arg = if FMA { d.mul_add(c, off) } else { d * c + off };
             let p = math.exp2(arg);
             sum[q] += p;
             row[q] = math.round_p(p);
@@ -136,12 +158,14 @@ pub fn rescale_o(o_panel: &mut [f32], scales: &[f32; NR]) {
     }
 }
 
-/// The final normaliser and LSE (natural log) of a query: `(1 / l, lse)`. A query that saw no key
-/// (`l == 0`) gets `(0, −inf)`: output 0, never NaN.
+/// The final normaliser and LSE (natural log) of a query: `(1 / l, lse)`, where `u` converts
+/// score units to natural units (`scale` for raw dot products, 1 otherwise). A query that saw no
+/// key (`l == 0`) gets `(0, −inf)`: its output is 0 (written as 0 by the caller, never `O · 0`,
+/// which is NaN if a masked key's infinite V reached O), never NaN.
 #[inline(always)]
-pub fn finalize<M: Exp2Math>(st: &RowState, math: &M) -> (f32, f32) {
+pub fn finalize<M: Exp2Math>(st: &RowState, u: f32, math: &M) -> (f32, f32) {
     if st.l == 0.0 {
         return (0.0, f32::NEG_INFINITY);
     }
-    (1.0 / st.l, (st.m - math.p_offset() + st.l.log2()) * std::f32::consts::LN_2)
+    (1.0 / st.l, st.m * u + (st.l.log2() - math.p_offset()) * std::f32::consts::LN_2)
 }

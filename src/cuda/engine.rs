@@ -52,6 +52,9 @@ fn stream_id(s: sys::CUstream) -> StreamId {
 
 /// Largest grid y/z dimension (heads on y, batch on z).
 const MAX_GRID_YZ: usize = 65535;
+/// Longest sequence the kernels index (int32 positions with room for a row, the diagonal offset
+/// and a tile).
+const MAX_SEQLEN: usize = 1 << 30;
 
 /// A borrowed device tensor `[batch, seqlen, heads, head_dim]` (head_dim contiguous), read by
 /// the kernel.
@@ -479,11 +482,19 @@ impl Engine {
             Some(slopes) => self.alibi_on_device(slopes, stream)?,
             None => 0,
         };
-        let fits_i32 = |x: usize| i32::try_from(x).is_ok();
-        if p.heads_q > MAX_GRID_YZ || p.batch > MAX_GRID_YZ || ![p.seqlen_q, p.seqlen_k].into_iter().all(fits_i32) {
+        // Kernels index rows, keys and tiles in int32: seqlens up to 2^30 leave room for a row
+        // plus the diagonal offset plus a tile, and the persistent FA3 stage counts
+        // ceil(seqlen_q / 64) * heads * batch tiles in an int32.
+        let tiles = p.seqlen_q.div_ceil(64) as u128 * p.heads_q as u128 * p.batch as u128;
+        if p.heads_q > MAX_GRID_YZ
+            || p.batch > MAX_GRID_YZ
+            || p.seqlen_q.max(p.seqlen_k) > MAX_SEQLEN
+            || tiles > i32::MAX as u128
+        {
             return Err(Error::TooLarge {
                 what: format!(
-                    "batch {} / heads {} (at most {MAX_GRID_YZ}) or seqlens {} / {} (at most i32::MAX)",
+                    "batch {} / heads {} (at most {MAX_GRID_YZ} each), seqlens {} / {} (at most 2^30), or {tiles} \
+                     (query tile, head, batch) tiles (at most i32::MAX) for the CUDA kernels",
                     p.batch, p.heads_q, p.seqlen_q, p.seqlen_k
                 ),
             });

@@ -53,7 +53,8 @@ pub struct FwdParams {
     pub descale_block: i32,
     /// Natural units, multiplies q·k.
     pub softmax_scale: f32,
-    /// softmax_scale·log2(e) without softcap; log2(e) with softcap.
+    /// Score units to log2 units: softmax_scale·log2(e) for raw q·k scores; log2(e) for
+    /// natural-unit scores (softcap or ALiBi on). See cuda/include/softmax_fwd.cuh.
     pub softmax_scale_log2: f32,
     /// The cap (0 when off).
     pub softcap: f32,
@@ -94,7 +95,9 @@ impl FwdParams {
     /// that the strides address inside their buffers (so they fit `i64`).
     pub(crate) fn for_launch(p: &Problem, ptrs: [u64; 4], strides: [[usize; 3]; 4], lse: u64, alibi: u64) -> Self {
         let st = |s: usize| s as i64;
-        // An unbounded side is -1; a bound past i32::MAX sees the same keys as i32::MAX.
+        // An unbounded side is -1. Problem::new clamps bounds to the sequence (<= 2^30 on the
+        // GPU); a bound past i32::MAX would see the same keys as i32::MAX, and mask.cuh forms
+        // its sums in 64 bits anyway.
         let window = |w: Option<usize>| w.map_or(-1, |x| x.min(i32::MAX as usize) as i32);
         let mut flags = 0;
         if lse != 0 {
@@ -135,7 +138,9 @@ impl FwdParams {
             window_left: window(p.left),
             window_right: window(p.right),
             softmax_scale: p.scale,
-            softmax_scale_log2: if p.softcap.is_some() { LOG2E } else { p.scale * LOG2E },
+            // Score units -> log2 units (softmax_fwd.cuh): natural-unit scores with softcap or
+            // ALiBi, raw q·k otherwise.
+            softmax_scale_log2: if p.softcap.is_some() || p.alibi.is_some() { LOG2E } else { p.scale * LOG2E },
             softcap: p.softcap.unwrap_or(0.0),
             flags,
             ..FwdParams::default()

@@ -155,8 +155,9 @@ mod tests {
         let pl = plan("fa3s4", &p, &ops(q, k), 132).unwrap();
         assert_eq!(pl.kernel, "fa3s4_fwd_hd128_bf16");
         assert_eq!((pl.grid, pl.block, pl.smem_bytes), ((2, 4, 2), (384, 1, 1), 164944));
-        // The host clamps an unbounded-looking window to i32::MAX, the right side stays.
-        assert_eq!((pl.params.window_left, pl.params.window_right), (i32::MAX, 3));
+        // Problem::new clamps a bound past the sequence to the sequence (left <= seqlen_k: the
+        // same keys); the right side stays.
+        assert_eq!((pl.params.window_left, pl.params.window_right), (257, 3));
         assert_eq!(pl.tensor_maps.len(), 3);
         assert_eq!(pl.tensor_maps[1].global_address, 0x2_0000_0000);
         assert_eq!(pl.tensor_maps[1].spec.box_dims, [64, 1, 128, 1]);

@@ -34,10 +34,11 @@ use crate::options::{Fp8Scaling, Precision};
 use crate::problem::Problem;
 use crate::tensor::{DType, TensorView};
 
-/// Reads a `[b, s, h, d]` view into a contiguous f32 buffer.
-fn to_f32(x: &TensorView) -> Vec<f32> {
+/// Reads a `[b, s, h, d]` view into a contiguous f32 buffer (fallibly).
+fn to_f32(x: &TensorView) -> Result<Vec<f32>> {
     let [b_n, s_n, h_n, d] = x.shape();
-    let mut buf = vec![0.0f32; b_n * s_n * h_n * d];
+    let n = crate::tensor::check_size(x.shape(), 4, "f32 copy of an FP8 baseline operand")?;
+    let mut buf = crate::tensor::try_filled(n, 0.0f32, || "f32 copy of an FP8 baseline operand".into())?;
     for b in 0..b_n {
         for s in 0..s_n {
             for h in 0..h_n {
@@ -46,25 +47,28 @@ fn to_f32(x: &TensorView) -> Vec<f32> {
             }
         }
     }
-    buf
+    Ok(buf)
 }
 
-fn quantize(x: &TensorView, scaling: Fp8Scaling) -> QuantizedE4m3 {
+fn quantize(x: &TensorView, scaling: Fp8Scaling) -> Result<QuantizedE4m3> {
     let shape = x.shape();
-    quantize_e4m3(&to_f32(x), shape, block_rows(scaling, shape[1]))
+    quantize_e4m3(&to_f32(x)?, shape, block_rows(scaling, shape[1]))
 }
 
 /// The straightforward FP8 attention of FA3's "Baseline FP8" row, as we read it (see the module
 /// docs for each step): Q, K, V in e4m3 with `scaling`, f32 accumulators, softmax in f16, P cast
 /// to e4m3 unscaled. Returns `o` as f64 `[batch, seqlen_q, heads_q, head_dim]`, like
 /// [`crate::reference::attention_naive`]. Rows with no visible key give 0.
+///
+/// # Errors
+/// As [`crate::reference::attention_f64`]: views that do not match `p`, or buffers too large.
 pub fn attention_naive_fp8(
     p: &Problem,
     q: &TensorView,
     k: &TensorView,
     v: &TensorView,
     scaling: Fp8Scaling,
-) -> Vec<f64> {
+) -> Result<Vec<f64>> {
     attention_naive_fp8_p_scaled(p, q, k, v, scaling, 0.0)
 }
 
@@ -78,17 +82,18 @@ pub fn attention_naive_fp8_p_scaled(
     v: &TensorView,
     scaling: Fp8Scaling,
     p_scale_log2: f32,
-) -> Vec<f64> {
+) -> Result<Vec<f64>> {
+    crate::reference::check_views(p, q, k, v)?;
     let d = p.head_dim;
     let h16 = |x: f32| DType::F16.round(x);
     let p_mul = p_scale_log2.exp2();
-    let (q8, k8, v8) = (quantize(q, scaling), quantize(k, scaling), quantize(v, scaling));
+    let (q8, k8, v8) = (quantize(q, scaling)?, quantize(k, scaling)?, quantize(v, scaling)?);
     let codes = |t: &QuantizedE4m3, b: usize, s: usize, h: usize| -> Vec<f32> {
         let [_, s_n, h_n, d] = t.shape;
         let at = ((b * s_n + s) * h_n + h) * d;
         t.codes[at..at + d].iter().map(|&c| e4m3_to_f32(c)).collect()
     };
-    let mut o = vec![0.0f64; p.batch * p.seqlen_q * p.heads_q * d];
+    let mut o = crate::tensor::try_filled(q8.codes.len(), 0.0f64, || "FP8 baseline output".into())?;
     for b in 0..p.batch {
         for h in 0..p.heads_q {
             let hk = h / p.group();
@@ -142,7 +147,7 @@ pub fn attention_naive_fp8_p_scaled(
             }
         }
     }
-    o
+    Ok(o)
 }
 
 /// Our tiled FP8 kernel's arithmetic (accurate exp2, eager rescale, P in e4m3) with P offset by
@@ -193,6 +198,7 @@ pub fn tiled_fp8_with_p_scale(
             expected: format!("a value in [0, {limit:.4}): above it P = 1 saturates in e4m3"),
         });
     }
+    crate::reference::check_views(p, q, k, v)?;
     let rot = hadamard.and_then(|seed| Rotation::new(p.head_dim, seed));
     let q8 = fake_quantize(q, scaling, rot.as_ref())?;
     let k8 = fake_quantize(k, scaling, rot.as_ref())?;

@@ -99,7 +99,7 @@ mod tests {
         let k = Tensor::from_vec(k, [1, sk, 1, d]).unwrap();
         let v = Tensor::from_vec(v, [1, sk, 1, d]).unwrap();
         let p = Problem::new(&q.view(), &k.view(), &v.view(), &ForwardOptions::default()).unwrap();
-        let r = attention_f64(&p, &q.view(), &k.view(), &v.view());
+        let r = attention_f64(&p, &q.view(), &k.view(), &v.view()).unwrap();
         let err = |lazy: Option<f32>| {
             let math = EmulatedMath { degree: ACCURATE_DEGREE, lazy, fp8_p: true };
             let out = forward_with(&p, &q.view(), &k.view(), &v.view(), math, 1).unwrap();

@@ -19,9 +19,13 @@ pub const fn supported(d: usize) -> bool {
 ///
 /// Stages of width `h = 1, 2, 4, ...`; each pairs `x[j]` with `x[j + h]` into `(a + b, a - b)`.
 /// The CUDA header uses the same stage and pair order, so results agree bit for bit.
+///
+/// # Panics
+/// If `x.len()` is neither 0 nor a power of two (a precondition, like a slice copy's lengths:
+/// the transform is not defined there, and a partial one would be a silently wrong answer).
 pub fn fwht(x: &mut [f32]) {
     let n = x.len();
-    debug_assert!(n.is_power_of_two());
+    assert!(n == 0 || n.is_power_of_two(), "fwht needs a power-of-two length, got {n}");
     let mut h = 1;
     while h < n {
         for block in x.chunks_exact_mut(2 * h) {
@@ -53,28 +57,33 @@ pub fn norm(d: usize) -> f32 {
     1.0 / (d as f32).sqrt()
 }
 
-/// The rotation `x -> H·D·x / sqrt(d)` for one head_dim and seed.
+/// The rotation `x -> H·D·x / sqrt(d)` for one head_dim and seed. The signs of `D` are computed
+/// as they are used, so building a rotation allocates nothing.
 #[derive(Clone, Debug)]
 pub struct Rotation {
-    signs: Vec<f32>,
+    d: usize,
+    seed: u64,
     norm: f32,
 }
 
 impl Rotation {
     /// `None` when `d` is not a power of two.
     pub fn new(d: usize, seed: u64) -> Option<Self> {
-        supported(d).then(|| Rotation { signs: (0..d).map(|i| sign(seed, i)).collect(), norm: norm(d) })
+        supported(d).then(|| Rotation { d, seed, norm: norm(d) })
     }
 
     pub fn head_dim(&self) -> usize {
-        self.signs.len()
+        self.d
     }
 
     /// Rotates one row in place: signs, butterfly, then the normalisation.
+    ///
+    /// # Panics
+    /// If `x.len()` is not the rotation's head_dim (a precondition, like a slice copy's lengths).
     pub fn apply(&self, x: &mut [f32]) {
-        assert_eq!(x.len(), self.signs.len(), "row length must be head_dim");
-        for (v, s) in x.iter_mut().zip(&self.signs) {
-            *v *= s;
+        assert_eq!(x.len(), self.d, "row length must be head_dim");
+        for (i, v) in x.iter_mut().enumerate() {
+            *v *= sign(self.seed, i);
         }
         fwht(x);
         for v in x.iter_mut() {
@@ -82,9 +91,10 @@ impl Rotation {
         }
     }
 
-    /// Rotates every row of a contiguous `[.., head_dim]` buffer.
+    /// Rotates every row of a contiguous `[.., head_dim]` buffer (a tail shorter than head_dim,
+    /// which no `[.., head_dim]` buffer has, is left as it is).
     pub fn apply_rows(&self, data: &mut [f32]) {
-        for row in data.chunks_exact_mut(self.signs.len()) {
+        for row in data.chunks_exact_mut(self.d) {
             self.apply(row);
         }
     }

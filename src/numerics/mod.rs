@@ -31,12 +31,14 @@ pub fn fp8_lazy_limit() -> f32 {
     fp8::E4M3_MAX.log2() - FP8_P_SCALE_LOG2
 }
 
-/// The lazy-rescale rule: a tile whose max is `tile_max` may keep the stale running max `m` when
-/// the max grew by at most `tau` (log2 units). Used by `cpu::softmax::max_get_scale`; mirrored by
-/// `fa_lazy_keeps_max` in `cuda/include/online_softmax.cuh`.
+/// The lazy-rescale rule: a tile may keep the stale running max when the max grew by at most
+/// `tau`; `growth` is `(tile_max - m) · c`, the growth in log2 units (formed from the difference
+/// in score units, never from maxima converted to log2 units on their own, see
+/// `cpu::softmax`). Used by `cpu::softmax::max_get_scale`; mirrored by `fa_lazy_keeps_max` in
+/// `cuda/include/online_softmax.cuh`.
 #[inline(always)]
-pub fn lazy_keeps_max(m: f32, tile_max: f32, tau: f32) -> bool {
-    tile_max - m <= tau
+pub fn lazy_keeps_max(growth: f32, tau: f32) -> bool {
+    growth <= tau
 }
 
 /// Checks the numerics options before anything runs.

@@ -6,19 +6,27 @@
 //! `scale = amax / 448` so the block's largest magnitude lands on e4m3's largest value; a block
 //! of zeros gets scale 1 (its codes are 0 either way) instead of a 0/0. The code of `x` is
 //! `e4m3(x / scale)`; the value it stands for is `code * scale`.
+//!
+//! Infinities and NaNs: `amax` is taken over the block's finite values, so one infinity does not
+//! turn the block's scale (and with it every value of the block, `code · inf`) into NaN. A NaN
+//! stays NaN (e4m3 has a NaN code); ±inf saturates to ±448 (satfinite, e4m3 has no infinity),
+//! i.e. to the block's largest finite magnitude.
 
 use super::fp8::{e4m3_from_f32, e4m3_to_f32, E4M3_MAX};
 use super::hadamard::Rotation;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::options::Fp8Scaling;
-use crate::tensor::{Tensor, TensorView};
+use crate::tensor::{numel, try_filled, Tensor, TensorView};
 
-/// The scale of a block whose largest magnitude is `amax` (1 for an all-zero block; NaN
-/// propagates through the codes instead).
+/// The scale of a block whose largest finite magnitude is `amax`: `amax / 448`, or 1 when that is
+/// not a positive finite number (an all-zero block, an `amax` so small that `amax / 448`
+/// underflows to 0, or a non-finite `amax`), so that `x / scale` is never a division by 0 or by
+/// infinity.
 #[inline]
 pub fn block_scale(amax: f32) -> f32 {
-    if amax > 0.0 {
-        amax / E4M3_MAX
+    let s = amax / E4M3_MAX;
+    if s > 0.0 && amax.is_finite() {
+        s
     } else {
         1.0
     }
@@ -59,9 +67,24 @@ impl QuantizedE4m3 {
     /// A kernel keeps the codes and multiplies the f32 accumulator by the descales instead
     /// (`(Σ qc·kc)·sq·sk`); the two differ only by f32 rounding (relative 2^-24), far below
     /// e4m3's own step (2^-4).
-    pub fn dequantize(&self) -> Vec<f32> {
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when the fields are inconsistent (codes or scales of the wrong
+    /// length, `block_rows == 0`), [`Error::TooLarge`] when the output cannot be allocated.
+    pub fn dequantize(&self) -> Result<Vec<f32>> {
         let [b_n, s_n, h_n, d] = self.shape;
-        let mut out = vec![0.0f32; self.codes.len()];
+        let n = numel(self.shape, "dequantized tensor")?;
+        let n_scales = (self.block_rows > 0)
+            .then(|| b_n.checked_mul(h_n)?.checked_mul(self.blocks()))
+            .flatten();
+        if self.codes.len() != n || n_scales != Some(self.scales.len()) {
+            return Err(Error::ShapeMismatch {
+                what: "QuantizedE4m3".into(),
+                got: format!("{} codes, {} scales, block_rows {}", self.codes.len(), self.scales.len(), self.block_rows),
+                expected: format!("{n} codes and [batch, heads, blocks] scales for shape {:?}", self.shape),
+            });
+        }
+        let mut out = try_filled(n, 0.0f32, || "dequantized tensor".into())?;
         for b in 0..b_n {
             for s in 0..s_n {
                 for h in 0..h_n {
@@ -73,18 +96,30 @@ impl QuantizedE4m3 {
                 }
             }
         }
-        out
+        Ok(out)
     }
 }
 
 /// Quantises a contiguous `[batch, seqlen, heads, head_dim]` f32 buffer.
-pub fn quantize_e4m3(x: &[f32], shape: [usize; 4], block_rows: usize) -> QuantizedE4m3 {
+///
+/// # Errors
+/// [`Error::ShapeMismatch`] when `x.len()` is not the shape's element count,
+/// [`Error::TooLarge`] when the codes or scales cannot be allocated.
+pub fn quantize_e4m3(x: &[f32], shape: [usize; 4], block_rows: usize) -> Result<QuantizedE4m3> {
     let [b_n, s_n, h_n, d] = shape;
-    assert_eq!(x.len(), b_n * s_n * h_n * d, "buffer length must match the shape");
+    let n = numel(shape, "tensor to quantise")?;
+    if x.len() != n {
+        return Err(Error::ShapeMismatch {
+            what: "quantize_e4m3 input".into(),
+            got: format!("{} elements", x.len()),
+            expected: format!("{n} elements for shape {shape:?}"),
+        });
+    }
     let block_rows = block_rows.max(1);
     let blocks = s_n.div_ceil(block_rows);
-    let mut codes = vec![0u8; x.len()];
-    let mut scales = vec![1.0f32; b_n * h_n * blocks];
+    // At most one scale per element (blocks <= seqlen), so this product fits when n does.
+    let mut codes = try_filled(n, 0u8, || "e4m3 codes".into())?;
+    let mut scales = try_filled(b_n * h_n * blocks, 1.0f32, || "e4m3 block scales".into())?;
     for b in 0..b_n {
         for h in 0..h_n {
             for blk in 0..blocks {
@@ -94,7 +129,8 @@ pub fn quantize_e4m3(x: &[f32], shape: [usize; 4], block_rows: usize) -> Quantiz
                 for s in rows.clone() {
                     for &v in &x[row_at(s)..row_at(s) + d] {
                         let a = v.abs();
-                        amax = if a > amax { a } else { amax };
+                        // Finite values only (NaN fails the comparison; infinity is excluded).
+                        amax = if a > amax && a != f32::INFINITY { a } else { amax };
                     }
                 }
                 let sc = block_scale(amax);
@@ -107,16 +143,23 @@ pub fn quantize_e4m3(x: &[f32], shape: [usize; 4], block_rows: usize) -> Quantiz
             }
         }
     }
-    QuantizedE4m3 { shape, block_rows, codes, scales }
+    Ok(QuantizedE4m3 { shape, block_rows, codes, scales })
 }
 
 /// FP8 preprocessing of one operand as the CPU backend runs it: read to f32, rotate each row (Q
 /// and K when Hadamard is on), quantise with `scaling`, and return the dequantised values as an
 /// f32 tensor ("fake quantisation": the same values an FP8 kernel multiplies, in f32).
+///
+/// # Errors
+/// The view's layout is checked as `forward` checks q's (errors name the operand `q`);
+/// [`Error::TooLarge`] when the operand's f32 copy cannot be allocated (the view is read in full,
+/// a broadcast one by its logical size).
 pub fn fake_quantize(x: &TensorView, scaling: Fp8Scaling, rotation: Option<&Rotation>) -> Result<Tensor> {
     let shape = x.shape();
     let [b_n, s_n, h_n, d] = shape;
-    let mut buf = vec![0.0f32; b_n * s_n * h_n * d];
+    x.check_layout(crate::error::Operand::Q)?;
+    let n = crate::tensor::check_size(shape, 4, "f32 copy of an FP8 operand")?;
+    let mut buf = try_filled(n, 0.0f32, || format!("f32 copy of an FP8 operand of shape {shape:?}"))?;
     for b in 0..b_n {
         for s in 0..s_n {
             for h in 0..h_n {
@@ -128,6 +171,7 @@ pub fn fake_quantize(x: &TensorView, scaling: Fp8Scaling, rotation: Option<&Rota
     if let Some(r) = rotation {
         r.apply_rows(&mut buf);
     }
-    let qz = quantize_e4m3(&buf, shape, block_rows(scaling, s_n));
-    Tensor::from_vec(qz.dequantize(), shape)
+    let qz = quantize_e4m3(&buf, shape, block_rows(scaling, s_n))?;
+    drop(buf);
+    Tensor::from_vec(qz.dequantize()?, shape)
 }

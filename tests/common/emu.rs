@@ -274,11 +274,31 @@ pub struct Case {
     /// Tensors laid out [b, h, s, d] in memory (strides differ from the contiguous [b, s, h, d]).
     pub bhsd: bool,
     pub label: String,
+    /// The edges of the input domain (issue 10): the softmax scale that makes the largest |q·k|
+    /// this value (e.g. near f32::MAX, where log2-unit scores overflow), compared with the naive
+    /// f32 softmax (a 16-bit one overflows) and LSEs relative to their size.
+    pub max_score: Option<f64>,
+    /// Every V set to this value (inf or NaN): rows that see no key must be exactly 0 with LSE
+    /// -inf, rows that see keys non-finite.
+    pub v_fill: Option<f32>,
 }
 
 impl Case {
     pub fn new(family: &'static str, dtype: DType, q: [usize; 4], k: [usize; 4], opts: ForwardOptions) -> Self {
-        Case { family, dtype, q, k, opts, input_scale: 1.0, seeds: vec![1, 2, 3], sm_count: 1, bhsd: false, label: String::new() }
+        Case {
+            family,
+            dtype,
+            q,
+            k,
+            opts,
+            input_scale: 1.0,
+            seeds: vec![1, 2, 3],
+            sm_count: 1,
+            bhsd: false,
+            label: String::new(),
+            max_score: None,
+            v_fill: None,
+        }
     }
     pub fn name(&self) -> String {
         format!(
@@ -333,7 +353,30 @@ pub fn run_case(c: &Case, mutation: Option<&Mutation>) -> Outcome {
     };
     // [b, h, s, d] storage: generate that shape, view it as [b, s, h, d] with its strides.
     let bhsd = |s: [usize; 4]| if c.bhsd { [s[0], s[2], s[1], s[3]] } else { s };
-    let (q, k, v) = (gen(bhsd(c.q)), gen(bhsd(c.k)), gen(bhsd(c.k)));
+    let (q, k, mut v) = (gen(bhsd(c.q)), gen(bhsd(c.k)), gen(bhsd(c.k)));
+    if let Some(x) = c.v_fill {
+        v = Tensor::from_f32(&vec![x; v.numel()], c.dtype, v.shape()).unwrap();
+    }
+    let mut opts = c.opts.clone();
+    if let Some(target) = c.max_score {
+        assert!(!c.bhsd, "max_score cases use the contiguous layout");
+        let ([b, sq, hq, d], [_, sk, hk, _]) = (c.q, c.k);
+        let (qx, kx) = (q.to_f32_vec(), k.to_f32_vec());
+        let mut max_dot = 0.0f64;
+        for bi in 0..b {
+            for h in 0..hq {
+                for i in 0..sq {
+                    let qr = &qx[((bi * sq + i) * hq + h) * d..][..d];
+                    for j in 0..sk {
+                        let kr = &kx[((bi * sk + j) * hk + h / (hq / hk)) * d..][..d];
+                        let dot: f64 = qr.iter().zip(kr).map(|(&a, &b)| a as f64 * b as f64).sum();
+                        max_dot = max_dot.max(dot.abs());
+                    }
+                }
+            }
+        }
+        opts.softmax_scale = Some((target / max_dot) as f32);
+    }
     fn view<'a>(t: &'a Tensor, s: [usize; 4], bhsd: bool) -> TensorView<'a> {
         if !bhsd {
             return t.view();
@@ -346,7 +389,7 @@ pub fn run_case(c: &Case, mutation: Option<&Mutation>) -> Outcome {
         }
     }
     let (qv, kv, vv) = (view(&q, c.q, c.bhsd), view(&k, c.k, c.bhsd), view(&v, c.k, c.bhsd));
-    let p = Problem::new(&qv, &kv, &vv, &c.opts).map_err(|e| format!("problem: {e}"))?;
+    let p = Problem::new(&qv, &kv, &vv, &opts).map_err(|e| format!("problem: {e}"))?;
     // Device addresses of the emulated buffers (16-byte aligned, far apart).
     const Q: u64 = 0x10_0000_0000;
     const K: u64 = 0x20_0000_0000;
@@ -444,8 +487,39 @@ pub fn run_case(c: &Case, mutation: Option<&Mutation>) -> Outcome {
             }
         }
     }
-    let r = attention_f64(&p, &qv, &kv, &vv);
-    let naive = attention_naive(&p, &qv, &kv, &vv, c.dtype);
+    let r = attention_f64(&p, &qv, &kv, &vv).unwrap();
+    let lse_out = || -> Vec<f64> {
+        let lb = std::fs::read(file("lse")).unwrap();
+        lb.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64).collect()
+    };
+    if c.v_fill.is_some() {
+        // Rows that see no key: exactly 0 and LSE -inf; rows that see an inf/NaN V: not finite.
+        let d = p.head_dim;
+        for (idx, (&got, &want)) in o.iter().zip(&r.o).enumerate() {
+            let i = (idx / d / p.heads_q) % p.seqlen_q;
+            let (lo, hi) = p.key_range(i);
+            if lo >= hi && got != 0.0 {
+                return Err(format!("row {i} sees no key but O = {got} at element {idx}\n{log}"));
+            }
+            if lo < hi && !want.is_finite() && got.is_finite() {
+                return Err(format!("row {i} sees a non-finite V but O = {got} at element {idx}\n{log}"));
+            }
+        }
+        if c.opts.return_lse {
+            let bad = lse_out().iter().zip(&r.lse).position(|(&g, &w)| w == f64::NEG_INFINITY && g != w);
+            if let Some(at) = bad {
+                return Err(format!("LSE {at} of a row that sees no key is not -inf\n{log}"));
+            }
+        }
+        return Ok(Pass { ratio: 0.0, log, plan: pl });
+    }
+    // Scores near f32::MAX: the straightforward softmax in f32 is the yardstick (in a 16-bit
+    // dtype its scores overflow).
+    let naive_dtype = if c.max_score.is_some() { DType::F32 } else { c.dtype };
+    let naive = attention_naive(&p, &qv, &kv, &vv, naive_dtype).unwrap();
+    if c.max_score.is_some() && o.iter().any(|x| !x.is_finite()) && naive.iter().all(|x| x.is_finite()) {
+        return Err(format!("the naive f32 softmax is finite, the kernel's output is not\n{log}"));
+    }
     let err = max_abs_diff(&o, &r.o);
     let bound = 2.0 * max_abs_diff(&naive, &r.o) + floor_for(c.dtype);
     // max_abs_diff counts a NaN where the reference has a number as infinitely wrong.
@@ -457,11 +531,17 @@ pub fn run_case(c: &Case, mutation: Option<&Mutation>) -> Outcome {
         return Err(format!("max |O - ref| {err:.3e} > bound {bound:.3e} (worst at {worst:?})\n{log}"));
     }
     if c.opts.return_lse {
-        let lb = std::fs::read(file("lse")).unwrap();
-        let lse: Vec<f64> = lb.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64).collect();
-        let lerr = max_abs_diff(&lse, &r.lse);
-        if lerr > LSE_TOL {
-            return Err(format!("max |LSE - ref| {lerr:.3e} > {LSE_TOL:e}\n{log}"));
+        let lse = lse_out();
+        // Large scores: the LSE is as large, compared relative to its size and rounded to f32.
+        let (lerr, tol) = match c.max_score {
+            None => (max_abs_diff(&lse, &r.lse), LSE_TOL),
+            Some(t) => {
+                let r32: Vec<f64> = r.lse.iter().map(|&x| x as f32 as f64).collect();
+                (max_abs_diff(&lse, &r32), 1e-6 * t.max(1e3))
+            }
+        };
+        if lerr > tol {
+            return Err(format!("max |LSE - ref| {lerr:.3e} > {tol:e}\n{log}"));
         }
     }
     Ok(Pass { ratio: err / bound, log, plan: pl })

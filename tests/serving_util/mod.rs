@@ -88,8 +88,8 @@ pub fn check_seq(
     let kt = Tensor::from_f32(k, dtype, [1, sk, hkv, d]).unwrap();
     let vt = Tensor::from_f32(v, dtype, [1, sk, hkv, d]).unwrap();
     let p = Problem::new(&qt.view(), &kt.view(), &vt.view(), opts).map_err(|e| e.to_string())?;
-    let r = attention_f64(&p, &qt.view(), &kt.view(), &vt.view());
-    let naive = attention_naive(&p, &qt.view(), &kt.view(), &vt.view(), dtype);
+    let r = attention_f64(&p, &qt.view(), &kt.view(), &vt.view()).unwrap();
+    let naive = attention_naive(&p, &qt.view(), &kt.view(), &vt.view(), dtype).unwrap();
     let ours: Vec<f64> = o.iter().map(|&x| x as f64).collect();
     let c = SeqCheck {
         err: max_abs_diff(&ours, &r.o),

@@ -66,6 +66,7 @@ extern uint8_t smem_raw[::emu::kWindowBytes] __attribute__((alias("emu_shared_wi
 
 // ---- intrinsics ----
 inline void __syncthreads() { ::emu::syncthreads(); }
+inline int __syncthreads_or(int predicate) { return ::emu::syncthreads_or(predicate); }
 inline void __syncwarp(unsigned mask = 0xffffffffu) { ::emu::syncwarp(mask); }
 inline float __shfl_xor_sync(unsigned mask, float v, int lane_mask, int width = 32) {
     uint32_t u;

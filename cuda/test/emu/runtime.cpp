@@ -191,6 +191,8 @@ struct Fiber {
     // cp.async.
     uint64_t cp_committed = 0;
     Clock vc;  // happens-before clock
+    // __syncthreads_or calls made (selects the CTA's accumulator slot).
+    uint64_t or_calls = 0;
 };
 
 // One warp-collective instruction instance (the k-th collective of every lane of a warp).
@@ -302,6 +304,10 @@ struct Cta {
     int64_t reg_pool = 0;                   // free registers of the CTA
     WaitList reg_wl;
     unsigned exited = 0;
+    // __syncthreads_or: call n ORs into slot n % 3 and clears slot (n + 1) % 3 before its
+    // barrier; slot (n + 1) % 3 was last read in call n - 2, before barrier n - 1, and is next
+    // written in call n + 1, after barrier n. (Every thread makes the same calls, as CUDA needs.)
+    int or_acc[3] = {0, 0, 0};
     uint64_t progress = 0;  // bumped by every state change (deadlock detection)
     std::vector<Fiber*> runnable;
     Fiber* current = nullptr;
@@ -1141,6 +1147,15 @@ void syncthreads() {
     if (g_cta && g_cta->exited)
         fail("__syncthreads after %u threads of the CTA exited", g_cta->exited);
     hw_bar(0, g_cta ? g_cta->nthreads : 0, true, "__syncthreads");
+}
+int syncthreads_or(int predicate) {
+    if (!g_cta) fail("__syncthreads_or outside a launch");
+    Fiber& f = me();
+    const uint64_t n = f.or_calls++;
+    if (predicate) g_cta->or_acc[n % 3] = 1;
+    g_cta->or_acc[(n + 1) % 3] = 0;
+    syncthreads();
+    return g_cta->or_acc[n % 3];
 }
 void bar_sync(unsigned id, unsigned count) { hw_bar(id, count, true, "bar.sync"); }
 void bar_arrive(unsigned id, unsigned count) { hw_bar(id, count, false, "bar.arrive"); }

@@ -43,6 +43,8 @@ unsigned char* smem_ptr(uint32_t addr, uint32_t bytes, const char* what);
 
 // ---- CTA-wide and warp-wide synchronisation ----
 void syncthreads();
+// __syncthreads_or: the barrier, and whether any thread's predicate was nonzero.
+int syncthreads_or(int predicate);
 void bar_sync(unsigned id, unsigned count);
 void bar_arrive(unsigned id, unsigned count);
 void syncwarp(unsigned mask);
