@@ -45,13 +45,15 @@ mod names;
 pub mod flops;
 pub mod numerics;
 mod options;
+mod output;
 mod problem;
 pub mod reference;
 pub mod roofline;
 pub mod serving;
 mod tensor;
 
-pub use api::{forward, forward_into, Dispatch, Output};
+pub use api::{forward, forward_into};
+pub use output::{Dispatch, Output};
 pub use error::{Error, Operand, Result};
 pub use options::{Backend, Exp2, Fp8Scaling, ForwardOptions, Mask, Precision, Rescale, Variant};
 pub use problem::{Problem, LOG2E, MIN_SOFTMAX_SCALE};

@@ -17,7 +17,7 @@
 
 mod common;
 use common::emu::*;
-use flash_attn::cuda::kernels::FAMILIES;
+use flash_attn::cuda::table::FAMILIES;
 use flash_attn::{DType, ForwardOptions, Mask};
 use std::process::Command;
 

@@ -10,7 +10,7 @@
 mod common;
 use common::*;
 use cudarc::driver::{CudaStream, DeviceRepr};
-use flash_attn::cuda::{kernels::fa3_stage, kernels::FAMILIES, DeviceLse, DeviceTensor, DeviceTensorMut, Engine};
+use flash_attn::cuda::{table::FAMILIES, DeviceLse, DeviceTensor, DeviceTensorMut, Engine};
 use flash_attn::reference::{attention_f64, attention_naive, max_abs_diff};
 use flash_attn::{Backend, DType, Element, Error, ForwardOptions, Mask, Problem, Tensor, TensorView, Variant};
 use half::{bf16, f16};
@@ -22,16 +22,6 @@ const LSE_TOL: f64 = 2e-3;
 /// Upper bound on batch·heads_q·seqlen_q·seqlen_k·head_dim per random case, so the float64
 /// reference stays fast.
 const WORK_LIMIT: usize = 12_000_000;
-
-fn variant_of(name: &str) -> Variant {
-    match name {
-        "Fa1" => Variant::Fa1,
-        "Fa2" => Variant::Fa2,
-        "Fa3" => Variant::Fa3,
-        "Fa4" => Variant::Fa4,
-        other => panic!("build/instances.rs names an unknown variant {other:?}"),
-    }
-}
 
 /// The head dims the FA2 family is instantiated for (it has no tail masking).
 fn fa2_dims() -> Vec<usize> {
@@ -50,8 +40,8 @@ fn variants(engine: &Engine) -> Vec<Variant> {
     let mut out = vec![Variant::Auto];
     // The FA3 stage ladder has its own matrix (fa3_stage1..5 below): it refuses ALiBi and head
     // dims other than 64/128/256, which this generic matrix draws.
-    for fam in FAMILIES.iter().filter(|f| fa3_stage(f.name).is_none()) {
-        let var = variant_of(fam.variant);
+    for fam in FAMILIES.iter().filter(|f| f.stage.is_none()) {
+        let var = Variant::from(fam.variant);
         if sm >= fam.min_sm {
             out.push(var);
         } else {

@@ -19,7 +19,7 @@ use crate::numerics::exp2::{poly_frac, EXP2_CLAMP_LOW};
 use crate::numerics::hadamard::Rotation;
 use crate::numerics::quant::fake_quantize;
 use crate::options::Precision;
-use crate::problem::{Problem, LOG2E};
+use crate::problem::Problem;
 use crate::tensor::{try_filled, DataMut, Element, Tensor, TensorView};
 use gemm::{micro_kernel, micro_kernel_skip_zero_b, Acc, MR, NR};
 use softmax::{finalize, max_get_scale, online_softmax, rescale_o, Exp2Math, RowState};
@@ -214,14 +214,8 @@ struct ScoreMod {
 
 impl ScoreMod {
     fn new(p: &Problem) -> Self {
-        let natural = p.softcap.is_some() || p.alibi.is_some();
-        ScoreMod {
-            natural,
-            c: if natural { LOG2E } else { p.scale * LOG2E },
-            u: if natural { 1.0 } else { p.scale },
-            scale: p.scale,
-            softcap: p.softcap,
-        }
+        let units = p.score_units();
+        ScoreMod { natural: units.natural, c: units.to_log2, u: units.to_natural, scale: p.scale, softcap: p.softcap }
     }
 }
 

@@ -31,11 +31,13 @@
 //! ```
 
 use super::device::{cuda_err, Device};
-use super::dispatch::{self, Choice};
-use super::params::FwdParams;
-use crate::api::Dispatch;
+use super::launch::{launch, plan_launch};
+use super::params::{FwdParams, Operands};
+use super::select::{self, Choice};
+use super::table::kernel_symbol;
 use crate::error::{Error, Operand, Result};
 use crate::options::ForwardOptions;
+use crate::output::{Dispatch, Output};
 use crate::problem::Problem;
 use crate::tensor::{contiguous_strides, DType, Element, Shape};
 use cudarc::driver::{result, sys, CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, SyncOnDrop};
@@ -297,15 +299,15 @@ impl Engine {
     /// As `forward`'s validation and dispatch.
     pub fn dispatch(&self, q_shape: Shape, k_shape: Shape, dtype: DType, opts: &ForwardOptions) -> Result<Dispatch> {
         let p = Problem::from_shapes(q_shape, k_shape, k_shape, dtype, opts)?;
-        let c = dispatch::choose(&*self.dev, &p, opts.variant)?;
+        let c = select::choose(&*self.dev, &p, opts.variant)?;
         Ok(self.record(&c, opts))
     }
 
     fn record(&self, c: &Choice, opts: &ForwardOptions) -> Dispatch {
         Dispatch {
             backend: format!("cuda:{}", self.dev.ordinal()),
-            kernel: super::kernels::kernel_symbol(c.family.name, c.tile.head_dim, c.dtype),
-            reason: dispatch::reason(&*self.dev, c, opts.variant),
+            kernel: kernel_symbol(c.family.name, c.tile.head_dim, c.dtype),
+            reason: select::reason(&*self.dev, c, opts.variant),
         }
     }
 
@@ -456,13 +458,15 @@ impl Engine {
             });
         }
         let p = Problem::from_shapes(q.shape, k.shape, v.shape, q.dtype, opts)?;
-        let mut c = dispatch::choose(&*self.dev, &p, opts.variant)?;
-        let (ptrs, strides) = ([q.ptr, k.ptr, v.ptr, o.ptr], [q.strides, k.strides, v.strides, o.strides]);
-        if let Some(why) = dispatch::layout_unmet(c.family, ptrs, strides) {
-            c = dispatch::fall_back(&*self.dev, &p, opts.variant, &c, why)?;
-        }
+        let mut ops = Operands {
+            ptrs: [q.ptr, k.ptr, v.ptr, o.ptr],
+            strides: [q.strides, k.strides, v.strides, o.strides],
+            lse: 0,
+            alibi: 0,
+        };
+        let c = select::choose_for(&*self.dev, &p, opts.variant, &ops)?;
 
-        let lse_ptr = match lse {
+        ops.lse = match lse {
             Some(l) => {
                 let need = p.batch * p.heads_q * p.seqlen_q;
                 if l.len < need {
@@ -478,7 +482,7 @@ impl Engine {
             None => 0,
         };
         self.dev.context().bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
-        let alibi_ptr = match &p.alibi {
+        ops.alibi = match &p.alibi {
             Some(slopes) => self.alibi_on_device(slopes, stream)?,
             None => 0,
         };
@@ -500,8 +504,9 @@ impl Engine {
             });
         }
         // Strides were checked above to address inside the buffers, seqlens to fit i32.
-        let params = FwdParams::for_launch(&p, ptrs, strides, lse_ptr, alibi_ptr);
-        self.launch_params(stream, &c, params)?;
+        let plan = plan_launch(c.family, c.tile, p.dtype, FwdParams::for_launch(&p, &ops), self.dev.sm_count())?;
+        let f = self.dev.function(c.family, c.tile, c.dtype)?;
+        launch(&f, stream, &plan)?;
         Ok(c)
     }
 
@@ -563,26 +568,6 @@ impl Engine {
         }
         Ok(a.ptr)
     }
-
-    fn launch_params(&self, stream: sys::CUstream, c: &Choice, mut params: FwdParams) -> Result<()> {
-        if let Some(stage) = super::kernels::fa3_stage(c.family.name) {
-            return super::fa3::launch(&self.dev, stream, c, stage, params);
-        }
-        let f = self.dev.function(c.family, c.tile, c.dtype)?;
-        let grid = super::plan::launch_grid(c.family, f.tile, &params, 0);
-        let block = (f.tile.threads, 1, 1);
-        let mut args = [&mut params as *mut FwdParams as *mut std::ffi::c_void];
-        // SAFETY: the kernel takes exactly one parameter, `const __grid_constant__ FwdParams`,
-        // whose layout FwdParams mirrors (size and offsets asserted on both sides); `args`
-        // points at it for the duration of the call (cuLaunchKernel copies parameters). Every
-        // address in it was checked above to cover the elements the shapes and strides reach,
-        // and the kernel is launched with the block size and dynamic shared memory its
-        // instance was compiled for (the kernel traps otherwise).
-        unsafe {
-            cudarc::driver::result::launch_kernel(f.func, grid, block, f.smem_bytes, stream, &mut args)
-        }
-        .map_err(cuda_err("cuLaunchKernel"))
-    }
 }
 
 /// Runs a host-memory problem on the GPU: upload, launch, download (used by
@@ -595,7 +580,7 @@ pub(crate) fn forward_host_typed<T>(
     v: &crate::tensor::TensorView,
     data: [&[T]; 3],
     opts: &ForwardOptions,
-) -> Result<crate::Output>
+) -> Result<Output>
 where
     T: Element + DeviceRepr + cudarc::driver::ValidAsZeroBits,
 {
@@ -603,7 +588,7 @@ where
     let mut o_host = vec![T::default(); crate::tensor::numel(o_shape, "output")?];
     let mut lse_host = p.return_lse.then(|| vec![0f32; p.batch * p.heads_q * p.seqlen_q]);
     let dispatch = forward_host_into_typed(engine, p, q, k, v, data, &mut o_host, lse_host.as_deref_mut(), opts)?;
-    Ok(crate::Output { o: crate::tensor::Tensor::from_vec(o_host, o_shape)?, lse: lse_host, dispatch })
+    Ok(Output { o: crate::tensor::Tensor::from_vec(o_host, o_shape)?, lse: lse_host, dispatch })
 }
 
 /// As [`forward_host_typed`], downloading into the caller's buffers (`o_dst` contiguous

@@ -50,7 +50,7 @@ pub(crate) mod merge;
 pub use layout::{BatchLayout, KvLayout, QueryLayout};
 pub use merge::{merge_states, merge_states_n, AttentionState};
 
-use crate::api::{Dispatch, Output};
+use crate::output::{Dispatch, Output};
 use crate::cpu;
 use crate::cpu::inplace;
 use crate::error::{Error, Operand, Result};
