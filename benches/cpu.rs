@@ -28,7 +28,8 @@
 mod support;
 
 use criterion::{Criterion, SamplingMode, Throughput};
-use flash_attn::{flops, forward, Backend, DType, ForwardOptions, Mask, Output};
+use flash_attn::bench::flops;
+use flash_attn::{forward, Backend, DType, ForwardOptions, Mask, Output};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -216,7 +217,7 @@ fn main() {
         let err = support::sampled_max_error(&p, &q, &k, &v, &out, ERR_ROWS, 7);
         records.push(Record {
             impl_name: "flash_attn".into(),
-            machine: flash_attn::roofline::cpu_name(),
+            machine: flash_attn::bench::roofline::cpu_name(),
             backend: out.dispatch.backend.clone(),
             kernel: out.dispatch.kernel.clone(),
             variant: "auto".into(),
@@ -349,7 +350,7 @@ fn decode_summary(recs: &[DecodeRecord]) {
     }
 }
 
-fn summary(threads: usize, gemm_rates: &[(String, f64)], roof: &flash_attn::roofline::Roofline, records: &[Record]) {
+fn summary(threads: usize, gemm_rates: &[(String, f64)], roof: &flash_attn::bench::roofline::Roofline, records: &[Record]) {
     if records.is_empty() && gemm_rates.is_empty() {
         return;
     }

@@ -34,8 +34,9 @@
 #[path = "../benches/support/mod.rs"]
 mod support;
 
-use flash_attn::roofline::{lookup_gpu, Math, Roofline};
-use flash_attn::{flops, forward, Backend, DType, ForwardOptions, Fp8Scaling, Mask, Output, Precision, Variant};
+use flash_attn::bench::roofline::{lookup_gpu, Math, Roofline};
+use flash_attn::bench::flops;
+use flash_attn::{forward, Backend, DType, ForwardOptions, Fp8Scaling, Mask, Output, Precision, Variant};
 use support::{Case, Gemm, Record};
 
 struct Args {
@@ -334,7 +335,7 @@ fn main() {
         (a.check_rows > 0).then(|| support::sampled_max_error(&p, &q, &k, &v, &out, a.check_rows, a.seed + 1));
     let rec = Record {
         impl_name: "flash_attn".into(),
-        machine: if on_cpu { flash_attn::roofline::cpu_name() } else { out.dispatch.backend.clone() },
+        machine: if on_cpu { flash_attn::bench::roofline::cpu_name() } else { out.dispatch.backend.clone() },
         backend: out.dispatch.backend.clone(),
         kernel: out.dispatch.kernel.clone(),
         variant: a.variant.to_string(),
@@ -454,7 +455,7 @@ fn gpu_main(a: &Args, mut h: Box<dyn support::gpu::GpuHarness>) {
     });
     if roofline.is_none() {
         eprintln!(
-            "{} (sm_{}{}) is not in flash_attn::roofline::GPUS: no % of roofline",
+            "{} (sm_{}{}) is not in flash_attn::bench::roofline::GPUS: no % of roofline",
             info.name, info.sm.0, info.sm.1
         );
     }

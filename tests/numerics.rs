@@ -494,7 +494,7 @@ fn fp8_pipeline_matches_a_straightforward_oracle() {
 /// 0 at 1024 keys (2^-10, a tie, to even) and 2048 keys (2^-11). Scaling P by 2^8 first keeps it.
 #[test]
 fn naive_fp8_baseline_casts_normalised_p_as_is() {
-    use flash_attn::numerics::baseline::{attention_naive_fp8, attention_naive_fp8_p_scaled};
+    use flash_attn::bench::fp8_baseline::{attention_naive_fp8, attention_naive_fp8_p_scaled};
     let d = 8;
     for (sk, survives) in [(512, true), (1024, false), (2048, false)] {
         // Q = 0: every score is 0. V alternates rows of 1 and 2 (exact in e4m3 after scaling).
@@ -517,7 +517,7 @@ fn naive_fp8_baseline_casts_normalised_p_as_is() {
 /// refuses scales at which P = 1 would saturate.
 #[test]
 fn tiled_fp8_with_p_scale_matches_forward() {
-    use flash_attn::numerics::baseline::tiled_fp8_with_p_scale;
+    use flash_attn::bench::fp8_baseline::tiled_fp8_with_p_scale;
     let mut rng = Rng(3);
     let shape = [1, 100, 2, 64];
     let (q, k, v) =

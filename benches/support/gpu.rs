@@ -407,7 +407,7 @@ mod cuda {
 }
 
 #[allow(unused_imports)] // used by benches/gpu.rs only
-pub use flash_attn::roofline::rotating_sets;
+pub use flash_attn::bench::roofline::rotating_sets;
 
 /// The GPU sweep of the issue: batch × seqlen = `tokens` (16K), seqlen 512..=16K, head_dim
 /// 64/128/256 with hidden 2048 (32/16/8 heads, as FA3's paper), causal and not, in `dtype`.

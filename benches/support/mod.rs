@@ -6,9 +6,10 @@
 pub mod gpu;
 
 use flash_attn::reference::attention_f64_rows;
-use flash_attn::roofline::{Math, Roofline};
+use flash_attn::bench::roofline::{Math, Roofline};
 use flash_attn::serving::{BlockTable, KvCache};
-use flash_attn::{flops, DType, ForwardOptions, Mask, Output, Problem, Tensor};
+use flash_attn::bench::flops;
+use flash_attn::{DType, ForwardOptions, Mask, Output, Problem, Tensor};
 use std::time::Instant;
 
 /// One benchmark shape.
@@ -334,9 +335,9 @@ pub fn time_ms(f: impl FnOnce()) -> f64 {
 /// multi-threaded copy (256 MiB, beyond any LLC) as the bandwidth.
 pub fn cpu_roofline(best_gemm: f64, gemm_what: &str) -> Roofline {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let bw = flash_attn::roofline::measure_copy_bandwidth(256 << 20, threads, 3);
+    let bw = flash_attn::bench::roofline::measure_copy_bandwidth(256 << 20, threads, 3);
     Roofline::cpu(
-        flash_attn::roofline::cpu_name(),
+        flash_attn::bench::roofline::cpu_name(),
         best_gemm,
         format!("matrixmultiply f32 sgemm measured in this run ({gemm_what})"),
         bw,

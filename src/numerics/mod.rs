@@ -3,7 +3,6 @@
 //! and once in a header under `cuda/include/` with the same constants and steps
 //! (`exp2_poly.cuh`, `fp8.cuh`, `hadamard.cuh`, `online_softmax.cuh`).
 
-pub mod baseline;
 pub(crate) mod emulate;
 pub mod exp2;
 pub mod fp8;

@@ -24,10 +24,10 @@
 //! 5. **O = P8·V8** with an f32 accumulator over V's codes, multiplied by V's descale (per block
 //!    of V's scales, so per-block scaling is handled too), rounded to f16 (the output dtype).
 
-use super::exp2::exp2_poly_deg;
-use super::fp8::{e4m3_to_f32, round_e4m3};
-use super::hadamard::Rotation;
-use super::quant::{block_rows, fake_quantize, quantize_e4m3, QuantizedE4m3};
+use crate::numerics::exp2::exp2_poly_deg;
+use crate::numerics::fp8::{e4m3_to_f32, round_e4m3};
+use crate::numerics::hadamard::Rotation;
+use crate::numerics::quant::{block_rows, fake_quantize, quantize_e4m3, QuantizedE4m3};
 use crate::cpu::softmax::Exp2Math;
 use crate::error::{Error, Result};
 use crate::options::{Fp8Scaling, Precision};
@@ -162,7 +162,7 @@ impl Exp2Math for PScaled {
         self.log2
     }
     fn exp2(&self, x: f32) -> f32 {
-        exp2_poly_deg(x, super::emulate::ACCURATE_DEGREE)
+        exp2_poly_deg(x, crate::numerics::emulate::ACCURATE_DEGREE)
     }
     fn round_p(&self, p: f32) -> f32 {
         round_e4m3(p)
@@ -190,7 +190,7 @@ pub fn tiled_fp8_with_p_scale(
             expected: "Precision::Fp8 { .. }".into(),
         });
     };
-    let limit = super::fp8::E4M3_MAX.log2();
+    let limit = crate::numerics::fp8::E4M3_MAX.log2();
     if !(0.0..limit).contains(&p_scale_log2) {
         return Err(Error::InvalidOption {
             option: "P scale (log2)",
