@@ -211,7 +211,7 @@ fn edge_inputs(rng: &mut Rng, dtype: DType, d: usize, fa3: bool) -> Vec<([Tensor
 fn domain_edges() {
     let engine = engine();
     let stream = engine.device().context().new_stream().unwrap();
-    let mut rng = Rng(0xed9e);
+    let mut rng = Rng::new(0xed9e);
     for dtype in [DType::F16, DType::BF16] {
         for var in variants(&engine) {
             for d in [64usize, 128] {
@@ -300,7 +300,7 @@ fn random_matrix(dtype: DType, cases: usize, seed: u64) {
     let engine = engine();
     let stream = engine.device().context().new_stream().unwrap();
     let vars = variants(&engine);
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let mut worst = 0.0f64;
     for i in 0..cases {
         let ([q, k, v], opts, what) = random_case(&mut rng, dtype);
@@ -332,7 +332,7 @@ fn random_bf16() {
 fn edge_cases() {
     let engine = engine();
     let stream = engine.device().context().new_stream().unwrap();
-    let mut rng = Rng(7);
+    let mut rng = Rng::new(7);
     let cases: &[(usize, usize, usize, usize, usize, Mask)] = &[
         // (sq, sk, hq, hkv, d, mask)
         (1, 1, 1, 1, 32, Mask::None),
@@ -367,7 +367,7 @@ fn edge_cases() {
 fn packed_qkv_and_softcap() {
     let engine = engine();
     let stream = engine.device().context().new_stream().unwrap();
-    let mut rng = Rng(11);
+    let mut rng = Rng::new(11);
     let (b, s, h, d) = (2, 150, 4, 128);
     for dtype in [DType::F16, DType::BF16] {
         let packed = randn(&mut rng, dtype, [b, s, 3 * h, d]);
@@ -393,7 +393,7 @@ fn packed_qkv_and_softcap() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn host_forward_on_gpu() {
-    let mut rng = Rng(3);
+    let mut rng = Rng::new(3);
     let q = randn(&mut rng, DType::BF16, [1, 77, 4, 64]);
     let k = randn(&mut rng, DType::BF16, [1, 91, 2, 64]);
     let v = randn(&mut rng, DType::BF16, [1, 91, 2, 64]);
@@ -436,7 +436,7 @@ fn fa2_dispatch_and_layout_fallback() {
         assert!(r.kernel.starts_with("fa2_"), "Auto on sm_{major}{minor} hd{d}: {r:?}");
     }
     let stream = engine.device().context().new_stream().unwrap();
-    let mut rng = Rng(17);
+    let mut rng = Rng::new(17);
     let shape = [1, 70, 2, 64];
     let n: usize = shape.iter().product();
     let q = randn(&mut rng, DType::F16, shape);
@@ -472,7 +472,7 @@ fn fa2_dispatch_and_layout_fallback() {
 /// ignored: each machine checks the half it can.
 #[test]
 fn cuda_backend_is_an_error_or_runs() {
-    let mut rng = Rng(5);
+    let mut rng = Rng::new(5);
     let q = randn(&mut rng, DType::BF16, [1, 16, 2, 64]);
     let r = flash_attn::forward(&q, &q, &q, &ForwardOptions::default().backend(Backend::Cuda(0)));
     if flash_attn::cuda::device_count() == 0 {
@@ -490,7 +490,7 @@ fn cuda_backend_is_an_error_or_runs() {
 fn sanitizer_subset() {
     let engine = engine();
     let stream = engine.device().context().new_stream().unwrap();
-    let mut rng = Rng(13);
+    let mut rng = Rng::new(13);
     let mut dims: Vec<usize> = FAMILIES.iter().flat_map(|f| f.tiles.iter().map(|t| t.head_dim as usize)).collect();
     dims.push(40);
     dims.sort_unstable();
@@ -541,7 +541,7 @@ fn fa3_matrix(stage: u8) {
         return;
     }
     let stream = engine.device().context().new_stream().unwrap();
-    let mut rng = Rng(0xfa3 + stage as u64);
+    let mut rng = Rng::new(0xfa3 + stage as u64);
     let fa3 = ForwardOptions::default().variant(Variant::Fa3).fa3_stage(stage);
     // (batch, sq, sk, hq, hkv, mask, softcap, lse)
     type Case = (usize, usize, usize, usize, usize, Mask, Option<f32>, bool);
@@ -650,7 +650,7 @@ fn fa3_sanitizer_subset() {
         Err(_) => (1..=5).collect(),
     };
     let stream = engine.device().context().new_stream().unwrap();
-    let mut rng = Rng(17);
+    let mut rng = Rng::new(17);
     for stage in stages {
         if !fa3_runs_here(&engine, stage) {
             continue;
@@ -694,7 +694,7 @@ fn foreign_context_and_raw_stream_are_accepted() {
     let from_ctx = Engine::from_context(theirs.clone()).unwrap();
     assert!(Arc::ptr_eq(from_ctx.device(), engine.device()), "same primary context, same module cache");
 
-    let mut rng = Rng(23);
+    let mut rng = Rng::new(23);
     let shape = [1, 77, 4, 64];
     let q = randn(&mut rng, DType::F16, shape);
     let flash_attn::Data::F16(host) = q.view().data() else { unreachable!() };
@@ -744,7 +744,7 @@ fn graph_capture_replays_a_forward_launch() {
     let engine = engine();
     let ctx = engine.device().context().clone();
     let stream = ctx.new_stream().unwrap();
-    let mut rng = Rng(29);
+    let mut rng = Rng::new(29);
     let shape = [1, 130, 4, 128];
     let (q1, q2) = (randn(&mut rng, DType::F16, shape), randn(&mut rng, DType::F16, shape));
     let host = |t: &Tensor| match t.view().data() {

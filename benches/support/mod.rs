@@ -5,6 +5,7 @@
 
 pub mod gpu;
 
+use flash_attn::numerics::rng::SplitMix64 as Rng;
 use flash_attn::reference::attention_f64_rows;
 use flash_attn::bench::roofline::{Math, Roofline};
 use flash_attn::serving::{BlockTable, KvCache};
@@ -70,7 +71,7 @@ impl Case {
         let mut rng = Rng::new(seed);
         let mut make = |s: usize, h: usize| {
             let shape = [self.batch, s, h, self.head_dim];
-            let vals: Vec<f32> = (0..shape.iter().product::<usize>()).map(|_| rng.normal()).collect();
+            let vals: Vec<f32> = (0..shape.iter().product::<usize>()).map(|_| rng.normal() as f32).collect();
             Tensor::from_f32(&vals, self.dtype, shape).expect("shape is consistent")
         };
         let q = make(self.seqlen_q, self.heads_q);
@@ -82,29 +83,6 @@ impl Case {
     /// The validated problem (for the FLOP model and the reference).
     pub fn problem(&self, q: &Tensor, k: &Tensor, v: &Tensor, opts: &ForwardOptions) -> Problem {
         Problem::new(&q.view(), &k.view(), &v.view(), opts).expect("bench case is valid")
-    }
-}
-
-/// xorshift64* with a Box–Muller normal: reproducible inputs without a dependency.
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    /// Uniform in (0, 1).
-    pub fn uniform(&mut self) -> f64 {
-        ((self.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-    }
-    pub fn normal(&mut self) -> f32 {
-        let (u1, u2) = (self.uniform(), self.uniform());
-        ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
     }
 }
 
@@ -126,9 +104,7 @@ impl PagedKv {
         let nb = b * pages;
         let mut ids: Vec<i32> = (0..nb as i32).collect();
         let mut rng = Rng::new(seed);
-        for i in (1..ids.len()).rev() {
-            ids.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
-        }
+        rng.shuffle(&mut ids);
         let row = hkv * d;
         let (kf, vf) = (k.to_f32_vec(), v.to_f32_vec());
         let (mut kc, mut vc) = (vec![0.0f32; nb * page_size * row], vec![0.0f32; nb * page_size * row]);
@@ -182,8 +158,7 @@ pub fn sampled_max_error(p: &Problem, q: &Tensor, k: &Tensor, v: &Tensor, out: &
     let mut rng = Rng::new(seed);
     let mut rows = vec![(0, 0, 0), (p.batch - 1, p.heads_q - 1, p.seqlen_q - 1)];
     while rows.len() < n.max(2) {
-        let pick = |r: &mut Rng, m: usize| (r.next_u64() % m as u64) as usize;
-        rows.push((pick(&mut rng, p.batch), pick(&mut rng, p.heads_q), pick(&mut rng, p.seqlen_q)));
+        rows.push((rng.below(p.batch), rng.below(p.heads_q), rng.below(p.seqlen_q)));
     }
     let want = attention_f64_rows(p, &q.view(), &k.view(), &v.view(), &rows).expect("float64 reference");
     let o = out.o.data().as_data();
@@ -227,8 +202,8 @@ pub struct Gemm {
 impl Gemm {
     pub fn new(m: usize, n: usize, k: usize) -> Gemm {
         let mut rng = Rng::new((m * 31 + n * 17 + k) as u64);
-        let a = (0..m * k).map(|_| rng.normal()).collect();
-        let b = (0..k * n).map(|_| rng.normal()).collect();
+        let a = (0..m * k).map(|_| rng.normal() as f32).collect();
+        let b = (0..k * n).map(|_| rng.normal() as f32).collect();
         Gemm { m, n, k, runs_done: 0, a, b, c: vec![0.0; m * n] }
     }
     pub fn flops(&self) -> u64 {

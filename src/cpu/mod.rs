@@ -14,7 +14,7 @@ mod pool;
 pub mod softmax;
 
 use crate::error::{Error, Result};
-use crate::numerics::emulate::EmulatedMath;
+use crate::numerics::softmax_math::SoftmaxMath;
 use crate::numerics::exp2::{poly_frac, EXP2_CLAMP_LOW};
 use crate::numerics::hadamard::Rotation;
 use crate::numerics::quant::fake_quantize;
@@ -600,7 +600,7 @@ fn to_seq_major<T: Element>(p: &Problem, src: &[f32], dst: &mut [T], nthreads: u
 /// path that ran.
 ///
 /// `Native` runs when precision is Native, exp2 Accurate and rescale Always; any other option
-/// runs the emulation of a kernel's arithmetic (`numerics::emulate`), and FP8 first rotates
+/// runs that kernel arithmetic on the CPU (`numerics::softmax_math`), and FP8 first rotates
 /// (optionally) and fake-quantises Q, K, V (`numerics::quant::fake_quantize`).
 pub(crate) fn run(p: &Problem, q: &TensorView, k: &TensorView, v: &TensorView, nthreads: usize) -> Result<CpuOutput> {
     check_head_dim(p)?; // before the FP8 preprocessing reads anything
@@ -619,7 +619,7 @@ pub(crate) fn run_into(
     nthreads: usize,
     dst: DataMut<'_>,
 ) -> Result<(Vec<f32>, &'static str)> {
-    let math = EmulatedMath::for_problem(p);
+    let math = SoftmaxMath::for_problem(p);
     if math.is_native() {
         return Ok((forward_with_into(p, q, k, v, Native, nthreads, dst)?, path_name()));
     }

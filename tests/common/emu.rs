@@ -336,7 +336,7 @@ fn bits_of(t: &Tensor) -> Vec<u8> {
 pub fn run_case(c: &Case, mutation: Option<&Mutation>) -> Outcome {
     let mut h = DefaultHasher::new();
     c.name().hash(&mut h);
-    let mut rng = Rng(h.finish() | 1);
+    let mut rng = Rng::new(h.finish() | 1);
     let mut gen = |shape: [usize; 4]| {
         let t = randn(&mut rng, c.dtype, shape);
         if c.input_scale == 1.0 {
