@@ -325,17 +325,20 @@ fn decode_summary(recs: &[DecodeRecord]) {
         let gbs = |t: f64| support::kv_bytes(case) as f64 / (t * 1e-3) / 1e9;
         let layout = page.map_or("dense".to_string(), |ps| format!("paged, {ps}-key blocks"));
         println!("| {} | {layout} | {ms:.3} | {:.1} | {:.1} | {err:.1e} |", case.id(), gbs(*ms), gbs(*best));
-        lines.push(format!(
-            "{{\"impl\":\"flash_attn\",\"case\":{},\"kv_layout\":{},\"ms\":{},\"ms_min\":{},\"kv_gbs\":{},\"kv_gbs_best\":{},\"max_err\":{},\"kernel\":{}}}",
-            support::js(&case.id()),
-            support::js(&layout),
-            support::jn(*ms),
-            support::jn(*best),
-            support::jn(gbs(*ms)),
-            support::jn(gbs(*best)),
-            support::jn(*err),
-            support::js(what)
-        ));
+        lines.push(
+            serde_json::json!({
+                "impl": "flash_attn",
+                "case": case.id(),
+                "kv_layout": layout,
+                "ms": ms,
+                "ms_min": best,
+                "kv_gbs": gbs(*ms),
+                "kv_gbs_best": gbs(*best),
+                "max_err": err,
+                "kernel": what,
+            })
+            .to_string(),
+        );
     }
     let path = std::env::var("FA_BENCH_DECODE_JSON").unwrap_or_else(|_| "target/bench/cpu-decode.jsonl".into());
     let write = || -> std::io::Result<()> {

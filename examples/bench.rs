@@ -36,6 +36,7 @@ mod support;
 
 use flash_attn::bench::roofline::{lookup_gpu, Math, Roofline};
 use flash_attn::bench::flops;
+use serde_json::json;
 use flash_attn::{forward, Backend, DType, ForwardOptions, Fp8Scaling, Mask, Output, Precision, Variant};
 use support::{Case, Gemm, Record};
 
@@ -382,11 +383,11 @@ fn main() {
     );
     println!(
         "{}",
-        rec.json_with(&[
-            ("kv_layout", support::js(if a.page_size.is_some() { "paged" } else { "dense" })),
-            ("page_size", a.page_size.map_or("null".into(), |p| p.to_string())),
-            ("kv_gbs", support::jn(kv_gbs)),
-            ("dispatch_reason", support::js(&out.dispatch.reason)),
+        rec.json_with([
+            ("kv_layout", json!(if a.page_size.is_some() { "paged" } else { "dense" })),
+            ("page_size", json!(a.page_size)),
+            ("kv_gbs", json!(kv_gbs)),
+            ("dispatch_reason", json!(out.dispatch.reason)),
         ])
     );
 }
@@ -527,16 +528,16 @@ fn gpu_main(a: &Args, mut h: Box<dyn support::gpu::GpuHarness>) {
     );
     println!(
         "{}",
-        rec.json_with(&[
-            ("gpu", support::js(&info.name)),
-            ("driver", support::js(&info.driver)),
-            ("clocks", support::js(&info.clocks())),
-            ("sm", support::js(&format!("{}.{}", info.sm.0, info.sm.1))),
-            ("sm_count", info.sm_count.to_string()),
-            ("l2_bytes", info.l2_bytes.to_string()),
-            ("rotating_sets", sets.to_string()),
-            ("launches_per_rep", a.launches.to_string()),
-            ("dispatch_reason", support::js(&dispatch.reason)),
+        rec.json_with([
+            ("gpu", json!(info.name)),
+            ("driver", json!(info.driver)),
+            ("clocks", json!(info.clocks())),
+            ("sm", json!(format!("{}.{}", info.sm.0, info.sm.1))),
+            ("sm_count", json!(info.sm_count)),
+            ("l2_bytes", json!(info.l2_bytes)),
+            ("rotating_sets", json!(sets)),
+            ("launches_per_rep", json!(a.launches)),
+            ("dispatch_reason", json!(dispatch.reason)),
         ])
     );
 }

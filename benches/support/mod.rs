@@ -11,6 +11,7 @@ use flash_attn::bench::roofline::{Math, Roofline};
 use flash_attn::serving::{BlockTable, KvCache};
 use flash_attn::bench::flops;
 use flash_attn::{DType, ForwardOptions, Mask, Output, Problem, Tensor};
+use serde_json::{json, Map, Value};
 use std::time::Instant;
 
 /// One benchmark shape.
@@ -319,31 +320,6 @@ pub fn cpu_roofline(best_gemm: f64, gemm_what: &str) -> Roofline {
     )
 }
 
-/// JSON string literal (quotes, backslashes and control characters escaped).
-pub fn js(s: &str) -> String {
-    let mut o = String::with_capacity(s.len() + 2);
-    o.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => o.push_str("\\\""),
-            '\\' => o.push_str("\\\\"),
-            c if (c as u32) < 0x20 => o.push_str(&format!("\\u{:04x}", c as u32)),
-            c => o.push(c),
-        }
-    }
-    o.push('"');
-    o
-}
-
-/// JSON number, `null` when not finite.
-pub fn jn(x: f64) -> String {
-    if x.is_finite() {
-        format!("{x:.6e}")
-    } else {
-        "null".into()
-    }
-}
-
 /// One measured run, printed as one JSON line (the format `scripts/peers_torch.py` also writes
 /// and `scripts/report.py` reads).
 #[derive(Clone, Debug)]
@@ -387,86 +363,69 @@ impl Record {
     }
 
     pub fn json(&self) -> String {
-        self.json_with(&[])
+        self.json_with([])
     }
 
-    /// [`Record::json`] with extra fields appended (values already JSON: use [`js`]/[`jn`]),
-    /// e.g. the GPU's driver and clocks, which `scripts/report.py` prints per machine.
-    pub fn json_with(&self, extra: &[(&str, String)]) -> String {
-        let mut line = self.json_fields();
-        for (key, value) in extra {
-            line.push(',');
-            line.push_str(&js(key));
-            line.push(':');
-            line.push_str(value);
-        }
-        line.push('}');
-        line
+    /// [`Record::json`] with extra fields, e.g. the GPU's driver and clocks, which
+    /// `scripts/report.py` prints per machine.
+    pub fn json_with<const N: usize>(&self, extra: [(&str, Value); N]) -> String {
+        let mut fields = self.json_fields();
+        fields.extend(extra.into_iter().map(|(k, v)| (k.to_string(), v)));
+        Value::Object(fields).to_string()
     }
 
-    /// The fields of the JSON object, without the closing brace.
-    fn json_fields(&self) -> String {
+    /// The fields of the JSON object (a non-finite number is `null`).
+    fn json_fields(&self) -> Map<String, Value> {
         let c = &self.case;
         let (window_left, window_right) = match c.mask {
-            Mask::Window { left, right, .. } => (left.to_string(), right.to_string()),
-            _ => ("null".into(), "null".into()),
+            Mask::Window { left, right, .. } => (Some(left), Some(right)),
+            _ => (None, None),
         };
         let ai = self.cost.intensity();
         let rate = self.flops_per_s();
-        let (peak, bw, pct, roof_src) = match &self.roofline {
-            Some(r) => (
-                jn(r.peak_flops / 1e12),
-                jn(r.bandwidth / 1e12),
-                jn(r.percent(rate, ai)),
-                js(&format!("{} | {}", r.peak_source, r.bandwidth_source)),
-            ),
-            None => ("null".into(), "null".into(), "null".into(), "null".into()),
-        };
+        let roof = self.roofline.as_ref();
+        let tera = |x: Option<f64>| x.map(|x| x / 1e12);
         let math = Math::of(c.dtype, flash_attn::Precision::Native);
-        format!(
-            concat!(
-                "{{\"impl\":{},\"machine\":{},\"backend\":{},\"kernel\":{},\"variant\":{},",
-                "\"dtype\":{},\"precision\":{},\"math\":{},\"batch\":{},\"seqlen_q\":{},\"seqlen_k\":{},",
-                "\"heads_q\":{},\"heads_kv\":{},\"head_dim\":{},\"causal\":{},\"window_left\":{},",
-                "\"window_right\":{},\"flops\":{},\"bytes\":{},\"intensity\":{},\"ms\":{},\"ms_min\":{},\"runs\":{},",
-                "\"tflops\":{},\"peak_tflops\":{},\"bandwidth_tbs\":{},\"pct_roofline\":{},",
-                "\"roofline_source\":{},\"gemm_tflops\":{},\"gemm_tflops_best\":{},\"gemm_ratio_paired\":{},\"tflops_cputime\":{},\"gemm_tflops_cputime\":{},\"max_err\":{},\"err_rows\":{}"
-            ),
-            js(&self.impl_name),
-            js(&self.machine),
-            js(&self.backend),
-            js(&self.kernel),
-            js(&self.variant),
-            js(&c.dtype.to_string()),
-            js(&self.precision),
-            js(if self.precision == "native" { math.name() } else { "fp8" }),
-            c.batch,
-            c.seqlen_q,
-            c.seqlen_k,
-            c.heads_q,
-            c.heads_kv,
-            c.head_dim,
-            c.causal(),
-            window_left,
-            window_right,
-            self.cost.flops,
-            self.cost.bytes,
-            jn(ai),
-            jn(self.ms),
-            self.ms_min.map_or("null".into(), jn),
-            self.runs,
-            jn(rate / 1e12),
-            peak,
-            bw,
-            pct,
-            roof_src,
-            self.gemm_flops.map_or("null".into(), |g| jn(g / 1e12)),
-            self.gemm_flops_best.map_or("null".into(), |g| jn(g / 1e12)),
-            self.gemm_ratio_paired.map_or("null".into(), jn),
-            self.cpu_time_rates.map_or("null".into(), |r| jn(r.0 / 1e12)),
-            self.cpu_time_rates.map_or("null".into(), |r| jn(r.1 / 1e12)),
-            self.max_err.map_or("null".into(), jn),
-            self.err_rows,
-        )
+        let json = json!({
+            "impl": self.impl_name,
+            "machine": self.machine,
+            "backend": self.backend,
+            "kernel": self.kernel,
+            "variant": self.variant,
+            "dtype": c.dtype.to_string(),
+            "precision": self.precision,
+            "math": if self.precision == "native" { math.name() } else { "fp8" },
+            "batch": c.batch,
+            "seqlen_q": c.seqlen_q,
+            "seqlen_k": c.seqlen_k,
+            "heads_q": c.heads_q,
+            "heads_kv": c.heads_kv,
+            "head_dim": c.head_dim,
+            "causal": c.causal(),
+            "window_left": window_left,
+            "window_right": window_right,
+            "flops": self.cost.flops,
+            "bytes": self.cost.bytes,
+            "intensity": ai,
+            "ms": self.ms,
+            "ms_min": self.ms_min,
+            "runs": self.runs,
+            "tflops": rate / 1e12,
+            "peak_tflops": tera(roof.map(|r| r.peak_flops)),
+            "bandwidth_tbs": tera(roof.map(|r| r.bandwidth)),
+            "pct_roofline": roof.map(|r| r.percent(rate, ai)),
+            "roofline_source": roof.map(|r| format!("{} | {}", r.peak_source, r.bandwidth_source)),
+            "gemm_tflops": tera(self.gemm_flops),
+            "gemm_tflops_best": tera(self.gemm_flops_best),
+            "gemm_ratio_paired": self.gemm_ratio_paired,
+            "tflops_cputime": tera(self.cpu_time_rates.map(|r| r.0)),
+            "gemm_tflops_cputime": tera(self.cpu_time_rates.map(|r| r.1)),
+            "max_err": self.max_err,
+            "err_rows": self.err_rows,
+        });
+        match json {
+            Value::Object(m) => m,
+            _ => unreachable!("json! of an object literal"),
+        }
     }
 }

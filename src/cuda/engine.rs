@@ -39,7 +39,7 @@ use crate::error::{Error, Operand, Result};
 use crate::options::ForwardOptions;
 use crate::output::{Dispatch, Output};
 use crate::problem::Problem;
-use crate::tensor::{contiguous_strides, DType, Element, Shape};
+use crate::tensor::{check_extent, contiguous_strides, DType, Element, Shape};
 use cudarc::driver::{result, sys, CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, SyncOnDrop};
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
@@ -192,27 +192,6 @@ impl<'a> DeviceLse<'a> {
     /// As [`DeviceTensorMut::from_raw`], for `len` f32 values.
     pub unsafe fn from_raw(ptr: u64, len: usize) -> Self {
         DeviceLse { ptr, len, stream: None, _guard: None, _borrow: PhantomData }
-    }
-}
-
-/// Checks that shape and strides address only elements inside `len` (as the host
-/// `TensorView::check_layout`), without allocating on success.
-fn check_layout(op: Operand, shape: Shape, strides: [usize; 3], len: usize) -> Result<()> {
-    let [b, s, h, d] = shape;
-    for (dim, n) in [("batch", b), ("seqlen", s), ("heads", h), ("head_dim", d)] {
-        if n == 0 {
-            return Err(Error::EmptyDimension { operand: op, dim });
-        }
-    }
-    let last = [(b, strides[0]), (s, strides[1]), (h, strides[2])]
-        .iter()
-        .try_fold(d - 1, |acc, &(n, st)| (n - 1).checked_mul(st).and_then(|x| x.checked_add(acc)));
-    match last {
-        Some(last) if last < len => Ok(()),
-        _ => Err(Error::InvalidLayout {
-            operand: op,
-            reason: format!("shape {shape:?} with strides {strides:?} reaches past the {len} elements of the buffer"),
-        }),
     }
 }
 
@@ -440,10 +419,10 @@ impl Engine {
     ) -> Result<Choice> {
         let sid = stream_id(stream);
         for (op, t) in [(Operand::Q, q), (Operand::K, k), (Operand::V, v)] {
-            check_layout(op, t.shape, t.strides, t.len)?;
+            check_extent(op, t.shape, t.strides, t.len)?;
             check_stream(op, t.stream, sid)?;
         }
-        check_layout(Operand::O, o.shape, o.strides, o.len)?;
+        check_extent(Operand::O, o.shape, o.strides, o.len)?;
         check_stream(Operand::O, o.stream, sid)?;
         for (op, dt) in [(Operand::K, k.dtype), (Operand::V, v.dtype), (Operand::O, o.dtype)] {
             if dt != q.dtype {
