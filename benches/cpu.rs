@@ -25,7 +25,7 @@
 //! of K/V read, the figure that matters for decode; its summary table gives K/V GB/s and its
 //! JSON lines go to `target/bench/cpu-decode.jsonl` (or `FA_BENCH_DECODE_JSON`).
 
-mod support;
+use flash_attn::bench::support;
 
 use criterion::{Criterion, SamplingMode, Throughput};
 use flash_attn::bench::flops;

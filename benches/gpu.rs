@@ -6,7 +6,7 @@
 //! `FA_BENCH_QUICK=1` runs the short sweep of the one-command GPU check; `FA_BENCH_TOKENS`
 //! changes the 16K tokens per launch.
 
-mod support;
+use flash_attn::bench::support;
 
 use criterion::{Criterion, SamplingMode, Throughput};
 use flash_attn::bench::roofline::{lookup_gpu, Math, Roofline};

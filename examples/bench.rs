@@ -21,7 +21,7 @@
 //! --peak-tflops X --bandwidth-tbs Y   override the roofline
 //! --seed N
 //! ```
-//! Prints one JSON line (fields in `benches/support/mod.rs::Record::json`) on stdout; notes go
+//! Prints one JSON line (fields in `flash_attn::bench::support::Record::json`) on stdout; notes go
 //! to stderr. Asked for a GPU where none is usable, it says so on stderr and exits 0; a variant
 //! or dtype the GPU's dispatch refuses also exits 0 with the reason and no line.
 //!
@@ -31,8 +31,7 @@
 //! measured by a device-to-device copy; the output of set 0 is downloaded once and sampled
 //! rows are compared with the float64 reference.
 
-#[path = "../benches/support/mod.rs"]
-mod support;
+use flash_attn::bench::support;
 
 use flash_attn::bench::roofline::{lookup_gpu, Math, Roofline};
 use flash_attn::bench::flops;

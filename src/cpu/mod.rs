@@ -464,6 +464,7 @@ fn check_head_dim(p: &Problem) -> Result<()> {
 }
 
 /// The CPU forward pass on validated inputs, with the given exp2/rounding arithmetic.
+#[cfg(any(test, feature = "bench"))]
 pub(crate) fn forward_with<M: Exp2Math>(
     p: &Problem,
     q: &TensorView,

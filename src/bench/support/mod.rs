@@ -1,16 +1,15 @@
-//! Shared by `benches/cpu.rs`, `benches/gpu.rs` and `examples/bench.rs` (included with
-//! `#[path]`): the bench cases, inputs, timing statistics, the f32 GEMM reference rate, the
-//! sampled error check and the one-line JSON record every tool prints.
-#![allow(dead_code)] // each includer uses a different part
+//! Shared by `benches/cpu.rs`, `benches/gpu.rs` and `examples/bench.rs`: the bench cases,
+//! inputs, timing statistics, the f32 GEMM reference rate, the sampled error check and the
+//! one-line JSON record every tool prints.
 
 pub mod gpu;
 
-use flash_attn::numerics::rng::SplitMix64 as Rng;
-use flash_attn::reference::attention_f64_rows;
-use flash_attn::bench::roofline::{Math, Roofline};
-use flash_attn::serving::{BlockTable, KvCache};
-use flash_attn::bench::flops;
-use flash_attn::{DType, ForwardOptions, Mask, Output, Problem, Tensor};
+use crate::numerics::rng::SplitMix64 as Rng;
+use crate::reference::attention_f64_rows;
+use crate::bench::roofline::{Math, Roofline};
+use crate::serving::{BlockTable, KvCache};
+use crate::bench::flops;
+use crate::{DType, ForwardOptions, Mask, Output, Problem, Tensor};
 use serde_json::{json, Map, Value};
 use std::time::Instant;
 
@@ -62,7 +61,6 @@ impl Case {
             Mask::None => "full".to_string(),
             Mask::Causal => "causal".to_string(),
             Mask::Window { left, right, causal } => format!("win{left}_{right}{}", if causal { "c" } else { "" }),
-            _ => "mask".to_string(),
         };
         format!("b{}_{seq}_{heads}_d{}_{}_{mask}", self.batch, self.head_dim, self.dtype)
     }
@@ -311,9 +309,9 @@ pub fn time_ms(f: impl FnOnce()) -> f64 {
 /// multi-threaded copy (256 MiB, beyond any LLC) as the bandwidth.
 pub fn cpu_roofline(best_gemm: f64, gemm_what: &str) -> Roofline {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let bw = flash_attn::bench::roofline::measure_copy_bandwidth(256 << 20, threads, 3);
+    let bw = crate::bench::roofline::measure_copy_bandwidth(256 << 20, threads, 3);
     Roofline::cpu(
-        flash_attn::bench::roofline::cpu_name(),
+        crate::bench::roofline::cpu_name(),
         best_gemm,
         format!("matrixmultiply f32 sgemm measured in this run ({gemm_what})"),
         bw,
@@ -385,7 +383,7 @@ impl Record {
         let rate = self.flops_per_s();
         let roof = self.roofline.as_ref();
         let tera = |x: Option<f64>| x.map(|x| x / 1e12);
-        let math = Math::of(c.dtype, flash_attn::Precision::Native);
+        let math = Math::of(c.dtype, crate::Precision::Native);
         let json = json!({
             "impl": self.impl_name,
             "machine": self.machine,
