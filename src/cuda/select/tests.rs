@@ -45,7 +45,7 @@ const fn fa3_row(name: &'static str, stage: u8, gpu_verified: bool) -> Family {
         ..family(name, KernelVariant::Fa3, 90, false, 30 + stage as u32, &Fa3)
     }
 }
-/// A table as it will look with FA2 and FA3 merged: FA3 (three stages here) not yet
+/// A table shaped like the real one: FA1, FA2 and an FA3 ladder (three stages here) that is not
 /// allowed in Auto.
 static TABLE: &[Family] = &[
     FA1,
