@@ -58,42 +58,52 @@ const MAX_GRID_YZ: usize = 65535;
 /// and a tile).
 const MAX_SEQLEN: usize = 1 << 30;
 
-/// A borrowed device tensor `[batch, seqlen, heads, head_dim]` (head_dim contiguous), read by
-/// the kernel.
+/// What every borrowed device buffer records: where it lives, what it holds, the stream it was
+/// bound to (None for raw pointers) and cudarc's access record, dropped after the launch so that
+/// later accesses wait for the kernel.
 #[derive(Debug)]
-pub struct DeviceTensor<'a> {
+struct Bound<'a> {
     ptr: u64,
     len: usize,
     dtype: DType,
     shape: Shape,
     strides: [usize; 3],
-    /// The stream the tensor was bound to (None for raw pointers).
     stream: Option<StreamId>,
-    /// cudarc's read record: dropped after the launch, so later writers wait for the kernel.
     _guard: Option<SyncOnDrop<'a>>,
+}
+
+impl<'a> Bound<'a> {
+    /// A contiguous `shape` over a cudarc buffer's `(ptr, guard)`, used on `stream`.
+    fn cudarc((ptr, guard): (u64, SyncOnDrop<'a>), len: usize, dtype: DType, shape: Shape, stream: &CudaStream) -> Self {
+        let stream = Some(stream_id(stream.cu_stream()));
+        Bound { ptr, len, dtype, shape, strides: strides_of(shape), stream, _guard: Some(guard) }
+    }
+
+    /// A contiguous `shape` over a raw device address.
+    fn raw(ptr: u64, len: usize, dtype: DType, shape: Shape) -> Self {
+        Bound { ptr, len, dtype, shape, strides: strides_of(shape), stream: None, _guard: None }
+    }
+}
+
+/// A borrowed device tensor `[batch, seqlen, heads, head_dim]` (head_dim contiguous), read by
+/// the kernel.
+#[derive(Debug)]
+pub struct DeviceTensor<'a> {
+    b: Bound<'a>,
     _borrow: PhantomData<&'a ()>,
 }
 
 /// A borrowed device tensor the kernel writes (the output).
 #[derive(Debug)]
 pub struct DeviceTensorMut<'a> {
-    ptr: u64,
-    len: usize,
-    dtype: DType,
-    shape: Shape,
-    strides: [usize; 3],
-    stream: Option<StreamId>,
-    _guard: Option<SyncOnDrop<'a>>,
+    b: Bound<'a>,
     _borrow: PhantomData<&'a mut ()>,
 }
 
 /// A borrowed f32 device buffer for the LSE, `[batch, heads_q, seqlen_q]` contiguous.
 #[derive(Debug)]
 pub struct DeviceLse<'a> {
-    ptr: u64,
-    len: usize,
-    stream: Option<StreamId>,
-    _guard: Option<SyncOnDrop<'a>>,
+    b: Bound<'a>,
     _borrow: PhantomData<&'a mut ()>,
 }
 
@@ -106,17 +116,8 @@ impl<'a> DeviceTensor<'a> {
     /// `stream`: the stream waits for the buffer's earlier writes, and the buffer's later writers
     /// wait for this read (cudarc's event tracking) once the tensor is dropped.
     pub fn new<T: Element + DeviceRepr, S: DevicePtr<T>>(data: &'a S, stream: &'a CudaStream, shape: Shape) -> Self {
-        let (ptr, guard) = data.device_ptr(stream);
-        DeviceTensor {
-            ptr,
-            len: data.len(),
-            dtype: T::DTYPE,
-            shape,
-            strides: strides_of(shape),
-            stream: Some(stream_id(stream.cu_stream())),
-            _guard: Some(guard),
-            _borrow: PhantomData,
-        }
+        let b = Bound::cudarc(data.device_ptr(stream), data.len(), T::DTYPE, shape, stream);
+        DeviceTensor { b, _borrow: PhantomData }
     }
 
     /// A tensor over a raw device address, for engines that do not use cudarc.
@@ -127,20 +128,20 @@ impl<'a> DeviceTensor<'a> {
     /// 2. The caller orders the launch stream after every write of this memory and keeps the
     ///    memory alive until the kernel is done (the crate cannot track raw pointers).
     pub unsafe fn from_raw(ptr: u64, len: usize, dtype: DType, shape: Shape) -> Self {
-        DeviceTensor { ptr, len, dtype, shape, strides: strides_of(shape), stream: None, _guard: None, _borrow: PhantomData }
+        DeviceTensor { b: Bound::raw(ptr, len, dtype, shape), _borrow: PhantomData }
     }
 
     /// Element strides of batch, seqlen and heads (head_dim stays contiguous); checked against
     /// the buffer length by `forward`.
     pub fn with_strides(mut self, strides: [usize; 3]) -> Self {
-        self.strides = strides;
+        self.b.strides = strides;
         self
     }
     pub fn shape(&self) -> Shape {
-        self.shape
+        self.b.shape
     }
     pub fn dtype(&self) -> DType {
-        self.dtype
+        self.b.dtype
     }
 }
 
@@ -149,17 +150,8 @@ impl<'a> DeviceTensorMut<'a> {
     /// [`DeviceTensor::new`]).
     pub fn new<T: Element + DeviceRepr, S: DevicePtrMut<T>>(data: &'a mut S, stream: &'a CudaStream, shape: Shape) -> Self {
         let len = data.len();
-        let (ptr, guard) = data.device_ptr_mut(stream);
-        DeviceTensorMut {
-            ptr,
-            len,
-            dtype: T::DTYPE,
-            shape,
-            strides: strides_of(shape),
-            stream: Some(stream_id(stream.cu_stream())),
-            _guard: Some(guard),
-            _borrow: PhantomData,
-        }
+        let b = Bound::cudarc(data.device_ptr_mut(stream), len, T::DTYPE, shape, stream);
+        DeviceTensorMut { b, _borrow: PhantomData }
     }
 
     /// An output over a raw device address.
@@ -168,15 +160,15 @@ impl<'a> DeviceTensorMut<'a> {
     /// As [`DeviceTensor::from_raw`], and nothing else reads or writes the memory while the
     /// kernel runs.
     pub unsafe fn from_raw(ptr: u64, len: usize, dtype: DType, shape: Shape) -> Self {
-        DeviceTensorMut { ptr, len, dtype, shape, strides: strides_of(shape), stream: None, _guard: None, _borrow: PhantomData }
+        DeviceTensorMut { b: Bound::raw(ptr, len, dtype, shape), _borrow: PhantomData }
     }
 
     pub fn with_strides(mut self, strides: [usize; 3]) -> Self {
-        self.strides = strides;
+        self.b.strides = strides;
         self
     }
     pub fn shape(&self) -> Shape {
-        self.shape
+        self.b.shape
     }
 }
 
@@ -184,14 +176,14 @@ impl<'a> DeviceLse<'a> {
     /// An LSE output over a cudarc f32 buffer, written on `stream`.
     pub fn new<S: DevicePtrMut<f32>>(data: &'a mut S, stream: &'a CudaStream) -> Self {
         let len = data.len();
-        let (ptr, guard) = data.device_ptr_mut(stream);
-        DeviceLse { ptr, len, stream: Some(stream_id(stream.cu_stream())), _guard: Some(guard), _borrow: PhantomData }
+        let b = Bound::cudarc(data.device_ptr_mut(stream), len, DType::F32, [1, 1, 1, len], stream);
+        DeviceLse { b, _borrow: PhantomData }
     }
 
     /// # Safety
     /// As [`DeviceTensorMut::from_raw`], for `len` f32 values.
     pub unsafe fn from_raw(ptr: u64, len: usize) -> Self {
-        DeviceLse { ptr, len, stream: None, _guard: None, _borrow: PhantomData }
+        DeviceLse { b: Bound::raw(ptr, len, DType::F32, [1, 1, 1, len]), _borrow: PhantomData }
     }
 }
 
@@ -417,6 +409,7 @@ impl Engine {
         lse: Option<&mut DeviceLse>,
         opts: &ForwardOptions,
     ) -> Result<Choice> {
+        let (q, k, v, o) = (&q.b, &k.b, &v.b, &o.b);
         let sid = stream_id(stream);
         for (op, t) in [(Operand::Q, q), (Operand::K, k), (Operand::V, v)] {
             check_extent(op, t.shape, t.strides, t.len)?;
@@ -445,7 +438,7 @@ impl Engine {
         };
         let c = select::choose_for(&*self.dev, &p, opts.variant, &ops)?;
 
-        ops.lse = match lse {
+        ops.lse = match lse.map(|l| &l.b) {
             Some(l) => {
                 let need = p.batch * p.heads_q * p.seqlen_q;
                 if l.len < need {
