@@ -5,7 +5,6 @@
 //! encoding): every `Engine` entry point (`forward`, `launch`, `launch_raw`) ends here.
 
 use super::device::{cuda_err, Loaded};
-use super::fa3::tma::TmaSpec;
 use super::params::FwdParams;
 use super::table::{kernel_symbol, Family, Tile, DTYPE_NAMES};
 use crate::error::{Error, Operand, Result};
@@ -25,6 +24,47 @@ pub(crate) fn dtype_name(dtype: DType) -> Option<&'static str> {
         _ => return None,
     };
     DTYPE_NAMES.iter().copied().find(|n| *n == name)
+}
+
+/// `CUtensorMapDataType` values (cuda.h), as passed to `cuTensorMapEncodeTiled`.
+pub(crate) const TMA_DTYPE_FLOAT16: u32 = 6;
+pub(crate) const TMA_DTYPE_BFLOAT16: u32 = 9;
+/// `CU_TENSOR_MAP_INTERLEAVE_NONE`.
+pub(crate) const TMA_INTERLEAVE_NONE: u32 = 0;
+/// `CU_TENSOR_MAP_SWIZZLE_128B`: the 128-byte swizzle wgmma's SW128 descriptors un-do.
+pub(crate) const TMA_SWIZZLE_128B: u32 = 3;
+/// `CU_TENSOR_MAP_L2_PROMOTION_L2_256B`.
+pub(crate) const TMA_L2_PROMOTION_256B: u32 = 3;
+/// `CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE`: out-of-bounds elements are zeros.
+pub(crate) const TMA_OOB_FILL_NONE: u32 = 0;
+/// Rank of every map: {head_dim, heads, seqlen, batch}.
+pub(crate) const TMA_RANK: u32 = 4;
+
+/// Every argument of one `cuTensorMapEncodeTiled` call except the output map and the global
+/// address: `launch.rs` passes exactly these to the driver, and the CPU emulator encodes the
+/// map its kernels receive from the same values (the launch plan). Rank 4,
+/// innermost dimension first: {head_dim, heads, seqlen, batch}. Data type BFLOAT16 / FLOAT16 by
+/// the problem's dtype; interleave NONE, swizzle 128B, L2 promotion 256B, OOB fill NONE (= zeros).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TmaSpec {
+    /// `CUtensorMapDataType`.
+    pub data_type: u32,
+    /// Always `TMA_RANK`.
+    pub rank: u32,
+    /// Global extents in elements.
+    pub dims: [u64; 4],
+    /// Byte strides of dims 1..4 (dim 0 is contiguous).
+    pub strides: [u64; 3],
+    /// Box extents in elements: {64, 1, rows, 1}.
+    pub box_dims: [u32; 4],
+    /// Always 1: every element of the box is loaded.
+    pub elem_strides: [u32; 4],
+    /// `CUtensorMapInterleave`, `CUtensorMapSwizzle`, `CUtensorMapL2promotion`,
+    /// `CUtensorMapFloatOOBfill` values.
+    pub interleave: u32,
+    pub swizzle: u32,
+    pub l2_promotion: u32,
+    pub oob_fill: u32,
 }
 
 /// One tensor map: the global address and every other `cuTensorMapEncodeTiled` argument.
@@ -207,7 +247,6 @@ fn cu_enums(
     ),
     &'static str,
 > {
-    use super::fa3::tma::*;
     use sys::*;
     let data_type = match s.data_type {
         TMA_DTYPE_FLOAT16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
@@ -235,7 +274,7 @@ fn cu_enums(
 
 #[cfg(test)]
 mod tests {
-    use super::super::fa3::tma::*;
+    use super::super::fa3::tma::{tma_specs, OperandLayout};
     use super::*;
 
     /// The numbers the emulator receives are the driver's enum values (cuda.h): cudarc's enums

@@ -4,6 +4,10 @@
 //! print), the persistent grid, and the `cuTensorMapEncodeTiled` arguments of the three TMA
 //! tensor maps stages 2-5 take after `FwdParams` (docs/fa3.md). `launch.rs` encodes them.
 
+use crate::cuda::launch::{
+    TmaSpec, TMA_DTYPE_BFLOAT16, TMA_DTYPE_FLOAT16, TMA_INTERLEAVE_NONE, TMA_L2_PROMOTION_256B, TMA_OOB_FILL_NONE, TMA_RANK,
+    TMA_SWIZZLE_128B,
+};
 use crate::cuda::params::FwdParams;
 use crate::error::{Error, Operand, Result};
 use crate::tensor::DType;
@@ -95,47 +99,6 @@ pub(crate) struct OperandLayout {
     pub batch_stride: usize,
     pub row_stride: usize,
     pub head_stride: usize,
-}
-
-/// `CUtensorMapDataType` values (cuda.h), as passed to `cuTensorMapEncodeTiled`.
-pub(crate) const TMA_DTYPE_FLOAT16: u32 = 6;
-pub(crate) const TMA_DTYPE_BFLOAT16: u32 = 9;
-/// `CU_TENSOR_MAP_INTERLEAVE_NONE`.
-pub(crate) const TMA_INTERLEAVE_NONE: u32 = 0;
-/// `CU_TENSOR_MAP_SWIZZLE_128B`: the 128-byte swizzle wgmma's SW128 descriptors un-do.
-pub(crate) const TMA_SWIZZLE_128B: u32 = 3;
-/// `CU_TENSOR_MAP_L2_PROMOTION_L2_256B`.
-pub(crate) const TMA_L2_PROMOTION_256B: u32 = 3;
-/// `CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE`: out-of-bounds elements are zeros.
-pub(crate) const TMA_OOB_FILL_NONE: u32 = 0;
-/// Rank of every map: {head_dim, heads, seqlen, batch}.
-pub(crate) const TMA_RANK: u32 = 4;
-
-/// Every argument of one `cuTensorMapEncodeTiled` call except the output map and the global
-/// address: `launch.rs` passes exactly these to the driver, and the CPU emulator encodes the
-/// map its kernels receive from the same values (the launch plan). Rank 4,
-/// innermost dimension first: {head_dim, heads, seqlen, batch}. Data type BFLOAT16 / FLOAT16 by
-/// the problem's dtype; interleave NONE, swizzle 128B, L2 promotion 256B, OOB fill NONE (= zeros).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct TmaSpec {
-    /// `CUtensorMapDataType`.
-    pub data_type: u32,
-    /// Always `TMA_RANK`.
-    pub rank: u32,
-    /// Global extents in elements.
-    pub dims: [u64; 4],
-    /// Byte strides of dims 1..4 (dim 0 is contiguous).
-    pub strides: [u64; 3],
-    /// Box extents in elements: {64, 1, rows, 1}.
-    pub box_dims: [u32; 4],
-    /// Always 1: every element of the box is loaded.
-    pub elem_strides: [u32; 4],
-    /// `CUtensorMapInterleave`, `CUtensorMapSwizzle`, `CUtensorMapL2promotion`,
-    /// `CUtensorMapFloatOOBfill` values.
-    pub interleave: u32,
-    pub swizzle: u32,
-    pub l2_promotion: u32,
-    pub oob_fill: u32,
 }
 
 fn tma_spec(op: Operand, l: &OperandLayout, box_rows: u32, data_type: u32, elem_bytes: u64) -> Result<TmaSpec> {
