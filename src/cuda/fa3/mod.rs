@@ -135,33 +135,14 @@ mod tests {
         assert!(Fa3.refusal(fam, &T128, &problem(96, &ForwardOptions::default())).unwrap().contains("exactly"));
     }
 
-    fn params(batch: i32, sq: i32, hq: i32, sk: i32, hk: i32, d: i32) -> FwdParams {
-        let (qs, ks) = ((hq * d) as i64, (hk * d) as i64);
-        FwdParams {
-            q: 0x1000,
-            k: 0x2000,
-            v: 0x3000,
-            o: 0x4000,
-            q_batch_stride: sq as i64 * qs,
-            q_row_stride: qs,
-            q_head_stride: d as i64,
-            k_batch_stride: sk as i64 * ks,
-            k_row_stride: ks,
-            k_head_stride: d as i64,
-            v_batch_stride: sk as i64 * ks,
-            v_row_stride: ks,
-            v_head_stride: d as i64,
-            o_batch_stride: sq as i64 * qs,
-            o_row_stride: qs,
-            o_head_stride: d as i64,
-            batch,
-            seqlen_q: sq,
-            seqlen_k: sk,
-            heads_q: hq,
-            heads_kv: hk,
-            head_dim: d,
-            ..FwdParams::default()
-        }
+    /// The launch parameters of contiguous q/o `[2, 100, 4, 128]` and k/v `[2, 300, 2, 128]` at
+    /// 0x1000.. 0x4000, built as every launch builds them.
+    fn params() -> FwdParams {
+        let (q, kv) = ([2, 100, 4, 128], [2, 300, 2, 128]);
+        let p = Problem::from_shapes(q, kv, kv, DType::BF16, &ForwardOptions::default()).unwrap();
+        let st = |s: [usize; 4]| [s[1] * s[2] * s[3], s[2] * s[3], s[3]];
+        let ops = Operands { ptrs: [0x1000, 0x2000, 0x3000, 0x4000], strides: [st(q), st(kv), st(kv), st(q)], lse: 0, alibi: 0 };
+        FwdParams::for_launch(&p, &ops)
     }
 
     #[test]
@@ -177,7 +158,7 @@ mod tests {
 
     #[test]
     fn tensor_map_layouts_follow_the_params() {
-        let p = params(2, 100, 4, 300, 2, 128);
+        let p = params();
         let [lq, lk, lv] = layouts(&p);
         assert_eq!((lq.batch, lq.seqlen, lq.heads, lq.head_dim, lq.row_stride), (2, 100, 4, 128, 512));
         assert_eq!((lk.seqlen, lk.heads, lk.row_stride, lk.batch_stride), (300, 2, 256, 300 * 256));
