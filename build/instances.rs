@@ -171,7 +171,7 @@ pub struct Family {
     /// [`Family::smem_bytes`]). The build passes it to the kernel as FA_SMEM_BYTES, which
     /// static_asserts it against its own layout; the host launches with it.
     pub smem: fn(Option<u8>, &Tile) -> u32,
-    /// The family's host rules (src/cuda/<module>.rs, a `FamilyHost`): refusals, layout rules,
+    /// The family's host rules (a `FamilyHost` in its module under `src/cuda/`): refusals, layout rules,
     /// grid, extra launch arguments. `()` in build.rs, which needs none of them.
     #[allow(dead_code)]
     pub(crate) host: Host,
