@@ -34,7 +34,7 @@ pub const RB: usize = 64;
 /// them.
 pub const KC: usize = 64;
 /// A split of the keys must hold at least this many: below it the split's fixed costs (loading
-/// the queries, the merge, a thread's start while threads are spawned per call) outweigh the
+/// the queries, the merge, a pool worker's wake-up) outweigh the
 /// parallelism it buys.
 pub const MIN_SPLIT_KEYS: usize = 512;
 /// Most splits of one item's keys (FlashAttention's limit too).

@@ -4,8 +4,9 @@
 //! query head of the GQA group and every block of `BR` query rows then streams over the key
 //! tiles of `BC` keys: `Sᵀ = K·Qᵀ` (6×16 register micro-kernel), the online softmax of each
 //! query (exp2 of `(x − m)·scale·log2e`, −inf guard; `softmax` explains the units),
-//! `Oᵀ = Oᵀ·diag(scale) + Vᵀ·Pᵀ`, and one normalisation at the end. Work items (kv head, group head, query block) are handed out heaviest first to
-//! `std` threads; each writes its own disjoint slice of the output.
+//! `Oᵀ = Oᵀ·diag(scale) + Vᵀ·Pᵀ`, and one normalisation at the end. Work items (kv head, group
+//! head, query block) are handed out heaviest first to the persistent worker pool (`parallel`);
+//! each writes its own disjoint slice of the output.
 
 mod gemm;
 pub(crate) mod inplace;
@@ -23,7 +24,6 @@ use crate::problem::{Problem, LOG2E};
 use crate::tensor::{try_filled, DataMut, Element, Tensor, TensorView};
 use gemm::{micro_kernel, micro_kernel_skip_zero_b, Acc, MR, NR};
 use softmax::{finalize, max_get_scale, online_softmax, rescale_o, Exp2Math, RowState};
-use std::sync::Mutex;
 
 /// Query rows per work item (a multiple of the 16-query panels).
 pub const BR: usize = 96;
@@ -383,57 +383,40 @@ fn attend_block<M: Exp2Math, const FMA: bool>(
 /// Work item: (b, kv head, q head, row range), with its output slices.
 type Item<'o> = ((usize, usize, usize, usize, usize), &'o mut [f32], &'o mut [f32]);
 
-/// Runs one thread's share of the items of a chunk.
-#[inline(always)]
-fn worker<M: Exp2Math, const FMA: bool>(
+/// One work item, in the AVX2+FMA context when the CPU has it.
+#[allow(clippy::too_many_arguments)]
+fn attend_any<M: Exp2Math>(
     p: &Problem,
     q: &TensorView,
-    packed: &[(usize, PackedKv)],
+    kv: &PackedKv,
+    at: (usize, usize, usize, usize),
     sm: ScoreMod,
     math: &M,
-    queue: &Mutex<Vec<Item<'_>>>,
-) {
-    let mut scr = Scratch::new(p.head_dim);
-    loop {
-        let item = match queue.lock() {
-            Ok(mut g) => g.pop(),
-            Err(poisoned) => poisoned.into_inner().pop(),
-        };
-        let Some(((b, kvi, h, i0, i1), o_out, lse_out)) = item else { break };
-        let kv = &packed[kvi].1;
-        attend_block::<M, FMA>(p, q, kv, (b, h, i0, i1), sm, math, &mut scr, o_out, lse_out);
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn worker_avx2<M: Exp2Math>(
-    p: &Problem,
-    q: &TensorView,
-    packed: &[(usize, PackedKv)],
-    sm: ScoreMod,
-    math: &M,
-    queue: &Mutex<Vec<Item<'_>>>,
-) {
-    worker::<M, true>(p, q, packed, sm, math, queue)
-}
-
-fn run_worker<M: Exp2Math>(
-    p: &Problem,
-    q: &TensorView,
-    packed: &[(usize, PackedKv)],
-    sm: ScoreMod,
-    math: &M,
-    queue: &Mutex<Vec<Item<'_>>>,
+    scr: &mut Scratch,
+    out: (&mut [f32], &mut [f32]),
 ) {
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        #[target_feature(enable = "avx2,fma")]
+        #[allow(clippy::too_many_arguments)]
+        fn avx2<M: Exp2Math>(
+            p: &Problem,
+            q: &TensorView,
+            kv: &PackedKv,
+            at: (usize, usize, usize, usize),
+            sm: ScoreMod,
+            math: &M,
+            scr: &mut Scratch,
+            (o, lse): (&mut [f32], &mut [f32]),
+        ) {
+            attend_block::<M, true>(p, q, kv, at, sm, math, scr, o, lse)
+        }
         // SAFETY: the CPU was just checked to support AVX2 and FMA, the only requirement of a
         // `#[target_feature]` function; the function itself is safe code.
-        unsafe { worker_avx2(p, q, packed, sm, math, queue) };
+        unsafe { avx2(p, q, kv, at, sm, math, scr, out) };
         return;
     }
-    worker::<M, false>(p, q, packed, sm, math, queue)
+    attend_block::<M, false>(p, q, kv, at, sm, math, scr, out.0, out.1)
 }
 
 /// Number of worker threads: the request, capped at the machine's available parallelism (more
@@ -442,20 +425,6 @@ fn run_worker<M: Exp2Math>(
 pub(crate) fn threads(requested: Option<usize>) -> usize {
     let hw = std::thread::available_parallelism().map_or(1, |n| n.get());
     requested.filter(|&n| n > 0).map_or(hw, |n| n.min(hw))
-}
-
-/// Runs `job` on up to `n` threads of `scope` (the calling thread being one of them). A thread
-/// the system refuses to start is simply not started: the others share its work.
-fn run_on<'scope, 'env, F>(scope: &'scope std::thread::Scope<'scope, 'env>, n: usize, job: &'scope F)
-where
-    F: Fn() + Sync,
-{
-    for _ in 1..n {
-        if std::thread::Builder::new().spawn_scoped(scope, job).is_err() {
-            break;
-        }
-    }
-    job();
 }
 
 fn check_head_dim(p: &Problem) -> Result<()> {
@@ -515,20 +484,14 @@ fn forward_with_into<M: Exp2Math>(
     for heads in kv_heads.chunks(chunk) {
         // Pack this chunk's K/V in parallel.
         let packed: Vec<(usize, PackedKv)> = {
-            let next = Mutex::new(heads.iter().enumerate().rev().collect::<Vec<_>>());
-            let out = Mutex::new(Vec::with_capacity(heads.len()));
-            let job = || loop {
-                let job = next.lock().unwrap_or_else(|e| e.into_inner()).pop();
-                let Some((idx, &(b, hk))) = job else { break };
-                let pk = pack_kv(p, &sz, k, v, b, hk);
-                out.lock().unwrap_or_else(|e| e.into_inner()).push((idx, pk));
-            };
-            std::thread::scope(|s| run_on(s, nthreads.min(heads.len()), &job));
-            let mut v = out.into_inner().unwrap_or_else(|e| e.into_inner());
-            v.sort_by_key(|x| x.0);
-            let mut packed = Vec::with_capacity(v.len());
-            for (i, pk) in v {
-                packed.push((heads[i].1, pk?));
+            let mut jobs: Vec<(usize, usize, Option<Result<PackedKv>>)> =
+                heads.iter().map(|&(b, hk)| (b, hk, None)).collect();
+            parallel::for_each(&mut jobs, nthreads, || (), |_, j| j.2 = Some(pack_kv(p, &sz, k, v, j.0, j.1)));
+            let mut packed = Vec::with_capacity(jobs.len());
+            for (_, hk, pk) in jobs {
+                // Every job ran (for_each returns when all are done).
+                let pk = pk.ok_or_else(|| Error::TooLarge { what: "packed K/V".into() })?;
+                packed.push((hk, pk?));
             }
             packed
         };
@@ -553,12 +516,18 @@ fn forward_with_into<M: Exp2Math>(
                 }
             }
         }
-        // Heaviest first (popped from the back): causal blocks near the bottom go out early.
-        items.sort_by_key(|x| x.0);
-        let queue = Mutex::new(items.into_iter().map(|x| x.1).collect::<Vec<_>>());
-        let n = nthreads.min(heads.len() * per_kv).max(1);
-        let job = || run_worker(p, q, &packed, sm, &math, &queue);
-        std::thread::scope(|s| run_on(s, n, &job));
+        // Heaviest first: causal blocks near the bottom go out early.
+        items.sort_by_key(|x| std::cmp::Reverse(x.0));
+        let mut items: Vec<Item> = items.into_iter().map(|x| x.1).collect();
+        parallel::for_each(
+            &mut items,
+            nthreads,
+            || Scratch::new(d),
+            |scr, ((b, kvi, h, i0, i1), o_out, lse_out)| {
+                let kv = &packed[*kvi].1;
+                attend_any(p, q, kv, (*b, *h, *i0, *i1), sm, &math, scr, (o_out, lse_out));
+            },
+        );
         for (_, pk) in packed {
             pool::give(pk.k);
             pool::give(pk.v);
@@ -591,15 +560,8 @@ fn to_seq_major<T: Element>(p: &Problem, src: &[f32], dst: &mut [T], nthreads: u
             }
         }
     };
-    let chunks: Vec<(usize, &mut [T])> = dst.chunks_mut(per * hq * d).enumerate().collect();
-    let n = chunks.len();
-    let queue = Mutex::new(chunks);
-    let job = || loop {
-        let next = queue.lock().unwrap_or_else(|e| e.into_inner()).pop();
-        let Some((c, chunk)) = next else { break };
-        convert(c, chunk);
-    };
-    std::thread::scope(|s| run_on(s, n, &job));
+    let mut chunks: Vec<(usize, &mut [T])> = dst.chunks_mut(per * hq * d).enumerate().collect();
+    parallel::for_each(&mut chunks, nthreads, || (), |_, (c, chunk)| convert(*c, chunk));
 }
 
 /// The CPU forward pass with the problem's arithmetic. Returns the output and the name of the
