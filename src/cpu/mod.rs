@@ -22,7 +22,7 @@ use crate::numerics::quant::fake_quantize;
 use crate::options::Precision;
 use crate::problem::{Problem, LOG2E};
 use crate::tensor::{try_filled, DataMut, Element, Tensor, TensorView};
-use gemm::{micro_kernel, micro_kernel_skip_zero_b, Acc, MR, NR};
+use gemm::{micro_kernel, micro_kernel_skip_zero_b, micro_kernel_x2, Acc, MR, NR};
 use softmax::{finalize, max_get_scale, online_softmax, rescale_o, Exp2Math, RowState};
 
 /// Query rows per work item (a multiple of the 16-query panels).
@@ -225,6 +225,68 @@ impl ScoreMod {
     }
 }
 
+/// Where a panel's part of a tile lies: head, first query row and row count of the block, the
+/// tile's first computed key, and whether every row of the block sees the whole tile.
+struct PanelAt {
+    h: usize,
+    i0: usize,
+    nrows: usize,
+    k0: usize,
+    full_tile: bool,
+}
+
+/// Panel `pn`'s scores `sp` (`[keys][NR]`, keys from `at.k0`) to probabilities: softcap and
+/// ALiBi, the mask, the online softmax down each query column, and the rescale of its output
+/// panel `op`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn panel_softmax<M: Exp2Math, const FMA: bool>(
+    p: &Problem,
+    sm: ScoreMod,
+    math: &M,
+    at: &PanelAt,
+    pn: usize,
+    ranges: &[(usize, usize)],
+    sp: &mut [f32],
+    states: &mut [RowState],
+    op: &mut [f32],
+) {
+    // Softcap and ALiBi, in natural units (as a straightforward implementation computes them:
+    // each step is finite wherever its f32 counterpart there is).
+    if sm.natural {
+        for (jl, row) in sp.chunks_exact_mut(NR).enumerate() {
+            for (lane, x) in row.iter_mut().enumerate().take(at.nrows.saturating_sub(pn * NR)) {
+                let s = *x * sm.scale;
+                // A division, as a straightforward implementation writes it: for a cap far above
+                // the scores, (s / cap) * cap gives s back to within an ulp, where
+                // s * (1 / cap) * cap accumulates three roundings.
+                let s = match sm.softcap {
+                    Some(cap) => cap * (s / cap).tanh(),
+                    None => s,
+                };
+                *x = s + p.alibi_bias(at.h, at.i0 + pn * NR + lane, at.k0 + jl);
+            }
+        }
+    }
+    // The mask, branch-free per lane so it vectorises (padded lanes see everything).
+    if !at.full_tile {
+        let lo: [i64; NR] = std::array::from_fn(|l| ranges.get(pn * NR + l).map_or(0, |r| r.0 as i64));
+        let hi: [i64; NR] = std::array::from_fn(|l| ranges.get(pn * NR + l).map_or(i64::MAX, |r| r.1 as i64));
+        for (jl, row) in sp.chunks_exact_mut(NR).enumerate() {
+            let j = (at.k0 + jl) as i64;
+            for q in 0..NR {
+                row[q] = if j < lo[q] || j >= hi[q] { f32::NEG_INFINITY } else { row[q] };
+            }
+        }
+    }
+    // Online softmax down each query column.
+    let states = &mut states[..NR];
+    let tile_max = softmax::panel_max(sp);
+    let scales: [f32; NR] = std::array::from_fn(|q| max_get_scale(&mut states[q], tile_max[q], sm.c, math));
+    online_softmax::<M, FMA>(states, &scales, sp, sm.c, math);
+    rescale_o(&mut op[..round_up(p.head_dim, MR) * NR], &scales);
+}
+
 /// One work item: query rows `i0..i1` of head `h` against the packed K/V of its kv head.
 /// Writes `(i1 - i0) × d` normalised outputs to `o_out` and the LSEs to `lse_out`.
 ///
@@ -233,7 +295,7 @@ impl ScoreMod {
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 #[allow(clippy::needless_range_loop)] // `pn` indexes the panel's keys, Q and score slices alike
-fn attend_block<M: Exp2Math, const FMA: bool>(
+fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
     p: &Problem,
     q: &TensorView,
     kv: &PackedKv,
@@ -288,78 +350,81 @@ fn attend_block<M: Exp2Math, const FMA: bool>(
         let j1 = (j0 + BC).min(round_up(hi_all, MR)).min(sk_pad);
         let cols = j1 - j0;
         let full_tile = j0 >= inner_lo && j1 <= inner_hi;
-        for pn in 0..panels {
-            // This panel's part of the tile: local keys c0..c1 (multiples of MR).
+        // This panel's part of the tile: local keys c0..c1 (multiples of MR), if any.
+        let part = |pn: usize| {
             let (plo, phi) = panel_keys[pn];
             let c0 = (plo.max(j0) - j0) / MR * MR;
             let c1 = (round_up(phi.max(j0), MR) - j0).min(cols);
-            if c0 >= c1 {
+            (c0 < c1).then_some((c0, c1))
+        };
+        let mut pn = 0;
+        while pn < panels {
+            let Some((c0, c1)) = part(pn) else {
+                pn += 1;
                 continue;
-            }
+            };
+            // Two panels that see the same keys of this tile go through the paired kernel.
+            let pair = PAIR && pn + 1 < panels && part(pn + 1) == Some((c0, c1));
             let (k0, k1) = (j0 + c0, j0 + c1);
-            let qp = &scr.q[pn * d * NR..(pn + 1) * d * NR];
-            let sp = &mut scr.s[pn * BC * NR + c0 * NR..pn * BC * NR + c1 * NR];
+            let (s_lo, s_hi) = scr.s.split_at_mut((pn + 1) * BC * NR);
+            let sp0 = &mut s_lo[pn * BC * NR + c0 * NR..pn * BC * NR + c1 * NR];
+            let sp1: &mut [f32] = if pair { &mut s_hi[c0 * NR..c1 * NR] } else { &mut [] };
+            let q0 = &scr.q[pn * d * NR..(pn + 1) * d * NR];
+            let k_strip = |ks: usize| &kv.k[(k0 / MR + ks) * d * MR..(k0 / MR + ks + 1) * d * MR];
             // Sᵀ = K·Qᵀ, six keys at a time.
-            for (ks, s6) in sp.chunks_exact_mut(MR * NR).enumerate() {
-                let strip = k0 / MR + ks;
-                let mut acc: Acc = [[0.0; NR]; MR];
-                micro_kernel::<FMA>(&kv.k[strip * d * MR..(strip + 1) * d * MR], qp, &mut acc);
-                for (dst, a) in s6.chunks_exact_mut(NR).zip(&acc) {
-                    dst.copy_from_slice(a);
-                }
-            }
-            // Softcap and ALiBi, in natural units (as a straightforward implementation computes
-            // them: each step is finite wherever its f32 counterpart there is).
-            if sm.natural {
-                for (jl, row) in sp.chunks_exact_mut(NR).enumerate() {
-                    for (lane, x) in row.iter_mut().enumerate().take(nrows.saturating_sub(pn * NR)) {
-                        let s = *x * sm.scale;
-                        // A division, as a straightforward implementation writes it: for a cap
-                        // far above the scores, (s / cap) * cap gives s back to within an ulp,
-                        // where s * (1 / cap) * cap accumulates three roundings.
-                        let s = match sm.softcap {
-                            Some(cap) => cap * (s / cap).tanh(),
-                            None => s,
-                        };
-                        *x = s + p.alibi_bias(h, i0 + pn * NR + lane, k0 + jl);
+            if pair {
+                let q1 = &scr.q[(pn + 1) * d * NR..(pn + 2) * d * NR];
+                for (ks, (s6a, s6b)) in sp0.chunks_exact_mut(MR * NR).zip(sp1.chunks_exact_mut(MR * NR)).enumerate() {
+                    let mut acc: [Acc; 2] = [[[0.0; NR]; MR]; 2];
+                    micro_kernel_x2::<FMA, false>(k_strip(ks), [q0, q1], &mut acc);
+                    for (s6, a) in [s6a, s6b].into_iter().zip(&acc) {
+                        s6.copy_from_slice(a.as_flattened());
                     }
                 }
-            }
-            // The mask, branch-free per lane so it vectorises (padded lanes see everything).
-            if !full_tile {
-                let lo: [i64; NR] = std::array::from_fn(|l| ranges.get(pn * NR + l).map_or(0, |r| r.0 as i64));
-                let hi: [i64; NR] = std::array::from_fn(|l| ranges.get(pn * NR + l).map_or(i64::MAX, |r| r.1 as i64));
-                for (jl, row) in sp.chunks_exact_mut(NR).enumerate() {
-                    let j = (k0 + jl) as i64;
-                    for q in 0..NR {
-                        row[q] = if j < lo[q] || j >= hi[q] { f32::NEG_INFINITY } else { row[q] };
-                    }
+            } else {
+                for (ks, s6) in sp0.chunks_exact_mut(MR * NR).enumerate() {
+                    let mut acc: Acc = [[0.0; NR]; MR];
+                    micro_kernel::<FMA>(k_strip(ks), q0, &mut acc);
+                    s6.copy_from_slice(acc.as_flattened());
                 }
             }
-            // Online softmax down each query column.
-            let states = &mut scr.rows[pn * NR..(pn + 1) * NR];
-            let tile_max = softmax::panel_max(sp);
-            let scales: [f32; NR] = std::array::from_fn(|q| max_get_scale(&mut states[q], tile_max[q], sm.c, math));
-            online_softmax::<M, FMA>(states, &scales, sp, sm.c, math);
-            let op = &mut scr.o[pn * dv * NR..(pn + 1) * dv * NR];
-            rescale_o(op, &scales);
+            let (o_lo, o_hi) = scr.o.split_at_mut((pn + 1) * dv * NR);
+            let op0 = &mut o_lo[pn * dv * NR..];
+            let op1 = &mut o_hi[..if pair { dv * NR } else { 0 }];
+            let (r_lo, r_hi) = scr.rows.split_at_mut((pn + 1) * NR);
+            let panel = PanelAt { h, i0, nrows, k0, full_tile };
+            panel_softmax::<M, FMA>(p, sm, math, &panel, pn, &ranges, sp0, &mut r_lo[pn * NR..], op0);
+            if pair {
+                panel_softmax::<M, FMA>(p, sm, math, &panel, pn + 1, &ranges, sp1, &mut r_hi[..NR], op1);
+            }
             // Oᵀ += Vᵀ·Pᵀ, six columns of V at a time.
-            for (ds, o6) in op.chunks_exact_mut(MR * NR).enumerate() {
-                let base = ds * sk_pad * MR;
-                let mut acc: Acc = [[0.0; NR]; MR];
-                for (a, src) in acc.iter_mut().zip(o6.chunks_exact(NR)) {
-                    a.copy_from_slice(src);
+            let v_strip = |ds: usize| &kv.v[ds * sk_pad * MR + k0 * MR..ds * sk_pad * MR + k1 * MR];
+            if pair {
+                for (ds, (o6a, o6b)) in op0.chunks_exact_mut(MR * NR).zip(op1.chunks_exact_mut(MR * NR)).enumerate() {
+                    let mut acc: [Acc; 2] = [[[0.0; NR]; MR]; 2];
+                    acc[0].as_flattened_mut().copy_from_slice(o6a);
+                    acc[1].as_flattened_mut().copy_from_slice(o6b);
+                    if kv.v_finite {
+                        micro_kernel_x2::<FMA, false>(v_strip(ds), [sp0, sp1], &mut acc);
+                    } else {
+                        micro_kernel_x2::<FMA, true>(v_strip(ds), [sp0, sp1], &mut acc);
+                    }
+                    o6a.copy_from_slice(acc[0].as_flattened());
+                    o6b.copy_from_slice(acc[1].as_flattened());
                 }
-                let vs = &kv.v[base + k0 * MR..base + k1 * MR];
-                if kv.v_finite {
-                    micro_kernel::<FMA>(vs, sp, &mut acc);
-                } else {
-                    micro_kernel_skip_zero_b::<FMA>(vs, sp, &mut acc);
-                }
-                for (dst, a) in o6.chunks_exact_mut(NR).zip(&acc) {
-                    dst.copy_from_slice(a);
+            } else {
+                for (ds, o6) in op0[..dv * NR].chunks_exact_mut(MR * NR).enumerate() {
+                    let mut acc: Acc = [[0.0; NR]; MR];
+                    acc.as_flattened_mut().copy_from_slice(o6);
+                    if kv.v_finite {
+                        micro_kernel::<FMA>(v_strip(ds), sp0, &mut acc);
+                    } else {
+                        micro_kernel_skip_zero_b::<FMA>(v_strip(ds), sp0, &mut acc);
+                    }
+                    o6.copy_from_slice(acc.as_flattened());
                 }
             }
+            pn += if pair { 2 } else { 1 };
         }
         j0 = j1;
     }
@@ -383,7 +448,7 @@ fn attend_block<M: Exp2Math, const FMA: bool>(
 /// Work item: (b, kv head, q head, row range), with its output slices.
 type Item<'o> = ((usize, usize, usize, usize, usize), &'o mut [f32], &'o mut [f32]);
 
-/// One work item, in the AVX2+FMA context when the CPU has it.
+/// One work item, compiled for `isa` (AVX-512: the paired 6×32 kernel) when the CPU has it.
 #[allow(clippy::too_many_arguments)]
 fn attend_any<M: Exp2Math>(
     p: &Problem,
@@ -394,9 +459,34 @@ fn attend_any<M: Exp2Math>(
     math: &M,
     scr: &mut Scratch,
     out: (&mut [f32], &mut [f32]),
+    isa: Isa,
 ) {
+    // The detection is repeated (a cached atomic load) so that the safety of each call below
+    // rests on a check right here, whatever `isa` was asked for.
+    let has = detect_isa();
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+    if isa == Isa::Avx512 && has == Isa::Avx512 {
+        #[target_feature(enable = "avx512f,avx2,fma")]
+        #[allow(clippy::too_many_arguments)]
+        fn avx512<M: Exp2Math>(
+            p: &Problem,
+            q: &TensorView,
+            kv: &PackedKv,
+            at: (usize, usize, usize, usize),
+            sm: ScoreMod,
+            math: &M,
+            scr: &mut Scratch,
+            (o, lse): (&mut [f32], &mut [f32]),
+        ) {
+            attend_block::<M, true, true>(p, q, kv, at, sm, math, scr, o, lse)
+        }
+        // SAFETY: `detect_isa()` found AVX-512F, AVX2 and FMA on this CPU, the only requirement of a
+        // `#[target_feature]` function; the function itself is safe code.
+        unsafe { avx512(p, q, kv, at, sm, math, scr, out) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa != Isa::Portable && has != Isa::Portable {
         #[target_feature(enable = "avx2,fma")]
         #[allow(clippy::too_many_arguments)]
         fn avx2<M: Exp2Math>(
@@ -409,14 +499,58 @@ fn attend_any<M: Exp2Math>(
             scr: &mut Scratch,
             (o, lse): (&mut [f32], &mut [f32]),
         ) {
-            attend_block::<M, true>(p, q, kv, at, sm, math, scr, o, lse)
+            attend_block::<M, true, false>(p, q, kv, at, sm, math, scr, o, lse)
         }
         // SAFETY: the CPU was just checked to support AVX2 and FMA, the only requirement of a
         // `#[target_feature]` function; the function itself is safe code.
         unsafe { avx2(p, q, kv, at, sm, math, scr, out) };
         return;
     }
-    attend_block::<M, false>(p, q, kv, at, sm, math, scr, out.0, out.1)
+    attend_block::<M, false, false>(p, q, kv, at, sm, math, scr, out.0, out.1)
+}
+
+/// The instruction sets the tiled path is compiled for, best first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Isa {
+    /// AVX-512F (+ AVX2, FMA): the same loops in 512-bit registers (a 16-query panel row is one).
+    Avx512,
+    Avx2Fma,
+    Portable,
+}
+
+/// The best [`Isa`] this CPU has (detected at run time), unless `FLASH_ATTN_CPU_ISA` asks for a
+/// lesser one (`avx2`, `portable`: to compare paths on one machine; never a better one than the
+/// CPU has).
+pub(crate) fn isa() -> Isa {
+    static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+    *ISA.get_or_init(|| {
+        let detected = detect_isa();
+        let cap = match std::env::var("FLASH_ATTN_CPU_ISA").as_deref() {
+            Ok("portable") => Isa::Portable,
+            Ok("avx2") => Isa::Avx2Fma,
+            _ => Isa::Avx512,
+        };
+        // Variants are ordered best first: the larger of the two is the lesser ISA.
+        if (cap as u8) > (detected as u8) {
+            cap
+        } else {
+            detected
+        }
+    })
+}
+
+fn detect_isa() -> Isa {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let avx2 = std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma");
+        if avx2 && std::is_x86_feature_detected!("avx512f") {
+            return Isa::Avx512;
+        }
+        if avx2 {
+            return Isa::Avx2Fma;
+        }
+    }
+    Isa::Portable
 }
 
 /// Number of worker threads: the request, capped at the machine's available parallelism (more
@@ -449,7 +583,7 @@ pub(crate) fn forward_with<M: Exp2Math>(
 ) -> Result<CpuOutput> {
     check_head_dim(p)?;
     let mut o = Tensor::zeros(p.dtype, [p.batch, p.seqlen_q, p.heads_q, p.head_dim])?;
-    let lse = forward_with_into(p, q, k, v, math, nthreads, o.data_mut().as_data_mut())?;
+    let lse = forward_with_into(p, q, k, v, math, nthreads, o.data_mut().as_data_mut(), isa())?;
     Ok(CpuOutput { o, lse, kernel: path_name() })
 }
 
@@ -463,6 +597,7 @@ fn forward_with_into<M: Exp2Math>(
     math: M,
     nthreads: usize,
     dst: DataMut<'_>,
+    isa: Isa,
 ) -> Result<Vec<f32>> {
     check_head_dim(p)?;
     let d = p.head_dim;
@@ -525,7 +660,7 @@ fn forward_with_into<M: Exp2Math>(
             || Scratch::new(d),
             |scr, ((b, kvi, h, i0, i1), o_out, lse_out)| {
                 let kv = &packed[*kvi].1;
-                attend_any(p, q, kv, (*b, *h, *i0, *i1), sm, &math, scr, (o_out, lse_out));
+                attend_any(p, q, kv, (*b, *h, *i0, *i1), sm, &math, scr, (o_out, lse_out), isa);
             },
         );
         for (_, pk) in packed {
@@ -589,26 +724,26 @@ pub(crate) fn run_into(
 ) -> Result<(Vec<f32>, &'static str)> {
     let math = EmulatedMath::for_problem(p);
     if math.is_native() {
-        return Ok((forward_with_into(p, q, k, v, Native, nthreads, dst)?, path_name()));
+        return Ok((forward_with_into(p, q, k, v, Native, nthreads, dst, isa())?, path_name()));
     }
     let Precision::Fp8 { scaling, hadamard } = p.precision else {
-        return Ok((forward_with_into(p, q, k, v, math, nthreads, dst)?, "cpu-tiled-emulated-exp2"));
+        return Ok((forward_with_into(p, q, k, v, math, nthreads, dst, isa())?, "cpu-tiled-emulated-exp2"));
     };
     let rot = hadamard.and_then(|seed| Rotation::new(p.head_dim, seed));
     let q8 = fake_quantize(q, scaling, rot.as_ref())?;
     let k8 = fake_quantize(k, scaling, rot.as_ref())?;
     let v8 = fake_quantize(v, scaling, None)?;
-    let lse = forward_with_into(p, &q8.view(), &k8.view(), &v8.view(), math, nthreads, dst)?;
+    let lse = forward_with_into(p, &q8.view(), &k8.view(), &v8.view(), math, nthreads, dst, isa())?;
     Ok((lse, "cpu-tiled-emulated-fp8"))
 }
 
 /// Name of the micro-kernel path this CPU takes.
 pub(crate) fn path_name() -> &'static str {
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-        return "cpu-tiled-avx2-fma";
+    match isa() {
+        Isa::Avx512 => "cpu-tiled-avx512",
+        Isa::Avx2Fma => "cpu-tiled-avx2-fma",
+        Isa::Portable => "cpu-tiled-portable",
     }
-    "cpu-tiled-portable"
 }
 
 #[cfg(test)]
@@ -637,6 +772,63 @@ mod tests {
             let x = -126.0 * i as f32 / 2000.0;
             let rel = (exp2_fast(x) as f64 / (x as f64).exp2() - 1.0).abs();
             assert!(rel < 2e-7, "{x}: {rel}");
+        }
+    }
+
+    /// Every instruction set this CPU has (AVX-512 runs only where the CPU has it: on a CPU
+    /// without it that case is the AVX2 path again, and the test says so on stderr) gives the
+    /// float64 reference's output within 2e-6 and matches the other paths' to f32 rounding, on
+    /// shapes that exercise paired and unpaired panels (partial blocks, causal diagonals,
+    /// windows, GQA, softcap, an infinite V).
+    #[test]
+    fn every_isa_matches_the_reference() {
+        use crate::options::{ForwardOptions, Mask};
+        use crate::reference::{attention_f64, max_abs_diff};
+        use crate::tensor::DType;
+        if detect_isa() != Isa::Avx512 {
+            eprintln!("this CPU has no AVX-512: the AVX-512 path is compiled but not run here");
+        }
+        let isas = [Isa::Avx512, Isa::Avx2Fma, Isa::Portable];
+        let cases: [(usize, usize, usize, usize, usize, ForwardOptions); 6] = [
+            (1, 200, 200, 2, 64, ForwardOptions::default()),
+            (2, 97, 131, 2, 40, ForwardOptions::default().causal(true)),
+            (1, 130, 130, 4, 128, ForwardOptions::default().mask(Mask::window(37, 5))),
+            (1, 64, 300, 1, 24, ForwardOptions::default().softcap(7.0)),
+            (1, 48, 48, 2, 72, ForwardOptions::default().causal(true)),
+            (1, 33, 77, 2, 16, ForwardOptions::default().mask(Mask::window(9, 0))),
+        ];
+        for (ci, (b, sq, sk, hkv, d, opts)) in cases.into_iter().enumerate() {
+            let hq = 2 * hkv;
+            let val = |i: usize, m: usize| (((i * m) % 97) as f32 / 97.0 - 0.5) * 2.0;
+            let q = Tensor::from_vec((0..b * sq * hq * d).map(|i| val(i, 31)).collect(), [b, sq, hq, d]).unwrap();
+            let k = Tensor::from_vec((0..b * sk * hkv * d).map(|i| val(i, 17)).collect(), [b, sk, hkv, d]).unwrap();
+            let mut vv: Vec<f32> = (0..b * sk * hkv * d).map(|i| val(i, 13)).collect();
+            if ci == 1 {
+                vv[(sk - 1) * hkv * d] = f32::INFINITY; // the last key: seen by the last query only
+            }
+            let v = Tensor::from_vec(vv, [b, sk, hkv, d]).unwrap();
+            let p = Problem::new(&q.view(), &k.view(), &v.view(), &opts).unwrap();
+            let r = attention_f64(&p, &q.view(), &k.view(), &v.view()).unwrap();
+            let mut outs = Vec::new();
+            for isa in isas {
+                let mut o = Tensor::zeros(DType::F32, [b, sq, hq, d]).unwrap();
+                let lse =
+                    forward_with_into(&p, &q.view(), &k.view(), &v.view(), Native, 2, o.data_mut().as_data_mut(), isa)
+                        .unwrap();
+                let o: Vec<f64> = o.to_f32_vec().iter().map(|&x| x as f64).collect();
+                let finite = |x: &[f64]| x.iter().map(|&y| if y.is_finite() { y } else { 0.0 }).collect::<Vec<_>>();
+                let same_inf = o.iter().zip(&r.o).all(|(a, b)| a.is_finite() == b.is_finite());
+                assert!(same_inf, "case {ci} {isa:?}: non-finite outputs differ from the reference");
+                let err = max_abs_diff(&finite(&o), &finite(&r.o));
+                assert!(err < 2e-6, "case {ci} {isa:?}: max error {err}");
+                let lse64: Vec<f64> = lse.iter().map(|&x| x as f64).collect();
+                let lerr = max_abs_diff(&finite(&lse64), &finite(&r.lse));
+                assert!(lerr < 2e-5, "case {ci} {isa:?}: LSE error {lerr}");
+                outs.push(finite(&o));
+            }
+            for w in outs.windows(2) {
+                assert!(max_abs_diff(&w[0], &w[1]) < 1e-6, "case {ci}: paths disagree");
+            }
         }
     }
 
