@@ -589,6 +589,7 @@ pub(crate) fn forward_with<M: Exp2Math>(
 
 /// As [`forward_with`], writing the output into `dst` (contiguous `[batch, seqlen_q, heads_q,
 /// head_dim]` of the problem's dtype, checked by the caller); returns the LSE.
+#[allow(clippy::too_many_arguments)]
 fn forward_with_into<M: Exp2Math>(
     p: &Problem,
     q: &TensorView,
