@@ -110,17 +110,29 @@ fn pack_kv(p: &Problem, sz: &Sizes, k: &TensorView, v: &TensorView, b: usize, hk
     let sk_pad = sz.sk_pad;
     let mut kp = pool::take(sz.k_pack, "packed K of one head")?;
     let mut vp = pool::take(sz.v_pack, "packed V of one head")?;
-    let mut row = vec![0.0f32; d];
-    for j in 0..p.seqlen_k {
-        let (strip, lane) = (j / MR, j % MR);
-        k.read_row(b, j, hk, &mut row);
-        let base = strip * d * MR;
-        for (x, &val) in row.iter().enumerate() {
-            kp[base + x * MR + lane] = val;
+    // A strip's six K rows and six V rows are read first, back to back, then scattered: with
+    // the [batch, seqlen, heads, head_dim] layout consecutive keys of one head are a row of all
+    // heads apart, so each row is a separate cache miss; twelve independent reads overlap where
+    // a read followed by its scatter would wait for each miss in turn.
+    let mut rows = vec![0.0f32; 2 * MR * d];
+    for strip in 0..p.seqlen_k.div_ceil(MR) {
+        let n = MR.min(p.seqlen_k - strip * MR);
+        let (kr, vr) = rows.split_at_mut(MR * d);
+        for lane in 0..n {
+            k.read_row(b, strip * MR + lane, hk, &mut kr[lane * d..(lane + 1) * d]);
+            v.read_row(b, strip * MR + lane, hk, &mut vr[lane * d..(lane + 1) * d]);
         }
-        v.read_row(b, j, hk, &mut row);
-        for (x, &val) in row.iter().enumerate() {
-            vp[(x / MR) * sk_pad * MR + j * MR + x % MR] = val;
+        let kdst = &mut kp[strip * d * MR..(strip + 1) * d * MR];
+        for lane in 0..n {
+            for (x, &val) in kr[lane * d..(lane + 1) * d].iter().enumerate() {
+                kdst[x * MR + lane] = val;
+            }
+        }
+        for lane in 0..n {
+            let j = strip * MR + lane;
+            for (x, &val) in vr[lane * d..(lane + 1) * d].iter().enumerate() {
+                vp[(x / MR) * sk_pad * MR + j * MR + x % MR] = val;
+            }
         }
     }
     let v_finite = all_finite(&vp);
