@@ -26,7 +26,7 @@
 use super::gemm::NR;
 use super::parallel;
 use super::pool;
-use super::softmax::{finalize, max_get_scale, online_softmax, panel_max, Exp2Math, RowState};
+use super::softmax::{finalize, online_softmax, panel_max, panel_scales, Exp2Math, RowState};
 use super::{ScoreMod, MAX_HEAD_DIM};
 use crate::error::{Error, Result};
 use crate::problem::Problem;
@@ -539,7 +539,7 @@ fn attend_chunk<M: Exp2Math, const FMA: bool>(
         // The online softmax, the verbs of the tiled path.
         let states = &mut rows[l0..l0 + NR];
         let tile_max = panel_max(sp.as_flattened());
-        let scales: [f32; NR] = std::array::from_fn(|l| max_get_scale(&mut states[l], tile_max[l], c.sm.c, &c.math));
+        let scales = panel_scales(states, &tile_max, c.sm.c, &c.math);
         online_softmax::<M, FMA>(states, &scales, sp.as_flattened_mut(), c.sm.c, &c.math);
         let op = &mut o[l0 * d..(l0 + NR) * d];
         for (l, &sc) in scales.iter().enumerate().take(nl) {

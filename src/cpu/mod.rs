@@ -23,7 +23,7 @@ use crate::options::Precision;
 use crate::problem::{Problem, LOG2E};
 use crate::tensor::{try_filled, DataMut, Element, Tensor, TensorView};
 use gemm::{micro_kernel, micro_kernel_skip_zero_b, micro_kernel_x2, Acc, MR, NR};
-use softmax::{finalize, max_get_scale, online_softmax, rescale_o, Exp2Math, RowState};
+use softmax::{finalize, online_softmax, rescale_o, Exp2Math, RowState};
 
 /// Query rows per work item (a multiple of the 16-query panels).
 pub const BR: usize = 96;
@@ -294,7 +294,7 @@ fn panel_softmax<M: Exp2Math, const FMA: bool>(
     // Online softmax down each query column.
     let states = &mut states[..NR];
     let tile_max = softmax::panel_max(sp);
-    let scales: [f32; NR] = std::array::from_fn(|q| max_get_scale(&mut states[q], tile_max[q], sm.c, math));
+    let scales = softmax::panel_scales(states, &tile_max, sm.c, math);
     online_softmax::<M, FMA>(states, &scales, sp, sm.c, math);
     rescale_o(&mut op[..round_up(p.head_dim, MR) * NR], &scales);
 }
