@@ -108,8 +108,22 @@ struct PackedKv {
 fn pack_kv(p: &Problem, sz: &Sizes, k: &TensorView, v: &TensorView, b: usize, hk: usize) -> Result<PackedKv> {
     let d = p.head_dim;
     let sk_pad = sz.sk_pad;
-    let mut kp = pool::take(sz.k_pack, "packed K of one head")?;
-    let mut vp = pool::take(sz.v_pack, "packed V of one head")?;
+    // Every element is written below: the keys and columns of the inputs by the scatter, the
+    // padding (keys past seqlen_k, columns past head_dim) with zeros.
+    let mut kp = pool::take_dirty(sz.k_pack, "packed K of one head")?;
+    let mut vp = pool::take_dirty(sz.v_pack, "packed V of one head")?;
+    kp[p.seqlen_k / MR * d * MR..].fill(0.0); // the last, partial strip (rewritten below)
+    let dv = sz.v_pack / sk_pad;
+    for strip in vp.chunks_exact_mut(sk_pad * MR) {
+        strip[p.seqlen_k * MR..].fill(0.0);
+    }
+    if dv > d {
+        // Columns d..dv of the last column strip, for every key.
+        let last = &mut vp[(dv / MR - 1) * sk_pad * MR..];
+        for key in last.chunks_exact_mut(MR) {
+            key[d % MR..].fill(0.0);
+        }
+    }
     // A strip's six K rows and six V rows are read first, back to back, then scattered: with
     // the [batch, seqlen, heads, head_dim] layout consecutive keys of one head are a row of all
     // heads apart, so each row is a separate cache miss; twelve independent reads overlap where
@@ -618,7 +632,8 @@ fn forward_with_into<M: Exp2Math>(
     // Every size first: a problem too large for this machine fails here, before any work.
     let sz = Sizes::new(p)?;
     // Internal layout [batch, heads_q, seqlen_q, d] so each work item owns a contiguous slice.
-    let mut o_hm = pool::take(sz.n_o, "output")?;
+    // Every element is written by the work item that owns its rows.
+    let mut o_hm = pool::take_dirty(sz.n_o, "output")?;
     let mut lse = try_filled(sz.n_lse, f32::NEG_INFINITY, || "LSE".into())?;
 
     let kv_bytes = 4 * (sz.k_pack + sz.v_pack);
@@ -842,6 +857,35 @@ mod tests {
             for w in outs.windows(2) {
                 assert!(max_abs_diff(&w[0], &w[1]) < 1e-6, "case {ci}: paths disagree");
             }
+        }
+    }
+
+    /// Packed K/V and the head-major output reuse buffers without zeroing them: a call whose
+    /// inputs are all NaN and infinities leaves such values behind, and the next call (smaller,
+    /// so its padding lies where the old data was) must not see them.
+    #[test]
+    fn reused_buffers_never_leak_into_results() {
+        use crate::options::ForwardOptions;
+        use crate::reference::{attention_f64, max_abs_diff};
+        use crate::tensor::DType;
+        let bad = |n: usize, x: f32| Tensor::from_vec(vec![x; n], [1, 60, 1, 22]).unwrap();
+        let (q, k, v) = (bad(60 * 22, 1.0), bad(60 * 22, f32::INFINITY), bad(60 * 22, f32::NAN));
+        let p = Problem::new(&q.view(), &k.view(), &v.view(), &ForwardOptions::default()).unwrap();
+        for isa in [Isa::Avx512, Isa::Avx2Fma, Isa::Portable] {
+            let (sq, sk, d) = (23, 49, 14);
+            let mut o = Tensor::zeros(DType::F32, [1, 60, 1, 22]).unwrap();
+            forward_with_into(&p, &q.view(), &k.view(), &v.view(), Native, 1, o.data_mut().as_data_mut(), isa).unwrap();
+            let val = |i: usize, m: usize| (((i * m) % 89) as f32 / 89.0 - 0.5) * 3.0;
+            let t = |n: usize, s: usize, m: usize| Tensor::from_vec((0..n * d).map(|i| val(i, m)).collect(), [1, s, 1, d]);
+            let (q2, k2, v2) = (t(sq, sq, 7).unwrap(), t(sk, sk, 11).unwrap(), t(sk, sk, 5).unwrap());
+            let p2 = Problem::new(&q2.view(), &k2.view(), &v2.view(), &ForwardOptions::default()).unwrap();
+            let mut o2 = Tensor::zeros(DType::F32, [1, sq, 1, d]).unwrap();
+            let (q2v, k2v, v2v) = (q2.view(), k2.view(), v2.view());
+            forward_with_into(&p2, &q2v, &k2v, &v2v, Native, 1, o2.data_mut().as_data_mut(), isa).unwrap();
+            let r = attention_f64(&p2, &q2v, &k2v, &v2v).unwrap();
+            let o2: Vec<f64> = o2.to_f32_vec().iter().map(|&x| x as f64).collect();
+            assert!(o2.iter().all(|x| x.is_finite()), "{isa:?}");
+            assert!(max_abs_diff(&o2, &r.o) < 2e-6, "{isa:?}");
         }
     }
 
