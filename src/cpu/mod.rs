@@ -644,7 +644,51 @@ fn forward_with_into<M: Exp2Math>(
 
     let kv_heads: Vec<(usize, usize)> =
         (0..p.batch).flat_map(|b| (0..p.heads_kv).map(move |hk| (b, hk))).collect();
-    for heads in kv_heads.chunks(chunk) {
+    // Enough kv heads to share out whole: one work item per (batch, kv head) packs that head's
+    // K/V (into the buffers the worker's previous item gave back) and runs all its query
+    // blocks at once, while the packed data is still in this core's cache. Otherwise (few kv
+    // heads: long sequences, or many threads) all heads are packed first and the items are
+    // (kv head, query head, query block), so that every worker has work.
+    let head_major = kv_heads.len() >= 2 * nthreads;
+    let failed: std::sync::Mutex<Option<Error>> = std::sync::Mutex::new(None);
+    let rows_per_kv = p.group() * p.seqlen_q;
+    let mut head_items: Vec<((usize, usize), &mut [f32], &mut [f32])> = if head_major {
+        let o_chunks = std::mem::take(&mut o_rest).chunks_mut(rows_per_kv * d);
+        let l_chunks = std::mem::take(&mut lse_rest).chunks_mut(rows_per_kv);
+        kv_heads.iter().copied().zip(o_chunks.zip(l_chunks)).map(|(bh, (o, l))| (bh, o, l)).collect()
+    } else {
+        Vec::new()
+    };
+    parallel::for_each(
+        &mut head_items,
+        nthreads,
+        || Scratch::new(d),
+        |scr, ((b, hk), o, l)| {
+            let kv = match pack_kv(p, &sz, k, v, *b, *hk) {
+                Ok(kv) => kv,
+                Err(e) => {
+                    failed.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e);
+                    return;
+                }
+            };
+            for gi in 0..p.group() {
+                let h = *hk * p.group() + gi;
+                for blk in 0..nblocks {
+                    let (i0, i1) = (blk * BR, ((blk + 1) * BR).min(p.seqlen_q));
+                    let r0 = gi * p.seqlen_q + i0;
+                    let out = (&mut o[r0 * d..(r0 + i1 - i0) * d], &mut l[r0..r0 + i1 - i0]);
+                    attend_any(p, q, &kv, (*b, h, i0, i1), sm, &math, scr, out, isa);
+                }
+            }
+            pool::give(kv.k);
+            pool::give(kv.v);
+        },
+    );
+    drop(head_items);
+    if let Some(e) = failed.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        return Err(e);
+    }
+    for heads in kv_heads.chunks(if head_major { usize::MAX } else { chunk }).filter(|_| !head_major) {
         // Pack this chunk's K/V in parallel.
         let packed: Vec<(usize, PackedKv)> = {
             let mut jobs: Vec<(usize, usize, Option<Result<PackedKv>>)> =
