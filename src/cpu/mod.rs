@@ -471,6 +471,9 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
     }
 }
 
+/// Head-major work item: (b, kv head), with the outputs and LSEs of all its query heads.
+type HeadItem<'o> = ((usize, usize), &'o mut [f32], &'o mut [f32]);
+
 /// Work item: (b, kv head, q head, row range), with its output slices.
 type Item<'o> = ((usize, usize, usize, usize, usize), &'o mut [f32], &'o mut [f32]);
 
@@ -652,7 +655,7 @@ fn forward_with_into<M: Exp2Math>(
     let head_major = kv_heads.len() >= 2 * nthreads;
     let failed: std::sync::Mutex<Option<Error>> = std::sync::Mutex::new(None);
     let rows_per_kv = p.group() * p.seqlen_q;
-    let mut head_items: Vec<((usize, usize), &mut [f32], &mut [f32])> = if head_major {
+    let mut head_items: Vec<HeadItem> = if head_major {
         let o_chunks = std::mem::take(&mut o_rest).chunks_mut(rows_per_kv * d);
         let l_chunks = std::mem::take(&mut lse_rest).chunks_mut(rows_per_kv);
         kv_heads.iter().copied().zip(o_chunks.zip(l_chunks)).map(|(bh, (o, l))| (bh, o, l)).collect()
