@@ -277,7 +277,7 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
             const float inv = empty ? 0.f : 1.f / l;
             const int srow = wrow + mt * 16 + hr * 8 + (lane >> 2);  // row inside the CTA tile
             if (write_lse && (lane & 3) == 0 && m0 + srow < seqlen_q)
-                gLse[m0 + srow] = empty ? -INFINITY : row_max[mt][hr] * to_natural + log2f(l) * kLn2;
+                gLse[m0 + srow] = empty ? -INFINITY : row_max[mt][hr] * to_natural + log2f(l) * FA_LN2;
 #pragma unroll
             for (int dt = 0; dt < kDTiles; ++dt) {
                 const int col = dt * 8 + acc_col(lane, 2 * hr);

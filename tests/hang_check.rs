@@ -112,6 +112,8 @@ mod nvcc {
             .args(args)
             .arg("-I")
             .arg(root().join("cuda/include"))
+            .arg("-I")
+            .arg(Path::new(env!("OUT_DIR")).join("include")) // the generated numerics constants
             .arg(input)
             .arg("-o")
             .arg(output)

@@ -98,6 +98,8 @@ fn build() -> PathBuf {
     let out = Command::new(&nvcc)
         .args(["-x", "c++", "-std=c++17", "-O2", "-cudart", "none", "-Xcompiler", "-ffp-contract=off", "-I"])
         .arg(repo().join("cuda/include"))
+        .arg("-I")
+        .arg(Path::new(env!("OUT_DIR")).join("include")) // the generated numerics constants
         .arg("-o")
         .arg(&exe)
         .arg(&src)
@@ -287,6 +289,8 @@ fn cuda_headers_compile_for_every_target() {
         let out = Command::new(&nvcc)
             .args(["-std=c++17", "-cubin", &format!("-gencode=arch=compute_{arch},code=sm_{arch}"), "-I"])
             .arg(repo().join("cuda/include"))
+            .arg("-I")
+            .arg(Path::new(env!("OUT_DIR")).join("include"))
             .arg("-o")
             .arg(&cubin)
             .arg(&src)

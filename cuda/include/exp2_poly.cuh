@@ -1,5 +1,6 @@
-// Software exp2 (FlashAttention-4's emulation on the FMA units). The same constants and steps
-// as src/numerics/exp2.rs; tests/numerics_cuda_parity.rs checks that the two agree bit for bit.
+// Software exp2 (FlashAttention-4's emulation on the FMA units). The same steps as
+// src/numerics/exp2.rs, with its constants (clamp, coefficients) from the header build.rs
+// generates from it; tests/numerics_cuda_parity.rs checks that the two agree bit for bit.
 //
 // 2^x = 2^floor(x) * 2^f, f = x - floor(x) in [0, 1):
 // 1. clamp x below at -127 (NaN passes through: the comparison is false);
@@ -7,48 +8,25 @@
 //    low mantissa bits, read back as an integer; on the host floorf (the same value);
 // 3. 2^f by a minimax polynomial in Horner form with explicit FMAs (Rust uses mul_add);
 // 4. floor(x) << 23 added to the bits of 2^f (a multiply by 2^floor(x) through the exponent).
-//
-// Coefficients: FlashAttention-4, flash_attn/cute/utils.py POLY_EX2, from Sollya
-// fpminimax(exp(x * log(2.0)), d, [|1,24...|], [0;1], relative), constant term fixed to 1.
 #pragma once
 
 #include <math.h>
 #include "fa_numerics_common.cuh"
 
-#define FA_EXP2_CLAMP_LOW (-127.0f)
 // 2^23 + 2^22: in [2^23, 2^24) the f32 spacing is 1, so a round-down add keeps floor(x).
 #define FA_EXP2_ROUND_MAGIC 12582912.0f
 
-template <int D> FA_HD float fa_exp2_frac(float f);
-
-template <> FA_HD float fa_exp2_frac<2>(float f) {
-    float acc = 0.330107033252716064453125f;
-    acc = fmaf(acc, f, 0.6657850742340087890625f);
-    return fmaf(acc, f, 1.0f);
-}
-
-template <> FA_HD float fa_exp2_frac<3>(float f) {
-    float acc = 0.077119089663028717041015625f;
-    acc = fmaf(acc, f, 0.227564394474029541015625f);
-    acc = fmaf(acc, f, 0.695146143436431884765625f);
-    return fmaf(acc, f, 1.0f);
-}
-
-template <> FA_HD float fa_exp2_frac<4>(float f) {
-    float acc = 1.3434938155114650726318359375e-2f;
-    acc = fmaf(acc, f, 5.2225358784198760986328125e-2f);
-    acc = fmaf(acc, f, 0.2412912547588348388671875f);
-    acc = fmaf(acc, f, 0.693042695522308349609375f);
-    return fmaf(acc, f, 1.0f);
-}
-
-template <> FA_HD float fa_exp2_frac<5>(float f) {
-    float acc = 1.86810153536498546600341796875e-3f;
-    acc = fmaf(acc, f, 9.01452265679836273193359375e-3f);
-    acc = fmaf(acc, f, 5.5802188813686370849609375e-2f);
-    acc = fmaf(acc, f, 0.24016360938549041748046875f);
-    acc = fmaf(acc, f, 0.693151414394378662109375f);
-    return fmaf(acc, f, 1.0f);
+// 2^f on [0, 1) by the degree-D polynomial of the generated FA_EXP2_POLY_COEFFS_<D> (Horner, explicit
+// FMAs, highest coefficient first, as poly_frac in Rust).
+template <int D> FA_HD float fa_exp2_frac(float f) {
+    static_assert(D >= 2 && D <= FA_EXP2_POLY_MAX_DEGREE, "exp2 polynomial degree: 2..5");
+    const float c2[] = {FA_EXP2_POLY_COEFFS_2}, c3[] = {FA_EXP2_POLY_COEFFS_3};
+    const float c4[] = {FA_EXP2_POLY_COEFFS_4}, c5[] = {FA_EXP2_POLY_COEFFS_5};
+    const float* c = D == 2 ? c2 : D == 3 ? c3 : D == 4 ? c4 : c5;
+    float acc = c[D];
+#pragma unroll
+    for (int i = D - 1; i >= 0; --i) acc = fmaf(acc, f, c[i]);
+    return acc;
 }
 
 // Software exp2 with a degree-D polynomial (D in 2..5).

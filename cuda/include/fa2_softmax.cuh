@@ -19,12 +19,12 @@
 #include <stdint.h>
 
 #include "fa2_layout.h"
+#include "fa_numerics_common.cuh"  // FA_LN2: log2 of the sum -> natural units (LSE)
 #include "fa_params.h"
 #include "mask.cuh"
 
 namespace fa2 {
 
-constexpr float kLn2 = 0.6931471805599453f;  // ln(2): log2 of the sum -> natural units (LSE)
 
 // The score transform reads its constants straight from the __grid_constant__ params (constant
 // bank operands in SASS, no registers: the hot loop of hdim 128 is at the 255-register limit).

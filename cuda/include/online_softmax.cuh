@@ -8,8 +8,8 @@
 #include "exp2_poly.cuh"
 #include "fp8.cuh"
 
-// Largest lazy threshold accepted (src/numerics/mod.rs LAZY_THRESHOLD_MAX).
-#define FA_LAZY_THRESHOLD_MAX 64.0f
+// FA_LAZY_THRESHOLD_MAX, the largest lazy threshold accepted, is generated from
+// src/numerics/mod.rs LAZY_THRESHOLD_MAX (fa_numerics_constants.h).
 
 // Whether a tile may keep the stale running max: growth = (tile_max - m) * c, the growth of the
 // max in log2 units, is at most tau.

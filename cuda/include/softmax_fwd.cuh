@@ -12,10 +12,7 @@
 #pragma once
 #include <math.h>
 
-// log2(e): natural-unit differences times it are log2-unit differences (src/problem.rs LOG2E).
-#define FA_LOG2E 1.44269504088896340736f
-// ln(2): turns log2 of the sum back into natural log for the LSE.
-#define FA_LN2 0.693147180559945309417f
+#include "fa_numerics_common.cuh"  // FA_LN2: log2 of the sum -> natural log for the LSE
 
 // New running max `m_new` from the old max and this tile's row max, and the factor
 // exp2((m_old - m_ref) * c) the old sum and output are multiplied by. `m_ref` is what exponents
