@@ -35,8 +35,9 @@ __device__ const char* hang_barrier_name(unsigned int offset, int* slot);
 
 #include "fa_params.h"
 #include "fa3_traits.cuh"
-#include "fast_math_sm90.cuh"
+#include "mask.cuh"
 #include "mbarrier_sm90.cuh"
+#include "softmax.cuh"
 #include "tma_sm90.cuh"
 #include "wgmma_sm90.cuh"
 
@@ -44,24 +45,30 @@ namespace fa3 {
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-// Per-warpgroup online-softmax state and output accumulator: this thread's two rows
-// (16w + g and 16w + g + 8 of the warpgroup's 64) and its D/2 accumulator columns.
-template <int D>
-struct Acc {
-    float o[D / 2];
-    float row_max[2];  // running max of raw (unscaled) scores, -inf before any visible key
-    float row_sum[2];  // this thread's partial sum of exp2(...) (reduced over 4 lanes at the end)
+// A thread's part of the wgmma accumulators S[64 x BN] and O[64 x D] of its warpgroup (see
+// wgmma_sm90.cuh "Fragments") as rows and columns, the fragment layout of the shared softmax and
+// mask (softmax.cuh): rows 16w + g and 16w + g + 8; element j of a row is column j % 2 of the
+// thread's pair in 8-column chunk j / 2.
+template <int BN, int D>
+struct AccFrag {
+    static constexpr int kRows = 2, kSCols = BN / 4, kOCols = D / 4, kLanes = 4;
+    int row0;  // 16w + g; the thread's second row is row0 + 8
+    int col0;  // 2t: the thread's columns in chunk c are 8c + col0 + {0, 1}
+    __device__ __forceinline__ explicit AccFrag(int thread_in_wg)
+        : row0(16 * (thread_in_wg / 32) + thread_in_wg % 32 / 4), col0(2 * (thread_in_wg % 4)) {}
+    __device__ __forceinline__ static float& s(float (&a)[BN / 2], int r, int j) { return a[acc_index(j / 2, r, j % 2)]; }
+    __device__ __forceinline__ static float& o(float (&a)[D / 2], int r, int j) { return a[acc_index(j / 2, r, j % 2)]; }
+    __device__ __forceinline__ int row(int r) const { return row0 + 8 * r; }
+    __device__ __forceinline__ int col(int j) const { return 8 * (j / 2) + col0 + j % 2; }
 };
 
-// Fragment coordinates of this thread inside its warpgroup (see wgmma_sm90.cuh "Fragments").
-struct FragPos {
-    int row0;  // 16w + g; the thread's second row is row0 + 8
-    int col0;  // 2t: the thread's columns in chunk j are 8j + col0 + {0, 1}
+// Per-warpgroup output accumulator and online-softmax state (this thread's two rows).
+template <class Tr>
+struct Acc {
+    using Frag = AccFrag<Tr::kBlockN, Tr::kHeadDim>;
+    float o[Tr::kHeadDim / 2];
+    FaOnlineSoftmax<Frag> softmax;
 };
-__device__ __forceinline__ FragPos frag_pos(int thread_in_wg) {
-    const int warp = thread_in_wg / 32, lane = thread_in_wg % 32;
-    return FragPos{16 * warp + lane / 4, 2 * (lane % 4)};
-}
 
 // ---- The two GEMMs, split into "issue" (asynchronous) and "wait" so stage 4 can overlap them.
 
@@ -123,83 +130,23 @@ __device__ __forceinline__ void gemm_pv(float (&o)[Tr::kHeadDim / 2],
     fence_regs(o);
 }
 
-// ---- Softmax verbs (names mirror src/cpu/softmax.rs: mask, online_softmax, rescale_o).
+// ---- Scores -> P: the shared score transform, mask and online softmax (softmax.cuh, mask.cuh).
 
 // Optional softcap (natural units), then -inf for keys past seqlen_k (zero-filled loads) and
-// outside the window (the 64-bit rule of mask.cuh). m_first: global query row of the
-// warpgroup's row 0; n_tile: the K/V tile index.
+// outside the window; then the online softmax: S becomes P in place and corr receives the factor
+// for O (not applied: stage 4 rescales O only after the PV product in flight has retired).
+// m_first: global query row of the warpgroup's row 0; n_tile: the K/V tile index.
 template <class Tr>
-__device__ __forceinline__ void softcap_and_mask(const FwdParams& p, float (&s)[Tr::kBlockN / 2],
-                                                 const FragPos& fp, int m_first, int n_tile) {
-    if (p.flags & FA_FLAG_SOFTCAP) {  // s = cap * tanh((scale * s) / cap); exp2 then uses log2(e)
-        // Scale first, then 1 / cap (finite: the host refuses subnormal caps), as a straightforward
-        // softmax computes it: scale / cap folded into one factor overflows to inf (inf * 0 = NaN).
-        const float inv_cap = 1.f / p.softcap;
-#pragma unroll
-        for (int i = 0; i < Tr::kBlockN / 2; ++i) s[i] = p.softcap * fast_tanh((s[i] * p.softmax_scale) * inv_cap);
-    }
+__device__ __forceinline__ void scores_to_p(const FwdParams& p, Acc<Tr>& acc, float (&s)[Tr::kBlockN / 2],
+                                            const typename Acc<Tr>::Frag& frag, int m_first, int n_tile,
+                                            float (&corr)[2]) {
     const int n0 = n_tile * Tr::kBlockN;
+    // No ALiBi in FA3 (the host does not route it here); tanh.approx as FlashAttention's softcap.
+    if (p.flags & FA_FLAG_SOFTCAP) fa_scores_to_natural<false, true>(s, frag, p, 0.f, m_first, n0);
     // Warpgroup-uniform: skip the element tests on tiles where nothing can be masked.
-    if (Tr::kSkipUnmaskedTiles && !block_needs_mask(p, m_first, kMmaM, n0, Tr::kBlockN)) return;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int i = m_first + fp.row0 + 8 * h;
-        const int lo = fa_key_lo(p, i), hi = fa_key_hi(p, i);  // visible keys [lo, hi)
-#pragma unroll
-        for (int c = 0; c < Tr::kBlockN / 8; ++c) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int j = n0 + 8 * c + fp.col0 + e;
-                if (j < lo || j >= hi) s[acc_index(c, h, e)] = -INFINITY;
-            }
-        }
-    }
-}
-
-// Row max update (score units: raw q.k, or natural units with softcap), s -> exp2((s - max) *
-// scale_log2) in place, row sums; returns in corr[h] the factor the output accumulated so far
-// must be multiplied by. Does not touch O. Exponents come from differences only (never
-// max * scale_log2 on its own: rounded next to an FMA's exact product it was off by up to ±128
-// in the exponent once |max * scale_log2| >= 2^31); see softmax_fwd.cuh.
-template <class Tr>
-__device__ __forceinline__ void online_softmax(Acc<Tr::kHeadDim>& acc, float (&s)[Tr::kBlockN / 2],
-                                               float scale_log2, float (&corr)[2]) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        float mx = acc.row_max[h];
-#pragma unroll
-        for (int c = 0; c < Tr::kBlockN / 8; ++c)
-            mx = fmaxf(mx, fmaxf(s[acc_index(c, h, 0)], s[acc_index(c, h, 1)]));
-        // 4 lanes (lane bits 0 and 1) share a row.
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        // -inf guard: with nothing visible yet subtract 0 so exp2 gives 0, not NaN.
-        const float m_use = mx == -INFINITY ? 0.f : mx;
-        corr[h] = fast_exp2((acc.row_max[h] - m_use) * scale_log2);  // old max -inf: 0
-        acc.row_max[h] = mx;
-        float sum = 0.f;
-#pragma unroll
-        for (int c = 0; c < Tr::kBlockN / 8; ++c) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                float& x = s[acc_index(c, h, e)];
-                x = fast_exp2((x - m_use) * scale_log2);
-                sum += x;
-            }
-        }
-        acc.row_sum[h] = acc.row_sum[h] * corr[h] + sum;
-    }
-}
-
-template <class Tr>
-__device__ __forceinline__ void rescale_o(Acc<Tr::kHeadDim>& acc, const float (&corr)[2]) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int c = 0; c < Tr::kHeadDim / 8; ++c) {
-            acc.o[acc_index(c, h, 0)] *= corr[h];
-            acc.o[acc_index(c, h, 1)] *= corr[h];
-        }
+    if (!Tr::kSkipUnmaskedTiles || block_needs_mask(p, m_first, kMmaM, n0, Tr::kBlockN))
+        fa_mask_fragment(s, frag, p, m_first, n0);
+    acc.softmax.update(s, p.softmax_scale_log2, corr);
 }
 
 // P (exponentiated S, fp32 accumulator layout) -> 16-bit A fragments, no data movement
@@ -217,63 +164,46 @@ __device__ __forceinline__ void pack_p(const float (&s)[Tr::kBlockN / 2],
 // One K/V tile, sequentially (stages 1-3): S is already computed; mask, softmax, rescale O,
 // O += P V and wait.
 template <class Tr, class T>
-__device__ __forceinline__ void consume_tile(const FwdParams& p, Acc<Tr::kHeadDim>& acc,
-                                             float (&s)[Tr::kBlockN / 2], const FragPos& fp,
-                                             int m_first, int n_tile, uint32_t v_addr) {
-    softcap_and_mask<Tr>(p, s, fp, m_first, n_tile);
+__device__ __forceinline__ void consume_tile(const FwdParams& p, Acc<Tr>& acc, float (&s)[Tr::kBlockN / 2],
+                                             const typename Acc<Tr>::Frag& frag, int m_first, int n_tile,
+                                             uint32_t v_addr) {
     float corr[2];
-    online_softmax<Tr>(acc, s, p.softmax_scale_log2, corr);
-    rescale_o<Tr>(acc, corr);
+    scores_to_p<Tr>(p, acc, s, frag, m_first, n_tile, corr);
+    acc.softmax.rescale(acc.o, corr);
     uint32_t a[Tr::kBlockN / kMmaK][4];
     pack_p<Tr, T>(s, a);
     gemm_pv<Tr, T>(acc.o, a, v_addr);
 }
 
-template <int D>
-__device__ __forceinline__ void acc_init(Acc<D>& acc) {
+template <class Tr>
+__device__ __forceinline__ void acc_init(Acc<Tr>& acc) {
 #pragma unroll
-    for (int i = 0; i < D / 2; ++i) acc.o[i] = 0.f;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        acc.row_max[h] = -INFINITY;
-        acc.row_sum[h] = 0.f;
-    }
+    for (int i = 0; i < Tr::kHeadDim / 2; ++i) acc.o[i] = 0.f;
+    acc.softmax.init();
 }
 
 // Normalise and write this thread's part of O (and LSE) straight from registers.
 template <class Tr, class T>
-__device__ __forceinline__ void write_output(const FwdParams& p, Acc<Tr::kHeadDim>& acc,
-                                             const FragPos& fp, int m_first, int batch,
-                                             int head) {
-    const bool softcap = (p.flags & FA_FLAG_SOFTCAP) != 0;
-    // Natural-log scale of the max: scores were multiplied by scale_log2 = scale * log2(e)
-    // (softcap: log2(e) after the cap, i.e. natural scale 1).
-    const float max_scale = softcap ? 1.f : p.softmax_scale;
+__device__ __forceinline__ void write_output(const FwdParams& p, Acc<Tr>& acc, const typename Acc<Tr>::Frag& frag,
+                                             int m_first, int batch, int head) {
+    using Frag = typename Acc<Tr>::Frag;
+    const float u = fa_to_natural(p);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        float l = acc.row_sum[h];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        // No visible key: l = 0, O written as exactly 0 (not O * 0: NaN if a masked key's
-        // infinite V reached O) and LSE -inf. A NaN l (a NaN score the row sees) stays NaN.
-        const bool empty = l == 0.f;
-        const float inv = empty ? 0.f : 1.f / l;
-        const int i = m_first + fp.row0 + 8 * h;
+    for (int r = 0; r < Frag::kRows; ++r) {
+        const FaRowEnd end = acc.softmax.finalize(r, u);  // every lane of the row takes part
+        const int i = m_first + frag.row(r);
         if (i >= p.seqlen_q) continue;
         T* orow = reinterpret_cast<T*>(p.o) + batch * p.o_batch_stride + i * p.o_row_stride +
                   head * p.o_head_stride;
 #pragma unroll
-        for (int c = 0; c < Tr::kHeadDim / 8; ++c) {
-            const float o0 = empty ? 0.f : acc.o[acc_index(c, h, 0)] * inv;
-            const float o1 = empty ? 0.f : acc.o[acc_index(c, h, 1)] * inv;
-            *reinterpret_cast<uint32_t*>(orow + 8 * c + fp.col0) = pack2<T>(o0, o1);
+        for (int j = 0; j < Frag::kOCols; j += 2) {
+            const float o0 = end.empty ? 0.f : Frag::o(acc.o, r, j) * end.inv_l;
+            const float o1 = end.empty ? 0.f : Frag::o(acc.o, r, j + 1) * end.inv_l;
+            *reinterpret_cast<uint32_t*>(orow + frag.col(j)) = pack2<T>(o0, o1);
         }
-        if ((p.flags & FA_FLAG_RETURN_LSE) && fp.col0 == 0) {
-            const float lse = empty ? -INFINITY : acc.row_max[h] * max_scale + logf(l);
-            reinterpret_cast<float*>(p.lse)[(static_cast<int64_t>(batch) * p.heads_q + head) *
-                                                p.seqlen_q +
-                                            i] = lse;
-        }
+        if ((p.flags & FA_FLAG_RETURN_LSE) && frag.col0 == 0)
+            reinterpret_cast<float*>(p.lse)[(static_cast<int64_t>(batch) * p.heads_q + head) * p.seqlen_q + i] =
+                end.lse;
     }
 }
 
@@ -359,8 +289,8 @@ __device__ __forceinline__ void stage1(const FwdParams& p) {
 
     load_tile_sw128<Tr::kBlockM, D>(sq, q, p.q_row_stride, p.seqlen_q - m0, tid, Tr::kThreads);
 
-    const FragPos fp = frag_pos(tid);
-    Acc<D> acc;
+    const typename Acc<Tr>::Frag frag(tid);
+    Acc<Tr> acc;
     acc_init(acc);
     float s[Tr::kBlockN / 2];
 #pragma unroll
@@ -376,9 +306,9 @@ __device__ __forceinline__ void stage1(const FwdParams& p) {
         fence_proxy_async_smem();  // generic-proxy stores -> visible to wgmma (async proxy)
         __syncthreads();
         gemm_qk<Tr, T>(s, smem_u32(sq), smem_u32(sk));
-        consume_tile<Tr, T>(p, acc, s, fp, m0, n, smem_u32(sv));
+        consume_tile<Tr, T>(p, acc, s, frag, m0, n, smem_u32(sv));
     }
-    write_output<Tr, T>(p, acc, fp, m0, bc.batch, bc.head);
+    write_output<Tr, T>(p, acc, frag, m0, bc.batch, bc.head);
 }
 
 // ---------------------------------------------------------------- TMA issue (stages 2-5)
@@ -476,8 +406,8 @@ __device__ __forceinline__ void stage2(const FwdParams& p, const TmaDesc* tq, co
                          bc.batch);
     }
 
-    const FragPos fp = frag_pos(tid);
-    Acc<D> acc;
+    const typename Acc<Tr>::Frag frag(tid);
+    Acc<Tr> acc;
     acc_init(acc);
     float s[Tr::kBlockN / 2];
 #pragma unroll
@@ -488,7 +418,7 @@ __device__ __forceinline__ void stage2(const FwdParams& p, const TmaDesc* tq, co
         const int slot = it % Tr::kKvStages;
         consumer_wait(&bars.kv_full[slot], (it / Tr::kKvStages) & 1);
         gemm_qk<Tr, T>(s, smem_u32(sq), smem_u32(sk + slot * Tr::kKvTileBytes));
-        consume_tile<Tr, T>(p, acc, s, fp, m0, kv.n_begin + it,
+        consume_tile<Tr, T>(p, acc, s, frag, m0, kv.n_begin + it,
                             smem_u32(sv + slot * Tr::kKvTileBytes));
         // Both wgmma groups reading this slot were waited on by every thread; after the CTA
         // barrier the slot may be refilled (async proxy writes after async proxy reads).
@@ -497,7 +427,7 @@ __device__ __forceinline__ void stage2(const FwdParams& p, const TmaDesc* tq, co
             issue_kv<Tr>(tk, tv, sk, sv, &bars.kv_full[slot], slot,
                          kv.n_begin + it + Tr::kKvStages, bc.kv_head, bc.batch);
     }
-    write_output<Tr, T>(p, acc, fp, m0, bc.batch, bc.head);
+    write_output<Tr, T>(p, acc, frag, m0, bc.batch, bc.head);
 }
 
 // ---------------------------------------------------------------- stage 3: + warp specialisation
@@ -552,8 +482,8 @@ __device__ __forceinline__ void stage3(const FwdParams& p, const TmaDesc* tq, co
         const int cw = warpgroup - Tr::kProducerWarpgroups;  // consumer index: query rows 64cw..
         const int m_first = m0 + cw * kMmaM;
         const uint32_t q_addr = smem_u32(sq) + Tr::q_warpgroup_offset(cw);
-        const FragPos fp = frag_pos(tid % kWarpgroupThreads);
-        Acc<D> acc;
+        const typename Acc<Tr>::Frag frag(tid % kWarpgroupThreads);
+        Acc<Tr> acc;
         acc_init(acc);
         float s[Tr::kBlockN / 2];
 #pragma unroll
@@ -564,11 +494,11 @@ __device__ __forceinline__ void stage3(const FwdParams& p, const TmaDesc* tq, co
             const int slot = it % Tr::kKvStages;
             consumer_wait(&bars.kv_full[slot], (it / Tr::kKvStages) & 1);
             gemm_qk<Tr, T>(s, q_addr, smem_u32(sk + slot * Tr::kKvTileBytes));
-            consume_tile<Tr, T>(p, acc, s, fp, m_first, kv.n_begin + it,
+            consume_tile<Tr, T>(p, acc, s, frag, m_first, kv.n_begin + it,
                                 smem_u32(sv + slot * Tr::kKvTileBytes));
             mbar_arrive(&bars.kv_empty[slot]);  // this thread's wgmma reads of the slot are done
         }
-        write_output<Tr, T>(p, acc, fp, m_first, bc.batch, bc.head);
+        write_output<Tr, T>(p, acc, frag, m_first, bc.batch, bc.head);
     }
 }
 
@@ -722,12 +652,11 @@ __device__ __forceinline__ void consume_tile_overlapped(const FwdParams& p, uint
     constexpr int S = Tr::kKvStages;
     const int n_tiles = kv.n_end - kv.n_begin;
     const int m_first = bc.m_block * Tr::kBlockM + cw * kMmaM;
-    const FragPos fp = frag_pos(threadIdx.x % kWarpgroupThreads);
-    Acc<Tr::kHeadDim> acc;
+    const typename Acc<Tr>::Frag frag(threadIdx.x % kWarpgroupThreads);
+    Acc<Tr> acc;
     acc_init(acc);
     if (n_tiles > 0) {
         const uint32_t q_addr = smem_u32(sq) + Tr::q_warpgroup_offset(cw);
-        const float scale_log2 = p.softmax_scale_log2;
         const int it0 = pos.kv_it;  // ring position of K/V tile 0 of this query tile
         auto k_addr = [&](int j) { return smem_u32(sk + ((it0 + j) % S) * Tr::kKvTileBytes); };
         auto v_addr = [&](int j) { return smem_u32(sv + ((it0 + j) % S) * Tr::kKvTileBytes); };
@@ -748,8 +677,7 @@ __device__ __forceinline__ void consume_tile_overlapped(const FwdParams& p, uint
         fence_regs(s);
         mbar_arrive(&bars.k_empty[slot(0)]);
         if (n_tiles == 1) mbar_arrive(bars.q_empty);  // last read of Q has retired
-        softcap_and_mask<Tr>(p, s, fp, m_first, kv.n_begin);
-        online_softmax<Tr>(acc, s, scale_log2, corr);  // O is still 0: no rescale needed
+        scores_to_p<Tr>(p, acc, s, frag, m_first, kv.n_begin, corr);  // O is still 0: no rescale needed
         pack_p<Tr, T>(s, a);
 
         for (int j = 1; j < n_tiles; ++j) {
@@ -763,12 +691,11 @@ __device__ __forceinline__ void consume_tile_overlapped(const FwdParams& p, uint
             fence_regs(s);
             mbar_arrive(&bars.k_empty[slot(j)]);
             if (j == n_tiles - 1) mbar_arrive(bars.q_empty);
-            softcap_and_mask<Tr>(p, s, fp, m_first, kv.n_begin + j);
-            online_softmax<Tr>(acc, s, scale_log2, corr);  // overlaps PV_j-1; O untouched
+            scores_to_p<Tr>(p, acc, s, frag, m_first, kv.n_begin + j, corr);  // overlaps PV_j-1; O untouched
             wgmma_wait<0>();
             fence_regs(acc.o);
             mbar_arrive(&bars.v_empty[slot(j - 1)]);
-            rescale_o<Tr>(acc, corr);  // O now refers to the new row max
+            acc.softmax.rescale(acc.o, corr);  // O now refers to the new row max
             pack_p<Tr, T>(s, a);       // a is free: PV_j-1 has retired
         }
 
@@ -785,7 +712,7 @@ __device__ __forceinline__ void consume_tile_overlapped(const FwdParams& p, uint
         pos.kv_it += n_tiles;
         ++pos.q_use;
     }
-    write_output<Tr, T>(p, acc, fp, m_first, bc.batch, bc.head);
+    write_output<Tr, T>(p, acc, frag, m_first, bc.batch, bc.head);
 }
 
 // Stage 4: one query tile per CTA (grid as in stages 1-3), overlapped ping-pong mainloop.

@@ -29,7 +29,7 @@ const PROGRAM: &str = r#"
 #include "exp2_poly.cuh"
 #include "fp8.cuh"
 #include "hadamard.cuh"
-#include "online_softmax.cuh"
+#include "softmax.cuh"
 
 static float rd() { unsigned u; if (scanf("%x", &u) != 1) return 0; return fa_u2f(u); }
 int main() {
@@ -261,7 +261,7 @@ const KERNEL: &str = r#"
 #include "exp2_poly.cuh"
 #include "fp8.cuh"
 #include "hadamard.cuh"
-#include "online_softmax.cuh"
+#include "softmax.cuh"
 extern "C" __global__ void numerics_probe(float* x, unsigned char* c, int n, unsigned long long seed) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;

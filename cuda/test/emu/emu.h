@@ -1,7 +1,7 @@
 // Force-included (g++ -include) before a kernel source when the CPU emulator compiles it: maps
 // the CUDA language onto plain C++ and supplies host versions of exactly the inline-PTX
 // wrappers of the instruction headers (cuda/include/{mma_sm80,wgmma_sm90,mbarrier_sm90,
-// tma_sm90,fast_math_sm90}.cuh, launch.cuh, hang_check.cuh's clock), which those headers compile out under
+// tma_sm90,fast_math}.cuh, launch.cuh, hang_check.cuh's clock), which those headers compile out under
 // FA_HOST_EMULATION. tests/emulator.rs checks that the two lists of wrappers are the same.
 // The headers' other code (descriptor builders, layouts, mbar_wait, pack2, ...) is used as is.
 //
@@ -120,16 +120,13 @@ template <typename Elem>
 inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     ::emu::mma_m16n8k16(d, a, b0, b1, emu_detail::elem_of<Elem>());
 }
-inline float ex2(float x) { return ::emu::ex2_approx_ftz(x); }
 inline int cta_head() { return ::emu::ctaid(1); }
 inline int cta_batch() { return ::emu::ctaid(2); }
 }  // namespace fa2
 
-// ---- fast_math_sm90.cuh ----
-namespace fa3 {
-inline float fast_exp2(float x) { return ::emu::ex2_approx_ftz(x); }
-inline float fast_tanh(float x) { return ::emu::tanh_approx(x); }
-}  // namespace fa3
+// ---- fast_math.cuh ----
+inline float fa_ex2_approx(float x) { return ::emu::ex2_approx_ftz(x); }
+inline float fa_tanh_approx(float x) { return ::emu::tanh_approx(x); }
 
 // ---- mbarrier_sm90.cuh (smem_u32 is the header's own, through __cvta_generic_to_shared) ----
 namespace fa3 {

@@ -212,7 +212,7 @@ void check_v_lbo_wide(const IndexSmem& mem) {
     }
 }
 
-// The thread position the kernel (frag_pos in cuda/fa3_fwd_sm90.cu, device-only) and the header
+// The thread position the kernel (AccFrag in cuda/fa3_fwd_sm90.cu, device-only) and the header
 // comment give to accumulator index acc_index(j, h, e).
 co::RowCol our_c(int thread, int j, int h, int e) {
     const int w = thread / 32, lane = thread % 32;
