@@ -568,7 +568,7 @@ fn generated_header_matches_rust() {
         prog.push_str(&format!("out(\"{name}\", {name});\n"));
         want.push(format!("{name} {:08x}", v.to_bits()));
     }
-    prog.push_str(&format!("printf(\"degree %d\\n\", FA_EXP2_POLY_MAX_DEGREE);\n"));
+    prog.push_str("printf(\"degree %d\\n\", FA_EXP2_POLY_MAX_DEGREE);\n");
     want.push(format!("degree {}", POLY_EX2.len() - 1));
     for (d, row) in POLY_EX2.iter().enumerate() {
         prog.push_str(&format!("{{ const float c[] = {{FA_EXP2_POLY_COEFFS_{d}}}; for (unsigned i = 0; i < sizeof c / 4; ++i) out(\"poly{d}\", c[i]); }}\n"));
