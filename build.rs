@@ -186,7 +186,7 @@ fn main() {
     let gen_dir = out.join("gen");
     std::fs::create_dir_all(&gen_dir).unwrap();
     // Kernel headers, then the generated ones (the numerics constants).
-    let include_dirs = [root.join("cuda/include"), generated_include];
+    let include_dirs = [root.join("cuda"), generated_include];
     let env_flags: String = ["NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS"]
         .iter()
         .map(|v| format!("{v}={}\n", std::env::var(v).unwrap_or_default()))
@@ -365,7 +365,7 @@ fn files_under(dir: &Path) -> Vec<PathBuf> {
     out
 }
 
-/// FLASH_ATTN_HANG_CHECK=1: the opt-in hang-diagnosis build (cuda/include/hang_check.cuh,
+/// FLASH_ATTN_HANG_CHECK=1: the opt-in hang-diagnosis build (cuda/sm90/hang_check.cuh,
 /// docs/fa3.md "Hang check"): every generated unit defines FA_HANG_CHECK, so each mbarrier wait
 /// of the kernels reports block, warp, barrier and parity and traps instead of hanging. Unset,
 /// empty or "0": the normal build (the waits are the plain loops).

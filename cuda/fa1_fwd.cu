@@ -20,11 +20,11 @@
 // Compiled only through the unit build.rs generates from build/instances.rs, which defines
 // FA_HEAD_DIM, FA_BLOCK_M, FA_BLOCK_N, FA_THREADS and FA_SMEM_BYTES (the host's launch values).
 
-#include "dtype.cuh"
-#include "fa_params.h"
-#include "launch.cuh"
-#include "mask.cuh"
-#include "softmax.cuh"
+#include "common/dtype.cuh"
+#include "common/params.h"
+#include "sm80/launch.cuh"
+#include "common/mask.cuh"
+#include "common/softmax.cuh"
 
 #ifndef FA_HEAD_DIM
 #error "compile through the unit build.rs generates from build/instances.rs"
@@ -180,7 +180,8 @@ __device__ __forceinline__ void forward(const FwdParams& p) {
 
         // Scores in score units, masked to -inf, then P = exp2((s - m) * c) in place.
         if (fa_natural_scores(p)) fa_scores_to_natural<true, false>(s, frag, p, slope, m0, n0);
-        if (fa_tile_needs_mask(p, m0, row_end - 1, n0, (long long)n0 + kBlockN - 1)) fa_mask_fragment(s, frag, p, m0, n0);
+        if (fa_tile_needs_mask(p, m0, row_end - 1, n0, (long long)n0 + kBlockN - 1))
+            fa_mask_fragment(s, frag, p, m0, n0);
         float corr[kRowsPerThread];
         softmax.update(s, p.softmax_scale_log2, corr);
         softmax.rescale(acc, corr);

@@ -4,7 +4,7 @@
 // rows and never talks to the other warps except through shared-memory barriers. K/V tiles of
 // kBlockN keys stream through a two-stage shared-memory ring with cp.async (tile j-1 lands while
 // tile j is computed; one barrier per tile). S stays in registers, becomes P in place
-// (the accumulator fragment of Q K^T is the A fragment of P V, see fa2_layout.h), and O is
+// (the accumulator fragment of Q K^T is the A fragment of P V, see fa2/layout.h), and O is
 // normalised once at the end, staged through shared memory and written with 16-byte stores.
 //
 // Launch contract (the host mirrors fa2::Fa2Traits<D>, table in docs/fa2.md):
@@ -27,17 +27,15 @@
 // Build: the crate compiles it through the units build.rs generates from build/instances.rs (one
 // per head dim, FA_HEAD_DIM/FA_BLOCK_M/FA_BLOCK_N/FA_THREADS/FA_SMEM_BYTES defined, then
 // FA_INSTANCE(f16) and FA_INSTANCE(bf16)); the row is static_asserted against the traits below.
-// Standalone (no FA_HEAD_DIM) it instantiates every head dim, or only -DFA2_ONLY_HDIM=<D>:
-// scripts/check-fa2.sh builds it that way.
 #include <math.h>
 #include <stdint.h>
 
-#include "fa2_layout.h"
-#include "fa2_traits.cuh"
-#include "fa_params.h"
-#include "mask.cuh"
-#include "mma_sm80.cuh"
-#include "softmax.cuh"
+#include "fa2/layout.h"
+#include "fa2/traits.cuh"
+#include "common/params.h"
+#include "common/mask.cuh"
+#include "sm80/mma.cuh"
+#include "common/softmax.cuh"
 
 namespace fa2 {
 
@@ -199,7 +197,7 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
         softmax.update(acc_s, p.softmax_scale_log2, corr);
         softmax.rescale(acc_o, corr);
 
-        // ---- O += P V_j; P's A fragment comes straight from acc_s (fa2_layout.h) ----
+        // ---- O += P V_j; P's A fragment comes straight from acc_s (fa2/layout.h) ----
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
             uint32_t pa[kMTiles][4];
@@ -272,7 +270,9 @@ using elem_bf16 = __nv_bfloat16;
     }
 #define FA2_KERNEL_(HDIM, DT) FA2_KERNEL(HDIM, DT)  // expands FA_HEAD_DIM before pasting
 
-#ifdef FA_HEAD_DIM
+#ifndef FA_HEAD_DIM
+#error "compile through the unit build.rs generates from build/instances.rs"
+#else
 // The crate's build: build.rs generates one unit per head dim from build/instances.rs, with the
 // row's tile as macros, then writes FA_INSTANCE(f16) and FA_INSTANCE(bf16). The row must be
 // exactly what the traits compute, or the host would launch with the wrong shape.
@@ -283,27 +283,6 @@ static_assert(fa2::Fa2Traits<FA_HEAD_DIM>::kBlockM == FA_BLOCK_M &&
 static_assert(fa2::Fa2Traits<FA_HEAD_DIM>::kSmemBytes == FA_SMEM_BYTES,
               "build/instances.rs fa2_smem_bytes disagrees with fa2_traits.cuh");
 #define FA_INSTANCE(DT) FA2_KERNEL_(FA_HEAD_DIM, DT)
-#else
-// Standalone (scripts/check-fa2.sh): every head dim, or -DFA2_ONLY_HDIM=<D>.
-#define FA2_HDIM(HDIM) FA2_KERNEL(HDIM, f16) FA2_KERNEL(HDIM, bf16)
-#if !defined(FA2_ONLY_HDIM) || FA2_ONLY_HDIM == 32
-FA2_HDIM(32)
-#endif
-#if !defined(FA2_ONLY_HDIM) || FA2_ONLY_HDIM == 64
-FA2_HDIM(64)
-#endif
-#if !defined(FA2_ONLY_HDIM) || FA2_ONLY_HDIM == 96
-FA2_HDIM(96)
-#endif
-#if !defined(FA2_ONLY_HDIM) || FA2_ONLY_HDIM == 128
-FA2_HDIM(128)
-#endif
-#if !defined(FA2_ONLY_HDIM) || FA2_ONLY_HDIM == 192
-FA2_HDIM(192)
-#endif
-#if !defined(FA2_ONLY_HDIM) || FA2_ONLY_HDIM == 256
-FA2_HDIM(256)
-#endif
 #endif
 
 // The launch table of the header comment, checked against the traits.

@@ -77,7 +77,7 @@ fn includes(cuda_root: &Path) -> Vec<String> {
         "-isystem".into(),
         emu.join("include").display().to_string(),
         "-I".into(),
-        cuda_root.join("include").display().to_string(),
+        cuda_root.display().to_string(),
         "-I".into(),
         generated_include().display().to_string(),
         "-I".into(),

@@ -12,12 +12,12 @@
 // (Written for register pressure too: FA3 stages 4-5 at head_dim 256 sit at their 168-register
 // budget, and a fully 64-bit form spilled there.)
 //
-// Plain C++ apart from the qualifiers, so the host emulations and scripts/fa3-layout-sim.cpp
+// Plain C++ apart from the qualifiers, so the host emulations and cuda/test/fa3_layout_sim.cpp
 // compile it unchanged.
 #pragma once
 #include <math.h>
 
-#include "fa_params.h"
+#include "common/params.h"
 
 #define FA_MASK_FN __host__ __device__ __forceinline__ constexpr
 

@@ -11,7 +11,7 @@
 #pragma once
 
 #include <math.h>
-#include "fa_numerics_common.cuh"
+#include "common/numerics.cuh"
 
 // 2^23 + 2^22: in [2^23, 2^24) the f32 spacing is 1, so a round-down add keeps floor(x).
 #define FA_EXP2_ROUND_MAGIC 12582912.0f

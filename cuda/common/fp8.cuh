@@ -5,7 +5,7 @@
 #pragma once
 
 #include <cuda_fp8.h>
-#include "fa_numerics_common.cuh"
+#include "common/numerics.cuh"
 
 // FA_E4M3_MAX and FA_FP8_P_SCALE_LOG2 (P is multiplied by 2^that before its e4m3 cast, FA3's
 // Max_offset = 8) come from the generated fa_numerics_constants.h.

@@ -4,14 +4,13 @@
 // the shared ones of fast_math.cuh and softmax.cuh).
 // The CPU emulator (cuda/test/emu) implements the PTX wrappers on the host, from the PTX ISA text,
 // to run the unchanged kernel source on the CPU. Fragment layouts are documented (and host-tested)
-// in fa2_layout.h. All of these exist on sm_80 and every later architecture (sm_90a and sm_100a
+// in fa2/layout.h. All of these exist on sm_80 and every later architecture (sm_90a and sm_100a
 // keep mma.sync), so the same source compiles for every target of the crate.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
 
-#include "fa2_layout.h"
 
 namespace fa2 {
 
@@ -43,7 +42,7 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // ---- ldmatrix ------------------------------------------------------------------------------------
-// Four 8x8 b16 matrices; this lane supplies the row address `addr` (see fa2_layout.h for which).
+// Four 8x8 b16 matrices; this lane supplies the row address `addr` (see fa2/layout.h for which).
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])

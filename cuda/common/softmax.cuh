@@ -21,9 +21,9 @@
 #pragma once
 #include <math.h>
 
-#include "exp2_poly.cuh"
-#include "fa_numerics_common.cuh"
-#include "fa_params.h"
+#include "common/exp2_poly.cuh"
+#include "common/numerics.cuh"
+#include "common/params.h"
 
 // ---- scalar rules (host and device) -----------------------------------------------------------
 
@@ -76,7 +76,7 @@ FA_HD float fa_to_natural(const FwdParams& p) { return fa_natural_scores(p) ? 1.
 
 // ---- the score transform and the online softmax over a fragment (device) ----------------------
 #if defined(__CUDACC__) || defined(FA_HOST_EMULATION)
-#include "fast_math.cuh"
+#include "sm80/fast_math.cuh"
 
 // The ALiBi slope of a query head (0 without ALiBi).
 __device__ __forceinline__ float fa_alibi_slope(const FwdParams& p, int head) {

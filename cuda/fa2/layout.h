@@ -99,8 +99,12 @@ template <int kMTiles, int kNTiles, int kDTiles>
 struct AccFrag {
     static constexpr int kRows = 2 * kMTiles, kSCols = 2 * kNTiles, kOCols = 2 * kDTiles, kLanes = 4;
     int lane;
-    FA2_HD static float& s(float (&a)[kMTiles][kNTiles][4], int r, int j) { return a[r / 2][j / 2][2 * (r % 2) + j % 2]; }
-    FA2_HD static float& o(float (&a)[kMTiles][kDTiles][4], int r, int j) { return a[r / 2][j / 2][2 * (r % 2) + j % 2]; }
+    FA2_HD static float& s(float (&a)[kMTiles][kNTiles][4], int r, int j) {
+        return a[r / 2][j / 2][2 * (r % 2) + j % 2];
+    }
+    FA2_HD static float& o(float (&a)[kMTiles][kDTiles][4], int r, int j) {
+        return a[r / 2][j / 2][2 * (r % 2) + j % 2];
+    }
     FA2_HD int row(int r) const { return 16 * (r / 2) + acc_row(lane, 2 * (r % 2)); }
     FA2_HD int col(int j) const { return 8 * (j / 2) + acc_col(lane, j % 2); }
 };
