@@ -3,6 +3,7 @@
 // release), the consumer wait, the TMA issue of Q and K/V tiles, the ring positions carried
 // across tiles, the producer's walk of one query tile, and the ping-pong token of stages 4-5.
 #pragma once
+#include "fa3/preamble.cuh"
 #include "fa3/scheduler.cuh"
 #include "fa3/traits.cuh"
 #include "sm90/mbarrier.cuh"
@@ -86,6 +87,28 @@ struct Barriers {
         constexpr int S = Tr::kKvStages;
         *slot = i == 0 ? 0 : (i - 1) % S;
         return i == 0 ? "q_full" : i <= S ? "kv_full" : i <= 2 * S ? "kv_empty" : nullptr;
+    }
+};
+
+// Stages 2-3: the issuing thread's side of a CTA's one query tile, Q and K/V tile `it` of it
+// into ring slot it % S.
+template <class Tr>
+struct RingIssuer {
+    const TmaDesc* tq;
+    const TmaDesc* tk;
+    const TmaDesc* tv;
+    uint8_t* sq;
+    uint8_t* sk;
+    uint8_t* sv;
+    Barriers<Tr>& bars;
+    const OneTile<Tr>& tile;
+    __device__ __forceinline__ void start(int seqlen_q) const {
+        prefetch_maps(tq, tk, tv);
+        issue_q<Tr>(tq, sq, bars.q_full, tile.m0, seqlen_q, tile.bc.head, tile.bc.batch);
+    }
+    __device__ __forceinline__ void kv(int it) const {
+        const int slot = it % Tr::kKvStages;
+        issue_kv<Tr>(tk, tv, sk, sv, &bars.kv_full[slot], slot, tile.kv.n_begin + it, tile.bc.kv_head, tile.bc.batch);
     }
 };
 

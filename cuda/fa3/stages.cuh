@@ -59,31 +59,24 @@ __device__ __forceinline__ void stage2(const FwdParams& p, const TmaDesc* tq, co
     using Tr = Fa3Traits<2, D>;
     const Cta<Tr> cta;
     Barriers<Tr> bars(cta.smem);
-    const int tid = threadIdx.x;
     const OneTile<Tr> tile(p);
-    const bool issuer = tid == 0;
+    const RingIssuer<Tr> issue{tq, tk, tv, cta.sq, cta.sk, cta.sv, bars, tile};
+    const bool issuer = threadIdx.x == 0;
 
     if (issuer) bars.init(0);  // no kv_empty: the CTA barrier releases a slot
     __syncthreads();
     if (issuer && tile.n_tiles > 0) {
-        prefetch_maps(tq, tk, tv);
-        issue_q<Tr>(tq, cta.sq, bars.q_full, tile.m0, p.seqlen_q, tile.bc.head, tile.bc.batch);
-        for (int it = 0; it < min(tile.n_tiles, Tr::kKvStages); ++it)
-            issue_kv<Tr>(tk, tv, cta.sk, cta.sv, &bars.kv_full[it], it, tile.kv.n_begin + it, tile.bc.kv_head,
-                         tile.bc.batch);
+        issue.start(p.seqlen_q);
+        for (int it = 0; it < min(tile.n_tiles, Tr::kKvStages); ++it) issue.kv(it);
     }
-
-    const typename Acc<Tr>::Frag frag(tid);
+    const typename Acc<Tr>::Frag frag(threadIdx.x);
     Acc<Tr> acc;
     acc.init();
-    if (tile.n_tiles > 0) consumer_wait(bars.q_full, 0);
-    mainloop_ring<Tr, T>(p, cta, bars.kv_full, acc, frag, smem_u32(cta.sq), tile.m0, tile.kv, [&](int it, int slot) {
+    mainloop_ring<Tr, T>(p, cta, bars, acc, frag, smem_u32(cta.sq), tile.m0, tile.kv, [&](int it, int) {
         // Both wgmma groups reading this slot were waited on by every thread; after the CTA
         // barrier the slot may be refilled (async proxy writes after async proxy reads).
         __syncthreads();
-        if (issuer && it + Tr::kKvStages < tile.n_tiles)
-            issue_kv<Tr>(tk, tv, cta.sk, cta.sv, &bars.kv_full[slot], slot, tile.kv.n_begin + it + Tr::kKvStages,
-                         tile.bc.kv_head, tile.bc.batch);
+        if (issuer && it + Tr::kKvStages < tile.n_tiles) issue.kv(it + Tr::kKvStages);
     });
     write_output<Tr, T>(p, acc, frag, tile.m0, tile.bc.batch, tile.bc.head);
 }
@@ -97,24 +90,21 @@ __device__ __forceinline__ void stage3(const FwdParams& p, const TmaDesc* tq, co
     using Tr = Fa3Traits<3, D>;
     const Cta<Tr> cta;
     Barriers<Tr> bars(cta.smem);
-    const int tid = threadIdx.x;
-    const int warpgroup = tid / kWarpgroupThreads;
     const OneTile<Tr> tile(p);
+    const int warpgroup = threadIdx.x / kWarpgroupThreads;
 
-    if (tid == 0) bars.init(Tr::kConsumerThreads);
+    if (threadIdx.x == 0) bars.init(Tr::kConsumerThreads);
     __syncthreads();  // the last CTA-wide barrier: roles diverge below
-
     if (warpgroup < Tr::kProducerWarpgroups) {
         setmaxnreg_dec<Tr::kProducerRegs>();
-        if (tid == 0 && tile.n_tiles > 0) {
-            prefetch_maps(tq, tk, tv);
-            issue_q<Tr>(tq, cta.sq, bars.q_full, tile.m0, p.seqlen_q, tile.bc.head, tile.bc.batch);
+        if (threadIdx.x == 0 && tile.n_tiles > 0) {
+            const RingIssuer<Tr> issue{tq, tk, tv, cta.sq, cta.sk, cta.sv, bars, tile};
+            issue.start(p.seqlen_q);
             for (int it = 0; it < tile.n_tiles; ++it) {
-                const int slot = it % Tr::kKvStages;
-                // Use u = it / S of this slot needs use u - 1 released (its phase u - 1 done).
-                if (it >= Tr::kKvStages) mbar_wait(&bars.kv_empty[slot], ((it / Tr::kKvStages) - 1) & 1);
-                issue_kv<Tr>(tk, tv, cta.sk, cta.sv, &bars.kv_full[slot], slot, tile.kv.n_begin + it, tile.bc.kv_head,
-                             tile.bc.batch);
+                // Use u = it / S of a slot needs use u - 1 released (its phase u - 1 done).
+                if (it >= Tr::kKvStages)
+                    mbar_wait(&bars.kv_empty[it % Tr::kKvStages], ((it / Tr::kKvStages) - 1) & 1);
+                issue.kv(it);
             }
         }
         return;
@@ -122,12 +112,11 @@ __device__ __forceinline__ void stage3(const FwdParams& p, const TmaDesc* tq, co
     setmaxnreg_inc<Tr::kConsumerRegs>();
     const int cw = warpgroup - Tr::kProducerWarpgroups;  // consumer index: query rows 64cw..
     const int m_first = tile.m0 + cw * kMmaM;
-    const typename Acc<Tr>::Frag frag(tid % kWarpgroupThreads);
+    const typename Acc<Tr>::Frag frag(threadIdx.x % kWarpgroupThreads);
     Acc<Tr> acc;
     acc.init();
-    if (tile.n_tiles > 0) consumer_wait(bars.q_full, 0);
-    mainloop_ring<Tr, T>(p, cta, bars.kv_full, acc, frag, smem_u32(cta.sq) + Tr::q_warpgroup_offset(cw), m_first,
-                         tile.kv, [&](int, int slot) { mbar_arrive(&bars.kv_empty[slot]); });
+    mainloop_ring<Tr, T>(p, cta, bars, acc, frag, smem_u32(cta.sq) + Tr::q_warpgroup_offset(cw), m_first, tile.kv,
+                         [&](int, int slot) { mbar_arrive(&bars.kv_empty[slot]); });
     write_output<Tr, T>(p, acc, frag, m_first, tile.bc.batch, tile.bc.head);
 }
 
