@@ -33,6 +33,7 @@
 #include "fa2/layout.h"
 #include "fa2/traits.cuh"
 #include "common/params.h"
+#include "common/dtype.cuh"
 #include "common/mask.cuh"
 #include "sm80/mma.cuh"
 #include "common/softmax.cuh"
@@ -206,7 +207,7 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
 #pragma unroll
                 for (int r = 0; r < 4; ++r) {
                     const float* src = acc_s[mt][2 * kk + p_src_tile(r)];
-                    pa[mt][r] = M::pack(src[p_src_elem(r, 0)], src[p_src_elem(r, 1)]);
+                    pa[mt][r] = fa_pack2<Elem>(src[p_src_elem(r, 0)], src[p_src_elem(r, 1)]);
                 }
 #pragma unroll
             for (int dp = 0; dp < kDTiles / 2; ++dp) {
@@ -241,7 +242,7 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
         for (int j = 0; j < Frag::kOCols; j += 2) {
             const float o0 = end.empty ? 0.f : Frag::o(acc_o, r, j) * end.inv_l;
             const float o1 = end.empty ? 0.f : Frag::o(acc_o, r, j + 1) * end.inv_l;
-            *reinterpret_cast<uint32_t*>(sO + srow * kStride + frag.col(j)) = M::pack(o0, o1);
+            *reinterpret_cast<uint32_t*>(sO + srow * kStride + frag.col(j)) = fa_pack2<Elem>(o0, o1);
         }
     }
     __syncthreads();

@@ -1,6 +1,7 @@
 // The FA3 epilogue: O normalised by the softmax's row sums and written, with the LSE, straight
 // from the consumer's registers.
 #pragma once
+#include "common/dtype.cuh"
 #include "common/softmax.cuh"
 #include "fa3/mainloop.cuh"
 #include "sm90/wgmma.cuh"
@@ -26,7 +27,7 @@ __device__ __forceinline__ void write_output(const FwdParams& p, Acc<Tr>& acc, c
         for (int j = 0; j < Frag::kOCols; j += 2) {
             const float o0 = end.empty ? 0.f : Frag::o(acc.o, r, j) * end.inv_l;
             const float o1 = end.empty ? 0.f : Frag::o(acc.o, r, j + 1) * end.inv_l;
-            *reinterpret_cast<uint32_t*>(orow + frag.col(j)) = pack2<T>(o0, o1);
+            *reinterpret_cast<uint32_t*>(orow + frag.col(j)) = fa_pack2<T>(o0, o1);
         }
         if ((p.flags & FA_FLAG_RETURN_LSE) && frag.col0 == 0)
             reinterpret_cast<float*>(p.lse)[(static_cast<int64_t>(batch) * p.heads_q + head) * p.seqlen_q + i] =

@@ -4,6 +4,7 @@
 // loops the stages compose from them: stage 1's synchronous loads, the sequential ring loop of
 // stages 2-3 and the overlapped ping-pong loop of stages 4-5.
 #pragma once
+#include "common/dtype.cuh"
 #include "common/mask.cuh"
 #include "common/softmax.cuh"
 #include "fa3/pipeline.cuh"
@@ -137,7 +138,7 @@ __device__ __forceinline__ void pack_p(const float (&s)[Tr::kBlockN / 2],
     for (int k = 0; k < Tr::kBlockN / kMmaK; ++k)
 #pragma unroll
         for (int r = 0; r < 4; ++r)
-            a[k][r] = pack2<T>(s[acc_to_a_index(k, r)], s[acc_to_a_index(k, r) + 1]);
+            a[k][r] = fa_pack2<T>(s[acc_to_a_index(k, r)], s[acc_to_a_index(k, r) + 1]);
 }
 
 // One K/V tile, sequentially (stages 1-3): S is already computed; mask, softmax, rescale O,

@@ -103,18 +103,6 @@ struct Mma {
                                                uint32_t b1) {
         mma_m16n8k16<Elem>(d, a, b0, b1);
     }
-    // Two floats -> one 16-bit x2 register, `lo` in the low 16 bits (the lower element index).
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi);
 };
-template <>
-__device__ __forceinline__ uint32_t Mma<__half>::pack(float lo, float hi) {
-    __half2 h = __floats2half2_rn(lo, hi);  // .x = lo (low half), .y = hi
-    return *reinterpret_cast<uint32_t*>(&h);
-}
-template <>
-__device__ __forceinline__ uint32_t Mma<__nv_bfloat16>::pack(float lo, float hi) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);  // .x = lo (low half), .y = hi
-    return *reinterpret_cast<uint32_t*>(&h);
-}
 
 }  // namespace fa2

@@ -198,20 +198,4 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs_tb(float* d, const uint32_t (
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL && !FA_HOST_EMULATION
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-
-// Two f32 -> one b32 holding two 16-bit values, low half = x (the lower column).
-template <class T>
-__device__ __forceinline__ uint32_t pack2(float x, float y) {
-    if constexpr (std::is_same<T, __nv_bfloat16>::value) {
-        __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
-        return *reinterpret_cast<uint32_t*>(&v);
-    } else {
-        __half2 v = __floats2half2_rn(x, y);
-        return *reinterpret_cast<uint32_t*>(&v);
-    }
-}
-
-#endif  // __CUDA_ARCH_FEAT_SM90_ALL
-
 }  // namespace fa3

@@ -3,7 +3,7 @@
 // wrappers of the instruction headers (cuda/{mma_sm80,wgmma_sm90,mbarrier_sm90,
 // tma_sm90,fast_math}.cuh, sm80/launch.cuh, sm90/hang_check.cuh's clock), which those headers compile out under
 // FA_HOST_EMULATION. tests/emulator.rs checks that the two lists of wrappers are the same.
-// The headers' other code (descriptor builders, layouts, mbar_wait, pack2, ...) is used as is.
+// The headers' other code (descriptor builders, layouts, mbar_wait, ...) is used as is.
 //
 // Build a kernel unit: g++ -std=c++20 -include cuda/test/emu/emu.h -isystem cuda/test/emu/include
 //   -I cuda/include -x c++ <unit> + runtime.cpp + driver.cpp (tests/emulator.rs does it).
