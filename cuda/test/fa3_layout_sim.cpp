@@ -216,6 +216,15 @@ void run() {
                 g_failures ? "MISMATCH" : "S and O exact");
 }
 
+// The test's own statement of the visibility rule, from its definition (not the kernels' code):
+// key j is visible to query i iff i + off - left <= j <= i + off + right (off = seqlen_k -
+// seqlen_q, bottom-right aligned; -1 = unbounded side) and 0 <= j < seqlen_k; in 64 bits.
+bool key_visible(const FwdParams& p, int i, int j) {
+    const long long off = (long long)p.seqlen_k - p.seqlen_q;
+    return j >= 0 && j < p.seqlen_k && (p.window_left < 0 || j >= i + off - p.window_left) &&
+           (p.window_right < 0 || j <= i + off + p.window_right);
+}
+
 // Brute force of the tile-range and mask-skip predicates against key_visible(): every visible
 // key of every row of a query block lies in its K/V tile range, no tile of the range starts past
 // seqlen_k (so no K/V TMA box is entirely out of bounds), and a tile judged mask-free really
