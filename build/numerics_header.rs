@@ -9,7 +9,7 @@
 //! round-trip digits). A constant that is missing or no longer a literal fails the build here,
 //! naming the file and constant, rather than drifting.
 //!
-//! Kernels include the header through `cuda/include/fa_numerics_common.cuh`; every compile of a
+//! Kernels include the header through `cuda/common/numerics.cuh`; every compile of a
 //! kernel source (build.rs, the CPU emulator, the C++ test programs) adds `OUT_DIR/include` to
 //! its include path. tests/numerics.rs (`generated_header_matches_rust`) compiles the header
 //! with g++ and checks each value against the Rust constant, bit for bit.
