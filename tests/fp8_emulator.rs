@@ -140,10 +140,6 @@ impl Operand {
             ([s_n * h_n * d, h_n * d, d, 1], b_n * s_n * h_n * d)
         }
     }
-    fn blocks(&self) -> usize {
-        self.shape[1].div_ceil(self.block_rows)
-    }
-
     /// The CPU oracle: the values read to f32, rotated (Q, K), quantised by `quantize_e4m3`.
     fn oracle(&self, dt: Dt, seed: u64) -> (Vec<u8>, Vec<f32>) {
         let [b_n, s_n, h_n, d] = self.shape;
@@ -391,4 +387,19 @@ fn emulator_fp8_codec_matches_rust() {
         }
     }
     println!("{} decodes, {} encodes ({nan} NaN) equal", 256, inputs.len());
+}
+
+/// The FP8 wgmma path in the emulator (cuda/test/emu/fp8_selftest.cpp): acc_to_a8's routing
+/// against the fragment maps (which equal CuTe's), the e4m3 tile placement against the
+/// emulator's descriptor decoding, and a Q Kᵀ -> P (e4m3, permuted) -> P V chain through the
+/// e4m3 wrappers of wgmma_fp8_sm90.cuh against host arithmetic under three scheduler seeds; P left
+/// in the accumulator's order must give a wrong result.
+#[test]
+fn fp8_wgmma_self_tests() {
+    let exe = tool_exe("fp8_selftest.cpp").unwrap_or_else(|e| panic!("{e}"));
+    let out = Command::new(&exe).output().unwrap();
+    let log = String::from_utf8_lossy(&out.stdout);
+    println!("{log}");
+    assert!(out.status.success(), "fp8 self-tests failed:\n{log}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(log.contains("4 of 4 fp8 self-tests as expected"), "{log}");
 }
