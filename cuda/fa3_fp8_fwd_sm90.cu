@@ -1,0 +1,216 @@
+// FP8 (e4m3) consumer of the FA3 kernels, stage-1 structure (docs/fp8.md "On Hopper"): one
+// warpgroup per 64 query rows, Q / K / Vᵀ codes copied by plain 16-byte loads into SW128 shared
+// memory, S = Q Kᵀ and O += P V as e4m3 wgmma (wgmma_fp8_sm90.cuh), the softmax, mask and
+// epilogue of the 16-bit FA3 kernels (fa3_fwd_sm90.cu, included below for its device code only).
+//
+// Inputs (the pre-pass's outputs, cuda/fp8_prepass.cu, or an engine's own FP8 tensors):
+//   q, k   e4m3 codes [batch, seqlen, heads, head_dim] (FwdParams strides, in bytes = elements);
+//   v      e4m3 codes of Vᵀ: [batch, heads_kv, head_dim, keys] with keys contiguous (FP8 wgmma
+//          needs both operands K-major, and the reduction of P V runs over keys): v_head_stride
+//          and v_batch_stride as usual, v_row_stride = the stride between head_dim rows (>=
+//          seqlen_k, a multiple of 16); keys past seqlen_k are never read into the product;
+//   q_descale, k_descale, v_descale   f32 [batch, heads(_kv), blocks]: block b covers rows
+//          [b · descale_block, (b + 1) · descale_block); descale_block = 0: one per (batch, head)
+//          (FA3's released layout, per-(batch, kv-head) for K and V). descale_block must be 0 or
+//          a multiple of 64 (a V scale is constant over each 64-key half of a tile).
+//   o      bf16 / f16 [batch, seqlen_q, heads_q, head_dim]; lse as in every kernel.
+// Numerics, as the CPU path (Precision::Fp8, src/numerics): S = (Σ qc·kc) · dq(row) · dk(key)
+// per element of the tile before mask and softmax; P = exp2(...) unrounded in the row sum, and
+// e4m3(P · 2^8) into P V; V's descale and the 2^8 are applied to O, not to P: O is kept in units
+// of the current V block's scale (O' = O / dv; a new block multiplies O' by dv_old / dv_new before
+// its P V), and the epilogue multiplies by dv · 2^-8 before the normalisation.
+// Host requirements: head_dim == 128; q/k row strides and base addresses multiples of 16 bytes;
+// v_row_stride a multiple of 16.
+#define FA3_ONLY_HDIM 0  // fa3_fwd_sm90.cu: its device code, none of its kernels
+#include "fa3_fwd_sm90.cu"
+#include "wgmma_fp8_sm90.cuh"
+
+namespace fa3 {
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+template <int D>
+struct Fp8Traits {
+    static_assert(D == 128, "the FP8 consumer is instantiated for head_dim 128");
+    using Tr = Fa3Traits<1, D>;  // softmax / mask / epilogue shapes: 64 rows x 128 keys
+    static constexpr int kBlockM = kMmaM;
+    static constexpr int kBlockN = 128;
+    static_assert(Tr::kBlockN == kBlockN && Tr::kBlockM == kBlockM, "16-bit stage-1 tile");
+    static constexpr int kThreads = kWarpgroupThreads;
+    static constexpr int kSlabs = D / kSlabCols8;        // 128-column e4m3 slabs of Q and K
+    static constexpr int kQBytes = kBlockM * D;          // [64 x D] e4m3
+    static constexpr int kKBytes = kBlockN * D;          // [128 x D]
+    static constexpr int kVBytes = D * kBlockN;          // Vᵀ [D x 128 keys]: one slab
+    static constexpr int kOffQ = 0, kOffK = kQBytes, kOffV = kOffK + kKBytes;
+    static constexpr int kSmemBytes = kOffV + kVBytes + kSwizzleAtomBytes;
+    // S = Q Kᵀ, k32 step kk: Q slab kk / 4 at +32 (kk % 4); K likewise, keys 64nh.. 64 rows further.
+    __host__ __device__ static constexpr int qk_a_offset(int kk) {
+        return (kk / 4) * kBlockM * kSwizzleBytes + (kk % 4) * kMmaK8Bytes;
+    }
+    __host__ __device__ static constexpr int qk_b_offset(int kk, int nh) {
+        return (kk / 4) * kBlockN * kSwizzleBytes + nh * kMmaN * kSwizzleBytes + (kk % 4) * kMmaK8Bytes;
+    }
+    // O += P V, keys 32kk.. (kk = 0..3), output columns 64nh..: Vᵀ rows 64nh.., +32 kk bytes.
+    __host__ __device__ static constexpr int pv_b_offset(int kk, int nh) {
+        return nh * kMmaN * kSwizzleBytes + kk * kMmaK8Bytes;
+    }
+    static_assert(kQBytes % kSwizzleAtomBytes == 0 && kKBytes % kSwizzleAtomBytes == 0, "whole atoms");
+};
+
+// Copies a [ROWS x COLS] e4m3 tile (rows [0, rows_valid), columns [0, cols_valid) of the source;
+// the rest zero) into SW128 slabs with 16-byte loads.
+template <int ROWS, int COLS>
+__device__ __forceinline__ void load_tile8(uint8_t* dst, const uint8_t* src, int64_t row_stride, int rows_valid,
+                                           int cols_valid, int tid) {
+    constexpr int kChunks = COLS / 16;
+    for (int idx = tid; idx < ROWS * kChunks; idx += kWarpgroupThreads) {
+        const int r = idx / kChunks, c = idx % kChunks;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (r < rows_valid && 16 * c < cols_valid) {
+            const uint8_t* s = src + r * row_stride + 16 * c;
+            if (16 * c + 16 <= cols_valid) {
+                v = *reinterpret_cast<const uint4*>(s);
+            } else {  // the partial chunk at the end of a Vᵀ row: bytes past the last key are 0
+                uint8_t b[16];
+                for (int i = 0; i < 16; ++i) b[i] = 16 * c + i < cols_valid ? s[i] : 0;
+                memcpy(&v, b, 16);
+            }
+        }
+        *reinterpret_cast<uint4*>(dst + sw128_offset8(r, 16 * c, ROWS)) = v;
+    }
+}
+
+// The descale of row/key `i` (clamped into the sequence) of (batch, head).
+__device__ __forceinline__ float descale_at(uint64_t base, const FwdParams& p, int bh, int seqlen, int i) {
+    const int ii = max(0, min(i, seqlen - 1));
+    const int blocks = p.descale_block > 0 ? (seqlen + p.descale_block - 1) / p.descale_block : 1;
+    const int blk = p.descale_block > 0 ? ii / p.descale_block : 0;
+    return reinterpret_cast<const float*>(base)[static_cast<int64_t>(bh) * blocks + blk];
+}
+
+template <class T, int D>
+__device__ __forceinline__ void fp8_stage1(const FwdParams& p) {
+    using F = Fp8Traits<D>;
+    using Tr = typename F::Tr;
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t* smem = aligned_smem(smem_raw);
+    uint8_t* sq = smem + F::kOffQ;
+    uint8_t* sk = smem + F::kOffK;
+    uint8_t* sv = smem + F::kOffV;
+
+    const int tid = threadIdx.x;
+    const BlockCoord bc = block_coord(p);
+    const int m0 = bc.m_block * F::kBlockM;
+    const KvRange kv = kv_tile_range(p, m0, min(m0 + F::kBlockM, p.seqlen_q), F::kBlockN);
+    const int bhq = bc.batch * p.heads_q + bc.head, bhk = bc.batch * p.heads_kv + bc.kv_head;
+
+    const uint8_t* q = reinterpret_cast<const uint8_t*>(p.q) + bc.batch * p.q_batch_stride + m0 * p.q_row_stride +
+                       bc.head * p.q_head_stride;
+    const uint8_t* k = reinterpret_cast<const uint8_t*>(p.k) + bc.batch * p.k_batch_stride + bc.kv_head * p.k_head_stride;
+    const uint8_t* vt = reinterpret_cast<const uint8_t*>(p.v) + bc.batch * p.v_batch_stride + bc.kv_head * p.v_head_stride;
+
+    load_tile8<F::kBlockM, D>(sq, q, p.q_row_stride, p.seqlen_q - m0, D, tid);
+
+    const FragPos fp = frag_pos(tid);
+    // Q descales of this thread's two rows, constant over the K/V loop.
+    float dq[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) dq[h] = descale_at(p.q_descale, p, bhq, p.seqlen_q, m0 + fp.row0 + 8 * h);
+
+    Acc<D> acc;
+    acc_init(acc);
+    float dv_cur = 0.f;  // O holds O_true / dv_cur (0: nothing accumulated yet)
+    float s[F::kBlockN / 2];
+#pragma unroll
+    for (int i = 0; i < F::kBlockN / 2; ++i) s[i] = 0.f;
+
+    for (int n = kv.n_begin; n < kv.n_end; ++n) {
+        __syncthreads();  // the previous tile's wgmmas have completed (wait 0) in every thread
+        const int n0 = n * F::kBlockN;
+        load_tile8<F::kBlockN, D>(sk, k + n0 * p.k_row_stride, p.k_row_stride, p.seqlen_k - n0, D, tid);
+        load_tile8<D, F::kBlockN>(sv, vt + n0, p.v_row_stride, D, p.seqlen_k - n0, tid);
+        fence_proxy_async_smem();
+        __syncthreads();
+
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / kMmaK8; ++kk) {
+            const uint64_t da = desc_kmajor_sw128(smem_u32(sq) + F::qk_a_offset(kk));
+#pragma unroll
+            for (int nh = 0; nh < F::kBlockN / kMmaN; ++nh)
+                wgmma_m64n64k32_ss_e4m3(&s[acc_index(nh * kMmaN / 8, 0, 0)], da,
+                                        desc_kmajor_sw128(smem_u32(sk) + F::qk_b_offset(kk, nh)), kk > 0 ? 1 : 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(s);
+
+        // Per-block descales on S, per element of the tile.
+#pragma unroll
+        for (int c = 0; c < F::kBlockN / 8; ++c)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float dk = descale_at(p.k_descale, p, bhk, p.seqlen_k, n0 + 8 * c + fp.col0 + e);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) s[acc_index(c, h, e)] *= dq[h] * dk;
+            }
+
+        softcap_and_mask<Tr>(p, s, fp, m0, n);
+        float corr[2];
+        online_softmax<Tr>(acc, s, p.softmax_scale_log2, corr);
+        rescale_o<Tr>(acc, corr);
+
+        // P · 2^8 -> e4m3 A fragments (the row sums above used the unscaled P).
+        const float p_scale = exp2f(FA_FP8_P_SCALE_LOG2);
+#pragma unroll
+        for (int i = 0; i < F::kBlockN / 2; ++i) s[i] *= p_scale;
+        uint32_t a[F::kBlockN / kMmaK8][4];
+#pragma unroll
+        for (int kk = 0; kk < F::kBlockN / kMmaK8; ++kk) acc_to_a8(&s[16 * kk], a[kk]);
+
+        // Two 64-key halves, each under one V descale: O' *= dv_old / dv_new, then O' += P V.
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const float dv = descale_at(p.v_descale, p, bhk, p.seqlen_k, n0 + 64 * half);
+            const float ratio = dv_cur == 0.f ? 1.f : dv_cur / dv;
+            dv_cur = dv;
+            if (ratio != 1.f) {
+#pragma unroll
+                for (int i = 0; i < D / 2; ++i) acc.o[i] *= ratio;
+            }
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 2 * half; kk < 2 * half + 2; ++kk)
+#pragma unroll
+                for (int nh = 0; nh < D / kMmaN; ++nh)
+                    wgmma_m64n64k32_rs_e4m3(&acc.o[acc_index(nh * kMmaN / 8, 0, 0)], a[kk],
+                                            desc_kmajor_sw128(smem_u32(sv) + F::pv_b_offset(kk, nh)));
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_regs(acc.o);
+        }
+    }
+    // O_true = O' · dv · 2^-8, then the usual normalisation by the row sum.
+    const float unscale = dv_cur * exp2f(-FA_FP8_P_SCALE_LOG2);
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) acc.o[i] *= unscale;
+    write_output<Tr, T>(p, acc, fp, m0, bc.batch, bc.head);
+}
+
+#else  // not sm_90a: the instances exist (so every target links) but do nothing.
+
+template <class T, int D>
+__device__ __forceinline__ void fp8_stage1(const FwdParams&) {}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+}  // namespace fa3
+
+// Symbol: fa3fp8s1_fwd_hd<D>_<output dtype>.
+#define FA3_FP8_S1(DT, T, D)                                                               \
+    extern "C" __global__ void __launch_bounds__(fa3::kWarpgroupThreads, 1)                \
+        fa3fp8s1_fwd_hd##D##_##DT(const __grid_constant__ FwdParams p) {                   \
+        fa3::fp8_stage1<T, D>(p);                                                          \
+    }
+FA3_FP8_S1(bf16, __nv_bfloat16, 128)
+FA3_FP8_S1(f16, __half, 128)
