@@ -83,7 +83,17 @@ struct Operand {
 }
 
 impl Operand {
-    fn new(rng: &mut Rng, dt: Dt, shape: [usize; 4], bhsd: bool, transposed: bool, block_rows: usize, rotate: bool, fill: Fill) -> Self {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        rng: &mut Rng,
+        dt: Dt,
+        shape: [usize; 4],
+        bhsd: bool,
+        transposed: bool,
+        block_rows: usize,
+        rotate: bool,
+        fill: Fill,
+    ) -> Self {
         let [b_n, s_n, h_n, d] = shape;
         // Strided inputs: [b, h, s, d] storage, or padded rows in [b, s, h, d].
         let x_strides = if bhsd { [h_n * s_n * d, d, s_n * d] } else { [s_n * h_n * (d + 8), h_n * (d + 8), d + 8] };
@@ -227,7 +237,11 @@ fn run(l: &Launch) -> Result<String, String> {
         }
         for (k, (g, w)) in scales.iter().zip(&want_scales).enumerate() {
             if g.to_bits() != w.to_bits() {
-                return Err(format!("op {i}: scale {k} is {g:e} ({:#x}), oracle {w:e} ({:#x})", g.to_bits(), w.to_bits()));
+                return Err(format!(
+                    "op {i}: scale {k} is {g:e} ({:#x}), oracle {w:e} ({:#x})",
+                    g.to_bits(),
+                    w.to_bits()
+                ));
             }
         }
         let [b_n, s_n, h_n, d] = o.shape;
@@ -254,7 +268,13 @@ fn run(l: &Launch) -> Result<String, String> {
                 }
             }
         }
-        write!(summary, "op {i}: {} codes, {} scales ({nan} NaN, {sat} saturated, {zero} zero); ", want_codes.len(), scales.len()).unwrap();
+        write!(
+            summary,
+            "op {i}: {} codes, {} scales ({nan} NaN, {sat} saturated, {zero} zero); ",
+            want_codes.len(),
+            scales.len()
+        )
+        .unwrap();
     }
     Ok(summary)
 }
@@ -271,7 +291,12 @@ fn check(launches: &[Launch]) {
             }
         }
     }
-    assert!(failed.is_empty(), "{} of {} pre-pass launches differ from the CPU oracle: {failed:#?}", failed.len(), launches.len());
+    assert!(
+        failed.is_empty(),
+        "{} of {} pre-pass launches differ from the CPU oracle: {failed:#?}",
+        failed.len(),
+        launches.len()
+    );
 }
 
 /// Q and K in one launch (rotated), as the forward runs them: every dtype and head dim, several
@@ -292,7 +317,12 @@ fn prepass_qk_bit_identical_to_cpu_oracle() {
                 let bk = if block == 0 { sk } else { block };
                 let q = Operand::new(&mut rng, dt, [2, sq, 4, d], n % 3 == 0, false, bq, true, fill);
                 let k = Operand::new(&mut rng, dt, [2, sk, 2, d], n % 2 == 0, false, bk, true, fill);
-                launches.push(Launch { name: format!("qk_{}_d{d}_blk{block}_seed{seed:x}", dt.name()), dt, seed, ops: vec![q, k] });
+                launches.push(Launch {
+                    name: format!("qk_{}_d{d}_blk{block}_seed{seed:x}", dt.name()),
+                    dt,
+                    seed,
+                    ops: vec![q, k],
+                });
             }
         }
     }
@@ -310,7 +340,12 @@ fn prepass_v_bit_identical_to_cpu_oracle() {
             for transposed in [false, true] {
                 let s = if transposed { 143 } else { 77 };
                 let v = Operand::new(&mut rng, dt, [2, s, 3, d], transposed, transposed, 64, false, Fill::Outliers);
-                launches.push(Launch { name: format!("v_{}_d{d}_t{}", dt.name(), transposed as u8), dt, seed: 0, ops: vec![v] });
+                launches.push(Launch {
+                    name: format!("v_{}_d{d}_t{}", dt.name(), transposed as u8),
+                    dt,
+                    seed: 0,
+                    ops: vec![v],
+                });
             }
         }
     }
@@ -411,7 +446,7 @@ use flash_attn::numerics::baseline::attention_naive_fp8;
 use flash_attn::numerics::quant::block_rows;
 use flash_attn::numerics::rng::{fa3_outlier_values, SplitMix64};
 use flash_attn::reference::{attention_f64, rmse};
-use flash_attn::{forward, Backend, DType, Fp8Scaling, ForwardOptions, Precision, Problem, Tensor};
+use flash_attn::{forward, Backend, DType, ForwardOptions, Fp8Scaling, Precision, Problem, Tensor};
 
 /// Dynamic shared memory of the FP8 stage-1 consumer at head_dim 128 (Fp8Traits<128>::kSmemBytes:
 /// Q 64x128 + K 128x128 + Vᵀ 128x128 e4m3, plus one swizzle atom of alignment slack).
@@ -456,7 +491,13 @@ fn kernel_model(
                 let qc = deq(qz, b, i, h);
                 let dq = qz.scale(b, i, h);
                 // Causal, bottom-right aligned: keys j <= i + sk - sq (none when that is negative).
-                let hi = if !causal { sk } else if i + sk >= sq { (i + sk - sq + 1).min(sk) } else { 0 };
+                let hi = if !causal {
+                    sk
+                } else if i + sk >= sq {
+                    (i + sk - sq + 1).min(sk)
+                } else {
+                    0
+                };
                 let (mut m, mut l) = (f32::NEG_INFINITY, 0.0f32);
                 let mut o = vec![0.0f64; d];
                 for n0 in (0..hi).step_by(128) {
@@ -499,6 +540,7 @@ fn kernel_model(
 /// Quantises q, k, v as the pre-pass does (the CPU oracle, bit-identical to it: the pre-pass
 /// tests above), transposes V's codes to [b, h_kv, d, s_pad], and runs the FP8 consumer
 /// `fa3fp8s1_fwd_hd128_<dtype>` in the emulator with the driver's launch file (seeds given).
+#[allow(clippy::too_many_arguments)]
 fn run_fp8_kernel(
     name: &str,
     q: &Tensor,
@@ -655,26 +697,47 @@ fn cpu_fp8(q: &Tensor, k: &Tensor, v: &Tensor, precision: Precision, causal: boo
 #[test]
 fn fp8_consumer_matches_cpu_fp8_path() {
     let cases = [
-        ("bf16_block64_had_gqa", DType::BF16, [2, 130, 4, 128], [2, 257, 2, 128], Fp8Scaling::PerBlock { rows: 64 }, Some(0x5EED), false),
-        ("f16_block64_had_causal", DType::F16, [1, 200, 2, 128], [1, 300, 2, 128], Fp8Scaling::PerBlock { rows: 64 }, Some(7), true),
-        ("bf16_block128_causal_rows_without_keys", DType::BF16, [1, 190, 2, 128], [1, 70, 1, 128], Fp8Scaling::PerBlock { rows: 128 }, Some(1), true),
+        (
+            "bf16_block64_had_gqa",
+            DType::BF16,
+            [2, 130, 4, 128],
+            [2, 257, 2, 128],
+            Fp8Scaling::PerBlock { rows: 64 },
+            Some(0x5EED),
+            false,
+        ),
+        (
+            "f16_block64_had_causal",
+            DType::F16,
+            [1, 200, 2, 128],
+            [1, 300, 2, 128],
+            Fp8Scaling::PerBlock { rows: 64 },
+            Some(7),
+            true,
+        ),
+        (
+            "bf16_block128_causal_rows_without_keys",
+            DType::BF16,
+            [1, 190, 2, 128],
+            [1, 70, 1, 128],
+            Fp8Scaling::PerBlock { rows: 128 },
+            Some(1),
+            true,
+        ),
         ("f16_per_tensor_no_had", DType::F16, [1, 65, 2, 128], [1, 129, 2, 128], Fp8Scaling::PerTensor, None, false),
     ];
     let mut failed = Vec::new();
     for (i, (name, dtype, qs, ks, scaling, hadamard, causal)) in cases.into_iter().enumerate() {
         let (q, k, v) = fa3_inputs(dtype, qs, ks, 100 + i as u64);
-        let got = run_fp8_kernel(name, &q, &k, &v, scaling, hadamard, causal, "1 2 3").unwrap_or_else(|e| panic!("{name}: {e}"));
+        let got = run_fp8_kernel(name, &q, &k, &v, scaling, hadamard, causal, "1 2 3")
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
         let (o, lse) = cpu_fp8(&q, &k, &v, Precision::Fp8 { scaling, hadamard }, causal);
         let max_o = got.o.iter().zip(&o).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
         let o64: Vec<f64> = o.iter().map(|&x| x as f64).collect();
         let g64: Vec<f64> = got.o.iter().map(|&x| x as f64).collect();
         let rms = rmse(&g64, &o64);
-        let max_lse = got
-            .lse
-            .iter()
-            .zip(&lse)
-            .map(|(a, b)| if a == b { 0.0 } else { (a - b).abs() })
-            .fold(0.0f32, f32::max);
+        let max_lse =
+            got.lse.iter().zip(&lse).map(|(a, b)| if a == b { 0.0 } else { (a - b).abs() }).fold(0.0f32, f32::max);
         let lse_ok = got.lse.iter().zip(&lse).all(|(a, b)| (a.is_infinite() && a == b) || (a - b).abs() <= 1e-4);
         // Against the model of the kernel's own tiling: output rounding (bf16 2^-9 relative)
         // plus rare one-step flips of an e4m3 P.
@@ -748,7 +811,10 @@ fn find_nvcc() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("NVCC") {
         return Some(PathBuf::from(p));
     }
-    let roots = [std::env::var_os("FLASH_ATTN_CUDA_TOOLCHAIN").map(PathBuf::from), Some(common::emu::root().join(".cuda-toolchain"))];
+    let roots = [
+        std::env::var_os("FLASH_ATTN_CUDA_TOOLCHAIN").map(PathBuf::from),
+        Some(common::emu::root().join(".cuda-toolchain")),
+    ];
     for root in roots.into_iter().flatten() {
         for py in std::fs::read_dir(root.join("lib")).into_iter().flatten().flatten() {
             let nvcc = py.path().join("site-packages/nvidia/cu13/bin/nvcc");
@@ -793,7 +859,11 @@ fn sm90a_sass(src: &str) -> (String, String) {
 fn fp8_kernels_sass() {
     for (src, kernels, expect) in [
         ("cuda/fp8_prepass.cu", 8, &["F2FP.SATFINITE.E4M3.F32", "SHFL.BFLY"][..]),
-        ("cuda/fa3_fp8_fwd_sm90.cu", 2, &["QGMMA.64x64x32.F32.E4M3.E4M3", "F2FP.SATFINITE.E4M3.F32", "SHFL.IDX", "PRMT"][..]),
+        (
+            "cuda/fa3_fp8_fwd_sm90.cu",
+            2,
+            &["QGMMA.64x64x32.F32.E4M3.E4M3", "F2FP.SATFINITE.E4M3.F32", "SHFL.IDX", "PRMT"][..],
+        ),
     ] {
         let (report, sass) = sm90a_sass(src);
         let props = report.matches("Function properties for").count();
