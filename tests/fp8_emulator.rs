@@ -15,6 +15,7 @@
 mod common;
 use common::emu::tool_exe;
 use common::Rng;
+use flash_attn::cuda::fp8::{consumer_plan, prepass_plan, ConsumerOperands, PrepassInput};
 use flash_attn::numerics::fp8::{e4m3_from_f32, e4m3_to_f32};
 use flash_attn::numerics::hadamard::Rotation;
 use flash_attn::numerics::quant::quantize_e4m3;
@@ -46,6 +47,12 @@ impl Dt {
         match self {
             Dt::F16 => f16::from_f32(x).to_bits(),
             Dt::Bf16 => bf16::from_f32(x).to_bits(),
+        }
+    }
+    fn dtype(self) -> DType {
+        match self {
+            Dt::F16 => DType::F16,
+            Dt::Bf16 => DType::BF16,
         }
     }
     fn value(self, b: u16) -> f32 {
@@ -188,31 +195,48 @@ fn is_nan_code(c: u8) -> bool {
 fn run(l: &Launch) -> Result<String, String> {
     let exe = tool_exe("fp8_prepass_main.cpp")?;
     let dir = work_dir(&l.name);
-    let d = l.ops[0].shape[3];
+    // The crate's launch plan, on device addresses the driver maps onto host buffers.
+    let o0 = &l.ops[0];
+    let scaling =
+        if o0.block_rows == o0.shape[1] { Fp8Scaling::PerTensor } else { Fp8Scaling::PerBlock { rows: o0.block_rows } };
+    let base = |i: usize, which: u64| 0x1000_0000 * (1 + 3 * i as u64 + which);
+    let inputs: Vec<PrepassInput> = l
+        .ops
+        .iter()
+        .enumerate()
+        .map(|(i, o)| PrepassInput {
+            shape: o.shape,
+            x: base(i, 0),
+            x_strides: o.x_strides,
+            codes: base(i, 1),
+            code_strides: o.code_strides().0,
+            scales: base(i, 2),
+            rotate: o.rotate,
+        })
+        .collect();
+    let plan = prepass_plan(l.dt.dtype(), scaling, Some(l.seed), &inputs).map_err(|e| e.to_string())?;
     let mut case = String::new();
-    writeln!(case, "dtype {}\nhead_dim {d}\nhadamard_seed {:#x}\nseeds 1 2 3", l.dt.name(), l.seed).unwrap();
+    let hex: String = plan.params.to_bytes().iter().map(|b| format!("{b:02x}")).collect();
+    writeln!(case, "kernel {}\ngrid {}\nblock {}\nseeds 1 2 3\nparams {hex}", plan.kernel, plan.grid, plan.block)
+        .unwrap();
     for (i, o) in l.ops.iter().enumerate() {
+        if o.block_rows != block_rows(scaling, o.shape[1]) {
+            return Err(format!("op {i}: block_rows {} is not what {scaling:?} gives", o.block_rows));
+        }
         let x_path = dir.join(format!("x{i}.bin"));
         let bytes: Vec<u8> = o.bits.iter().flat_map(|b| b.to_le_bytes()).collect();
-        std::fs::write(&x_path, bytes).unwrap();
-        let [b_n, s_n, h_n, _] = o.shape;
-        let (cs, c_bytes) = o.code_strides();
+        std::fs::write(&x_path, &bytes).unwrap();
+        let [b_n, _, h_n, _] = o.shape;
+        let (_, c_bytes) = o.code_strides();
+        writeln!(case, "in x{i} {:#x} {} {}", base(i, 0), bytes.len(), x_path.display()).unwrap();
+        writeln!(case, "out codes{i} {:#x} {c_bytes} {}", base(i, 1), dir.join(format!("codes{i}.bin")).display())
+            .unwrap();
+        let scale_bytes = b_n * h_n * plan.blocks[i] * 4;
         writeln!(
             case,
-            "op {} {} {b_n} {s_n} {h_n} {} {} {} {} {c_bytes} {} {} {} {} {} {} {}",
-            x_path.display(),
-            o.bits.len(),
-            o.x_strides[0],
-            o.x_strides[1],
-            o.x_strides[2],
-            dir.join(format!("codes{i}.bin")).display(),
-            cs[0],
-            cs[1],
-            cs[2],
-            cs[3],
-            dir.join(format!("scales{i}.bin")).display(),
-            o.block_rows,
-            o.rotate as u32
+            "out scales{i} {:#x} {scale_bytes} {}",
+            base(i, 2),
+            dir.join(format!("scales{i}.bin")).display()
         )
         .unwrap();
     }
@@ -441,16 +465,11 @@ fn fp8_wgmma_self_tests() {
 
 // ---------------------------------------------------------------- the FP8 consumer
 
-use flash_attn::cuda::params::{FwdParams, FLAG_RETURN_LSE};
 use flash_attn::numerics::baseline::attention_naive_fp8;
 use flash_attn::numerics::quant::block_rows;
 use flash_attn::numerics::rng::{fa3_outlier_values, SplitMix64};
 use flash_attn::reference::{attention_f64, rmse};
 use flash_attn::{forward, Backend, DType, ForwardOptions, Fp8Scaling, Precision, Problem, Tensor};
-
-/// Dynamic shared memory of the FP8 stage-1 consumer at head_dim 128 (Fp8Traits<128>::kSmemBytes:
-/// Q 64x128 + K 128x128 + Vᵀ 128x128 e4m3, plus one swizzle atom of alignment slack).
-const FP8_S1_SMEM: usize = 64 * 128 + 128 * 128 + 128 * 128 + 1024;
 
 struct KernelOut {
     o: Vec<f32>,
@@ -573,51 +592,26 @@ fn run_fp8_kernel(
             }
         }
     }
-    let descale_block = match scaling {
-        Fp8Scaling::PerTensor => 0,
-        Fp8Scaling::PerBlock { rows } => {
-            assert_eq!(rows % 64, 0, "the consumer takes descale blocks of a multiple of 64 rows");
-            rows as i32
-        }
-        other => panic!("scaling {other:?} is not run by this test"),
-    };
-    let scale = 1.0 / (d as f32).sqrt();
-    let dtype = q.dtype();
-    let p = FwdParams {
+    // The crate's launch plan, on device addresses the driver maps onto host buffers.
+    let opts =
+        ForwardOptions::default().precision(Precision::Fp8 { scaling, hadamard }).causal(causal).return_lse(true);
+    let problem = Problem::new(&q.view(), &k.view(), &v.view(), &opts).map_err(|e| e.to_string())?;
+    let ops = ConsumerOperands {
         q: 0x1000_0000,
+        q_strides: [sq * hq * d, hq * d, d],
         k: 0x2000_0000,
-        v: 0x3000_0000,
+        k_strides: [sk * hk * d, hk * d, d],
+        vt: 0x3000_0000,
+        vt_strides: [hk * d * s_pad, s_pad, d * s_pad],
         o: 0x4000_0000,
+        o_strides: [sq * hq * d, hq * d, d],
         lse: 0x5000_0000,
-        q_descale: 0x6000_0000,
-        k_descale: 0x7000_0000,
-        v_descale: 0x8000_0000,
-        q_batch_stride: (sq * hq * d) as i64,
-        q_row_stride: (hq * d) as i64,
-        q_head_stride: d as i64,
-        k_batch_stride: (sk * hk * d) as i64,
-        k_row_stride: (hk * d) as i64,
-        k_head_stride: d as i64,
-        v_batch_stride: (hk * d * s_pad) as i64,
-        v_row_stride: s_pad as i64,
-        v_head_stride: (d * s_pad) as i64,
-        o_batch_stride: (sq * hq * d) as i64,
-        o_row_stride: (hq * d) as i64,
-        o_head_stride: d as i64,
-        batch: b_n as i32,
-        seqlen_q: sq as i32,
-        seqlen_k: sk as i32,
-        heads_q: hq as i32,
-        heads_kv: hk as i32,
-        head_dim: d as i32,
-        window_left: -1,
-        window_right: if causal { 0 } else { -1 },
-        descale_block,
-        softmax_scale: scale,
-        softmax_scale_log2: scale * std::f32::consts::LOG2_E,
-        flags: FLAG_RETURN_LSE,
-        ..Default::default()
+        descales: [0x6000_0000, 0x7000_0000, 0x8000_0000],
     };
+    let plan = consumer_plan(&problem, &ops).map_err(|e| e.to_string())?;
+    let p = plan.params;
+    let scale = problem.scale;
+    let dtype = q.dtype();
     let dir = work_dir(name);
     let f32_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
     let ins: [(&str, u64, Vec<u8>); 6] = [
@@ -629,9 +623,9 @@ fn run_fp8_kernel(
         ("v_descale", p.v_descale, f32_bytes(&vz.scales)),
     ];
     let mut lf = String::new();
-    let dt = if dtype == DType::BF16 { "bf16" } else { "f16" };
-    writeln!(lf, "kernel fa3fp8s1_fwd_hd128_{dt}").unwrap();
-    writeln!(lf, "grid {} {hq} {b_n}\nblock 128\nsmem {FP8_S1_SMEM}\nregs 0\nseeds {seeds}", sq.div_ceil(64)).unwrap();
+    writeln!(lf, "kernel {}", plan.kernel).unwrap();
+    let (gx, gy, gz) = plan.grid;
+    writeln!(lf, "grid {gx} {gy} {gz}\nblock {}\nsmem {}\nregs 0\nseeds {seeds}", plan.block, plan.smem_bytes).unwrap();
     let hex: String = p.to_bytes().iter().map(|b| format!("{b:02x}")).collect();
     writeln!(lf, "params {hex}").unwrap();
     for (n, addr, bytes) in &ins {
@@ -881,4 +875,67 @@ fn fp8_kernels_sass() {
         }
         println!("{src}: {kernels} kernels, no local memory, {expect:?} present");
     }
+}
+
+/// The launch plans refuse what the FP8 kernels do not run, with typed errors.
+#[test]
+fn fp8_plans_refuse_what_the_kernels_do_not_run() {
+    use flash_attn::Error;
+    let input = |d: usize, rotate: bool| PrepassInput {
+        shape: [1, 64, 2, d],
+        x: 0x1000,
+        x_strides: [128 * d, 2 * d, d],
+        codes: 0x2000,
+        code_strides: [128 * d, 2 * d, d, 1],
+        scales: 0x3000,
+        rotate,
+    };
+    let block = Fp8Scaling::PerBlock { rows: 64 };
+    assert!(prepass_plan(DType::BF16, block, Some(1), &[input(128, true)]).is_ok());
+    assert!(matches!(prepass_plan(DType::BF16, block, Some(1), &[input(96, true)]), Err(Error::InvalidOption { .. })));
+    assert!(matches!(prepass_plan(DType::BF16, block, None, &[input(128, true)]), Err(Error::InvalidOption { .. })));
+    assert!(matches!(
+        prepass_plan(DType::BF16, block, Some(1), &[input(128, true); 3]),
+        Err(Error::InvalidOption { .. })
+    ));
+    assert!(matches!(prepass_plan(DType::F32, block, None, &[input(128, false)]), Err(Error::UnsupportedDType { .. })));
+    assert!(matches!(
+        prepass_plan(DType::F16, block, None, &[input(320, false)]),
+        Err(Error::UnsupportedHeadDim { .. })
+    ));
+    let plan = prepass_plan(DType::F16, block, None, &[input(96, false)]).unwrap();
+    assert_eq!((plan.kernel.as_str(), plan.grid, plan.blocks.as_slice()), ("fa_fp8_prepass_e4_f16", 1, &[1usize][..]));
+
+    let problem = |d: usize, precision: Precision| {
+        let t = Tensor::zeros(DType::BF16, [1, 64, 2, d]).unwrap();
+        Problem::new(&t.view(), &t.view(), &t.view(), &ForwardOptions::default().precision(precision)).unwrap()
+    };
+    let ops = |d: usize| ConsumerOperands {
+        q: 0x1000,
+        q_strides: [128 * d, 2 * d, d],
+        k: 0x2000,
+        k_strides: [128 * d, 2 * d, d],
+        vt: 0x3000,
+        vt_strides: [2 * d * 64, 64, d * 64],
+        o: 0x4000,
+        o_strides: [128 * d, 2 * d, d],
+        lse: 0,
+        descales: [0x5000, 0x6000, 0x7000],
+    };
+    let fp8 = |scaling| Precision::Fp8 { scaling, hadamard: None };
+    let ok = consumer_plan(&problem(128, fp8(block)), &ops(128)).unwrap();
+    assert_eq!((ok.kernel.as_str(), ok.grid, ok.params.descale_block), ("fa3fp8s1_fwd_hd128_bf16", (1, 2, 1), 64));
+    assert_eq!(consumer_plan(&problem(128, fp8(Fp8Scaling::PerTensor)), &ops(128)).unwrap().params.descale_block, 0);
+    assert!(matches!(
+        consumer_plan(&problem(64, fp8(block)), &ops(64)),
+        Err(Error::UnsupportedHeadDim { head_dim: 64, .. })
+    ));
+    assert!(matches!(
+        consumer_plan(&problem(128, fp8(Fp8Scaling::PerBlock { rows: 32 })), &ops(128)),
+        Err(Error::InvalidOption { .. })
+    ));
+    assert!(matches!(consumer_plan(&problem(128, Precision::default()), &ops(128)), Err(Error::InvalidOption { .. })));
+    let mut misaligned = ops(128);
+    misaligned.vt_strides[1] = 70;
+    assert!(matches!(consumer_plan(&problem(128, fp8(block)), &misaligned), Err(Error::InvalidLayout { .. })));
 }

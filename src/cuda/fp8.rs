@@ -1,0 +1,352 @@
+//! The Hopper FP8 forward's launches as data (docs/fp8.md, "On Hopper"): the pre-pass
+//! (`cuda/fp8_prepass.cu`: bf16/f16 -> e4m3 codes + per-block scales, Q and K rotated) and the FP8
+//! consumer (`cuda/fa3_fp8_fwd_sm90.cu`). The CPU emulator runs exactly these launches
+//! (tests/fp8_emulator.rs); `Engine` does not launch them yet (docs/fp8.md, "Not done yet").
+
+use super::params::FwdParams;
+use crate::error::{Error, Operand, Result};
+use crate::numerics::quant::block_rows;
+use crate::options::{Fp8Scaling, Precision};
+use crate::problem::Problem;
+use crate::DType;
+use std::mem::{offset_of, size_of};
+
+/// Warps per CTA of the pre-pass (FA_FP8_PREPASS_WARPS); each quantises one scale block.
+pub const PREPASS_WARPS: u32 = 4;
+/// Operands one pre-pass launch carries (FA_FP8_PREPASS_MAX_OPS): Q and K, or V.
+pub const PREPASS_MAX_OPS: usize = 2;
+/// `PrepassOperand::flags`: rotate rows by the seeded Hadamard transform (FA_FP8_ROTATE).
+pub const PREPASS_ROTATE: u32 = 1;
+
+/// The consumer's instance: head_dim 128, 64 query rows x 128 keys per tile, one warpgroup.
+pub const CONSUMER_HEAD_DIM: usize = 128;
+pub const CONSUMER_BLOCK_M: usize = 64;
+pub const CONSUMER_BLOCK_N: usize = 128;
+pub const CONSUMER_THREADS: u32 = 128;
+/// Fp8Traits<128>::kSmemBytes: Q 64x128 + K 128x128 + Vᵀ 128x128 e4m3, plus one 1024-byte
+/// swizzle atom of alignment slack.
+pub const CONSUMER_SMEM_BYTES: u32 = (64 * 128 + 128 * 128 + 128 * 128 + 1024) as u32;
+
+/// One operand of the pre-pass, mirrored from `Fp8PrepassOperand` (fp8_prepass_params.h).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PrepassOperand {
+    pub x: u64,
+    pub codes: u64,
+    pub scales: u64,
+    /// Element strides of the input (batch, seqlen, heads).
+    pub x_batch_stride: i64,
+    pub x_row_stride: i64,
+    pub x_head_stride: i64,
+    /// Byte strides of the codes (batch, seqlen, heads, head_dim).
+    pub c_batch_stride: i64,
+    pub c_row_stride: i64,
+    pub c_head_stride: i64,
+    pub c_dim_stride: i64,
+    pub batch: i32,
+    pub seqlen: i32,
+    pub heads: i32,
+    pub block_rows: i32,
+    pub blocks: i32,
+    pub flags: u32,
+}
+
+/// The pre-pass's parameters, mirrored from `Fp8PrepassParams`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PrepassParams {
+    pub op: [PrepassOperand; PREPASS_MAX_OPS],
+    pub hadamard_seed: u64,
+    pub head_dim: i32,
+    pub n_ops: i32,
+}
+
+// The same numbers as the static_asserts of fp8_prepass_params.h.
+const _: () = {
+    assert!(size_of::<PrepassOperand>() == 104);
+    assert!(offset_of!(PrepassOperand, x_batch_stride) == 24);
+    assert!(offset_of!(PrepassOperand, c_batch_stride) == 48);
+    assert!(offset_of!(PrepassOperand, batch) == 80);
+    assert!(offset_of!(PrepassOperand, flags) == 100);
+    assert!(size_of::<PrepassParams>() == 224);
+    assert!(offset_of!(PrepassParams, hadamard_seed) == 208);
+    assert!(offset_of!(PrepassParams, n_ops) == 220);
+};
+
+impl PrepassParams {
+    /// The struct's bytes as the kernel receives them (native endianness).
+    pub fn to_bytes(&self) -> [u8; size_of::<PrepassParams>()] {
+        let mut out = [0u8; size_of::<PrepassParams>()];
+        let mut at = 0;
+        let mut put = |b: &[u8]| {
+            out[at..at + b.len()].copy_from_slice(b);
+            at += b.len();
+        };
+        for o in &self.op {
+            for x in [o.x, o.codes, o.scales] {
+                put(&x.to_ne_bytes());
+            }
+            for x in [
+                o.x_batch_stride,
+                o.x_row_stride,
+                o.x_head_stride,
+                o.c_batch_stride,
+                o.c_row_stride,
+                o.c_head_stride,
+                o.c_dim_stride,
+            ] {
+                put(&x.to_ne_bytes());
+            }
+            for x in [o.batch, o.seqlen, o.heads, o.block_rows, o.blocks] {
+                put(&x.to_ne_bytes());
+            }
+            put(&o.flags.to_ne_bytes());
+        }
+        put(&self.hadamard_seed.to_ne_bytes());
+        put(&self.head_dim.to_ne_bytes());
+        put(&self.n_ops.to_ne_bytes());
+        debug_assert_eq!(at, out.len());
+        out
+    }
+}
+
+/// Where one operand of the pre-pass lives and where its codes and scales go.
+#[derive(Clone, Copy, Debug)]
+pub struct PrepassInput {
+    /// `[batch, seqlen, heads, head_dim]`.
+    pub shape: [usize; 4],
+    /// Device address of the bf16/f16 input and its element strides (batch, seqlen, heads).
+    pub x: u64,
+    pub x_strides: [usize; 3],
+    /// Device address of the codes and their byte strides (batch, seqlen, heads, head_dim):
+    /// `[b, s, h, d]` contiguous for Q and K, `[b, h, d, s_pad]` (Vᵀ) for the consumer's V.
+    pub codes: u64,
+    pub code_strides: [usize; 4],
+    /// Device address of the f32 scales, `[batch, heads, blocks]`.
+    pub scales: u64,
+    /// Rotate the rows (Q and K; the seed is the launch's).
+    pub rotate: bool,
+}
+
+/// One pre-pass launch.
+#[derive(Clone, Debug)]
+pub struct PrepassLaunch {
+    /// `fa_fp8_prepass_e<E>_<dtype>`, E = elements per lane (head_dim <= 32·E).
+    pub kernel: String,
+    pub grid: u32,
+    pub block: u32,
+    pub params: PrepassParams,
+    /// Scale blocks per operand (`ceil(seqlen / block_rows)`).
+    pub blocks: Vec<usize>,
+}
+
+fn option_error(option: &'static str, got: String, expected: &str) -> Error {
+    Error::InvalidOption { option, got, expected: expected.into() }
+}
+
+fn dtype_suffix(dtype: DType) -> Result<&'static str> {
+    match dtype {
+        DType::F16 => Ok("f16"),
+        DType::BF16 => Ok("bf16"),
+        other => Err(Error::UnsupportedDType {
+            dtype: other,
+            backend: "the FP8 pre-pass".into(),
+            supported: "f16, bf16".into(),
+        }),
+    }
+}
+
+fn to_i32(x: usize, what: &str) -> Result<i32> {
+    i32::try_from(x).map_err(|_| Error::TooLarge { what: format!("{what} = {x} (the FP8 kernels take i32)") })
+}
+
+fn to_i64(x: usize, what: &str) -> Result<i64> {
+    i64::try_from(x).map_err(|_| Error::TooLarge { what: format!("{what} = {x}") })
+}
+
+/// The pre-pass launch quantising `ops` (one or two operands of one head_dim) with `scaling`,
+/// rotating those marked `rotate` by the Hadamard transform of seed `hadamard`.
+///
+/// # Errors
+/// [`Error::InvalidOption`] for no or more than two operands, different head dims, a rotated
+/// operand without a seed or with a head_dim that is not a power of two;
+/// [`Error::UnsupportedHeadDim`] above 256; [`Error::UnsupportedDType`] for inputs other than
+/// f16/bf16; [`Error::TooLarge`] for sizes past i32 / i64.
+pub fn prepass_plan(
+    dtype: DType,
+    scaling: Fp8Scaling,
+    hadamard: Option<u64>,
+    ops: &[PrepassInput],
+) -> Result<PrepassLaunch> {
+    if ops.is_empty() || ops.len() > PREPASS_MAX_OPS {
+        return Err(option_error("FP8 pre-pass operands", ops.len().to_string(), "1 or 2"));
+    }
+    let d = ops[0].shape[3];
+    if ops.iter().any(|o| o.shape[3] != d) {
+        return Err(option_error(
+            "FP8 pre-pass head dims",
+            format!("{:?}", ops.iter().map(|o| o.shape[3]).collect::<Vec<_>>()),
+            "one head_dim",
+        ));
+    }
+    if d == 0 || d > 256 {
+        return Err(Error::UnsupportedHeadDim {
+            head_dim: d,
+            backend: "the FP8 pre-pass".into(),
+            supported: "1..=256".into(),
+        });
+    }
+    if ops.iter().any(|o| o.rotate) && (hadamard.is_none() || !d.is_power_of_two()) {
+        return Err(option_error(
+            "hadamard",
+            format!("{hadamard:?} at head_dim {d}"),
+            "a seed and a power-of-two head_dim",
+        ));
+    }
+    let suffix = dtype_suffix(dtype)?;
+    let mut params = PrepassParams {
+        hadamard_seed: hadamard.unwrap_or(0),
+        head_dim: to_i32(d, "head_dim")?,
+        n_ops: ops.len() as i32,
+        ..Default::default()
+    };
+    let mut items = 0usize;
+    let mut blocks = Vec::new();
+    for (slot, o) in params.op.iter_mut().zip(ops) {
+        let [b, s, h, _] = o.shape;
+        let rows = block_rows(scaling, s);
+        let n_blocks = s.div_ceil(rows);
+        let item_count = b.checked_mul(h).and_then(|x| x.checked_mul(n_blocks));
+        items = item_count
+            .and_then(|n| items.checked_add(n))
+            .ok_or_else(|| Error::TooLarge { what: format!("FP8 pre-pass work items of shape {:?}", o.shape) })?;
+        blocks.push(n_blocks);
+        *slot = PrepassOperand {
+            x: o.x,
+            codes: o.codes,
+            scales: o.scales,
+            x_batch_stride: to_i64(o.x_strides[0], "input batch stride")?,
+            x_row_stride: to_i64(o.x_strides[1], "input row stride")?,
+            x_head_stride: to_i64(o.x_strides[2], "input head stride")?,
+            c_batch_stride: to_i64(o.code_strides[0], "codes batch stride")?,
+            c_row_stride: to_i64(o.code_strides[1], "codes row stride")?,
+            c_head_stride: to_i64(o.code_strides[2], "codes head stride")?,
+            c_dim_stride: to_i64(o.code_strides[3], "codes head_dim stride")?,
+            batch: to_i32(b, "batch")?,
+            seqlen: to_i32(s, "seqlen")?,
+            heads: to_i32(h, "heads")?,
+            block_rows: to_i32(rows, "FP8 block rows")?,
+            blocks: to_i32(n_blocks, "FP8 blocks")?,
+            flags: if o.rotate { PREPASS_ROTATE } else { 0 },
+        };
+    }
+    let grid = u32::try_from(items.div_ceil(PREPASS_WARPS as usize))
+        .map_err(|_| Error::TooLarge { what: format!("FP8 pre-pass grid of {items} work items") })?;
+    let e = d.div_ceil(32).next_power_of_two();
+    Ok(PrepassLaunch {
+        kernel: format!("fa_fp8_prepass_e{e}_{suffix}"),
+        grid,
+        block: PREPASS_WARPS * 32,
+        params,
+        blocks,
+    })
+}
+
+/// Where the FP8 consumer's operands live.
+#[derive(Clone, Copy, Debug)]
+pub struct ConsumerOperands {
+    /// e4m3 codes of Q and K, `[b, s, h, d]`, byte strides (batch, seqlen, heads).
+    pub q: u64,
+    pub q_strides: [usize; 3],
+    pub k: u64,
+    pub k_strides: [usize; 3],
+    /// e4m3 codes of Vᵀ, `[b, h_kv, d, keys]`: byte strides (batch, head_dim row, head).
+    pub vt: u64,
+    pub vt_strides: [usize; 3],
+    /// The bf16/f16 output, element strides (batch, seqlen, heads); LSE buffer or 0.
+    pub o: u64,
+    pub o_strides: [usize; 3],
+    pub lse: u64,
+    /// f32 descales of Q, K, V: `[batch, heads, blocks]` (one block per (batch, head) with
+    /// `Fp8Scaling::PerTensor`: FA3's per-(batch, kv-head) layout for K and V).
+    pub descales: [u64; 3],
+}
+
+/// One launch of the FP8 consumer.
+#[derive(Clone, Debug)]
+pub struct ConsumerLaunch {
+    /// `fa3fp8s1_fwd_hd128_<output dtype>`.
+    pub kernel: String,
+    pub grid: (u32, u32, u32),
+    pub block: u32,
+    pub smem_bytes: u32,
+    pub params: FwdParams,
+}
+
+/// The launch of the FP8 consumer for problem `p` (its precision must be `Precision::Fp8`) on
+/// `ops`.
+///
+/// # Errors
+/// [`Error::InvalidOption`] when `p` is not an FP8 problem, asks for ALiBi, or has a block size
+/// that is not a multiple of 64 rows; [`Error::UnsupportedHeadDim`] for head dims other than
+/// 128; [`Error::UnsupportedDType`]; [`Error::InvalidLayout`] for strides or addresses that are
+/// not multiples of 16 bytes (the consumer's 16-byte loads); [`Error::TooLarge`].
+pub fn consumer_plan(p: &Problem, ops: &ConsumerOperands) -> Result<ConsumerLaunch> {
+    let Precision::Fp8 { scaling, .. } = p.precision else {
+        return Err(option_error("precision", format!("{:?}", p.precision), "Precision::Fp8 for the FP8 consumer"));
+    };
+    let descale_block = match scaling {
+        Fp8Scaling::PerTensor => 0,
+        Fp8Scaling::PerBlock { rows } if rows > 0 && rows % 64 == 0 => to_i32(rows, "FP8 block rows")?,
+        other => {
+            return Err(option_error(
+                "Fp8Scaling",
+                format!("{other:?}"),
+                "PerTensor or PerBlock with a multiple of 64 rows",
+            ))
+        }
+    };
+    if p.alibi.is_some() {
+        return Err(option_error("alibi", "slopes".into(), "none with the FP8 consumer"));
+    }
+    if p.head_dim != CONSUMER_HEAD_DIM {
+        return Err(Error::UnsupportedHeadDim {
+            head_dim: p.head_dim,
+            backend: "the FP8 consumer (fa3fp8s1)".into(),
+            supported: CONSUMER_HEAD_DIM.to_string(),
+        });
+    }
+    let suffix = dtype_suffix(p.dtype)?;
+    let aligned = |operand: Operand, addr: u64, strides: &[usize], unit: usize| -> Result<()> {
+        if addr % 16 != 0 || strides.iter().any(|s| s * unit % 16 != 0) {
+            return Err(Error::InvalidLayout {
+                operand,
+                reason: format!("address {addr:#x} and strides {strides:?} must be multiples of 16 bytes"),
+            });
+        }
+        Ok(())
+    };
+    aligned(Operand::Q, ops.q, &ops.q_strides, 1)?;
+    aligned(Operand::K, ops.k, &ops.k_strides, 1)?;
+    aligned(Operand::V, ops.vt, &ops.vt_strides, 1)?;
+    for x in [p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv] {
+        to_i32(x, "a dimension")?;
+    }
+    let mut params = FwdParams::for_launch(
+        p,
+        [ops.q, ops.k, ops.vt, ops.o],
+        [ops.q_strides, ops.k_strides, ops.vt_strides, ops.o_strides],
+        ops.lse,
+        0,
+    );
+    [params.q_descale, params.k_descale, params.v_descale] = ops.descales;
+    params.descale_block = descale_block;
+    let grid = (to_i32(p.seqlen_q.div_ceil(CONSUMER_BLOCK_M), "query tiles")? as u32, p.heads_q as u32, p.batch as u32);
+    Ok(ConsumerLaunch {
+        kernel: format!("fa3fp8s1_fwd_hd{CONSUMER_HEAD_DIM}_{suffix}"),
+        grid,
+        block: CONSUMER_THREADS,
+        smem_bytes: CONSUMER_SMEM_BYTES,
+        params,
+    })
+}
