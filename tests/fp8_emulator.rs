@@ -939,3 +939,89 @@ fn fp8_plans_refuse_what_the_kernels_do_not_run() {
     misaligned.vt_strides[1] = 70;
     assert!(matches!(consumer_plan(&problem(128, fp8(block)), &misaligned), Err(Error::InvalidLayout { .. })));
 }
+
+/// The CuTe headers' include directory (scripts/install-cutlass.sh, or FLASH_ATTN_CUTLASS_INCLUDE).
+fn cutlass_include() -> PathBuf {
+    if let Some(p) = std::env::var_os("FLASH_ATTN_CUTLASS_INCLUDE") {
+        return PathBuf::from(p);
+    }
+    let lib = common::emu::root().join(".cutlass/lib");
+    std::fs::read_dir(&lib)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path().join("site-packages/cutlass_library/source/include"))
+        .find(|p| p.join("cute/tensor.hpp").is_file())
+        .unwrap_or_else(|| panic!("no CuTe headers: set FLASH_ATTN_CUTLASS_INCLUDE or run scripts/install-cutlass.sh"))
+}
+
+/// The QGMMA / WARPGROUP instructions of each kernel of a SASS dump, register numbers dropped.
+fn qgmma_instructions(sass: &str) -> Vec<(String, Vec<String>)> {
+    let mut out: Vec<(String, Vec<String>)> = Vec::new();
+    for line in sass.lines() {
+        if let Some(name) = line.trim().strip_prefix("Function : ") {
+            out.push((name.trim().to_string(), Vec::new()));
+            continue;
+        }
+        let Some(code) = line.trim().strip_prefix("/*").and_then(|l| l.split_once("*/")).map(|(_, c)| c) else {
+            continue;
+        };
+        let code = code.split(';').next().unwrap_or("").trim();
+        if !(code.starts_with("QGMMA") || code.starts_with("WARPGROUP")) {
+            continue;
+        }
+        let mut norm = String::new();
+        let mut chars = code.chars().peekable();
+        while let Some(c) = chars.next() {
+            norm.push(c);
+            let at_word_start =
+                norm.len() == 1 || !norm[..norm.len() - 1].ends_with(|p: char| p.is_ascii_alphanumeric());
+            if c == 'R' && at_word_start || (c == 'R' && norm.ends_with("UR")) {
+                while chars.peek().is_some_and(|d| d.is_ascii_digit()) {
+                    chars.next();
+                }
+            }
+        }
+        if let Some((_, v)) = out.last_mut() {
+            v.push(norm);
+        }
+    }
+    out
+}
+
+/// Compile-only: our e4m3 wgmma wrappers become the same QGMMA instructions as CuTe's
+/// MMA_64x64x32_F32E4M3E4M3_{SS,RS}_TN (cuda/test/oracle/gmma_forms_fp8.cu), register numbers
+/// aside: operand kinds, K-major forms, accumulate / overwrite.
+#[test]
+#[ignore = "needs the CuTe headers (scripts/install-cutlass.sh) and nvcc"]
+fn cute_e4m3_forms() {
+    let nvcc = find_nvcc().expect("nvcc not found (set NVCC or run scripts/install-cuda-toolchain.sh)");
+    let dir = work_dir("cute");
+    let cubin = dir.join("gmma_forms_fp8.cubin");
+    let root = common::emu::root();
+    let out = Command::new(&nvcc)
+        .args(["-std=c++17", "-O3", "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-isystem"])
+        .arg(cutlass_include())
+        .arg("-I")
+        .arg(root.join("cuda/include"))
+        .arg(root.join("cuda/test/oracle/gmma_forms_fp8.cu"))
+        .arg("-o")
+        .arg(&cubin)
+        .output()
+        .expect("run nvcc");
+    assert!(out.status.success(), "nvcc failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    let dump =
+        Command::new(nvcc.with_file_name("cuobjdump")).arg("--dump-sass").arg(&cubin).output().expect("cuobjdump");
+    assert!(dump.status.success(), "cuobjdump failed");
+    let kernels = qgmma_instructions(&String::from_utf8_lossy(&dump.stdout));
+    for form in ["ss_acc", "ss_zero", "rs"] {
+        let find = |imp: &str| {
+            let name = format!("{imp}_e4m3_{form}");
+            kernels.iter().find(|(n, _)| *n == name).map(|(_, v)| v.clone()).unwrap_or_else(|| panic!("no {name}"))
+        };
+        let (ours, cute) = (find("ours"), find("cute"));
+        println!("{form}: ours {ours:?}\n{form}: CuTe {cute:?}");
+        assert!(ours.iter().any(|i| i.starts_with("QGMMA.64x64x32.F32.E4M3.E4M3")), "{form}: no QGMMA");
+        assert_eq!(ours, cute, "{form}: our e4m3 wgmma differs from CuTe's");
+    }
+}
