@@ -974,9 +974,10 @@ fn qgmma_instructions(sass: &str) -> Vec<(String, Vec<String>)> {
         let mut chars = code.chars().peekable();
         while let Some(c) = chars.next() {
             norm.push(c);
-            let at_word_start =
-                norm.len() == 1 || !norm[..norm.len() - 1].ends_with(|p: char| p.is_ascii_alphanumeric());
-            if c == 'R' && at_word_start || (c == 'R' && norm.ends_with("UR")) {
+            // A register name: R<digits> or UR<digits> starting a word.
+            let before = &norm[..norm.len() - 1];
+            let word_start = |s: &str| !s.ends_with(|p: char| p.is_ascii_alphanumeric());
+            if c == 'R' && (word_start(before) || before.strip_suffix('U').is_some_and(word_start)) {
                 while chars.peek().is_some_and(|d| d.is_ascii_digit()) {
                     chars.next();
                 }
