@@ -88,6 +88,74 @@ __device__ __forceinline__ float descale_at(uint64_t base, const FwdParams& p, i
     return reinterpret_cast<const float*>(base)[static_cast<int64_t>(bh) * blocks + blk];
 }
 
+// One K/V tile, synchronously (both stages): S = Q Kᵀ (e4m3), per-block descales on S, mask,
+// online softmax, rescale O, P · 2^8 -> e4m3 A fragments, O' += P V per 64-key half under its V
+// descale. q_addr / k_addr / v_addr: the shared addresses of the Q, K and Vᵀ tiles.
+template <class F, class T, int D>
+__device__ __forceinline__ void fp8_tile(const FwdParams& p, Acc<D>& acc, float (&s)[F::kBlockN / 2], const float (&dq)[2],
+                                         float& dv_cur, const FragPos& fp, int m0, int n, int bhk, uint32_t q_addr,
+                                         uint32_t k_addr, uint32_t v_addr) {
+    using Tr = typename F::Tr;
+    const int n0 = n * F::kBlockN;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / kMmaK8; ++kk) {
+        const uint64_t da = desc_kmajor_sw128(q_addr + F::qk_a_offset(kk));
+#pragma unroll
+        for (int nh = 0; nh < F::kBlockN / kMmaN; ++nh)
+            wgmma_m64n64k32_ss_e4m3(&s[acc_index(nh * kMmaN / 8, 0, 0)], da,
+                                    desc_kmajor_sw128(k_addr + F::qk_b_offset(kk, nh)), kk > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(s);
+
+    // Per-block descales on S, per element of the tile.
+#pragma unroll
+    for (int c = 0; c < F::kBlockN / 8; ++c)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const float dk = descale_at(p.k_descale, p, bhk, p.seqlen_k, n0 + 8 * c + fp.col0 + e);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) s[acc_index(c, h, e)] *= dq[h] * dk;
+        }
+
+    softcap_and_mask<Tr>(p, s, fp, m0, n);
+    float corr[2];
+    online_softmax<Tr>(acc, s, p.softmax_scale_log2, corr);
+    rescale_o<Tr>(acc, corr);
+
+    // P · 2^8 -> e4m3 A fragments (the row sums above used the unscaled P).
+    const float p_scale = exp2f(FA_FP8_P_SCALE_LOG2);
+#pragma unroll
+    for (int i = 0; i < F::kBlockN / 2; ++i) s[i] *= p_scale;
+    uint32_t a[F::kBlockN / kMmaK8][4];
+#pragma unroll
+    for (int kk = 0; kk < F::kBlockN / kMmaK8; ++kk) acc_to_a8(&s[16 * kk], a[kk]);
+
+    // Two 64-key halves, each under one V descale: O' *= dv_old / dv_new, then O' += P V.
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const float dv = descale_at(p.v_descale, p, bhk, p.seqlen_k, n0 + 64 * half);
+        const float ratio = dv_cur == 0.f ? 1.f : dv_cur / dv;
+        dv_cur = dv;
+        if (ratio != 1.f) {
+#pragma unroll
+            for (int i = 0; i < D / 2; ++i) acc.o[i] *= ratio;
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 2 * half; kk < 2 * half + 2; ++kk)
+#pragma unroll
+            for (int nh = 0; nh < D / kMmaN; ++nh)
+                wgmma_m64n64k32_rs_e4m3(&acc.o[acc_index(nh * kMmaN / 8, 0, 0)], a[kk],
+                                        desc_kmajor_sw128(v_addr + F::pv_b_offset(kk, nh)));
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(acc.o);
+    }
+}
+
 template <class T, int D>
 __device__ __forceinline__ void fp8_stage1(const FwdParams& p) {
     using F = Fp8Traits<D>;
@@ -132,65 +200,111 @@ __device__ __forceinline__ void fp8_stage1(const FwdParams& p) {
         fence_proxy_async_smem();
         __syncthreads();
 
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / kMmaK8; ++kk) {
-            const uint64_t da = desc_kmajor_sw128(smem_u32(sq) + F::qk_a_offset(kk));
-#pragma unroll
-            for (int nh = 0; nh < F::kBlockN / kMmaN; ++nh)
-                wgmma_m64n64k32_ss_e4m3(&s[acc_index(nh * kMmaN / 8, 0, 0)], da,
-                                        desc_kmajor_sw128(smem_u32(sk) + F::qk_b_offset(kk, nh)), kk > 0 ? 1 : 0);
-        }
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(s);
-
-        // Per-block descales on S, per element of the tile.
-#pragma unroll
-        for (int c = 0; c < F::kBlockN / 8; ++c)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const float dk = descale_at(p.k_descale, p, bhk, p.seqlen_k, n0 + 8 * c + fp.col0 + e);
-#pragma unroll
-                for (int h = 0; h < 2; ++h) s[acc_index(c, h, e)] *= dq[h] * dk;
-            }
-
-        softcap_and_mask<Tr>(p, s, fp, m0, n);
-        float corr[2];
-        online_softmax<Tr>(acc, s, p.softmax_scale_log2, corr);
-        rescale_o<Tr>(acc, corr);
-
-        // P · 2^8 -> e4m3 A fragments (the row sums above used the unscaled P).
-        const float p_scale = exp2f(FA_FP8_P_SCALE_LOG2);
-#pragma unroll
-        for (int i = 0; i < F::kBlockN / 2; ++i) s[i] *= p_scale;
-        uint32_t a[F::kBlockN / kMmaK8][4];
-#pragma unroll
-        for (int kk = 0; kk < F::kBlockN / kMmaK8; ++kk) acc_to_a8(&s[16 * kk], a[kk]);
-
-        // Two 64-key halves, each under one V descale: O' *= dv_old / dv_new, then O' += P V.
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const float dv = descale_at(p.v_descale, p, bhk, p.seqlen_k, n0 + 64 * half);
-            const float ratio = dv_cur == 0.f ? 1.f : dv_cur / dv;
-            dv_cur = dv;
-            if (ratio != 1.f) {
-#pragma unroll
-                for (int i = 0; i < D / 2; ++i) acc.o[i] *= ratio;
-            }
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 2 * half; kk < 2 * half + 2; ++kk)
-#pragma unroll
-                for (int nh = 0; nh < D / kMmaN; ++nh)
-                    wgmma_m64n64k32_rs_e4m3(&acc.o[acc_index(nh * kMmaN / 8, 0, 0)], a[kk],
-                                            desc_kmajor_sw128(smem_u32(sv) + F::pv_b_offset(kk, nh)));
-            wgmma_commit();
-            wgmma_wait<0>();
-            fence_regs(acc.o);
-        }
+        fp8_tile<F, T, D>(p, acc, s, dq, dv_cur, fp, m0, n, bhk, smem_u32(sq), smem_u32(sk), smem_u32(sv));
     }
     // O_true = O' · dv · 2^-8, then the usual normalisation by the row sum.
+    const float unscale = dv_cur * exp2f(-FA_FP8_P_SCALE_LOG2);
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) acc.o[i] *= unscale;
+    write_output<Tr, T>(p, acc, fp, m0, bc.batch, bc.head);
+}
+
+// ---- stage 2: + TMA into a 2-slot K/V ring guarded by mbarriers (thread 0 issues), as the
+// 16-bit stage 2. Tensor maps (UINT8, SWIZZLE_128B, box inner extent 128 bytes): Q and K as
+// {d, heads, seqlen, batch} with boxes {128, 1, 64 | 128, 1}; Vᵀ as {keys (= seqlen_k), d, heads,
+// batch} with box {128, D, 1, 1}, which lands as D rows of 128 keys: the K-major Vᵀ tile, keys
+// past seqlen_k zero-filled.
+template <int D>
+struct Fp8Traits2 : Fp8Traits<D> {
+    using Base = Fp8Traits<D>;
+    static constexpr int kKvStages = 2;
+    static constexpr int kOffQ = 0;
+    static constexpr int kOffK = Base::kQBytes;
+    static constexpr int kOffV = kOffK + kKvStages * Base::kKBytes;
+    static constexpr int kOffBarriers = kOffV + kKvStages * Base::kVBytes;
+    static constexpr int kNumBarriers = 1 + 2 * kKvStages;  // q_full, kv_full[2], kv_empty[2] (unused)
+    static constexpr int kSmemUsed = kOffBarriers + 8 * kNumBarriers;
+    static constexpr int kSmemBytes = kSmemUsed + kSwizzleAtomBytes;
+    static_assert(kSmemBytes <= 227 * 1024, "sm_90 opt-in shared memory");
+};
+
+template <class F>
+__device__ __forceinline__ void fp8_issue_q(const TmaDesc* tq, uint8_t* sq, uint64_t* bar, int m0, int head, int batch) {
+    mbar_arrive_expect_tx(bar, F::kQBytes);
+#pragma unroll
+    for (int slab = 0; slab < F::kSlabs; ++slab)
+        tma_load_4d(sq + slab * F::kBlockM * kSwizzleBytes, tq, bar, slab * kSlabCols8, head, m0, batch);
+}
+
+template <class F, int D>
+__device__ __forceinline__ void fp8_issue_kv(const TmaDesc* tk, const TmaDesc* tv, uint8_t* sk, uint8_t* sv,
+                                             uint64_t* bar, int slot, int n, int kv_head, int batch) {
+    mbar_arrive_expect_tx(bar, F::kKBytes + F::kVBytes);
+    uint8_t* dk = sk + slot * F::kKBytes;
+#pragma unroll
+    for (int slab = 0; slab < F::kSlabs; ++slab)
+        tma_load_4d(dk + slab * F::kBlockN * kSwizzleBytes, tk, bar, slab * kSlabCols8, kv_head, n * F::kBlockN, batch);
+    tma_load_4d(sv + slot * F::kVBytes, tv, bar, n * F::kBlockN, 0, kv_head, batch);
+}
+
+template <class T, int D>
+__device__ __forceinline__ void fp8_stage2(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv) {
+    using F = Fp8Traits2<D>;
+    using Tr = typename F::Tr;
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t* smem = aligned_smem(smem_raw);
+    uint8_t* sq = smem + F::kOffQ;
+    uint8_t* sk = smem + F::kOffK;
+    uint8_t* sv = smem + F::kOffV;
+    Barriers<F> bars(smem);
+
+    const int tid = threadIdx.x;
+    const BlockCoord bc = block_coord(p);
+    const int m0 = bc.m_block * F::kBlockM;
+    const KvRange kv = kv_tile_range(p, m0, min(m0 + F::kBlockM, p.seqlen_q), F::kBlockN);
+    const int n_tiles = kv.n_end - kv.n_begin;
+    const int bhq = bc.batch * p.heads_q + bc.head, bhk = bc.batch * p.heads_kv + bc.kv_head;
+    const bool issuer = tid == 0;
+
+    if (issuer) {
+        mbar_init(bars.q_full, 1);
+        for (int st = 0; st < F::kKvStages; ++st) mbar_init(&bars.kv_full[st], 1);
+        mbar_init_fence();
+    }
+    __syncthreads();
+    if (issuer && n_tiles > 0) {
+        tma_prefetch_desc(tq);
+        tma_prefetch_desc(tk);
+        tma_prefetch_desc(tv);
+        fp8_issue_q<F>(tq, sq, bars.q_full, m0, bc.head, bc.batch);
+        for (int it = 0; it < min(n_tiles, F::kKvStages); ++it)
+            fp8_issue_kv<F, D>(tk, tv, sk, sv, &bars.kv_full[it], it, kv.n_begin + it, bc.kv_head, bc.batch);
+    }
+
+    const FragPos fp = frag_pos(tid);
+    float dq[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) dq[h] = descale_at(p.q_descale, p, bhq, p.seqlen_q, m0 + fp.row0 + 8 * h);
+    Acc<D> acc;
+    acc_init(acc);
+    float dv_cur = 0.f;
+    float s[F::kBlockN / 2];
+#pragma unroll
+    for (int i = 0; i < F::kBlockN / 2; ++i) s[i] = 0.f;
+
+    if (n_tiles > 0) consumer_wait(bars.q_full, 0);
+    for (int it = 0; it < n_tiles; ++it) {
+        const int slot = it % F::kKvStages;
+        consumer_wait(&bars.kv_full[slot], (it / F::kKvStages) & 1);
+        fp8_tile<F, T, D>(p, acc, s, dq, dv_cur, fp, m0, kv.n_begin + it, bhk, smem_u32(sq),
+                          smem_u32(sk + slot * F::kKBytes), smem_u32(sv + slot * F::kVBytes));
+        // Every thread waited for both wgmma groups reading this slot; after the CTA barrier the
+        // slot may be refilled.
+        __syncthreads();
+        if (issuer && it + F::kKvStages < n_tiles)
+            fp8_issue_kv<F, D>(tk, tv, sk, sv, &bars.kv_full[slot], slot, kv.n_begin + it + F::kKvStages, bc.kv_head,
+                               bc.batch);
+    }
     const float unscale = dv_cur * exp2f(-FA_FP8_P_SCALE_LOG2);
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) acc.o[i] *= unscale;
@@ -201,16 +315,26 @@ __device__ __forceinline__ void fp8_stage1(const FwdParams& p) {
 
 template <class T, int D>
 __device__ __forceinline__ void fp8_stage1(const FwdParams&) {}
+template <class T, int D>
+__device__ __forceinline__ void fp8_stage2(const FwdParams&, const TmaDesc*, const TmaDesc*, const TmaDesc*) {}
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 }  // namespace fa3
 
-// Symbol: fa3fp8s1_fwd_hd<D>_<output dtype>.
+// Symbols: fa3fp8s<stage>_fwd_hd<D>_<output dtype>; stage 2 also takes the tensor maps of Q, K, Vᵀ.
 #define FA3_FP8_S1(DT, T, D)                                                               \
     extern "C" __global__ void __launch_bounds__(fa3::kWarpgroupThreads, 1)                \
         fa3fp8s1_fwd_hd##D##_##DT(const __grid_constant__ FwdParams p) {                   \
         fa3::fp8_stage1<T, D>(p);                                                          \
     }
+#define FA3_FP8_S2(DT, T, D)                                                                             \
+    extern "C" __global__ void __launch_bounds__(fa3::kWarpgroupThreads, 1) fa3fp8s2_fwd_hd##D##_##DT(   \
+        const __grid_constant__ FwdParams p, const __grid_constant__ fa3::TmaDesc tmap_q,                \
+        const __grid_constant__ fa3::TmaDesc tmap_k, const __grid_constant__ fa3::TmaDesc tmap_vt) {     \
+        fa3::fp8_stage2<T, D>(p, &tmap_q, &tmap_k, &tmap_vt);                                            \
+    }
 FA3_FP8_S1(bf16, __nv_bfloat16, 128)
 FA3_FP8_S1(f16, __half, 128)
+FA3_FP8_S2(bf16, __nv_bfloat16, 128)
+FA3_FP8_S2(f16, __half, 128)

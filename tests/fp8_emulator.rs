@@ -569,6 +569,7 @@ fn run_fp8_kernel(
     hadamard: Option<u64>,
     causal: bool,
     seeds: &str,
+    stage: u32,
 ) -> Result<KernelOut, String> {
     let [b_n, sq, hq, d] = q.shape();
     let [_, sk, hk, _] = k.shape();
@@ -608,7 +609,7 @@ fn run_fp8_kernel(
         lse: 0x5000_0000,
         descales: [0x6000_0000, 0x7000_0000, 0x8000_0000],
     };
-    let plan = consumer_plan(&problem, &ops).map_err(|e| e.to_string())?;
+    let plan = consumer_plan(&problem, &ops, stage).map_err(|e| e.to_string())?;
     let p = plan.params;
     let scale = problem.scale;
     let dtype = q.dtype();
@@ -628,6 +629,27 @@ fn run_fp8_kernel(
     writeln!(lf, "grid {gx} {gy} {gz}\nblock {}\nsmem {}\nregs 0\nseeds {seeds}", plan.block, plan.smem_bytes).unwrap();
     let hex: String = p.to_bytes().iter().map(|b| format!("{b:02x}")).collect();
     writeln!(lf, "params {hex}").unwrap();
+    for m in &plan.tensor_maps {
+        let t = &m.spec;
+        let j = |v: &[u64]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(" ");
+        let j32 = |v: &[u32]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(" ");
+        writeln!(
+            lf,
+            "tmap {} {} {:#x} {} {} {} {} {} {} {} {}",
+            t.data_type,
+            t.rank,
+            m.global_address,
+            j(&t.dims),
+            j(&t.strides),
+            j32(&t.box_dims),
+            j32(&t.elem_strides),
+            t.interleave,
+            t.swizzle,
+            t.l2_promotion,
+            t.oob_fill
+        )
+        .unwrap();
+    }
     for (n, addr, bytes) in &ins {
         let path = dir.join(format!("{n}.bin"));
         std::fs::write(&path, bytes).unwrap();
@@ -721,9 +743,12 @@ fn fp8_consumer_matches_cpu_fp8_path() {
         ("f16_per_tensor_no_had", DType::F16, [1, 65, 2, 128], [1, 129, 2, 128], Fp8Scaling::PerTensor, None, false),
     ];
     let mut failed = Vec::new();
-    for (i, (name, dtype, qs, ks, scaling, hadamard, causal)) in cases.into_iter().enumerate() {
+    for ((i, (name, dtype, qs, ks, scaling, hadamard, causal)), stage) in
+        cases.into_iter().enumerate().flat_map(|c| [(c, 1), (c, 2)])
+    {
         let (q, k, v) = fa3_inputs(dtype, qs, ks, 100 + i as u64);
-        let got = run_fp8_kernel(name, &q, &k, &v, scaling, hadamard, causal, "1 2 3")
+        let name = format!("s{stage}_{name}");
+        let got = run_fp8_kernel(&name, &q, &k, &v, scaling, hadamard, causal, "1 2 3", stage)
             .unwrap_or_else(|e| panic!("{name}: {e}"));
         let (o, lse) = cpu_fp8(&q, &k, &v, Precision::Fp8 { scaling, hadamard }, causal);
         let max_o = got.o.iter().zip(&o).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
@@ -780,11 +805,12 @@ fn fp8_consumer_accuracy_table() {
     let err = |o: &[f32]| rmse(&o.iter().map(|&x| x as f64).collect::<Vec<_>>(), &exact);
     let naive = rmse(&attention_naive_fp8(&p, &q.view(), &k.view(), &v.view(), Fp8Scaling::PerTensor).unwrap(), &exact);
     let mut rows = Vec::new();
-    for (label, scaling, hadamard) in [
-        ("per-block (64) + Hadamard", Fp8Scaling::PerBlock { rows: 64 }, Some(0x5EED)),
-        ("per-tensor, no Hadamard", Fp8Scaling::PerTensor, None),
+    for (label, scaling, hadamard, stage) in [
+        ("per-block (64) + Hadamard, stage 2", Fp8Scaling::PerBlock { rows: 64 }, Some(0x5EED), 2),
+        ("per-tensor, no Hadamard, stage 2", Fp8Scaling::PerTensor, None, 2),
+        ("per-block (64) + Hadamard, stage 1", Fp8Scaling::PerBlock { rows: 64 }, Some(0x5EED), 1),
     ] {
-        let got = run_fp8_kernel(&format!("table_{}", rows.len()), &q, &k, &v, scaling, hadamard, false, "1")
+        let got = run_fp8_kernel(&format!("table_{}", rows.len()), &q, &k, &v, scaling, hadamard, false, "1", stage)
             .unwrap_or_else(|e| panic!("{label}: {e}"));
         let (cpu, _) = cpu_fp8(&q, &k, &v, Precision::Fp8 { scaling, hadamard }, false);
         let (ek, ec) = (err(&got.o), err(&cpu));
@@ -796,6 +822,7 @@ fn fp8_consumer_accuracy_table() {
         rows.push(ek);
     }
     assert!(rows[0] <= 9.1e-3, "per-block + Hadamard RMSE {:.3e} > 9.1e-3", rows[0]);
+    assert_eq!(rows[0], rows[2], "stages 1 and 2 compute the same tiles in the same order");
     assert!(naive / rows[0] >= 2.0, "gain over the naive per-tensor baseline only {:.2}x", naive / rows[0]);
 }
 
@@ -855,8 +882,8 @@ fn fp8_kernels_sass() {
         ("cuda/fp8_prepass.cu", 8, &["F2FP.SATFINITE.E4M3.F32", "SHFL.BFLY"][..]),
         (
             "cuda/fa3_fp8_fwd_sm90.cu",
-            2,
-            &["QGMMA.64x64x32.F32.E4M3.E4M3", "F2FP.SATFINITE.E4M3.F32", "SHFL.IDX", "PRMT"][..],
+            4,
+            &["QGMMA.64x64x32.F32.E4M3.E4M3", "F2FP.SATFINITE.E4M3.F32", "SHFL.IDX", "PRMT", "UTMALDG.4D", "SYNCS"][..],
         ),
     ] {
         let (report, sass) = sm90a_sass(src);
@@ -923,21 +950,28 @@ fn fp8_plans_refuse_what_the_kernels_do_not_run() {
         descales: [0x5000, 0x6000, 0x7000],
     };
     let fp8 = |scaling| Precision::Fp8 { scaling, hadamard: None };
-    let ok = consumer_plan(&problem(128, fp8(block)), &ops(128)).unwrap();
+    let ok = consumer_plan(&problem(128, fp8(block)), &ops(128), 1).unwrap();
     assert_eq!((ok.kernel.as_str(), ok.grid, ok.params.descale_block), ("fa3fp8s1_fwd_hd128_bf16", (1, 2, 1), 64));
-    assert_eq!(consumer_plan(&problem(128, fp8(Fp8Scaling::PerTensor)), &ops(128)).unwrap().params.descale_block, 0);
+    assert_eq!(consumer_plan(&problem(128, fp8(Fp8Scaling::PerTensor)), &ops(128), 1).unwrap().params.descale_block, 0);
     assert!(matches!(
-        consumer_plan(&problem(64, fp8(block)), &ops(64)),
+        consumer_plan(&problem(64, fp8(block)), &ops(64), 2),
         Err(Error::UnsupportedHeadDim { head_dim: 64, .. })
     ));
     assert!(matches!(
-        consumer_plan(&problem(128, fp8(Fp8Scaling::PerBlock { rows: 32 })), &ops(128)),
+        consumer_plan(&problem(128, fp8(Fp8Scaling::PerBlock { rows: 32 })), &ops(128), 1),
         Err(Error::InvalidOption { .. })
     ));
-    assert!(matches!(consumer_plan(&problem(128, Precision::default()), &ops(128)), Err(Error::InvalidOption { .. })));
+    assert!(matches!(
+        consumer_plan(&problem(128, Precision::default()), &ops(128), 1),
+        Err(Error::InvalidOption { .. })
+    ));
+    assert!(matches!(consumer_plan(&problem(128, fp8(block)), &ops(128), 3), Err(Error::InvalidOption { .. })));
+    let s2 = consumer_plan(&problem(128, fp8(block)), &ops(128), 2).unwrap();
+    assert_eq!((s2.kernel.as_str(), s2.tensor_maps.len()), ("fa3fp8s2_fwd_hd128_bf16", 3));
+    assert_eq!(s2.tensor_maps[2].spec.box_dims, [128, 128, 1, 1]);
     let mut misaligned = ops(128);
     misaligned.vt_strides[1] = 70;
-    assert!(matches!(consumer_plan(&problem(128, fp8(block)), &misaligned), Err(Error::InvalidLayout { .. })));
+    assert!(matches!(consumer_plan(&problem(128, fp8(block)), &misaligned, 1), Err(Error::InvalidLayout { .. })));
 }
 
 /// The CuTe headers' include directory (scripts/install-cutlass.sh, or FLASH_ATTN_CUTLASS_INCLUDE).

@@ -3,7 +3,11 @@
 //! consumer (`cuda/fa3_fp8_fwd_sm90.cu`). The CPU emulator runs exactly these launches
 //! (tests/fp8_emulator.rs); `Engine` does not launch them yet (docs/fp8.md, "Not done yet").
 
+use super::fa3_tma::{
+    TmaSpec, TMA_INTERLEAVE_NONE, TMA_L2_PROMOTION_256B, TMA_OOB_FILL_NONE, TMA_RANK, TMA_SWIZZLE_128B,
+};
 use super::params::FwdParams;
+use super::plan::TensorMapArgs;
 use crate::error::{Error, Operand, Result};
 use crate::numerics::quant::block_rows;
 use crate::options::{Fp8Scaling, Precision};
@@ -23,9 +27,13 @@ pub const CONSUMER_HEAD_DIM: usize = 128;
 pub const CONSUMER_BLOCK_M: usize = 64;
 pub const CONSUMER_BLOCK_N: usize = 128;
 pub const CONSUMER_THREADS: u32 = 128;
-/// Fp8Traits<128>::kSmemBytes: Q 64x128 + K 128x128 + Vᵀ 128x128 e4m3, plus one 1024-byte
-/// swizzle atom of alignment slack.
+/// Fp8Traits<128>::kSmemBytes (stage 1): Q 64x128 + K 128x128 + Vᵀ 128x128 e4m3, plus one
+/// 1024-byte swizzle atom of alignment slack.
 pub const CONSUMER_SMEM_BYTES: u32 = (64 * 128 + 128 * 128 + 128 * 128 + 1024) as u32;
+/// Fp8Traits2<128>::kSmemBytes (stage 2): Q, a 2-slot K/Vᵀ ring, 5 mbarriers, the slack.
+pub const CONSUMER_S2_SMEM_BYTES: u32 = (64 * 128 + 2 * 128 * 128 + 2 * 128 * 128 + 8 * 5 + 1024) as u32;
+/// `CU_TENSOR_MAP_DATA_TYPE_UINT8`: e4m3 codes travel as bytes.
+const TMA_DTYPE_UINT8: u32 = 0;
 
 /// One operand of the pre-pass, mirrored from `Fp8PrepassOperand` (fp8_prepass_params.h).
 #[repr(C)]
@@ -275,23 +283,48 @@ pub struct ConsumerOperands {
 /// One launch of the FP8 consumer.
 #[derive(Clone, Debug)]
 pub struct ConsumerLaunch {
-    /// `fa3fp8s1_fwd_hd128_<output dtype>`.
+    /// `fa3fp8s<stage>_fwd_hd128_<output dtype>`.
     pub kernel: String,
     pub grid: (u32, u32, u32),
     pub block: u32,
     pub smem_bytes: u32,
     pub params: FwdParams,
+    /// Stage 2: the maps of Q, K and Vᵀ (`cuTensorMapEncodeTiled` arguments), else empty.
+    pub tensor_maps: Vec<TensorMapArgs>,
 }
 
-/// The launch of the FP8 consumer for problem `p` (its precision must be `Precision::Fp8`) on
-/// `ops`.
+/// A UINT8, 128B-swizzled 4-D map of `dims` (innermost first) with byte strides of dims 1..4.
+fn u8_map(global_address: u64, dims: [usize; 4], strides: [usize; 3], box_dims: [u32; 4]) -> TensorMapArgs {
+    TensorMapArgs {
+        global_address,
+        spec: TmaSpec {
+            data_type: TMA_DTYPE_UINT8,
+            rank: TMA_RANK,
+            dims: dims.map(|x| x as u64),
+            strides: strides.map(|x| x as u64),
+            box_dims,
+            elem_strides: [1; 4],
+            interleave: TMA_INTERLEAVE_NONE,
+            swizzle: TMA_SWIZZLE_128B,
+            l2_promotion: TMA_L2_PROMOTION_256B,
+            oob_fill: TMA_OOB_FILL_NONE,
+        },
+    }
+}
+
+/// The launch of the FP8 consumer's `stage` (1: plain loads; 2: + TMA ring, docs/fp8.md) for
+/// problem `p` (its precision must be `Precision::Fp8`) on `ops`.
 ///
 /// # Errors
-/// [`Error::InvalidOption`] when `p` is not an FP8 problem, asks for ALiBi, or has a block size
+/// [`Error::InvalidOption`] for a stage other than 1 or 2, when `p` is not an FP8 problem, asks
+/// for ALiBi, or has a block size
 /// that is not a multiple of 64 rows; [`Error::UnsupportedHeadDim`] for head dims other than
 /// 128; [`Error::UnsupportedDType`]; [`Error::InvalidLayout`] for strides or addresses that are
 /// not multiples of 16 bytes (the consumer's 16-byte loads); [`Error::TooLarge`].
-pub fn consumer_plan(p: &Problem, ops: &ConsumerOperands) -> Result<ConsumerLaunch> {
+pub fn consumer_plan(p: &Problem, ops: &ConsumerOperands, stage: u32) -> Result<ConsumerLaunch> {
+    if !(1..=2).contains(&stage) {
+        return Err(option_error("FP8 consumer stage", stage.to_string(), "1 or 2"));
+    }
     let Precision::Fp8 { scaling, .. } = p.precision else {
         return Err(option_error("precision", format!("{:?}", p.precision), "Precision::Fp8 for the FP8 consumer"));
     };
@@ -342,11 +375,26 @@ pub fn consumer_plan(p: &Problem, ops: &ConsumerOperands) -> Result<ConsumerLaun
     [params.q_descale, params.k_descale, params.v_descale] = ops.descales;
     params.descale_block = descale_block;
     let grid = (to_i32(p.seqlen_q.div_ceil(CONSUMER_BLOCK_M), "query tiles")? as u32, p.heads_q as u32, p.batch as u32);
+    let (d, bn) = (p.head_dim, CONSUMER_BLOCK_N as u32);
+    let tensor_maps = if stage == 2 {
+        let [qb, qr, qh] = ops.q_strides;
+        let [kb, kr, kh] = ops.k_strides;
+        let [vb, vr, vh] = ops.vt_strides;
+        vec![
+            u8_map(ops.q, [d, p.heads_q, p.seqlen_q, p.batch], [qh, qr, qb], [128, 1, CONSUMER_BLOCK_M as u32, 1]),
+            u8_map(ops.k, [d, p.heads_kv, p.seqlen_k, p.batch], [kh, kr, kb], [128, 1, bn, 1]),
+            // Vᵀ: keys innermost (seqlen_k of them: the box's keys past it are zero-filled).
+            u8_map(ops.vt, [p.seqlen_k, d, p.heads_kv, p.batch], [vr, vh, vb], [bn, d as u32, 1, 1]),
+        ]
+    } else {
+        Vec::new()
+    };
     Ok(ConsumerLaunch {
-        kernel: format!("fa3fp8s1_fwd_hd{CONSUMER_HEAD_DIM}_{suffix}"),
+        kernel: format!("fa3fp8s{stage}_fwd_hd{CONSUMER_HEAD_DIM}_{suffix}"),
         grid,
         block: CONSUMER_THREADS,
-        smem_bytes: CONSUMER_SMEM_BYTES,
+        smem_bytes: if stage == 2 { CONSUMER_S2_SMEM_BYTES } else { CONSUMER_SMEM_BYTES },
         params,
+        tensor_maps,
     })
 }
