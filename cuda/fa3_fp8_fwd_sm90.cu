@@ -311,12 +311,124 @@ __device__ __forceinline__ void fp8_stage2(const FwdParams& p, const TmaDesc* tq
     write_output<Tr, T>(p, acc, fp, m0, bc.batch, bc.head);
 }
 
+// ---- stage 3: + warp specialisation, as the 16-bit stage 3: warpgroup 0 produces (TMA,
+// setmaxnreg.dec), warpgroups 1-2 consume (setmaxnreg.inc), each on its own 64 of the CTA's 128
+// query rows; K/Vᵀ slots are released through kv_empty barriers (every consumer thread arrives
+// after its P V wgmma of the slot retired).
+template <int D>
+struct Fp8Traits3 : Fp8Traits<D> {
+    using Base = Fp8Traits<D>;
+    static constexpr int kConsumerWarpgroups = 2;
+    static constexpr int kThreads = kWarpgroupThreads * (1 + kConsumerWarpgroups);
+    static constexpr int kConsumerThreads = kWarpgroupThreads * kConsumerWarpgroups;
+    static constexpr int kProducerRegs = 24;
+    static constexpr int kConsumerRegs = 240;
+    static constexpr int kCtaRows = kMmaM * kConsumerWarpgroups;  // query rows per CTA
+    static constexpr int kQBytes = kCtaRows * D;
+    static constexpr int kKvStages = 2;
+    static constexpr int kOffQ = 0;
+    static constexpr int kOffK = kQBytes;
+    static constexpr int kOffV = kOffK + kKvStages * Base::kKBytes;
+    static constexpr int kOffBarriers = kOffV + kKvStages * Base::kVBytes;
+    static constexpr int kNumBarriers = 1 + 2 * kKvStages;  // q_full, kv_full[2], kv_empty[2]
+    static constexpr int kSmemUsed = kOffBarriers + 8 * kNumBarriers;
+    static constexpr int kSmemBytes = kSmemUsed + kSwizzleAtomBytes;
+    static_assert(kSmemBytes <= 227 * 1024, "sm_90 opt-in shared memory");
+    // Q slabs hold the CTA's 128 rows; a consumer's rows start 64 rows into slab 0.
+    __host__ __device__ static constexpr int qk_a_offset(int kk) {
+        return (kk / 4) * kCtaRows * kSwizzleBytes + (kk % 4) * kMmaK8Bytes;
+    }
+};
+
+template <class T, int D>
+__device__ __forceinline__ void fp8_stage3(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv) {
+    using F = Fp8Traits3<D>;
+    using Tr = typename F::Tr;
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t* smem = aligned_smem(smem_raw);
+    uint8_t* sq = smem + F::kOffQ;
+    uint8_t* sk = smem + F::kOffK;
+    uint8_t* sv = smem + F::kOffV;
+    Barriers<F> bars(smem);
+
+    const int tid = threadIdx.x;
+    const int warpgroup = tid / kWarpgroupThreads;
+    const BlockCoord bc = block_coord(p);
+    const int m0 = bc.m_block * F::kCtaRows;
+    const KvRange kv = kv_tile_range(p, m0, min(m0 + F::kCtaRows, p.seqlen_q), F::kBlockN);
+    const int n_tiles = kv.n_end - kv.n_begin;
+
+    if (tid == 0) {
+        mbar_init(bars.q_full, 1);
+        for (int st = 0; st < F::kKvStages; ++st) {
+            mbar_init(&bars.kv_full[st], 1);
+            mbar_init(&bars.kv_empty[st], F::kConsumerThreads);
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();  // the last CTA-wide barrier: roles diverge below
+
+    if (warpgroup == 0) {
+        setmaxnreg_dec<F::kProducerRegs>();
+        if (tid == 0 && n_tiles > 0) {
+            tma_prefetch_desc(tq);
+            tma_prefetch_desc(tk);
+            tma_prefetch_desc(tv);
+            // Q: one 64-row box per slab and consumer; boxes starting past seqlen_q are skipped
+            // (their rows only feed query rows that are never written).
+            const int live = min(F::kConsumerWarpgroups, (p.seqlen_q - m0 + kMmaM - 1) / kMmaM);
+            mbar_arrive_expect_tx(bars.q_full, live * kMmaM * D);
+#pragma unroll
+            for (int slab = 0; slab < F::kSlabs; ++slab)
+                for (int rb = 0; rb < live; ++rb)
+                    tma_load_4d(sq + slab * F::kCtaRows * kSwizzleBytes + rb * kMmaM * kSwizzleBytes, tq, bars.q_full,
+                                slab * kSlabCols8, bc.head, m0 + rb * kMmaM, bc.batch);
+            for (int it = 0; it < n_tiles; ++it) {
+                const int slot = it % F::kKvStages;
+                if (it >= F::kKvStages) mbar_wait(&bars.kv_empty[slot], ((it / F::kKvStages) - 1) & 1);
+                fp8_issue_kv<F, D>(tk, tv, sk, sv, &bars.kv_full[slot], slot, kv.n_begin + it, bc.kv_head, bc.batch);
+            }
+        }
+    } else {
+        setmaxnreg_inc<F::kConsumerRegs>();
+        const int cw = warpgroup - 1;  // consumer index: query rows 64cw..
+        const int m_first = m0 + cw * kMmaM;
+        const uint32_t q_addr = smem_u32(sq) + cw * kMmaM * kSwizzleBytes;
+        const FragPos fp = frag_pos(tid % kWarpgroupThreads);
+        const int bhq = bc.batch * p.heads_q + bc.head, bhk = bc.batch * p.heads_kv + bc.kv_head;
+        float dq[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) dq[h] = descale_at(p.q_descale, p, bhq, p.seqlen_q, m_first + fp.row0 + 8 * h);
+        Acc<D> acc;
+        acc_init(acc);
+        float dv_cur = 0.f;
+        float s[F::kBlockN / 2];
+#pragma unroll
+        for (int i = 0; i < F::kBlockN / 2; ++i) s[i] = 0.f;
+
+        if (n_tiles > 0) consumer_wait(bars.q_full, 0);
+        for (int it = 0; it < n_tiles; ++it) {
+            const int slot = it % F::kKvStages;
+            consumer_wait(&bars.kv_full[slot], (it / F::kKvStages) & 1);
+            fp8_tile<F, T, D>(p, acc, s, dq, dv_cur, fp, m_first, kv.n_begin + it, bhk, q_addr,
+                              smem_u32(sk + slot * F::kKBytes), smem_u32(sv + slot * F::kVBytes));
+            mbar_arrive(&bars.kv_empty[slot]);  // this thread's wgmma reads of the slot are done
+        }
+        const float unscale = dv_cur * exp2f(-FA_FP8_P_SCALE_LOG2);
+#pragma unroll
+        for (int i = 0; i < D / 2; ++i) acc.o[i] *= unscale;
+        write_output<Tr, T>(p, acc, fp, m_first, bc.batch, bc.head);
+    }
+}
+
 #else  // not sm_90a: the instances exist (so every target links) but do nothing.
 
 template <class T, int D>
 __device__ __forceinline__ void fp8_stage1(const FwdParams&) {}
 template <class T, int D>
 __device__ __forceinline__ void fp8_stage2(const FwdParams&, const TmaDesc*, const TmaDesc*, const TmaDesc*) {}
+template <class T, int D>
+__device__ __forceinline__ void fp8_stage3(const FwdParams&, const TmaDesc*, const TmaDesc*, const TmaDesc*) {}
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
@@ -334,7 +446,15 @@ __device__ __forceinline__ void fp8_stage2(const FwdParams&, const TmaDesc*, con
         const __grid_constant__ fa3::TmaDesc tmap_k, const __grid_constant__ fa3::TmaDesc tmap_vt) {     \
         fa3::fp8_stage2<T, D>(p, &tmap_q, &tmap_k, &tmap_vt);                                            \
     }
+#define FA3_FP8_S3(DT, T, D)                                                                             \
+    extern "C" __global__ void __launch_bounds__(fa3::Fp8Traits3<D>::kThreads, 1) fa3fp8s3_fwd_hd##D##_##DT( \
+        const __grid_constant__ FwdParams p, const __grid_constant__ fa3::TmaDesc tmap_q,                \
+        const __grid_constant__ fa3::TmaDesc tmap_k, const __grid_constant__ fa3::TmaDesc tmap_vt) {     \
+        fa3::fp8_stage3<T, D>(p, &tmap_q, &tmap_k, &tmap_vt);                                            \
+    }
 FA3_FP8_S1(bf16, __nv_bfloat16, 128)
 FA3_FP8_S1(f16, __half, 128)
 FA3_FP8_S2(bf16, __nv_bfloat16, 128)
 FA3_FP8_S2(f16, __half, 128)
+FA3_FP8_S3(bf16, __nv_bfloat16, 128)
+FA3_FP8_S3(f16, __half, 128)

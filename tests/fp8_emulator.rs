@@ -744,7 +744,7 @@ fn fp8_consumer_matches_cpu_fp8_path() {
     ];
     let mut failed = Vec::new();
     for ((i, (name, dtype, qs, ks, scaling, hadamard, causal)), stage) in
-        cases.into_iter().enumerate().flat_map(|c| [(c, 1), (c, 2)])
+        cases.into_iter().enumerate().flat_map(|c| [(c, 1), (c, 2), (c, 3)])
     {
         let (q, k, v) = fa3_inputs(dtype, qs, ks, 100 + i as u64);
         let name = format!("s{stage}_{name}");
@@ -806,8 +806,8 @@ fn fp8_consumer_accuracy_table() {
     let naive = rmse(&attention_naive_fp8(&p, &q.view(), &k.view(), &v.view(), Fp8Scaling::PerTensor).unwrap(), &exact);
     let mut rows = Vec::new();
     for (label, scaling, hadamard, stage) in [
-        ("per-block (64) + Hadamard, stage 2", Fp8Scaling::PerBlock { rows: 64 }, Some(0x5EED), 2),
-        ("per-tensor, no Hadamard, stage 2", Fp8Scaling::PerTensor, None, 2),
+        ("per-block (64) + Hadamard, stage 3", Fp8Scaling::PerBlock { rows: 64 }, Some(0x5EED), 3),
+        ("per-tensor, no Hadamard, stage 3", Fp8Scaling::PerTensor, None, 3),
         ("per-block (64) + Hadamard, stage 1", Fp8Scaling::PerBlock { rows: 64 }, Some(0x5EED), 1),
     ] {
         let got = run_fp8_kernel(&format!("table_{}", rows.len()), &q, &k, &v, scaling, hadamard, false, "1", stage)
@@ -822,7 +822,7 @@ fn fp8_consumer_accuracy_table() {
         rows.push(ek);
     }
     assert!(rows[0] <= 9.1e-3, "per-block + Hadamard RMSE {:.3e} > 9.1e-3", rows[0]);
-    assert_eq!(rows[0], rows[2], "stages 1 and 2 compute the same tiles in the same order");
+    assert_eq!(rows[0], rows[2], "stages 1 and 3 compute the same tiles in the same order");
     assert!(naive / rows[0] >= 2.0, "gain over the naive per-tensor baseline only {:.2}x", naive / rows[0]);
 }
 
@@ -882,8 +882,16 @@ fn fp8_kernels_sass() {
         ("cuda/fp8_prepass.cu", 8, &["F2FP.SATFINITE.E4M3.F32", "SHFL.BFLY"][..]),
         (
             "cuda/fa3_fp8_fwd_sm90.cu",
-            4,
-            &["QGMMA.64x64x32.F32.E4M3.E4M3", "F2FP.SATFINITE.E4M3.F32", "SHFL.IDX", "PRMT", "UTMALDG.4D", "SYNCS"][..],
+            6,
+            &[
+                "QGMMA.64x64x32.F32.E4M3.E4M3",
+                "F2FP.SATFINITE.E4M3.F32",
+                "SHFL.IDX",
+                "PRMT",
+                "UTMALDG.4D",
+                "SYNCS",
+                "USETMAXREG",
+            ][..],
         ),
     ] {
         let (report, sass) = sm90a_sass(src);
@@ -965,10 +973,12 @@ fn fp8_plans_refuse_what_the_kernels_do_not_run() {
         consumer_plan(&problem(128, Precision::default()), &ops(128), 1),
         Err(Error::InvalidOption { .. })
     ));
-    assert!(matches!(consumer_plan(&problem(128, fp8(block)), &ops(128), 3), Err(Error::InvalidOption { .. })));
+    assert!(matches!(consumer_plan(&problem(128, fp8(block)), &ops(128), 4), Err(Error::InvalidOption { .. })));
     let s2 = consumer_plan(&problem(128, fp8(block)), &ops(128), 2).unwrap();
     assert_eq!((s2.kernel.as_str(), s2.tensor_maps.len()), ("fa3fp8s2_fwd_hd128_bf16", 3));
     assert_eq!(s2.tensor_maps[2].spec.box_dims, [128, 128, 1, 1]);
+    let s3 = consumer_plan(&problem(128, fp8(block)), &ops(128), 3).unwrap();
+    assert_eq!((s3.kernel.as_str(), s3.block, s3.grid), ("fa3fp8s3_fwd_hd128_bf16", 384, (1, 2, 1)));
     let mut misaligned = ops(128);
     misaligned.vt_strides[1] = 70;
     assert!(matches!(consumer_plan(&problem(128, fp8(block)), &misaligned, 1), Err(Error::InvalidLayout { .. })));

@@ -32,6 +32,12 @@ pub const CONSUMER_THREADS: u32 = 128;
 pub const CONSUMER_SMEM_BYTES: u32 = (64 * 128 + 128 * 128 + 128 * 128 + 1024) as u32;
 /// Fp8Traits2<128>::kSmemBytes (stage 2): Q, a 2-slot K/Vᵀ ring, 5 mbarriers, the slack.
 pub const CONSUMER_S2_SMEM_BYTES: u32 = (64 * 128 + 2 * 128 * 128 + 2 * 128 * 128 + 8 * 5 + 1024) as u32;
+/// Fp8Traits3<128>::kSmemBytes (stage 3): Q of the CTA's 128 rows, the 2-slot ring, 5 mbarriers,
+/// the slack.
+pub const CONSUMER_S3_SMEM_BYTES: u32 = (128 * 128 + 2 * 128 * 128 + 2 * 128 * 128 + 8 * 5 + 1024) as u32;
+/// Stage 3: a producer warpgroup and two consumer warpgroups, 128 query rows per CTA.
+pub const CONSUMER_S3_THREADS: u32 = 384;
+pub const CONSUMER_S3_BLOCK_M: usize = 128;
 /// `CU_TENSOR_MAP_DATA_TYPE_UINT8`: e4m3 codes travel as bytes.
 const TMA_DTYPE_UINT8: u32 = 0;
 
@@ -289,7 +295,7 @@ pub struct ConsumerLaunch {
     pub block: u32,
     pub smem_bytes: u32,
     pub params: FwdParams,
-    /// Stage 2: the maps of Q, K and Vᵀ (`cuTensorMapEncodeTiled` arguments), else empty.
+    /// Stages 2-3: the maps of Q, K and Vᵀ (`cuTensorMapEncodeTiled` arguments), else empty.
     pub tensor_maps: Vec<TensorMapArgs>,
 }
 
@@ -312,18 +318,19 @@ fn u8_map(global_address: u64, dims: [usize; 4], strides: [usize; 3], box_dims: 
     }
 }
 
-/// The launch of the FP8 consumer's `stage` (1: plain loads; 2: + TMA ring, docs/fp8.md) for
+/// The launch of the FP8 consumer's `stage` (1: plain loads; 2: + TMA ring; 3: + warp
+/// specialisation, docs/fp8.md) for
 /// problem `p` (its precision must be `Precision::Fp8`) on `ops`.
 ///
 /// # Errors
-/// [`Error::InvalidOption`] for a stage other than 1 or 2, when `p` is not an FP8 problem, asks
+/// [`Error::InvalidOption`] for a stage other than 1, 2 or 3, when `p` is not an FP8 problem, asks
 /// for ALiBi, or has a block size
 /// that is not a multiple of 64 rows; [`Error::UnsupportedHeadDim`] for head dims other than
 /// 128; [`Error::UnsupportedDType`]; [`Error::InvalidLayout`] for strides or addresses that are
 /// not multiples of 16 bytes (the consumer's 16-byte loads); [`Error::TooLarge`].
 pub fn consumer_plan(p: &Problem, ops: &ConsumerOperands, stage: u32) -> Result<ConsumerLaunch> {
-    if !(1..=2).contains(&stage) {
-        return Err(option_error("FP8 consumer stage", stage.to_string(), "1 or 2"));
+    if !(1..=3).contains(&stage) {
+        return Err(option_error("FP8 consumer stage", stage.to_string(), "1, 2 or 3"));
     }
     let Precision::Fp8 { scaling, .. } = p.precision else {
         return Err(option_error("precision", format!("{:?}", p.precision), "Precision::Fp8 for the FP8 consumer"));
@@ -374,9 +381,10 @@ pub fn consumer_plan(p: &Problem, ops: &ConsumerOperands, stage: u32) -> Result<
     );
     [params.q_descale, params.k_descale, params.v_descale] = ops.descales;
     params.descale_block = descale_block;
-    let grid = (to_i32(p.seqlen_q.div_ceil(CONSUMER_BLOCK_M), "query tiles")? as u32, p.heads_q as u32, p.batch as u32);
+    let block_m = if stage == 3 { CONSUMER_S3_BLOCK_M } else { CONSUMER_BLOCK_M };
+    let grid = (to_i32(p.seqlen_q.div_ceil(block_m), "query tiles")? as u32, p.heads_q as u32, p.batch as u32);
     let (d, bn) = (p.head_dim, CONSUMER_BLOCK_N as u32);
-    let tensor_maps = if stage == 2 {
+    let tensor_maps = if stage >= 2 {
         let [qb, qr, qh] = ops.q_strides;
         let [kb, kr, kh] = ops.k_strides;
         let [vb, vr, vh] = ops.vt_strides;
@@ -392,8 +400,8 @@ pub fn consumer_plan(p: &Problem, ops: &ConsumerOperands, stage: u32) -> Result<
     Ok(ConsumerLaunch {
         kernel: format!("fa3fp8s{stage}_fwd_hd{CONSUMER_HEAD_DIM}_{suffix}"),
         grid,
-        block: CONSUMER_THREADS,
-        smem_bytes: if stage == 2 { CONSUMER_S2_SMEM_BYTES } else { CONSUMER_SMEM_BYTES },
+        block: if stage == 3 { CONSUMER_S3_THREADS } else { CONSUMER_THREADS },
+        smem_bytes: [CONSUMER_SMEM_BYTES, CONSUMER_S2_SMEM_BYTES, CONSUMER_S3_SMEM_BYTES][stage as usize - 1],
         params,
         tensor_maps,
     })

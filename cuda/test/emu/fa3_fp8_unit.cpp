@@ -7,5 +7,7 @@ EMU_KERNEL(fa3fp8s1_fwd_hd128_bf16)
 EMU_KERNEL(fa3fp8s1_fwd_hd128_f16)
 EMU_KERNEL(fa3fp8s2_fwd_hd128_bf16)
 EMU_KERNEL(fa3fp8s2_fwd_hd128_f16)
+EMU_KERNEL(fa3fp8s3_fwd_hd128_bf16)
+EMU_KERNEL(fa3fp8s3_fwd_hd128_f16)
 
 #include "driver.cpp"
