@@ -328,7 +328,7 @@ fn check(launches: &[Launch]) {
 /// multiples, GQA head counts, strided inputs.
 #[test]
 fn prepass_qk_bit_identical_to_cpu_oracle() {
-    let mut rng = Rng(0x0F8F_8F8F);
+    let mut rng = Rng::new(0x0F8F_8F8F);
     let mut launches = Vec::new();
     let mut n = 0;
     for dt in [Dt::Bf16, Dt::F16] {
@@ -357,7 +357,7 @@ fn prepass_qk_bit_identical_to_cpu_oracle() {
 /// K-major B operand of the FP8 PV product), and head dims that are not powers of two.
 #[test]
 fn prepass_v_bit_identical_to_cpu_oracle() {
-    let mut rng = Rng(0x000F_8F8F_0000_0001);
+    let mut rng = Rng::new(0x000F_8F8F_0000_0001);
     let mut launches = Vec::new();
     for dt in [Dt::Bf16, Dt::F16] {
         for d in [64usize, 128, 256, 96, 40] {
@@ -382,7 +382,7 @@ fn prepass_v_bit_identical_to_cpu_oracle() {
 /// scale per (batch, head).
 #[test]
 fn prepass_edge_values_bit_identical_to_cpu_oracle() {
-    let mut rng = Rng(0xED6E);
+    let mut rng = Rng::new(0xED6E);
     let mut launches = Vec::new();
     for dt in [Dt::Bf16, Dt::F16] {
         for d in [64usize, 128] {
@@ -465,7 +465,7 @@ fn fp8_wgmma_self_tests() {
 
 // ---------------------------------------------------------------- the FP8 consumer
 
-use flash_attn::numerics::baseline::attention_naive_fp8;
+use flash_attn::bench::fp8_baseline::attention_naive_fp8;
 use flash_attn::numerics::quant::block_rows;
 use flash_attn::numerics::rng::{fa3_outlier_values, SplitMix64};
 use flash_attn::reference::{attention_f64, rmse};

@@ -3,11 +3,10 @@
 //! consumer (`cuda/fa3_fp8_fwd_sm90.cu`). The CPU emulator runs exactly these launches
 //! (tests/fp8_emulator.rs); `Engine` does not launch them yet (docs/fp8.md, "Not done yet").
 
-use super::fa3_tma::{
-    TmaSpec, TMA_INTERLEAVE_NONE, TMA_L2_PROMOTION_256B, TMA_OOB_FILL_NONE, TMA_RANK, TMA_SWIZZLE_128B,
+use super::launch::{
+    TensorMapArgs, TmaSpec, TMA_INTERLEAVE_NONE, TMA_L2_PROMOTION_256B, TMA_OOB_FILL_NONE, TMA_RANK, TMA_SWIZZLE_128B,
 };
-use super::params::FwdParams;
-use super::plan::TensorMapArgs;
+use super::params::{FwdParams, Operands};
 use crate::error::{Error, Operand, Result};
 use crate::numerics::quant::block_rows;
 use crate::options::{Fp8Scaling, Precision};
@@ -372,13 +371,13 @@ pub fn consumer_plan(p: &Problem, ops: &ConsumerOperands, stage: u32) -> Result<
     for x in [p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv] {
         to_i32(x, "a dimension")?;
     }
-    let mut params = FwdParams::for_launch(
-        p,
-        [ops.q, ops.k, ops.vt, ops.o],
-        [ops.q_strides, ops.k_strides, ops.vt_strides, ops.o_strides],
-        ops.lse,
-        0,
-    );
+    let operands = Operands {
+        ptrs: [ops.q, ops.k, ops.vt, ops.o],
+        strides: [ops.q_strides, ops.k_strides, ops.vt_strides, ops.o_strides],
+        lse: ops.lse,
+        alibi: 0,
+    };
+    let mut params = FwdParams::for_launch(p, &operands);
     [params.q_descale, params.k_descale, params.v_descale] = ops.descales;
     params.descale_block = descale_block;
     let block_m = if stage == 3 { CONSUMER_S3_BLOCK_M } else { CONSUMER_BLOCK_M };

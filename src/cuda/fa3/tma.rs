@@ -1,10 +1,14 @@
-//! TMA and geometry helpers of the FA3-style sm_90a kernels (`cuda/fa3_fwd_sm90.cu`), used by
-//! `fa3.rs`: the launch geometry of each (stage, head_dim) instance as `Fa3Traits` computes it
-//! (a test pins the table rows of build/instances.rs to it, another pins it to the numbers the
-//! C++ traits print), the grids, and the three TMA tensor maps stages 2-5 take after
-//! `FwdParams` (docs/fa3.md). `tensor_maps_for` encodes them through
-//! `cudarc::driver::sys::cuTensorMapEncodeTiled`.
+//! TMA and geometry of the FA3-style sm_90a kernels (`cuda/fa3_fwd_sm90.cu`), as data: the
+//! launch geometry of each (stage, head_dim) instance as `Fa3Traits` computes it (a test pins
+//! the table rows of build/instances.rs to it, another pins it to the numbers the C++ traits
+//! print), the persistent grid, and the `cuTensorMapEncodeTiled` arguments of the three TMA
+//! tensor maps stages 2-5 take after `FwdParams` (docs/fa3.md). `launch.rs` encodes them.
 
+use crate::cuda::launch::{
+    TmaSpec, TMA_DTYPE_BFLOAT16, TMA_DTYPE_FLOAT16, TMA_INTERLEAVE_NONE, TMA_L2_PROMOTION_256B, TMA_OOB_FILL_NONE, TMA_RANK,
+    TMA_SWIZZLE_128B,
+};
+use crate::cuda::params::FwdParams;
 use crate::error::{Error, Operand, Result};
 use crate::tensor::DType;
 
@@ -12,7 +16,7 @@ use crate::tensor::DType;
 /// 3 = + warp specialisation, 4 = + ping-pong and intra-warpgroup overlap, 5 = + persistent
 /// tile scheduler).
 #[cfg_attr(not(test), allow(dead_code))]
-pub(crate) const FA3_STAGES: [u32; 5] = [1, 2, 3, 4, 5];
+pub(crate) const FA3_STAGES: [u8; 5] = [1, 2, 3, 4, 5];
 /// Head dims with an instance.
 pub(crate) const FA3_HEAD_DIMS: [usize; 3] = [64, 128, 256];
 
@@ -48,7 +52,7 @@ pub(crate) struct Fa3Geometry {
 
 /// Same arithmetic as `Fa3Traits<Stage, HeadDim>`; `None` for a pair without an instance.
 #[cfg_attr(not(test), allow(dead_code))]
-pub(crate) fn geometry(stage: u32, head_dim: usize) -> Option<Fa3Geometry> {
+pub(crate) fn geometry(stage: u8, head_dim: usize) -> Option<Fa3Geometry> {
     if !FA3_STAGES.contains(&stage) || !FA3_HEAD_DIMS.contains(&head_dim) {
         return None;
     }
@@ -77,29 +81,11 @@ pub(crate) fn geometry(stage: u32, head_dim: usize) -> Option<Fa3Geometry> {
     })
 }
 
-/// Grid of a stage 1-4 launch: (query tiles, heads_q, batch). Stage 5 is persistent: use
-/// `persistent_grid`.
-pub(crate) fn grid(
-    g: &Fa3Geometry,
-    batch: usize,
-    seqlen_q: usize,
-    heads_q: usize,
-) -> (u32, u32, u32) {
-    let tiles = seqlen_q.div_ceil(g.block_m as usize);
-    (tiles as u32, heads_q as u32, batch as u32)
-}
-
-/// Grid of a stage-5 (persistent) launch: (min(SM count, tiles), 1, 1); the CTAs stride over
-/// the `ceil(seqlen_q / block_m) * heads_q * batch` tiles.
-pub(crate) fn persistent_grid(
-    g: &Fa3Geometry,
-    batch: usize,
-    seqlen_q: usize,
-    heads_q: usize,
-    sm_count: usize,
-) -> (u32, u32, u32) {
-    let tiles = seqlen_q.div_ceil(g.block_m as usize) * heads_q * batch;
-    (tiles.min(sm_count).max(1) as u32, 1, 1)
+/// Grid of a persistent (stage-5) launch of `block_m`-row tiles: (min(SM count, tiles), 1, 1);
+/// the CTAs stride over the `ceil(seqlen_q / block_m) * heads_q * batch` tiles.
+pub(crate) fn persistent_grid(block_m: u32, p: &FwdParams, sm_count: u32) -> (u32, u32, u32) {
+    let tiles = (p.seqlen_q as usize).div_ceil(block_m as usize) * p.heads_q as usize * p.batch as usize;
+    (tiles.min(sm_count as usize).max(1) as u32, 1, 1)
 }
 
 /// Where one operand lives: `[batch, seqlen, heads, head_dim]` with element strides for batch,
@@ -113,47 +99,6 @@ pub(crate) struct OperandLayout {
     pub batch_stride: usize,
     pub row_stride: usize,
     pub head_stride: usize,
-}
-
-/// `CUtensorMapDataType` values (cuda.h), as passed to `cuTensorMapEncodeTiled`.
-pub(crate) const TMA_DTYPE_FLOAT16: u32 = 6;
-pub(crate) const TMA_DTYPE_BFLOAT16: u32 = 9;
-/// `CU_TENSOR_MAP_INTERLEAVE_NONE`.
-pub(crate) const TMA_INTERLEAVE_NONE: u32 = 0;
-/// `CU_TENSOR_MAP_SWIZZLE_128B`: the 128-byte swizzle wgmma's SW128 descriptors un-do.
-pub(crate) const TMA_SWIZZLE_128B: u32 = 3;
-/// `CU_TENSOR_MAP_L2_PROMOTION_L2_256B`.
-pub(crate) const TMA_L2_PROMOTION_256B: u32 = 3;
-/// `CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE`: out-of-bounds elements are zeros.
-pub(crate) const TMA_OOB_FILL_NONE: u32 = 0;
-/// Rank of every map: {head_dim, heads, seqlen, batch}.
-pub(crate) const TMA_RANK: u32 = 4;
-
-/// Every argument of one `cuTensorMapEncodeTiled` call except the output map and the global
-/// address: `tensor_maps_for` passes exactly these to the driver, and the CPU emulator
-/// (`crate::cuda::emulation`) encodes the map its kernels receive from the same values. Rank 4,
-/// innermost dimension first: {head_dim, heads, seqlen, batch}. Data type BFLOAT16 / FLOAT16 by
-/// the problem's dtype; interleave NONE, swizzle 128B, L2 promotion 256B, OOB fill NONE (= zeros).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct TmaSpec {
-    /// `CUtensorMapDataType`.
-    pub data_type: u32,
-    /// Always `TMA_RANK`.
-    pub rank: u32,
-    /// Global extents in elements.
-    pub dims: [u64; 4],
-    /// Byte strides of dims 1..4 (dim 0 is contiguous).
-    pub strides: [u64; 3],
-    /// Box extents in elements: {64, 1, rows, 1}.
-    pub box_dims: [u32; 4],
-    /// Always 1: every element of the box is loaded.
-    pub elem_strides: [u32; 4],
-    /// `CUtensorMapInterleave`, `CUtensorMapSwizzle`, `CUtensorMapL2promotion`,
-    /// `CUtensorMapFloatOOBfill` values.
-    pub interleave: u32,
-    pub swizzle: u32,
-    pub l2_promotion: u32,
-    pub oob_fill: u32,
 }
 
 fn tma_spec(op: Operand, l: &OperandLayout, box_rows: u32, data_type: u32, elem_bytes: u64) -> Result<TmaSpec> {
@@ -209,7 +154,7 @@ fn tma_spec(op: Operand, l: &OperandLayout, box_rows: u32, data_type: u32, elem_
 
 /// Tensor-map specs for Q (box rows 64), K and V (box rows = the instance's block_n).
 pub(crate) fn tma_specs(
-    stage: u32,
+    stage: u8,
     dtype: DType,
     q: &OperandLayout,
     k: &OperandLayout,
@@ -236,125 +181,9 @@ pub(crate) fn tma_specs(
     ])
 }
 
-/// Encodes the three tensor maps of a stage-2..5 launch; pass them, in order Q, K, V, after the
-/// `FwdParams` argument (each as its `opaque: [u64; 16]`).
-///
-/// # Safety
-/// 1. `q`, `k`, `v` are device addresses of live allocations holding the described tensors
-///    (the maps only record the addresses; the kernel reads through them later).
-/// 2. The driver library is loaded (`sys::is_culib_present()`), with a current context.
-#[cfg(feature = "cuda")]
-pub(crate) unsafe fn tensor_maps_for(
-    stage: u32,
-    dtype: DType,
-    ptrs: [cudarc::driver::sys::CUdeviceptr; 3],
-    layouts: [&OperandLayout; 3],
-) -> Result<[cudarc::driver::sys::CUtensorMap; 3]> {
-    use cudarc::driver::sys;
-    let specs = tma_specs(stage, dtype, layouts[0], layouts[1], layouts[2])?;
-    let operands = [Operand::Q, Operand::K, Operand::V];
-    let mut maps = [sys::CUtensorMap { opaque: [0; 16] }; 3];
-    for i in 0..3 {
-        if ptrs[i] % TMA_STRIDE_ALIGN != 0 {
-            return Err(Error::InvalidLayout {
-                operand: operands[i],
-                reason: format!("device address {:#x} is not 16-byte aligned (TMA)", ptrs[i]),
-            });
-        }
-        let s = &specs[i];
-        let e = cu_enums(s).map_err(|what| Error::Cuda {
-            call: format!("cuTensorMapEncodeTiled({})", operands[i]),
-            message: format!("no CUDA enum value for {what}"),
-        })?;
-        // SAFETY: every pointer argument points at a live array of the spec (rank 4 entries,
-        // rank - 1 for the strides) the call reads; `maps[i]` is a writable, 128-aligned
-        // CUtensorMap; the caller guarantees the driver is loaded (see # Safety).
-        let r = unsafe {
-            sys::cuTensorMapEncodeTiled(
-                &mut maps[i],
-                e.0,
-                s.rank,
-                ptrs[i] as *mut std::ffi::c_void,
-                s.dims.as_ptr(),
-                s.strides.as_ptr(),
-                s.box_dims.as_ptr(),
-                s.elem_strides.as_ptr(),
-                e.1,
-                e.2,
-                e.3,
-                e.4,
-            )
-        };
-        r.result().map_err(|e| Error::Cuda {
-            call: format!("cuTensorMapEncodeTiled({})", operands[i]),
-            message: format!("{e:?}"),
-        })?;
-    }
-    Ok(maps)
-}
-
-/// The spec's enum values as cudarc's driver enums (`Err`: which field has no such value).
-#[cfg(feature = "cuda")]
-#[allow(clippy::type_complexity)]
-fn cu_enums(
-    s: &TmaSpec,
-) -> std::result::Result<
-    (
-        cudarc::driver::sys::CUtensorMapDataType,
-        cudarc::driver::sys::CUtensorMapInterleave,
-        cudarc::driver::sys::CUtensorMapSwizzle,
-        cudarc::driver::sys::CUtensorMapL2promotion,
-        cudarc::driver::sys::CUtensorMapFloatOOBfill,
-    ),
-    &'static str,
-> {
-    use cudarc::driver::sys::*;
-    let data_type = match s.data_type {
-        TMA_DTYPE_FLOAT16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-        TMA_DTYPE_BFLOAT16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-        _ => return Err("data_type"),
-    };
-    let interleave = match s.interleave {
-        TMA_INTERLEAVE_NONE => CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-        _ => return Err("interleave"),
-    };
-    let swizzle = match s.swizzle {
-        TMA_SWIZZLE_128B => CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-        _ => return Err("swizzle"),
-    };
-    let l2 = match s.l2_promotion {
-        TMA_L2_PROMOTION_256B => CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-        _ => return Err("l2_promotion"),
-    };
-    let oob = match s.oob_fill {
-        TMA_OOB_FILL_NONE => CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        _ => return Err("oob_fill"),
-    };
-    Ok((data_type, interleave, swizzle, l2, oob))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The numbers the emulator receives are the driver's enum values (cuda.h): cudarc's enums
-    /// carry the same discriminants, and `cu_enums` maps each spec field onto them.
-    #[test]
-    fn spec_enum_values_are_the_drivers() {
-        use cudarc::driver::sys::*;
-        assert_eq!(CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16 as u32, TMA_DTYPE_FLOAT16);
-        assert_eq!(CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 as u32, TMA_DTYPE_BFLOAT16);
-        assert_eq!(CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE as u32, TMA_INTERLEAVE_NONE);
-        assert_eq!(CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B as u32, TMA_SWIZZLE_128B);
-        assert_eq!(CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B as u32, TMA_L2_PROMOTION_256B);
-        assert_eq!(CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE as u32, TMA_OOB_FILL_NONE);
-        let q = contiguous(1, 10, 2, 64);
-        for dt in [DType::BF16, DType::F16] {
-            let spec = tma_specs(2, dt, &q, &q, &q).unwrap()[0];
-            let (d, i, s, l, o) = cu_enums(&spec).unwrap();
-            assert_eq!((d as u32, i as u32, s as u32, l as u32, o as u32), (spec.data_type, 0, 3, 3, 0));
-        }
-    }
 
     fn contiguous(batch: usize, seqlen: usize, heads: usize, head_dim: usize) -> OperandLayout {
         OperandLayout {
@@ -409,14 +238,11 @@ mod tests {
     }
 
     #[test]
-    fn grids() {
-        let g = geometry(3, 128).unwrap();
-        assert_eq!(grid(&g, 2, 1000, 16), (8, 16, 2)); // ceil(1000 / 128) = 8
-        let g = geometry(1, 64).unwrap();
-        assert_eq!(grid(&g, 1, 64, 1), (1, 1, 1));
-        let g5 = geometry(5, 128).unwrap();
-        assert_eq!(persistent_grid(&g5, 2, 1000, 16, 132), (132, 1, 1)); // 256 tiles
-        assert_eq!(persistent_grid(&g5, 1, 100, 2, 132), (2, 1, 1)); // 2 tiles
+    fn persistent_grid_is_min_of_sms_and_tiles() {
+        let p = FwdParams { batch: 2, seqlen_q: 1000, heads_q: 16, ..FwdParams::default() };
+        assert_eq!(persistent_grid(128, &p, 132), (132, 1, 1)); // 256 tiles
+        let p = FwdParams { batch: 1, seqlen_q: 100, heads_q: 2, ..FwdParams::default() };
+        assert_eq!(persistent_grid(128, &p, 132), (2, 1, 1)); // 2 tiles
     }
 
     #[test]
