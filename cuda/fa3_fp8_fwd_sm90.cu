@@ -452,9 +452,33 @@ __device__ __forceinline__ void fp8_stage3(const FwdParams&, const TmaDesc*, con
         const __grid_constant__ fa3::TmaDesc tmap_k, const __grid_constant__ fa3::TmaDesc tmap_vt) {     \
         fa3::fp8_stage3<T, D>(p, &tmap_q, &tmap_k, &tmap_vt);                                            \
     }
+#if defined(FA_FAMILY)
+// A build.rs unit of the table row fa3fp8s3 (build/instances.rs): the stage-3 consumer and, in
+// the same image, the pre-pass of its head dim (E = elements per lane, head_dim <= 32·E), so one
+// loaded module holds both launches of the FP8 forward.
+#define FA_FP8_PREPASS_NO_INSTANCES 1
+#include "fp8_prepass.cu"
+static_assert(FA_STAGE == 3, "fa3fp8s3: the stage-3 consumer");
+#define FA3_FP8_PREPASS_E (FA_HEAD_DIM <= 32 ? 1 : FA_HEAD_DIM <= 64 ? 2 : FA_HEAD_DIM <= 128 ? 4 : 8)
+static_assert(FA3_FP8_PREPASS_E == 4, "the instance below is written for head_dim 128");
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// The table and the traits must agree on the launch shape.
+static_assert(FA_THREADS == fa3::Fp8Traits3<FA_HEAD_DIM>::kThreads, "table: threads");
+static_assert(FA_BLOCK_M == fa3::Fp8Traits3<FA_HEAD_DIM>::kCtaRows, "table: block_m");
+static_assert(FA_BLOCK_N == fa3::Fp8Traits3<FA_HEAD_DIM>::kBlockN, "table: block_n");
+static_assert(FA_SMEM_BYTES == fa3::Fp8Traits3<FA_HEAD_DIM>::kSmemBytes,
+              "table: dynamic shared memory (fa3_fp8_smem_bytes in build/instances.rs)");
+#endif
+#define FA3_FP8_TYPE_bf16 __nv_bfloat16
+#define FA3_FP8_TYPE_f16 __half
+#define FA3_FP8_UNIT_(DT, D) FA3_FP8_S3(DT, FA3_FP8_TYPE_##DT, D) FA_FP8_PREPASS_INSTANCE(DT, 4)
+#define FA3_FP8_UNIT(DT, D) FA3_FP8_UNIT_(DT, D)
+#define FA_INSTANCE(DT) FA3_FP8_UNIT(DT, FA_HEAD_DIM)
+#else
 FA3_FP8_S1(bf16, __nv_bfloat16, 128)
 FA3_FP8_S1(f16, __half, 128)
 FA3_FP8_S2(bf16, __nv_bfloat16, 128)
 FA3_FP8_S2(f16, __half, 128)
 FA3_FP8_S3(bf16, __nv_bfloat16, 128)
 FA3_FP8_S3(f16, __half, 128)
+#endif  // FA_FAMILY

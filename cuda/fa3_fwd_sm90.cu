@@ -916,15 +916,21 @@ __device__ __forceinline__ void stage45(const FwdParams&, const TmaDesc*, const 
 #define FA3_TYPE_bf16 __nv_bfloat16
 #define FA3_TYPE_f16 __half
 
+// A build.rs unit of one of this file's rows; not a file that includes this one for its device
+// code only (FA3_ONLY_HDIM 0: the FP8 consumer, fa3_fp8_fwd_sm90.cu, a row of its own).
+#if defined(FA_FAMILY) && !(defined(FA3_ONLY_HDIM) && FA3_ONLY_HDIM == 0)
+#define FA3_TABLE_UNIT 1
+#endif
+
 #if defined(FA_HANG_CHECK)
 // The hang-check name hook declared at the top: barrier block index -> name. Only a build.rs unit
 // knows its one (stage, head dim); the standalone all-stages build reports offsets only.
-#if defined(FA_FAMILY) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#if defined(FA3_TABLE_UNIT) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define FA3_HANG_NAMES 1
 #endif
 #endif
 
-#if defined(FA_FAMILY)
+#if defined(FA3_TABLE_UNIT)
 // The stage of the family row this unit was generated for (FA_FAMILY is a bare token).
 #define FA3_STAGE_OF_fa3s1 1
 #define FA3_STAGE_OF_fa3s2 2
@@ -975,7 +981,7 @@ FA3_ALL_STAGES(128)
 #if !defined(FA3_ONLY_HDIM) || FA3_ONLY_HDIM == 256
 FA3_ALL_STAGES(256)
 #endif
-#endif  // FA_FAMILY
+#endif  // FA3_TABLE_UNIT
 
 #if defined(FA_HANG_CHECK) && !defined(FA3_HANG_NAMES)
 __device__ const char* fa3::hang_barrier_name(unsigned int, int* slot) {

@@ -142,6 +142,9 @@ __device__ __forceinline__ void prepass(const Fp8PrepassParams& p) {
         fp8pre::prepass<fa_##DT, E>(p);                                                                 \
     }
 
+// A unit of the table (build/instances.rs) includes this file for the one E of its head dim
+// (fa3_fp8_fwd_sm90.cu); standalone, every E.
+#if !defined(FA_FP8_PREPASS_NO_INSTANCES)
 FA_FP8_PREPASS_INSTANCE(f16, 1)
 FA_FP8_PREPASS_INSTANCE(f16, 2)
 FA_FP8_PREPASS_INSTANCE(f16, 4)
@@ -150,3 +153,4 @@ FA_FP8_PREPASS_INSTANCE(bf16, 1)
 FA_FP8_PREPASS_INSTANCE(bf16, 2)
 FA_FP8_PREPASS_INSTANCE(bf16, 4)
 FA_FP8_PREPASS_INSTANCE(bf16, 8)
+#endif

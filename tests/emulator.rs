@@ -178,7 +178,9 @@ fn tensor_maps_reach_the_kernel_unchanged() {
 /// `cpu_emulation`).
 #[test]
 fn every_family_runs_in_the_emulator() {
-    let me = std::fs::read_to_string(root().join("tests/emulator.rs")).unwrap();
+    // FP8 families' emulator tests live in tests/fp8_emulator.rs.
+    let me = std::fs::read_to_string(root().join("tests/emulator.rs")).unwrap()
+        + &std::fs::read_to_string(root().join("tests/fp8_emulator.rs")).unwrap();
     for f in FAMILIES {
         let t = f.cpu_emulation.unwrap_or_else(|| panic!("{}: no emulator test (cpu_emulation is None)", f.name));
         assert!(me.contains(&format!("fn {t}()")), "{}: cpu_emulation names {t:?}, which is not a test here", f.name);

@@ -1,12 +1,17 @@
 //! The Hopper FP8 forward's launches as data (docs/fp8.md, "On Hopper"): the pre-pass
 //! (`cuda/fp8_prepass.cu`: bf16/f16 -> e4m3 codes + per-block scales, Q and K rotated) and the FP8
 //! consumer (`cuda/fa3_fp8_fwd_sm90.cu`). The CPU emulator runs exactly these launches
-//! (tests/fp8_emulator.rs); `Engine` does not launch them yet (docs/fp8.md, "Not done yet").
+//! (tests/fp8_emulator.rs). The stage-3 consumer and the pre-pass of head_dim 128 are the table
+//! row "fa3fp8s3" (build/instances.rs; one image holds both), whose host rules are [`Fp8`]
+//! here: `select` picks it for `Precision::Fp8` problems on sm_90a.
 
 use super::launch::{
     TensorMapArgs, TmaSpec, TMA_INTERLEAVE_NONE, TMA_L2_PROMOTION_256B, TMA_OOB_FILL_NONE, TMA_RANK, TMA_SWIZZLE_128B,
 };
+use super::family::{chunked_rows_refusal, FamilyHost, LayoutRefusal};
+use super::launch::TensorMaps;
 use super::params::{FwdParams, Operands};
+use super::table::{Family, Tile};
 use crate::error::{Error, Operand, Result};
 use crate::numerics::quant::block_rows;
 use crate::options::{Fp8Scaling, Precision};
@@ -382,20 +387,7 @@ pub fn consumer_plan(p: &Problem, ops: &ConsumerOperands, stage: u32) -> Result<
     params.descale_block = descale_block;
     let block_m = if stage == 3 { CONSUMER_S3_BLOCK_M } else { CONSUMER_BLOCK_M };
     let grid = (to_i32(p.seqlen_q.div_ceil(block_m), "query tiles")? as u32, p.heads_q as u32, p.batch as u32);
-    let (d, bn) = (p.head_dim, CONSUMER_BLOCK_N as u32);
-    let tensor_maps = if stage >= 2 {
-        let [qb, qr, qh] = ops.q_strides;
-        let [kb, kr, kh] = ops.k_strides;
-        let [vb, vr, vh] = ops.vt_strides;
-        vec![
-            u8_map(ops.q, [d, p.heads_q, p.seqlen_q, p.batch], [qh, qr, qb], [128, 1, CONSUMER_BLOCK_M as u32, 1]),
-            u8_map(ops.k, [d, p.heads_kv, p.seqlen_k, p.batch], [kh, kr, kb], [128, 1, bn, 1]),
-            // Vᵀ: keys innermost (seqlen_k of them: the box's keys past it are zero-filled).
-            u8_map(ops.vt, [p.seqlen_k, d, p.heads_kv, p.batch], [vr, vh, vb], [bn, d as u32, 1, 1]),
-        ]
-    } else {
-        Vec::new()
-    };
+    let tensor_maps = if stage >= 2 { consumer_maps(&params).to_vec() } else { Vec::new() };
     Ok(ConsumerLaunch {
         kernel: format!("fa3fp8s{stage}_fwd_hd{CONSUMER_HEAD_DIM}_{suffix}"),
         grid,
@@ -404,4 +396,152 @@ pub fn consumer_plan(p: &Problem, ops: &ConsumerOperands, stage: u32) -> Result<
         params,
         tensor_maps,
     })
+}
+
+/// The consumer's tensor maps (stages 2-3) from its launch parameters: UINT8 maps of the Q and K
+/// codes (`[b, s, h, d]`, byte strides) and of Vᵀ (`[b, h_kv, d, keys]`: `v_row_stride` is the
+/// stride between head_dim rows). The Q box is 64 rows (one consumer warpgroup's).
+fn consumer_maps(p: &FwdParams) -> [TensorMapArgs; 3] {
+    let u = |x: i32| x as usize;
+    let s = |x: i64| x as usize;
+    let (d, bn) = (u(p.head_dim), CONSUMER_BLOCK_N as u32);
+    [
+        u8_map(
+            p.q,
+            [d, u(p.heads_q), u(p.seqlen_q), u(p.batch)],
+            [s(p.q_head_stride), s(p.q_row_stride), s(p.q_batch_stride)],
+            [128, 1, CONSUMER_BLOCK_M as u32, 1],
+        ),
+        u8_map(
+            p.k,
+            [d, u(p.heads_kv), u(p.seqlen_k), u(p.batch)],
+            [s(p.k_head_stride), s(p.k_row_stride), s(p.k_batch_stride)],
+            [128, 1, bn, 1],
+        ),
+        // Vᵀ: keys innermost (seqlen_k of them: the box's keys past it are zero-filled).
+        u8_map(
+            p.v,
+            [u(p.seqlen_k), d, u(p.heads_kv), u(p.batch)],
+            [s(p.v_row_stride), s(p.v_head_stride), s(p.v_batch_stride)],
+            [bn, d as u32, 1, 1],
+        ),
+    ]
+}
+
+/// The host rules of the FP8 row ("fa3fp8s3"): the problems the consumer runs, the layout of
+/// the bf16/f16 inputs the pre-pass reads, and the consumer's tensor maps (over the e4m3 codes
+/// its `FwdParams` point at).
+#[derive(Debug)]
+pub(crate) struct Fp8;
+
+/// Why the FP8 consumer cannot run `p` (the same rules `consumer_plan` reports as typed errors).
+pub(crate) fn problem_refusal(p: &Problem) -> Option<&'static str> {
+    let Precision::Fp8 { scaling, .. } = p.precision else {
+        return Some("runs only Precision::Fp8 problems");
+    };
+    if !matches!(scaling, Fp8Scaling::PerTensor) && !matches!(scaling, Fp8Scaling::PerBlock { rows } if rows > 0 && rows % 64 == 0)
+    {
+        return Some("needs Fp8Scaling::PerTensor or PerBlock with a multiple of 64 rows (a V scale per 64-key half tile)");
+    }
+    if p.alibi.is_some() {
+        return Some("has no ALiBi (as the 16-bit FA3 kernels)");
+    }
+    (p.head_dim != CONSUMER_HEAD_DIM).then_some("runs head_dim 128 only (the one FP8 consumer instance)")
+}
+
+impl FamilyHost for Fp8 {
+    fn refusal(&self, _fam: &Family, _tile: &Tile, p: &Problem) -> Option<&'static str> {
+        problem_refusal(p)
+    }
+
+    /// The pre-pass reads the caller's bf16/f16 rows in 16-byte chunks.
+    fn layout_refusal(&self, ops: &Operands) -> Option<LayoutRefusal> {
+        chunked_rows_refusal(ops)
+    }
+
+    /// Over the e4m3 codes: the launch's `FwdParams` point at the pre-pass's outputs.
+    fn tensor_maps(&self, _fam: &Family, _dtype: DType, params: &FwdParams) -> Result<TensorMaps> {
+        let [q, k, v] = consumer_maps(params);
+        Ok(TensorMaps::new([q.spec, k.spec, v.spec], [q.global_address, k.global_address, v.global_address]))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::table::{fp8_prepass_symbol, image_kernel_symbols, KernelOptions, FAMILIES};
+    use super::*;
+    use crate::options::ForwardOptions;
+
+    fn row() -> &'static Family {
+        FAMILIES.iter().find(|f| f.options.contains(KernelOptions::FP8)).expect("the FP8 row")
+    }
+
+    /// The table row and the launch plans' constants (the consumer's `Fp8Traits3`) agree.
+    #[test]
+    fn table_row_matches_the_consumer() {
+        let f = row();
+        assert_eq!((f.name, f.stage, f.source, f.min_sm), ("fa3fp8s3", Some(3), "cuda/fa3_fp8_fwd_sm90.cu", 90));
+        assert!(!f.auto && !f.gpu_verified, "never ran on a GPU");
+        let t = &f.tiles[0];
+        assert_eq!(f.tiles.len(), 1);
+        assert_eq!(
+            (t.head_dim as usize, t.block_m as usize, t.block_n as usize, t.threads, f.smem_bytes(t)),
+            (CONSUMER_HEAD_DIM, CONSUMER_S3_BLOCK_M, CONSUMER_BLOCK_N, CONSUMER_S3_THREADS, CONSUMER_S3_SMEM_BYTES)
+        );
+        assert!(f.sass_expect.contains(&"QGMMA"));
+        assert_eq!(image_kernel_symbols(f, 128, "bf16"), ["fa3fp8s3_fwd_hd128_bf16", "fa_fp8_prepass_e4_bf16"]);
+        for d in [1, 32, 33, 64, 96, 128, 256] {
+            let p = |x: u64| PrepassInput {
+                shape: [1, 1, 1, d],
+                x,
+                x_strides: [d, d, d],
+                codes: x,
+                code_strides: [d, d, d, 1],
+                scales: x,
+                rotate: false,
+            };
+            let plan = prepass_plan(DType::F16, Fp8Scaling::PerTensor, None, &[p(0)]).unwrap();
+            assert_eq!(plan.kernel, fp8_prepass_symbol(d as u32, "f16"), "head_dim {d}");
+        }
+    }
+
+    fn problem(head_dim: usize, opts: &ForwardOptions) -> Problem {
+        Problem::from_shapes([1, 100, 4, head_dim], [1, 90, 2, head_dim], [1, 90, 2, head_dim], DType::BF16, opts).unwrap()
+    }
+
+    #[test]
+    fn refusals() {
+        let fp8 = |scaling| ForwardOptions::default().precision(Precision::Fp8 { scaling, hadamard: Some(7) });
+        let block = Fp8Scaling::PerBlock { rows: 128 };
+        assert_eq!(problem_refusal(&problem(128, &fp8(block))), None);
+        assert_eq!(problem_refusal(&problem(128, &fp8(Fp8Scaling::PerTensor))), None);
+        assert!(problem_refusal(&problem(128, &ForwardOptions::default())).unwrap().contains("Precision::Fp8"));
+        assert!(problem_refusal(&problem(64, &fp8(block))).unwrap().contains("head_dim 128"));
+        assert!(problem_refusal(&problem(128, &fp8(Fp8Scaling::PerBlock { rows: 32 }))).unwrap().contains("64 rows"));
+        let alibi = fp8(block).alibi_slopes(vec![0.5; 4]);
+        assert!(problem_refusal(&problem(128, &alibi)).unwrap().contains("ALiBi"));
+    }
+
+    /// The host's maps are the consumer plan's (stage 3), so `Engine` and the emulator agree.
+    #[test]
+    fn host_maps_are_the_plans() {
+        let opts = ForwardOptions::default().precision(Precision::Fp8 { scaling: Fp8Scaling::PerTensor, hadamard: None });
+        let p = problem(128, &opts);
+        let ops = ConsumerOperands {
+            q: 0x1000,
+            q_strides: [100 * 4 * 128, 4 * 128, 128],
+            k: 0x10_0000,
+            k_strides: [90 * 2 * 128, 2 * 128, 128],
+            vt: 0x20_0000,
+            vt_strides: [2 * 128 * 96, 96, 128 * 96],
+            o: 0x30_0000,
+            o_strides: [100 * 4 * 128, 4 * 128, 128],
+            lse: 0,
+            descales: [0x40_0000, 0x50_0000, 0x60_0000],
+        };
+        let plan = consumer_plan(&p, &ops, 3).unwrap();
+        let maps = Fp8.tensor_maps(row(), DType::BF16, &plan.params).unwrap();
+        assert_eq!(&maps[..], &plan.tensor_maps[..]);
+        assert_eq!(plan.kernel, crate::cuda::table::kernel_symbol(row().name, 128, "bf16"));
+    }
 }
