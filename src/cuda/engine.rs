@@ -31,10 +31,11 @@
 //! ```
 
 use super::device::{cuda_err, Device};
-use super::launch::{launch, plan_launch};
+use super::fp8::{self, Fp8Scratch};
+use super::launch::{launch, launch_fp8_prepass, plan_launch};
 use super::params::{FwdParams, Operands};
 use super::select::{self, Choice};
-use super::table::kernel_symbol;
+use super::table::{kernel_symbol, KernelOptions};
 use crate::error::{Error, Operand, Result};
 use crate::options::ForwardOptions;
 use crate::output::{Dispatch, Output};
@@ -475,11 +476,42 @@ impl Engine {
                 ),
             });
         }
+        if c.family.options.contains(KernelOptions::FP8) {
+            self.fp8_forward(stream, &p, &ops, &c)?;
+            return Ok(c);
+        }
         // Strides were checked above to address inside the buffers, seqlens to fit i32.
         let plan = plan_launch(c.family, c.tile, p.dtype, FwdParams::for_launch(&p, &ops), self.dev.sm_count())?;
         let f = self.dev.function(c.family, c.tile, c.dtype)?;
         launch(&f, stream, &plan)?;
         Ok(c)
+    }
+
+    /// The FP8 forward of `p` (chosen family `c`, an FP8 row) on the caller's bf16/f16 tensors:
+    /// scratch for the e4m3 codes and scales allocated on `stream` (stream-ordered, no
+    /// synchronization), the pre-pass of Q and K, the pre-pass of V into Vᵀ, the consumer into
+    /// the caller's output, and the scratch freed on `stream` after them. The context is current;
+    /// extents, streams, dtypes and the family's layout rule were checked by the caller.
+    fn fp8_forward(&self, stream: sys::CUstream, p: &Problem, ops: &Operands, c: &Choice) -> Result<()> {
+        let layout = Fp8Scratch::of(p)?;
+        let prepass = self.dev.fp8_prepass_function(c.family, c.tile, c.dtype)?;
+        let consumer = self.dev.function(c.family, c.tile, c.dtype)?;
+        // SAFETY: a stream-ordered allocation of `layout.bytes` on a valid stream of the current
+        // context (checked by the caller); freed below on the same stream, after the launches
+        // that use it, whatever they return.
+        let scratch = unsafe { result::malloc_async(stream, layout.bytes.max(1)) }.map_err(cuda_err("cuMemAllocAsync(fp8 scratch)"))?;
+        let run = || -> Result<()> {
+            let (qk, v, params) = fp8::forward_plans(p, ops, scratch, &layout)?;
+            let plan = plan_launch(c.family, c.tile, p.dtype, params, self.dev.sm_count())?;
+            launch_fp8_prepass(&prepass, stream, &qk)?;
+            launch_fp8_prepass(&prepass, stream, &v)?;
+            launch(&consumer, stream, &plan)
+        };
+        let ran = run();
+        // SAFETY: `scratch` came from cuMemAllocAsync on `stream` above; freeing it on the same
+        // stream orders the free after every launch enqueued there.
+        let freed = unsafe { result::free_async(scratch, stream) }.map_err(cuda_err("cuMemFreeAsync(fp8 scratch)"));
+        ran.and(freed)
     }
 
     /// The device copy of a slope set: uploaded on `stream` (no synchronization) the first time

@@ -5,11 +5,12 @@
 //! row "fa3fp8s3" (build/instances.rs; one image holds both), whose host rules are [`Fp8`]
 //! here: `select` picks it for `Precision::Fp8` problems on sm_90a.
 
-use super::launch::{
-    TensorMapArgs, TmaSpec, TMA_INTERLEAVE_NONE, TMA_L2_PROMOTION_256B, TMA_OOB_FILL_NONE, TMA_RANK, TMA_SWIZZLE_128B,
-};
 use super::family::{chunked_rows_refusal, FamilyHost, LayoutRefusal};
 use super::launch::TensorMaps;
+use super::launch::{
+    TensorMapArgs, TmaSpec, TMA_DTYPE_UINT8, TMA_INTERLEAVE_NONE, TMA_L2_PROMOTION_256B, TMA_OOB_FILL_NONE, TMA_RANK,
+    TMA_SWIZZLE_128B,
+};
 use super::params::{FwdParams, Operands};
 use super::table::{Family, Tile};
 use crate::error::{Error, Operand, Result};
@@ -42,8 +43,6 @@ pub const CONSUMER_S3_SMEM_BYTES: u32 = (128 * 128 + 2 * 128 * 128 + 2 * 128 * 1
 /// Stage 3: a producer warpgroup and two consumer warpgroups, 128 query rows per CTA.
 pub const CONSUMER_S3_THREADS: u32 = 384;
 pub const CONSUMER_S3_BLOCK_M: usize = 128;
-/// `CU_TENSOR_MAP_DATA_TYPE_UINT8`: e4m3 codes travel as bytes.
-const TMA_DTYPE_UINT8: u32 = 0;
 
 /// One operand of the pre-pass, mirrored from `Fp8PrepassOperand` (fp8_prepass_params.h).
 #[repr(C)]
@@ -398,6 +397,118 @@ pub fn consumer_plan(p: &Problem, ops: &ConsumerOperands, stage: u32) -> Result<
     })
 }
 
+/// Byte alignment of each region of the FP8 scratch (TMA base addresses: 16; 256 is cheap).
+const SCRATCH_ALIGN: usize = 256;
+
+/// The device scratch of one FP8 forward: the pre-pass's e4m3 codes of Q and K (`[b, s, h, d]`),
+/// of Vᵀ (`[b, h_kv, d, keys_pad]`, keys padded to 16 bytes for TMA's stride rule) and the f32
+/// scales of Q, K, V (`[b, h, blocks]`), as byte offsets into one buffer of `bytes`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fp8Scratch {
+    pub q: usize,
+    pub k: usize,
+    pub vt: usize,
+    /// Keys per Vᵀ row (seqlen_k rounded up to 16).
+    pub keys_pad: usize,
+    pub scales: [usize; 3],
+    pub bytes: usize,
+}
+
+impl Fp8Scratch {
+    /// The scratch layout of FP8 problem `p`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidOption`] when `p` is not an FP8 problem; [`Error::TooLarge`] past usize.
+    pub fn of(p: &Problem) -> Result<Fp8Scratch> {
+        let Precision::Fp8 { scaling, .. } = p.precision else {
+            return Err(option_error("precision", format!("{:?}", p.precision), "Precision::Fp8"));
+        };
+        let too_large = || Error::TooLarge { what: format!("FP8 scratch of {p:?}") };
+        let mul = |xs: &[usize]| xs.iter().try_fold(1usize, |a, &x| a.checked_mul(x)).ok_or_else(too_large);
+        let keys_pad = p.seqlen_k.div_ceil(16) * 16;
+        let blocks = |s: usize| s.div_ceil(block_rows(scaling, s));
+        let sizes = [
+            mul(&[p.batch, p.seqlen_q, p.heads_q, p.head_dim])?,
+            mul(&[p.batch, p.seqlen_k, p.heads_kv, p.head_dim])?,
+            mul(&[p.batch, p.heads_kv, p.head_dim, keys_pad])?,
+            mul(&[p.batch, p.heads_q, blocks(p.seqlen_q), 4])?,
+            mul(&[p.batch, p.heads_kv, blocks(p.seqlen_k), 4])?,
+            mul(&[p.batch, p.heads_kv, blocks(p.seqlen_k), 4])?,
+        ];
+        let mut at = [0usize; 6];
+        let mut end = 0usize;
+        for (a, n) in at.iter_mut().zip(sizes) {
+            *a = end;
+            end = end.checked_add(n).and_then(|e| e.checked_next_multiple_of(SCRATCH_ALIGN)).ok_or_else(too_large)?;
+        }
+        Ok(Fp8Scratch { q: at[0], k: at[1], vt: at[2], keys_pad, scales: [at[3], at[4], at[5]], bytes: end })
+    }
+}
+
+/// The three launches of the FP8 forward of `p` on the caller's bf16/f16 tensors `ops`
+/// (element strides; `ops.ptrs[3]` the output, `ops.lse` its LSE or 0) with the scratch at
+/// device address `scratch` (laid out as `layout`): the pre-pass of Q and K (rotated when
+/// `hadamard` is set), the pre-pass of V into Vᵀ, then the stage-3 consumer's parameters (its
+/// grid and tensor maps come from the table row: `launch::plan_launch`).
+///
+/// # Errors
+/// As [`prepass_plan`] and [`consumer_plan`].
+pub fn forward_plans(
+    p: &Problem,
+    ops: &Operands,
+    scratch: u64,
+    layout: &Fp8Scratch,
+) -> Result<(PrepassLaunch, PrepassLaunch, FwdParams)> {
+    let Precision::Fp8 { scaling, hadamard } = p.precision else {
+        return Err(option_error("precision", format!("{:?}", p.precision), "Precision::Fp8"));
+    };
+    let (b, d, hq, hk) = (p.batch, p.head_dim, p.heads_q, p.heads_kv);
+    let at = |off: usize| scratch + off as u64;
+    let q_codes = [p.seqlen_q * hq * d, hq * d, d];
+    let k_codes = [p.seqlen_k * hk * d, hk * d, d];
+    let kp = layout.keys_pad;
+    let input = |i: usize, shape: [usize; 4], codes: usize, code_strides: [usize; 4], scales: usize, rotate: bool| {
+        PrepassInput {
+            shape,
+            x: ops.ptrs[i],
+            x_strides: ops.strides[i],
+            codes: at(codes),
+            code_strides,
+            scales: at(scales),
+            rotate: rotate && hadamard.is_some(),
+        }
+    };
+    let qk = prepass_plan(
+        p.dtype,
+        scaling,
+        hadamard,
+        &[
+            input(0, [b, p.seqlen_q, hq, d], layout.q, [q_codes[0], q_codes[1], q_codes[2], 1], layout.scales[0], true),
+            input(1, [b, p.seqlen_k, hk, d], layout.k, [k_codes[0], k_codes[1], k_codes[2], 1], layout.scales[1], true),
+        ],
+    )?;
+    // Vᵀ: the code of (batch, key, head, dim) at ((batch · h_kv + head) · d + dim) · keys_pad + key.
+    let v = prepass_plan(
+        p.dtype,
+        scaling,
+        None,
+        &[input(2, [b, p.seqlen_k, hk, d], layout.vt, [hk * d * kp, 1, d * kp, kp], layout.scales[2], false)],
+    )?;
+    let consumer = ConsumerOperands {
+        q: at(layout.q),
+        q_strides: q_codes,
+        k: at(layout.k),
+        k_strides: k_codes,
+        vt: at(layout.vt),
+        vt_strides: [hk * d * kp, kp, d * kp],
+        o: ops.ptrs[3],
+        o_strides: ops.strides[3],
+        lse: ops.lse,
+        descales: layout.scales.map(at),
+    };
+    Ok((qk, v, consumer_plan(p, &consumer, 3)?.params))
+}
+
 /// The consumer's tensor maps (stages 2-3) from its launch parameters: UINT8 maps of the Q and K
 /// codes (`[b, s, h, d]`, byte strides) and of Vᵀ (`[b, h_kv, d, keys]`: `v_row_stride` is the
 /// stride between head_dim rows). The Q box is 64 rows (one consumer warpgroup's).
@@ -439,9 +550,12 @@ pub(crate) fn problem_refusal(p: &Problem) -> Option<&'static str> {
     let Precision::Fp8 { scaling, .. } = p.precision else {
         return Some("runs only Precision::Fp8 problems");
     };
-    if !matches!(scaling, Fp8Scaling::PerTensor) && !matches!(scaling, Fp8Scaling::PerBlock { rows } if rows > 0 && rows % 64 == 0)
+    if !matches!(scaling, Fp8Scaling::PerTensor)
+        && !matches!(scaling, Fp8Scaling::PerBlock { rows } if rows > 0 && rows % 64 == 0)
     {
-        return Some("needs Fp8Scaling::PerTensor or PerBlock with a multiple of 64 rows (a V scale per 64-key half tile)");
+        return Some(
+            "needs Fp8Scaling::PerTensor or PerBlock with a multiple of 64 rows (a V scale per 64-key half tile)",
+        );
     }
     if p.alibi.is_some() {
         return Some("has no ALiBi (as the 16-bit FA3 kernels)");
@@ -506,7 +620,8 @@ mod tests {
     }
 
     fn problem(head_dim: usize, opts: &ForwardOptions) -> Problem {
-        Problem::from_shapes([1, 100, 4, head_dim], [1, 90, 2, head_dim], [1, 90, 2, head_dim], DType::BF16, opts).unwrap()
+        Problem::from_shapes([1, 100, 4, head_dim], [1, 90, 2, head_dim], [1, 90, 2, head_dim], DType::BF16, opts)
+            .unwrap()
     }
 
     #[test]
@@ -525,7 +640,8 @@ mod tests {
     /// The host's maps are the consumer plan's (stage 3), so `Engine` and the emulator agree.
     #[test]
     fn host_maps_are_the_plans() {
-        let opts = ForwardOptions::default().precision(Precision::Fp8 { scaling: Fp8Scaling::PerTensor, hadamard: None });
+        let opts =
+            ForwardOptions::default().precision(Precision::Fp8 { scaling: Fp8Scaling::PerTensor, hadamard: None });
         let p = problem(128, &opts);
         let ops = ConsumerOperands {
             q: 0x1000,
@@ -543,5 +659,62 @@ mod tests {
         let maps = Fp8.tensor_maps(row(), DType::BF16, &plan.params).unwrap();
         assert_eq!(&maps[..], &plan.tensor_maps[..]);
         assert_eq!(plan.kernel, crate::cuda::table::kernel_symbol(row().name, 128, "bf16"));
+    }
+
+    /// The engine's three launches: scratch regions disjoint and 256-byte aligned, the pre-pass
+    /// reading the caller's tensors and writing the regions the consumer reads, Vᵀ padded.
+    #[test]
+    fn forward_plans_wire_the_prepass_into_the_consumer() {
+        let opts = ForwardOptions::default()
+            .precision(Precision::Fp8 { scaling: Fp8Scaling::PerBlock { rows: 64 }, hadamard: Some(9) })
+            .return_lse(true);
+        let p = problem(128, &opts); // q [1, 100, 4, 128], k/v [1, 90, 2, 128]
+        let l = Fp8Scratch::of(&p).unwrap();
+        assert_eq!(l.keys_pad, 96);
+        let regions = [
+            (l.q, 100 * 4 * 128),
+            (l.k, 90 * 2 * 128),
+            (l.vt, 2 * 128 * 96),
+            (l.scales[0], 4 * 2 * 4),
+            (l.scales[1], 2 * 2 * 4),
+            (l.scales[2], 2 * 2 * 4),
+        ];
+        for w in regions.windows(2) {
+            assert!(w[0].0 + w[0].1 <= w[1].0 && w[1].0 % 256 == 0, "{regions:?}");
+        }
+        assert!(l.scales[2] + 16 <= l.bytes);
+        let contiguous = |s: usize, h: usize| [s * h * 128, h * 128, 128];
+        let ops = Operands {
+            ptrs: [0x10_0000, 0x20_0000, 0x30_0000, 0x40_0000],
+            strides: [contiguous(100, 4), contiguous(90, 2), contiguous(90, 2), contiguous(100, 4)],
+            lse: 0x50_0000,
+            alibi: 0,
+        };
+        let base = 0x100_0000u64;
+        let (qk, v, params) = forward_plans(&p, &ops, base, &l).unwrap();
+        assert_eq!((qk.kernel.as_str(), qk.params.n_ops, v.params.n_ops), ("fa_fp8_prepass_e4_bf16", 2, 1));
+        let [oq, ok] = qk.params.op;
+        assert_eq!((oq.x, oq.codes, oq.scales, oq.flags), (0x10_0000, base + l.q as u64, base + l.scales[0] as u64, 1));
+        assert_eq!((ok.x, ok.codes, ok.flags), (0x20_0000, base + l.k as u64, 1));
+        assert_eq!(qk.params.hadamard_seed, 9);
+        let ov = v.params.op[0];
+        assert_eq!((ov.x, ov.codes, ov.flags), (0x30_0000, base + l.vt as u64, 0));
+        assert_eq!(
+            (ov.c_batch_stride, ov.c_row_stride, ov.c_head_stride, ov.c_dim_stride),
+            (2 * 128 * 96, 1, 128 * 96, 96)
+        );
+        assert_eq!(
+            (params.q, params.k, params.v, params.o, params.lse),
+            (oq.codes, ok.codes, ov.codes, 0x40_0000, 0x50_0000)
+        );
+        assert_eq!(
+            (params.q_descale, params.k_descale, params.v_descale, params.descale_block),
+            (oq.scales, ok.scales, ov.scales, 64)
+        );
+        assert_eq!((params.v_row_stride, params.v_head_stride), (96, 128 * 96));
+        // Not an FP8 problem: typed refusals.
+        let plain = problem(128, &ForwardOptions::default());
+        assert!(matches!(Fp8Scratch::of(&plain), Err(Error::InvalidOption { .. })));
+        assert!(matches!(forward_plans(&plain, &ops, base, &l), Err(Error::InvalidOption { .. })));
     }
 }
