@@ -1,0 +1,88 @@
+//! The Hopper FP8 forward (table row fa3fp8s3: the pre-pass, then the stage-3 FP8 consumer)
+//! through `Engine` and `flash_attn::forward`, against the CPU FP8 path (`Precision::Fp8` on
+//! `Backend::Cpu`) and float64, with the acceptance of the emulator test
+//! (tests/fp8_emulator.rs, `fp8_consumer_matches_cpu_fp8_path`): the kernel tiles keys by 128 and
+//! the CPU path by 64, so P · 2^8 rounds against other running maxima; both must be equally far
+//! from float64 (within 15%), max|kernel − CPU| <= 0.1, LSE within 1e-4.
+//! Never ran on a GPU yet (docs/fp8.md).
+
+use super::common::*;
+use super::util::*;
+use flash_attn::reference::{attention_f64, rmse};
+use flash_attn::{forward, Backend, DType, Error, ForwardOptions, Fp8Scaling, Precision, Problem, Variant};
+
+fn fp8(scaling: Fp8Scaling, hadamard: Option<u64>, causal: bool) -> ForwardOptions {
+    ForwardOptions::default()
+        .precision(Precision::Fp8 { scaling, hadamard })
+        .causal(causal)
+        .return_lse(true)
+        .variant(Variant::Fa3)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fp8_forward_matches_cpu_fp8_path() {
+    let engine = engine();
+    let stream = engine.device().context().new_stream().unwrap();
+    let mut rng = Rng::new(0xF8);
+    let block = |rows| Fp8Scaling::PerBlock { rows };
+    let cases = [
+        (DType::BF16, [2, 130, 4, 128], [2, 257, 2, 128], block(64), Some(0x5EED), false),
+        (DType::F16, [1, 200, 2, 128], [1, 300, 2, 128], block(64), Some(7), true),
+        (DType::BF16, [1, 190, 2, 128], [1, 70, 1, 128], block(128), Some(1), true),
+        (DType::F16, [1, 65, 2, 128], [1, 129, 2, 128], Fp8Scaling::PerTensor, None, false),
+        (DType::BF16, [2, 1000, 8, 128], [2, 1000, 8, 128], block(128), Some(3), false),
+    ];
+    for (dtype, qs, ks, scaling, hadamard, causal) in cases {
+        let what = format!("{dtype:?} q{qs:?} k{ks:?} {scaling:?} hadamard {hadamard:?} causal {causal}");
+        let (q, k, v) = (randn(&mut rng, dtype, qs), randn(&mut rng, dtype, ks), randn(&mut rng, dtype, ks));
+        let opts = fp8(scaling, hadamard, causal);
+        if engine.device().sm() != 90 {
+            // Not Hopper: the FP8 kernels are sm_90a only; a typed refusal, never a fallback.
+            let e = engine.dispatch(qs, ks, dtype, &opts).unwrap_err();
+            assert!(matches!(e, Error::VariantUnavailable { variant: Variant::Fa3, .. }), "{what}: {e:?}");
+            continue;
+        }
+        let got = run_views(&engine, &stream, [q.view(), k.view(), v.view()], &opts).unwrap();
+        assert!(got.kernel.starts_with("fa3fp8s3_fwd_hd128_"), "{what}: {}", got.kernel);
+        let cpu = forward(&q, &k, &v, &opts.clone().backend(Backend::Cpu)).unwrap();
+        let cpu_o: Vec<f64> = cpu.o.to_f32_vec().iter().map(|&x| x as f64).collect();
+        let p = Problem::new(&q.view(), &k.view(), &v.view(), &ForwardOptions::default().causal(causal)).unwrap();
+        let exact = attention_f64(&p, &q.view(), &k.view(), &v.view()).unwrap().o;
+        assert!(got.o.iter().all(|x| x.is_finite()), "{what}: non-finite output (unwritten elements are NaN)");
+        let max_o = got.o.iter().zip(&cpu_o).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+        let (e_gpu, e_cpu) = (rmse(&got.o, &exact), rmse(&cpu_o, &exact));
+        let lse_gpu = got.lse.as_ref().unwrap();
+        let lse_cpu = cpu.lse.as_ref().unwrap();
+        let lse_ok =
+            lse_gpu.iter().zip(lse_cpu).all(|(a, &b)| (a.is_infinite() && *a == b as f64) || (a - b as f64).abs() <= 1e-4);
+        println!("{what}: max|GPU - CPU FP8| {max_o:.2e}; RMSE vs float64: GPU {e_gpu:.3e}, CPU FP8 {e_cpu:.3e}");
+        assert!(max_o <= 0.1 && (e_gpu / e_cpu - 1.0).abs() <= 0.15 && lse_ok, "{what}");
+        // The host path runs the same kernel: the same numbers.
+        let host = forward(&q, &k, &v, &opts.clone().backend(Backend::Cuda(0))).unwrap();
+        assert_eq!(host.dispatch.kernel, got.kernel, "{what}");
+        let host_o: Vec<f64> = host.o.to_f32_vec().iter().map(|&x| x as f64).collect();
+        assert_eq!(host_o, got.o, "{what}: flash_attn::forward and Engine differ");
+    }
+}
+
+/// What the FP8 kernels do not run is a typed refusal on the GPU too (the CPU tests check the
+/// same rules on a faked sm_90 device: src/cuda/select/tests.rs).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fp8_refusals_are_typed() {
+    let engine = engine();
+    let block = Fp8Scaling::PerBlock { rows: 64 };
+    for (d, opts) in [
+        (64, fp8(block, Some(1), false)),
+        (256, fp8(block, Some(1), false)),
+        (128, fp8(Fp8Scaling::PerBlock { rows: 32 }, Some(1), false)),
+        (128, fp8(block, Some(1), false).alibi_slopes(vec![0.5; 4])),
+    ] {
+        let e = engine.dispatch([1, 64, 4, d], [1, 64, 4, d], DType::BF16, &opts).unwrap_err();
+        assert!(matches!(e, Error::VariantUnavailable { variant: Variant::Fa3, .. }), "hd{d} {opts:?}: {e:?}");
+    }
+    // Auto leaves the FP8 row alone until it is verified on a GPU: no GPU kernel for FP8.
+    let auto = fp8(block, Some(1), false).variant(Variant::Auto);
+    assert!(engine.dispatch([1, 64, 4, 128], [1, 64, 4, 128], DType::BF16, &auto).is_err());
+}
