@@ -2,7 +2,7 @@
 //! (`cuda/fp8_prepass.cu`: bf16/f16 -> e4m3 codes + per-block scales, Q and K rotated) and the FP8
 //! consumer (`cuda/fa3_fp8_fwd_sm90.cu`). The CPU emulator runs exactly these launches
 //! (tests/fp8_emulator.rs). The stage-3 consumer and the pre-pass of head_dim 128 are the table
-//! row "fa3fp8s3" (build/instances.rs; one image holds both), whose host rules are [`Fp8`]
+//! row "fa3fp8s3" (build/instances.rs; one image holds both), whose host rules are `Fp8`
 //! here: `select` picks it for `Precision::Fp8` problems on sm_90a.
 
 use super::family::{chunked_rows_refusal, FamilyHost, LayoutRefusal};

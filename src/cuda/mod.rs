@@ -31,7 +31,7 @@ mod select;
 pub mod table;
 
 pub use device::{device_count, driver_present, Device};
-pub use engine::{DeviceLse, DeviceTensor, DeviceTensorMut, Engine};
+pub use engine::{DeviceLse, DeviceTensor, DeviceTensorMut, Engine, Fp8Codes};
 
 pub(crate) use device::why_unusable;
 pub(crate) use engine::{forward_host_into_typed, forward_host_typed};

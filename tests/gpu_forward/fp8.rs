@@ -86,3 +86,74 @@ fn fp8_refusals_are_typed() {
     let auto = fp8(block, Some(1), false).variant(Variant::Auto);
     assert!(engine.dispatch([1, 64, 4, 128], [1, 64, 4, 128], DType::BF16, &auto).is_err());
 }
+
+/// FA3's FP8 input for engines that quantise themselves (`Engine::launch_fp8_codes_raw`): codes
+/// and per-(batch, head) descales from the CPU quantiser (the pre-pass's oracle), V transposed
+/// here; the output must be the CPU FP8 path's with per-tensor scaling and no rotation, within the
+/// same acceptance.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fp8_codes_input_matches_cpu_fp8_path() {
+    use flash_attn::cuda::{DeviceTensorMut, Fp8Codes};
+    use flash_attn::numerics::quant::quantize_e4m3;
+    let engine = engine();
+    if engine.device().sm() != 90 {
+        let opts = fp8(Fp8Scaling::PerTensor, None, false);
+        assert!(engine.dispatch([1, 64, 2, 128], [1, 64, 2, 128], DType::BF16, &opts).is_err());
+        return;
+    }
+    let stream = engine.device().context().new_stream().unwrap();
+    let mut rng = Rng::new(0xC0DE);
+    let (qs, ks) = ([2, 130, 4, 128], [2, 257, 2, 128]);
+    let (q, k, v) = (randn(&mut rng, DType::BF16, qs), randn(&mut rng, DType::BF16, ks), randn(&mut rng, DType::BF16, ks));
+    let z = |t: &flash_attn::Tensor, s: usize| quantize_e4m3(&t.to_f32_vec(), t.shape(), s).unwrap();
+    let (qz, kz, vz) = (z(&q, qs[1]), z(&k, ks[1]), z(&v, ks[1]));
+    let [b_n, sk, hk, d] = ks;
+    let pad = sk.div_ceil(16) * 16;
+    let mut vt = vec![0u8; b_n * hk * d * pad];
+    for b in 0..b_n {
+        for s in 0..sk {
+            for h in 0..hk {
+                for j in 0..d {
+                    vt[((b * hk + h) * d + j) * pad + s] = vz.codes[((b * sk + s) * hk + h) * d + j];
+                }
+            }
+        }
+    }
+    let up8 = |x: &[u8]| stream.clone_htod(x).unwrap();
+    let up32 = |x: &[f32]| stream.clone_htod(x).unwrap();
+    let (dq, dk, dvt) = (up8(&qz.codes), up8(&kz.codes), up8(&vt));
+    let (sq, sk_, sv) = (up32(&qz.scales), up32(&kz.scales), up32(&vz.scales));
+    use cudarc::driver::DevicePtr;
+    let addr8 = |x: &cudarc::driver::CudaSlice<u8>| x.device_ptr(&stream).0;
+    let addr32 = |x: &cudarc::driver::CudaSlice<f32>| x.device_ptr(&stream).0;
+    let codes = Fp8Codes {
+        q: addr8(&dq),
+        k: addr8(&dk),
+        vt: addr8(&dvt),
+        vt_row_stride: pad,
+        q_descale: addr32(&sq),
+        k_descale: addr32(&sk_),
+        v_descale: addr32(&sv),
+    };
+    let n_o: usize = qs.iter().product();
+    let mut d_o = stream.clone_htod(&vec![half::bf16::from_f32(f32::NAN); n_o]).unwrap();
+    let opts = fp8(Fp8Scaling::PerTensor, None, false).return_lse(false);
+    {
+        let mut to = DeviceTensorMut::new(&mut d_o, &stream, qs);
+        // SAFETY: a stream of the engine's context; the code and descale buffers live until the
+        // synchronize below.
+        unsafe { engine.launch_fp8_codes_raw(stream.cu_stream(), qs, ks, &codes, &mut to, None, &opts) }.unwrap();
+    }
+    let o: Vec<half::bf16> = stream.clone_dtoh(&d_o).unwrap();
+    stream.synchronize().expect("kernel execution");
+    let got: Vec<f64> = o.iter().map(|x| x.to_f64()).collect();
+    let cpu = forward(&q, &k, &v, &opts.clone().backend(Backend::Cpu)).unwrap();
+    let cpu_o: Vec<f64> = cpu.o.to_f32_vec().iter().map(|&x| x as f64).collect();
+    let p = Problem::new(&q.view(), &k.view(), &v.view(), &ForwardOptions::default()).unwrap();
+    let exact = attention_f64(&p, &q.view(), &k.view(), &v.view()).unwrap().o;
+    let max_o = got.iter().zip(&cpu_o).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+    let (e_gpu, e_cpu) = (rmse(&got, &exact), rmse(&cpu_o, &exact));
+    println!("codes input: max|GPU - CPU FP8| {max_o:.2e}; RMSE vs float64: GPU {e_gpu:.3e}, CPU FP8 {e_cpu:.3e}");
+    assert!(got.iter().all(|x| x.is_finite()) && max_o <= 0.1 && (e_gpu / e_cpu - 1.0).abs() <= 0.15);
+}
