@@ -45,7 +45,8 @@ fn fp8_forward_matches_cpu_fp8_path() {
         }
         let got = run_views(&engine, &stream, [q.view(), k.view(), v.view()], &opts).unwrap();
         assert!(got.kernel.starts_with("fa3fp8s3_fwd_hd128_"), "{what}: {}", got.kernel);
-        let cpu = forward(&q, &k, &v, &opts.clone().backend(Backend::Cpu)).unwrap();
+        // The CPU runs no kernel family: Variant::Auto there.
+        let cpu = forward(&q, &k, &v, &opts.clone().variant(Variant::Auto).backend(Backend::Cpu)).unwrap();
         let cpu_o: Vec<f64> = cpu.o.to_f32_vec().iter().map(|&x| x as f64).collect();
         let p = Problem::new(&q.view(), &k.view(), &v.view(), &ForwardOptions::default().causal(causal)).unwrap();
         let exact = attention_f64(&p, &q.view(), &k.view(), &v.view()).unwrap().o;
@@ -148,7 +149,7 @@ fn fp8_codes_input_matches_cpu_fp8_path() {
     let o: Vec<half::bf16> = stream.clone_dtoh(&d_o).unwrap();
     stream.synchronize().expect("kernel execution");
     let got: Vec<f64> = o.iter().map(|x| x.to_f64()).collect();
-    let cpu = forward(&q, &k, &v, &opts.clone().backend(Backend::Cpu)).unwrap();
+    let cpu = forward(&q, &k, &v, &opts.clone().variant(Variant::Auto).backend(Backend::Cpu)).unwrap();
     let cpu_o: Vec<f64> = cpu.o.to_f32_vec().iter().map(|&x| x as f64).collect();
     let p = Problem::new(&q.view(), &k.view(), &v.view(), &ForwardOptions::default()).unwrap();
     let exact = attention_f64(&p, &q.view(), &k.view(), &v.view()).unwrap().o;
