@@ -247,7 +247,7 @@ const FA1_THREADS: u32 = 128;
 
 /// FA2's shared memory: Q (block_m rows, reused to stage O) plus a two-stage ring of K and V
 /// tiles (block_n rows each), f16/bf16 rows padded by 8 elements (16 bytes) so ldmatrix is
-/// bank-conflict free. Mirrors `Fa2Traits::kSmemBytes` in cuda/include/fa2_traits.cuh.
+/// bank-conflict free. Mirrors `Fa2Traits::kSmemBytes` in cuda/fa2/traits.cuh.
 fn fa2_smem_bytes(_stage: Option<u8>, t: &Tile) -> u32 {
     const STAGES: u32 = 2;
     const PAD: u32 = 8;
@@ -288,7 +288,7 @@ const fn fa3_tile(stage: u8, head_dim: u32) -> Tile {
 /// (1 in stage 1, 2 from stage 2), the mbarriers (stages 2-3: q_full + kv_full/kv_empty per
 /// slot; stages 4-5: q_full, q_empty + k_full/v_full/k_empty/v_empty per slot; stage 1 still
 /// reserves the stage-2/3 set: the traits share one layout) and the alignment slack. Mirrors
-/// `Fa3Traits::kSmemBytes` (cuda/include/fa3_traits.cuh), which the kernel static_asserts
+/// `Fa3Traits::kSmemBytes` (cuda/fa3/traits.cuh), which the kernel static_asserts
 /// equal to FA_SMEM_BYTES.
 fn fa3_smem_bytes(stage: Option<u8>, t: &Tile) -> u32 {
     let stage = stage.unwrap_or(1);

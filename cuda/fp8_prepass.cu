@@ -25,10 +25,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "dtype.cuh"
-#include "fp8.cuh"
-#include "fp8_prepass_params.h"
-#include "hadamard.cuh"
+#include "common/dtype.cuh"
+#include "common/fp8.cuh"
+#include "common/fp8_prepass_params.h"
+#include "common/hadamard.cuh"
 
 namespace fp8pre {
 

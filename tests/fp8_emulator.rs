@@ -451,7 +451,7 @@ fn emulator_fp8_codec_matches_rust() {
 /// The FP8 wgmma path in the emulator (cuda/test/emu/fp8_selftest.cpp): acc_to_a8's routing
 /// against the fragment maps (which equal CuTe's), the e4m3 tile placement against the
 /// emulator's descriptor decoding, and a Q Kᵀ -> P (e4m3, permuted) -> P V chain through the
-/// e4m3 wrappers of wgmma_fp8_sm90.cuh against host arithmetic under three scheduler seeds; P left
+/// e4m3 wrappers of sm90/wgmma_fp8.cuh against host arithmetic under three scheduler seeds; P left
 /// in the accumulator's order must give a wrong result.
 #[test]
 fn fp8_wgmma_self_tests() {
@@ -856,7 +856,9 @@ fn sm90a_sass(src: &str) -> (String, String) {
     let root = common::emu::root();
     let out = Command::new(&nvcc)
         .args(["-std=c++17", "-O3", "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v", "-I"])
-        .arg(root.join("cuda/include"))
+        .arg(root.join("cuda"))
+        .arg("-I")
+        .arg(common::emu::generated_include())
         .arg("-o")
         .arg(&cubin)
         .arg(root.join(src))
@@ -1048,7 +1050,9 @@ fn cute_e4m3_forms() {
         .args(["-std=c++17", "-O3", "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-isystem"])
         .arg(cutlass_include())
         .arg("-I")
-        .arg(root.join("cuda/include"))
+        .arg(root.join("cuda"))
+        .arg("-I")
+        .arg(common::emu::generated_include())
         .arg(root.join("cuda/test/oracle/gmma_forms_fp8.cu"))
         .arg("-o")
         .arg(&cubin)

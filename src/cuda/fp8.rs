@@ -44,7 +44,7 @@ pub const CONSUMER_S3_SMEM_BYTES: u32 = (128 * 128 + 2 * 128 * 128 + 2 * 128 * 1
 pub const CONSUMER_S3_THREADS: u32 = 384;
 pub const CONSUMER_S3_BLOCK_M: usize = 128;
 
-/// One operand of the pre-pass, mirrored from `Fp8PrepassOperand` (fp8_prepass_params.h).
+/// One operand of the pre-pass, mirrored from `Fp8PrepassOperand` (cuda/common/fp8_prepass_params.h).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct PrepassOperand {
@@ -78,7 +78,7 @@ pub struct PrepassParams {
     pub n_ops: i32,
 }
 
-// The same numbers as the static_asserts of fp8_prepass_params.h.
+// The same numbers as the static_asserts of cuda/common/fp8_prepass_params.h.
 const _: () = {
     assert!(size_of::<PrepassOperand>() == 104);
     assert!(offset_of!(PrepassOperand, x_batch_stride) == 24);

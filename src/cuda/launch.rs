@@ -229,13 +229,13 @@ fn launch_kernel(
     // `const __grid_constant__ CUtensorMap` per tensor map its family's host rules give (FA3
     // stages 2-5 and the FP8 consumer: Q, K, V); the FP8 pre-pass takes `const
     // __grid_constant__ Fp8PrepassParams` alone. `args` points at exactly those values, alive
-    // for the call (cuLaunchKernel copies them). FwdParams mirrors fa_params.h and
-    // PrepassParams fp8_prepass_params.h (size and offsets asserted on both sides), TensorMap is
-    // the 128-byte map. The engine checked that every address covers the elements the shapes
-    // and strides reach (the FP8 scratch is sized by `Fp8Scratch`), and the family's layout
-    // rules; block and dynamic shared memory are the table row's (the pre-pass: its own block,
-    // none), which the kernel static_asserts against its traits, and `f`'s shared-memory opt-in
-    // was set when it was loaded.
+    // for the call (cuLaunchKernel copies them). FwdParams mirrors cuda/common/params.h and
+    // PrepassParams cuda/common/fp8_prepass_params.h (size and offsets asserted on both sides),
+    // TensorMap is the 128-byte map. The engine checked that every address covers the elements
+    // the shapes and strides reach (the FP8 scratch is sized by `Fp8Scratch`), and the family's
+    // layout rules; block and dynamic shared memory are the table row's (the pre-pass: its own
+    // block, none), which the kernel static_asserts against its traits, and `f`'s shared-memory
+    // opt-in was set when it was loaded.
     unsafe { result::launch_kernel(f.func, grid, block, smem_bytes, stream, args) }.map_err(cuda_err("cuLaunchKernel"))
 }
 

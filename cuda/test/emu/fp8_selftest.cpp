@@ -3,11 +3,11 @@
 //                        order) moves every accumulator element of S to the A8 fragment slot of
 //                        the same (row, key), by the emulator's fragment maps (acc_coord,
 //                        a_reg_coord8; both equal CuTe's CLayout_64xN / ALayout_64x32, cuda/test/oracle)
-//   sw128_offset8        the e4m3 tile placement of wgmma_fp8_sm90.cuh equals the emulator's
+//   sw128_offset8        the e4m3 tile placement of sm90/wgmma_fp8.cuh equals the emulator's
 //                        descriptor decoding (operand_addr, 8-bit, K-major, 128B swizzle)
 //   qk_pv_chain          one warpgroup: S = Q Kᵀ (SS e4m3, 4 k32 steps x 2 N halves), P = e4m3(S·c)
 //                        through acc_to_a8, O = P Vᵀᵀ (RS e4m3, Vᵀ K-major), through the wrappers of
-//                        wgmma_fp8_sm90.cuh, against host arithmetic, under seeds 1-3
+//                        sm90/wgmma_fp8.cuh, against host arithmetic, under seeds 1-3
 //   qk_pv_unpermuted     the same with P packed in the accumulator's order (no permutation): the
 //                        result must be wrong (the check notices a missing permutation)
 // Prints "PASS <name>" / "FAIL <name>" and "<n> of <n> fp8 self-tests as expected"; exit 1 on failure.
@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "sm90_layouts.h"
-#include "wgmma_fp8_sm90.cuh"
+#include "sm90/wgmma_fp8.cuh"
 
 namespace {
 

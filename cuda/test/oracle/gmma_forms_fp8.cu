@@ -1,4 +1,4 @@
-// Our e4m3 wgmma wrappers (cuda/include/wgmma_fp8_sm90.cuh) next to CuTe's for the same shapes,
+// Our e4m3 wgmma wrappers (cuda/sm90/wgmma_fp8.cuh) next to CuTe's for the same shapes,
 // compiled for sm_90a (compile-checked only): tests/fp8_emulator.rs (cute_e4m3_forms, ignored
 // without CuTe and nvcc) compares the QGMMA instructions ptxas makes of each pair, register
 // numbers aside, so the operand kinds and the accumulate / overwrite forms of our inline PTX are
@@ -11,7 +11,7 @@
 
 #include <utility>
 
-#include "wgmma_fp8_sm90.cuh"
+#include "sm90/wgmma_fp8.cuh"
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 

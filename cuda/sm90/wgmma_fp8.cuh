@@ -10,9 +10,9 @@
 //    writes it so, cuda/fp8_prepass.cu; or the producer transposes it in shared memory).
 //  * SW128 K-major e4m3 tiles: a 128-byte swizzle row holds 128 elements, so a [rows × D] tile is
 //    D / 128 slabs of rows × 128 bytes with the same byte geometry as the 16-bit tiles
-//    (sw128_offset8 below), and one k32 step is 32 bytes: desc_kmajor_sw128 of wgmma_sm90.cuh
+//    (sw128_offset8 below), and one k32 step is 32 bytes: desc_kmajor_sw128 of sm90/wgmma.cuh
 //    applies unchanged (the oracle compares it with CuTe's e4m3 descriptors).
-//  * Accumulator (f32): as for 16-bit inputs (acc_index in wgmma_sm90.cuh): register
+//  * Accumulator (f32): as for 16-bit inputs (acc_index in sm90/wgmma.cuh): register
 //    4j + 2h + e of thread (warp w, g = lane / 4, q = lane % 4) is (row 16w + g + 8h, col 8j + 2q + e).
 //  * A from registers, 8-bit (4 × b32): byte b of register r is
 //    (row 16w + g + 8 (r % 2), col 4q + b + 16 (r / 2)). A thread's accumulator holds columns
@@ -21,8 +21,8 @@
 #pragma once
 #include <stdint.h>
 
-#include "fp8.cuh"
-#include "wgmma_sm90.cuh"
+#include "common/fp8.cuh"
+#include "sm90/wgmma.cuh"
 
 namespace fa3 {
 
