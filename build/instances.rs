@@ -332,13 +332,13 @@ const FA3_S345_TILES: &[Tile] = &[fa3_tile(3, 64), fa3_tile(3, 128), fa3_tile(3,
 /// SASS of the warp-specialised stages: wgmma, TMA, mbarriers, setmaxnreg.
 const FA3_WS_SASS: &[&str] = &["HGMMA", "UTMALDG", "SYNCS", "USETMAXREG"];
 
-/// The FP8 consumer's stage-3 tile (cuda/fa3_fp8_fwd_sm90.cu, `Fp8Traits3`): two consumer
+/// The FP8 consumer's stage-3 tile (cuda/fa3_fp8_fwd_sm90.cu, `Fp8Traits<3, D>`): two consumer
 /// warpgroups of 64 query rows and a producer, 128 keys per K/Vᵀ tile, head_dim 128 only.
 const FA3_FP8_TILES: &[Tile] = &[Tile { head_dim: 128, block_m: 128, block_n: 128, threads: 384 }];
 
 /// The FP8 consumer's shared memory (stage 3): e4m3 (1-byte) Q of the CTA's rows, a 2-slot
 /// K / Vᵀ ring, 5 mbarriers (q_full, kv_full and kv_empty per slot) and the alignment slack.
-/// Mirrors `Fp8Traits3::kSmemBytes`, which the unit static_asserts equal to FA_SMEM_BYTES.
+/// Mirrors `Fp8Traits<3, D>::kSmemBytes`, which the unit static_asserts equal to FA_SMEM_BYTES.
 fn fa3_fp8_smem_bytes(_stage: Option<u8>, t: &Tile) -> u32 {
     const SLOTS: u32 = 2;
     t.block_m * t.head_dim + 2 * SLOTS * t.block_n * t.head_dim + FA3_MBARRIER_BYTES * (1 + 2 * SLOTS) + FA3_SMEM_SLACK

@@ -174,9 +174,22 @@ __device__ __forceinline__ void load_tile_sw128(uint8_t* dst, const T* src, int6
 
 // ---- The loops.
 
-// The sequential mainloop of stages 2-3 over the K/V ring: wait for Q, then per tile wait
-// until its slot is full, S = Q K^T, softmax, O += P V (each GEMM waited for), then
-// release(it, slot): this thread's wgmma reads of the slot have retired.
+// The consumer's walk of the K/V ring in stages 2-3: wait for Q, then per tile wait until its
+// slot is full, body(it, slot) (the GEMMs of the tile, each waited for), then release(it, slot):
+// this thread's wgmma reads of the slot have retired.
+template <class Tr, class Body, class Release>
+__device__ __forceinline__ void ring_loop(const Barriers<Tr>& bars, const KvRange& kv, Body body, Release release) {
+    if (kv.n_end > kv.n_begin) consumer_wait(bars.q_full, 0);  // one Q per CTA: phase 0
+    for (int it = 0; it < kv.n_end - kv.n_begin; ++it) {
+        const int slot = it % Tr::kKvStages;
+        consumer_wait(&bars.kv_full[slot], (it / Tr::kKvStages) & 1);
+        body(it, slot);
+        release(it, slot);
+    }
+}
+
+// The sequential mainloop of stages 2-3 (16-bit): per K/V tile of the ring, S = Q K^T, softmax,
+// O += P V.
 template <class Tr, class T, class Release>
 __device__ __forceinline__ void mainloop_ring(const FwdParams& p, const Cta<Tr>& cta, const Barriers<Tr>& bars,
                                               Acc<Tr>& acc, const typename Acc<Tr>::Frag& frag,
@@ -185,14 +198,10 @@ __device__ __forceinline__ void mainloop_ring(const FwdParams& p, const Cta<Tr>&
     float s[Tr::kBlockN / 2];
 #pragma unroll
     for (int i = 0; i < Tr::kBlockN / 2; ++i) s[i] = 0.f;
-    if (kv.n_end > kv.n_begin) consumer_wait(bars.q_full, 0);  // one Q per CTA: phase 0
-    for (int it = 0; it < kv.n_end - kv.n_begin; ++it) {
-        const int slot = it % Tr::kKvStages;
-        consumer_wait(&bars.kv_full[slot], (it / Tr::kKvStages) & 1);
+    ring_loop<Tr>(bars, kv, [&](int it, int slot) {
         gemm_qk<Tr, T>(s, q_addr, cta.k_slot(slot));
         consume_tile<Tr, T>(p, acc, s, frag, m_first, kv.n_begin + it, cta.v_slot(slot));
-        release(it, slot);
-    }
+    }, release);
 }
 
 // One query tile seen by consumer warpgroup cw (its 64 rows): the overlapped mainloop

@@ -51,12 +51,23 @@ __device__ __forceinline__ void stage1(const FwdParams& p) {
     write_output<Tr, T>(p, acc, frag, tile.m0, tile.bc.batch, tile.bc.head);
 }
 
+// The consumer mainloop of stages 2-3 as a policy of stage2_of / stage3_of: the 16-bit one
+// (the FP8 consumer, cuda/fa3_fp8_fwd_sm90.cu, has its own over the same ring and epilogue).
+struct RingMainloop {
+    template <class Tr, class T, class Release>
+    __device__ __forceinline__ static void run(const FwdParams& p, const Cta<Tr>& cta, const Barriers<Tr>& bars,
+                                               Acc<Tr>& acc, const typename Acc<Tr>::Frag& frag, uint32_t q_addr,
+                                               int m_first, const OneTile<Tr>& tile, Release release) {
+        mainloop_ring<Tr, T>(p, cta, bars, acc, frag, q_addr, m_first, tile.kv, release);
+    }
+};
+
 // Stage 2: + TMA into the 2-slot K/V ring with mbarriers. One warpgroup; thread 0 issues Q and
 // the first tiles, and refills a slot once the whole CTA has passed the barrier after its use.
-template <class T, int D>
-__device__ __forceinline__ void stage2(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk,
-                                       const TmaDesc* tv) {
-    using Tr = Fa3Traits<2, D>;
+// Tr: the tile shapes and shared-memory plan; Mainloop: RingMainloop or the FP8 one.
+template <class Tr, class T, class Mainloop>
+__device__ __forceinline__ void stage2_of(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk,
+                                          const TmaDesc* tv) {
     const Cta<Tr> cta;
     Barriers<Tr> bars(cta.smem);
     const OneTile<Tr> tile(p);
@@ -72,7 +83,7 @@ __device__ __forceinline__ void stage2(const FwdParams& p, const TmaDesc* tq, co
     const typename Acc<Tr>::Frag frag(threadIdx.x);
     Acc<Tr> acc;
     acc.init();
-    mainloop_ring<Tr, T>(p, cta, bars, acc, frag, smem_u32(cta.sq), tile.m0, tile.kv, [&](int it, int) {
+    Mainloop::template run<Tr, T>(p, cta, bars, acc, frag, smem_u32(cta.sq), tile.m0, tile, [&](int it, int) {
         // Both wgmma groups reading this slot were waited on by every thread; after the CTA
         // barrier the slot may be refilled (async proxy writes after async proxy reads).
         __syncthreads();
@@ -84,10 +95,9 @@ __device__ __forceinline__ void stage2(const FwdParams& p, const TmaDesc* tq, co
 // Stage 3: + warp specialisation. Warpgroup 0 produces (setmaxnreg.dec, thread 0 issues TMA
 // after each slot's release); warpgroups 1-2 consume 64 query rows each (setmaxnreg.inc) and
 // release a slot through its "empty" mbarrier.
-template <class T, int D>
-__device__ __forceinline__ void stage3(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk,
-                                       const TmaDesc* tv) {
-    using Tr = Fa3Traits<3, D>;
+template <class Tr, class T, class Mainloop>
+__device__ __forceinline__ void stage3_of(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk,
+                                          const TmaDesc* tv) {
     const Cta<Tr> cta;
     Barriers<Tr> bars(cta.smem);
     const OneTile<Tr> tile(p);
@@ -115,9 +125,20 @@ __device__ __forceinline__ void stage3(const FwdParams& p, const TmaDesc* tq, co
     const typename Acc<Tr>::Frag frag(threadIdx.x % kWarpgroupThreads);
     Acc<Tr> acc;
     acc.init();
-    mainloop_ring<Tr, T>(p, cta, bars, acc, frag, smem_u32(cta.sq) + Tr::q_warpgroup_offset(cw), m_first, tile.kv,
-                         [&](int, int slot) { mbar_arrive(&bars.kv_empty[slot]); });
+    Mainloop::template run<Tr, T>(p, cta, bars, acc, frag, smem_u32(cta.sq) + Tr::q_warpgroup_offset(cw), m_first,
+                                  tile, [&](int, int slot) { mbar_arrive(&bars.kv_empty[slot]); });
     write_output<Tr, T>(p, acc, frag, m_first, tile.bc.batch, tile.bc.head);
+}
+
+template <class T, int D>
+__device__ __forceinline__ void stage2(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk,
+                                       const TmaDesc* tv) {
+    stage2_of<Fa3Traits<2, D>, T, RingMainloop>(p, tq, tk, tv);
+}
+template <class T, int D>
+__device__ __forceinline__ void stage3(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk,
+                                       const TmaDesc* tv) {
+    stage3_of<Fa3Traits<3, D>, T, RingMainloop>(p, tq, tk, tv);
 }
 
 // Stage 4: + ping-pong and intra-warpgroup overlap, one query tile per CTA (grid as in stages

@@ -32,12 +32,12 @@ pub const CONSUMER_HEAD_DIM: usize = 128;
 pub const CONSUMER_BLOCK_M: usize = 64;
 pub const CONSUMER_BLOCK_N: usize = 128;
 pub const CONSUMER_THREADS: u32 = 128;
-/// Fp8Traits<128>::kSmemBytes (stage 1): Q 64x128 + K 128x128 + Vᵀ 128x128 e4m3, plus one
+/// Fp8Traits<1, 128>::kSmemBytes (stage 1): Q 64x128 + K 128x128 + Vᵀ 128x128 e4m3, plus one
 /// 1024-byte swizzle atom of alignment slack.
 pub const CONSUMER_SMEM_BYTES: u32 = (64 * 128 + 128 * 128 + 128 * 128 + 1024) as u32;
-/// Fp8Traits2<128>::kSmemBytes (stage 2): Q, a 2-slot K/Vᵀ ring, 5 mbarriers, the slack.
+/// Fp8Traits<2, 128>::kSmemBytes (stage 2): Q, a 2-slot K/Vᵀ ring, 5 mbarriers, the slack.
 pub const CONSUMER_S2_SMEM_BYTES: u32 = (64 * 128 + 2 * 128 * 128 + 2 * 128 * 128 + 8 * 5 + 1024) as u32;
-/// Fp8Traits3<128>::kSmemBytes (stage 3): Q of the CTA's 128 rows, the 2-slot ring, 5 mbarriers,
+/// Fp8Traits<3, 128>::kSmemBytes (stage 3): Q of the CTA's 128 rows, the 2-slot ring, 5 mbarriers,
 /// the slack.
 pub const CONSUMER_S3_SMEM_BYTES: u32 = (128 * 128 + 2 * 128 * 128 + 2 * 128 * 128 + 8 * 5 + 1024) as u32;
 /// Stage 3: a producer warpgroup and two consumer warpgroups, 128 query rows per CTA.
@@ -590,7 +590,7 @@ mod tests {
         FAMILIES.iter().find(|f| f.options.contains(KernelOptions::FP8)).expect("the FP8 row")
     }
 
-    /// The table row and the launch plans' constants (the consumer's `Fp8Traits3`) agree.
+    /// The table row and the launch plans' constants (the consumer's `Fp8Traits<3, 128>`) agree.
     #[test]
     fn table_row_matches_the_consumer() {
         let f = row();
