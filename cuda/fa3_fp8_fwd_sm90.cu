@@ -127,153 +127,121 @@ __device__ __forceinline__ float descale_at(uint64_t base, const FwdParams& p, i
     return reinterpret_cast<const float*>(base)[static_cast<int64_t>(bh) * blocks + blk];
 }
 
-// A consumer thread's descales: Q's of its two rows (constant over the K/V loop), and the V
-// descale O is currently kept in units of (O' = O / dv; 0: nothing accumulated yet).
-template <class Tr>
-struct Fp8Descales {
+// The synchronous work on one K/V tile of the FP8 consumer, one object per consumer thread, with
+// the members of SyncTile (fa3/mainloop.cuh) that stage1_of and mainloop_ring use: S, the Q
+// descales of the thread's two rows (constant over the K/V loop) and the V descale O is currently
+// kept in units of (O' = O / dv; 0: nothing accumulated yet).
+template <class Tr, class T>
+struct Fp8Tile {
+    using Elem = uint8_t;  // e4m3 codes; src.v of TileSources is Vᵀ
+    using Frag = typename Acc<Tr>::Frag;
+    static constexpr int D = Tr::kHeadDim;
+    float s[Tr::kBlockN / 2] = {};
     float dq[2];
     float dv = 0.f;
     int bhk;
-    __device__ __forceinline__ Fp8Descales(const FwdParams& p, const typename Acc<Tr>::Frag& frag, const BlockCoord& bc,
-                                           int m_first)
+    __device__ __forceinline__ Fp8Tile(const FwdParams& p, const Frag& frag, const BlockCoord& bc, int m_first)
         : bhk(bc.batch * p.heads_kv + bc.kv_head) {
         const int bhq = bc.batch * p.heads_q + bc.head;
 #pragma unroll
         for (int r = 0; r < 2; ++r) dq[r] = descale_at(p.q_descale, p, bhq, p.seqlen_q, m_first + frag.row(r));
     }
-    // O = O' · dv · 2^-8; write_output then normalises by the row sum.
-    __device__ __forceinline__ void unscale(Acc<Tr>& acc) const {
-        const float u = dv * exp2f(-FA_FP8_P_SCALE_LOG2);
-#pragma unroll
-        for (int i = 0; i < Tr::kHeadDim / 2; ++i) acc.o[i] *= u;
+    // Stage 1's plain loads: Q once; K tile n0.. and the Vᵀ columns (keys) n0.. .
+    __device__ __forceinline__ static void load_q(const FwdParams& p, const Cta<Tr>& cta, const OneTile<Tr>& tile,
+                                                  const TileSources<Elem>& src, int tid) {
+        load_tile8<Tr::kBlockM, D>(cta.sq, src.q, p.q_row_stride, p.seqlen_q - tile.m0, D, tid);
     }
-};
-
-// One K/V tile, synchronously: S = Q Kᵀ (e4m3), per-block descales on S, then the shared score
-// transform, mask and online softmax (scores_to_p), rescale O, P · 2^8 -> e4m3 A fragments,
-// O' += P V per 64-key half under its V descale. q_addr / k_addr / v_addr: the shared addresses
-// of the Q, K and Vᵀ tiles.
-template <class Tr>
-__device__ __forceinline__ void fp8_tile(const FwdParams& p, Acc<Tr>& acc, float (&s)[Tr::kBlockN / 2],
-                                         Fp8Descales<Tr>& ds, const typename Acc<Tr>::Frag& frag, int m_first, int n,
-                                         uint32_t q_addr, uint32_t k_addr, uint32_t v_addr) {
-    constexpr int D = Tr::kHeadDim;
-    const int n0 = n * Tr::kBlockN;
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / kMmaK8; ++kk) {
-        const uint64_t da = desc_kmajor_sw128(q_addr + Tr::qk_a_offset(kk));
-#pragma unroll
-        for (int nh = 0; nh < Tr::kBlockN / kMmaN; ++nh)
-            wgmma_m64n64k32_ss_e4m3(&s[acc_index(nh * kMmaN / 8, 0, 0)], da,
-                                    desc_kmajor_sw128(k_addr + Tr::qk_b_offset(kk, nh)), kk > 0 ? 1 : 0);
+    __device__ __forceinline__ static void load_kv(const FwdParams& p, const Cta<Tr>& cta, const TileSources<Elem>& src,
+                                                   int n0, int tid) {
+        load_tile8<Tr::kBlockN, D>(cta.sk, src.k + n0 * p.k_row_stride, p.k_row_stride, p.seqlen_k - n0, D, tid);
+        load_tile8<D, Tr::kBlockN>(cta.sv, src.v + n0, p.v_row_stride, D, p.seqlen_k - n0, tid);
     }
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(s);
 
-    // Per-block descales on S, per element of the tile (before softcap and mask, as on the CPU).
-#pragma unroll
-    for (int c = 0; c < Tr::kBlockN / 8; ++c)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const float dk = descale_at(p.k_descale, p, ds.bhk, p.seqlen_k, n0 + 8 * c + frag.col0 + e);
-#pragma unroll
-            for (int h = 0; h < 2; ++h) s[acc_index(c, h, e)] *= ds.dq[h] * dk;
-        }
-
-    float corr[2];
-    scores_to_p<Tr>(p, acc, s, frag, m_first, n, corr);
-    acc.softmax.rescale(acc.o, corr);
-
-    // P · 2^8 -> e4m3 A fragments (the row sums above used the unscaled P).
-    const float p_scale = exp2f(FA_FP8_P_SCALE_LOG2);
-#pragma unroll
-    for (int i = 0; i < Tr::kBlockN / 2; ++i) s[i] *= p_scale;
-    uint32_t a[Tr::kBlockN / kMmaK8][4];
-#pragma unroll
-    for (int kk = 0; kk < Tr::kBlockN / kMmaK8; ++kk) acc_to_a8(&s[16 * kk], a[kk]);
-
-    // Two 64-key halves, each under one V descale: O' *= dv_old / dv_new, then O' += P V.
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const float dv = descale_at(p.v_descale, p, ds.bhk, p.seqlen_k, n0 + 64 * half);
-        const float ratio = ds.dv == 0.f ? 1.f : ds.dv / dv;
-        ds.dv = dv;
-        if (ratio != 1.f) {
-#pragma unroll
-            for (int i = 0; i < D / 2; ++i) acc.o[i] *= ratio;
-        }
+    // S = Q Kᵀ (e4m3), per-block descales on S, then the shared score transform, mask and online
+    // softmax (scores_to_p), rescale O, P · 2^8 -> e4m3 A fragments, O' += P V per 64-key half
+    // under its V descale. q_addr / k_addr / v_addr: the shared addresses of the Q, K and Vᵀ tiles.
+    __device__ __forceinline__ void operator()(const FwdParams& p, Acc<Tr>& acc, const Frag& frag, int m_first, int n,
+                                               uint32_t q_addr, uint32_t k_addr, uint32_t v_addr) {
+        const int n0 = n * Tr::kBlockN;
         wgmma_fence();
 #pragma unroll
-        for (int kk = 2 * half; kk < 2 * half + 2; ++kk)
+        for (int kk = 0; kk < D / kMmaK8; ++kk) {
+            const uint64_t da = desc_kmajor_sw128(q_addr + Tr::qk_a_offset(kk));
 #pragma unroll
-            for (int nh = 0; nh < D / kMmaN; ++nh)
-                wgmma_m64n64k32_rs_e4m3(&acc.o[acc_index(nh * kMmaN / 8, 0, 0)], a[kk],
-                                        desc_kmajor_sw128(v_addr + Tr::pv_b_offset(kk, nh)));
+            for (int nh = 0; nh < Tr::kBlockN / kMmaN; ++nh)
+                wgmma_m64n64k32_ss_e4m3(&s[acc_index(nh * kMmaN / 8, 0, 0)], da,
+                                        desc_kmajor_sw128(k_addr + Tr::qk_b_offset(kk, nh)), kk > 0 ? 1 : 0);
+        }
         wgmma_commit();
         wgmma_wait<0>();
-        fence_regs(acc.o);
-    }
-}
+        fence_regs(s);
 
-// The FP8 consumer mainloop of stages 2-3 (the policy stage2_of / stage3_of call): the shared
-// ring walk (ring_loop) with fp8_tile per K/V tile, then O' back to O.
-struct Fp8RingMainloop {
-    template <class Tr, class T, class Release>
-    __device__ __forceinline__ static void run(const FwdParams& p, const Cta<Tr>& cta, const Barriers<Tr>& bars,
-                                               Acc<Tr>& acc, const typename Acc<Tr>::Frag& frag, uint32_t q_addr,
-                                               int m_first, const OneTile<Tr>& tile, Release release) {
-        Fp8Descales<Tr> ds(p, frag, tile.bc, m_first);
-        float s[Tr::kBlockN / 2] = {};
-        ring_loop<Tr>(bars, tile.kv, [&](int it, int slot) {
-            fp8_tile<Tr>(p, acc, s, ds, frag, m_first, tile.kv.n_begin + it, q_addr, cta.k_slot(slot), cta.v_slot(slot));
-        }, release);
-        ds.unscale(acc);
+        // Per-block descales on S, per element of the tile (before softcap and mask, as on the CPU).
+#pragma unroll
+        for (int c = 0; c < Tr::kBlockN / 8; ++c)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float dk = descale_at(p.k_descale, p, bhk, p.seqlen_k, n0 + 8 * c + frag.col0 + e);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) s[acc_index(c, h, e)] *= dq[h] * dk;
+            }
+
+        float corr[2];
+        scores_to_p<Tr>(p, acc, s, frag, m_first, n, corr);
+        acc.softmax.rescale(acc.o, corr);
+
+        // P · 2^8 -> e4m3 A fragments (the row sums above used the unscaled P).
+        const float p_scale = exp2f(FA_FP8_P_SCALE_LOG2);
+#pragma unroll
+        for (int i = 0; i < Tr::kBlockN / 2; ++i) s[i] *= p_scale;
+        uint32_t a[Tr::kBlockN / kMmaK8][4];
+#pragma unroll
+        for (int kk = 0; kk < Tr::kBlockN / kMmaK8; ++kk) acc_to_a8(&s[16 * kk], a[kk]);
+
+        // Two 64-key halves, each under one V descale: O' *= dv_old / dv_new, then O' += P V.
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const float dv_new = descale_at(p.v_descale, p, bhk, p.seqlen_k, n0 + 64 * half);
+            const float ratio = dv == 0.f ? 1.f : dv / dv_new;
+            dv = dv_new;
+            if (ratio != 1.f) {
+#pragma unroll
+                for (int i = 0; i < D / 2; ++i) acc.o[i] *= ratio;
+            }
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 2 * half; kk < 2 * half + 2; ++kk)
+#pragma unroll
+                for (int nh = 0; nh < D / kMmaN; ++nh)
+                    wgmma_m64n64k32_rs_e4m3(&acc.o[acc_index(nh * kMmaN / 8, 0, 0)], a[kk],
+                                            desc_kmajor_sw128(v_addr + Tr::pv_b_offset(kk, nh)));
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_regs(acc.o);
+        }
+    }
+
+    // O = O' · dv · 2^-8; write_output then normalises by the row sum.
+    __device__ __forceinline__ void finish(Acc<Tr>& acc) const {
+        const float u = dv * exp2f(-FA_FP8_P_SCALE_LOG2);
+#pragma unroll
+        for (int i = 0; i < D / 2; ++i) acc.o[i] *= u;
     }
 };
 
-// Stage 1: one warpgroup, Q, K and Vᵀ codes by plain 16-byte loads, every GEMM waited for.
+// The 16-bit stages' skeletons (fa3/stages.cuh) with the FP8 tile plan and tile work: stage 1
+// (plain loads), stage 2 (+ the TMA ring, thread 0 issues), stage 3 (+ warp specialisation).
 template <class T, int D>
 __device__ __forceinline__ void fp8_stage1(const FwdParams& p) {
-    using Tr = Fp8Traits<1, D>;
-    const Cta<Tr> cta;
-    const int tid = threadIdx.x;
-    const OneTile<Tr> tile(p);
-    const BlockCoord& bc = tile.bc;
-    const uint8_t* q = reinterpret_cast<const uint8_t*>(p.q) + bc.batch * p.q_batch_stride + tile.m0 * p.q_row_stride +
-                       bc.head * p.q_head_stride;
-    const uint8_t* k = reinterpret_cast<const uint8_t*>(p.k) + bc.batch * p.k_batch_stride + bc.kv_head * p.k_head_stride;
-    const uint8_t* vt = reinterpret_cast<const uint8_t*>(p.v) + bc.batch * p.v_batch_stride + bc.kv_head * p.v_head_stride;
-    load_tile8<Tr::kBlockM, D>(cta.sq, q, p.q_row_stride, p.seqlen_q - tile.m0, D, tid);
-
-    const typename Acc<Tr>::Frag frag(tid);
-    Acc<Tr> acc;
-    acc.init();
-    Fp8Descales<Tr> ds(p, frag, bc, tile.m0);
-    float s[Tr::kBlockN / 2] = {};
-    for (int n = tile.kv.n_begin; n < tile.kv.n_end; ++n) {
-        __syncthreads();  // the previous tile's wgmmas have completed (wait 0) in every thread
-        const int n0 = n * Tr::kBlockN;
-        load_tile8<Tr::kBlockN, D>(cta.sk, k + n0 * p.k_row_stride, p.k_row_stride, p.seqlen_k - n0, D, tid);
-        load_tile8<D, Tr::kBlockN>(cta.sv, vt + n0, p.v_row_stride, D, p.seqlen_k - n0, tid);
-        fence_proxy_async_smem();
-        __syncthreads();
-        fp8_tile<Tr>(p, acc, s, ds, frag, tile.m0, n, smem_u32(cta.sq), cta.k_slot(0), cta.v_slot(0));
-    }
-    ds.unscale(acc);
-    write_output<Tr, T>(p, acc, frag, tile.m0, bc.batch, bc.head);
+    stage1_of<Fp8Traits<1, D>, T, Fp8Tile>(p);
 }
-
-// Stage 2: + the TMA ring (thread 0 issues); stage 3: + warp specialisation. The 16-bit stages'
-// skeletons, with the FP8 tile plan and mainloop.
 template <class T, int D>
 __device__ __forceinline__ void fp8_stage2(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv) {
-    stage2_of<Fp8Traits<2, D>, T, Fp8RingMainloop>(p, tq, tk, tv);
+    stage2_of<Fp8Traits<2, D>, T, Fp8Tile>(p, tq, tk, tv);
 }
 template <class T, int D>
 __device__ __forceinline__ void fp8_stage3(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv) {
-    stage3_of<Fp8Traits<3, D>, T, Fp8RingMainloop>(p, tq, tk, tv);
+    stage3_of<Fp8Traits<3, D>, T, Fp8Tile>(p, tq, tk, tv);
 }
 
 #else  // not sm_90a: the instances exist (so every target links) but do nothing.
