@@ -188,6 +188,22 @@ impl<'a> DeviceLse<'a> {
     }
 }
 
+/// The device address of the LSE output (0: none), checked to hold [batch, heads_q, seqlen_q] f32
+/// and to be bound to the launch's stream.
+fn lse_address(lse: Option<&DeviceLse>, p: &Problem, sid: StreamId) -> Result<u64> {
+    let Some(l) = lse.map(|l| &l.b) else { return Ok(0) };
+    let need = p.batch * p.heads_q * p.seqlen_q;
+    if l.len < need {
+        return Err(Error::ShapeMismatch {
+            what: "lse buffer".into(),
+            got: format!("{} f32", l.len),
+            expected: format!("at least {need} f32 ([batch, heads_q, seqlen_q])"),
+        });
+    }
+    check_stream(Operand::O, l.stream, sid)?;
+    Ok(l.ptr)
+}
+
 fn check_stream(op: Operand, bound: Option<StreamId>, launch: StreamId) -> Result<()> {
     match bound {
         Some(s) if s != launch => Err(Error::StreamMismatch {
@@ -459,21 +475,7 @@ impl Engine {
         };
         let c = select::choose_for(&*self.dev, &p, opts.variant, &ops)?;
 
-        ops.lse = match lse.map(|l| &l.b) {
-            Some(l) => {
-                let need = p.batch * p.heads_q * p.seqlen_q;
-                if l.len < need {
-                    return Err(Error::ShapeMismatch {
-                        what: "lse buffer".into(),
-                        got: format!("{} f32", l.len),
-                        expected: format!("at least {need} f32 ([batch, heads_q, seqlen_q])"),
-                    });
-                }
-                check_stream(Operand::O, l.stream, sid)?;
-                l.ptr
-            }
-            None => 0,
-        };
+        ops.lse = lse_address(lse.as_deref(), &p, sid)?;
         self.dev.context().bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
         ops.alibi = match &p.alibi {
             Some(slopes) => self.alibi_on_device(slopes, stream)?,
@@ -572,21 +574,7 @@ impl Engine {
                 expected: "a variant whose family runs FP8 codes (Variant::Fa3 on sm_90a)".into(),
             });
         }
-        let lse_ptr = match lse.map(|l| &l.b) {
-            Some(l) => {
-                let need = p.batch * p.heads_q * p.seqlen_q;
-                if l.len < need {
-                    return Err(Error::ShapeMismatch {
-                        what: "lse buffer".into(),
-                        got: format!("{} f32", l.len),
-                        expected: format!("at least {need} f32 ([batch, heads_q, seqlen_q])"),
-                    });
-                }
-                check_stream(Operand::O, l.stream, sid)?;
-                l.ptr
-            }
-            None => 0,
-        };
+        let lse_ptr = lse_address(lse.as_deref(), &p, sid)?;
         let (d, hq, hk) = (p.head_dim, p.heads_q, p.heads_kv);
         let ops = fp8::ConsumerOperands {
             q: codes.q,
