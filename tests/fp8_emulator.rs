@@ -13,6 +13,7 @@
 #![cfg(feature = "cuda")]
 
 mod common;
+use common::cutlass_include;
 use common::emu::tool_exe;
 use common::Rng;
 use flash_attn::cuda::fp8::{consumer_plan, prepass_plan, ConsumerOperands, PrepassInput};
@@ -984,21 +985,6 @@ fn fp8_plans_refuse_what_the_kernels_do_not_run() {
     let mut misaligned = ops(128);
     misaligned.vt_strides[1] = 70;
     assert!(matches!(consumer_plan(&problem(128, fp8(block)), &misaligned, 1), Err(Error::InvalidLayout { .. })));
-}
-
-/// The CuTe headers' include directory (scripts/install-cutlass.sh, or FLASH_ATTN_CUTLASS_INCLUDE).
-fn cutlass_include() -> PathBuf {
-    if let Some(p) = std::env::var_os("FLASH_ATTN_CUTLASS_INCLUDE") {
-        return PathBuf::from(p);
-    }
-    let lib = common::emu::root().join(".cutlass/lib");
-    std::fs::read_dir(&lib)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| e.path().join("site-packages/cutlass_library/source/include"))
-        .find(|p| p.join("cute/tensor.hpp").is_file())
-        .unwrap_or_else(|| panic!("no CuTe headers: set FLASH_ATTN_CUTLASS_INCLUDE or run scripts/install-cutlass.sh"))
 }
 
 /// The QGMMA / WARPGROUP instructions of each kernel of a SASS dump, register numbers dropped.

@@ -6,36 +6,13 @@
 //   ss_acc   S += Q Kᵀ: A and B K-major from shared memory, accumulate (scale-d = 1)
 //   ss_zero  S  = Q Kᵀ: the first k-step (scale-d = 0)
 //   rs       O += P Vᵀᵀ: A (P) from registers, B = Vᵀ K-major
-// (The same harness as gmma_forms.cu for the 16-bit forms.)
-#include <cute/arch/mma_sm90_gmma.hpp>
-
-#include <utility>
-
+// (The same harness, gmma_harness.cuh, as gmma_forms.cu for the 16-bit forms.)
+#include "gmma_harness.cuh"
 #include "sm90/wgmma_fp8.cuh"
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-namespace G = cute::SM90::GMMA;
-
 namespace {
-
-template <class Op, size_t... I>
-__device__ void call_ss(float (&d)[32], uint64_t da, uint64_t db, G::ScaleOut s, std::index_sequence<I...>) {
-    Op::fma(da, db, d[I]..., s);
-}
-template <class Op, size_t... I>
-__device__ void call_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t db, std::index_sequence<I...>) {
-    Op::fma(a[0], a[1], a[2], a[3], db, d[I]..., G::ScaleOut::One);
-}
-__device__ void load(float (&d)[32], const float* in) {
-    for (int i = 0; i < 32; ++i) d[i] = in[threadIdx.x * 32 + i];
-}
-__device__ void store(const float (&d)[32], float* out) {
-    for (int i = 0; i < 32; ++i) out[threadIdx.x * 32 + i] = d[i];
-}
-__device__ void load_a(uint32_t (&a)[4], const uint32_t* in) {
-    for (int i = 0; i < 4; ++i) a[i] = in[threadIdx.x * 4 + i];
-}
 
 using CuteSs = G::MMA_64x64x32_F32E4M3E4M3_SS_TN<>;
 using CuteRs = G::MMA_64x64x32_F32E4M3E4M3_RS_TN<>;
