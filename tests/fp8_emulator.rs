@@ -14,7 +14,7 @@
 
 mod common;
 use common::cutlass_include;
-use common::emu::tool_exe;
+use common::emu::{tmap_directive, tool_exe};
 use common::Rng;
 use flash_attn::cuda::fp8::{consumer_plan, prepass_plan, ConsumerOperands, PrepassInput};
 use flash_attn::numerics::fp8::{e4m3_from_f32, e4m3_to_f32};
@@ -631,25 +631,7 @@ fn run_fp8_kernel(
     let hex: String = p.to_bytes().iter().map(|b| format!("{b:02x}")).collect();
     writeln!(lf, "params {hex}").unwrap();
     for m in &plan.tensor_maps {
-        let t = &m.spec;
-        let j = |v: &[u64]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(" ");
-        let j32 = |v: &[u32]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(" ");
-        writeln!(
-            lf,
-            "tmap {} {} {:#x} {} {} {} {} {} {} {} {}",
-            t.data_type,
-            t.rank,
-            m.global_address,
-            j(&t.dims),
-            j(&t.strides),
-            j32(&t.box_dims),
-            j32(&t.elem_strides),
-            t.interleave,
-            t.swizzle,
-            t.l2_promotion,
-            t.oob_fill
-        )
-        .unwrap();
+        writeln!(lf, "{}", tmap_directive(m)).unwrap();
     }
     for (n, addr, bytes) in &ins {
         let path = dir.join(format!("{n}.bin"));
