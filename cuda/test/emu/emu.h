@@ -85,13 +85,6 @@ inline unsigned __shfl_xor_sync(unsigned mask, unsigned v, int lane_mask, int wi
 inline unsigned __shfl_sync(unsigned mask, unsigned v, int src_lane, int width = 32) {
     return ::emu::shfl_idx(mask, v, src_lane, width);
 }
-inline float __shfl_sync(unsigned mask, float v, int src_lane, int width = 32) {
-    uint32_t u;
-    std::memcpy(&u, &v, 4);
-    u = ::emu::shfl_idx(mask, u, src_lane, width);
-    std::memcpy(&v, &u, 4);
-    return v;
-}
 // __byte_perm(x, y, s): byte i of the result is byte (s >> 4i) & 7 of the 8-byte value y:x.
 inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
     const uint64_t v = (static_cast<uint64_t>(y) << 32) | x;
