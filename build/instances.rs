@@ -163,7 +163,7 @@ pub struct Family {
     pub options: KernelOptions,
     /// Auto preference: higher wins among the families that can run a problem.
     pub rank: u32,
-    /// The test of tests/emulator.rs that runs this family's kernel source, unchanged, in the
+    /// The test of tests/emulator.rs (tests/fp8_emulator.rs for an FP8 family) that runs this family's kernel source, unchanged, in the
     /// CPU emulator (cuda/test/emu, docs/emulator.md); `None` for a family the emulator cannot
     /// run yet (tests/emulator.rs requires every row to name its test).
     pub cpu_emulation: Option<&'static str>,
@@ -332,6 +332,40 @@ const FA3_S345_TILES: &[Tile] = &[fa3_tile(3, 64), fa3_tile(3, 128), fa3_tile(3,
 /// SASS of the warp-specialised stages: wgmma, TMA, mbarriers, setmaxnreg.
 const FA3_WS_SASS: &[&str] = &["HGMMA", "UTMALDG", "SYNCS", "USETMAXREG"];
 
+/// The FP8 consumer's stage-3 tile (cuda/fa3_fp8_fwd_sm90.cu, `Fp8Traits<3, D>`): two consumer
+/// warpgroups of 64 query rows and a producer, 128 keys per K/Vᵀ tile, head_dim 128 only.
+const FA3_FP8_TILES: &[Tile] = &[Tile { head_dim: 128, block_m: 128, block_n: 128, threads: 384 }];
+
+/// The FP8 consumer's shared memory (stage 3): e4m3 (1-byte) Q of the CTA's rows, a 2-slot
+/// K / Vᵀ ring, 5 mbarriers (q_full, kv_full and kv_empty per slot) and the alignment slack.
+/// Mirrors `Fp8Traits<3, D>::kSmemBytes`, which the unit static_asserts equal to FA_SMEM_BYTES.
+fn fa3_fp8_smem_bytes(_stage: Option<u8>, t: &Tile) -> u32 {
+    const SLOTS: u32 = 2;
+    t.block_m * t.head_dim + 2 * SLOTS * t.block_n * t.head_dim + FA3_MBARRIER_BYTES * (1 + 2 * SLOTS) + FA3_SMEM_SLACK
+}
+
+/// The FP8 pre-pass kernel a family with the `FP8` option carries in its image beside its
+/// forward kernels (cuda/fp8_prepass.cu): `fa_fp8_prepass_e<E>_<dtype>`, E = elements per lane,
+/// head_dim <= 32·E.
+pub fn fp8_prepass_symbol(head_dim: u32, dtype: &str) -> String {
+    let e = head_dim.div_ceil(32).max(1).next_power_of_two();
+    format!("fa_fp8_prepass_e{e}_{dtype}")
+}
+
+/// SASS opcodes the FP8 pre-pass claims (tests/sass.rs): the saturating e4m3 conversion and
+/// the cross-lane butterfly of the Hadamard rotation.
+pub const FP8_PREPASS_SASS: &[&str] = &["F2FP.SATFINITE.E4M3", "SHFL.BFLY"];
+
+/// Every kernel the image of (family, head_dim) holds for `dtype`: the forward kernel, then (an
+/// FP8 family) its pre-pass.
+pub fn image_kernel_symbols(fam: &Family, head_dim: u32, dtype: &str) -> Vec<String> {
+    let mut v = vec![kernel_symbol(fam.name, head_dim, dtype)];
+    if fam.options.contains(KernelOptions::FP8) {
+        v.push(fp8_prepass_symbol(head_dim, dtype));
+    }
+    v
+}
+
 /// The families. Add FA4 rows here.
 pub const FAMILIES: &[Family] = &[
     Family {
@@ -400,4 +434,26 @@ pub const FAMILIES: &[Family] = &[
     fa3_family("fa3s3", 3, "fa3_stage3", FA3_WS_SASS, FA3_S345_TILES),
     fa3_family("fa3s4", 4, "fa3_stage4", FA3_WS_SASS, FA3_S345_TILES),
     fa3_family("fa3s5", 5, "fa3_stage5", FA3_WS_SASS, FA3_S345_TILES),
+    // The FP8 forward (docs/fp8.md, "On Hopper"): the stage-3 FP8 consumer (e4m3 wgmma, TMA ring,
+    // warp specialisation) and, in the same image, its bf16/f16 -> e4m3 pre-pass. It runs only
+    // `Precision::Fp8` problems (src/cuda/select.rs) and is never GPU-verified yet, so Auto
+    // leaves it alone; `Variant::Fa3` with `Precision::Fp8` runs it.
+    Family {
+        name: "fa3fp8s3",
+        variant: KernelVariant::Fa3,
+        stage: Some(3),
+        source: "cuda/fa3_fp8_fwd_sm90.cu",
+        tiles: FA3_FP8_TILES,
+        min_sm: 90,
+        gpu_verified: false,
+        auto: false,
+        // QGMMA: e4m3 wgmma; the rest as the 16-bit stage 3 (checked on the forward kernels; the
+        // pre-pass in the same image is checked for spills and local memory only).
+        sass_expect: &["QGMMA", "UTMALDG", "SYNCS", "USETMAXREG"],
+        options: KernelOptions::FP8,
+        rank: 40,
+        cpu_emulation: Some("fp8_consumer_matches_cpu_fp8_path"),
+        smem: fa3_fp8_smem_bytes,
+        host: host!(fp8::Fp8),
+    },
 ];

@@ -25,7 +25,7 @@ section "cargo test"
 cargo test "$@"
 # Checks that need nvcc or the CuTe headers (ignored in a plain `cargo test`, required here).
 section "nvcc-only checks"
-cargo test --test numerics_cuda_parity --test cute_oracle "$@" -- --ignored
+cargo test --test numerics_cuda_parity --test cute_oracle --test fp8_emulator "$@" -- --ignored
 # Benches must build too (running them is `cargo bench`, not a test).
 section "benches build"
 cargo test --benches --no-run "$@"

@@ -29,28 +29,11 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+mod common;
+use common::cutlass_include;
+
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// The include directory holding cute/ and cutlass/.
-fn cutlass_include() -> PathBuf {
-    if let Some(p) = std::env::var_os("FLASH_ATTN_CUTLASS_INCLUDE") {
-        return PathBuf::from(p);
-    }
-    let lib = root().join(".cutlass/lib");
-    std::fs::read_dir(&lib)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| e.path().join("site-packages/cutlass_library/source/include"))
-        .find(|p| p.join("cute/tensor.hpp").is_file())
-        .unwrap_or_else(|| {
-            panic!(
-                "no CuTe headers: set FLASH_ATTN_CUTLASS_INCLUDE or run scripts/install-cutlass.sh (looked in {})",
-                lib.display()
-            )
-        })
 }
 
 /// The CUDA toolkit's include directories (cuda_bf16.h; CUDA 13 keeps cuda/std in include/cccl).

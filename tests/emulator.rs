@@ -190,7 +190,9 @@ fn tensor_maps_reach_the_kernel_unchanged() {
 /// `cpu_emulation`).
 #[test]
 fn every_family_runs_in_the_emulator() {
-    let me = std::fs::read_to_string(root().join("tests/emulator.rs")).unwrap();
+    // FP8 families' emulator tests live in tests/fp8_emulator.rs.
+    let me = std::fs::read_to_string(root().join("tests/emulator.rs")).unwrap()
+        + &std::fs::read_to_string(root().join("tests/fp8_emulator.rs")).unwrap();
     for f in FAMILIES {
         let t = f.cpu_emulation.unwrap_or_else(|| panic!("{}: no emulator test (cpu_emulation is None)", f.name));
         assert!(me.contains(&format!("fn {t}()")), "{}: cpu_emulation names {t:?}, which is not a test here", f.name);
@@ -459,8 +461,8 @@ fn mutations() -> Vec<(Mutation, &'static str, &'static [&'static str])> {
             to: "return static_cast<uint32_t>((((it0 + j) / S) & 1) ^ 1); };", defines: &[] },
          "fa3s5", &["deadlock", "has not written yet", "max |O - ref|"]),
         (Mutation { name: "kv_slot_released_before_retire", file: FA3_MAINLOOP,
-            from: "        gemm_qk<Tr, T>(s, q_addr, cta.k_slot(slot));\n        consume_tile<Tr, T>(p, acc, s, frag, m_first, kv.n_begin + it, cta.v_slot(slot));\n        release(it, slot);",
-            to: "        gemm_qk<Tr, T>(s, q_addr, cta.k_slot(slot));\n        release(it, slot);\n        consume_tile<Tr, T>(p, acc, s, frag, m_first, kv.n_begin + it, cta.v_slot(slot));", defines: &[] },
+            from: "        op(p, acc, frag, m_first, tile.kv.n_begin + it, q_addr, cta.k_slot(slot), cta.v_slot(slot));\n        release(it, slot);",
+            to: "        release(it, slot);\n        op(p, acc, frag, m_first, tile.kv.n_begin + it, q_addr, cta.k_slot(slot), cta.v_slot(slot));", defines: &[] },
          "fa3s3", &["the buffer was released before its readers' wgmma.wait_group"]),
         (Mutation { name: "missing_wgmma_wait", file: FA3_MAINLOOP,
             from: "    issue_qk<Tr, T>(s, q_addr, k_addr);\n    wgmma_wait<0>();", to: "    issue_qk<Tr, T>(s, q_addr, k_addr);", defines: &[] },

@@ -174,25 +174,55 @@ __device__ __forceinline__ void load_tile_sw128(uint8_t* dst, const T* src, int6
 
 // ---- The loops.
 
-// The sequential mainloop of stages 2-3 over the K/V ring: wait for Q, then per tile wait
-// until its slot is full, S = Q K^T, softmax, O += P V (each GEMM waited for), then
-// release(it, slot): this thread's wgmma reads of the slot have retired.
-template <class Tr, class T, class Release>
-__device__ __forceinline__ void mainloop_ring(const FwdParams& p, const Cta<Tr>& cta, const Barriers<Tr>& bars,
-                                              Acc<Tr>& acc, const typename Acc<Tr>::Frag& frag,
-                                              uint32_t q_addr, int m_first, const KvRange& kv,
-                                              Release release) {
+// The synchronous work on one K/V tile in the 16-bit stages 1-3, one object per consumer thread
+// (it holds S): S = Q K^T, then consume_tile; and stage 1's plain loads. The FP8 consumer has its
+// own with the same members (Fp8Tile, cuda/fa3_fp8_fwd_sm90.cu), so the stage skeletons
+// (stage1_of, mainloop_ring, stages.cuh) take either.
+template <class Tr, class T>
+struct SyncTile {
+    using Elem = T;  // as stored in global memory
+    using Frag = typename Acc<Tr>::Frag;
     float s[Tr::kBlockN / 2];
+    __device__ __forceinline__ SyncTile(const FwdParams&, const Frag&, const BlockCoord&, int) {
 #pragma unroll
-    for (int i = 0; i < Tr::kBlockN / 2; ++i) s[i] = 0.f;
-    if (kv.n_end > kv.n_begin) consumer_wait(bars.q_full, 0);  // one Q per CTA: phase 0
-    for (int it = 0; it < kv.n_end - kv.n_begin; ++it) {
+        for (int i = 0; i < Tr::kBlockN / 2; ++i) s[i] = 0.f;
+    }
+    __device__ __forceinline__ static void load_q(const FwdParams& p, const Cta<Tr>& cta, const OneTile<Tr>& tile,
+                                                  const TileSources<T>& src, int tid) {
+        load_tile_sw128<Tr::kBlockM, Tr::kHeadDim>(cta.sq, src.q, p.q_row_stride, p.seqlen_q - tile.m0, tid,
+                                                   Tr::kThreads);
+    }
+    __device__ __forceinline__ static void load_kv(const FwdParams& p, const Cta<Tr>& cta, const TileSources<T>& src,
+                                                   int n0, int tid) {
+        load_tile_sw128<Tr::kBlockN, Tr::kHeadDim>(cta.sk, src.k + n0 * p.k_row_stride, p.k_row_stride,
+                                                   p.seqlen_k - n0, tid, Tr::kThreads);
+        load_tile_sw128<Tr::kBlockN, Tr::kHeadDim>(cta.sv, src.v + n0 * p.v_row_stride, p.v_row_stride,
+                                                   p.seqlen_k - n0, tid, Tr::kThreads);
+    }
+    __device__ __forceinline__ void operator()(const FwdParams& p, Acc<Tr>& acc, const Frag& frag, int m_first,
+                                               int n_tile, uint32_t q_addr, uint32_t k_addr, uint32_t v_addr) {
+        gemm_qk<Tr, T>(s, q_addr, k_addr);
+        consume_tile<Tr, T>(p, acc, s, frag, m_first, n_tile, v_addr);
+    }
+    __device__ __forceinline__ void finish(Acc<Tr>&) const {}
+};
+
+// The sequential mainloop of stages 2-3 over the K/V ring: wait for Q, then per tile wait
+// until its slot is full, the tile's synchronous work (Op: SyncTile or the FP8 one), then
+// release(it, slot): this thread's wgmma reads of the slot have retired.
+template <class Tr, class T, template <class, class> class Op, class Release>
+__device__ __forceinline__ void mainloop_ring(const FwdParams& p, const Cta<Tr>& cta, const Barriers<Tr>& bars,
+                                              Acc<Tr>& acc, const typename Acc<Tr>::Frag& frag, uint32_t q_addr,
+                                              int m_first, const OneTile<Tr>& tile, Release release) {
+    Op<Tr, T> op(p, frag, tile.bc, m_first);
+    if (tile.n_tiles > 0) consumer_wait(bars.q_full, 0);  // one Q per CTA: phase 0
+    for (int it = 0; it < tile.n_tiles; ++it) {
         const int slot = it % Tr::kKvStages;
         consumer_wait(&bars.kv_full[slot], (it / Tr::kKvStages) & 1);
-        gemm_qk<Tr, T>(s, q_addr, cta.k_slot(slot));
-        consume_tile<Tr, T>(p, acc, s, frag, m_first, kv.n_begin + it, cta.v_slot(slot));
+        op(p, acc, frag, m_first, tile.kv.n_begin + it, q_addr, cta.k_slot(slot), cta.v_slot(slot));
         release(it, slot);
     }
+    op.finish(acc);
 }
 
 // One query tile seen by consumer warpgroup cw (its 64 rows): the overlapped mainloop

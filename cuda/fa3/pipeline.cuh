@@ -35,7 +35,7 @@ __device__ __forceinline__ void issue_q(const TmaDesc* tq, uint8_t* sq, uint64_t
 #pragma unroll
         for (int rb = 0; rb < kBoxes; ++rb)
             if (rb < live)
-                tma_load_4d(sq + Tr::q_box_offset(slab, rb), tq, bar, slab * kSlabCols, head,
+                tma_load_4d(sq + Tr::q_box_offset(slab, rb), tq, bar, slab * Tr::kTmaBoxCols, head,
                             m0 + rb * Tr::kTmaBoxRowsQ, batch);
 }
 
@@ -47,7 +47,19 @@ __device__ __forceinline__ void load_kv_tile(const TmaDesc* map, uint8_t* ring, 
     uint8_t* dst = ring + slot * Tr::kKvTileBytes;
 #pragma unroll
     for (int slab = 0; slab < Tr::kSlabs; ++slab)
-        tma_load_4d(dst + Tr::kv_box_offset(slab), map, bar, slab * kSlabCols, kv_head, n * Tr::kBlockN, batch);
+        tma_load_4d(dst + Tr::kv_box_offset(slab), map, bar, slab * Tr::kTmaBoxCols, kv_head, n * Tr::kBlockN, batch);
+}
+
+// V tile n into ring slot `slot`: as K, or, when Tr::kVTransposed (the FP8 consumer: 8-bit wgmma
+// takes B K-major only, and P V reduces over keys), the one box {kBlockN keys, D rows, 1 head,
+// 1 batch} of a Vᵀ map {keys, d, heads, batch}, which lands as the K-major [D x kBlockN] tile.
+template <class Tr>
+__device__ __forceinline__ void load_v_tile(const TmaDesc* map, uint8_t* ring, uint64_t* bar, int slot, int n,
+                                            int kv_head, int batch) {
+    if constexpr (Tr::kVTransposed)
+        tma_load_4d(ring + slot * Tr::kKvTileBytes, map, bar, n * Tr::kBlockN, 0, kv_head, batch);
+    else
+        load_kv_tile<Tr>(map, ring, bar, slot, n, kv_head, batch);
 }
 
 // Stages 2-3: K and V tile n into ring slot `slot`, both counted on kv_full[slot].
@@ -57,7 +69,7 @@ __device__ __forceinline__ void issue_kv(const TmaDesc* tk, const TmaDesc* tv, u
                                          int kv_head, int batch) {
     mbar_arrive_expect_tx(bar, Tr::kTmaKvBytes);
     load_kv_tile<Tr>(tk, sk, bar, slot, n, kv_head, batch);
-    load_kv_tile<Tr>(tv, sv, bar, slot, n, kv_head, batch);
+    load_v_tile<Tr>(tv, sv, bar, slot, n, kv_head, batch);
 }
 
 // Barrier block layout: [0] q_full, [1 .. 1+S) kv_full, [1+S .. 1+2S) kv_empty.

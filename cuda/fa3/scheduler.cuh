@@ -57,6 +57,21 @@ struct OneTile {
         : bc(block_coord(p)), m0(bc.m_block * Tr::kBlockM), kv(kv_range<Tr>(p, bc)), n_tiles(kv.n_end - kv.n_begin) {}
 };
 
+// Where stage 1's plain loads read from: the one tile's first Q row, and K and V (the FP8
+// consumer: Vᵀ) of its (batch, kv head). E: the element type as stored (strides in elements).
+template <class E>
+struct TileSources {
+    const E* q;
+    const E* k;
+    const E* v;
+    template <class Tr>
+    __device__ __forceinline__ TileSources(const FwdParams& p, const OneTile<Tr>& t)
+        : q(reinterpret_cast<const E*>(p.q) + t.bc.batch * p.q_batch_stride + t.m0 * p.q_row_stride +
+            t.bc.head * p.q_head_stride),
+          k(reinterpret_cast<const E*>(p.k) + t.bc.batch * p.k_batch_stride + t.bc.kv_head * p.k_head_stride),
+          v(reinterpret_cast<const E*>(p.v) + t.bc.batch * p.v_batch_stride + t.bc.kv_head * p.v_head_stride) {}
+};
+
 // The tiles a CTA computes in stages 4-5: stage 4 exactly one, from blockIdx; stage 5 (persistent)
 // t = blockIdx.x, blockIdx.x + gridDim.x, ... over every (query tile, head, batch).
 template <class Tr>

@@ -15,48 +15,37 @@ namespace fa3 {
 
 // Stage 1: wgmma only. One warpgroup; every thread copies Q once and each K/V tile into the
 // single-buffered swizzled tiles with plain loads, then S, softmax, PV, all waited for.
-template <class T, int D>
-__device__ __forceinline__ void stage1(const FwdParams& p) {
-    using Tr = Fa3Traits<1, D>;
+// Tr: the tile shapes and shared-memory plan; Op: the per-tile work and loads (SyncTile, 16-bit,
+// or the FP8 consumer's Fp8Tile).
+template <class Tr, class T, template <class, class> class Op>
+__device__ __forceinline__ void stage1_of(const FwdParams& p) {
+    using TileOp = Op<Tr, T>;
     const Cta<Tr> cta;
     const int tid = threadIdx.x;
     const OneTile<Tr> tile(p);
-
-    const T* q = reinterpret_cast<const T*>(p.q) + tile.bc.batch * p.q_batch_stride + tile.m0 * p.q_row_stride +
-                 tile.bc.head * p.q_head_stride;
-    const T* k =
-        reinterpret_cast<const T*>(p.k) + tile.bc.batch * p.k_batch_stride + tile.bc.kv_head * p.k_head_stride;
-    const T* v =
-        reinterpret_cast<const T*>(p.v) + tile.bc.batch * p.v_batch_stride + tile.bc.kv_head * p.v_head_stride;
-    load_tile_sw128<Tr::kBlockM, D>(cta.sq, q, p.q_row_stride, p.seqlen_q - tile.m0, tid, Tr::kThreads);
+    const TileSources<typename TileOp::Elem> src(p, tile);
+    TileOp::load_q(p, cta, tile, src, tid);
 
     const typename Acc<Tr>::Frag frag(tid);
     Acc<Tr> acc;
     acc.init();
-    float s[Tr::kBlockN / 2];
-#pragma unroll
-    for (int i = 0; i < Tr::kBlockN / 2; ++i) s[i] = 0.f;
+    TileOp op(p, frag, tile.bc, tile.m0);
     for (int n = tile.kv.n_begin; n < tile.kv.n_end; ++n) {
         __syncthreads();  // every thread's wgmmas of the previous tile have completed (wait 0)
-        const int n0 = n * Tr::kBlockN;
-        load_tile_sw128<Tr::kBlockN, D>(cta.sk, k + n0 * p.k_row_stride, p.k_row_stride, p.seqlen_k - n0, tid,
-                                        Tr::kThreads);
-        load_tile_sw128<Tr::kBlockN, D>(cta.sv, v + n0 * p.v_row_stride, p.v_row_stride, p.seqlen_k - n0, tid,
-                                        Tr::kThreads);
+        TileOp::load_kv(p, cta, src, n * Tr::kBlockN, tid);
         fence_proxy_async_smem();  // generic-proxy stores -> visible to wgmma (async proxy)
         __syncthreads();
-        gemm_qk<Tr, T>(s, smem_u32(cta.sq), cta.k_slot(0));
-        consume_tile<Tr, T>(p, acc, s, frag, tile.m0, n, cta.v_slot(0));
+        op(p, acc, frag, tile.m0, n, smem_u32(cta.sq), cta.k_slot(0), cta.v_slot(0));
     }
+    op.finish(acc);
     write_output<Tr, T>(p, acc, frag, tile.m0, tile.bc.batch, tile.bc.head);
 }
 
 // Stage 2: + TMA into the 2-slot K/V ring with mbarriers. One warpgroup; thread 0 issues Q and
 // the first tiles, and refills a slot once the whole CTA has passed the barrier after its use.
-template <class T, int D>
-__device__ __forceinline__ void stage2(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk,
-                                       const TmaDesc* tv) {
-    using Tr = Fa3Traits<2, D>;
+template <class Tr, class T, template <class, class> class Op>
+__device__ __forceinline__ void stage2_of(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk,
+                                          const TmaDesc* tv) {
     const Cta<Tr> cta;
     Barriers<Tr> bars(cta.smem);
     const OneTile<Tr> tile(p);
@@ -72,7 +61,7 @@ __device__ __forceinline__ void stage2(const FwdParams& p, const TmaDesc* tq, co
     const typename Acc<Tr>::Frag frag(threadIdx.x);
     Acc<Tr> acc;
     acc.init();
-    mainloop_ring<Tr, T>(p, cta, bars, acc, frag, smem_u32(cta.sq), tile.m0, tile.kv, [&](int it, int) {
+    mainloop_ring<Tr, T, Op>(p, cta, bars, acc, frag, smem_u32(cta.sq), tile.m0, tile, [&](int it, int) {
         // Both wgmma groups reading this slot were waited on by every thread; after the CTA
         // barrier the slot may be refilled (async proxy writes after async proxy reads).
         __syncthreads();
@@ -84,10 +73,9 @@ __device__ __forceinline__ void stage2(const FwdParams& p, const TmaDesc* tq, co
 // Stage 3: + warp specialisation. Warpgroup 0 produces (setmaxnreg.dec, thread 0 issues TMA
 // after each slot's release); warpgroups 1-2 consume 64 query rows each (setmaxnreg.inc) and
 // release a slot through its "empty" mbarrier.
-template <class T, int D>
-__device__ __forceinline__ void stage3(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk,
-                                       const TmaDesc* tv) {
-    using Tr = Fa3Traits<3, D>;
+template <class Tr, class T, template <class, class> class Op>
+__device__ __forceinline__ void stage3_of(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk,
+                                          const TmaDesc* tv) {
     const Cta<Tr> cta;
     Barriers<Tr> bars(cta.smem);
     const OneTile<Tr> tile(p);
@@ -115,9 +103,25 @@ __device__ __forceinline__ void stage3(const FwdParams& p, const TmaDesc* tq, co
     const typename Acc<Tr>::Frag frag(threadIdx.x % kWarpgroupThreads);
     Acc<Tr> acc;
     acc.init();
-    mainloop_ring<Tr, T>(p, cta, bars, acc, frag, smem_u32(cta.sq) + Tr::q_warpgroup_offset(cw), m_first, tile.kv,
-                         [&](int, int slot) { mbar_arrive(&bars.kv_empty[slot]); });
+    mainloop_ring<Tr, T, Op>(p, cta, bars, acc, frag, smem_u32(cta.sq) + Tr::q_warpgroup_offset(cw), m_first, tile,
+                             [&](int, int slot) { mbar_arrive(&bars.kv_empty[slot]); });
     write_output<Tr, T>(p, acc, frag, m_first, tile.bc.batch, tile.bc.head);
+}
+
+// The 16-bit stages 1-3.
+template <class T, int D>
+__device__ __forceinline__ void stage1(const FwdParams& p) {
+    stage1_of<Fa3Traits<1, D>, T, SyncTile>(p);
+}
+template <class T, int D>
+__device__ __forceinline__ void stage2(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk,
+                                       const TmaDesc* tv) {
+    stage2_of<Fa3Traits<2, D>, T, SyncTile>(p, tq, tk, tv);
+}
+template <class T, int D>
+__device__ __forceinline__ void stage3(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk,
+                                       const TmaDesc* tv) {
+    stage3_of<Fa3Traits<3, D>, T, SyncTile>(p, tq, tk, tv);
 }
 
 // Stage 4: + ping-pong and intra-warpgroup overlap, one query tile per CTA (grid as in stages

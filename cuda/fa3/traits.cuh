@@ -97,6 +97,8 @@ struct Fa3Traits {
     // TMA boxes (elements), innermost first: {64 columns (= 128 B swizzle span), 1 head, rows,
     // 1 batch}.
     static constexpr int kTmaBoxCols = kSlabCols;
+    // V as stored, [keys x D] (the FP8 consumer's traits read Vᵀ instead: pipeline.cuh).
+    static constexpr bool kVTransposed = false;
     static constexpr int kTmaBoxRowsQ = kMmaM;  // a 128-row Q tile is two boxes per slab
     static constexpr int kTmaBoxRowsKv = kBlockN;
     static constexpr int kTmaQBytes = kQBytes;

@@ -90,6 +90,9 @@ impl Drop for Module {
     }
 }
 
+/// (family, head_dim, dtype, the FP8 pre-pass rather than the forward kernel).
+type FunctionKey = (&'static str, u32, &'static str, bool);
+
 /// A function ready to launch: the kernel and its module (kept loaded).
 #[derive(Clone, Debug)]
 pub(crate) struct Loaded {
@@ -116,7 +119,7 @@ pub struct Device {
     /// (family, head_dim) -> loaded module, loaded at first use.
     modules: Mutex<HashMap<(&'static str, u32), Arc<Module>>>,
     /// (family, head_dim, dtype name) -> function with its shared memory attribute set.
-    functions: Mutex<HashMap<(&'static str, u32, &'static str), Loaded>>,
+    functions: Mutex<HashMap<FunctionKey, Loaded>>,
 }
 
 /// The devices opened on primary contexts, once per process (a primary context lives as long
@@ -233,7 +236,17 @@ impl Device {
     /// The kernel of (family, tile, dtype), loading its module at first use and opting in to
     /// its dynamic shared memory. Later calls are a hash lookup.
     pub(crate) fn function(&self, family: &'static Family, tile: &'static Tile, dtype: &'static str) -> Result<Loaded> {
-        let key = (family.name, tile.head_dim, dtype);
+        self.load(family, tile, dtype, false)
+    }
+
+    /// The FP8 pre-pass an FP8 family's image holds beside its forward kernel (build/instances.rs,
+    /// `image_kernel_symbols`), from the same module.
+    pub(crate) fn fp8_prepass_function(&self, family: &'static Family, tile: &'static Tile, dtype: &'static str) -> Result<Loaded> {
+        self.load(family, tile, dtype, true)
+    }
+
+    fn load(&self, family: &'static Family, tile: &'static Tile, dtype: &'static str, prepass: bool) -> Result<Loaded> {
+        let key = (family.name, tile.head_dim, dtype, prepass);
         let mut functions = self.functions.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(f) = functions.get(&key) {
             return Ok(f.clone());
@@ -262,14 +275,19 @@ impl Device {
                 }
             }
         };
-        let symbol = super::table::kernel_symbol(family.name, tile.head_dim, dtype);
+        let symbol = if prepass {
+            super::table::fp8_prepass_symbol(tile.head_dim, dtype)
+        } else {
+            super::table::kernel_symbol(family.name, tile.head_dim, dtype)
+        };
         let c_symbol = CString::new(symbol).map_err(|e| Error::Cuda {
             call: "cuModuleGetFunction".into(),
             message: format!("kernel symbol with a NUL byte: {e}"),
         })?;
         // SAFETY: `module.raw` is loaded (the Arc keeps it so) in the current context.
         let func = unsafe { result::module::get_function(module.raw, c_symbol) }.map_err(cuda_err("cuModuleGetFunction"))?;
-        let smem_bytes = family.smem_bytes(tile);
+        // The pre-pass takes no dynamic shared memory.
+        let smem_bytes = if prepass { 0 } else { family.smem_bytes(tile) };
         if smem_bytes > DEFAULT_SMEM_LIMIT {
             // SAFETY: `func` is a function of the loaded module above.
             unsafe {

@@ -31,12 +31,13 @@
 //! ```
 
 use super::device::{cuda_err, Device};
-use super::launch::{launch, plan_launch};
+use super::fp8::{self, Fp8Scratch};
+use super::launch::{launch, launch_fp8_prepass, plan_launch};
 use super::params::{FwdParams, Operands};
 use super::select::{self, Choice};
-use super::table::kernel_symbol;
+use super::table::{kernel_symbol, KernelOptions};
 use crate::error::{Error, Operand, Result};
-use crate::options::ForwardOptions;
+use crate::options::{ForwardOptions, Fp8Scaling, Precision};
 use crate::output::{Dispatch, Output};
 use crate::problem::Problem;
 use crate::tensor::{check_extent, contiguous_strides, DType, Element, Shape};
@@ -187,6 +188,22 @@ impl<'a> DeviceLse<'a> {
     }
 }
 
+/// The device address of the LSE output (0: none), checked to hold [batch, heads_q, seqlen_q] f32
+/// and to be bound to the launch's stream.
+fn lse_address(lse: Option<&DeviceLse>, p: &Problem, sid: StreamId) -> Result<u64> {
+    let Some(l) = lse.map(|l| &l.b) else { return Ok(0) };
+    let need = p.batch * p.heads_q * p.seqlen_q;
+    if l.len < need {
+        return Err(Error::ShapeMismatch {
+            what: "lse buffer".into(),
+            got: format!("{} f32", l.len),
+            expected: format!("at least {need} f32 ([batch, heads_q, seqlen_q])"),
+        });
+    }
+    check_stream(Operand::O, l.stream, sid)?;
+    Ok(l.ptr)
+}
+
 fn check_stream(op: Operand, bound: Option<StreamId>, launch: StreamId) -> Result<()> {
     match bound {
         Some(s) if s != launch => Err(Error::StreamMismatch {
@@ -196,6 +213,26 @@ fn check_stream(op: Operand, bound: Option<StreamId>, launch: StreamId) -> Resul
         }),
         _ => Ok(()),
     }
+}
+
+/// e4m3 codes an engine quantised itself, for [`Engine::launch_fp8_codes_raw`] (FlashAttention-3's
+/// FP8 input, with V transposed): device addresses, contiguous.
+#[derive(Clone, Copy, Debug)]
+pub struct Fp8Codes {
+    /// e4m3 codes of Q `[batch, seqlen_q, heads_q, head_dim]` and K `[batch, seqlen_k, heads_kv,
+    /// head_dim]`, 16-byte aligned.
+    pub q: u64,
+    pub k: u64,
+    /// e4m3 codes of Vᵀ `[batch, heads_kv, head_dim, vt_row_stride]` (keys contiguous; keys past
+    /// seqlen_k are not read), 16-byte aligned.
+    pub vt: u64,
+    /// Bytes between head_dim rows of Vᵀ: at least seqlen_k, a multiple of 16.
+    pub vt_row_stride: usize,
+    /// f32 descales (code · descale = value): Q `[batch, heads_q]` (FA3's per-(batch, kv-head)
+    /// Q descale repeated over each group of query heads), K and V `[batch, heads_kv]`.
+    pub q_descale: u64,
+    pub k_descale: u64,
+    pub v_descale: u64,
 }
 
 /// Runs the forward kernels on one device (one CUDA context).
@@ -438,21 +475,7 @@ impl Engine {
         };
         let c = select::choose_for(&*self.dev, &p, opts.variant, &ops)?;
 
-        ops.lse = match lse.map(|l| &l.b) {
-            Some(l) => {
-                let need = p.batch * p.heads_q * p.seqlen_q;
-                if l.len < need {
-                    return Err(Error::ShapeMismatch {
-                        what: "lse buffer".into(),
-                        got: format!("{} f32", l.len),
-                        expected: format!("at least {need} f32 ([batch, heads_q, seqlen_q])"),
-                    });
-                }
-                check_stream(Operand::O, l.stream, sid)?;
-                l.ptr
-            }
-            None => 0,
-        };
+        ops.lse = lse_address(lse.as_deref(), &p, sid)?;
         self.dev.context().bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
         ops.alibi = match &p.alibi {
             Some(slopes) => self.alibi_on_device(slopes, stream)?,
@@ -475,11 +498,133 @@ impl Engine {
                 ),
             });
         }
+        if c.family.options.contains(KernelOptions::FP8) {
+            self.fp8_forward(stream, &p, &ops, &c)?;
+            return Ok(c);
+        }
         // Strides were checked above to address inside the buffers, seqlens to fit i32.
         let plan = plan_launch(c.family, c.tile, p.dtype, FwdParams::for_launch(&p, &ops), self.dev.sm_count())?;
         let f = self.dev.function(c.family, c.tile, c.dtype)?;
         launch(&f, stream, &plan)?;
         Ok(c)
+    }
+
+    /// The FP8 consumer on e4m3 codes the caller quantised itself (FlashAttention-3's FP8
+    /// input): no pre-pass. `q_shape` / `k_shape` are `[batch, seqlen, heads, head_dim]`;
+    /// `opts.precision` must be `Precision::Fp8 { scaling: Fp8Scaling::PerTensor, .. }` (one
+    /// descale per (batch, head): the consumer's `descale_block = 0` layout; `hadamard` is the
+    /// caller's business: a rotation of Q and K leaves Q·Kᵀ unchanged) and `opts.variant`
+    /// `Variant::Fa3` (or `Auto` once the FP8 row is GPU-verified). `o` (bf16/f16, `q_shape`)
+    /// and `lse` as in [`Engine::forward`]. Enqueued on `stream` without waiting.
+    ///
+    /// # Safety
+    /// `stream` is a valid stream of the engine's context (checked, as in
+    /// [`Engine::launch_raw`]); every address of `codes` holds what [`Fp8Codes`] says, on this
+    /// device, until the kernel has run.
+    ///
+    /// # Errors
+    /// Validation and dispatch errors as [`Engine::forward`]; [`Error::InvalidOption`] for
+    /// another scaling or a chosen family that is not FP8; [`Error::InvalidLayout`] for
+    /// addresses or a `vt_row_stride` that are not multiples of 16 bytes; [`Error::Cuda`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn launch_fp8_codes_raw(
+        &self,
+        stream: sys::CUstream,
+        q_shape: Shape,
+        k_shape: Shape,
+        codes: &Fp8Codes,
+        o: &mut DeviceTensorMut,
+        lse: Option<&mut DeviceLse>,
+        opts: &ForwardOptions,
+    ) -> Result<()> {
+        if !matches!(opts.precision, Precision::Fp8 { scaling: Fp8Scaling::PerTensor, .. }) {
+            return Err(Error::InvalidOption {
+                option: "precision",
+                got: format!("{:?}", opts.precision),
+                expected: "Precision::Fp8 with Fp8Scaling::PerTensor (one descale per (batch, head))".into(),
+            });
+        }
+        self.dev.context().bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: `stream` is a valid handle (the caller's contract); `ctx` is a valid out pointer.
+        unsafe { sys::cuStreamGetCtx(stream, &mut ctx) }.result().map_err(cuda_err("cuStreamGetCtx"))?;
+        if ctx != self.dev.context().cu_ctx() {
+            return Err(Error::StreamMismatch {
+                what: "raw stream".into(),
+                got: format!("a stream of context {:#x}", ctx as usize),
+                expected: format!("a stream of the engine's context (device {})", self.dev.ordinal()),
+            });
+        }
+        let (o, sid) = (&o.b, stream_id(stream));
+        check_extent(Operand::O, o.shape, o.strides, o.len)?;
+        check_stream(Operand::O, o.stream, sid)?;
+        if o.shape != q_shape {
+            return Err(Error::ShapeMismatch {
+                what: "o".into(),
+                got: format!("{:?}", o.shape),
+                expected: format!("{q_shape:?} (the shape of q)"),
+            });
+        }
+        let p = Problem::from_shapes(q_shape, k_shape, k_shape, o.dtype, opts)?;
+        let c = select::choose(&*self.dev, &p, opts.variant)?;
+        if !c.family.options.contains(KernelOptions::FP8) {
+            return Err(Error::InvalidOption {
+                option: "variant",
+                got: format!("{:?} (chose {})", opts.variant, c.family.name),
+                expected: "a variant whose family runs FP8 codes (Variant::Fa3 on sm_90a)".into(),
+            });
+        }
+        let lse_ptr = lse_address(lse.as_deref(), &p, sid)?;
+        let (d, hq, hk) = (p.head_dim, p.heads_q, p.heads_kv);
+        let ops = fp8::ConsumerOperands {
+            q: codes.q,
+            q_strides: [p.seqlen_q * hq * d, hq * d, d],
+            k: codes.k,
+            k_strides: [p.seqlen_k * hk * d, hk * d, d],
+            vt: codes.vt,
+            vt_strides: [hk * d * codes.vt_row_stride, codes.vt_row_stride, d * codes.vt_row_stride],
+            o: o.ptr,
+            o_strides: o.strides,
+            lse: lse_ptr,
+            descales: [codes.q_descale, codes.k_descale, codes.v_descale],
+        };
+        if codes.vt_row_stride < p.seqlen_k {
+            return Err(Error::InvalidLayout {
+                operand: Operand::V,
+                reason: format!("Vᵀ row stride {} is below seqlen_k {}", codes.vt_row_stride, p.seqlen_k),
+            });
+        }
+        let params = fp8::consumer_plan(&p, &ops, 3)?.params;
+        let plan = plan_launch(c.family, c.tile, p.dtype, params, self.dev.sm_count())?;
+        let f = self.dev.function(c.family, c.tile, c.dtype)?;
+        launch(&f, stream, &plan)
+    }
+
+    /// The FP8 forward of `p` (chosen family `c`, an FP8 row) on the caller's bf16/f16 tensors:
+    /// scratch for the e4m3 codes and scales allocated on `stream` (stream-ordered, no
+    /// synchronization), the pre-pass of Q and K, the pre-pass of V into Vᵀ, the consumer into
+    /// the caller's output, and the scratch freed on `stream` after them. The context is current;
+    /// extents, streams, dtypes and the family's layout rule were checked by the caller.
+    fn fp8_forward(&self, stream: sys::CUstream, p: &Problem, ops: &Operands, c: &Choice) -> Result<()> {
+        let layout = Fp8Scratch::of(p)?;
+        let prepass = self.dev.fp8_prepass_function(c.family, c.tile, c.dtype)?;
+        let consumer = self.dev.function(c.family, c.tile, c.dtype)?;
+        // SAFETY: a stream-ordered allocation of `layout.bytes` on a valid stream of the current
+        // context (checked by the caller); freed below on the same stream, after the launches
+        // that use it, whatever they return.
+        let scratch = unsafe { result::malloc_async(stream, layout.bytes.max(1)) }.map_err(cuda_err("cuMemAllocAsync(fp8 scratch)"))?;
+        let run = || -> Result<()> {
+            let (qk, v, params) = fp8::forward_plans(p, ops, scratch, &layout)?;
+            let plan = plan_launch(c.family, c.tile, p.dtype, params, self.dev.sm_count())?;
+            launch_fp8_prepass(&prepass, stream, &qk)?;
+            launch_fp8_prepass(&prepass, stream, &v)?;
+            launch(&consumer, stream, &plan)
+        };
+        let ran = run();
+        // SAFETY: `scratch` came from cuMemAllocAsync on `stream` above; freeing it on the same
+        // stream orders the free after every launch enqueued there.
+        let freed = unsafe { result::free_async(scratch, stream) }.map_err(cuda_err("cuMemFreeAsync(fp8 scratch)"));
+        ran.and(freed)
     }
 
     /// The device copy of a slope set: uploaded on `stream` (no synchronization) the first time

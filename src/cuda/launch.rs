@@ -5,6 +5,7 @@
 //! encoding): every `Engine` entry point (`forward`, `launch`, `launch_raw`) ends here.
 
 use super::device::{cuda_err, Loaded};
+use super::fp8::{PrepassLaunch, PrepassParams};
 use super::params::FwdParams;
 use super::table::{kernel_symbol, Family, Tile, DTYPE_NAMES};
 use crate::error::{Error, Operand, Result};
@@ -29,6 +30,8 @@ pub(crate) fn dtype_name(dtype: DType) -> Option<&'static str> {
 /// `CUtensorMapDataType` values (cuda.h), as passed to `cuTensorMapEncodeTiled`.
 pub(crate) const TMA_DTYPE_FLOAT16: u32 = 6;
 pub(crate) const TMA_DTYPE_BFLOAT16: u32 = 9;
+/// `CU_TENSOR_MAP_DATA_TYPE_UINT8`: e4m3 codes travel as bytes (the FP8 consumer).
+pub(crate) const TMA_DTYPE_UINT8: u32 = 0;
 /// `CU_TENSOR_MAP_INTERLEAVE_NONE`.
 pub(crate) const TMA_INTERLEAVE_NONE: u32 = 0;
 /// `CU_TENSOR_MAP_SWIZZLE_128B`: the 128-byte swizzle wgmma's SW128 descriptors un-do.
@@ -178,27 +181,62 @@ const _: () = assert!(std::mem::size_of::<TensorMap>() == 128 && std::mem::align
 /// # Errors
 /// [`Error::Cuda`] when encoding a tensor map or the launch fails.
 pub(crate) fn launch(f: &Loaded, stream: sys::CUstream, plan: &LaunchPlan) -> Result<()> {
+    launch_kernel(f, stream, (plan.grid, plan.block, plan.smem_bytes), Params::Forward(plan.params), &plan.tensor_maps)
+}
+
+/// Launches the FP8 pre-pass `plan` with `f` (the pre-pass of an FP8 family's image) on `stream`.
+///
+/// # Errors
+/// [`Error::Cuda`] when the launch fails.
+pub(crate) fn launch_fp8_prepass(f: &Loaded, stream: sys::CUstream, plan: &PrepassLaunch) -> Result<()> {
+    launch_kernel(f, stream, ((plan.grid, 1, 1), (plan.block, 1, 1), 0), Params::Fp8Prepass(plan.params), &[])
+}
+
+/// The parameter struct a kernel takes first, by value.
+#[derive(Clone, Copy)]
+enum Params {
+    /// Every forward kernel: `const __grid_constant__ FwdParams`.
+    Forward(FwdParams),
+    /// The FP8 pre-pass: `const __grid_constant__ Fp8PrepassParams`.
+    Fp8Prepass(PrepassParams),
+}
+
+/// Grid, block and dynamic shared memory of a launch.
+type Shape3 = ((u32, u32, u32), (u32, u32, u32), u32);
+
+/// The one kernel launch.
+fn launch_kernel(
+    f: &Loaded,
+    stream: sys::CUstream,
+    (grid, block, smem_bytes): Shape3,
+    mut params: Params,
+    tensor_maps: &[TensorMapArgs],
+) -> Result<()> {
     let mut maps = [TensorMap([0; 16]); MAX_TENSOR_MAPS];
-    for ((map, args), op) in maps.iter_mut().zip(&plan.tensor_maps).zip([Operand::Q, Operand::K, Operand::V]) {
+    for ((map, args), op) in maps.iter_mut().zip(tensor_maps).zip([Operand::Q, Operand::K, Operand::V]) {
         *map = encode(args, op)?;
     }
-    let mut params = plan.params;
     let mut args = [std::ptr::null_mut::<c_void>(); 1 + MAX_TENSOR_MAPS];
-    args[0] = &mut params as *mut FwdParams as *mut c_void;
+    args[0] = match &mut params {
+        Params::Forward(p) => p as *mut FwdParams as *mut c_void,
+        Params::Fp8Prepass(p) => p as *mut PrepassParams as *mut c_void,
+    };
     for (arg, map) in args[1..].iter_mut().zip(maps.iter_mut()) {
         *arg = map as *mut TensorMap as *mut c_void;
     }
-    let args = &mut args[..1 + plan.tensor_maps.len()];
-    // SAFETY: every kernel takes `const __grid_constant__ FwdParams`, followed by one
+    let args = &mut args[..1 + tensor_maps.len().min(MAX_TENSOR_MAPS)];
+    // SAFETY: every forward kernel takes `const __grid_constant__ FwdParams`, followed by one
     // `const __grid_constant__ CUtensorMap` per tensor map its family's host rules give (FA3
-    // stages 2-5: Q, K, V); `args` points at exactly those values, alive for the call
-    // (cuLaunchKernel copies them). FwdParams mirrors cuda/common/params.h (size and offsets asserted on
-    // both sides), TensorMap is the 128-byte map. The engine checked that every address covers
-    // the elements the shapes and strides reach, and the family's layout rules; block and
-    // dynamic shared memory are the table row's, which the kernel static_asserts against its
-    // traits, and `f`'s shared-memory opt-in was set when it was loaded.
-    unsafe { result::launch_kernel(f.func, plan.grid, plan.block, plan.smem_bytes, stream, args) }
-        .map_err(cuda_err("cuLaunchKernel"))
+    // stages 2-5 and the FP8 consumer: Q, K, V); the FP8 pre-pass takes `const
+    // __grid_constant__ Fp8PrepassParams` alone. `args` points at exactly those values, alive
+    // for the call (cuLaunchKernel copies them). FwdParams mirrors cuda/common/params.h and
+    // PrepassParams cuda/common/fp8_prepass_params.h (size and offsets asserted on both sides),
+    // TensorMap is the 128-byte map. The engine checked that every address covers the elements
+    // the shapes and strides reach (the FP8 scratch is sized by `Fp8Scratch`), and the family's
+    // layout rules; block and dynamic shared memory are the table row's (the pre-pass: its own
+    // block, none), which the kernel static_asserts against its traits, and `f`'s shared-memory
+    // opt-in was set when it was loaded.
+    unsafe { result::launch_kernel(f.func, grid, block, smem_bytes, stream, args) }.map_err(cuda_err("cuLaunchKernel"))
 }
 
 /// Encodes one tensor map with `cuTensorMapEncodeTiled` (host-only: no device work, no
@@ -251,6 +289,7 @@ fn cu_enums(
     let data_type = match s.data_type {
         TMA_DTYPE_FLOAT16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
         TMA_DTYPE_BFLOAT16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        TMA_DTYPE_UINT8 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
         _ => return Err("data_type"),
     };
     let interleave = match s.interleave {
@@ -284,6 +323,7 @@ mod tests {
         use cudarc::driver::sys::*;
         assert_eq!(CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16 as u32, TMA_DTYPE_FLOAT16);
         assert_eq!(CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 as u32, TMA_DTYPE_BFLOAT16);
+        assert_eq!(CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8 as u32, TMA_DTYPE_UINT8);
         assert_eq!(CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE as u32, TMA_INTERLEAVE_NONE);
         assert_eq!(CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B as u32, TMA_SWIZZLE_128B);
         assert_eq!(CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B as u32, TMA_L2_PROMOTION_256B);

@@ -11,6 +11,7 @@
 //! | `params` | `FwdParams`, the FFI struct mirrored from `cuda/common/params.h` |
 //! | `launch` | one launch as data (`LaunchPlan`), and the one kernel launch |
 //! | `plan` | launch plans of a named family, for the CPU emulator |
+//! | `fp8` | the Hopper FP8 pre-pass and consumer launches as data |
 //! | `device` | driver detection, contexts, compute capability, lazily loaded module cache |
 //! | `engine` | the device-memory API: [`Engine`], [`DeviceTensor`], caller's stream (cudarc or raw) and output |
 
@@ -19,6 +20,8 @@ mod engine;
 mod fa2;
 mod fa3;
 mod family;
+#[doc(hidden)]
+pub mod fp8;
 mod launch;
 mod params;
 #[doc(hidden)]
@@ -28,7 +31,7 @@ mod select;
 pub mod table;
 
 pub use device::{device_count, driver_present, Device};
-pub use engine::{DeviceLse, DeviceTensor, DeviceTensorMut, Engine};
+pub use engine::{DeviceLse, DeviceTensor, DeviceTensorMut, Engine, Fp8Codes};
 
 pub(crate) use device::why_unusable;
 pub(crate) use engine::{forward_host_into_typed, forward_host_typed};

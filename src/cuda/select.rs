@@ -85,8 +85,14 @@ fn instance_for(fam: &'static Family, dev: &impl Gpu, p: &Problem) -> std::resul
         return Err(format!("is built only for sm_{} (arch-specific features), this GPU is sm_{}", names.join("/sm_"), dev.sm()));
     }
     let dtype = dtype_name(p.dtype).ok_or_else(|| format!("takes f16/bf16, not {:?}", p.dtype))?;
-    if let Some(opt) = fam.options.first_missing(needed_options(p)) {
+    let needed = needed_options(p);
+    if let Some(opt) = fam.options.first_missing(needed) {
         return Err(format!("does not implement {opt}"));
+    }
+    // An FP8 family takes e4m3 codes, which only a caller asking for Precision::Fp8 gets: it
+    // never runs a 16-bit problem, under Auto or an explicit variant.
+    if fam.options.contains(KernelOptions::FP8) && !needed.contains(KernelOptions::FP8) {
+        return Err("runs only Precision::Fp8 problems".into());
     }
     // The smallest instantiated (and built) head dim that holds this one; the tail is masked.
     let mut too_big = true;

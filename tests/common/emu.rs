@@ -7,7 +7,7 @@
 
 use super::{floor_for, randn, Rng};
 use flash_attn::cuda::table::{kernel_symbol, targets_for, unit_source, Family, Tile, DTYPE_NAMES, FAMILIES, IMAGES};
-use flash_attn::cuda::plan::{plan, LaunchPlan, Operands};
+use flash_attn::cuda::plan::{plan, LaunchPlan, Operands, TensorMapArgs};
 use flash_attn::reference::{attention_f64, attention_naive, max_abs_diff};
 use flash_attn::{DType, Data, ForwardOptions, Problem, Tensor, TensorView};
 use std::collections::hash_map::DefaultHasher;
@@ -83,6 +83,27 @@ fn includes(cuda_root: &Path) -> Vec<String> {
         "-I".into(),
         emu.display().to_string(),
     ]
+}
+
+/// The launch-file line of one tensor map (driver.cpp's `tmap` directive).
+pub fn tmap_directive(m: &TensorMapArgs) -> String {
+    let s = &m.spec;
+    let join = |v: &[u64]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(" ");
+    let join32 = |v: &[u32]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(" ");
+    format!(
+        "tmap {} {} {:#x} {} {} {} {} {} {} {} {}",
+        s.data_type,
+        s.rank,
+        m.global_address,
+        join(&s.dims),
+        join(&s.strides),
+        join32(&s.box_dims),
+        join32(&s.elem_strides),
+        s.interleave,
+        s.swizzle,
+        s.l2_promotion,
+        s.oob_fill
+    )
 }
 
 fn gxx(args: &[String], what: &str) -> Result<(), String> {
@@ -439,25 +460,7 @@ pub fn run_case(c: &Case, mutation: Option<&Mutation>) -> Outcome {
         writeln!(lf, "in alibi {ALIBI:#x} {} {}", b.len(), file("alibi")).unwrap();
     }
     for m in &pl.tensor_maps {
-        let s = &m.spec;
-        let join = |v: &[u64]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(" ");
-        let join32 = |v: &[u32]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(" ");
-        writeln!(
-            lf,
-            "tmap {} {} {:#x} {} {} {} {} {} {} {} {}",
-            s.data_type,
-            s.rank,
-            m.global_address,
-            join(&s.dims),
-            join(&s.strides),
-            join32(&s.box_dims),
-            join32(&s.elem_strides),
-            s.interleave,
-            s.swizzle,
-            s.l2_promotion,
-            s.oob_fill
-        )
-        .unwrap();
+        writeln!(lf, "{}", tmap_directive(m)).unwrap();
     }
     std::fs::write(file("launch"), &lf).unwrap();
     let out = Command::new(&exe).arg(file("launch")).output().map_err(|e| format!("run {}: {e}", exe.display()))?;

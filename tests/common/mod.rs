@@ -58,3 +58,25 @@ pub fn check_forward(q: &Tensor, k: &Tensor, v: &Tensor, opts: &ForwardOptions) 
 /// The CPU emulator of the kernel sources (cuda/test/emu), for tests/emulator.rs.
 #[cfg(feature = "cuda")]
 pub mod emu;
+
+/// The include directory holding CuTe's cute/ and cutlass/ (scripts/install-cutlass.sh into
+/// .cutlass/, or FLASH_ATTN_CUTLASS_INCLUDE), for the oracles that compile against NVIDIA's own
+/// layouts.
+pub fn cutlass_include() -> std::path::PathBuf {
+    if let Some(p) = std::env::var_os("FLASH_ATTN_CUTLASS_INCLUDE") {
+        return std::path::PathBuf::from(p);
+    }
+    let lib = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(".cutlass/lib");
+    std::fs::read_dir(&lib)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path().join("site-packages/cutlass_library/source/include"))
+        .find(|p| p.join("cute/tensor.hpp").is_file())
+        .unwrap_or_else(|| {
+            panic!(
+                "no CuTe headers: set FLASH_ATTN_CUTLASS_INCLUDE or run scripts/install-cutlass.sh (looked in {})",
+                lib.display()
+            )
+        })
+}

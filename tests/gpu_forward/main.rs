@@ -13,11 +13,13 @@
 //! | `matrix` | FA1/FA2 and Auto: random matrix, edge shapes, strided inputs, host path, dispatch |
 //! | `edges` | the edges of the input domain (huge bounds, scores near f32::MAX, infinite V) |
 //! | `streams` | engines' own streams and contexts, CUDA graph capture |
+//! | `fp8` | the Hopper FP8 forward (fa3fp8s3) against the CPU FP8 path and float64 |
 //! | here | the sanitizer subsets and the FA3 ladder, which scripts/gpu-check-run.sh runs by exact name |
 
 #[path = "../common/mod.rs"]
 mod common;
 mod edges;
+mod fp8;
 mod matrix;
 mod streams;
 mod util;

@@ -47,9 +47,9 @@ pub fn variants(engine: &Engine) -> Vec<Variant> {
 
 /// What one launch produced.
 pub struct GpuOut {
-    o: Vec<f64>,
-    lse: Option<Vec<f64>>,
-    kernel: String,
+    pub o: Vec<f64>,
+    pub lse: Option<Vec<f64>>,
+    pub kernel: String,
 }
 
 /// Runs q, k, v (with the given element strides of b/s/h) through the engine on a stream of its

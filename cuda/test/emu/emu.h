@@ -1,12 +1,13 @@
 // Force-included (g++ -include) before a kernel source when the CPU emulator compiles it: maps
 // the CUDA language onto plain C++ and supplies host versions of exactly the inline-PTX
-// wrappers of the instruction headers (cuda/{mma_sm80,wgmma_sm90,mbarrier_sm90,
-// tma_sm90,fast_math}.cuh, sm80/launch.cuh, sm90/hang_check.cuh's clock), which those headers compile out under
-// FA_HOST_EMULATION. tests/emulator.rs checks that the two lists of wrappers are the same.
+// wrappers of the instruction headers (cuda/sm80/{mma,fast_math,launch}.cuh,
+// cuda/sm90/{wgmma,wgmma_fp8,mbarrier,tma}.cuh, sm90/hang_check.cuh's clock), which those headers
+// compile out under FA_HOST_EMULATION. tests/emulator.rs checks that the two lists of wrappers
+// are the same.
 // The headers' other code (descriptor builders, layouts, mbar_wait, ...) is used as is.
 //
 // Build a kernel unit: g++ -std=c++20 -include cuda/test/emu/emu.h -isystem cuda/test/emu/include
-//   -I cuda/include -x c++ <unit> + runtime.cpp + driver.cpp (tests/emulator.rs does it).
+//   -I cuda -I $OUT_DIR/include -x c++ <unit> + runtime.cpp + driver.cpp (tests/emulator.rs does it).
 #pragma once
 #define FA_HOST_EMULATION 1
 // The kernels' sm_90a code paths are compiled (their wrappers come from here, not from PTX).
@@ -80,6 +81,16 @@ inline int __shfl_xor_sync(unsigned mask, int v, int lane_mask, int width = 32) 
 }
 inline unsigned __shfl_xor_sync(unsigned mask, unsigned v, int lane_mask, int width = 32) {
     return ::emu::shfl_xor(mask, v, lane_mask, width);
+}
+inline unsigned __shfl_sync(unsigned mask, unsigned v, int src_lane, int width = 32) {
+    return ::emu::shfl_idx(mask, v, src_lane, width);
+}
+// __byte_perm(x, y, s): byte i of the result is byte (s >> 4i) & 7 of the 8-byte value y:x.
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    const uint64_t v = (static_cast<uint64_t>(y) << 32) | x;
+    unsigned r = 0;
+    for (int i = 0; i < 4; ++i) r |= static_cast<unsigned>((v >> (8 * ((s >> (4 * i)) & 7))) & 0xFF) << (8 * i);
+    return r;
 }
 inline size_t __cvta_generic_to_shared(const void* p) { return ::emu::cvta_shared(p); }
 [[noreturn]] inline void __trap() { ::emu::trap(); }
@@ -204,6 +215,19 @@ inline void wgmma_m64n64k16_rs_tb(float* d, const uint32_t (&a)[4], uint64_t des
     const int trans_b = 1;
 #endif
     ::emu::wgmma_issue(::emu::WgmmaInstr{64, 64, 16, e, e, true, 0, desc_b, 1, 1, 1, 0, trans_b}, d, a);
+}
+}  // namespace fa3
+
+// ---- sm90/wgmma_fp8.cuh (8-bit operands: K-major both, k32) ----
+namespace fa3 {
+inline void wgmma_m64n64k32_ss_e4m3(float* d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    const ::emu::Elem e = ::emu::Elem::E4M3;
+    ::emu::wgmma_issue(::emu::WgmmaInstr{64, 64, 32, e, e, false, desc_a, desc_b, scale_d != 0, 1, 1, 0, 0}, d,
+                       nullptr);
+}
+inline void wgmma_m64n64k32_rs_e4m3(float* d, const uint32_t (&a)[4], uint64_t desc_b) {
+    const ::emu::Elem e = ::emu::Elem::E4M3;
+    ::emu::wgmma_issue(::emu::WgmmaInstr{64, 64, 32, e, e, true, 0, desc_b, 1, 1, 1, 0, 0}, d, a);
 }
 }  // namespace fa3
 

@@ -196,7 +196,7 @@ struct Fiber {
 };
 
 // One warp-collective instruction instance (the k-th collective of every lane of a warp).
-enum class CollKind : uint8_t { Shfl, SyncWarp, Ldmatrix, LdmatrixT, Mma, Elect };
+enum class CollKind : uint8_t { Shfl, SyncWarp, Ldmatrix, LdmatrixT, Mma, Elect, ShflIdx };
 const char* coll_name(CollKind k) {
     switch (k) {
         case CollKind::Shfl: return "shfl.sync.bfly";
@@ -205,6 +205,7 @@ const char* coll_name(CollKind k) {
         case CollKind::LdmatrixT: return "ldmatrix.x4.trans";
         case CollKind::Mma: return "mma.sync.m16n8k16";
         case CollKind::Elect: return "elect.sync";
+        case CollKind::ShflIdx: return "shfl.sync.idx";
     }
     return "?";
 }
@@ -1177,6 +1178,23 @@ uint32_t shfl_xor(unsigned mask, uint32_t v, int lane_mask, int width) {
             for (int l = 0; l < 32; ++l) k.out[l][0] = k.in[(l ^ lane_mask) & 31][0];
         },
         in, 1, nullptr);
+    const uint32_t r = c.out[me().lane][0];
+    release_collective(c);
+    return r;
+}
+
+// Indexed shuffle: each lane reads the value of lane `src` (its own choice; several lanes may
+// read the same source).
+uint32_t shfl_idx(unsigned mask, uint32_t v, int src, int width) {
+    check_full_mask(mask, "__shfl_sync");
+    if (width != 32) fail("__shfl_sync with width %d: only 32 is emulated", width);
+    const uint32_t in[2] = {v, static_cast<uint32_t>(src)};
+    Coll& c = warp_collective(
+        CollKind::ShflIdx, 0,
+        [](Coll& k) {
+            for (int l = 0; l < 32; ++l) k.out[l][0] = k.in[k.in[l][1] & 31][0];
+        },
+        in, 2, nullptr);
     const uint32_t r = c.out[me().lane][0];
     release_collective(c);
     return r;

@@ -49,6 +49,7 @@ void bar_sync(unsigned id, unsigned count);
 void bar_arrive(unsigned id, unsigned count);
 void syncwarp(unsigned mask);
 uint32_t shfl_xor(unsigned mask, uint32_t v, int lane_mask, int width);
+uint32_t shfl_idx(unsigned mask, uint32_t v, int src_lane, int width);
 bool elect_one();
 [[noreturn]] void trap();
 

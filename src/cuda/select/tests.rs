@@ -387,3 +387,58 @@ fn the_table_is_well_formed() {
         }
     }
 }
+
+fn fp8_opts(scaling: crate::options::Fp8Scaling) -> ForwardOptions {
+    ForwardOptions::default().precision(crate::options::Precision::Fp8 { scaling, hadamard: Some(0x5EED) })
+}
+
+/// `Precision::Fp8` on a (faked) sm_90 device: `Variant::Fa3` runs the FP8 row; a 16-bit problem
+/// never does; Auto leaves the unverified FP8 row alone (then `forward`'s Backend::Auto runs the
+/// CPU FP8 path); what the consumer does not run is a typed refusal naming the rule.
+#[test]
+fn fp8_problems_choose_the_fp8_family_on_hopper() {
+    use crate::options::Fp8Scaling;
+    let h200 = &FA2_GPUS[3].0;
+    let block = fp8_opts(Fp8Scaling::PerBlock { rows: 128 });
+    let c = choose_in(FAMILIES, h200, &problem(DType::BF16, 128, &block), Variant::Fa3).unwrap();
+    assert_eq!((c.family.name, c.tile.head_dim, c.image.target), ("fa3fp8s3", 128, Target::Sm90a));
+    let c =
+        choose_in(FAMILIES, h200, &problem(DType::F16, 128, &fp8_opts(Fp8Scaling::PerTensor)), Variant::Fa3).unwrap();
+    assert_eq!(c.family.name, "fa3fp8s3");
+    // fa3_stage 3 names the FP8 row's rung; another stage has no FP8 kernel.
+    let s3 = fp8_opts(Fp8Scaling::PerTensor).variant(Variant::Fa3).fa3_stage(3);
+    assert_eq!(
+        choose_in(FAMILIES, h200, &problem(DType::BF16, 128, &s3), Variant::Fa3).unwrap().family.name,
+        "fa3fp8s3"
+    );
+    let s5 = fp8_opts(Fp8Scaling::PerTensor).variant(Variant::Fa3).fa3_stage(5);
+    let e = choose_in(FAMILIES, h200, &problem(DType::BF16, 128, &s5), Variant::Fa3).unwrap_err();
+    assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("fp8")), "{e:?}");
+    // 16-bit problems never land on the FP8 row, explicit or Auto.
+    for d in [64, 128, 256] {
+        let c = real(h200, DType::BF16, d, Variant::Fa3).unwrap();
+        assert!(c.family.name.starts_with("fa3s"), "hd{d}: {}", c.family.name);
+        assert_eq!(real(h200, DType::BF16, d, Variant::Auto).unwrap().family.name, "fa2");
+    }
+    // Auto: no GPU-verified family implements FP8, so no GPU kernel (the CPU runs it).
+    let e = choose_in(FAMILIES, h200, &problem(DType::BF16, 128, &block), Variant::Auto).unwrap_err();
+    assert!(matches!(e, Error::BackendUnavailable { .. }), "{e:?}");
+    // Typed refusals of what the consumer does not run.
+    for (d, opts, why) in [
+        (64, block.clone(), "head_dim 128"),
+        (128, fp8_opts(Fp8Scaling::PerBlock { rows: 32 }), "64 rows"),
+        (128, block.clone().alibi_slopes(vec![0.5; 4]), "ALiBi"),
+    ] {
+        let e = choose_in(FAMILIES, h200, &problem(DType::BF16, d, &opts), Variant::Fa3).unwrap_err();
+        assert!(
+            matches!(&e, Error::VariantUnavailable { variant: Variant::Fa3, reason } if reason.contains("fa3fp8s3") && reason.contains(why)),
+            "hd{d}: {e:?}"
+        );
+    }
+    // head_dim past the instance, and an Ampere GPU: the table's own refusals.
+    let e = choose_in(FAMILIES, h200, &problem(DType::BF16, 256, &block), Variant::Fa3).unwrap_err();
+    assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("head_dim up to")), "{e:?}");
+    let a100 = &FA2_GPUS[0].0;
+    let e = choose_in(FAMILIES, a100, &problem(DType::BF16, 128, &block), Variant::Fa3).unwrap_err();
+    assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("sm_90")), "{e:?}");
+}

@@ -1,0 +1,305 @@
+// FP8 (e4m3) consumer of the FA3 kernels, stage-1 structure (docs/fp8.md "On Hopper"): one
+// warpgroup per 64 query rows, Q / K / Vᵀ codes copied by plain 16-byte loads into SW128 shared
+// memory, S = Q Kᵀ and O += P V as e4m3 wgmma (sm90/wgmma_fp8.cuh); stages 2-3 add the TMA ring
+// and warp specialisation. Composed from the FA3 pieces (cuda/fa3/): the shared-memory carve-up,
+// scheduler, TMA ring and its barriers, stage 2-3 skeletons (stage2_of / stage3_of), the shared
+// score transform, mask and online softmax (scores_to_p) and the epilogue. What is FP8's own, here:
+// the tile plan (Fp8Traits: e4m3 bytes, Vᵀ), the e4m3 GEMMs, the descales on S and O, and P's
+// trip through e4m3 (scaled by 2^8, moved between the lanes of a quad by acc_to_a8: the 8-bit A
+// fragment does not match the f32 accumulator's layout, unlike the 16-bit pack_p).
+//
+// Inputs (the pre-pass's outputs, cuda/fp8_prepass.cu, or an engine's own FP8 tensors):
+//   q, k   e4m3 codes [batch, seqlen, heads, head_dim] (FwdParams strides, in bytes = elements);
+//   v      e4m3 codes of Vᵀ: [batch, heads_kv, head_dim, keys] with keys contiguous (FP8 wgmma
+//          needs both operands K-major, and the reduction of P V runs over keys): v_head_stride
+//          and v_batch_stride as usual, v_row_stride = the stride between head_dim rows (>=
+//          seqlen_k, a multiple of 16); keys past seqlen_k are never read into the product;
+//   q_descale, k_descale, v_descale   f32 [batch, heads(_kv), blocks]: block b covers rows
+//          [b · descale_block, (b + 1) · descale_block); descale_block = 0: one per (batch, head)
+//          (FA3's released layout, per-(batch, kv-head) for K and V). descale_block must be 0 or
+//          a multiple of 64 (a V scale is constant over each 64-key half of a tile).
+//   o      bf16 / f16 [batch, seqlen_q, heads_q, head_dim]; lse as in every kernel.
+// Numerics, as the CPU path (Precision::Fp8, src/numerics): S = (Σ qc·kc) · dq(row) · dk(key)
+// per element of the tile before mask and softmax; P = exp2(...) unrounded in the row sum, and
+// e4m3(P · 2^8) into P V; V's descale and the 2^8 are applied to O, not to P: O is kept in units
+// of the current V block's scale (O' = O / dv; a new block multiplies O' by dv_old / dv_new before
+// its P V), and the epilogue multiplies by dv · 2^-8 before the normalisation.
+// Host requirements: head_dim == 128; q/k row strides and base addresses multiples of 16 bytes;
+// v_row_stride a multiple of 16.
+#include "common/numerics.cuh"
+#include "fa3/stages.cuh"
+#include "sm90/wgmma_fp8.cuh"
+
+namespace fa3 {
+
+// Tile shapes, roles and shared-memory plan of FP8 stage `Stage` (1-3), with the members the FA3
+// pieces read (Cta, Barriers, OneTile, RingIssuer, Acc, scores_to_p, stage2_of / stage3_of).
+// K [128 keys x D] and Vᵀ [D x 128 keys] tiles are the same bytes (D = kBlockN = 128).
+template <int Stage, int D>
+struct Fp8Traits {
+    static_assert(D == 128, "the FP8 consumer is instantiated for head_dim 128");
+    static_assert(Stage >= 1 && Stage <= 3, "FP8 stages 1-3");
+    static constexpr int kStage = Stage;
+    static constexpr int kHeadDim = D;
+    static constexpr int kSlabs = D / kSlabCols8;  // 128-column e4m3 slabs of Q and K
+    static constexpr int kConsumerWarpgroups = Stage >= 3 ? 2 : 1;
+    static constexpr int kProducerWarpgroups = Stage >= 3 ? 1 : 0;
+    static constexpr int kThreads = kWarpgroupThreads * (kConsumerWarpgroups + kProducerWarpgroups);
+    static constexpr int kConsumerThreads = kWarpgroupThreads * kConsumerWarpgroups;
+    static constexpr int kProducerRegs = 24;
+    static constexpr int kConsumerRegs = 240;
+    static constexpr int kBlockM = kMmaM * kConsumerWarpgroups;  // query rows per CTA
+    static constexpr int kBlockN = 128;
+    static constexpr bool kSkipUnmaskedTiles = true;
+    static constexpr int kKvStages = Stage >= 2 ? 2 : 1;
+    static constexpr int kQBytes = kBlockM * D;       // e4m3
+    static constexpr int kKvTileBytes = kBlockN * D;  // one K or one Vᵀ tile
+    static_assert(kKvTileBytes == D * kBlockN, "Vᵀ tile = K tile bytes");
+    static constexpr int kQSlabStride = kBlockM * kSwizzleBytes;
+    static constexpr int kKvSlabStride = kBlockN * kSwizzleBytes;
+    static constexpr int kOffQ = 0;
+    static constexpr int kOffK = kQBytes;
+    static constexpr int kOffV = kOffK + kKvStages * kKvTileBytes;
+    static constexpr int kOffBarriers = kOffV + kKvStages * kKvTileBytes;
+    // Stages 2-3: q_full, kv_full[2], kv_empty[2] (pipeline.cuh Barriers); stage 1: none.
+    static constexpr bool kSplitKv = false;
+    static constexpr int kNumBarriers = Stage >= 2 ? 1 + 2 * kKvStages : 0;
+    static constexpr int kSmemUsed = kOffBarriers + 8 * kNumBarriers;
+    static constexpr int kSmemBytes = kSmemUsed + kSwizzleAtomBytes;
+    static_assert(kSmemBytes <= 227 * 1024, "sm_90 opt-in shared memory");
+    // TMA (stages 2-3; UINT8 maps, SWIZZLE_128B, box inner extent 128 bytes): Q and K as {d,
+    // heads, seqlen, batch} with boxes {128, 1, 64 | 128, 1}; Vᵀ as {keys, d, heads, batch} with
+    // box {128, D, 1, 1} (pipeline.cuh load_v_tile), keys past seqlen_k zero-filled.
+    static constexpr int kTmaBoxCols = kSlabCols8;
+    static constexpr int kTmaBoxRowsQ = kMmaM;
+    static constexpr int kTmaQBytes = kQBytes;
+    static constexpr int kTmaKvBytes = 2 * kKvTileBytes;
+    static constexpr bool kVTransposed = true;
+    // S = Q Kᵀ, k32 step kk: Q slab kk / 4 at +32 (kk % 4); K likewise, keys 64nh.. 64 rows further.
+    __host__ __device__ static constexpr int qk_a_offset(int kk) {
+        return (kk / 4) * kQSlabStride + (kk % 4) * kMmaK8Bytes;
+    }
+    __host__ __device__ static constexpr int qk_b_offset(int kk, int nh) {
+        return (kk / 4) * kKvSlabStride + nh * kMmaN * kSwizzleBytes + (kk % 4) * kMmaK8Bytes;
+    }
+    // O += P V, keys 32kk.. (kk = 0..3), output columns 64nh..: Vᵀ rows 64nh.., +32 kk bytes.
+    __host__ __device__ static constexpr int pv_b_offset(int kk, int nh) {
+        return nh * kMmaN * kSwizzleBytes + kk * kMmaK8Bytes;
+    }
+    __host__ __device__ static constexpr int q_warpgroup_offset(int cw) { return cw * kMmaM * kSwizzleBytes; }
+    __host__ __device__ static constexpr int q_box_offset(int slab, int rb) {
+        return slab * kQSlabStride + q_warpgroup_offset(rb);
+    }
+    __host__ __device__ static constexpr int kv_box_offset(int slab) { return slab * kKvSlabStride; }
+    static_assert(kQBytes % kSwizzleAtomBytes == 0 && kKvTileBytes % kSwizzleAtomBytes == 0, "whole atoms");
+};
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// Copies a [ROWS x COLS] e4m3 tile (rows [0, rows_valid), columns [0, cols_valid) of the source;
+// the rest zero) into SW128 slabs with 16-byte loads (stage 1).
+template <int ROWS, int COLS>
+__device__ __forceinline__ void load_tile8(uint8_t* dst, const uint8_t* src, int64_t row_stride, int rows_valid,
+                                           int cols_valid, int tid) {
+    constexpr int kChunks = COLS / 16;
+    for (int idx = tid; idx < ROWS * kChunks; idx += kWarpgroupThreads) {
+        const int r = idx / kChunks, c = idx % kChunks;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (r < rows_valid && 16 * c < cols_valid) {
+            const uint8_t* s = src + r * row_stride + 16 * c;
+            if (16 * c + 16 <= cols_valid) {
+                v = *reinterpret_cast<const uint4*>(s);
+            } else {  // the partial chunk at the end of a Vᵀ row: bytes past the last key are 0
+                uint8_t b[16];
+                for (int i = 0; i < 16; ++i) b[i] = 16 * c + i < cols_valid ? s[i] : 0;
+                memcpy(&v, b, 16);
+            }
+        }
+        *reinterpret_cast<uint4*>(dst + sw128_offset8(r, 16 * c, ROWS)) = v;
+    }
+}
+
+// The descale of row/key `i` (clamped into the sequence) of (batch, head).
+__device__ __forceinline__ float descale_at(uint64_t base, const FwdParams& p, int bh, int seqlen, int i) {
+    const int ii = max(0, min(i, seqlen - 1));
+    const int blocks = p.descale_block > 0 ? (seqlen + p.descale_block - 1) / p.descale_block : 1;
+    const int blk = p.descale_block > 0 ? ii / p.descale_block : 0;
+    return reinterpret_cast<const float*>(base)[static_cast<int64_t>(bh) * blocks + blk];
+}
+
+// The synchronous work on one K/V tile of the FP8 consumer, one object per consumer thread, with
+// the members of SyncTile (fa3/mainloop.cuh) that stage1_of and mainloop_ring use: S, the Q
+// descales of the thread's two rows (constant over the K/V loop) and the V descale O is currently
+// kept in units of (O' = O / dv; 0: nothing accumulated yet).
+template <class Tr, class T>
+struct Fp8Tile {
+    using Elem = uint8_t;  // e4m3 codes; src.v of TileSources is Vᵀ
+    using Frag = typename Acc<Tr>::Frag;
+    static constexpr int D = Tr::kHeadDim;
+    float s[Tr::kBlockN / 2] = {};
+    float dq[2];
+    float dv = 0.f;
+    int bhk;
+    __device__ __forceinline__ Fp8Tile(const FwdParams& p, const Frag& frag, const BlockCoord& bc, int m_first)
+        : bhk(bc.batch * p.heads_kv + bc.kv_head) {
+        const int bhq = bc.batch * p.heads_q + bc.head;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) dq[r] = descale_at(p.q_descale, p, bhq, p.seqlen_q, m_first + frag.row(r));
+    }
+    // Stage 1's plain loads: Q once; K tile n0.. and the Vᵀ columns (keys) n0.. .
+    __device__ __forceinline__ static void load_q(const FwdParams& p, const Cta<Tr>& cta, const OneTile<Tr>& tile,
+                                                  const TileSources<Elem>& src, int tid) {
+        load_tile8<Tr::kBlockM, D>(cta.sq, src.q, p.q_row_stride, p.seqlen_q - tile.m0, D, tid);
+    }
+    __device__ __forceinline__ static void load_kv(const FwdParams& p, const Cta<Tr>& cta, const TileSources<Elem>& src,
+                                                   int n0, int tid) {
+        load_tile8<Tr::kBlockN, D>(cta.sk, src.k + n0 * p.k_row_stride, p.k_row_stride, p.seqlen_k - n0, D, tid);
+        load_tile8<D, Tr::kBlockN>(cta.sv, src.v + n0, p.v_row_stride, D, p.seqlen_k - n0, tid);
+    }
+
+    // S = Q Kᵀ (e4m3), per-block descales on S, then the shared score transform, mask and online
+    // softmax (scores_to_p), rescale O, P · 2^8 -> e4m3 A fragments, O' += P V per 64-key half
+    // under its V descale. q_addr / k_addr / v_addr: the shared addresses of the Q, K and Vᵀ tiles.
+    __device__ __forceinline__ void operator()(const FwdParams& p, Acc<Tr>& acc, const Frag& frag, int m_first, int n,
+                                               uint32_t q_addr, uint32_t k_addr, uint32_t v_addr) {
+        const int n0 = n * Tr::kBlockN;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / kMmaK8; ++kk) {
+            const uint64_t da = desc_kmajor_sw128(q_addr + Tr::qk_a_offset(kk));
+#pragma unroll
+            for (int nh = 0; nh < Tr::kBlockN / kMmaN; ++nh)
+                wgmma_m64n64k32_ss_e4m3(&s[acc_index(nh * kMmaN / 8, 0, 0)], da,
+                                        desc_kmajor_sw128(k_addr + Tr::qk_b_offset(kk, nh)), kk > 0 ? 1 : 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(s);
+
+        // Per-block descales on S, per element of the tile (before softcap and mask, as on the CPU).
+#pragma unroll
+        for (int c = 0; c < Tr::kBlockN / 8; ++c)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float dk = descale_at(p.k_descale, p, bhk, p.seqlen_k, n0 + 8 * c + frag.col0 + e);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) s[acc_index(c, h, e)] *= dq[h] * dk;
+            }
+
+        float corr[2];
+        scores_to_p<Tr>(p, acc, s, frag, m_first, n, corr);
+        acc.softmax.rescale(acc.o, corr);
+
+        // P · 2^8 -> e4m3 A fragments (the row sums above used the unscaled P).
+        const float p_scale = exp2f(FA_FP8_P_SCALE_LOG2);
+#pragma unroll
+        for (int i = 0; i < Tr::kBlockN / 2; ++i) s[i] *= p_scale;
+        uint32_t a[Tr::kBlockN / kMmaK8][4];
+#pragma unroll
+        for (int kk = 0; kk < Tr::kBlockN / kMmaK8; ++kk) acc_to_a8(&s[16 * kk], a[kk]);
+
+        // Two 64-key halves, each under one V descale: O' *= dv_old / dv_new, then O' += P V.
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const float dv_new = descale_at(p.v_descale, p, bhk, p.seqlen_k, n0 + 64 * half);
+            const float ratio = dv == 0.f ? 1.f : dv / dv_new;
+            dv = dv_new;
+            if (ratio != 1.f) {
+#pragma unroll
+                for (int i = 0; i < D / 2; ++i) acc.o[i] *= ratio;
+            }
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 2 * half; kk < 2 * half + 2; ++kk)
+#pragma unroll
+                for (int nh = 0; nh < D / kMmaN; ++nh)
+                    wgmma_m64n64k32_rs_e4m3(&acc.o[acc_index(nh * kMmaN / 8, 0, 0)], a[kk],
+                                            desc_kmajor_sw128(v_addr + Tr::pv_b_offset(kk, nh)));
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_regs(acc.o);
+        }
+    }
+
+    // O = O' · dv · 2^-8; write_output then normalises by the row sum.
+    __device__ __forceinline__ void finish(Acc<Tr>& acc) const {
+        const float u = dv * exp2f(-FA_FP8_P_SCALE_LOG2);
+#pragma unroll
+        for (int i = 0; i < D / 2; ++i) acc.o[i] *= u;
+    }
+};
+
+// The 16-bit stages' skeletons (fa3/stages.cuh) with the FP8 tile plan and tile work: stage 1
+// (plain loads), stage 2 (+ the TMA ring, thread 0 issues), stage 3 (+ warp specialisation).
+template <class T, int D>
+__device__ __forceinline__ void fp8_stage1(const FwdParams& p) {
+    stage1_of<Fp8Traits<1, D>, T, Fp8Tile>(p);
+}
+template <class T, int D>
+__device__ __forceinline__ void fp8_stage2(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv) {
+    stage2_of<Fp8Traits<2, D>, T, Fp8Tile>(p, tq, tk, tv);
+}
+template <class T, int D>
+__device__ __forceinline__ void fp8_stage3(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv) {
+    stage3_of<Fp8Traits<3, D>, T, Fp8Tile>(p, tq, tk, tv);
+}
+
+#else  // not sm_90a: the instances exist (so every target links) but do nothing.
+
+template <class T, int D>
+__device__ __forceinline__ void fp8_stage1(const FwdParams&) {}
+template <class T, int D>
+__device__ __forceinline__ void fp8_stage2(const FwdParams&, const TmaDesc*, const TmaDesc*, const TmaDesc*) {}
+template <class T, int D>
+__device__ __forceinline__ void fp8_stage3(const FwdParams&, const TmaDesc*, const TmaDesc*, const TmaDesc*) {}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+}  // namespace fa3
+
+// Symbols: fa3fp8s<stage>_fwd_hd<D>_<output dtype>; stage 2 also takes the tensor maps of Q, K, Vᵀ.
+#define FA3_FP8_S1(DT, T, D)                                                               \
+    extern "C" __global__ void __launch_bounds__(fa3::kWarpgroupThreads, 1)                \
+        fa3fp8s1_fwd_hd##D##_##DT(const __grid_constant__ FwdParams p) {                   \
+        fa3::fp8_stage1<T, D>(p);                                                          \
+    }
+#define FA3_FP8_S2(DT, T, D)                                                                             \
+    extern "C" __global__ void __launch_bounds__(fa3::kWarpgroupThreads, 1) fa3fp8s2_fwd_hd##D##_##DT(   \
+        const __grid_constant__ FwdParams p, const __grid_constant__ fa3::TmaDesc tmap_q,                \
+        const __grid_constant__ fa3::TmaDesc tmap_k, const __grid_constant__ fa3::TmaDesc tmap_vt) {     \
+        fa3::fp8_stage2<T, D>(p, &tmap_q, &tmap_k, &tmap_vt);                                            \
+    }
+#define FA3_FP8_S3(DT, T, D)                                                                             \
+    extern "C" __global__ void __launch_bounds__(fa3::Fp8Traits<3, D>::kThreads, 1) fa3fp8s3_fwd_hd##D##_##DT( \
+        const __grid_constant__ FwdParams p, const __grid_constant__ fa3::TmaDesc tmap_q,                \
+        const __grid_constant__ fa3::TmaDesc tmap_k, const __grid_constant__ fa3::TmaDesc tmap_vt) {     \
+        fa3::fp8_stage3<T, D>(p, &tmap_q, &tmap_k, &tmap_vt);                                            \
+    }
+#if defined(FA_FAMILY)
+// A build.rs unit of the table row fa3fp8s3 (build/instances.rs): the stage-3 consumer and, in
+// the same image, the pre-pass of its head dim (E = elements per lane, head_dim <= 32·E), so one
+// loaded module holds both launches of the FP8 forward.
+#define FA_FP8_PREPASS_NO_INSTANCES 1
+#include "fp8_prepass.cu"
+static_assert(FA_STAGE == 3, "fa3fp8s3: the stage-3 consumer");
+#define FA3_FP8_PREPASS_E (FA_HEAD_DIM <= 32 ? 1 : FA_HEAD_DIM <= 64 ? 2 : FA_HEAD_DIM <= 128 ? 4 : 8)
+static_assert(FA3_FP8_PREPASS_E == 4, "the instance below is written for head_dim 128");
+// The table and the traits must agree on the launch shape.
+static_assert(FA_THREADS == fa3::Fp8Traits<3, FA_HEAD_DIM>::kThreads, "table: threads");
+static_assert(FA_BLOCK_M == fa3::Fp8Traits<3, FA_HEAD_DIM>::kBlockM, "table: block_m");
+static_assert(FA_BLOCK_N == fa3::Fp8Traits<3, FA_HEAD_DIM>::kBlockN, "table: block_n");
+static_assert(FA_SMEM_BYTES == fa3::Fp8Traits<3, FA_HEAD_DIM>::kSmemBytes,
+              "table: dynamic shared memory (fa3_fp8_smem_bytes in build/instances.rs)");
+#define FA3_FP8_TYPE_bf16 __nv_bfloat16
+#define FA3_FP8_TYPE_f16 __half
+#define FA3_FP8_UNIT_(DT, D) FA3_FP8_S3(DT, FA3_FP8_TYPE_##DT, D) FA_FP8_PREPASS_INSTANCE(DT, 4)
+#define FA3_FP8_UNIT(DT, D) FA3_FP8_UNIT_(DT, D)
+#define FA_INSTANCE(DT) FA3_FP8_UNIT(DT, FA_HEAD_DIM)
+#else
+FA3_FP8_S1(bf16, __nv_bfloat16, 128)
+FA3_FP8_S1(f16, __half, 128)
+FA3_FP8_S2(bf16, __nv_bfloat16, 128)
+FA3_FP8_S2(f16, __half, 128)
+FA3_FP8_S3(bf16, __nv_bfloat16, 128)
+FA3_FP8_S3(f16, __half, 128)
+#endif  // FA_FAMILY
