@@ -5,9 +5,9 @@
 
 namespace fa3 {
 
-// Inline PTX: only when nvcc compiles for sm_90a. The CPU emulator (cuda/test/emu, which defines
+// Inline PTX: only when nvcc compiles for sm_90a or sm_100a. The CPU emulator (cuda/test/emu, which defines
 // FA_HOST_EMULATION) supplies host versions of exactly the functions in this block.
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && !defined(FA_HOST_EMULATION)
+#if (defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(__CUDA_ARCH_FEAT_SM100_ALL)) && !defined(FA_HOST_EMULATION)
 
 // 2^x; flushes subnormal inputs and results to zero; ex2.approx(-inf) = +0, which the softmax's
 // -inf guard relies on. Maximum relative error 2^-22 (PTX ISA, ex2).

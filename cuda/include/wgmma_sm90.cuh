@@ -198,7 +198,7 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs_tb(float* d, const uint32_t (
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL && !FA_HOST_EMULATION
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(__CUDA_ARCH_FEAT_SM100_ALL)
 
 // Two f32 -> one b32 holding two 16-bit values, low half = x (the lower column).
 template <class T>
