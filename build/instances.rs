@@ -264,7 +264,34 @@ const FA3_S1_TILES: &[Tile] = &[fa3_tile(1, 64), fa3_tile(1, 128), fa3_tile(1, 2
 const FA3_S2_TILES: &[Tile] = &[fa3_tile(2, 64), fa3_tile(2, 128), fa3_tile(2, 256)];
 const FA3_S345_TILES: &[Tile] = &[fa3_tile(3, 64), fa3_tile(3, 128), fa3_tile(3, 256)];
 
-/// The families. Add FA4 rows here.
+/// The stage of an FA4 (tcgen05, sm_100a) ladder family ("fa4s1" .. -> 1 ..); `None` for every
+/// other family. As for FA3, the family name is the single record of the stage
+/// (cuda/fa4_fwd_sm100.cu reads FA_FAMILY, src/cuda/fa4.rs the name).
+pub fn fa4_stage(family: &str) -> Option<u32> {
+    let stage: u32 = family.strip_prefix("fa4s")?.parse().ok()?;
+    (1..=FA4_MAX_STAGE).contains(&stage).then_some(stage)
+}
+
+/// The highest stage of the FA4 ladder built so far (docs/fa4.md).
+pub const FA4_MAX_STAGE: u32 = 1;
+
+/// The FA4 tile: 128 query rows (one per tensor-memory lane, M of one cta_group::1 MMA) and 128
+/// keys per tile; stage 1 runs one warpgroup. Mirrors `Fa4Traits` (cuda/fa4_fwd_sm100.cu).
+const fn fa4_tile(head_dim: u32) -> Tile {
+    Tile { head_dim, block_m: 128, block_n: 128, threads: 128 }
+}
+
+/// FA4 shared memory: Q, K, V and P tiles (16-bit), three mbarriers (q_full, kv_full,
+/// mma_done), the tensor-memory address word (8 bytes) and 1024 bytes of alignment slack.
+/// Mirrors `Fa4Traits::kSmemBytes`, which the kernel static_asserts equal to FA_SMEM_BYTES.
+fn fa4s1_smem(t: &Tile) -> u32 {
+    let elem = 2;
+    t.block_m * t.head_dim * elem + 2 * t.block_n * t.head_dim * elem + t.block_m * t.block_n * elem + 8 * 3 + 8 + 1024
+}
+
+const FA4_TILES: &[Tile] = &[fa4_tile(64), fa4_tile(128)];
+
+/// The families.
 pub const FAMILIES: &[Family] = &[Family {
     name: "fa1",
     variant: "Fa1",
@@ -329,4 +356,22 @@ Family {
     fa3_family("fa3s3", 3, Some("fa3_stage3"), &["HGMMA", "UTMALDG", "SYNCS", "USETMAXREG"], FA3_S345_TILES, fa3s3_smem),
     fa3_family("fa3s4", 4, Some("fa3_stage4"), &["HGMMA", "UTMALDG", "SYNCS", "USETMAXREG"], FA3_S345_TILES, fa3s4_smem),
     fa3_family("fa3s5", 5, Some("fa3_stage5"), &["HGMMA", "UTMALDG", "SYNCS", "USETMAXREG"], FA3_S345_TILES, fa3s5_smem),
+    // The FA4 ladder (docs/fa4.md), Blackwell tcgen05 (sm_100a only, by its file name). No
+    // Blackwell GPU has been available: never GPU-verified, never picked by Auto, and run only
+    // when `fa4_stage` names the stage (src/cuda/dispatch.rs). Stage 1: tcgen05.mma into tensor
+    // memory (UTCHMMA), tcgen05.ld/st (LDTM/STTM), TMA (UTMALDG), mbarriers (SYNCS).
+    Family {
+        name: "fa4s1",
+        variant: "Fa4",
+        source: "cuda/fa4_fwd_sm100.cu",
+        tiles: FA4_TILES,
+        min_sm: 100,
+        gpu_verified: false,
+        auto: false,
+        sass_expect: &["UTCHMMA", "LDTM", "STTM", "UTMALDG", "SYNCS"],
+        options: &[],
+        rank: 41,
+        cpu_emulation: Some("fa4_stage1"),
+        smem_bytes: fa4s1_smem,
+    },
 ];

@@ -484,3 +484,98 @@ fn mutations_are_caught() {
     }
     assert!(missed.is_empty(), "mutations not caught (or caught for an unexpected reason): {missed:?}");
 }
+
+// ---------------------------------------------------------------- FA4 (tcgen05, sm_100a)
+
+const FA4_DIMS: [usize; 2] = [64, 128];
+
+fn fa4_case(stage: u32, s: &Shape, dtype: DType, d: usize) -> Case {
+    let family: &'static str = ["fa4s1"][stage as usize - 1];
+    let mut c = Case::new(family, dtype, [s.b, s.sq, s.hq, d], [s.b, s.sk, s.hkv, d], opts(s.mask, s.softcap, s.lse));
+    c.input_scale = s.input_scale;
+    c.label = s.label.to_string();
+    c
+}
+
+/// Stage `stage`'s cases: the FA3 shape matrix at head dims 64 and 128 (FLASH_ATTN_EMU=full),
+/// else 5 cases that rotate over the shapes, head dims and dtypes, one of them a huge window.
+fn fa4_cases(stage: u32) -> Vec<Case> {
+    let mut cases = Vec::new();
+    if full() {
+        for s in FA3_SHAPES {
+            for dtype in FA3_DTYPES {
+                for d in FA4_DIMS {
+                    cases.push(fa4_case(stage, s, dtype, d));
+                }
+            }
+        }
+    } else {
+        let regular: Vec<&Shape> = FA3_SHAPES.iter().filter(|s| !s.label.starts_with("huge")).collect();
+        for j in 0..4usize {
+            let i = 3 * (stage as usize - 1) + 2 * j;
+            cases.push(fa4_case(stage, regular[i % regular.len()], FA3_DTYPES[j % 2], FA4_DIMS[(i + j / 2) % 2]));
+        }
+        let huge: Vec<&Shape> = FA3_SHAPES.iter().filter(|s| s.label.starts_with("huge")).collect();
+        cases.push(fa4_case(stage, huge[stage as usize % 2], FA3_DTYPES[stage as usize % 2], 128));
+    }
+    cases
+}
+
+#[test]
+fn fa4_stage1() {
+    check_all("fa4 stage 1", &fa4_cases(1), &[]);
+}
+
+const FA4: &str = "cuda/fa4_fwd_sm100.cu";
+const TC: &str = "cuda/include/tcgen05_sm100.cuh";
+
+/// tcgen05 mistakes the emulator must catch in the FA4 kernel, with the diagnoses that count.
+#[rustfmt::skip]
+fn fa4_mutations() -> Vec<(Mutation, &'static str, &'static [&'static str])> {
+    vec![
+        (Mutation { name: "p_without_proxy_fence", file: FA4,
+            from: "        fa3::fence_proxy_async_smem();  // P (generic-proxy stores) -> visible to the MMA\n",
+            to: "", defines: &[] },
+         "fa4s1", &["after the last fence.proxy.async"]),
+        (Mutation { name: "rescale_without_wait_st", file: FA4,
+            from: "        tmem_st_32x32b_x32(a, r);\n    }\n    tmem_wait_st();", to: "        tmem_st_32x32b_x32(a, r);\n    }", defines: &[] },
+         "fa4s1", &["has not completed", "without tcgen05.wait::st"]),
+        (Mutation { name: "umma_desc_without_version", file: TC,
+            from: "constexpr uint64_t kUmmaDescVersion = 1;", to: "constexpr uint64_t kUmmaDescVersion = 0;", defines: &[] },
+         "fa4s1", &["version field"]),
+        (Mutation { name: "idesc_n_off_by_one_bit", file: TC,
+            from: "(uint32_t(n >> 3) << 17)", to: "(uint32_t(n >> 3) << 18)", defines: &[] },
+         "fa4s1", &["instruction descriptor", "not inside one allocation", "max |O - ref|"]),
+        (Mutation { name: "s_read_before_commit_wait", file: FA4,
+            from: "            umma_commit(mma_done);\n        }\n        mbar_wait(mma_done, mma_phase & 1);\n        ++mma_phase;\n        __syncwarp();\n        tcgen05_fence_after();\n\n        float s",
+            to: "            umma_commit(mma_done);\n        }\n        float s", defines: &[] },
+         "fa4s1", &["has not written yet", "arrival underflow", "deadlock", "max |O - ref|", "incomplete at exit"]),
+        (Mutation { name: "kv_reloaded_before_pv_completes", file: FA4,
+            from: "            umma_commit(mma_done);\n        }\n        mbar_wait(mma_done, mma_phase & 1);\n        ++mma_phase;\n        __syncwarp();\n        tcgen05_fence_after();\n    }",
+            to: "            umma_commit(mma_done);\n        }\n        if (!issuer) mbar_wait(mma_done, mma_phase & 1);\n        ++mma_phase;\n        __syncwarp();\n        tcgen05_fence_after();\n    }", defines: &[] },
+         "fa4s1", &["not yet executed", "changed between issue", "deadlock", "max |O - ref|", "arrival underflow"]),
+    ]
+}
+
+#[test]
+fn fa4_mutations_are_caught() {
+    let case = Case::new("fa4s1", DType::BF16, [1, 130, 2, 64], [1, 400, 1, 64], ForwardOptions::default().return_lse(true).causal(true));
+    run_case(&case, None).unwrap_or_else(|e| panic!("fa4s1 fails unmutated: {e}"));
+    let mut missed = Vec::new();
+    for (m, _fam, expect) in &fa4_mutations() {
+        match run_case(&case, Some(m)) {
+            Ok(p) => {
+                println!("MISSED {}: passes with err/bound {:.3}", m.name, p.ratio);
+                missed.push(m.name);
+            }
+            Err(e) => {
+                let why = expect.iter().find(|x| e.contains(*x));
+                println!("caught {} by {why:?}:\n{}\n", m.name, e.lines().take(6).collect::<Vec<_>>().join("\n"));
+                if why.is_none() {
+                    missed.push(m.name);
+                }
+            }
+        }
+    }
+    assert!(missed.is_empty(), "mutations not caught (or caught for an unexpected reason): {missed:?}");
+}

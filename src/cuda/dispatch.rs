@@ -7,7 +7,7 @@
 //! - An explicit variant that cannot run is an error naming why, never a silent fallback.
 
 use super::device::Device;
-use super::kernels::{fa3_stage, targets_for, Family, Image, Tile, FAMILIES};
+use super::kernels::{fa3_stage, fa4_stage, targets_for, Family, Image, Tile, FAMILIES};
 
 /// What dispatch needs to know about a GPU: a trait so the table logic is tested without one.
 pub(crate) trait Gpu {
@@ -106,6 +106,11 @@ fn fit(fam: &'static Family, dev: &impl Gpu, p: &Problem) -> std::result::Result
         too_big = false;
         if fa3_stage(fam.name).is_some() {
             if let Some(why) = super::fa3::refusal(p, tile) {
+                return Err(why);
+            }
+        }
+        if fa4_stage(fam.name).is_some() {
+            if let Some(why) = super::fa4::refusal(p, tile) {
                 return Err(why);
             }
         }
@@ -219,14 +224,25 @@ fn choose_explicit(families: &'static [Family], dev: &impl Gpu, p: &Problem, var
     let unavailable = |reason: String| Error::VariantUnavailable { variant, reason };
     let of_variant = || families.iter().filter(move |f| f.variant == want);
     let ladder = of_variant().count() > 1;
-    let wanted_stage = |f: &Family| p.fa3_stage.is_none_or(|s| fa3_stage(f.name) == Some(u32::from(s)));
+    // An FA4 (tcgen05) rung runs only when fa4_stage names it: none has run on a GPU.
+    let wanted_stage = |f: &Family| {
+        p.fa3_stage.is_none_or(|s| fa3_stage(f.name) == Some(u32::from(s)))
+            && fa4_stage(f.name).is_none_or(|s| p.fa4_stage.map(u32::from) == Some(s))
+    };
     let candidates = || of_variant().filter(move |f| wanted_stage(f));
     if of_variant().next().is_none() {
         return Err(unavailable("no kernel of this family is built into this crate".into()));
     }
     if candidates().next().is_none() {
         let names: Vec<&str> = of_variant().map(|f| f.name).collect();
-        return Err(unavailable(format!("no stage {:?} among {}", p.fa3_stage, names.join(", "))));
+        if variant == Variant::Fa4 && p.fa4_stage.is_none() {
+            return Err(unavailable(format!(
+                "the FA4 tcgen05 kernels ({}) are not GPU-verified and run only when fa4_stage names a stage",
+                names.join(", ")
+            )));
+        }
+        let stage = if variant == Variant::Fa4 { p.fa4_stage } else { p.fa3_stage };
+        return Err(unavailable(format!("no stage {stage:?} among {}", names.join(", "))));
     }
     // Verified beats unverified; among equals, the higher rank (the higher stage) wins.
     let key = |c: &Choice| (c.family.gpu_verified, c.family.rank);
@@ -237,7 +253,9 @@ fn choose_explicit(families: &'static [Family], dev: &impl Gpu, p: &Problem, var
                 return Err(unavailable(format!("{} on {} (sm_{}): {why}", c.family.name, dev.name(), dev.sm())));
             }
             if ladder {
-                c.pick = if p.fa3_stage.is_some() {
+                c.pick = if p.fa4_stage.is_some() {
+                    "the stage fa4_stage asked for"
+                } else if p.fa3_stage.is_some() {
                     "the stage fa3_stage asked for"
                 } else if c.family.gpu_verified {
                     "the highest GPU-verified stage that runs this problem"

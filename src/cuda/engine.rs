@@ -568,6 +568,9 @@ impl Engine {
         if let Some(stage) = super::kernels::fa3_stage(c.family.name) {
             return super::fa3::launch(&self.dev, stream, c, stage, params);
         }
+        if super::kernels::fa4_stage(c.family.name).is_some() {
+            return super::fa4::launch(&self.dev, stream, c, params);
+        }
         let f = self.dev.function(c.family, c.tile, c.dtype)?;
         let grid = super::plan::launch_grid(c.family, f.tile, &params, 0);
         let block = (f.tile.threads, 1, 1);

@@ -156,7 +156,8 @@ pub struct TmaSpec {
     pub oob_fill: u32,
 }
 
-fn tma_spec(op: Operand, l: &OperandLayout, box_rows: u32, data_type: u32, elem_bytes: u64) -> Result<TmaSpec> {
+/// One operand's spec (also used by the FA4 kernels, `fa4.rs`, with 128-row boxes).
+pub(crate) fn tma_spec(op: Operand, l: &OperandLayout, box_rows: u32, data_type: u32, elem_bytes: u64) -> Result<TmaSpec> {
     let bad = |reason: String| Error::InvalidLayout {
         operand: op,
         reason,
@@ -250,8 +251,22 @@ pub(crate) unsafe fn tensor_maps_for(
     ptrs: [cudarc::driver::sys::CUdeviceptr; 3],
     layouts: [&OperandLayout; 3],
 ) -> Result<[cudarc::driver::sys::CUtensorMap; 3]> {
-    use cudarc::driver::sys;
     let specs = tma_specs(stage, dtype, layouts[0], layouts[1], layouts[2])?;
+    // SAFETY: the caller's guarantees (# Safety) are encode_maps' own.
+    unsafe { encode_maps(&specs, ptrs) }
+}
+
+/// Encodes the Q, K, V tensor maps of `specs` at `ptrs` (the FA3 stages' and the FA4 kernels').
+///
+/// # Safety
+/// As [`tensor_maps_for`]: `ptrs` are device addresses of live allocations holding the
+/// described tensors, and the driver is loaded with a current context.
+#[cfg(feature = "cuda")]
+pub(crate) unsafe fn encode_maps(
+    specs: &[TmaSpec; 3],
+    ptrs: [cudarc::driver::sys::CUdeviceptr; 3],
+) -> Result<[cudarc::driver::sys::CUtensorMap; 3]> {
+    use cudarc::driver::sys;
     let operands = [Operand::Q, Operand::K, Operand::V];
     let mut maps = [sys::CUtensorMap { opaque: [0; 16] }; 3];
     for i in 0..3 {

@@ -9,6 +9,7 @@
 //! | `device` | driver detection, contexts, compute capability, lazily loaded module cache |
 //! | `dispatch` | (SM, dtype, head_dim, options, variant) -> kernel instance |
 //! | `fa3`, `fa3_tma` | the FA3 stage ladder's refusals, layout checks, TMA tensor maps and launch |
+//! | `fa4` | the FA4 (tcgen05, sm_100a) ladder's refusals, tensor maps and launch |
 //! | `plan` | one launch as data (symbol, grid, block, smem, params, tensor-map arguments), for the CPU emulator |
 //! | `engine` | the device-memory API: [`Engine`], [`DeviceTensor`], caller's stream (cudarc or raw) and output |
 //! | `fa2` | the FA2 family's host-side preconditions (its launch is the generic one) |
@@ -19,6 +20,7 @@ mod engine;
 mod fa2;
 mod fa3;
 mod fa3_tma;
+mod fa4;
 #[doc(hidden)]
 pub mod kernels;
 pub mod params;

@@ -9,7 +9,7 @@
 use super::dispatch::dtype_name;
 use super::fa3_tma;
 pub use super::fa3_tma::TmaSpec;
-use super::kernels::{fa3_stage, kernel_symbol, Family, Tile, FAMILIES};
+use super::kernels::{fa3_stage, fa4_stage, kernel_symbol, Family, Tile, FAMILIES};
 use super::params::FwdParams;
 use crate::error::{Error, Result};
 use crate::problem::Problem;
@@ -43,7 +43,7 @@ pub struct LaunchPlan {
     pub block: (u32, u32, u32),
     pub smem_bytes: u32,
     pub params: FwdParams,
-    /// Q, K, V maps for the kernels that take them (FA3 stages 2-5), else empty.
+    /// Q, K, V maps for the kernels that take them (FA3 stages 2-5, FA4), else empty.
     pub tensor_maps: Vec<TensorMapArgs>,
 }
 
@@ -84,6 +84,11 @@ pub fn plan(family: &str, p: &Problem, ops: &Operands, sm_count: u32) -> Result<
             return Err(unavailable(format!("{family} {why}")));
         }
     }
+    if fa4_stage(fam.name).is_some() {
+        if let Some(why) = super::fa4::refusal(p, tile) {
+            return Err(unavailable(format!("{family} {why}")));
+        }
+    }
     if fam.name == "fa2" {
         if let Some(why) = super::fa2::problem_unmet(tile, p) {
             return Err(unavailable(why.into()));
@@ -102,6 +107,13 @@ pub fn plan(family: &str, p: &Problem, ops: &Operands, sm_count: u32) -> Result<
             for (spec, addr) in specs.into_iter().zip([params.q, params.k, params.v]) {
                 tensor_maps.push(TensorMapArgs { global_address: addr, spec });
             }
+        }
+    }
+    if fa4_stage(fam.name).is_some() {
+        super::fa3::check_layout(&params)?;
+        let specs = super::fa4::tma_specs(p.dtype, &params)?;
+        for (spec, addr) in specs.into_iter().zip([params.q, params.k, params.v]) {
+            tensor_maps.push(TensorMapArgs { global_address: addr, spec });
         }
     }
     Ok(LaunchPlan {
