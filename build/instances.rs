@@ -281,12 +281,12 @@ const fn fa4_tile(head_dim: u32) -> Tile {
     Tile { head_dim, block_m: 128, block_n: 128, threads: 128 }
 }
 
-/// FA4 shared memory: Q, K, V and P tiles (16-bit), three mbarriers (q_full, kv_full,
-/// mma_done), the tensor-memory address word (8 bytes) and 1024 bytes of alignment slack.
+/// FA4 shared memory: Q, K, V and P tiles (16-bit), four mbarriers (q_full, kv_full, s_full,
+/// o_full), the tensor-memory address word (8 bytes) and 1024 bytes of alignment slack.
 /// Mirrors `Fa4Traits::kSmemBytes`, which the kernel static_asserts equal to FA_SMEM_BYTES.
 fn fa4s1_smem(t: &Tile) -> u32 {
     let elem = 2;
-    t.block_m * t.head_dim * elem + 2 * t.block_n * t.head_dim * elem + t.block_m * t.block_n * elem + 8 * 3 + 8 + 1024
+    t.block_m * t.head_dim * elem + 2 * t.block_n * t.head_dim * elem + t.block_m * t.block_n * elem + 8 * 4 + 8 + 1024
 }
 
 const FA4_TILES: &[Tile] = &[fa4_tile(64), fa4_tile(128)];

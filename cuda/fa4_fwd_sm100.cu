@@ -54,7 +54,10 @@ struct Fa4Traits {
     static constexpr int kOffV = kOffK + kKvTileBytes;
     static constexpr int kOffP = kOffV + kKvTileBytes;
     static constexpr int kOffBarriers = kOffP + kPBytes;
-    static constexpr int kNumBarriers = 3;  // q_full, kv_full, mma_done
+    // q_full, kv_full, s_full (S = Q K^T done), o_full (O += P V done). S and O get separate
+    // barriers: with one, the issuer's next S commit could complete the phase after the one a
+    // slow thread still waits for (same parity), and that thread would wait a phase too late.
+    static constexpr int kNumBarriers = 4;
     static constexpr int kOffTmemSlot = kOffBarriers + 8 * kNumBarriers;
     static constexpr int kSmemUsed = kOffTmemSlot + 8;
     static constexpr int kSmemBytes = kSmemUsed + kSwizzleAtomBytes;  // alignment slack
@@ -280,7 +283,8 @@ __device__ __forceinline__ void stage1(const FwdParams& p, const TmaDesc* tq, co
     uint64_t* bars = reinterpret_cast<uint64_t*>(smem + Tr::kOffBarriers);
     uint64_t* q_full = bars;
     uint64_t* kv_full = bars + 1;
-    uint64_t* mma_done = bars + 2;
+    uint64_t* s_full = bars + 2;
+    uint64_t* o_full = bars + 3;
     uint32_t* tmem_slot = reinterpret_cast<uint32_t*>(smem + Tr::kOffTmemSlot);
 
     const int tid = threadIdx.x;
@@ -298,7 +302,8 @@ __device__ __forceinline__ void stage1(const FwdParams& p, const TmaDesc* tq, co
     if (issuer) {
         mbar_init(q_full, 1);
         mbar_init(kv_full, 1);
-        mbar_init(mma_done, 1);
+        mbar_init(s_full, 1);
+        mbar_init(o_full, 1);
         mbar_init_fence();
     }
     tcgen05_fence_before();
@@ -318,12 +323,11 @@ __device__ __forceinline__ void stage1(const FwdParams& p, const TmaDesc* tq, co
 
     const int row = m0 + tid;  // this thread's query row (TMEM lane tid)
     RowState st{-INFINITY, 0.f};
-    uint32_t mma_phase = 0;
     for (int it = 0; it < n_tiles; ++it) {
         const int n = kv.n_begin + it;
         if (issuer) {
             // K/V of tile n: the previous tile's MMAs, which read these buffers, have completed
-            // (mma_done waited below), so the async proxy may overwrite them.
+            // (o_full waited below), so the async proxy may overwrite them.
             mbar_arrive_expect_tx(kv_full, Tr::kTmaKvBytes);
 #pragma unroll
             for (int slab = 0; slab < Tr::kSlabs; ++slab) {
@@ -336,10 +340,9 @@ __device__ __forceinline__ void stage1(const FwdParams& p, const TmaDesc* tq, co
             mbar_wait(kv_full, it & 1);
             tcgen05_fence_after();
             issue_qk<Tr, T>(tmem, smem_u32(sq), smem_u32(sk));
-            umma_commit(mma_done);
+            umma_commit(s_full);
         }
-        mbar_wait(mma_done, mma_phase & 1);
-        ++mma_phase;
+        mbar_wait(s_full, it & 1);
         __syncwarp();
         tcgen05_fence_after();
 
@@ -355,10 +358,9 @@ __device__ __forceinline__ void stage1(const FwdParams& p, const TmaDesc* tq, co
         if (issuer) {
             tcgen05_fence_after();
             issue_pv<Tr, T>(tmem, smem_u32(sp), smem_u32(sv), it > 0);
-            umma_commit(mma_done);
+            umma_commit(o_full);
         }
-        mbar_wait(mma_done, mma_phase & 1);
-        ++mma_phase;
+        mbar_wait(o_full, it & 1);
         __syncwarp();
         tcgen05_fence_after();
     }

@@ -547,12 +547,11 @@ fn fa4_mutations() -> Vec<(Mutation, &'static str, &'static [&'static str])> {
             from: "(uint32_t(n >> 3) << 17)", to: "(uint32_t(n >> 3) << 18)", defines: &[] },
          "fa4s1", &["instruction descriptor", "not inside one allocation", "max |O - ref|"]),
         (Mutation { name: "s_read_before_commit_wait", file: FA4,
-            from: "            umma_commit(mma_done);\n        }\n        mbar_wait(mma_done, mma_phase & 1);\n        ++mma_phase;\n        __syncwarp();\n        tcgen05_fence_after();\n\n        float s",
-            to: "            umma_commit(mma_done);\n        }\n        float s", defines: &[] },
+            from: "        mbar_wait(s_full, it & 1);\n", to: "", defines: &[] },
          "fa4s1", &["has not written yet", "arrival underflow", "deadlock", "max |O - ref|", "incomplete at exit"]),
         (Mutation { name: "kv_reloaded_before_pv_completes", file: FA4,
-            from: "            umma_commit(mma_done);\n        }\n        mbar_wait(mma_done, mma_phase & 1);\n        ++mma_phase;\n        __syncwarp();\n        tcgen05_fence_after();\n    }",
-            to: "            umma_commit(mma_done);\n        }\n        if (!issuer) mbar_wait(mma_done, mma_phase & 1);\n        ++mma_phase;\n        __syncwarp();\n        tcgen05_fence_after();\n    }", defines: &[] },
+            from: "            umma_commit(o_full);\n",
+            to: "            umma_commit(o_full);\n            if (it + 1 < n_tiles) tma_load_4d(sv, tv, kv_full, 0, bc.kv_head, (n + 1) * Tr::kBlockN, bc.batch);\n", defines: &[] },
          "fa4s1", &["not yet executed", "changed between issue", "deadlock", "max |O - ref|", "arrival underflow"]),
     ]
 }
