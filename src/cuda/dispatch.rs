@@ -252,7 +252,7 @@ fn choose_explicit(families: &'static [Family], dev: &impl Gpu, p: &Problem, var
             if let Some(why) = precondition(c.family, c.tile, p) {
                 return Err(unavailable(format!("{} on {} (sm_{}): {why}", c.family.name, dev.name(), dev.sm())));
             }
-            if ladder {
+            if ladder || fa4_stage(c.family.name).is_some() {
                 c.pick = if p.fa4_stage.is_some() {
                     "the stage fa4_stage asked for"
                 } else if p.fa3_stage.is_some() {
@@ -422,6 +422,13 @@ mod tests {
         image("fa3s3", 128, Target::Sm90a),
         // a build that (wrongly) had an sm_100a image of the sm_90a-only source
         image("fa3s3", 128, Target::Sm100a),
+        image("fa4s1", 128, Target::Sm100a),
+    ];
+    /// FA1/FA2 plus the FA4 tcgen05 rung as the real table has it (sm_100a only, not in Auto).
+    static TABLE_FA4: &[Family] = &[
+        family("fa1", "Fa1", 80, true, 1),
+        family("fa2", "Fa2", 80, true, 2),
+        Family { source: "cuda/fa4_fwd_sm100.cu", ..family("fa4s1", "Fa4", 100, false, 41) },
     ];
 
     struct FakeGpu {
@@ -455,6 +462,37 @@ mod tests {
     }
     fn pick(gpu: &FakeGpu, head_dim: usize, variant: Variant) -> Result<Choice> {
         choose_in(TABLE, gpu, &problem(DType::BF16, head_dim, &ForwardOptions::default()), variant)
+    }
+
+    #[test]
+    fn fa4_runs_only_when_fa4_stage_names_it() {
+        let fa4 = |gpu: &FakeGpu, opts: ForwardOptions| {
+            let opts = opts.variant(Variant::Fa4);
+            choose_in(TABLE_FA4, gpu, &problem(DType::BF16, 128, &opts), Variant::Fa4)
+        };
+        // Auto never picks it.
+        let auto = choose_in(TABLE_FA4, &B200, &problem(DType::BF16, 128, &ForwardOptions::default()), Variant::Auto);
+        assert_ne!(auto.unwrap().family.name, "fa4s1");
+        // Variant::Fa4 alone does not run an unverified tcgen05 kernel.
+        let e = fa4(&B200, ForwardOptions::default()).unwrap_err();
+        assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("fa4_stage")), "{e:?}");
+        // With the stage, on an sm_100 GPU, it runs, and the reason says so.
+        let c = fa4(&B200, ForwardOptions::default().fa4_stage(1)).unwrap();
+        assert_eq!((c.family.name, c.image.target), ("fa4s1", Target::Sm100a));
+        let why = reason_in(TABLE_FA4, &B200, &c, Variant::Fa4);
+        assert!(why.contains("fa4s1, the stage fa4_stage asked for") && why.contains("not yet verified"), "{why}");
+        // Elsewhere it is refused with the reason.
+        for gpu in [&H100, &RTX5090] {
+            let e = fa4(gpu, ForwardOptions::default().fa4_stage(1)).unwrap_err();
+            assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("sm_100")), "{e:?}");
+        }
+        // The option is validated with the problem.
+        let check = |o: ForwardOptions| Problem::from_shapes([1, 8, 1, 128], [1, 8, 1, 128], [1, 8, 1, 128], DType::BF16, &o);
+        let e = check(ForwardOptions::default().variant(Variant::Fa4).fa4_stage(9)).unwrap_err();
+        assert!(matches!(e, Error::InvalidOption { option: "fa4_stage", .. }), "{e:?}");
+        let e = check(ForwardOptions::default().variant(Variant::Fa3).fa4_stage(1)).unwrap_err();
+        assert!(matches!(e, Error::InvalidOption { option: "fa4_stage", .. }), "{e:?}");
+        assert_eq!(crate::problem::FA4_MAX_STAGE as u32, super::super::kernels::FA4_MAX_STAGE);
     }
 
     #[test]
