@@ -273,12 +273,13 @@ pub fn fa4_stage(family: &str) -> Option<u32> {
 }
 
 /// The highest stage of the FA4 ladder built so far (docs/fa4.md).
-pub const FA4_MAX_STAGE: u32 = 1;
+pub const FA4_MAX_STAGE: u32 = 2;
 
 /// The FA4 tile: 128 query rows (one per tensor-memory lane, M of one cta_group::1 MMA) and 128
-/// keys per tile; stage 1 runs one warpgroup. Mirrors `Fa4Traits` (cuda/fa4_fwd_sm100.cu).
-const fn fa4_tile(head_dim: u32) -> Tile {
-    Tile { head_dim, block_m: 128, block_n: 128, threads: 128 }
+/// keys per tile; stage 1 runs one warpgroup, stage 2 four (two softmax, correction, load/MMA
+/// warps). Mirrors `Fa4Traits` (cuda/fa4_fwd_sm100.cu).
+const fn fa4_tile(stage: u32, head_dim: u32) -> Tile {
+    Tile { head_dim, block_m: 128, block_n: 128, threads: if stage == 1 { 128 } else { 512 } }
 }
 
 /// FA4 shared memory: Q, K, V and P tiles (16-bit), four mbarriers (q_full, kv_full, s_full,
@@ -289,7 +290,17 @@ fn fa4s1_smem(t: &Tile) -> u32 {
     t.block_m * t.head_dim * elem + 2 * t.block_n * t.head_dim * elem + t.block_m * t.block_n * elem + 8 * 4 + 8 + 1024
 }
 
-const FA4_TILES: &[Tile] = &[fa4_tile(64), fa4_tile(128)];
+/// FA4 stage 2 shared memory: Q, a 2-slot K/V ring, 14 mbarriers, the TMEM address word, the
+/// softmax/correction exchange (partial maxima [2][2], factors [2], partial sums [2], max: f32 per
+/// row) and the slack; P lives in tensor memory. Mirrors `Fa4Traits<2, D>::kSmemBytes`.
+fn fa4s2_smem(t: &Tile) -> u32 {
+    let elem = 2;
+    let rows = t.block_m * 4; // one f32 per row
+    t.block_m * t.head_dim * elem + 4 * t.block_n * t.head_dim * elem + 8 * 14 + 8 + (4 + 2 + 2 + 1) * rows + 1024
+}
+
+const FA4_S1_TILES: &[Tile] = &[fa4_tile(1, 64), fa4_tile(1, 128)];
+const FA4_S2_TILES: &[Tile] = &[fa4_tile(2, 64), fa4_tile(2, 128)];
 
 /// The families.
 pub const FAMILIES: &[Family] = &[Family {
@@ -364,7 +375,7 @@ Family {
         name: "fa4s1",
         variant: "Fa4",
         source: "cuda/fa4_fwd_sm100.cu",
-        tiles: FA4_TILES,
+        tiles: FA4_S1_TILES,
         min_sm: 100,
         gpu_verified: false,
         auto: false,
@@ -373,5 +384,21 @@ Family {
         rank: 41,
         cpu_emulation: Some("fa4_stage1"),
         smem_bytes: fa4s1_smem,
+    },
+    // Stage 2: + FA4's warp roles (load warp, MMA warp, two softmax warpgroups, a correction
+    // warpgroup) and P written to tensor memory for the PV product (tcgen05.mma with A from TMEM).
+    Family {
+        name: "fa4s2",
+        variant: "Fa4",
+        source: "cuda/fa4_fwd_sm100.cu",
+        tiles: FA4_S2_TILES,
+        min_sm: 100,
+        gpu_verified: false,
+        auto: false,
+        sass_expect: &["UTCHMMA", "LDTM", "STTM", "UTMALDG", "SYNCS"],
+        options: &[],
+        rank: 42,
+        cpu_emulation: Some("fa4_stage2"),
+        smem_bytes: fa4s2_smem,
     },
 ];

@@ -29,44 +29,64 @@ namespace fa4 {
 using fa3::TmaDesc;
 
 // Shape, roles and shared/tensor-memory plan of stage `Stage` at head dim `HeadDim`; the table
-// row of build/instances.rs (fa4_tile, fa4_smem) repeats these numbers and the unit
+// row of build/instances.rs (fa4_tile, fa4s*_smem) repeats these numbers and the unit
 // static_asserts the two agree.
 template <int Stage, int HeadDim>
 struct Fa4Traits {
-    static_assert(Stage == 1, "stage 1 is implemented");
+    static_assert(Stage == 1 || Stage == 2, "stages 1 and 2 are implemented");
     static_assert(HeadDim == 64 || HeadDim == 128, "head_dim 64 or 128");
     static constexpr int kHeadDim = HeadDim;
     static constexpr int kSlabs = HeadDim / kSlabCols;
-    static constexpr int kThreads = 128;  // one warpgroup: a thread per TMEM lane = query row
+    // Stage 1: one warpgroup, a thread per TMEM lane = query row. Stage 2 (FA4's roles):
+    // warpgroups 0-1 softmax (each on 64 of the 128 keys of every row), warpgroup 2 correction
+    // (O rescale, epilogue), warp 12 loads (TMA), warp 13 issues the MMAs, warp 14 owns the TMEM
+    // allocation, warp 15 idles.
+    static constexpr int kThreads = Stage == 1 ? 128 : 512;
     static constexpr int kBlockM = kUmmaM;
     static constexpr int kBlockN = 128;
+    static constexpr int kSoftmaxWarpgroups = Stage == 1 ? 1 : 2;
+    static constexpr int kKeysPerSoftmaxWg = kBlockN / kSoftmaxWarpgroups;
+    static constexpr int kCorrectionWarp0 = 8;
+    static constexpr int kLoadWarp = 12;
+    static constexpr int kMmaWarp = 13;
+    static constexpr int kAllocWarp = Stage == 1 ? 0 : 14;
 
     // Shared memory (bytes; every tile a whole number of 1024-byte swizzle atoms).
     static constexpr int kElemBytes = 2;
+    static constexpr int kKvStages = Stage == 1 ? 1 : 2;
     static constexpr int kQBytes = kBlockM * HeadDim * kElemBytes;
     static constexpr int kKvTileBytes = kBlockN * HeadDim * kElemBytes;
-    static constexpr int kPBytes = kBlockM * kBlockN * kElemBytes;
+    static constexpr int kPBytes = Stage == 1 ? kBlockM * kBlockN * kElemBytes : 0;  // stage 2: P in TMEM
     static constexpr int kQSlabStride = kBlockM * kSwizzleBytes;
     static constexpr int kKvSlabStride = kBlockN * kSwizzleBytes;
     static constexpr int kPSlabStride = kBlockM * kSwizzleBytes;
     static constexpr int kOffQ = 0;
     static constexpr int kOffK = kOffQ + kQBytes;
-    static constexpr int kOffV = kOffK + kKvTileBytes;
-    static constexpr int kOffP = kOffV + kKvTileBytes;
+    static constexpr int kOffV = kOffK + kKvStages * kKvTileBytes;
+    static constexpr int kOffP = kOffV + kKvStages * kKvTileBytes;
     static constexpr int kOffBarriers = kOffP + kPBytes;
-    // q_full, kv_full, s_full (S = Q K^T done), o_full (O += P V done). S and O get separate
-    // barriers: with one, the issuer's next S commit could complete the phase after the one a
-    // slow thread still waits for (same parity), and that thread would wait a phase too late.
-    static constexpr int kNumBarriers = 4;
+    // Stage 1: q_full, kv_full, s_full (S = Q K^T done), o_full (O += P V done). S and O get
+    // separate barriers: with one, the issuer's next S commit could complete the phase after the
+    // one a slow thread still waits for (same parity), and that thread would wait a phase late.
+    // Stage 2: q_full, kv_full[2], kv_empty[2], s_full[2], p_full[2], corr_full[2], o_ready,
+    // o_done, stats_full (Barriers2 below).
+    static constexpr int kNumBarriers = Stage == 1 ? 4 : 14;
     static constexpr int kOffTmemSlot = kOffBarriers + 8 * kNumBarriers;
-    static constexpr int kSmemUsed = kOffTmemSlot + 8;
+    // Stage 2 exchange buffers (f32, one per row): partial row max [2 tiles][2 wgs], the
+    // correction factor [2 tiles], partial row sums [2 wgs], the final max.
+    static constexpr int kOffRed = kOffTmemSlot + 8;
+    static constexpr int kOffCorr = kOffRed + (Stage == 1 ? 0 : 4 * kBlockM * 4);
+    static constexpr int kOffLsum = kOffCorr + (Stage == 1 ? 0 : 2 * kBlockM * 4);
+    static constexpr int kOffMax = kOffLsum + (Stage == 1 ? 0 : 2 * kBlockM * 4);
+    static constexpr int kSmemUsed = kOffMax + (Stage == 1 ? 0 : kBlockM * 4);
     static constexpr int kSmemBytes = kSmemUsed + kSwizzleAtomBytes;  // alignment slack
 
-    // Tensor memory: S in columns [0, kBlockN), O in [kBlockN, kBlockN + D); the allocation
-    // is the next power of two.
+    // Tensor memory. Stage 1: S in columns [0, kBlockN), O in [kBlockN, kBlockN + D). Stage 2:
+    // two S buffers (S_j in buffer j % 2, P_j written over it as packed 16-bit pairs) and O.
+    static constexpr int kSBuffers = Stage == 1 ? 1 : 2;
     static constexpr int kTmemS = 0;
-    static constexpr int kTmemO = kBlockN;
-    static constexpr int kTmemCols = kBlockN + HeadDim <= 256 ? 256 : 512;
+    static constexpr int kTmemO = kSBuffers * kBlockN;
+    static constexpr int kTmemCols = kTmemO + HeadDim <= 256 ? 256 : 512;
 
     // TMA: boxes of {64 columns, 1 head, rows, 1 batch}; one box per slab per tile.
     static constexpr int kTmaBoxRows = 128;
@@ -75,13 +95,14 @@ struct Fa4Traits {
 
     static_assert(kBlockM == kTmaBoxRows && kBlockN == kTmaBoxRows, "one TMA box per slab");
     static_assert(kSmemBytes <= 227 * 1024, "sm_100 opt-in shared memory is 227 KiB per block");
-    static_assert(kBlockN + HeadDim <= kTmemColumns, "S and O fit the tensor memory");
+    static_assert(kTmemO + HeadDim <= kTmemColumns, "S and O fit the tensor memory");
 };
 
 #if defined(__CUDA_ARCH_FEAT_SM100_ALL)
 
 using fa3::fast_exp2;
 using fa3::fast_tanh;
+using fa3::mbar_arrive;
 using fa3::mbar_arrive_expect_tx;
 using fa3::mbar_init;
 using fa3::mbar_init_fence;
@@ -375,10 +396,254 @@ __device__ __forceinline__ void stage1(const FwdParams& p, const TmaDesc* tq, co
     }
 }
 
+// ---------------------------------------------------------------- stage 2: + FA4's warp roles
+
+// Barrier block of stage 2 (8 bytes each), in the order of Fa4Traits' comment.
+struct Barriers2 {
+    uint64_t *q_full, *kv_full, *kv_empty, *s_full, *p_full, *corr_full, *o_ready, *o_done, *stats_full;
+    __device__ __forceinline__ explicit Barriers2(uint64_t* b) {
+        q_full = b;
+        kv_full = b + 1;     // [2] K and V of ring slot s landed (TMA)
+        kv_empty = b + 3;    // [2] the MMAs reading slot s completed (commit)
+        s_full = b + 5;      // [2] S_j in TMEM buffer j % 2 (commit)
+        p_full = b + 7;      // [2] P_j written over S_j by both softmax warpgroups (256 arrivals)
+        corr_full = b + 9;   // [2] tile j's correction factors in shared memory (128 arrivals)
+        o_ready = b + 11;    // O rescaled for tile j by the correction warpgroup (128 arrivals)
+        o_done = b + 12;     // O += P_j V_j completed (commit)
+        stats_full = b + 13; // final row max and partial sums in shared memory (256 arrivals)
+    }
+};
+
+// The MMA warp's one issuing thread: S_0, then per tile j: S_{j+1} into the other TMEM buffer
+// (overlapping tile j's softmax), and once P_j and the rescaled O are ready, O += P_j V_j with P
+// read from tensor memory. MMAs of one thread execute in issue order, so S_{j+1} overwrites buffer
+// (j + 1) % 2 only after PV_{j-1} has read P_{j-1} from it.
+template <class Tr, class T>
+__device__ __forceinline__ void mma_role(const Barriers2& b, uint32_t tmem, uint32_t sq, uint32_t sk, uint32_t sv,
+                                         int n_tiles) {
+    constexpr uint32_t idesc_pv =
+        umma_idesc_f16(std::is_same<T, __nv_bfloat16>::value, kUmmaM, Tr::kHeadDim, false, true);
+    constexpr uint32_t idesc_qk =
+        umma_idesc_f16(std::is_same<T, __nv_bfloat16>::value, kUmmaM, Tr::kBlockN, false, false);
+    auto issue_s = [&](int j) {
+        const int slot = j % 2;
+        mbar_wait(&b.kv_full[slot], (j / 2) & 1);
+        tcgen05_fence_after();
+#pragma unroll
+        for (int kk = 0; kk < Tr::kHeadDim / kUmmaK; ++kk) {
+            const int off = (kk / 4) * Tr::kQSlabStride + (kk % 4) * kUmmaKBytes;
+            const int koff = slot * Tr::kKvTileBytes + (kk / 4) * Tr::kKvSlabStride + (kk % 4) * kUmmaKBytes;
+            umma_f16_ss(tmem_addr(tmem, 0, Tr::kTmemS + slot * Tr::kBlockN), umma_desc_kmajor_sw128(sq + off),
+                        umma_desc_kmajor_sw128(sk + koff), idesc_qk, kk > 0 ? 1u : 0u);
+        }
+        umma_commit(&b.s_full[slot]);
+    };
+    mbar_wait(b.q_full, 0);
+    issue_s(0);
+    for (int j = 0; j < n_tiles; ++j) {
+        const int slot = j % 2;
+        if (j + 1 < n_tiles) issue_s(j + 1);
+        mbar_wait(&b.p_full[slot], (j / 2) & 1);
+        mbar_wait(b.o_ready, j & 1);
+        tcgen05_fence_after();
+#pragma unroll
+        for (int kk = 0; kk < Tr::kBlockN / kUmmaK; ++kk) {
+            // P_j: keys 16kk.. are TMEM columns 8kk.. of buffer `slot` (two 16-bit values each).
+            const uint32_t a = tmem_addr(tmem, 0, Tr::kTmemS + slot * Tr::kBlockN + kk * (kUmmaK / 2));
+            const int voff = slot * Tr::kKvTileBytes + kk * kUmmaK * kSwizzleBytes;
+            umma_f16_ts(tmem_addr(tmem, 0, Tr::kTmemO), a, umma_desc_mnmajor_sw128(sv + voff, Tr::kKvSlabStride),
+                        idesc_pv, (j > 0 || kk > 0) ? 1u : 0u);
+        }
+        // The slot's release first: commits arrive in order, and the correction warpgroup's wait
+        // on the last o_done then also covers the last kv_empty arrival (nothing pending at exit).
+        umma_commit(&b.kv_empty[slot]);
+        umma_commit(b.o_done);
+    }
+}
+
+// The load warp's one thread: Q once, then K/V tile j into ring slot j % 2 once the MMAs of tile
+// j - 2 released it.
+template <class Tr>
+__device__ __forceinline__ void load_role(const Barriers2& b, const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
+                                          uint8_t* sq, uint8_t* sk, uint8_t* sv, const BlockCoord& bc, int m0,
+                                          int n_begin, int n_tiles) {
+    tma_prefetch_desc(tq);
+    tma_prefetch_desc(tk);
+    tma_prefetch_desc(tv);
+    mbar_arrive_expect_tx(b.q_full, Tr::kTmaQBytes);
+#pragma unroll
+    for (int slab = 0; slab < Tr::kSlabs; ++slab)
+        tma_load_4d(sq + slab * Tr::kQSlabStride, tq, b.q_full, slab * kSlabCols, bc.head, m0, bc.batch);
+    for (int j = 0; j < n_tiles; ++j) {
+        const int slot = j % 2;
+        if (j >= 2) mbar_wait(&b.kv_empty[slot], ((j - 2) / 2) & 1);
+        mbar_arrive_expect_tx(&b.kv_full[slot], Tr::kTmaKvBytes);
+#pragma unroll
+        for (int slab = 0; slab < Tr::kSlabs; ++slab) {
+            tma_load_4d(sk + slot * Tr::kKvTileBytes + slab * Tr::kKvSlabStride, tk, &b.kv_full[slot],
+                        slab * kSlabCols, bc.kv_head, (n_begin + j) * Tr::kBlockN, bc.batch);
+            tma_load_4d(sv + slot * Tr::kKvTileBytes + slab * Tr::kKvSlabStride, tv, &b.kv_full[slot],
+                        slab * kSlabCols, bc.kv_head, (n_begin + j) * Tr::kBlockN, bc.batch);
+        }
+    }
+}
+
+// A softmax warpgroup (wg 0 or 1): keys [64 wg, 64 wg + 64) of every tile for the 128 rows (thread
+// r of the warpgroup = TMEM lane r). The two warpgroups agree on each tile's row max through shared
+// memory and named barrier 1; each keeps its partial row sum (rescaled by the same factors).
+template <class Tr, class T>
+__device__ __forceinline__ void softmax_role(const FwdParams& p, const Barriers2& b, uint8_t* smem, uint32_t tmem,
+                                             int wg, int r, int warp, int m0, int n_begin, int n_tiles) {
+    constexpr int kKeys = Tr::kKeysPerSoftmaxWg;
+    float* red = reinterpret_cast<float*>(smem + Tr::kOffRed);    // [tile % 2][wg][row]
+    float* corr_s = reinterpret_cast<float*>(smem + Tr::kOffCorr);  // [tile % 2][row]
+    const int row = m0 + r;
+    RowState st{-INFINITY, 0.f};
+    for (int j = 0; j < n_tiles; ++j) {
+        const int slot = j % 2;
+        const int col0 = Tr::kTmemS + slot * Tr::kBlockN;
+        mbar_wait(&b.s_full[slot], (j / 2) & 1);
+        __syncwarp();
+        tcgen05_fence_after();
+        float s[kKeys];
+        tmem_load_row<kKeys>(tmem, warp, col0 + kKeys * wg, s);
+        softcap_and_mask<kKeys>(p, s, row, (n_begin + j) * Tr::kBlockN + kKeys * wg);
+        float mx = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < kKeys; ++i) mx = fmaxf(mx, s[i]);
+        red[(slot * 2 + wg) * Tr::kBlockM + r] = mx;
+        // Both warpgroups' partial maxima are written, and both have read their S half out of
+        // TMEM (so P may now be written over it).
+        fa3::named_bar_sync<1, 256>();
+        const float tile_max = fmaxf(red[(slot * 2 + 0) * Tr::kBlockM + r], red[(slot * 2 + 1) * Tr::kBlockM + r]);
+        const float m_new = fmaxf(st.row_max, tile_max);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;
+        const float corr = fast_exp2((st.row_max - m_use) * p.softmax_scale_log2);  // old max -inf: 0
+        st.row_max = m_new;
+        float sum = 0.f;
+        uint32_t packed[kKeys / 2];
+#pragma unroll
+        for (int i = 0; i < kKeys / 2; ++i) {
+            const float p0 = fast_exp2((s[2 * i] - m_use) * p.softmax_scale_log2);
+            const float p1 = fast_exp2((s[2 * i + 1] - m_use) * p.softmax_scale_log2);
+            sum += p0 + p1;
+            packed[i] = fa3::pack2<T>(p0, p1);
+        }
+        st.row_sum = st.row_sum * corr + sum;
+        // P_j over S_j: keys 64 wg + 2c, +1 -> column col0 + 32 wg + c (A from TMEM, 16-bit).
+        static_assert(kKeys / 2 == 32, "one x32 store per warpgroup");
+        tmem_st_32x32b_x32(tmem_addr(tmem, 32 * (warp % 4), col0 + (kKeys / 2) * wg), packed);
+        tmem_wait_st();
+        if (wg == 0) corr_s[slot * Tr::kBlockM + r] = corr;
+        tcgen05_fence_before();
+        mbar_arrive(&b.p_full[slot]);
+        if (wg == 0) mbar_arrive(&b.corr_full[slot]);
+    }
+    float* lsum = reinterpret_cast<float*>(smem + Tr::kOffLsum);
+    float* msum = reinterpret_cast<float*>(smem + Tr::kOffMax);
+    lsum[wg * Tr::kBlockM + r] = st.row_sum;
+    if (wg == 0) msum[r] = st.row_max;
+    mbar_arrive(b.stats_full);
+}
+
+// The correction warpgroup: before PV_j (j >= 1) rescales O in TMEM by tile j's factors, once
+// PV_{j-1} completed; at the end normalises O and writes it (and LSE).
+template <class Tr, class T>
+__device__ __forceinline__ void correction_role(const FwdParams& p, const Barriers2& b, uint8_t* smem, uint32_t tmem,
+                                                int r, int warp, int m0, const BlockCoord& bc, int n_tiles) {
+    const float* corr_s = reinterpret_cast<const float*>(smem + Tr::kOffCorr);
+    for (int j = 0; j < n_tiles; ++j) {
+        const int slot = j % 2;
+        mbar_wait(&b.corr_full[slot], (j / 2) & 1);
+        const float corr = corr_s[slot * Tr::kBlockM + r];
+        if (j > 0) {
+            mbar_wait(b.o_done, (j - 1) & 1);
+            __syncwarp();
+            tcgen05_fence_after();
+            rescale_o<Tr>(tmem, warp, corr);
+        }
+        tcgen05_fence_before();
+        mbar_arrive(b.o_ready);
+    }
+    mbar_wait(b.stats_full, 0);
+    if (n_tiles > 0) {
+        mbar_wait(b.o_done, (n_tiles - 1) & 1);
+        __syncwarp();
+        tcgen05_fence_after();
+    }
+    const float* lsum = reinterpret_cast<const float*>(smem + Tr::kOffLsum);
+    const float* msum = reinterpret_cast<const float*>(smem + Tr::kOffMax);
+    RowState st{msum[r], lsum[r] + lsum[Tr::kBlockM + r]};
+    write_output<Tr, T>(p, st, tmem, warp, m0 + r, bc.batch, bc.head, n_tiles > 0);
+}
+
+template <class T, int D>
+__device__ __forceinline__ void stage2(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk,
+                                       const TmaDesc* tv) {
+    using Tr = Fa4Traits<2, D>;
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t* smem = aligned_smem(smem_raw);
+    uint8_t* sq = smem + Tr::kOffQ;
+    uint8_t* sk = smem + Tr::kOffK;
+    uint8_t* sv = smem + Tr::kOffV;
+    const Barriers2 b(reinterpret_cast<uint64_t*>(smem + Tr::kOffBarriers));
+    uint32_t* tmem_slot = reinterpret_cast<uint32_t*>(smem + Tr::kOffTmemSlot);
+
+    const int tid = threadIdx.x;
+    const int warp = tid / 32, lane = tid % 32;
+    const BlockCoord bc = block_coord(p);
+    const int m0 = bc.m_block * Tr::kBlockM;
+    const FaKeyTiles kv = fa_key_tiles(p, m0, min(m0 + Tr::kBlockM, p.seqlen_q), Tr::kBlockN);
+    const int n_tiles = kv.n_end - kv.n_begin;
+
+    if (warp == Tr::kAllocWarp) {
+        tmem_alloc(tmem_slot, Tr::kTmemCols);
+        tmem_relinquish();
+    }
+    if (tid == 0) {
+        mbar_init(b.q_full, 1);
+        for (int s = 0; s < 2; ++s) {
+            mbar_init(&b.kv_full[s], 1);
+            mbar_init(&b.kv_empty[s], 1);
+            mbar_init(&b.s_full[s], 1);
+            mbar_init(&b.p_full[s], 2 * 128);
+            mbar_init(&b.corr_full[s], 128);
+        }
+        mbar_init(b.o_ready, 128);
+        mbar_init(b.o_done, 1);
+        mbar_init(b.stats_full, 2 * 128);
+        mbar_init_fence();
+    }
+    tcgen05_fence_before();
+    __syncthreads();
+    tcgen05_fence_after();
+    const uint32_t tmem = *tmem_slot;
+
+    if (warp < 2 * 4) {
+        softmax_role<Tr, T>(p, b, smem, tmem, warp / 4, tid % 128, warp, m0, kv.n_begin, n_tiles);
+    } else if (warp < Tr::kLoadWarp) {
+        correction_role<Tr, T>(p, b, smem, tmem, tid % 128, warp, m0, bc, n_tiles);
+    } else if (warp == Tr::kLoadWarp) {
+        if (lane == 0 && n_tiles > 0)
+            load_role<Tr>(b, tq, tk, tv, sq, sk, sv, bc, m0, kv.n_begin, n_tiles);
+    } else if (warp == Tr::kMmaWarp) {
+        if (lane == 0 && n_tiles > 0) mma_role<Tr, T>(b, tmem, smem_u32(sq), smem_u32(sk), smem_u32(sv), n_tiles);
+    }
+    // Every role's TMEM accesses are done before the allocating warp frees the columns.
+    tcgen05_fence_before();
+    __syncthreads();
+    if (warp == Tr::kAllocWarp) {
+        tcgen05_fence_after();
+        tmem_dealloc(tmem, Tr::kTmemCols);
+    }
+}
+
 #else  // host pass / other targets: the kernels compile to nothing
 
 template <class T, int D>
 __device__ __forceinline__ void stage1(const FwdParams&, const TmaDesc*, const TmaDesc*, const TmaDesc*) {}
+template <class T, int D>
+__device__ __forceinline__ void stage2(const FwdParams&, const TmaDesc*, const TmaDesc*, const TmaDesc*) {}
 
 #endif  // __CUDA_ARCH_FEAT_SM100_ALL
 
@@ -395,11 +660,19 @@ __device__ __forceinline__ void stage1(const FwdParams&, const TmaDesc*, const T
                                const __grid_constant__ fa3::TmaDesc tmap_v) {                         \
         fa4::stage1<T, D>(p, &tmap_q, &tmap_k, &tmap_v);                                              \
     }
+#define FA4_S2(DT, T, D)                                                                              \
+    extern "C" __global__ void __launch_bounds__(fa4::Fa4Traits<2, D>::kThreads, 1)                   \
+        fa4s2_fwd_hd##D##_##DT(const __grid_constant__ FwdParams p, const __grid_constant__ fa3::TmaDesc tmap_q, \
+                               const __grid_constant__ fa3::TmaDesc tmap_k,                           \
+                               const __grid_constant__ fa3::TmaDesc tmap_v) {                         \
+        fa4::stage2<T, D>(p, &tmap_q, &tmap_k, &tmap_v);                                              \
+    }
 #define FA4_TYPE_bf16 __nv_bfloat16
 #define FA4_TYPE_f16 __half
 
 #if defined(FA_FAMILY)
 #define FA4_STAGE_OF_fa4s1 1
+#define FA4_STAGE_OF_fa4s2 2
 #define FA4_CAT_(a, b) a##b
 #define FA4_CAT(a, b) FA4_CAT_(a, b)
 #define FA4_STAGE FA4_CAT(FA4_STAGE_OF_, FA_FAMILY)

@@ -490,7 +490,7 @@ fn mutations_are_caught() {
 const FA4_DIMS: [usize; 2] = [64, 128];
 
 fn fa4_case(stage: u32, s: &Shape, dtype: DType, d: usize) -> Case {
-    let family: &'static str = ["fa4s1"][stage as usize - 1];
+    let family: &'static str = ["fa4s1", "fa4s2"][stage as usize - 1];
     let mut c = Case::new(family, dtype, [s.b, s.sq, s.hq, d], [s.b, s.sk, s.hkv, d], opts(s.mask, s.softcap, s.lse));
     c.input_scale = s.input_scale;
     c.label = s.label.to_string();
@@ -512,7 +512,7 @@ fn fa4_cases(stage: u32) -> Vec<Case> {
     } else {
         let regular: Vec<&Shape> = FA3_SHAPES.iter().filter(|s| !s.label.starts_with("huge")).collect();
         for j in 0..4usize {
-            let i = 3 * (stage as usize - 1) + 2 * j;
+            let i = 4 * (stage as usize - 1) + 2 * j;
             cases.push(fa4_case(stage, regular[i % regular.len()], FA3_DTYPES[j % 2], FA4_DIMS[(i + j / 2) % 2]));
         }
         let huge: Vec<&Shape> = FA3_SHAPES.iter().filter(|s| s.label.starts_with("huge")).collect();
@@ -524,6 +524,10 @@ fn fa4_cases(stage: u32) -> Vec<Case> {
 #[test]
 fn fa4_stage1() {
     check_all("fa4 stage 1", &fa4_cases(1), &[]);
+}
+#[test]
+fn fa4_stage2() {
+    check_all("fa4 stage 2", &fa4_cases(2), &[]);
 }
 
 const FA4: &str = "cuda/fa4_fwd_sm100.cu";
