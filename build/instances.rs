@@ -273,13 +273,19 @@ pub fn fa4_stage(family: &str) -> Option<u32> {
 }
 
 /// The highest stage of the FA4 ladder built so far (docs/fa4.md).
-pub const FA4_MAX_STAGE: u32 = 2;
+pub const FA4_MAX_STAGE: u32 = 3;
 
 /// The FA4 tile: 128 query rows (one per tensor-memory lane, M of one cta_group::1 MMA) and 128
 /// keys per tile; stage 1 runs one warpgroup, stage 2 four (two softmax, correction, load/MMA
 /// warps). Mirrors `Fa4Traits` (cuda/fa4_fwd_sm100.cu).
+/// Stage 3 takes two 128-row Q tiles (ping-pong).
 const fn fa4_tile(stage: u32, head_dim: u32) -> Tile {
-    Tile { head_dim, block_m: 128, block_n: 128, threads: if stage == 1 { 128 } else { 512 } }
+    Tile {
+        head_dim,
+        block_m: if stage >= 3 { 256 } else { 128 },
+        block_n: 128,
+        threads: if stage == 1 { 128 } else { 512 },
+    }
 }
 
 /// FA4 shared memory: Q, K, V and P tiles (16-bit), four mbarriers (q_full, kv_full, s_full,
@@ -299,7 +305,16 @@ fn fa4s2_smem(t: &Tile) -> u32 {
     t.block_m * t.head_dim * elem + 4 * t.block_n * t.head_dim * elem + 8 * 14 + 8 + (4 + 2 + 2 + 1) * rows + 1024
 }
 
+/// FA4 stage 3 shared memory: two Q tiles, the 2-slot K/V ring, 16 mbarriers, the TMEM address
+/// word, the correction factors, partial sums and maxima (f32 per row of each Q tile) and the
+/// slack. Mirrors `Fa4Traits<3, D>::kSmemBytes`.
+fn fa4s3_smem(t: &Tile) -> u32 {
+    let elem = 2;
+    t.block_m * t.head_dim * elem + 4 * t.block_n * t.head_dim * elem + 8 * 16 + 8 + 3 * t.block_m * 4 + 1024
+}
+
 const FA4_S1_TILES: &[Tile] = &[fa4_tile(1, 64), fa4_tile(1, 128)];
+const FA4_S3_TILES: &[Tile] = &[fa4_tile(3, 64), fa4_tile(3, 128)];
 const FA4_S2_TILES: &[Tile] = &[fa4_tile(2, 64), fa4_tile(2, 128)];
 
 /// The families.
@@ -400,5 +415,22 @@ Family {
         rank: 42,
         cpu_emulation: Some("fa4_stage2"),
         smem_bytes: fa4s2_smem,
+    },
+    // Stage 3: + two Q tiles in ping-pong (one per softmax warpgroup) and FA4's softmax: the
+    // degree-3 software exp2 (exp2_poly.cuh) for 1 element in 8, conditional rescaling with
+    // tau = 8 (online_softmax.cuh). The FMA-pipe exp2 shows up as FFMA next to MUFU.EX2.
+    Family {
+        name: "fa4s3",
+        variant: "Fa4",
+        source: "cuda/fa4_fwd_sm100.cu",
+        tiles: FA4_S3_TILES,
+        min_sm: 100,
+        gpu_verified: false,
+        auto: false,
+        sass_expect: &["UTCHMMA", "LDTM", "STTM", "UTMALDG", "SYNCS", "MUFU.EX2", "FFMA"],
+        options: &[],
+        rank: 43,
+        cpu_emulation: Some("fa4_stage3"),
+        smem_bytes: fa4s3_smem,
     },
 ];

@@ -20,6 +20,7 @@
 #include "fast_math_sm90.cuh"
 #include "mask.cuh"
 #include "mbarrier_sm90.cuh"
+#include "online_softmax.cuh"
 #include "tcgen05_sm100.cuh"
 #include "tma_sm90.cuh"
 #include "wgmma_sm90.cuh"  // pack2 (the two-element 16-bit pack)
@@ -33,7 +34,7 @@ using fa3::TmaDesc;
 // static_asserts the two agree.
 template <int Stage, int HeadDim>
 struct Fa4Traits {
-    static_assert(Stage == 1 || Stage == 2, "stages 1 and 2 are implemented");
+    static_assert(Stage >= 1 && Stage <= 3, "stages 1, 2 and 3 are implemented");
     static_assert(HeadDim == 64 || HeadDim == 128, "head_dim 64 or 128");
     static constexpr int kHeadDim = HeadDim;
     static constexpr int kSlabs = HeadDim / kSlabCols;
@@ -42,10 +43,12 @@ struct Fa4Traits {
     // (O rescale, epilogue), warp 12 loads (TMA), warp 13 issues the MMAs, warp 14 owns the TMEM
     // allocation, warp 15 idles.
     static constexpr int kThreads = Stage == 1 ? 128 : 512;
-    static constexpr int kBlockM = kUmmaM;
+    // Stage 3: two Q tiles of 128 rows (ping-pong), one per softmax warpgroup.
+    static constexpr int kQTiles = Stage >= 3 ? 2 : 1;
+    static constexpr int kBlockM = kUmmaM * kQTiles;
     static constexpr int kBlockN = 128;
     static constexpr int kSoftmaxWarpgroups = Stage == 1 ? 1 : 2;
-    static constexpr int kKeysPerSoftmaxWg = kBlockN / kSoftmaxWarpgroups;
+    static constexpr int kKeysPerSoftmaxWg = Stage == 2 ? kBlockN / 2 : kBlockN;
     static constexpr int kCorrectionWarp0 = 8;
     static constexpr int kLoadWarp = 12;
     static constexpr int kMmaWarp = 13;
@@ -54,10 +57,11 @@ struct Fa4Traits {
     // Shared memory (bytes; every tile a whole number of 1024-byte swizzle atoms).
     static constexpr int kElemBytes = 2;
     static constexpr int kKvStages = Stage == 1 ? 1 : 2;
+    static constexpr int kQTileBytes = kUmmaM * HeadDim * kElemBytes;  // one 128-row Q tile
     static constexpr int kQBytes = kBlockM * HeadDim * kElemBytes;
     static constexpr int kKvTileBytes = kBlockN * HeadDim * kElemBytes;
     static constexpr int kPBytes = Stage == 1 ? kBlockM * kBlockN * kElemBytes : 0;  // stage 2: P in TMEM
-    static constexpr int kQSlabStride = kBlockM * kSwizzleBytes;
+    static constexpr int kQSlabStride = kUmmaM * kSwizzleBytes;  // within one 128-row Q tile
     static constexpr int kKvSlabStride = kBlockN * kSwizzleBytes;
     static constexpr int kPSlabStride = kBlockM * kSwizzleBytes;
     static constexpr int kOffQ = 0;
@@ -70,32 +74,44 @@ struct Fa4Traits {
     // one a slow thread still waits for (same parity), and that thread would wait a phase late.
     // Stage 2: q_full, kv_full[2], kv_empty[2], s_full[2], p_full[2], corr_full[2], o_ready,
     // o_done, stats_full (Barriers2 below).
-    static constexpr int kNumBarriers = Stage == 1 ? 4 : 14;
+    // Stage 3: q_full, kv_full[2], kv_empty[2], then per Q tile t: s_full[t], p_full[t],
+    // corr_full[t], o_ready[t], o_done[t], and stats_full (Barriers3 below).
+    static constexpr int kNumBarriers = Stage == 1 ? 4 : Stage == 2 ? 14 : 16;
     static constexpr int kOffTmemSlot = kOffBarriers + 8 * kNumBarriers;
     // Stage 2 exchange buffers (f32, one per row): partial row max [2 tiles][2 wgs], the
     // correction factor [2 tiles], partial row sums [2 wgs], the final max.
+    // Stage 3: the factors [Q tile][row], partial sums and maxima [Q tile][row].
     static constexpr int kOffRed = kOffTmemSlot + 8;
-    static constexpr int kOffCorr = kOffRed + (Stage == 1 ? 0 : 4 * kBlockM * 4);
-    static constexpr int kOffLsum = kOffCorr + (Stage == 1 ? 0 : 2 * kBlockM * 4);
-    static constexpr int kOffMax = kOffLsum + (Stage == 1 ? 0 : 2 * kBlockM * 4);
-    static constexpr int kSmemUsed = kOffMax + (Stage == 1 ? 0 : kBlockM * 4);
+    static constexpr int kOffCorr = kOffRed + (Stage == 2 ? 4 * kUmmaM * 4 : 0);
+    static constexpr int kOffLsum = kOffCorr + (Stage == 1 ? 0 : 2 * kUmmaM * 4);
+    static constexpr int kOffMax = kOffLsum + (Stage == 1 ? 0 : 2 * kUmmaM * 4);
+    static constexpr int kSmemUsed = kOffMax + (Stage == 1 ? 0 : Stage == 2 ? kUmmaM * 4 : 2 * kUmmaM * 4);
     static constexpr int kSmemBytes = kSmemUsed + kSwizzleAtomBytes;  // alignment slack
 
     // Tensor memory. Stage 1: S in columns [0, kBlockN), O in [kBlockN, kBlockN + D). Stage 2:
     // two S buffers (S_j in buffer j % 2, P_j written over it as packed 16-bit pairs) and O.
+    // Stage 3: S_t (P_t over it) for Q tile t in columns [128 t, 128 t + 128), O_t at
+    // 256 + D t.
     static constexpr int kSBuffers = Stage == 1 ? 1 : 2;
     static constexpr int kTmemS = 0;
     static constexpr int kTmemO = kSBuffers * kBlockN;
-    static constexpr int kTmemCols = kTmemO + HeadDim <= 256 ? 256 : 512;
+    static constexpr int kTmemCols = kTmemO + kQTiles * HeadDim <= 256 ? 256 : 512;
+
+    // Stage 3 softmax (FlashAttention-4, docs/fa4.md): elements with index % kPolyEvery ==
+    // kPolyEvery - 1 (12.5%) take the degree-3 software exp2 of exp2_poly.cuh on the FMA units,
+    // the rest MUFU; the running max is kept unless it grew by more than kLazyTau (log2 units).
+    static constexpr int kPolyEvery = 8;
+    static constexpr int kPolyDegree = 3;
+    static constexpr float kLazyTau = Stage >= 3 ? 8.0f : -1.0f;
 
     // TMA: boxes of {64 columns, 1 head, rows, 1 batch}; one box per slab per tile.
     static constexpr int kTmaBoxRows = 128;
     static constexpr int kTmaQBytes = kQBytes;
     static constexpr int kTmaKvBytes = 2 * kKvTileBytes;
 
-    static_assert(kBlockM == kTmaBoxRows && kBlockN == kTmaBoxRows, "one TMA box per slab");
+    static_assert(kUmmaM == kTmaBoxRows && kBlockN == kTmaBoxRows, "one TMA box per slab and Q tile");
     static_assert(kSmemBytes <= 227 * 1024, "sm_100 opt-in shared memory is 227 KiB per block");
-    static_assert(kTmemO + HeadDim <= kTmemColumns, "S and O fit the tensor memory");
+    static_assert(kTmemO + kQTiles * HeadDim <= kTmemColumns, "S and O fit the tensor memory");
 };
 
 #if defined(__CUDA_ARCH_FEAT_SM100_ALL)
@@ -638,12 +654,303 @@ __device__ __forceinline__ void stage2(const FwdParams& p, const TmaDesc* tq, co
     }
 }
 
+// ---------------------------------------------------------------- stage 3: + two Q tiles in
+// ping-pong and FA4's softmax (software exp2 for a share of elements, conditional rescaling)
+
+struct Barriers3 {
+    uint64_t *q_full, *kv_full, *kv_empty, *s_full, *p_full, *corr_full, *o_ready, *o_done, *stats_full;
+    __device__ __forceinline__ explicit Barriers3(uint64_t* b) {
+        q_full = b;
+        kv_full = b + 1;     // [2 slots]
+        kv_empty = b + 3;    // [2 slots]
+        s_full = b + 5;      // [2 Q tiles] S_t = Q_t K_j^T done (commit)
+        p_full = b + 7;      // [2 Q tiles] P_t written over S_t by softmax warpgroup t (128 arrivals)
+        corr_full = b + 9;   // [2 Q tiles] tile j's factors of Q tile t in smem (128 arrivals)
+        o_ready = b + 11;    // [2 Q tiles] O_t rescaled for tile j (128 arrivals)
+        o_done = b + 13;     // [2 Q tiles] O_t += P_t V_j done (commit)
+        stats_full = b + 15; // both softmax warpgroups' final max and sums in smem (256 arrivals)
+    }
+};
+
+// exp2 of element i of a tile: the software polynomial for every kPolyEvery-th element (FMA
+// units), MUFU for the rest. Both are exact where MUFU is (exp2_poly.cuh's range handling).
+template <class Tr>
+__device__ __forceinline__ float mixed_exp2(float x, int i) {
+    return (i % Tr::kPolyEvery) == Tr::kPolyEvery - 1 ? fa_exp2_poly<Tr::kPolyDegree>(x) : fast_exp2(x);
+}
+
+// The MMA warp's issuing thread, ping-pong over the two Q tiles: while softmax warpgroup 1 works
+// on S_1 of tile j, the tensor core runs O_0 += P_0 V_j and S_0 of tile j + 1, and vice versa.
+template <class Tr, class T>
+__device__ __forceinline__ void mma_role3(const Barriers3& b, uint32_t tmem, uint32_t sq, uint32_t sk, uint32_t sv,
+                                          int n_tiles) {
+    constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
+    constexpr uint32_t idesc_qk = umma_idesc_f16(kBf16, kUmmaM, Tr::kBlockN, false, false);
+    constexpr uint32_t idesc_pv = umma_idesc_f16(kBf16, kUmmaM, Tr::kHeadDim, false, true);
+    auto issue_s = [&](int t, int j) {
+        const int slot = j % 2;
+#pragma unroll
+        for (int kk = 0; kk < Tr::kHeadDim / kUmmaK; ++kk) {
+            const int off = t * Tr::kQTileBytes + (kk / 4) * Tr::kQSlabStride + (kk % 4) * kUmmaKBytes;
+            const int koff = slot * Tr::kKvTileBytes + (kk / 4) * Tr::kKvSlabStride + (kk % 4) * kUmmaKBytes;
+            umma_f16_ss(tmem_addr(tmem, 0, Tr::kTmemS + t * Tr::kBlockN), umma_desc_kmajor_sw128(sq + off),
+                        umma_desc_kmajor_sw128(sk + koff), idesc_qk, kk > 0 ? 1u : 0u);
+        }
+        umma_commit(&b.s_full[t]);
+    };
+    auto issue_pv = [&](int t, int j) {
+        const int slot = j % 2;
+        mbar_wait(&b.p_full[t], j & 1);
+        mbar_wait(&b.o_ready[t], j & 1);
+        tcgen05_fence_after();
+#pragma unroll
+        for (int kk = 0; kk < Tr::kBlockN / kUmmaK; ++kk) {
+            const uint32_t a = tmem_addr(tmem, 0, Tr::kTmemS + t * Tr::kBlockN + kk * (kUmmaK / 2));
+            const int voff = slot * Tr::kKvTileBytes + kk * kUmmaK * kSwizzleBytes;
+            umma_f16_ts(tmem_addr(tmem, 0, Tr::kTmemO + t * Tr::kHeadDim), a,
+                        umma_desc_mnmajor_sw128(sv + voff, Tr::kKvSlabStride), idesc_pv, (j > 0 || kk > 0) ? 1u : 0u);
+        }
+    };
+    mbar_wait(b.q_full, 0);
+    mbar_wait(&b.kv_full[0], 0);
+    tcgen05_fence_after();
+    issue_s(0, 0);
+    issue_s(1, 0);
+    for (int j = 0; j < n_tiles; ++j) {
+        const bool next = j + 1 < n_tiles;
+        if (next) {
+            mbar_wait(&b.kv_full[(j + 1) % 2], ((j + 1) / 2) & 1);
+            tcgen05_fence_after();
+        }
+        // S_t of tile j + 1 overwrites P_t of tile j: issued after PV_t, and MMAs of one thread
+        // execute in issue order.
+        issue_pv(0, j);
+        umma_commit(&b.o_done[0]);
+        if (next) issue_s(0, j + 1);
+        issue_pv(1, j);
+        umma_commit(&b.kv_empty[j % 2]);  // before o_done[1]: commits arrive in order (see stage 2)
+        umma_commit(&b.o_done[1]);
+        if (next) issue_s(1, j + 1);
+    }
+}
+
+template <class Tr>
+__device__ __forceinline__ void load_role3(const Barriers3& b, const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
+                                           uint8_t* sq, uint8_t* sk, uint8_t* sv, const BlockCoord& bc, int m0,
+                                           int n_begin, int n_tiles) {
+    tma_prefetch_desc(tq);
+    tma_prefetch_desc(tk);
+    tma_prefetch_desc(tv);
+    // Both Q tiles; a tile wholly past seqlen_q is zero-filled by TMA and its rows never written.
+    mbar_arrive_expect_tx(b.q_full, Tr::kTmaQBytes);
+#pragma unroll
+    for (int t = 0; t < Tr::kQTiles; ++t)
+#pragma unroll
+        for (int slab = 0; slab < Tr::kSlabs; ++slab)
+            tma_load_4d(sq + t * Tr::kQTileBytes + slab * Tr::kQSlabStride, tq, b.q_full, slab * kSlabCols, bc.head,
+                        m0 + t * kUmmaM, bc.batch);
+    for (int j = 0; j < n_tiles; ++j) {
+        const int slot = j % 2;
+        if (j >= 2) mbar_wait(&b.kv_empty[slot], ((j - 2) / 2) & 1);
+        mbar_arrive_expect_tx(&b.kv_full[slot], Tr::kTmaKvBytes);
+#pragma unroll
+        for (int slab = 0; slab < Tr::kSlabs; ++slab) {
+            tma_load_4d(sk + slot * Tr::kKvTileBytes + slab * Tr::kKvSlabStride, tk, &b.kv_full[slot],
+                        slab * kSlabCols, bc.kv_head, (n_begin + j) * Tr::kBlockN, bc.batch);
+            tma_load_4d(sv + slot * Tr::kKvTileBytes + slab * Tr::kKvSlabStride, tv, &b.kv_full[slot],
+                        slab * kSlabCols, bc.kv_head, (n_begin + j) * Tr::kBlockN, bc.batch);
+        }
+    }
+}
+
+// Softmax warpgroup t: all 128 keys of every tile for the 128 rows of Q tile t, in two passes over
+// 32-key quarters of S (the row max, then exp2 and P), so S never sits in registers whole (the
+// 512-thread CTA has 128 registers per thread); P quarter q goes to columns [16 q, 16 q + 16) of
+// S_t, which hold keys already read.
+template <class Tr, class T>
+__device__ __forceinline__ void softmax_role3(const FwdParams& p, const Barriers3& b, uint8_t* smem, uint32_t tmem,
+                                              int t, int r, int warp, int m0, int n_begin, int n_tiles) {
+    constexpr int kQuarter = 32;
+    constexpr int kQuarters = Tr::kBlockN / kQuarter;
+    float* corr_s = reinterpret_cast<float*>(smem + Tr::kOffCorr);  // [Q tile][row]
+    const int row = m0 + t * kUmmaM + r;
+    const int col0 = Tr::kTmemS + t * Tr::kBlockN;
+    const float c = p.softmax_scale_log2;
+    RowState st{-INFINITY, 0.f};
+    for (int j = 0; j < n_tiles; ++j) {
+        const int n0 = (n_begin + j) * Tr::kBlockN;
+        mbar_wait(&b.s_full[t], j & 1);
+        __syncwarp();
+        tcgen05_fence_after();
+        float tile_max = -INFINITY;
+#pragma unroll 1
+        for (int q = 0; q < kQuarters; ++q) {
+            float s[kQuarter];
+            tmem_load_row<kQuarter>(tmem, warp, col0 + kQuarter * q, s);
+            softcap_and_mask<kQuarter>(p, s, row, n0 + kQuarter * q);
+#pragma unroll
+            for (int i = 0; i < kQuarter; ++i) tile_max = fmaxf(tile_max, s[i]);
+        }
+        // Conditional rescaling: the running max moves only when it grew by more than tau.
+        const float corr = fa_max_get_scale<Tr::kPolyDegree>(&st.row_max, tile_max, c, Tr::kLazyTau);
+        const float m_use = st.row_max == -INFINITY ? 0.f : st.row_max;
+        float sum = 0.f;
+#pragma unroll 1
+        for (int q = 0; q < kQuarters; ++q) {
+            float s[kQuarter];
+            tmem_load_row<kQuarter>(tmem, warp, col0 + kQuarter * q, s);
+            softcap_and_mask<kQuarter>(p, s, row, n0 + kQuarter * q);
+            uint32_t packed[kQuarter / 2];
+#pragma unroll
+            for (int i = 0; i < kQuarter / 2; ++i) {
+                const float p0 = mixed_exp2<Tr>((s[2 * i] - m_use) * c, 2 * i);
+                const float p1 = mixed_exp2<Tr>((s[2 * i + 1] - m_use) * c, 2 * i + 1);
+                sum += p0 + p1;
+                packed[i] = fa3::pack2<T>(p0, p1);
+            }
+            tmem_st_32x32b_x16(tmem_addr(tmem, 32 * (warp % 4), col0 + (kQuarter / 2) * q), packed);
+        }
+        st.row_sum = st.row_sum * corr + sum;
+        tmem_wait_st();
+        corr_s[t * kUmmaM + r] = corr;
+        tcgen05_fence_before();
+        mbar_arrive(&b.p_full[t]);
+        mbar_arrive(&b.corr_full[t]);
+    }
+    float* lsum = reinterpret_cast<float*>(smem + Tr::kOffLsum);
+    float* msum = reinterpret_cast<float*>(smem + Tr::kOffMax);
+    lsum[t * kUmmaM + r] = st.row_sum;
+    msum[t * kUmmaM + r] = st.row_max;
+    mbar_arrive(b.stats_full);
+}
+
+// O_t (this thread's row) *= corr for Q tile t.
+template <class Tr>
+__device__ __forceinline__ void rescale_o_tile(uint32_t tmem, int warp, int t, float corr) {
+#pragma unroll
+    for (int cc = 0; cc < Tr::kHeadDim / 32; ++cc) {
+        const uint32_t a = tmem_addr(tmem, 32 * (warp % 4), Tr::kTmemO + t * Tr::kHeadDim + 32 * cc);
+        uint32_t x[32];
+        tmem_ld_32x32b_x32(a, x);
+        tmem_wait_ld(x);
+#pragma unroll
+        for (int i = 0; i < 32; ++i) x[i] = __float_as_uint(__uint_as_float(x[i]) * corr);
+        tmem_st_32x32b_x32(a, x);
+    }
+    tmem_wait_st();
+}
+
+// The correction warpgroup: per tile and Q tile, rescales O_t only when some row of the warp
+// needs it (the decision is warp-uniform: tcgen05.ld/st are warp-collective), then the epilogue
+// of both Q tiles.
+template <class Tr, class T>
+__device__ __forceinline__ void correction_role3(const FwdParams& p, const Barriers3& b, uint8_t* smem, uint32_t tmem,
+                                                 int r, int warp, int m0, const BlockCoord& bc, int n_tiles) {
+    const float* corr_s = reinterpret_cast<const float*>(smem + Tr::kOffCorr);
+    for (int j = 0; j < n_tiles; ++j) {
+#pragma unroll
+        for (int t = 0; t < Tr::kQTiles; ++t) {
+            mbar_wait(&b.corr_full[t], j & 1);
+            const float corr = corr_s[t * kUmmaM + r];
+            if (j > 0) {
+                int need = corr != 1.f;
+#pragma unroll
+                for (int o = 1; o < 32; o <<= 1) need |= __shfl_xor_sync(0xffffffffu, need, o);
+                if (need) {
+                    mbar_wait(&b.o_done[t], (j - 1) & 1);
+                    __syncwarp();
+                    tcgen05_fence_after();
+                    rescale_o_tile<Tr>(tmem, warp, t, corr);
+                }
+            }
+            tcgen05_fence_before();
+            mbar_arrive(&b.o_ready[t]);
+        }
+    }
+    mbar_wait(b.stats_full, 0);
+    const float* lsum = reinterpret_cast<const float*>(smem + Tr::kOffLsum);
+    const float* msum = reinterpret_cast<const float*>(smem + Tr::kOffMax);
+#pragma unroll
+    for (int t = 0; t < Tr::kQTiles; ++t) {
+        if (n_tiles > 0) {
+            mbar_wait(&b.o_done[t], (n_tiles - 1) & 1);
+            __syncwarp();
+            tcgen05_fence_after();
+        }
+        const RowState st{msum[t * kUmmaM + r], lsum[t * kUmmaM + r]};
+        write_output<Tr, T>(p, st, tmem + static_cast<uint32_t>(t * Tr::kHeadDim), warp, m0 + t * kUmmaM + r,
+                            bc.batch, bc.head, n_tiles > 0);
+    }
+}
+
+template <class T, int D>
+__device__ __forceinline__ void stage3(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk,
+                                       const TmaDesc* tv) {
+    using Tr = Fa4Traits<3, D>;
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t* smem = aligned_smem(smem_raw);
+    uint8_t* sq = smem + Tr::kOffQ;
+    uint8_t* sk = smem + Tr::kOffK;
+    uint8_t* sv = smem + Tr::kOffV;
+    const Barriers3 b(reinterpret_cast<uint64_t*>(smem + Tr::kOffBarriers));
+    uint32_t* tmem_slot = reinterpret_cast<uint32_t*>(smem + Tr::kOffTmemSlot);
+
+    const int tid = threadIdx.x;
+    const int warp = tid / 32, lane = tid % 32;
+    const BlockCoord bc = block_coord(p);
+    const int m0 = bc.m_block * Tr::kBlockM;
+    const FaKeyTiles kv = fa_key_tiles(p, m0, min(m0 + Tr::kBlockM, p.seqlen_q), Tr::kBlockN);
+    const int n_tiles = kv.n_end - kv.n_begin;
+
+    if (warp == Tr::kAllocWarp) {
+        tmem_alloc(tmem_slot, Tr::kTmemCols);
+        tmem_relinquish();
+    }
+    if (tid == 0) {
+        mbar_init(b.q_full, 1);
+        for (int s = 0; s < 2; ++s) {
+            mbar_init(&b.kv_full[s], 1);
+            mbar_init(&b.kv_empty[s], 1);
+            mbar_init(&b.s_full[s], 1);
+            mbar_init(&b.p_full[s], 128);
+            mbar_init(&b.corr_full[s], 128);
+            mbar_init(&b.o_ready[s], 128);
+            mbar_init(&b.o_done[s], 1);
+        }
+        mbar_init(b.stats_full, 2 * 128);
+        mbar_init_fence();
+    }
+    tcgen05_fence_before();
+    __syncthreads();
+    tcgen05_fence_after();
+    const uint32_t tmem = *tmem_slot;
+
+    if (warp < 2 * 4) {
+        softmax_role3<Tr, T>(p, b, smem, tmem, warp / 4, tid % 128, warp, m0, kv.n_begin, n_tiles);
+    } else if (warp < Tr::kLoadWarp) {
+        correction_role3<Tr, T>(p, b, smem, tmem, tid % 128, warp, m0, bc, n_tiles);
+    } else if (warp == Tr::kLoadWarp) {
+        if (lane == 0 && n_tiles > 0)
+            load_role3<Tr>(b, tq, tk, tv, sq, sk, sv, bc, m0, kv.n_begin, n_tiles);
+    } else if (warp == Tr::kMmaWarp) {
+        if (lane == 0 && n_tiles > 0) mma_role3<Tr, T>(b, tmem, smem_u32(sq), smem_u32(sk), smem_u32(sv), n_tiles);
+    }
+    tcgen05_fence_before();
+    __syncthreads();
+    if (warp == Tr::kAllocWarp) {
+        tcgen05_fence_after();
+        tmem_dealloc(tmem, Tr::kTmemCols);
+    }
+}
+
 #else  // host pass / other targets: the kernels compile to nothing
 
 template <class T, int D>
 __device__ __forceinline__ void stage1(const FwdParams&, const TmaDesc*, const TmaDesc*, const TmaDesc*) {}
 template <class T, int D>
 __device__ __forceinline__ void stage2(const FwdParams&, const TmaDesc*, const TmaDesc*, const TmaDesc*) {}
+template <class T, int D>
+__device__ __forceinline__ void stage3(const FwdParams&, const TmaDesc*, const TmaDesc*, const TmaDesc*) {}
 
 #endif  // __CUDA_ARCH_FEAT_SM100_ALL
 
@@ -667,12 +974,20 @@ __device__ __forceinline__ void stage2(const FwdParams&, const TmaDesc*, const T
                                const __grid_constant__ fa3::TmaDesc tmap_v) {                         \
         fa4::stage2<T, D>(p, &tmap_q, &tmap_k, &tmap_v);                                              \
     }
+#define FA4_S3(DT, T, D)                                                                              \
+    extern "C" __global__ void __launch_bounds__(fa4::Fa4Traits<3, D>::kThreads, 1)                   \
+        fa4s3_fwd_hd##D##_##DT(const __grid_constant__ FwdParams p, const __grid_constant__ fa3::TmaDesc tmap_q, \
+                               const __grid_constant__ fa3::TmaDesc tmap_k,                           \
+                               const __grid_constant__ fa3::TmaDesc tmap_v) {                         \
+        fa4::stage3<T, D>(p, &tmap_q, &tmap_k, &tmap_v);                                              \
+    }
 #define FA4_TYPE_bf16 __nv_bfloat16
 #define FA4_TYPE_f16 __half
 
 #if defined(FA_FAMILY)
 #define FA4_STAGE_OF_fa4s1 1
 #define FA4_STAGE_OF_fa4s2 2
+#define FA4_STAGE_OF_fa4s3 3
 #define FA4_CAT_(a, b) a##b
 #define FA4_CAT(a, b) FA4_CAT_(a, b)
 #define FA4_STAGE FA4_CAT(FA4_STAGE_OF_, FA_FAMILY)

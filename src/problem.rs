@@ -49,7 +49,7 @@ pub struct Problem {
 pub(crate) const FA3_MAX_STAGE: u8 = 5;
 /// Stages of the FA4 ladder (cuda/fa4_fwd_sm100.cu) built so far; checked against the kernel
 /// table's `FA4_MAX_STAGE` by the CUDA dispatch tests.
-pub(crate) const FA4_MAX_STAGE: u8 = 2;
+pub(crate) const FA4_MAX_STAGE: u8 = 3;
 
 impl Problem {
     /// Validates q, k, v and the options. Every refusal is a typed error.

@@ -490,7 +490,7 @@ fn mutations_are_caught() {
 const FA4_DIMS: [usize; 2] = [64, 128];
 
 fn fa4_case(stage: u32, s: &Shape, dtype: DType, d: usize) -> Case {
-    let family: &'static str = ["fa4s1", "fa4s2"][stage as usize - 1];
+    let family: &'static str = ["fa4s1", "fa4s2", "fa4s3"][stage as usize - 1];
     let mut c = Case::new(family, dtype, [s.b, s.sq, s.hq, d], [s.b, s.sk, s.hkv, d], opts(s.mask, s.softcap, s.lse));
     c.input_scale = s.input_scale;
     c.label = s.label.to_string();
@@ -528,6 +528,10 @@ fn fa4_stage1() {
 #[test]
 fn fa4_stage2() {
     check_all("fa4 stage 2", &fa4_cases(2), &[]);
+}
+#[test]
+fn fa4_stage3() {
+    check_all("fa4 stage 3", &fa4_cases(3), &[]);
 }
 
 const FA4: &str = "cuda/fa4_fwd_sm100.cu";

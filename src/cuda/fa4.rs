@@ -93,7 +93,9 @@ mod tests {
             assert!(!f.auto && !f.gpu_verified, "{}: no Blackwell GPU has run it", f.name);
             assert!(f.sass_expect.contains(&"UTCHMMA"), "{}", f.name);
             for t in f.tiles {
-                assert_eq!((t.block_m, t.block_n), (BOX_ROWS, BOX_ROWS));
+                // One 128-row TMA box per Q tile (stage 3 has two) and per K/V tile.
+                let q_tiles = if fa4_stage(f.name) == Some(3) { 2 } else { 1 };
+                assert_eq!((t.block_m, t.block_n), (q_tiles * BOX_ROWS, BOX_ROWS));
             }
         }
         assert_eq!(fa4_stage("fa4s0"), None);

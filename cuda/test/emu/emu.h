@@ -232,6 +232,7 @@ inline void umma_f16_ts(uint32_t d_tmem, uint32_t a_tmem, uint64_t b_desc, uint3
 inline void umma_commit(uint64_t* bar) { ::emu::umma_commit(emu_smem_addr(bar)); }
 inline void tmem_ld_32x32b_x32(uint32_t taddr, uint32_t (&r)[32]) { ::emu::tmem_ld(taddr, r, 32); }
 inline void tmem_st_32x32b_x32(uint32_t taddr, const uint32_t (&r)[32]) { ::emu::tmem_st(taddr, r, 32); }
+inline void tmem_st_32x32b_x16(uint32_t taddr, const uint32_t (&r)[16]) { ::emu::tmem_st(taddr, r, 16); }
 template <int N>
 inline void tmem_wait_ld(uint32_t (&)[N]) {
     ::emu::tmem_wait_ld();
