@@ -80,7 +80,7 @@ pub(crate) fn launch(dev: &Device, stream: sys::CUstream, c: &Choice, mut params
 
 #[cfg(test)]
 mod tests {
-    use super::super::kernels::{fa4_stage, FAMILIES, FA4_MAX_STAGE};
+    use super::super::kernels::{fa4_stage, FA4_MAX_STAGE, FAMILIES};
     use super::*;
     use crate::options::ForwardOptions;
 
