@@ -6,6 +6,15 @@
 //            memory, one CTA of one warpgroup: thread 0 issues TMA and MMAs, each MMA batch is
 //            tcgen05.commit-ed to an mbarrier every thread waits on; each thread owns one query
 //            row (TMEM lane), so the softmax needs no shuffles. P goes through shared memory.
+//   stage 2  + FA4's warp roles: a load warp (TMA, 2-slot K/V ring), an MMA warp (S_{j+1} into
+//            the second TMEM S buffer while tile j's softmax runs), two softmax warpgroups (64
+//            keys each, the row max shared through smem + a named barrier), a correction
+//            warpgroup (O rescale in TMEM, epilogue); P is written over S in TMEM and the PV MMA
+//            reads A from tensor memory.
+//   stage 3  + two Q tiles (256 rows) in ping-pong, one per softmax warpgroup, and FA4's softmax:
+//            software exp2 (exp2_poly.cuh) for 1 element in 8, conditional rescaling with
+//            tau = 8 (online_softmax.cuh); the correction warpgroup rescales only when a row of
+//            the warp needs it.
 // Layouts (smem tiles, descriptors, TMEM) are derived in tcgen05_sm100.cuh.
 //
 // Semantics (same as every backend): s = scale * q.k, optional softcap, bottom-right aligned
