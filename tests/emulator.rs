@@ -585,16 +585,33 @@ fn fa4_mutations() -> Vec<(Mutation, &'static str, &'static [&'static str])> {
             from: "            umma_commit(o_full);\n",
             to: "            umma_commit(o_full);\n            if (it + 1 < n_tiles) tma_load_4d(sv, tv, kv_full, 0, bc.kv_head, (n + 1) * Tr::kBlockN, bc.batch);\n", defines: &[] },
          "fa4s1", &["not yet executed", "changed between issue", "deadlock", "max |O - ref|", "arrival underflow"]),
+        (Mutation { name: "s2_p_handed_over_before_wait_st", file: FA4,
+            from: "        tmem_wait_st();\n        if (wg == 0) corr_s[slot * Tr::kBlockM + r] = corr;\n",
+            to: "        if (wg == 0) corr_s[slot * Tr::kBlockM + r] = corr;\n", defines: &[] },
+         "fa4s2", &["has not completed", "without tcgen05.wait::st", "not yet waited for"]),
+        (Mutation { name: "s2_one_s_buffer", file: FA4,
+            from: "Tr::kTmemS + slot * Tr::kBlockN), umma_desc_kmajor_sw128(sq + off)",
+            to: "Tr::kTmemS), umma_desc_kmajor_sw128(sq + off)", defines: &[] },
+         "fa4s2", &["(in flight) uses", "has not written yet", "has not completed", "max |O - ref|"]),
+        // (Dropping only the p_full wait of stage 3 is benign: o_ready implies it, since the
+        // correction warpgroup's arrival follows the softmax's corr_full, which follows p_full.)
+        (Mutation { name: "s3_pv_without_waits", file: FA4,
+            from: "        mbar_wait(&b.p_full[t], j & 1);\n        mbar_wait(&b.o_ready[t], j & 1);\n", to: "", defines: &[] },
+         "fa4s3", &["has not completed", "has not written yet", "(in flight) uses", "max |O - ref|", "deadlock", "arrival underflow"]),
     ]
 }
 
 #[test]
 fn fa4_mutations_are_caught() {
-    let case = Case::new("fa4s1", DType::BF16, [1, 130, 2, 64], [1, 400, 1, 64], ForwardOptions::default().return_lse(true).causal(true));
-    run_case(&case, None).unwrap_or_else(|e| panic!("fa4s1 fails unmutated: {e}"));
+    let case = |fam: &'static str| {
+        Case::new(fam, DType::BF16, [1, 130, 2, 64], [1, 400, 1, 64], ForwardOptions::default().return_lse(true).causal(true))
+    };
+    for fam in ["fa4s1", "fa4s2", "fa4s3"] {
+        run_case(&case(fam), None).unwrap_or_else(|e| panic!("{fam} fails unmutated: {e}"));
+    }
     let mut missed = Vec::new();
-    for (m, _fam, expect) in &fa4_mutations() {
-        match run_case(&case, Some(m)) {
+    for (m, fam, expect) in &fa4_mutations() {
+        match run_case(&case(fam), Some(m)) {
             Ok(p) => {
                 println!("MISSED {}: passes with err/bound {:.3}", m.name, p.ratio);
                 missed.push(m.name);
