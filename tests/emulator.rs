@@ -74,7 +74,7 @@ fn emulator_self_tests() {
     let log = String::from_utf8_lossy(&out.stdout);
     println!("{log}");
     assert!(out.status.success(), "emulator self-tests failed:\n{log}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(log.contains("41 of 41 emulator self-tests as expected"), "{log}");
+    assert!(log.contains("48 of 48 emulator self-tests as expected"), "{log}");
 }
 
 #[test]
