@@ -10,7 +10,7 @@
 mod common;
 use common::*;
 use cudarc::driver::{CudaStream, DeviceRepr};
-use flash_attn::cuda::{kernels::fa3_stage, kernels::FAMILIES, DeviceLse, DeviceTensor, DeviceTensorMut, Engine};
+use flash_attn::cuda::{kernels::fa3_stage, kernels::fa4_stage, kernels::FAMILIES, DeviceLse, DeviceTensor, DeviceTensorMut, Engine};
 use flash_attn::reference::{attention_f64, attention_naive, max_abs_diff};
 use flash_attn::{Backend, DType, Element, Error, ForwardOptions, Mask, Problem, Tensor, TensorView, Variant};
 use half::{bf16, f16};
@@ -48,9 +48,10 @@ fn variants(engine: &Engine) -> Vec<Variant> {
     let (major, minor) = engine.device().compute_capability();
     let sm = (major * 10 + minor) as u32;
     let mut out = vec![Variant::Auto];
-    // The FA3 stage ladder has its own matrix (fa3_stage1..5 below): it refuses ALiBi and head
-    // dims other than 64/128/256, which this generic matrix draws.
-    for fam in FAMILIES.iter().filter(|f| fa3_stage(f.name).is_none()) {
+    // The FA3 and FA4 stage ladders have their own matrices (fa3_stage1..5, fa4_stage1..3 below):
+    // they refuse ALiBi and inexact head dims, which this generic matrix draws, and FA4 runs only
+    // with `fa4_stage`.
+    for fam in FAMILIES.iter().filter(|f| fa3_stage(f.name).is_none() && fa4_stage(f.name).is_none()) {
         let var = variant_of(fam.variant);
         if sm >= fam.min_sm {
             out.push(var);
@@ -646,6 +647,94 @@ fn fa3_stage4() {
 #[ignore = "needs a CUDA GPU"]
 fn fa3_stage5() {
     fa3_matrix(5);
+}
+
+/// Whether this GPU runs the FA4 kernels (sm_100a SASS: compute capability 10.0 only); elsewhere
+/// the stage must be refused with VariantUnavailable (checked).
+fn fa4_runs_here(engine: &Engine, stage: u8) -> bool {
+    let opts = ForwardOptions::default().variant(Variant::Fa4).fa4_stage(stage);
+    let d = engine.dispatch([1, 64, 1, 64], [1, 64, 1, 64], DType::BF16, &opts);
+    if engine.device().compute_capability() == (10, 0) {
+        let d = d.unwrap_or_else(|e| panic!("fa4 stage {stage} on sm_100: {e}"));
+        assert_eq!(d.kernel, format!("fa4s{stage}_fwd_hd64_bf16"));
+        true
+    } else {
+        assert!(matches!(d, Err(Error::VariantUnavailable { .. })), "fa4 stage {stage} off sm_100: {d:?}");
+        false
+    }
+}
+
+/// The FA4 (tcgen05) matrix of one stage, as FA3's: bf16/f16 x head_dim 64/128 x the FA3 cases
+/// against the float64 reference, the domain edges, and the refusals (ALiBi, head_dim 96, no
+/// stage). Written where no Blackwell GPU was available: never run.
+fn fa4_matrix(stage: u8) {
+    let engine = engine();
+    if !fa4_runs_here(&engine, stage) {
+        return;
+    }
+    let stream = engine.device().context().new_stream().unwrap();
+    let mut rng = Rng(0xfa4 + stage as u64);
+    let fa4 = ForwardOptions::default().variant(Variant::Fa4).fa4_stage(stage);
+    type Case = (usize, usize, usize, usize, usize, Mask, Option<f32>, bool);
+    let cases: &[Case] = &[
+        (1, 128, 128, 1, 1, Mask::None, None, false),
+        (2, 100, 300, 4, 2, Mask::Causal, None, true),
+        (1, 257, 257, 2, 2, Mask::window(64, 16), None, true),
+        (1, 300, 100, 2, 1, Mask::Causal, None, true),
+        (1, 150, 200, 2, 2, Mask::None, Some(30.0), true),
+        (1, 70, 520, 1, 1, Mask::None, None, true),
+        (2, 77, 333, 7, 1, Mask::causal_window(40), None, true),
+    ];
+    let mut worst = 0.0f64;
+    for dtype in [DType::BF16, DType::F16] {
+        for d in [64usize, 128] {
+            for &(b, sq, sk, hq, hkv, mask, softcap, lse) in cases {
+                let q = randn(&mut rng, dtype, [b, sq, hq, d]);
+                let k = randn(&mut rng, dtype, [b, sk, hkv, d]);
+                let v = randn(&mut rng, dtype, [b, sk, hkv, d]);
+                let mut opts = fa4.clone().mask(mask).return_lse(lse);
+                if let Some(c) = softcap {
+                    opts = opts.softcap(c);
+                }
+                let dt = if dtype == DType::BF16 { "bf16" } else { "f16" };
+                let chosen = engine.dispatch([b, sq, hq, d], [b, sk, hkv, d], dtype, &opts).unwrap();
+                assert_eq!(chosen.kernel, format!("fa4s{stage}_fwd_hd{d}_{dt}"), "{}", chosen.reason);
+                let what = format!("fa4 stage {stage} {dtype:?} b{b} sq{sq} sk{sk} hq{hq} hkv{hkv} d{d} {mask:?} softcap {softcap:?}");
+                worst = worst.max(check(&engine, &stream, [q.view(), k.view(), v.view()], &opts, &what));
+            }
+            for ([q, k, v], opts, what) in edge_inputs(&mut rng, dtype, d, true) {
+                let mut o = fa4.clone().mask(opts.mask).return_lse(true);
+                o.softmax_scale = opts.softmax_scale;
+                o.softcap = opts.softcap;
+                check_edges(&engine, &stream, [&q, &k, &v], &o, &format!("fa4 stage {stage} {dtype:?} d{d} {what}"));
+            }
+        }
+    }
+    let alibi = fa4.clone().alibi_slopes(vec![0.25f32; 2]);
+    let e = engine.dispatch([1, 64, 2, 64], [1, 64, 2, 64], DType::BF16, &alibi);
+    assert!(matches!(&e, Err(Error::VariantUnavailable { reason, .. }) if reason.contains("ALiBi")), "{e:?}");
+    let e = engine.dispatch([1, 64, 2, 96], [1, 64, 2, 96], DType::BF16, &fa4);
+    assert!(matches!(e, Err(Error::VariantUnavailable { .. })), "{e:?}");
+    let no_stage = ForwardOptions::default().variant(Variant::Fa4);
+    let e = engine.dispatch([1, 64, 2, 64], [1, 64, 2, 64], DType::BF16, &no_stage);
+    assert!(matches!(&e, Err(Error::VariantUnavailable { reason, .. }) if reason.contains("fa4_stage")), "{e:?}");
+    println!("fa4 stage {stage}: passed; worst err/bound {worst:.3}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (a Blackwell sm_100 one to run; elsewhere the refusal is checked)"]
+fn fa4_stage1() {
+    fa4_matrix(1);
+}
+#[test]
+#[ignore = "needs a CUDA GPU (a Blackwell sm_100 one to run; elsewhere the refusal is checked)"]
+fn fa4_stage2() {
+    fa4_matrix(2);
+}
+#[test]
+#[ignore = "needs a CUDA GPU (a Blackwell sm_100 one to run; elsewhere the refusal is checked)"]
+fn fa4_stage3() {
+    fa4_matrix(3);
 }
 
 /// The short FA3 subset scripts/gpu-check-run.sh runs under compute-sanitizer (memcheck,
