@@ -102,6 +102,36 @@ mod tests {
         assert_eq!(fa4_stage("fa3s1"), None);
     }
 
+    /// The launch the emulator runs (and Engine makes): grid over 128- (stage 3: 256-) row query
+    /// tiles, the row's block and shared memory, and three maps with 128-row boxes.
+    #[test]
+    fn plans_follow_the_table() {
+        use super::super::plan::{plan, Operands};
+        let (q, k) = ([2, 300, 4, 128], [2, 257, 2, 128]);
+        let st = |s: [usize; 4]| [s[1] * s[2] * s[3], s[2] * s[3], s[3]];
+        let ops = Operands {
+            ptrs: [0x1_0000_0000, 0x2_0000_0000, 0x3_0000_0000, 0x4_0000_0000],
+            strides: [st(q), st(k), st(k), st(q)],
+            lse: 0,
+            alibi: 0,
+        };
+        let opts = ForwardOptions::default().causal(true);
+        let p = Problem::from_shapes(q, k, k, DType::BF16, &opts).unwrap();
+        for (fam, grid_x, threads, smem) in
+            [("fa4s1", 3, 128, 132_136), ("fa4s2", 3, 512, 169_592), ("fa4s3", 2, 512, 200_840)]
+        {
+            let pl = plan(fam, &p, &ops, 1).unwrap();
+            assert_eq!(pl.kernel, format!("{fam}_fwd_hd128_bf16"));
+            assert_eq!((pl.grid, pl.block, pl.smem_bytes), ((grid_x, 4, 2), (threads, 1, 1), smem), "{fam}");
+            assert_eq!(pl.tensor_maps.len(), 3);
+            assert!(pl.tensor_maps.iter().all(|m| m.spec.box_dims == [64, 1, 128, 1]));
+            assert_eq!(pl.tensor_maps[2].global_address, 0x3_0000_0000);
+        }
+        // ALiBi and inexact head dims are refused by the plan too.
+        let alibi = Problem::from_shapes(q, k, k, DType::BF16, &opts.clone().alibi_slopes(vec![0.5; 4])).unwrap();
+        assert!(matches!(plan("fa4s2", &alibi, &ops, 1), Err(Error::VariantUnavailable { .. })));
+    }
+
     #[test]
     fn refuses_alibi_and_inexact_head_dims() {
         let t = Tile { head_dim: 128, block_m: 128, block_n: 128, threads: 128 };
