@@ -280,17 +280,17 @@ __device__ __forceinline__ void rescale_o(uint32_t tmem, int warp, float corr) {
 }
 
 // Normalise and write this thread's row of O (and LSE) from TMEM; rows with no visible key
-// get O = 0 (not O * 0: NaN if a masked key's infinite V reached O) and LSE -inf.
+// get O = 0 (not O * 0: NaN if a masked key's infinite V reached O) and LSE -inf. Every thread
+// of the warp loads (tcgen05.ld is .sync.aligned); only rows below seqlen_q are stored.
 template <class Tr, class T>
 __device__ __forceinline__ void write_output(const FwdParams& p, const RowState& st, uint32_t tmem, int warp,
                                              int row, int batch, int head, bool have_o) {
-    if (row >= p.seqlen_q) return;
+    const bool live = row < p.seqlen_q;
     const bool softcap = (p.flags & FA_FLAG_SOFTCAP) != 0;
     const float max_scale = softcap ? 1.f : p.softmax_scale;  // the max in natural units
     const float l = st.row_sum;
     const bool empty = l == 0.f || !have_o;
     const float inv = empty ? 0.f : 1.f / l;
-    T* orow = reinterpret_cast<T*>(p.o) + batch * p.o_batch_stride + row * p.o_row_stride + head * p.o_head_stride;
 #pragma unroll
     for (int c = 0; c < Tr::kHeadDim / 32; ++c) {
         float o[32];
@@ -302,13 +302,15 @@ __device__ __forceinline__ void write_output(const FwdParams& p, const RowState&
 #pragma unroll
             for (int j = 0; j < 32; ++j) o[j] = empty ? 0.f : x[j] * inv;
         }
+        if (!live) continue;
+        T* orow = reinterpret_cast<T*>(p.o) + batch * p.o_batch_stride + row * p.o_row_stride + head * p.o_head_stride;
 #pragma unroll
         for (int q = 0; q < 4; ++q)
             *reinterpret_cast<uint4*>(orow + 32 * c + 8 * q) =
                 make_uint4(fa3::pack2<T>(o[8 * q], o[8 * q + 1]), fa3::pack2<T>(o[8 * q + 2], o[8 * q + 3]),
                            fa3::pack2<T>(o[8 * q + 4], o[8 * q + 5]), fa3::pack2<T>(o[8 * q + 6], o[8 * q + 7]));
     }
-    if (p.flags & FA_FLAG_RETURN_LSE) {
+    if (live && (p.flags & FA_FLAG_RETURN_LSE)) {
         const float lse = empty ? -INFINITY : st.row_max * max_scale + logf(l);
         reinterpret_cast<float*>(p.lse)[(static_cast<int64_t>(batch) * p.heads_q + head) * p.seqlen_q + row] = lse;
     }
