@@ -25,10 +25,11 @@
 //! of K/V read, the figure that matters for decode; its summary table gives K/V GB/s and its
 //! JSON lines go to `target/bench/cpu-decode.jsonl` (or `FA_BENCH_DECODE_JSON`).
 
-mod support;
+use flash_attn::bench::support;
 
 use criterion::{Criterion, SamplingMode, Throughput};
-use flash_attn::{flops, forward, Backend, DType, ForwardOptions, Mask, Output};
+use flash_attn::bench::flops;
+use flash_attn::{forward, Backend, DType, ForwardOptions, Mask, Output};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -216,7 +217,7 @@ fn main() {
         let err = support::sampled_max_error(&p, &q, &k, &v, &out, ERR_ROWS, 7);
         records.push(Record {
             impl_name: "flash_attn".into(),
-            machine: flash_attn::roofline::cpu_name(),
+            machine: flash_attn::bench::roofline::cpu_name(),
             backend: out.dispatch.backend.clone(),
             kernel: out.dispatch.kernel.clone(),
             variant: "auto".into(),
@@ -324,17 +325,20 @@ fn decode_summary(recs: &[DecodeRecord]) {
         let gbs = |t: f64| support::kv_bytes(case) as f64 / (t * 1e-3) / 1e9;
         let layout = page.map_or("dense".to_string(), |ps| format!("paged, {ps}-key blocks"));
         println!("| {} | {layout} | {ms:.3} | {:.1} | {:.1} | {err:.1e} |", case.id(), gbs(*ms), gbs(*best));
-        lines.push(format!(
-            "{{\"impl\":\"flash_attn\",\"case\":{},\"kv_layout\":{},\"ms\":{},\"ms_min\":{},\"kv_gbs\":{},\"kv_gbs_best\":{},\"max_err\":{},\"kernel\":{}}}",
-            support::js(&case.id()),
-            support::js(&layout),
-            support::jn(*ms),
-            support::jn(*best),
-            support::jn(gbs(*ms)),
-            support::jn(gbs(*best)),
-            support::jn(*err),
-            support::js(what)
-        ));
+        lines.push(
+            serde_json::json!({
+                "impl": "flash_attn",
+                "case": case.id(),
+                "kv_layout": layout,
+                "ms": ms,
+                "ms_min": best,
+                "kv_gbs": gbs(*ms),
+                "kv_gbs_best": gbs(*best),
+                "max_err": err,
+                "kernel": what,
+            })
+            .to_string(),
+        );
     }
     let path = std::env::var("FA_BENCH_DECODE_JSON").unwrap_or_else(|_| "target/bench/cpu-decode.jsonl".into());
     let write = || -> std::io::Result<()> {
@@ -349,7 +353,7 @@ fn decode_summary(recs: &[DecodeRecord]) {
     }
 }
 
-fn summary(threads: usize, gemm_rates: &[(String, f64)], roof: &flash_attn::roofline::Roofline, records: &[Record]) {
+fn summary(threads: usize, gemm_rates: &[(String, f64)], roof: &flash_attn::bench::roofline::Roofline, records: &[Record]) {
     if records.is_empty() && gemm_rates.is_empty() {
         return;
     }

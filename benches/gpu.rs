@@ -6,11 +6,12 @@
 //! `FA_BENCH_QUICK=1` runs the short sweep of the one-command GPU check; `FA_BENCH_TOKENS`
 //! changes the 16K tokens per launch.
 
-mod support;
+use flash_attn::bench::support;
 
 use criterion::{Criterion, SamplingMode, Throughput};
-use flash_attn::roofline::{lookup_gpu, Math, Roofline};
-use flash_attn::{flops, Backend, DType, ForwardOptions, Variant};
+use flash_attn::bench::roofline::{lookup_gpu, Math, Roofline};
+use flash_attn::bench::flops;
+use flash_attn::{Backend, DType, ForwardOptions, Variant};
 use std::time::Duration;
 use support::gpu::{self, GpuHarness};
 
@@ -49,7 +50,7 @@ fn main() {
     }
     let spec = lookup_gpu(&info.name, info.sm);
     if spec.is_none() {
-        println!("{} is not in flash_attn::roofline::GPUS: no % of roofline", info.name);
+        println!("{} is not in flash_attn::bench::roofline::GPUS: no % of roofline", info.name);
     }
 
     let quick = std::env::var("FA_BENCH_QUICK").is_ok_and(|v| !v.is_empty() && v != "0");

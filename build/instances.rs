@@ -1,18 +1,22 @@
 // THE table of CUDA kernel instances. `include!`d by build.rs (which compiles exactly these
-// instances) and by src/cuda/dispatch.rs (which picks among exactly these instances), so the
-// list of kernels exists once. Plain data and const fns only: it must compile in both crates.
+// instances) and by src/cuda/table.rs (from which the crate picks among exactly these
+// instances), so the list of kernels exists once. Plain data, const fns and string building
+// only: it must compile in both crates.
 //
 // A family is one `.cu` file under cuda/. The build generates one compile unit per
-// (family, head_dim): it `#define`s FA_HEAD_DIM, FA_BLOCK_M, FA_BLOCK_N and FA_THREADS from the
-// family's `tiles` row, `#include`s the family's source and then writes `FA_INSTANCE(f16)` and
-// `FA_INSTANCE(bf16)`. The source's `FA_INSTANCE(DT)` macro must define the kernel
+// (family, head_dim) (`unit_source` below): it `#define`s FA_STAGE, FA_HEAD_DIM, FA_BLOCK_M,
+// FA_BLOCK_N, FA_THREADS and FA_SMEM_BYTES from the family's row, `#include`s the family's source
+// and then writes `FA_INSTANCE(f16)` and `FA_INSTANCE(bf16)`. The source's `FA_INSTANCE(DT)`
+// macro must define the kernel
 // `extern "C" __global__ void <family>_fwd_hd<FA_HEAD_DIM>_<DT>(const __grid_constant__ FwdParams)`,
 // the name `kernel_symbol` below gives.
 //
 // Options that do not change the hot loop (causal/window, softcap, ALiBi, LSE) are run-time
 // parameters (FwdParams), so instances are templated on (dtype, head_dim) only.
 //
-// To add a family: add one `Family` row (and its host module under src/cuda/), nothing else.
+// To add a family: add one `Family` row here, its kernel file under cuda/, and its host module
+// under src/cuda/ implementing `FamilyHost` (named by the row's `host!`; build.rs ignores it).
+// docs/cuda.md, "Adding a family".
 
 /// A compile target of nvcc.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -89,13 +93,57 @@ pub struct Tile {
     pub threads: u32,
 }
 
+/// The algorithm a family implements. `Variant` (src/options.rs) names the same algorithms
+/// plus `Auto`; the one conversion between them is in src/cuda/table.rs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KernelVariant {
+    Fa1,
+    Fa2,
+    Fa3,
+    Fa4,
+}
+
+/// Options beyond the plain forward that a family implements (a set). A problem asking for one
+/// its family lacks does not run on it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct KernelOptions(u8);
+
+impl KernelOptions {
+    pub const NONE: KernelOptions = KernelOptions(0);
+    /// Q, K, V (and P) in e4m3 with per-block scales.
+    pub const FP8: KernelOptions = KernelOptions(1);
+    /// FA4's polynomial exp2.
+    pub const EXP2_POLY: KernelOptions = KernelOptions(2);
+    /// FA4's conditional (lazy) rescaling.
+    pub const LAZY_RESCALE: KernelOptions = KernelOptions(4);
+    /// Every option with the name errors and docs use.
+    pub const NAMED: [(KernelOptions, &'static str); 3] =
+        [(Self::FP8, "fp8"), (Self::EXP2_POLY, "exp2_poly"), (Self::LAZY_RESCALE, "lazy_rescale")];
+
+    pub const fn union(self, other: KernelOptions) -> KernelOptions {
+        KernelOptions(self.0 | other.0)
+    }
+
+    pub const fn contains(self, other: KernelOptions) -> bool {
+        self.0 & other.0 == other.0
+    }
+
+    /// The name of the first option of `needed` this set lacks.
+    pub fn first_missing(self, needed: KernelOptions) -> Option<&'static str> {
+        Self::NAMED.iter().find(|(o, _)| needed.contains(*o) && !self.contains(*o)).map(|(_, name)| *name)
+    }
+}
+
 /// One kernel family: one source file and the head dims it is instantiated for.
 #[derive(Clone, Copy, Debug)]
 pub struct Family {
-    /// "fa1", "fa2", ...: the prefix of file names and kernel symbols.
+    /// "fa1", "fa2", "fa3s1", ...: the prefix of file names and kernel symbols.
     pub name: &'static str,
-    /// The `Variant` this family implements, by name ("Fa1", ...).
-    pub variant: &'static str,
+    /// The algorithm this family implements.
+    pub variant: KernelVariant,
+    /// The rung of a ladder of families of one variant (FA3 stages 1..=5), `None` for a single
+    /// family. The build passes it to the kernel as FA_STAGE (0 for `None`).
+    pub stage: Option<u8>,
     /// The source, relative to the crate root.
     pub source: &'static str,
     /// One row per instantiated head dim, ascending.
@@ -109,20 +157,31 @@ pub struct Family {
     /// GPU (e.g. FA3 on Hopper: Auto keeps FA2 there until then); an explicit variant still runs it.
     pub auto: bool,
     /// SASS opcodes the family claims to use, checked in every built cubin by tests/sass.rs
-    /// (e.g. FA1 "FFMA"; an FA2 row would say "HMMA", "LDSM"; FA3 "HGMMA").
+    /// (e.g. FA1 "FFMA"; FA2 "HMMA", "LDSM"; FA3 "HGMMA").
     pub sass_expect: &'static [&'static str],
-    /// Options beyond the plain forward that the family implements: "fp8", "exp2_poly",
-    /// "lazy_rescale". A problem asking for one it lacks does not run on it.
-    pub options: &'static [&'static str],
+    /// Options beyond the plain forward that the family implements.
+    pub options: KernelOptions,
     /// Auto preference: higher wins among the families that can run a problem.
     pub rank: u32,
     /// The test of tests/emulator.rs that runs this family's kernel source, unchanged, in the
     /// CPU emulator (cuda/test/emu, docs/emulator.md); `None` for a family the emulator cannot
     /// run yet (tests/emulator.rs requires every row to name its test).
     pub cpu_emulation: Option<&'static str>,
-    /// Dynamic shared memory of a tile's launch, in bytes. The build passes it to the kernel as
-    /// FA_SMEM_BYTES, which static_asserts it against its own layout; the host launches with it.
-    pub smem_bytes: fn(&Tile) -> u32,
+    /// Dynamic shared memory of a tile's launch, in bytes, given the row's stage (use
+    /// [`Family::smem_bytes`]). The build passes it to the kernel as FA_SMEM_BYTES, which
+    /// static_asserts it against its own layout; the host launches with it.
+    pub smem: fn(Option<u8>, &Tile) -> u32,
+    /// The family's host rules (a `FamilyHost` in its module under `src/cuda/`): refusals, layout rules,
+    /// grid, extra launch arguments. `()` in build.rs, which needs none of them.
+    #[allow(dead_code)]
+    pub(crate) host: Host,
+}
+
+impl Family {
+    /// Dynamic shared memory of a launch of `tile`, in bytes.
+    pub fn smem_bytes(&self, tile: &Tile) -> u32 {
+        (self.smem)(self.stage, tile)
+    }
 }
 
 /// The targets a source is compiled for, from its file name: `*_sm90.cu` only for sm_90a,
@@ -147,9 +206,38 @@ pub fn image_stem(family: &str, head_dim: u32, target: Target) -> String {
     format!("{family}_hd{head_dim}.{}", target.name())
 }
 
+/// The compile unit of (family, tile): the row as macros, optionally the hang-check define (in
+/// the text, so anything keyed on the unit tells the two builds apart), the family's source at
+/// `source_path`, then one instance per dtype. build.rs compiles it with nvcc; the emulator
+/// (tests/common/emu.rs) and tests/hang_check.rs compile the same text.
+pub fn unit_source(fam: &Family, tile: &Tile, source_path: &str, hang_check: bool) -> String {
+    let mut s = format!("// Generated from build/instances.rs: {} head_dim {}.\n", fam.name, tile.head_dim);
+    let defines = [
+        // The family's name as a bare token, and its ladder stage (0: not a ladder).
+        ("FA_FAMILY", fam.name.to_string()),
+        ("FA_STAGE", fam.stage.unwrap_or(0).to_string()),
+        ("FA_HEAD_DIM", tile.head_dim.to_string()),
+        ("FA_BLOCK_M", tile.block_m.to_string()),
+        ("FA_BLOCK_N", tile.block_n.to_string()),
+        ("FA_THREADS", tile.threads.to_string()),
+        ("FA_SMEM_BYTES", fam.smem_bytes(tile).to_string()),
+    ];
+    for (name, value) in defines {
+        s += &format!("#define {name} {value}\n");
+    }
+    if hang_check {
+        s += "#define FA_HANG_CHECK 1\n";
+    }
+    s += &format!("#include \"{source_path}\"\n");
+    for dt in DTYPE_NAMES {
+        s += &format!("FA_INSTANCE({dt})\n");
+    }
+    s
+}
+
 /// FA1's shared memory: f32 tiles of Q (block_m rows) and K (block_n rows), each row padded by
 /// one float, V (block_n rows) and P (block_m rows of block_n + 1). Mirrors cuda/fa1_fwd.cu.
-fn fa1_smem_bytes(t: &Tile) -> u32 {
+fn fa1_smem_bytes(_stage: Option<u8>, t: &Tile) -> u32 {
     let floats = t.block_m * (t.head_dim + 1) + t.block_n * (t.head_dim + 1) + t.block_n * t.head_dim + t.block_m * (t.block_n + 1);
     floats * 4
 }
@@ -160,7 +248,7 @@ const FA1_THREADS: u32 = 128;
 /// FA2's shared memory: Q (block_m rows, reused to stage O) plus a two-stage ring of K and V
 /// tiles (block_n rows each), f16/bf16 rows padded by 8 elements (16 bytes) so ldmatrix is
 /// bank-conflict free. Mirrors `Fa2Traits::kSmemBytes` in cuda/include/fa2_traits.cuh.
-fn fa2_smem_bytes(t: &Tile) -> u32 {
+fn fa2_smem_bytes(_stage: Option<u8>, t: &Tile) -> u32 {
     const STAGES: u32 = 2;
     const PAD: u32 = 8;
     const ELEM_BYTES: u32 = 2;
@@ -170,17 +258,8 @@ fn fa2_smem_bytes(t: &Tile) -> u32 {
 /// FA2 threads: 4 warps split the query rows (split-Q), for every head dim.
 const FA2_THREADS: u32 = 128;
 
-
-/// The stage of an FA3 ladder family ("fa3s1" .. "fa3s5" -> 1 .. 5); `None` for every other
-/// family. The family name is the single record of the stage: cuda/fa3_fwd_sm90.cu reads it
-/// from the FA_FAMILY token build.rs defines, the host (src/cuda/fa3.rs) from the name.
-pub fn fa3_stage(family: &str) -> Option<u32> {
-    let stage: u32 = family.strip_prefix("fa3s")?.parse().ok()?;
-    (1..=FA3_MAX_STAGE).contains(&stage).then_some(stage)
-}
-
 /// The highest stage of the FA3 ladder (docs/fa3.md).
-pub const FA3_MAX_STAGE: u32 = 5;
+pub const FA3_MAX_STAGE: u8 = 5;
 
 /// FA3: one warpgroup (128 threads) issues each wgmma; stages 1-2 run one consumer warpgroup,
 /// stages 3-5 a producer warpgroup plus two consumers.
@@ -194,7 +273,7 @@ const FA3_MBARRIER_BYTES: u32 = 8;
 
 /// The FA3 tile of (stage, head_dim): 64 query rows per consumer warpgroup; 128 keys per K/V
 /// tile up to head_dim 128, 64 at 256 (the O accumulator then takes 128 registers).
-const fn fa3_tile(stage: u32, head_dim: u32) -> Tile {
+const fn fa3_tile(stage: u8, head_dim: u32) -> Tile {
     let consumers = if stage >= 3 { 2 } else { 1 };
     let producers = if stage >= 3 { 1 } else { 0 };
     Tile {
@@ -211,226 +290,202 @@ const fn fa3_tile(stage: u32, head_dim: u32) -> Tile {
 /// reserves the stage-2/3 set: the traits share one layout) and the alignment slack. Mirrors
 /// `Fa3Traits::kSmemBytes` (cuda/include/fa3_traits.cuh), which the kernel static_asserts
 /// equal to FA_SMEM_BYTES.
-const fn fa3_smem(stage: u32, t: &Tile) -> u32 {
+fn fa3_smem_bytes(stage: Option<u8>, t: &Tile) -> u32 {
+    let stage = stage.unwrap_or(1);
     let elem = 2; // f16 / bf16
     let slots = if stage >= 2 { 2 } else { 1 };
     let barriers = if stage >= 4 { 2 + 4 * slots } else { 1 + 2 * slots };
     t.block_m * t.head_dim * elem + 2 * slots * t.block_n * t.head_dim * elem + FA3_MBARRIER_BYTES * barriers + FA3_SMEM_SLACK
 }
-fn fa3s1_smem(t: &Tile) -> u32 {
-    fa3_smem(1, t)
-}
-fn fa3s2_smem(t: &Tile) -> u32 {
-    fa3_smem(2, t)
-}
-fn fa3s3_smem(t: &Tile) -> u32 {
-    fa3_smem(3, t)
-}
-fn fa3s4_smem(t: &Tile) -> u32 {
-    fa3_smem(4, t)
-}
-fn fa3s5_smem(t: &Tile) -> u32 {
-    fa3_smem(5, t)
-}
 
 /// One row of the FA3 ladder: cuda/fa3_fwd_sm90.cu (sm_90a only, by its file name) for head
-/// dims 64/128/256. No stage has run on a GPU yet: not `gpu_verified`, and not `auto` (Auto
-/// keeps FA2/FA1 on Hopper until a stage passes scripts/gpu-check.sh there). Ranked above FA1
-/// and FA2, higher stages higher, so an explicit `Variant::Fa3` takes the highest stage.
+/// dims 64/128/256. Not `gpu_verified` and not `auto` until a stage passes scripts/gpu-check.sh
+/// on a GPU (docs/fa3.md has the status). Ranked above FA1 and FA2, higher stages higher, so an
+/// explicit `Variant::Fa3` takes the highest stage.
 const fn fa3_family(
     name: &'static str,
-    stage: u32,
-    cpu_emulation: Option<&'static str>,
+    stage: u8,
+    cpu_emulation: &'static str,
     sass_expect: &'static [&'static str],
     tiles: &'static [Tile],
-    smem_bytes: fn(&Tile) -> u32,
 ) -> Family {
     Family {
         name,
-        variant: "Fa3",
+        variant: KernelVariant::Fa3,
+        stage: Some(stage),
         source: "cuda/fa3_fwd_sm90.cu",
         tiles,
         min_sm: 90,
         gpu_verified: false,
         auto: false,
         sass_expect,
-        options: &[],
-        rank: 30 + stage,
-        cpu_emulation,
-        smem_bytes,
+        options: KernelOptions::NONE,
+        rank: 30 + stage as u32,
+        cpu_emulation: Some(cpu_emulation),
+        smem: fa3_smem_bytes,
+        host: host!(fa3::Fa3),
     }
 }
 const FA3_S1_TILES: &[Tile] = &[fa3_tile(1, 64), fa3_tile(1, 128), fa3_tile(1, 256)];
 const FA3_S2_TILES: &[Tile] = &[fa3_tile(2, 64), fa3_tile(2, 128), fa3_tile(2, 256)];
 const FA3_S345_TILES: &[Tile] = &[fa3_tile(3, 64), fa3_tile(3, 128), fa3_tile(3, 256)];
-
-/// The stage of an FA4 (tcgen05, sm_100a) ladder family ("fa4s1" .. -> 1 ..); `None` for every
-/// other family. As for FA3, the family name is the single record of the stage
-/// (cuda/fa4_fwd_sm100.cu reads FA_FAMILY, src/cuda/fa4.rs the name).
-pub fn fa4_stage(family: &str) -> Option<u32> {
-    let stage: u32 = family.strip_prefix("fa4s")?.parse().ok()?;
-    (1..=FA4_MAX_STAGE).contains(&stage).then_some(stage)
-}
+/// SASS of the warp-specialised stages: wgmma, TMA, mbarriers, setmaxnreg.
+const FA3_WS_SASS: &[&str] = &["HGMMA", "UTMALDG", "SYNCS", "USETMAXREG"];
 
 /// The highest stage of the FA4 ladder built so far (docs/fa4.md).
-pub const FA4_MAX_STAGE: u32 = 3;
+pub const FA4_MAX_STAGE: u8 = 3;
 
-/// The FA4 tile: 128 query rows (one per tensor-memory lane, M of one cta_group::1 MMA) and 128
-/// keys per tile; stage 1 runs one warpgroup, stage 2 four (two softmax, correction, load/MMA
-/// warps). Mirrors `Fa4Traits` (cuda/fa4_fwd_sm100.cu).
-/// Stage 3 takes two 128-row Q tiles (ping-pong).
-const fn fa4_tile(stage: u32, head_dim: u32) -> Tile {
+/// FA4 (Blackwell tcgen05) rows per TMEM lane: the M of one cta_group::1 MMA, the query rows of
+/// one Q tile, and the keys of one K/V tile.
+const FA4_TILE_ROWS: u32 = 128;
+/// FA4 dynamic shared memory slack: the kernel rounds its base up to a 1024-byte swizzle atom.
+const FA4_SMEM_SLACK: u32 = 1024;
+
+/// The FA4 tile of a stage: 128 query rows (one Q tile; stage 3 takes two, ping-pong) and 128
+/// keys per tile; stage 1 runs one warpgroup, stages 2-3 four (two softmax, correction,
+/// load/MMA warps). Mirrors `Fa4Traits` (cuda/fa4_fwd_sm100.cu).
+const fn fa4_tile(stage: u8, head_dim: u32) -> Tile {
     Tile {
         head_dim,
-        block_m: if stage >= 3 { 256 } else { 128 },
-        block_n: 128,
+        block_m: if stage >= 3 { 2 * FA4_TILE_ROWS } else { FA4_TILE_ROWS },
+        block_n: FA4_TILE_ROWS,
         threads: if stage == 1 { 128 } else { 512 },
     }
 }
 
-/// FA4 shared memory: Q, K, V and P tiles (16-bit), four mbarriers (q_full, kv_full, s_full,
-/// o_full), the tensor-memory address word (8 bytes) and 1024 bytes of alignment slack.
-/// Mirrors `Fa4Traits::kSmemBytes`, which the kernel static_asserts equal to FA_SMEM_BYTES.
-fn fa4s1_smem(t: &Tile) -> u32 {
+/// FA4 shared memory of a stage's tile (16-bit tiles; mbarriers are 8 bytes, the TMEM address
+/// word 8, the f32 exchange buffers one float per row of a 128-row Q tile):
+/// - stage 1: Q, K, V, P, four mbarriers (q_full, kv_full, s_full, o_full);
+/// - stage 2: Q, a 2-slot K/V ring, 14 mbarriers, the softmax/correction exchange (partial maxima
+///   [2][2], factors [2], partial sums [2], max); P lives in tensor memory;
+/// - stage 3: two Q tiles, the 2-slot K/V ring, 16 mbarriers, factors, partial sums and maxima
+///   per Q tile.
+///
+/// Mirrors `Fa4Traits<S, D>::kSmemBytes`, which the kernel static_asserts equal to FA_SMEM_BYTES.
+fn fa4_smem_bytes(stage: Option<u8>, t: &Tile) -> u32 {
     let elem = 2;
-    t.block_m * t.head_dim * elem + 2 * t.block_n * t.head_dim * elem + t.block_m * t.block_n * elem + 8 * 4 + 8 + 1024
+    let q = t.block_m * t.head_dim * elem;
+    let kv_tile = t.block_n * t.head_dim * elem;
+    let row_f32 = FA4_TILE_ROWS * 4;
+    let tmem_addr = 8;
+    match stage.unwrap_or(1) {
+        1 => q + 2 * kv_tile + t.block_m * t.block_n * elem + 8 * 4 + tmem_addr + FA4_SMEM_SLACK,
+        2 => q + 4 * kv_tile + 8 * 14 + tmem_addr + (4 + 2 + 2 + 1) * row_f32 + FA4_SMEM_SLACK,
+        _ => q + 4 * kv_tile + 8 * 16 + tmem_addr + 3 * 2 * row_f32 + FA4_SMEM_SLACK,
+    }
 }
 
-/// FA4 stage 2 shared memory: Q, a 2-slot K/V ring, 14 mbarriers, the TMEM address word, the
-/// softmax/correction exchange (partial maxima [2][2], factors [2], partial sums [2], max: f32 per
-/// row) and the slack; P lives in tensor memory. Mirrors `Fa4Traits<2, D>::kSmemBytes`.
-fn fa4s2_smem(t: &Tile) -> u32 {
-    let elem = 2;
-    let rows = t.block_m * 4; // one f32 per row
-    t.block_m * t.head_dim * elem + 4 * t.block_n * t.head_dim * elem + 8 * 14 + 8 + (4 + 2 + 2 + 1) * rows + 1024
+/// One row of the FA4 ladder: cuda/fa4_fwd_sm100.cu (sm_100a only, by its file name) for head
+/// dims 64/128. No Blackwell GPU has run it: not `gpu_verified`, never `auto`, and an explicit
+/// `Variant::Fa4` runs a stage only when `fa4_stage` names it (src/cuda/select.rs). Every stage
+/// uses tcgen05.mma into tensor memory (UTCHMMA), tcgen05.ld/st (LDTM/STTM), TMA (UTMALDG) and
+/// mbarriers (SYNCS).
+const fn fa4_family(
+    name: &'static str,
+    stage: u8,
+    cpu_emulation: &'static str,
+    sass_expect: &'static [&'static str],
+    options: KernelOptions,
+    tiles: &'static [Tile],
+) -> Family {
+    Family {
+        name,
+        variant: KernelVariant::Fa4,
+        stage: Some(stage),
+        source: "cuda/fa4_fwd_sm100.cu",
+        tiles,
+        min_sm: 100,
+        gpu_verified: false,
+        auto: false,
+        sass_expect,
+        options,
+        rank: 40 + stage as u32,
+        cpu_emulation: Some(cpu_emulation),
+        smem: fa4_smem_bytes,
+        host: host!(fa4::Fa4),
+    }
 }
-
-/// FA4 stage 3 shared memory: two Q tiles, the 2-slot K/V ring, 16 mbarriers, the TMEM address
-/// word, the correction factors, partial sums and maxima (f32 per row of each Q tile) and the
-/// slack. Mirrors `Fa4Traits<3, D>::kSmemBytes`.
-fn fa4s3_smem(t: &Tile) -> u32 {
-    let elem = 2;
-    t.block_m * t.head_dim * elem + 4 * t.block_n * t.head_dim * elem + 8 * 16 + 8 + 3 * t.block_m * 4 + 1024
-}
-
 const FA4_S1_TILES: &[Tile] = &[fa4_tile(1, 64), fa4_tile(1, 128)];
-const FA4_S3_TILES: &[Tile] = &[fa4_tile(3, 64), fa4_tile(3, 128)];
 const FA4_S2_TILES: &[Tile] = &[fa4_tile(2, 64), fa4_tile(2, 128)];
+const FA4_S3_TILES: &[Tile] = &[fa4_tile(3, 64), fa4_tile(3, 128)];
+const FA4_SASS: &[&str] = &["UTCHMMA", "LDTM", "STTM", "UTMALDG", "SYNCS"];
+/// Stage 3 adds the FMA-pipe exp2 (FFMA next to MUFU.EX2).
+const FA4_S3_SASS: &[&str] = &["UTCHMMA", "LDTM", "STTM", "UTMALDG", "SYNCS", "MUFU.EX2", "FFMA"];
 
 /// The families.
-pub const FAMILIES: &[Family] = &[Family {
-    name: "fa1",
-    variant: "Fa1",
-    source: "cuda/fa1_fwd.cu",
-    // Tiles sized so Q, K, V and P (f32 in shared memory) stay under 99 KB, the opt-in limit of
-    // sm_86/sm_89, and the per-thread f32 accumulator stays at most 64 registers.
-    tiles: &[
-        Tile { head_dim: 32, block_m: 64, block_n: 64, threads: FA1_THREADS },
-        Tile { head_dim: 64, block_m: 64, block_n: 64, threads: FA1_THREADS },
-        Tile { head_dim: 96, block_m: 64, block_n: 32, threads: FA1_THREADS },
-        Tile { head_dim: 128, block_m: 64, block_n: 32, threads: FA1_THREADS },
-        Tile { head_dim: 192, block_m: 32, block_n: 32, threads: FA1_THREADS },
-        Tile { head_dim: 256, block_m: 32, block_n: 16, threads: FA1_THREADS },
-    ],
-    min_sm: 80,
-    // Not yet run on a GPU (written where none was available). Set to true once
-    // scripts/gpu-check.sh passes on a GPU.
-    gpu_verified: false,
-    // The fallback of last resort: Auto may always pick it.
-    auto: true,
-    sass_expect: &["FFMA", "MUFU.EX2"],
-    options: &[],
-    rank: 1,
-    cpu_emulation: Some("fa1_all_instances"),
-    smem_bytes: fa1_smem_bytes,
-},
-Family {
-    name: "fa2",
-    variant: "Fa2",
-    source: "cuda/fa2_fwd.cu",
-    // Mirrors fa2::Fa2Traits<D> (the unit static_asserts it). 128 rows = 4 warps x 2 m16 tiles
-    // up to hd 128 (each K/V fragment feeds two mma); hd 128 takes 32-key tiles (64 spilled at
-    // 255 registers); hd 192/256 take 64x32 (4 warps x 1 m-tile) to fit 99 KB with the K/V ring.
-    // The kernel runs only its exact head dims (no tail masking, 16-byte row chunks): dispatch
-    // checks that (src/cuda/fa2.rs).
-    tiles: &[
-        Tile { head_dim: 32, block_m: 128, block_n: 64, threads: FA2_THREADS },
-        Tile { head_dim: 64, block_m: 128, block_n: 64, threads: FA2_THREADS },
-        Tile { head_dim: 96, block_m: 128, block_n: 64, threads: FA2_THREADS },
-        Tile { head_dim: 128, block_m: 128, block_n: 32, threads: FA2_THREADS },
-        Tile { head_dim: 192, block_m: 64, block_n: 32, threads: FA2_THREADS },
-        Tile { head_dim: 256, block_m: 64, block_n: 32, threads: FA2_THREADS },
-    ],
-    min_sm: 80,
-    // Compile-checked and run in the emulator (tests/emulator.rs) only; set to true once
-    // scripts/gpu-check.sh passes on a GPU.
-    gpu_verified: false,
-    // Auto picks it over FA1 wherever it runs the problem (sm_80+, and Hopper until FA3 is verified).
-    auto: true,
-    // Tensor-core mma.sync, ldmatrix (and its .trans form for V), cp.async global->shared.
-    sass_expect: &["HMMA.16816.F32", "LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS"],
-    options: &[],
-    rank: 2,
-    cpu_emulation: Some("fa2_all_instances"),
-    smem_bytes: fa2_smem_bytes,
-},
+pub const FAMILIES: &[Family] = &[
+    Family {
+        name: "fa1",
+        variant: KernelVariant::Fa1,
+        stage: None,
+        source: "cuda/fa1_fwd.cu",
+        // Tiles sized so Q, K, V and P (f32 in shared memory) stay under 99 KB, the opt-in limit of
+        // sm_86/sm_89, and the per-thread f32 accumulator stays at most 64 registers.
+        tiles: &[
+            Tile { head_dim: 32, block_m: 64, block_n: 64, threads: FA1_THREADS },
+            Tile { head_dim: 64, block_m: 64, block_n: 64, threads: FA1_THREADS },
+            Tile { head_dim: 96, block_m: 64, block_n: 32, threads: FA1_THREADS },
+            Tile { head_dim: 128, block_m: 64, block_n: 32, threads: FA1_THREADS },
+            Tile { head_dim: 192, block_m: 32, block_n: 32, threads: FA1_THREADS },
+            Tile { head_dim: 256, block_m: 32, block_n: 16, threads: FA1_THREADS },
+        ],
+        min_sm: 80,
+        // Set once scripts/gpu-check.sh passes on a GPU (docs/cuda.md has the status).
+        gpu_verified: false,
+        // The fallback of last resort: Auto may always pick it.
+        auto: true,
+        sass_expect: &["FFMA", "MUFU.EX2"],
+        options: KernelOptions::NONE,
+        rank: 1,
+        cpu_emulation: Some("fa1_all_instances"),
+        smem: fa1_smem_bytes,
+        host: host!(family::Plain),
+    },
+    Family {
+        name: "fa2",
+        variant: KernelVariant::Fa2,
+        stage: None,
+        source: "cuda/fa2_fwd.cu",
+        // Mirrors fa2::Fa2Traits<D> (the unit static_asserts it). 128 rows = 4 warps x 2 m16 tiles
+        // up to hd 128 (each K/V fragment feeds two mma); hd 128 takes 32-key tiles (64 spilled at
+        // 255 registers); hd 192/256 take 64x32 (4 warps x 1 m-tile) to fit 99 KB with the K/V ring.
+        // The kernel runs only its exact head dims (no tail masking, 16-byte row chunks): its host
+        // module refuses the rest (src/cuda/fa2.rs).
+        tiles: &[
+            Tile { head_dim: 32, block_m: 128, block_n: 64, threads: FA2_THREADS },
+            Tile { head_dim: 64, block_m: 128, block_n: 64, threads: FA2_THREADS },
+            Tile { head_dim: 96, block_m: 128, block_n: 64, threads: FA2_THREADS },
+            Tile { head_dim: 128, block_m: 128, block_n: 32, threads: FA2_THREADS },
+            Tile { head_dim: 192, block_m: 64, block_n: 32, threads: FA2_THREADS },
+            Tile { head_dim: 256, block_m: 64, block_n: 32, threads: FA2_THREADS },
+        ],
+        min_sm: 80,
+        // Set once scripts/gpu-check.sh passes on a GPU (docs/fa2.md has the status).
+        gpu_verified: false,
+        // Auto picks it over FA1 wherever it runs the problem (sm_80+, and Hopper until FA3 is verified).
+        auto: true,
+        // Tensor-core mma.sync, ldmatrix (and its .trans form for V), cp.async global->shared.
+        sass_expect: &["HMMA.16816.F32", "LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS"],
+        options: KernelOptions::NONE,
+        rank: 2,
+        cpu_emulation: Some("fa2_all_instances"),
+        smem: fa2_smem_bytes,
+        host: host!(fa2::Fa2),
+    },
     // The FA3 ladder (docs/fa3.md): stage N adds one Hopper mechanism to stage N-1.
     // 1 wgmma; 2 + TMA/mbarrier ring; 3 + warp specialisation (setmaxnreg); 4 + ping-pong and
     // intra-warpgroup overlap; 5 + persistent grid (min(SMs, tiles) CTAs).
-    fa3_family("fa3s1", 1, Some("fa3_stage1"), &["HGMMA"], FA3_S1_TILES, fa3s1_smem),
-    fa3_family("fa3s2", 2, Some("fa3_stage2"), &["HGMMA", "UTMALDG", "SYNCS"], FA3_S2_TILES, fa3s2_smem),
-    fa3_family("fa3s3", 3, Some("fa3_stage3"), &["HGMMA", "UTMALDG", "SYNCS", "USETMAXREG"], FA3_S345_TILES, fa3s3_smem),
-    fa3_family("fa3s4", 4, Some("fa3_stage4"), &["HGMMA", "UTMALDG", "SYNCS", "USETMAXREG"], FA3_S345_TILES, fa3s4_smem),
-    fa3_family("fa3s5", 5, Some("fa3_stage5"), &["HGMMA", "UTMALDG", "SYNCS", "USETMAXREG"], FA3_S345_TILES, fa3s5_smem),
-    // The FA4 ladder (docs/fa4.md), Blackwell tcgen05 (sm_100a only, by its file name). No
-    // Blackwell GPU has been available: never GPU-verified, never picked by Auto, and run only
-    // when `fa4_stage` names the stage (src/cuda/dispatch.rs). Stage 1: tcgen05.mma into tensor
-    // memory (UTCHMMA), tcgen05.ld/st (LDTM/STTM), TMA (UTMALDG), mbarriers (SYNCS).
-    Family {
-        name: "fa4s1",
-        variant: "Fa4",
-        source: "cuda/fa4_fwd_sm100.cu",
-        tiles: FA4_S1_TILES,
-        min_sm: 100,
-        gpu_verified: false,
-        auto: false,
-        sass_expect: &["UTCHMMA", "LDTM", "STTM", "UTMALDG", "SYNCS"],
-        options: &[],
-        rank: 41,
-        cpu_emulation: Some("fa4_stage1"),
-        smem_bytes: fa4s1_smem,
-    },
-    // Stage 2: + FA4's warp roles (load warp, MMA warp, two softmax warpgroups, a correction
-    // warpgroup) and P written to tensor memory for the PV product (tcgen05.mma with A from TMEM).
-    Family {
-        name: "fa4s2",
-        variant: "Fa4",
-        source: "cuda/fa4_fwd_sm100.cu",
-        tiles: FA4_S2_TILES,
-        min_sm: 100,
-        gpu_verified: false,
-        auto: false,
-        sass_expect: &["UTCHMMA", "LDTM", "STTM", "UTMALDG", "SYNCS"],
-        options: &[],
-        rank: 42,
-        cpu_emulation: Some("fa4_stage2"),
-        smem_bytes: fa4s2_smem,
-    },
-    // Stage 3: + two Q tiles in ping-pong (one per softmax warpgroup) and FA4's softmax: the
-    // degree-3 software exp2 (exp2_poly.cuh) for 1 element in 8, conditional rescaling with
-    // tau = 8 (online_softmax.cuh). The FMA-pipe exp2 shows up as FFMA next to MUFU.EX2.
-    Family {
-        name: "fa4s3",
-        variant: "Fa4",
-        source: "cuda/fa4_fwd_sm100.cu",
-        tiles: FA4_S3_TILES,
-        min_sm: 100,
-        gpu_verified: false,
-        auto: false,
-        sass_expect: &["UTCHMMA", "LDTM", "STTM", "UTMALDG", "SYNCS", "MUFU.EX2", "FFMA"],
-        options: &[],
-        rank: 43,
-        cpu_emulation: Some("fa4_stage3"),
-        smem_bytes: fa4s3_smem,
-    },
+    fa3_family("fa3s1", 1, "fa3_stage1", &["HGMMA"], FA3_S1_TILES),
+    fa3_family("fa3s2", 2, "fa3_stage2", &["HGMMA", "UTMALDG", "SYNCS"], FA3_S2_TILES),
+    fa3_family("fa3s3", 3, "fa3_stage3", FA3_WS_SASS, FA3_S345_TILES),
+    fa3_family("fa3s4", 4, "fa3_stage4", FA3_WS_SASS, FA3_S345_TILES),
+    fa3_family("fa3s5", 5, "fa3_stage5", FA3_WS_SASS, FA3_S345_TILES),
+    // The FA4 ladder (docs/fa4.md), Blackwell tcgen05. 1 tcgen05.mma into tensor memory, one
+    // warpgroup; 2 + FA4's warp roles (load warp, MMA warp, two softmax warpgroups, a correction
+    // warpgroup), P in tensor memory (A operand from TMEM); 3 + two Q tiles in ping-pong and
+    // FA4's softmax: the degree-3 software exp2 (exp2_poly.cuh) for 1 element in 8, conditional
+    // rescaling with tau = 8 (online_softmax.cuh).
+    fa4_family("fa4s1", 1, "fa4_stage1", FA4_SASS, KernelOptions::NONE, FA4_S1_TILES),
+    fa4_family("fa4s2", 2, "fa4_stage2", FA4_SASS, KernelOptions::NONE, FA4_S2_TILES),
+    fa4_family("fa4s3", 3, "fa4_stage3", FA4_S3_SASS, KernelOptions::NONE, FA4_S3_TILES),
 ];

@@ -39,7 +39,7 @@ namespace fa4 {
 using fa3::TmaDesc;
 
 // Shape, roles and shared/tensor-memory plan of stage `Stage` at head dim `HeadDim`; the table
-// row of build/instances.rs (fa4_tile, fa4s*_smem) repeats these numbers and the unit
+// row of build/instances.rs (fa4_tile, fa4_smem_bytes) repeats these numbers and the unit
 // static_asserts the two agree.
 template <int Stage, int HeadDim>
 struct Fa4Traits {
@@ -995,19 +995,15 @@ __device__ __forceinline__ void stage3(const FwdParams&, const TmaDesc*, const T
 #define FA4_TYPE_bf16 __nv_bfloat16
 #define FA4_TYPE_f16 __half
 
-#if defined(FA_FAMILY)
-#define FA4_STAGE_OF_fa4s1 1
-#define FA4_STAGE_OF_fa4s2 2
-#define FA4_STAGE_OF_fa4s3 3
-#define FA4_CAT_(a, b) a##b
-#define FA4_CAT(a, b) FA4_CAT_(a, b)
-#define FA4_STAGE FA4_CAT(FA4_STAGE_OF_, FA_FAMILY)
+#if defined(FA_STAGE)
+// FA_STAGE is the row's `stage` (build/instances.rs: one family row per stage).
+#define FA4_STAGE FA_STAGE
 // The table (build/instances.rs) and the traits must agree on the launch shape.
 static_assert(FA_THREADS == fa4::Fa4Traits<FA4_STAGE, FA_HEAD_DIM>::kThreads, "table: threads");
 static_assert(FA_BLOCK_M == fa4::Fa4Traits<FA4_STAGE, FA_HEAD_DIM>::kBlockM, "table: block_m");
 static_assert(FA_BLOCK_N == fa4::Fa4Traits<FA4_STAGE, FA_HEAD_DIM>::kBlockN, "table: block_n");
 static_assert(FA_SMEM_BYTES == fa4::Fa4Traits<FA4_STAGE, FA_HEAD_DIM>::kSmemBytes,
-              "table: dynamic shared memory (fa4_smem in build/instances.rs)");
+              "table: dynamic shared memory (fa4_smem_bytes in build/instances.rs)");
 #define FA4_INSTANCE_(S, DT, D) FA4_S##S(DT, FA4_TYPE_##DT, D)
 #define FA4_INSTANCE(S, DT, D) FA4_INSTANCE_(S, DT, D)
 #define FA_INSTANCE(DT) FA4_INSTANCE(FA4_STAGE, DT, FA_HEAD_DIM)

@@ -21,7 +21,7 @@
 //! --peak-tflops X --bandwidth-tbs Y   override the roofline
 //! --seed N
 //! ```
-//! Prints one JSON line (fields in `benches/support/mod.rs::Record::json`) on stdout; notes go
+//! Prints one JSON line (fields in `flash_attn::bench::support::Record::json`) on stdout; notes go
 //! to stderr. Asked for a GPU where none is usable, it says so on stderr and exits 0; a variant
 //! or dtype the GPU's dispatch refuses also exits 0 with the reason and no line.
 //!
@@ -31,11 +31,12 @@
 //! measured by a device-to-device copy; the output of set 0 is downloaded once and sampled
 //! rows are compared with the float64 reference.
 
-#[path = "../benches/support/mod.rs"]
-mod support;
+use flash_attn::bench::support;
 
-use flash_attn::roofline::{lookup_gpu, Math, Roofline};
-use flash_attn::{flops, forward, Backend, DType, ForwardOptions, Fp8Scaling, Mask, Output, Precision, Variant};
+use flash_attn::bench::roofline::{lookup_gpu, Math, Roofline};
+use flash_attn::bench::flops;
+use serde_json::json;
+use flash_attn::{forward, Backend, DType, ForwardOptions, Fp8Scaling, Mask, Output, Precision, Variant};
 use support::{Case, Gemm, Record};
 
 struct Args {
@@ -334,7 +335,7 @@ fn main() {
         (a.check_rows > 0).then(|| support::sampled_max_error(&p, &q, &k, &v, &out, a.check_rows, a.seed + 1));
     let rec = Record {
         impl_name: "flash_attn".into(),
-        machine: if on_cpu { flash_attn::roofline::cpu_name() } else { out.dispatch.backend.clone() },
+        machine: if on_cpu { flash_attn::bench::roofline::cpu_name() } else { out.dispatch.backend.clone() },
         backend: out.dispatch.backend.clone(),
         kernel: out.dispatch.kernel.clone(),
         variant: a.variant.to_string(),
@@ -381,11 +382,11 @@ fn main() {
     );
     println!(
         "{}",
-        rec.json_with(&[
-            ("kv_layout", support::js(if a.page_size.is_some() { "paged" } else { "dense" })),
-            ("page_size", a.page_size.map_or("null".into(), |p| p.to_string())),
-            ("kv_gbs", support::jn(kv_gbs)),
-            ("dispatch_reason", support::js(&out.dispatch.reason)),
+        rec.json_with([
+            ("kv_layout", json!(if a.page_size.is_some() { "paged" } else { "dense" })),
+            ("page_size", json!(a.page_size)),
+            ("kv_gbs", json!(kv_gbs)),
+            ("dispatch_reason", json!(out.dispatch.reason)),
         ])
     );
 }
@@ -454,7 +455,7 @@ fn gpu_main(a: &Args, mut h: Box<dyn support::gpu::GpuHarness>) {
     });
     if roofline.is_none() {
         eprintln!(
-            "{} (sm_{}{}) is not in flash_attn::roofline::GPUS: no % of roofline",
+            "{} (sm_{}{}) is not in flash_attn::bench::roofline::GPUS: no % of roofline",
             info.name, info.sm.0, info.sm.1
         );
     }
@@ -526,16 +527,16 @@ fn gpu_main(a: &Args, mut h: Box<dyn support::gpu::GpuHarness>) {
     );
     println!(
         "{}",
-        rec.json_with(&[
-            ("gpu", support::js(&info.name)),
-            ("driver", support::js(&info.driver)),
-            ("clocks", support::js(&info.clocks())),
-            ("sm", support::js(&format!("{}.{}", info.sm.0, info.sm.1))),
-            ("sm_count", info.sm_count.to_string()),
-            ("l2_bytes", info.l2_bytes.to_string()),
-            ("rotating_sets", sets.to_string()),
-            ("launches_per_rep", a.launches.to_string()),
-            ("dispatch_reason", support::js(&dispatch.reason)),
+        rec.json_with([
+            ("gpu", json!(info.name)),
+            ("driver", json!(info.driver)),
+            ("clocks", json!(info.clocks())),
+            ("sm", json!(format!("{}.{}", info.sm.0, info.sm.1))),
+            ("sm_count", json!(info.sm_count)),
+            ("l2_bytes", json!(info.l2_bytes)),
+            ("rotating_sets", json!(sets)),
+            ("launches_per_rep", json!(a.launches)),
+            ("dispatch_reason", json!(dispatch.reason)),
         ])
     );
 }

@@ -7,7 +7,7 @@
 //! cargo run --release --example fp8_accuracy [-- batch seqlen heads head_dim seed]
 //! ```
 
-use flash_attn::numerics::baseline::{attention_naive_fp8, attention_naive_fp8_p_scaled, tiled_fp8_with_p_scale};
+use flash_attn::bench::fp8_baseline::{attention_naive_fp8, attention_naive_fp8_p_scaled, tiled_fp8_with_p_scale};
 use flash_attn::numerics::rng::{fa3_outlier_values, SplitMix64};
 use flash_attn::numerics::{fp8_lazy_limit, FP8_P_SCALE_LOG2};
 use flash_attn::reference::{attention_f64, attention_naive, rmse};
@@ -89,7 +89,7 @@ fn main() {
     let both128 = fp8(Fp8Scaling::PerBlock { rows: 128 }, Some(HADAMARD_SEED));
 
     // The straightforward FP8 baseline (FA3's "Baseline FP8" row as we read it; see
-    // `numerics::baseline`) and the P-scale ablations.
+    // `bench::fp8_baseline`) and the P-scale ablations.
     let problem_fp8 = |scaling| {
         let o = base.clone().precision(Precision::Fp8 { scaling, hadamard: None });
         Problem::new(&q.view(), &k.view(), &v.view(), &o).unwrap()
@@ -160,7 +160,7 @@ fn main() {
     println!();
     println!(
         "(FA3's paper does not state its shapes, nor its baseline beyond \"per-tensor scale, FP32 accumulator, softmax in \
-         FP16\"; ours: numerics::baseline. {:.1} s)",
+         FP16\"; ours: bench::fp8_baseline. {:.1} s)",
         t0.elapsed().as_secs_f64()
     );
 }

@@ -17,6 +17,7 @@
 //! Runs on the CPU here. Across GPUs the same merge combines states gathered with NCCL; that
 //! version needs more than one GPU and is described in docs/serving.md, not shipped.
 
+use flash_attn::numerics::rng::SplitMix64;
 use flash_attn::serving::merge_states_n;
 use flash_attn::{forward, DType, ForwardOptions, Mask, Result, Tensor, TensorView};
 
@@ -62,19 +63,8 @@ fn rows_of(t: &Tensor, a: usize, b: usize, shape: [usize; 4]) -> TensorView<'_> 
 /// Runs the sharded forward and the one-shot forward on seeded inputs and compares them.
 pub fn check(shards: usize, sq: usize, sk: usize, causal: bool, dtype: DType) -> Result<Sharded> {
     let (hq, hkv, d) = (8, 2, 128);
-    let mut state = 0x9E37_79B9_7F4A_7C15u64;
-    let mut normal = || {
-        // xorshift64* and Box-Muller: reproducible inputs without a dependency.
-        let mut u = || {
-            state ^= state >> 12;
-            state ^= state << 25;
-            state ^= state >> 27;
-            ((state.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-        };
-        let (a, b) = (u(), u());
-        ((-2.0 * a.ln()).sqrt() * (std::f64::consts::TAU * b).cos()) as f32
-    };
-    let mut make = |n: usize| -> Vec<f32> { (0..n).map(|_| normal()).collect() };
+    let mut rng = SplitMix64::new(0x9E37_79B9_7F4A_7C15);
+    let mut make = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.normal() as f32).collect() };
     let q = Tensor::from_f32(&make(sq * hq * d), dtype, [1, sq, hq, d])?;
     let k = Tensor::from_f32(&make(sk * hkv * d), dtype, [1, sk, hkv, d])?;
     let v = Tensor::from_f32(&make(sk * hkv * d), dtype, [1, sk, hkv, d])?;

@@ -80,7 +80,7 @@ PY
 # The one-shape bench (JSON lines for the short performance run) and the torch peers script
 # (with the GPU table it parses).
 cp target/release/examples/bench "$dest/bin/fa-bench"
-cp scripts/peers_torch.py src/roofline.rs "$dest/"
+cp scripts/peers_torch.py src/bench/roofline.rs "$dest/"
 find "$dest/bin" -type f -exec strip {} + 2>/dev/null || true
 cp scripts/gpu-check-run.sh "$dest/run.sh"
 chmod +x "$dest/run.sh"

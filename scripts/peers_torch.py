@@ -9,7 +9,7 @@ Timing as our GPU bench: inputs in our [batch, seqlen, heads, head_dim] layout (
 least twice the L2, warm-up, then repetitions of CUDA-event-bracketed batches of launches;
 the median per-launch time is reported. FLOPs count only unmasked pairs (square causal:
 n(n+1)/2 per head), as flash_attn::flops. The max error is against a float64 reference on
-sampled (batch, head, row) triples. The roofline comes from the table in src/roofline.rs
+sampled (batch, head, row) triples. The roofline comes from the table in src/bench/roofline.rs
 (parsed, so there is one table) with the bandwidth measured by a device-to-device copy here.
 
 torch's is_causal is top-left aligned, so only square causal shapes are compared (the sweep
@@ -43,11 +43,11 @@ def sweep(tokens, quick):
 
 
 def gpu_table():
-    """(names, bf16 FLOP/s, fp8 FLOP/s or None, bandwidth B/s, model, source) from src/roofline.rs."""
+    """(names, bf16 FLOP/s, fp8 FLOP/s or None, bandwidth B/s, model, source) from src/bench/roofline.rs."""
     here = os.path.dirname(os.path.abspath(__file__))
-    # scripts/../src/roofline.rs in the repository; gpu-check/roofline.rs beside the copy the
+    # scripts/../src/bench/roofline.rs in the repository; gpu-check/roofline.rs beside the copy the
     # one-command GPU check gathers.
-    for path in (os.path.join(here, "..", "src", "roofline.rs"), os.path.join(here, "roofline.rs")):
+    for path in (os.path.join(here, "..", "src", "bench", "roofline.rs"), os.path.join(here, "roofline.rs")):
         try:
             src = open(path, encoding="utf-8").read()
             break

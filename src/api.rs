@@ -3,30 +3,9 @@
 use crate::cpu;
 use crate::error::{Error, Operand, Result};
 use crate::options::{Backend, ForwardOptions, Variant};
+use crate::output::{Dispatch, Output};
 use crate::problem::Problem;
-use crate::tensor::{numel, AsTensorView, Element, Tensor};
-
-/// Where a forward pass ran and why.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Dispatch {
-    /// "cpu" or "cuda:N".
-    pub backend: String,
-    /// The kernel family or CPU path that ran, e.g. "cpu-tiled-avx2".
-    pub kernel: String,
-    /// Why this one was chosen.
-    pub reason: String,
-}
-
-/// The result of [`forward`].
-#[derive(Clone, Debug)]
-pub struct Output {
-    /// `[batch, seqlen_q, heads_q, head_dim]`, q's dtype.
-    pub o: Tensor,
-    /// `[batch, heads_q, seqlen_q]`, natural log, −inf for rows that see no key; present when
-    /// `return_lse` was set.
-    pub lse: Option<Vec<f32>>,
-    pub dispatch: Dispatch,
-}
+use crate::tensor::{numel, AsTensorView, Element};
 
 /// Where a host-memory call runs: a CUDA device, or the CPU with the reason.
 enum Route {

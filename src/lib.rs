@@ -25,7 +25,7 @@
 //! | `cpu` | the CPU backend (tiled online softmax in 16-query panels, 6×16 AVX2 micro-kernel, std threads) |
 //! | [`numerics`] | exp2 polynomial, FP8, Hadamard: shared constants with `cuda/include/` |
 //! | `cuda` (feature `cuda`) | kernel table, dispatch, device-memory `Engine` over embedded cubins (docs/cuda.md) |
-//! | [`flops`], [`roofline`] | the FLOP/byte model and per-device ceilings used by benches and examples |
+//! | `bench` (feature `bench`) | measurement tooling: FLOP/byte model, roofline ceilings, FP8 baselines |
 //! | [`serving`] | varlen batches, dense and paged KV caches with append, split-KV decode, `merge_states` (docs/serving.md) |
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
@@ -35,6 +35,9 @@
 pub struct ReadmeDoctests;
 
 mod api;
+#[cfg(feature = "bench")]
+#[cfg_attr(docsrs, doc(cfg(feature = "bench")))]
+pub mod bench;
 mod cpu;
 #[cfg(feature = "cuda")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
@@ -42,16 +45,16 @@ pub mod cuda;
 mod cuda_host;
 mod error;
 mod names;
-pub mod flops;
 pub mod numerics;
 mod options;
+mod output;
 mod problem;
 pub mod reference;
-pub mod roofline;
 pub mod serving;
 mod tensor;
 
-pub use api::{forward, forward_into, Dispatch, Output};
+pub use api::{forward, forward_into};
+pub use output::{Dispatch, Output};
 pub use error::{Error, Operand, Result};
 pub use options::{Backend, Exp2, Fp8Scaling, ForwardOptions, Mask, Precision, Rescale, Variant};
 pub use problem::{Problem, LOG2E, MIN_SOFTMAX_SCALE};

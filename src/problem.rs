@@ -44,6 +44,22 @@ pub struct Problem {
     pub fa4_stage: Option<u8>,
 }
 
+/// The units scores are formed in, and the factors out of them: the one statement of the rule
+/// every backend follows (the CPU's `cpu::softmax`, the kernels' `softmax_scale_log2`).
+///
+/// With softcap or ALiBi the score is in natural units (`scale · q·k`, then the cap, then the
+/// bias); otherwise it is the raw dot product `q·k`, and the scale is folded into the factors.
+/// Exponents are always formed from differences in score units, `(s - max) · to_log2`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct ScoreUnits {
+    /// Scores are in natural units (softcap or ALiBi on).
+    pub natural: bool,
+    /// Score units to log2 units: `log2 e` for natural units, `scale · log2 e` for raw q·k.
+    pub to_log2: f32,
+    /// Score units to natural units (for the LSE): 1, or `scale`.
+    pub to_natural: f32,
+}
+
 /// Stages of the FA3 ladder (cuda/fa3_fwd_sm90.cu); the CUDA dispatch tests check it against
 /// the kernel table's `FA3_MAX_STAGE`.
 pub(crate) const FA3_MAX_STAGE: u8 = 5;
@@ -191,6 +207,16 @@ impl Problem {
             fa3_stage: opts.fa3_stage,
             fa4_stage: opts.fa4_stage,
         })
+    }
+
+    /// The units scores are formed in ([`ScoreUnits`]).
+    pub(crate) fn score_units(&self) -> ScoreUnits {
+        let natural = self.softcap.is_some() || self.alibi.is_some();
+        ScoreUnits {
+            natural,
+            to_log2: if natural { LOG2E } else { self.scale * LOG2E },
+            to_natural: if natural { 1.0 } else { self.scale },
+        }
     }
 
     /// Query heads per KV head (1 for MHA).

@@ -169,50 +169,106 @@ pub fn attention_f64_rows(
 /// As [`attention_f64`].
 pub fn attention_naive(p: &Problem, q: &TensorView, k: &TensorView, v: &TensorView, dtype: DType) -> Result<Vec<f64>> {
     check_views(p, q, k, v)?;
-    let d = p.head_dim;
-    let r = |x: f32| dtype.round(x);
-    let row32 = |t: &TensorView, b, s, h| -> Vec<f32> {
-        let mut out = vec![0.0f32; d];
+    naive(p, &InDtype { views: [q, k, v], dtype })
+}
+
+/// The arithmetic of a naive (materialised-softmax) attention, step by step: what the one loop
+/// of [`naive`] asks. The defaults are those of plain 16/32-bit operands; the FP8 baseline
+/// (`bench::fp8_baseline`) overrides the descales and P's cast.
+pub(crate) trait NaiveSteps {
+    /// The precision scores, P and O are rounded to.
+    fn dtype(&self) -> DType;
+    /// Row `s` of head `h` of batch `b` of operand `which` (q, k or v), as the products read it.
+    fn row(&self, which: Operand, b: usize, s: usize, h: usize) -> Vec<f32>;
+    /// Factor of the raw product q_i·k_j (query row `i` of head `h`, key row `j` of kv head `hk`).
+    fn qk_descale(&self, _b: usize, _i: usize, _h: usize, _j: usize, _hk: usize) -> f32 {
+        1.0
+    }
+    /// P (normalised and rounded to `dtype`) as it enters the second product.
+    fn p_cast(&self, p: f32) -> f32 {
+        p
+    }
+    /// Rows of V that share one descale: P·V is accumulated per block, then descaled.
+    fn v_block_rows(&self) -> usize {
+        usize::MAX
+    }
+    /// Factor of the block of P·V that ends at key row `j`.
+    fn v_descale(&self, _b: usize, _j: usize, _hk: usize) -> f32 {
+        1.0
+    }
+}
+
+/// Operands read in `dtype`, every step rounded to it.
+struct InDtype<'a> {
+    views: [&'a TensorView<'a>; 3],
+    dtype: DType,
+}
+
+impl NaiveSteps for InDtype<'_> {
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+    fn row(&self, which: Operand, b: usize, s: usize, h: usize) -> Vec<f32> {
+        let t = self.views[match which {
+            Operand::Q => 0,
+            Operand::K => 1,
+            _ => 2,
+        }];
+        let mut out = vec![0.0f32; t.shape()[3]];
         t.read_row(b, s, h, &mut out);
-        out.iter().map(|&x| r(x)).collect()
-    };
+        out.iter().map(|&x| self.dtype.round(x)).collect()
+    }
+}
+
+/// The naive attention of `a`'s arithmetic on `p` (views checked by the caller). Rows with no
+/// visible key give 0. Returns `o` as f64 `[batch, seqlen_q, heads_q, head_dim]`.
+pub(crate) fn naive(p: &Problem, a: &impl NaiveSteps) -> Result<Vec<f64>> {
+    let d = p.head_dim;
+    let r = |x: f32| a.dtype().round(x);
     let mut o = try_filled(p.batch * p.seqlen_q * p.heads_q * d, 0.0f64, || "naive reference output".into())?;
     for b in 0..p.batch {
         for h in 0..p.heads_q {
             let hk = h / p.group();
-            let ks: Vec<Vec<f32>> = (0..p.seqlen_k).map(|j| row32(k, b, j, hk)).collect();
-            let vs: Vec<Vec<f32>> = (0..p.seqlen_k).map(|j| row32(v, b, j, hk)).collect();
+            let ks: Vec<Vec<f32>> = (0..p.seqlen_k).map(|j| a.row(Operand::K, b, j, hk)).collect();
+            let vs: Vec<Vec<f32>> = (0..p.seqlen_k).map(|j| a.row(Operand::V, b, j, hk)).collect();
             for i in 0..p.seqlen_q {
-                let qi = row32(q, b, i, h);
+                let qi = a.row(Operand::Q, b, i, h);
                 let s: Vec<f32> = (0..p.seqlen_k)
                     .map(|j| {
                         if !p.visible(i, j) {
                             return f32::NEG_INFINITY;
                         }
-                        let dot: f32 = qi.iter().zip(&ks[j]).map(|(a, b)| a * b).sum();
-                        let mut s = r(r(dot) * p.scale);
+                        let dot: f32 = qi.iter().zip(&ks[j]).map(|(x, y)| x * y).sum();
+                        let mut s = r(r(dot * a.qk_descale(b, i, h, j, hk)) * p.scale);
                         if let Some(cap) = p.softcap {
                             s = r(cap * (s / cap).tanh());
                         }
                         r(s + p.alibi_bias(h, i, j))
                     })
                     .collect();
-                let m = s.iter().fold(f32::NEG_INFINITY, |a, &x| if x > a || x.is_nan() { x } else { a });
+                let m = s.iter().fold(f32::NEG_INFINITY, |acc, &x| if x > acc || x.is_nan() { x } else { acc });
                 if m == f32::NEG_INFINITY {
                     continue;
                 }
                 let e: Vec<f32> = s.iter().map(|&x| (x - m).exp()).collect();
                 let l: f32 = e.iter().sum();
-                let out = &mut o[((b * p.seqlen_q + i) * p.heads_q + h) * d..][..d];
-                let mut acc = vec![0.0f32; d];
+                let (mut out, mut acc) = (vec![0.0f32; d], vec![0.0f32; d]);
                 for (j, ej) in e.iter().enumerate() {
-                    let pj = r(ej / l);
-                    for (a, vx) in acc.iter_mut().zip(&vs[j]) {
-                        *a += pj * vx;
+                    let pj = a.p_cast(r(ej / l));
+                    for (x, vx) in acc.iter_mut().zip(&vs[j]) {
+                        *x += pj * vx;
+                    }
+                    if (j + 1) % a.v_block_rows() == 0 || j + 1 == p.seqlen_k {
+                        let dv = a.v_descale(b, j, hk);
+                        for (ox, x) in out.iter_mut().zip(acc.iter_mut()) {
+                            *ox += *x * dv;
+                            *x = 0.0;
+                        }
                     }
                 }
-                for (ox, a) in out.iter_mut().zip(&acc) {
-                    *ox = r(*a) as f64;
+                let dst = &mut o[((b * p.seqlen_q + i) * p.heads_q + h) * d..][..d];
+                for (ox, x) in dst.iter_mut().zip(&out) {
+                    *ox = r(*x) as f64;
                 }
             }
         }

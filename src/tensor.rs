@@ -375,31 +375,7 @@ impl<'a> TensorView<'a> {
 
     /// Checks that every element the shape and strides address lies inside the buffer.
     pub(crate) fn check_layout(&self, operand: Operand) -> Result<()> {
-        let [b, s, h, d] = self.shape;
-        for (dim, n) in [("batch", b), ("seqlen", s), ("heads", h), ("head_dim", d)] {
-            if n == 0 {
-                return Err(Error::EmptyDimension { operand, dim });
-            }
-        }
-        let last = [(b, self.strides[0]), (s, self.strides[1]), (h, self.strides[2])]
-            .iter()
-            .try_fold(d - 1, |acc, &(n, st)| (n - 1).checked_mul(st).and_then(|x| x.checked_add(acc)));
-        match last {
-            Some(last) if last < self.data.len() => Ok(()),
-            Some(last) => Err(Error::InvalidLayout {
-                operand,
-                reason: format!(
-                    "shape {:?} with strides {:?} reaches element {last}, but the buffer holds {} elements",
-                    self.shape,
-                    self.strides,
-                    self.data.len()
-                ),
-            }),
-            None => Err(Error::InvalidLayout {
-                operand,
-                reason: format!("shape {:?} with strides {:?} overflows usize", self.shape, self.strides),
-            }),
-        }
+        check_extent(operand, self.shape, self.strides, self.data.len())
     }
 
     /// Read row (b, s, h) widened to f32 into `dst` (length head_dim).
@@ -411,6 +387,34 @@ impl<'a> TensorView<'a> {
 
 /// An owned, contiguous host tensor `[batch, seqlen, heads, head_dim]`.
 ///
+/// Checks that every element `shape` and `strides` (batch, seqlen, heads; head_dim contiguous)
+/// address lies inside a buffer of `len` elements, with no dimension empty: the one layout rule
+/// of host views and device tensors. Allocates nothing on success.
+pub(crate) fn check_extent(operand: Operand, shape: Shape, strides: [usize; 3], len: usize) -> Result<()> {
+    let [b, s, h, d] = shape;
+    for (dim, n) in [("batch", b), ("seqlen", s), ("heads", h), ("head_dim", d)] {
+        if n == 0 {
+            return Err(Error::EmptyDimension { operand, dim });
+        }
+    }
+    let last = [(b, strides[0]), (s, strides[1]), (h, strides[2])]
+        .iter()
+        .try_fold(d - 1, |acc, &(n, st)| (n - 1).checked_mul(st).and_then(|x| x.checked_add(acc)));
+    match last {
+        Some(last) if last < len => Ok(()),
+        Some(last) => Err(Error::InvalidLayout {
+            operand,
+            reason: format!(
+                "shape {shape:?} with strides {strides:?} reaches element {last}, but the buffer holds {len} elements"
+            ),
+        }),
+        None => Err(Error::InvalidLayout {
+            operand,
+            reason: format!("shape {shape:?} with strides {strides:?} overflows usize"),
+        }),
+    }
+}
+
 /// Every constructor checks that the shape's element count, strides and size in bytes fit the
 /// address space ([`Error::TooLarge`] otherwise, also when the allocation itself fails), so a
 /// `Tensor` always has a valid view.

@@ -60,7 +60,7 @@ fn cutlass_include() -> PathBuf {
 /// The CUDA toolkit's include directories (cuda_bf16.h; CUDA 13 keeps cuda/std in include/cccl).
 fn cuda_includes() -> Vec<PathBuf> {
     let nvcc = [
-        flash_attn::cuda::kernels::NVCC.to_string(),
+        flash_attn::cuda::table::NVCC.to_string(),
         std::env::var("NVCC").unwrap_or_default(),
     ]
     .into_iter()
@@ -218,7 +218,7 @@ fn our_layouts_equal_cute() {
 /// nvcc (build.rs's, else $NVCC) and the cuobjdump next to it.
 fn nvcc_and_cuobjdump() -> (PathBuf, PathBuf) {
     let nvcc = [
-        flash_attn::cuda::kernels::NVCC.to_string(),
+        flash_attn::cuda::table::NVCC.to_string(),
         std::env::var("NVCC").unwrap_or_default(),
     ]
     .into_iter()

@@ -6,13 +6,14 @@
 
 mod common;
 use common::*;
+use common::Rng;
 use flash_attn::reference::{attention_f64, attention_naive, max_abs_diff};
 use flash_attn::*;
 use proptest::prelude::*;
 
 #[allow(clippy::too_many_arguments)]
 fn qkv(seed: u64, dtype: DType, b: usize, sq: usize, sk: usize, hq: usize, hk: usize, d: usize) -> (Tensor, Tensor, Tensor) {
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     (randn(&mut rng, dtype, [b, sq, hq, d]), randn(&mut rng, dtype, [b, sk, hk, d]), randn(&mut rng, dtype, [b, sk, hk, d]))
 }
 
@@ -206,7 +207,7 @@ fn large_scores_with_small_differences() {
     }
     let q = Tensor::from_vec(q, [1, sq, 1, d]).unwrap();
     let k = Tensor::from_vec(k, [1, sk, 1, d]).unwrap();
-    let v = randn(&mut Rng(7), DType::F32, [1, sk, 1, d]);
+    let v = randn(&mut Rng::new(7), DType::F32, [1, sk, 1, d]);
     for scale in [1.0f32, 1.0 / 256.0, 1.0 / 4096.0] {
         let opts = ForwardOptions::default().softmax_scale(scale).return_lse(true);
         assert_good(&q, &k, &v, &opts, &format!("scale {scale}"));
@@ -362,7 +363,7 @@ fn broadcast_views_with_huge_logical_sizes_are_refused_before_allocating() {
     // A modest broadcast is computed, and equals the materialised one.
     let qb = TensorView::with_strides(&row, [1, 300, 2, d], [0, 0, 0]);
     let qm = Tensor::from_vec(vec![0.25f32; 300 * 2 * d], [1, 300, 2, d]).unwrap();
-    let kvm = randn(&mut Rng(11), DType::F32, [1, 50, 1, d]);
+    let kvm = randn(&mut Rng::new(11), DType::F32, [1, 50, 1, d]);
     let a = forward(&qb, &kvm, &kvm, &ForwardOptions::default().causal(true)).unwrap();
     let b = forward(&qm, &kvm, &kvm, &ForwardOptions::default().causal(true)).unwrap();
     assert_eq!(a.o, b.o);

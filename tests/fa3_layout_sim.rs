@@ -9,7 +9,7 @@
 //! the toolchain build.rs used: ignored, with the reason, when none was found.
 #![cfg(feature = "cuda")]
 
-use flash_attn::cuda::kernels::{FAMILIES, NVCC};
+use flash_attn::cuda::table::{FAMILIES, NVCC};
 use std::path::Path;
 use std::process::Command;
 

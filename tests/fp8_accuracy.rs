@@ -4,7 +4,7 @@
 //! than 1.7x, and beats our own tiled kernel with per-tensor scales clearly (the ablation).
 //! `cargo run --release --example fp8_accuracy` prints the full table.
 
-use flash_attn::numerics::baseline::{attention_naive_fp8, attention_naive_fp8_p_scaled, tiled_fp8_with_p_scale};
+use flash_attn::bench::fp8_baseline::{attention_naive_fp8, attention_naive_fp8_p_scaled, tiled_fp8_with_p_scale};
 use flash_attn::numerics::hadamard::Rotation;
 use flash_attn::numerics::quant::quantize_e4m3;
 use flash_attn::numerics::rng::{fa3_outlier_values, SplitMix64};
@@ -108,7 +108,7 @@ fn hadamard_cuts_the_qk_quantisation_error() {
 
 /// FA3's Table 3 claim against its own kind of baseline: a straightforward FP8 attention
 /// ("per-tensor scale, FP32 accumulator, softmax in FP16"; our reading in
-/// `numerics::baseline::attention_naive_fp8`, which casts the normalised P to e4m3 as it is).
+/// `bench::fp8_baseline::attention_naive_fp8`, which casts the normalised P to e4m3 as it is).
 ///
 /// Measured on the example's shape and seed: naive baseline 2.24e-2 (paper 2.4e-2), FA3's method
 /// 8.79e-3 (paper 9.1e-3), a 2.55x gain (paper 2.6x); seeds 1-3 give 3.02x, 2.67x, 2.65x. The gain

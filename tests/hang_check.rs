@@ -78,7 +78,7 @@ fn wait_policy_reports_then_traps() {
 #[cfg(feature = "cuda")]
 mod nvcc {
     use super::root;
-    use flash_attn::cuda::kernels::{fa3_stage, Target, CUOBJDUMP, FAMILIES, IMAGES, NVCC};
+    use flash_attn::cuda::table::{unit_source, Target, CUOBJDUMP, FAMILIES, IMAGES, NVCC};
     use std::path::Path;
     use std::process::Command;
 
@@ -86,24 +86,7 @@ mod nvcc {
     fn unit(family: &str, head_dim: u32, hang: bool) -> String {
         let fam = FAMILIES.iter().find(|f| f.name == family).expect("family in the table");
         let tile = fam.tiles.iter().find(|t| t.head_dim == head_dim).expect("tile");
-        let mut s = format!(
-            "#define FA_FAMILY {}\n#define FA_HEAD_DIM {}\n#define FA_BLOCK_M {}\n#define FA_BLOCK_N {}\n\
-             #define FA_THREADS {}\n#define FA_SMEM_BYTES {}\n",
-            fam.name,
-            tile.head_dim,
-            tile.block_m,
-            tile.block_n,
-            tile.threads,
-            (fam.smem_bytes)(tile)
-        );
-        if hang {
-            s.push_str("#define FA_HANG_CHECK 1\n");
-        }
-        s.push_str(&format!(
-            "#include \"{}\"\nFA_INSTANCE(bf16)\nFA_INSTANCE(f16)\n",
-            root().join(fam.source).display()
-        ));
-        s
+        unit_source(fam, tile, &root().join(fam.source).display().to_string(), hang)
     }
 
     fn nvcc(args: &[&str], input: &Path, output: &Path) {
@@ -230,7 +213,7 @@ mod nvcc {
         let mut checked = 0;
         for img in IMAGES
             .iter()
-            .filter(|i| i.target == Target::Sm90a && fa3_stage(i.family).is_some_and(|s| s >= 2))
+            .filter(|i| i.target == Target::Sm90a && FAMILIES.iter().any(|f| f.name == i.family && f.stage.is_some_and(|s| s >= 2)))
         {
             let cubin = dir.join(format!("{}_hd{}.cubin", img.family, img.head_dim));
             std::fs::write(&cubin, img.bytes).unwrap();

@@ -9,7 +9,7 @@ use half::bf16;
 
 #[test]
 fn forward_into_writes_what_forward_returns() {
-    let mut rng = Rng(41);
+    let mut rng = Rng::new(41);
     for dtype in [DType::F32, DType::BF16] {
         let q = randn(&mut rng, dtype, [2, 33, 4, 64]);
         let k = randn(&mut rng, dtype, [2, 47, 2, 64]);
@@ -38,7 +38,7 @@ fn forward_into_writes_what_forward_returns() {
 
 #[test]
 fn forward_into_refuses_wrong_buffers() {
-    let mut rng = Rng(43);
+    let mut rng = Rng::new(43);
     let q = randn(&mut rng, DType::F32, [1, 8, 2, 32]);
     let opts = ForwardOptions::default();
     let mut short = vec![0f32; q.numel() - 1];

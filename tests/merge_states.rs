@@ -11,7 +11,7 @@ mod sharded_example;
 use flash_attn::serving::{merge_states, merge_states_n, Varlen};
 use flash_attn::{forward, DType, ForwardOptions, Mask, Tensor, TensorView};
 use proptest::prelude::*;
-use serving_util::Rng;
+use serving_util::{values, Rng};
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
@@ -43,13 +43,13 @@ fn sharded_example_matches_one_shot() {
 /// Splits the keys of a varlen batch into `parts` per sequence (some empty), runs each part,
 /// merges in a shuffled order, and compares with the whole.
 fn split_and_merge(seed: u64, parts: usize, causal: bool) -> Result<(), TestCaseError> {
-    let mut rng = Rng(seed | 1);
+    let mut rng = Rng::new(seed | 1);
     let (hq, hkv, d) = (4, 2, 32);
     let (sq, sk) = (1 + rng.below(12), 1 + rng.below(200));
     let dtype = DType::F32;
-    let q = Tensor::from_f32(&rng.values(sq * hq * d, dtype), dtype, [1, sq, hq, d]).unwrap();
-    let kv = rng.values(sk * hkv * d, dtype);
-    let vv = rng.values(sk * hkv * d, dtype);
+    let q = Tensor::from_f32(&values(&mut rng, sq * hq * d, dtype), dtype, [1, sq, hq, d]).unwrap();
+    let kv = values(&mut rng, sk * hkv * d, dtype);
+    let vv = values(&mut rng, sk * hkv * d, dtype);
     let k = Tensor::from_vec(kv.clone(), [1, sk, hkv, d]).unwrap();
     let v = Tensor::from_vec(vv.clone(), [1, sk, hkv, d]).unwrap();
     let mask = if causal { Mask::Causal } else { Mask::None };
@@ -119,10 +119,10 @@ proptest! {
 
 #[test]
 fn two_way_equals_n_way_and_neg_inf_rows_are_zero() {
-    let mut rng = Rng(7);
+    let mut rng = Rng::new(7);
     let shape = [1, 3, 2, 8];
-    let oa: Vec<f32> = rng.values(48, DType::F32);
-    let ob: Vec<f32> = rng.values(48, DType::F32);
+    let oa: Vec<f32> = values(&mut rng, 48, DType::F32);
+    let ob: Vec<f32> = values(&mut rng, 48, DType::F32);
     let nan = vec![f32::NAN; 48];
     let (ta, tb, tn) = (
         Tensor::from_vec(oa, shape).unwrap(),

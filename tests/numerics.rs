@@ -88,7 +88,7 @@ fn e5m2_codes_and_saturation() {
 fn per_block_scales_follow_their_block() {
     let (s, h, d, rows) = (200, 2, 16, 64);
     let shape = [1, s, h, d];
-    let mut rng = Rng(11);
+    let mut rng = Rng::new(11);
     let mut x: Vec<f32> = (0..s * h * d).map(|_| rng.normal() as f32).collect();
     // An outlier in block 1 of head 0; a zero block (block 2 of head 1).
     x[(70 * h) * d + 3] = 1000.0;
@@ -152,7 +152,7 @@ fn hadamard_is_orthogonal_and_keeps_dot_products() {
                 assert!((dot - want).abs() < 1e-6, "d {d} ({i},{j}): {dot}");
             }
         }
-        let mut rng = Rng(d as u64 + 1);
+        let mut rng = Rng::new(d as u64 + 1);
         for _ in 0..20 {
             let q: Vec<f32> = (0..d).map(|_| rng.normal() as f32 * 3.0).collect();
             let k: Vec<f32> = (0..d).map(|_| rng.normal() as f32).collect();
@@ -316,7 +316,7 @@ fn validate_fp8_rules() {
 // ---------------------------------------------------------------- through `forward`
 
 fn inputs(seed: u64, dtype: DType, shape: [usize; 4], kv_heads: usize) -> (Tensor, Tensor, Tensor) {
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let kv = [shape[0], shape[1], kv_heads, shape[3]];
     (randn(&mut rng, dtype, shape), randn(&mut rng, dtype, kv), randn(&mut rng, dtype, kv))
 }
@@ -351,7 +351,7 @@ fn growing_max_inputs(sk: usize, d: usize, rise_log2: f32) -> (Tensor, Tensor, T
     let q: Vec<f32> = (0..sq * d).map(|i| 1.0 + 0.01 * (i % 7) as f32).collect();
     let per_key = rise_log2 * std::f32::consts::LN_2 / (sk as f32 * (d as f32).sqrt());
     let k: Vec<f32> = (0..sk * d).map(|i| per_key * (i / d) as f32).collect();
-    let mut rng = Rng(99);
+    let mut rng = Rng::new(99);
     let v: Vec<f32> = (0..sk * d).map(|_| rng.normal() as f32).collect();
     (
         Tensor::from_vec(q, [1, sq, 1, d]).unwrap(),
@@ -494,7 +494,7 @@ fn fp8_pipeline_matches_a_straightforward_oracle() {
 /// 0 at 1024 keys (2^-10, a tie, to even) and 2048 keys (2^-11). Scaling P by 2^8 first keeps it.
 #[test]
 fn naive_fp8_baseline_casts_normalised_p_as_is() {
-    use flash_attn::numerics::baseline::{attention_naive_fp8, attention_naive_fp8_p_scaled};
+    use flash_attn::bench::fp8_baseline::{attention_naive_fp8, attention_naive_fp8_p_scaled};
     let d = 8;
     for (sk, survives) in [(512, true), (1024, false), (2048, false)] {
         // Q = 0: every score is 0. V alternates rows of 1 and 2 (exact in e4m3 after scaling).
@@ -517,8 +517,8 @@ fn naive_fp8_baseline_casts_normalised_p_as_is() {
 /// refuses scales at which P = 1 would saturate.
 #[test]
 fn tiled_fp8_with_p_scale_matches_forward() {
-    use flash_attn::numerics::baseline::tiled_fp8_with_p_scale;
-    let mut rng = Rng(3);
+    use flash_attn::bench::fp8_baseline::tiled_fp8_with_p_scale;
+    let mut rng = Rng::new(3);
     let shape = [1, 100, 2, 64];
     let (q, k, v) =
         (randn(&mut rng, DType::F16, shape), randn(&mut rng, DType::F16, shape), randn(&mut rng, DType::F16, shape));

@@ -13,14 +13,14 @@
 //! fails if FLASH_ATTN_REQUIRE_NVCC=1 (set by scripts/test.sh, which installs the toolchain).
 #![cfg(feature = "cuda")]
 
-use flash_attn::cuda::kernels::{
-    fa3_stage, kernel_symbol, targets_for, Image, Target, ARCHS_FILTER, CUOBJDUMP, DTYPE_NAMES, FAMILIES, HDIMS_FILTER, IMAGES,
+use flash_attn::cuda::table::{
+    kernel_symbol, targets_for, Image, Target, ARCHS_FILTER, CUOBJDUMP, DTYPE_NAMES, FAMILIES, HDIMS_FILTER, IMAGES,
     BUILD_SUMMARY, NVCC_VERSION, PTX_ISA, TARGETS_SKIPPED, WHY_NO_KERNELS,
 };
 use std::process::Command;
 use std::sync::OnceLock;
 
-fn family(name: &str) -> &'static flash_attn::cuda::kernels::Family {
+fn family(name: &str) -> &'static flash_attn::cuda::table::Family {
     FAMILIES.iter().find(|f| f.name == name).expect("image of a family in the table")
 }
 
@@ -207,7 +207,7 @@ fn toolchain_present_when_required() {
 fn fa3_warp_specialised_stages_enter_with_168_registers() {
     const ENTRY_REGISTERS: u32 = 168;
     let mut checked = 0;
-    for img in cubins().filter(|i| fa3_stage(i.family).is_some_and(|s| s >= 3)) {
+    for img in cubins().filter(|i| family(i.family).stage.is_some_and(|s| s >= 3)) {
         for (name, regs, ..) in report_stats(img.report) {
             assert_eq!(regs, ENTRY_REGISTERS, "{name}: {regs} registers at entry");
             checked += 1;

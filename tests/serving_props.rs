@@ -13,7 +13,7 @@ use flash_attn::serving::{
 };
 use flash_attn::{DType, Element, ForwardOptions, Mask, Output, Tensor};
 use proptest::prelude::*;
-use serving_util::{check_seq, rows, slopes, Rng, SeqCheck};
+use serving_util::{check_seq, rows, slopes, values, Rng, SeqCheck};
 
 #[derive(Debug, Clone)]
 struct Opts {
@@ -140,11 +140,11 @@ fn varlen_case(o: &Opts, lens_q: &[usize], lens_k: &[usize], dtype: DType) -> Re
     };
     let (cu_q, cu_k) = (cu(lens_q), cu(lens_k));
     let (tq, tk) = (*cu_q.last().unwrap() as usize, *cu_k.last().unwrap() as usize);
-    let mut rng = Rng(o.seed | 1);
+    let mut rng = Rng::new(o.seed | 1);
     let (qv, kv, vv) = (
-        rng.values(tq * hq * d, dtype),
-        rng.values(tk * hkv * d, dtype),
-        rng.values(tk * hkv * d, dtype),
+        values(&mut rng, tq * hq * d, dtype),
+        values(&mut rng, tk * hkv * d, dtype),
+        values(&mut rng, tk * hkv * d, dtype),
     );
     let q = Tensor::from_f32(&qv, dtype, [1, tq, hq, d]).unwrap();
     let k = Tensor::from_f32(&kv, dtype, [1, tk, hkv, d]).unwrap();
@@ -298,8 +298,8 @@ fn build_cache<T: Element>(c: &CacheCase, rng: &mut Rng, dtype: DType) -> Built<
     let (hkv, d) = (c.opts.heads_kv, c.opts.d);
     let row = hkv * d;
     let batch = c.lens.len();
-    let mut logical_k: Vec<Vec<f32>> = c.lens.iter().map(|&l| rng.values((l + c.new) * row, dtype)).collect();
-    let mut logical_v: Vec<Vec<f32>> = c.lens.iter().map(|&l| rng.values((l + c.new) * row, dtype)).collect();
+    let mut logical_k: Vec<Vec<f32>> = c.lens.iter().map(|&l| values(rng, (l + c.new) * row, dtype)).collect();
+    let mut logical_v: Vec<Vec<f32>> = c.lens.iter().map(|&l| values(rng, (l + c.new) * row, dtype)).collect();
     let nan = T::from_f32(f32::NAN);
     let (shape, table, max_blocks) = match c.page_size {
         None => {
@@ -377,7 +377,7 @@ fn cache_case_typed<T: Element>(c: &CacheCase, dtype: DType) -> Result<f64, Test
     let o = &c.opts;
     let (hq, hkv, d) = (o.hq(), o.heads_kv, o.d);
     let batch = c.lens.len();
-    let mut rng = Rng(o.seed | 1);
+    let mut rng = Rng::new(o.seed | 1);
     let mut built = build_cache::<T>(c, &mut rng, dtype);
     let seqlens: Vec<i32> = c.lens.iter().map(|&l| l as i32).collect();
     let table_ids = built.table.clone();
@@ -391,7 +391,7 @@ fn cache_case_typed<T: Element>(c: &CacheCase, dtype: DType) -> Result<f64, Test
     // Queries: dense [batch, sq, hq, d], or packed with per-sequence lengths.
     let q_lens: Vec<usize> = c.varlen_q.clone().unwrap_or_else(|| vec![c.sq; batch]);
     let tq: usize = q_lens.iter().sum();
-    let qv = rng.values(tq * hq * d, dtype);
+    let qv = values(&mut rng, tq * hq * d, dtype);
     let cu_q: Vec<i32> = std::iter::once(0)
         .chain(q_lens.iter().scan(0i32, |a, &l| {
             *a += l as i32;
@@ -505,7 +505,7 @@ fn kv_cache_matches_reference_per_sequence() {
 /// the heuristic agree with each other and with the reference.
 #[test]
 fn split_counts_agree_on_decode() {
-    let mut rng = Rng(99);
+    let mut rng = Rng::new(99);
     for (batch, sk, hkv, ratio, d, mask) in [
         (1, 4096, 1, 8, 128, Mask::None),
         (2, 1500, 2, 4, 64, Mask::Causal),
@@ -514,9 +514,9 @@ fn split_counts_agree_on_decode() {
     ] {
         let hq = hkv * ratio;
         let dtype = DType::F32;
-        let qv = rng.values(batch * hq * d, dtype);
-        let kv = rng.values(batch * sk * hkv * d, dtype);
-        let vv = rng.values(batch * sk * hkv * d, dtype);
+        let qv = values(&mut rng, batch * hq * d, dtype);
+        let kv = values(&mut rng, batch * sk * hkv * d, dtype);
+        let vv = values(&mut rng, batch * sk * hkv * d, dtype);
         let q = Tensor::from_f32(&qv, dtype, [batch, 1, hq, d]).unwrap();
         let k = Tensor::from_f32(&kv, dtype, [batch, sk, hkv, d]).unwrap();
         let v = Tensor::from_f32(&vv, dtype, [batch, sk, hkv, d]).unwrap();
@@ -567,12 +567,12 @@ fn split_counts_agree_on_decode() {
 /// problem through the paged API with any page size.
 #[test]
 fn dense_decode_equals_paged_decode() {
-    let mut rng = Rng(5);
+    let mut rng = Rng::new(5);
     let (batch, sk, hkv, hq, d) = (2, 333, 2, 8, 64);
     let dtype = DType::BF16;
-    let q = Tensor::from_f32(&rng.values(batch * 2 * hq * d, dtype), dtype, [batch, 2, hq, d]).unwrap();
-    let kv = rng.values(batch * sk * hkv * d, dtype);
-    let vv = rng.values(batch * sk * hkv * d, dtype);
+    let q = Tensor::from_f32(&values(&mut rng, batch * 2 * hq * d, dtype), dtype, [batch, 2, hq, d]).unwrap();
+    let kv = values(&mut rng, batch * sk * hkv * d, dtype);
+    let vv = values(&mut rng, batch * sk * hkv * d, dtype);
     let k = Tensor::from_f32(&kv, dtype, [batch, sk, hkv, d]).unwrap();
     let v = Tensor::from_f32(&vv, dtype, [batch, sk, hkv, d]).unwrap();
     let opts = ForwardOptions::default().causal(true).return_lse(true);

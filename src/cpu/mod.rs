@@ -14,12 +14,12 @@ mod pool;
 pub mod softmax;
 
 use crate::error::{Error, Result};
-use crate::numerics::emulate::EmulatedMath;
+use crate::numerics::softmax_math::SoftmaxMath;
 use crate::numerics::exp2::{poly_frac, EXP2_CLAMP_LOW};
 use crate::numerics::hadamard::Rotation;
 use crate::numerics::quant::fake_quantize;
 use crate::options::Precision;
-use crate::problem::{Problem, LOG2E};
+use crate::problem::Problem;
 use crate::tensor::{try_filled, DataMut, Element, Tensor, TensorView};
 use gemm::{micro_kernel, micro_kernel_skip_zero_b, Acc, MR, NR};
 use softmax::{finalize, max_get_scale, online_softmax, rescale_o, Exp2Math, RowState};
@@ -214,14 +214,8 @@ struct ScoreMod {
 
 impl ScoreMod {
     fn new(p: &Problem) -> Self {
-        let natural = p.softcap.is_some() || p.alibi.is_some();
-        ScoreMod {
-            natural,
-            c: if natural { LOG2E } else { p.scale * LOG2E },
-            u: if natural { 1.0 } else { p.scale },
-            scale: p.scale,
-            softcap: p.softcap,
-        }
+        let units = p.score_units();
+        ScoreMod { natural: units.natural, c: units.to_log2, u: units.to_natural, scale: p.scale, softcap: p.softcap }
     }
 }
 
@@ -470,6 +464,7 @@ fn check_head_dim(p: &Problem) -> Result<()> {
 }
 
 /// The CPU forward pass on validated inputs, with the given exp2/rounding arithmetic.
+#[cfg(any(test, feature = "bench"))]
 pub(crate) fn forward_with<M: Exp2Math>(
     p: &Problem,
     q: &TensorView,
@@ -606,7 +601,7 @@ fn to_seq_major<T: Element>(p: &Problem, src: &[f32], dst: &mut [T], nthreads: u
 /// path that ran.
 ///
 /// `Native` runs when precision is Native, exp2 Accurate and rescale Always; any other option
-/// runs the emulation of a kernel's arithmetic (`numerics::emulate`), and FP8 first rotates
+/// runs that kernel arithmetic on the CPU (`numerics::softmax_math`), and FP8 first rotates
 /// (optionally) and fake-quantises Q, K, V (`numerics::quant::fake_quantize`).
 pub(crate) fn run(p: &Problem, q: &TensorView, k: &TensorView, v: &TensorView, nthreads: usize) -> Result<CpuOutput> {
     check_head_dim(p)?; // before the FP8 preprocessing reads anything
@@ -625,7 +620,7 @@ pub(crate) fn run_into(
     nthreads: usize,
     dst: DataMut<'_>,
 ) -> Result<(Vec<f32>, &'static str)> {
-    let math = EmulatedMath::for_problem(p);
+    let math = SoftmaxMath::for_problem(p);
     if math.is_native() {
         return Ok((forward_with_into(p, q, k, v, Native, nthreads, dst)?, path_name()));
     }

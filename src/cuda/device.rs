@@ -1,7 +1,7 @@
 //! CUDA devices: driver detection, contexts, compute capability, and a lazily loaded cache of
 //! the embedded kernel images per context. Every CUDA status becomes [`Error::Cuda`].
 
-use super::kernels::{Family, Image, Target, Tile, IMAGES, WHY_NO_KERNELS};
+use super::table::{Family, Image, Target, Tile, IMAGES, WHY_NO_KERNELS};
 use crate::error::{Error, Result};
 use cudarc::driver::{result, sys, CudaContext, CudaStream, DriverError};
 use std::collections::HashMap;
@@ -90,13 +90,11 @@ impl Drop for Module {
     }
 }
 
-/// A function ready to launch: the kernel, its module (kept loaded) and its launch shape.
+/// A function ready to launch: the kernel and its module (kept loaded).
 #[derive(Clone, Debug)]
 pub(crate) struct Loaded {
     pub func: sys::CUfunction,
     _module: Arc<Module>,
-    pub tile: &'static Tile,
-    pub smem_bytes: u32,
 }
 
 // SAFETY: a CUfunction is a driver handle into `_module`, which this value keeps loaded; it is
@@ -114,6 +112,7 @@ pub struct Device {
     cc: (i32, i32),
     name: String,
     max_smem_optin: u32,
+    sm_count: u32,
     /// (family, head_dim) -> loaded module, loaded at first use.
     modules: Mutex<HashMap<(&'static str, u32), Arc<Module>>>,
     /// (family, head_dim, dtype name) -> function with its shared memory attribute set.
@@ -181,12 +180,16 @@ impl Device {
         let max_smem_optin = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .map_err(cuda_err("cuDeviceGetAttribute(MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)"))?;
+        let sm_count = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(cuda_err("cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)"))?;
         Ok(Device {
             ordinal: ctx.ordinal(),
             ctx,
             cc,
             name,
             max_smem_optin: max_smem_optin.max(0) as u32,
+            sm_count: sm_count.max(1) as u32,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
         })
@@ -209,6 +212,10 @@ impl Device {
     /// Largest dynamic shared memory a block may opt in to, in bytes.
     pub fn max_smem_optin(&self) -> u32 {
         self.max_smem_optin
+    }
+    /// Streaming multiprocessors (the size of a persistent grid).
+    pub fn sm_count(&self) -> u32 {
+        self.sm_count
     }
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
@@ -255,14 +262,14 @@ impl Device {
                 }
             }
         };
-        let symbol = super::kernels::kernel_symbol(family.name, tile.head_dim, dtype);
+        let symbol = super::table::kernel_symbol(family.name, tile.head_dim, dtype);
         let c_symbol = CString::new(symbol).map_err(|e| Error::Cuda {
             call: "cuModuleGetFunction".into(),
             message: format!("kernel symbol with a NUL byte: {e}"),
         })?;
         // SAFETY: `module.raw` is loaded (the Arc keeps it so) in the current context.
         let func = unsafe { result::module::get_function(module.raw, c_symbol) }.map_err(cuda_err("cuModuleGetFunction"))?;
-        let smem_bytes = (family.smem_bytes)(tile);
+        let smem_bytes = family.smem_bytes(tile);
         if smem_bytes > DEFAULT_SMEM_LIMIT {
             // SAFETY: `func` is a function of the loaded module above.
             unsafe {
@@ -274,7 +281,7 @@ impl Device {
             }
             .map_err(cuda_err("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)"))?;
         }
-        let loaded = Loaded { func, _module: module, tile, smem_bytes };
+        let loaded = Loaded { func, _module: module };
         functions.insert(key, loaded.clone());
         Ok(loaded)
     }

@@ -31,13 +31,15 @@
 //! ```
 
 use super::device::{cuda_err, Device};
-use super::dispatch::{self, Choice};
-use super::params::FwdParams;
-use crate::api::Dispatch;
+use super::launch::{launch, plan_launch};
+use super::params::{FwdParams, Operands};
+use super::select::{self, Choice};
+use super::table::kernel_symbol;
 use crate::error::{Error, Operand, Result};
 use crate::options::ForwardOptions;
+use crate::output::{Dispatch, Output};
 use crate::problem::Problem;
-use crate::tensor::{contiguous_strides, DType, Element, Shape};
+use crate::tensor::{check_extent, contiguous_strides, DType, Element, Shape};
 use cudarc::driver::{result, sys, CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, SyncOnDrop};
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
@@ -56,42 +58,52 @@ const MAX_GRID_YZ: usize = 65535;
 /// and a tile).
 const MAX_SEQLEN: usize = 1 << 30;
 
-/// A borrowed device tensor `[batch, seqlen, heads, head_dim]` (head_dim contiguous), read by
-/// the kernel.
+/// What every borrowed device buffer records: where it lives, what it holds, the stream it was
+/// bound to (None for raw pointers) and cudarc's access record, dropped after the launch so that
+/// later accesses wait for the kernel.
 #[derive(Debug)]
-pub struct DeviceTensor<'a> {
+struct Bound<'a> {
     ptr: u64,
     len: usize,
     dtype: DType,
     shape: Shape,
     strides: [usize; 3],
-    /// The stream the tensor was bound to (None for raw pointers).
     stream: Option<StreamId>,
-    /// cudarc's read record: dropped after the launch, so later writers wait for the kernel.
     _guard: Option<SyncOnDrop<'a>>,
+}
+
+impl<'a> Bound<'a> {
+    /// A contiguous `shape` over a cudarc buffer's `(ptr, guard)`, used on `stream`.
+    fn cudarc((ptr, guard): (u64, SyncOnDrop<'a>), len: usize, dtype: DType, shape: Shape, stream: &CudaStream) -> Self {
+        let stream = Some(stream_id(stream.cu_stream()));
+        Bound { ptr, len, dtype, shape, strides: strides_of(shape), stream, _guard: Some(guard) }
+    }
+
+    /// A contiguous `shape` over a raw device address.
+    fn raw(ptr: u64, len: usize, dtype: DType, shape: Shape) -> Self {
+        Bound { ptr, len, dtype, shape, strides: strides_of(shape), stream: None, _guard: None }
+    }
+}
+
+/// A borrowed device tensor `[batch, seqlen, heads, head_dim]` (head_dim contiguous), read by
+/// the kernel.
+#[derive(Debug)]
+pub struct DeviceTensor<'a> {
+    b: Bound<'a>,
     _borrow: PhantomData<&'a ()>,
 }
 
 /// A borrowed device tensor the kernel writes (the output).
 #[derive(Debug)]
 pub struct DeviceTensorMut<'a> {
-    ptr: u64,
-    len: usize,
-    dtype: DType,
-    shape: Shape,
-    strides: [usize; 3],
-    stream: Option<StreamId>,
-    _guard: Option<SyncOnDrop<'a>>,
+    b: Bound<'a>,
     _borrow: PhantomData<&'a mut ()>,
 }
 
 /// A borrowed f32 device buffer for the LSE, `[batch, heads_q, seqlen_q]` contiguous.
 #[derive(Debug)]
 pub struct DeviceLse<'a> {
-    ptr: u64,
-    len: usize,
-    stream: Option<StreamId>,
-    _guard: Option<SyncOnDrop<'a>>,
+    b: Bound<'a>,
     _borrow: PhantomData<&'a mut ()>,
 }
 
@@ -104,17 +116,8 @@ impl<'a> DeviceTensor<'a> {
     /// `stream`: the stream waits for the buffer's earlier writes, and the buffer's later writers
     /// wait for this read (cudarc's event tracking) once the tensor is dropped.
     pub fn new<T: Element + DeviceRepr, S: DevicePtr<T>>(data: &'a S, stream: &'a CudaStream, shape: Shape) -> Self {
-        let (ptr, guard) = data.device_ptr(stream);
-        DeviceTensor {
-            ptr,
-            len: data.len(),
-            dtype: T::DTYPE,
-            shape,
-            strides: strides_of(shape),
-            stream: Some(stream_id(stream.cu_stream())),
-            _guard: Some(guard),
-            _borrow: PhantomData,
-        }
+        let b = Bound::cudarc(data.device_ptr(stream), data.len(), T::DTYPE, shape, stream);
+        DeviceTensor { b, _borrow: PhantomData }
     }
 
     /// A tensor over a raw device address, for engines that do not use cudarc.
@@ -125,20 +128,20 @@ impl<'a> DeviceTensor<'a> {
     /// 2. The caller orders the launch stream after every write of this memory and keeps the
     ///    memory alive until the kernel is done (the crate cannot track raw pointers).
     pub unsafe fn from_raw(ptr: u64, len: usize, dtype: DType, shape: Shape) -> Self {
-        DeviceTensor { ptr, len, dtype, shape, strides: strides_of(shape), stream: None, _guard: None, _borrow: PhantomData }
+        DeviceTensor { b: Bound::raw(ptr, len, dtype, shape), _borrow: PhantomData }
     }
 
     /// Element strides of batch, seqlen and heads (head_dim stays contiguous); checked against
     /// the buffer length by `forward`.
     pub fn with_strides(mut self, strides: [usize; 3]) -> Self {
-        self.strides = strides;
+        self.b.strides = strides;
         self
     }
     pub fn shape(&self) -> Shape {
-        self.shape
+        self.b.shape
     }
     pub fn dtype(&self) -> DType {
-        self.dtype
+        self.b.dtype
     }
 }
 
@@ -147,17 +150,8 @@ impl<'a> DeviceTensorMut<'a> {
     /// [`DeviceTensor::new`]).
     pub fn new<T: Element + DeviceRepr, S: DevicePtrMut<T>>(data: &'a mut S, stream: &'a CudaStream, shape: Shape) -> Self {
         let len = data.len();
-        let (ptr, guard) = data.device_ptr_mut(stream);
-        DeviceTensorMut {
-            ptr,
-            len,
-            dtype: T::DTYPE,
-            shape,
-            strides: strides_of(shape),
-            stream: Some(stream_id(stream.cu_stream())),
-            _guard: Some(guard),
-            _borrow: PhantomData,
-        }
+        let b = Bound::cudarc(data.device_ptr_mut(stream), len, T::DTYPE, shape, stream);
+        DeviceTensorMut { b, _borrow: PhantomData }
     }
 
     /// An output over a raw device address.
@@ -166,15 +160,15 @@ impl<'a> DeviceTensorMut<'a> {
     /// As [`DeviceTensor::from_raw`], and nothing else reads or writes the memory while the
     /// kernel runs.
     pub unsafe fn from_raw(ptr: u64, len: usize, dtype: DType, shape: Shape) -> Self {
-        DeviceTensorMut { ptr, len, dtype, shape, strides: strides_of(shape), stream: None, _guard: None, _borrow: PhantomData }
+        DeviceTensorMut { b: Bound::raw(ptr, len, dtype, shape), _borrow: PhantomData }
     }
 
     pub fn with_strides(mut self, strides: [usize; 3]) -> Self {
-        self.strides = strides;
+        self.b.strides = strides;
         self
     }
     pub fn shape(&self) -> Shape {
-        self.shape
+        self.b.shape
     }
 }
 
@@ -182,35 +176,14 @@ impl<'a> DeviceLse<'a> {
     /// An LSE output over a cudarc f32 buffer, written on `stream`.
     pub fn new<S: DevicePtrMut<f32>>(data: &'a mut S, stream: &'a CudaStream) -> Self {
         let len = data.len();
-        let (ptr, guard) = data.device_ptr_mut(stream);
-        DeviceLse { ptr, len, stream: Some(stream_id(stream.cu_stream())), _guard: Some(guard), _borrow: PhantomData }
+        let b = Bound::cudarc(data.device_ptr_mut(stream), len, DType::F32, [1, 1, 1, len], stream);
+        DeviceLse { b, _borrow: PhantomData }
     }
 
     /// # Safety
     /// As [`DeviceTensorMut::from_raw`], for `len` f32 values.
     pub unsafe fn from_raw(ptr: u64, len: usize) -> Self {
-        DeviceLse { ptr, len, stream: None, _guard: None, _borrow: PhantomData }
-    }
-}
-
-/// Checks that shape and strides address only elements inside `len` (as the host
-/// `TensorView::check_layout`), without allocating on success.
-fn check_layout(op: Operand, shape: Shape, strides: [usize; 3], len: usize) -> Result<()> {
-    let [b, s, h, d] = shape;
-    for (dim, n) in [("batch", b), ("seqlen", s), ("heads", h), ("head_dim", d)] {
-        if n == 0 {
-            return Err(Error::EmptyDimension { operand: op, dim });
-        }
-    }
-    let last = [(b, strides[0]), (s, strides[1]), (h, strides[2])]
-        .iter()
-        .try_fold(d - 1, |acc, &(n, st)| (n - 1).checked_mul(st).and_then(|x| x.checked_add(acc)));
-    match last {
-        Some(last) if last < len => Ok(()),
-        _ => Err(Error::InvalidLayout {
-            operand: op,
-            reason: format!("shape {shape:?} with strides {strides:?} reaches past the {len} elements of the buffer"),
-        }),
+        DeviceLse { b: Bound::raw(ptr, len, DType::F32, [1, 1, 1, len]), _borrow: PhantomData }
     }
 }
 
@@ -297,15 +270,15 @@ impl Engine {
     /// As `forward`'s validation and dispatch.
     pub fn dispatch(&self, q_shape: Shape, k_shape: Shape, dtype: DType, opts: &ForwardOptions) -> Result<Dispatch> {
         let p = Problem::from_shapes(q_shape, k_shape, k_shape, dtype, opts)?;
-        let c = dispatch::choose(&*self.dev, &p, opts.variant)?;
+        let c = select::choose(&*self.dev, &p, opts.variant)?;
         Ok(self.record(&c, opts))
     }
 
     fn record(&self, c: &Choice, opts: &ForwardOptions) -> Dispatch {
         Dispatch {
             backend: format!("cuda:{}", self.dev.ordinal()),
-            kernel: super::kernels::kernel_symbol(c.family.name, c.tile.head_dim, c.dtype),
-            reason: dispatch::reason(&*self.dev, c, opts.variant),
+            kernel: kernel_symbol(c.family.name, c.tile.head_dim, c.dtype),
+            reason: select::reason(&*self.dev, c, opts.variant),
         }
     }
 
@@ -436,12 +409,13 @@ impl Engine {
         lse: Option<&mut DeviceLse>,
         opts: &ForwardOptions,
     ) -> Result<Choice> {
+        let (q, k, v, o) = (&q.b, &k.b, &v.b, &o.b);
         let sid = stream_id(stream);
         for (op, t) in [(Operand::Q, q), (Operand::K, k), (Operand::V, v)] {
-            check_layout(op, t.shape, t.strides, t.len)?;
+            check_extent(op, t.shape, t.strides, t.len)?;
             check_stream(op, t.stream, sid)?;
         }
-        check_layout(Operand::O, o.shape, o.strides, o.len)?;
+        check_extent(Operand::O, o.shape, o.strides, o.len)?;
         check_stream(Operand::O, o.stream, sid)?;
         for (op, dt) in [(Operand::K, k.dtype), (Operand::V, v.dtype), (Operand::O, o.dtype)] {
             if dt != q.dtype {
@@ -456,13 +430,15 @@ impl Engine {
             });
         }
         let p = Problem::from_shapes(q.shape, k.shape, v.shape, q.dtype, opts)?;
-        let mut c = dispatch::choose(&*self.dev, &p, opts.variant)?;
-        let (ptrs, strides) = ([q.ptr, k.ptr, v.ptr, o.ptr], [q.strides, k.strides, v.strides, o.strides]);
-        if let Some(why) = dispatch::layout_unmet(c.family, ptrs, strides) {
-            c = dispatch::fall_back(&*self.dev, &p, opts.variant, &c, why)?;
-        }
+        let mut ops = Operands {
+            ptrs: [q.ptr, k.ptr, v.ptr, o.ptr],
+            strides: [q.strides, k.strides, v.strides, o.strides],
+            lse: 0,
+            alibi: 0,
+        };
+        let c = select::choose_for(&*self.dev, &p, opts.variant, &ops)?;
 
-        let lse_ptr = match lse {
+        ops.lse = match lse.map(|l| &l.b) {
             Some(l) => {
                 let need = p.batch * p.heads_q * p.seqlen_q;
                 if l.len < need {
@@ -478,7 +454,7 @@ impl Engine {
             None => 0,
         };
         self.dev.context().bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
-        let alibi_ptr = match &p.alibi {
+        ops.alibi = match &p.alibi {
             Some(slopes) => self.alibi_on_device(slopes, stream)?,
             None => 0,
         };
@@ -500,8 +476,9 @@ impl Engine {
             });
         }
         // Strides were checked above to address inside the buffers, seqlens to fit i32.
-        let params = FwdParams::for_launch(&p, ptrs, strides, lse_ptr, alibi_ptr);
-        self.launch_params(stream, &c, params)?;
+        let plan = plan_launch(c.family, c.tile, p.dtype, FwdParams::for_launch(&p, &ops), self.dev.sm_count())?;
+        let f = self.dev.function(c.family, c.tile, c.dtype)?;
+        launch(&f, stream, &plan)?;
         Ok(c)
     }
 
@@ -563,29 +540,6 @@ impl Engine {
         }
         Ok(a.ptr)
     }
-
-    fn launch_params(&self, stream: sys::CUstream, c: &Choice, mut params: FwdParams) -> Result<()> {
-        if let Some(stage) = super::kernels::fa3_stage(c.family.name) {
-            return super::fa3::launch(&self.dev, stream, c, stage, params);
-        }
-        if super::kernels::fa4_stage(c.family.name).is_some() {
-            return super::fa4::launch(&self.dev, stream, c, params);
-        }
-        let f = self.dev.function(c.family, c.tile, c.dtype)?;
-        let grid = super::plan::launch_grid(c.family, f.tile, &params, 0);
-        let block = (f.tile.threads, 1, 1);
-        let mut args = [&mut params as *mut FwdParams as *mut std::ffi::c_void];
-        // SAFETY: the kernel takes exactly one parameter, `const __grid_constant__ FwdParams`,
-        // whose layout FwdParams mirrors (size and offsets asserted on both sides); `args`
-        // points at it for the duration of the call (cuLaunchKernel copies parameters). Every
-        // address in it was checked above to cover the elements the shapes and strides reach,
-        // and the kernel is launched with the block size and dynamic shared memory its
-        // instance was compiled for (the kernel traps otherwise).
-        unsafe {
-            cudarc::driver::result::launch_kernel(f.func, grid, block, f.smem_bytes, stream, &mut args)
-        }
-        .map_err(cuda_err("cuLaunchKernel"))
-    }
 }
 
 /// Runs a host-memory problem on the GPU: upload, launch, download (used by
@@ -598,7 +552,7 @@ pub(crate) fn forward_host_typed<T>(
     v: &crate::tensor::TensorView,
     data: [&[T]; 3],
     opts: &ForwardOptions,
-) -> Result<crate::Output>
+) -> Result<Output>
 where
     T: Element + DeviceRepr + cudarc::driver::ValidAsZeroBits,
 {
@@ -606,7 +560,7 @@ where
     let mut o_host = vec![T::default(); crate::tensor::numel(o_shape, "output")?];
     let mut lse_host = p.return_lse.then(|| vec![0f32; p.batch * p.heads_q * p.seqlen_q]);
     let dispatch = forward_host_into_typed(engine, p, q, k, v, data, &mut o_host, lse_host.as_deref_mut(), opts)?;
-    Ok(crate::Output { o: crate::tensor::Tensor::from_vec(o_host, o_shape)?, lse: lse_host, dispatch })
+    Ok(Output { o: crate::tensor::Tensor::from_vec(o_host, o_shape)?, lse: lse_host, dispatch })
 }
 
 /// As [`forward_host_typed`], downloading into the caller's buffers (`o_dst` contiguous

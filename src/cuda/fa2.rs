@@ -1,71 +1,57 @@
 //! The host side of the FA2 family (cuda/fa2_fwd.cu, docs/fa2.md): the preconditions its kernel
-//! relies on without checking them. Its launch is the generic one of `engine.rs`, from the
-//! family's row in build/instances.rs: grid (ceil(seqlen_q / block_m), heads_q, batch), 128
-//! threads, dynamic shared memory from `fa2_smem_bytes` (above 48 KB after the opt-in attribute,
-//! which `Device::function` sets).
+//! relies on without checking them. Grid, block and shared memory are the generic ones of its
+//! table row: (ceil(seqlen_q / block_m), heads_q, batch), 128 threads, `fa2_smem_bytes` (above
+//! 48 KB after the opt-in attribute, which `Device::function` sets).
 //!
 //! Preconditions and where each is enforced:
-//! - head_dim equal to the instance's (the kernel has no tail masking): `problem_unmet`, at
-//!   dispatch, so `Engine::dispatch` already reports the fallback;
+//! - head_dim equal to the instance's (the kernel has no tail masking): the problem refusal,
+//!   checked when the kernel is chosen, so `Engine::dispatch` already reports the fallback;
 //! - q/k/v/o 16-byte aligned and every batch/row/head stride a multiple of 8 elements (16-byte
-//!   cp.async loads and stores of f16/bf16 rows): `layout_unmet`, at launch (pointers and strides
-//!   are known only there); the crate's contiguous tensors of those head dims always satisfy it;
-//! - batch and heads_q at most 65535 (grid z/y), seqlens within i32: the engine's generic check
+//!   cp.async loads and stores of f16/bf16 rows): the layout refusal, at launch (pointers and
+//!   strides are known only there); the crate's contiguous tensors of those head dims meet it;
+//! - batch and heads_q at most 65535 (grid z/y), seqlens up to 2^30: the engine's generic check
 //!   (`Error::TooLarge`) for every family;
-//! - lse / alibi_slopes non-null when FA_FLAG_RETURN_LSE / FA_FLAG_ALIBI are set: the engine sets
-//!   those flags only from non-null device pointers.
+//! - lse / alibi_slopes non-null when FA_FLAG_RETURN_LSE / FA_FLAG_ALIBI are set: `FwdParams`
+//!   sets those flags only from non-null device pointers.
 //!
-//! An unmet precondition is a fallback under `Variant::Auto` (the next family down, FA1, runs and
-//! `Dispatch::reason` says why FA2 was passed over) and `Error::VariantUnavailable` under an
-//! explicit `Variant::Fa2` (never a silent switch of the requested family).
+//! A refusal is a fallback under `Variant::Auto` and a typed error under an explicit
+//! `Variant::Fa2` (src/cuda/family.rs).
 
-use super::kernels::Tile;
+use super::family::{chunked_rows_refusal, FamilyHost, LayoutRefusal};
+use super::params::Operands;
+use super::table::{Family, Tile};
 use crate::problem::Problem;
 
-/// Elements of one 16-byte chunk of an f16/bf16 row: the kernel's unit of cp.async and stores.
-const CHUNK_ELEMS: usize = 8;
-/// Alignment, in bytes, of those 16-byte accesses.
-const CHUNK_BYTES: u64 = 16;
+/// The FA2 family's host rules.
+#[derive(Debug)]
+pub(crate) struct Fa2;
 
-/// Why FA2's instance `tile` cannot run `p` (problem-level), or `None`.
-pub(crate) fn problem_unmet(tile: &Tile, p: &Problem) -> Option<&'static str> {
-    (p.head_dim != tile.head_dim as usize)
-        .then_some("fa2 runs only its exact head dims (32, 64, 96, 128, 192, 256: no tail masking)")
-}
+impl FamilyHost for Fa2 {
+    fn refusal(&self, _fam: &Family, tile: &Tile, p: &Problem) -> Option<&'static str> {
+        (p.head_dim != tile.head_dim as usize)
+            .then_some("runs only its exact head dims (32, 64, 96, 128, 192, 256: no tail masking)")
+    }
 
-/// Why FA2 cannot run on these device addresses and element strides (q, k, v, o), or `None`.
-pub(crate) fn layout_unmet(ptrs: [u64; 4], strides: [[usize; 3]; 4]) -> Option<&'static str> {
-    if ptrs.iter().any(|&a| a % CHUNK_BYTES != 0) {
-        return Some("fa2 needs q/k/v/o 16-byte aligned (16-byte cp.async and stores)");
+    fn layout_refusal(&self, ops: &Operands) -> Option<LayoutRefusal> {
+        chunked_rows_refusal(ops)
     }
-    if strides.iter().flatten().any(|&s| s % CHUNK_ELEMS != 0) {
-        return Some("fa2 needs every batch/row/head stride a multiple of 8 elements (16-byte rows chunks)");
-    }
-    None
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cuda::table::FAMILIES;
     use crate::options::ForwardOptions;
     use crate::tensor::DType;
 
     #[test]
-    fn layout_preconditions() {
-        let contiguous = [4096 * 8 * 64, 8 * 64, 64];
-        assert_eq!(layout_unmet([0x1000, 0x2000, 0x3000, 0x4000], [contiguous; 4]), None);
-        assert!(layout_unmet([0x1000, 0x2008, 0x3000, 0x4000], [contiguous; 4]).unwrap().contains("aligned"));
-        let odd_row = [4096 * 8 * 68, 8 * 68 + 4, 68];
-        assert!(layout_unmet([0; 4], [contiguous, odd_row, contiguous, contiguous]).unwrap().contains("stride"));
-    }
-
-    #[test]
     fn exact_head_dim_only() {
+        let fa2 = FAMILIES.iter().find(|f| f.name == "fa2").unwrap();
         let tile = Tile { head_dim: 64, block_m: 128, block_n: 64, threads: 128 };
         let p = |d: usize| {
             Problem::from_shapes([1, 8, 2, d], [1, 8, 2, d], [1, 8, 2, d], DType::F16, &ForwardOptions::default()).unwrap()
         };
-        assert_eq!(problem_unmet(&tile, &p(64)), None);
-        assert!(problem_unmet(&tile, &p(40)).is_some());
+        assert_eq!(Fa2.refusal(fa2, &tile, &p(64)), None);
+        assert!(Fa2.refusal(fa2, &tile, &p(40)).unwrap().contains("exact head dims"));
     }
 }

@@ -4,32 +4,33 @@
 //!
 //! | module | role |
 //! |---|---|
-//! | `kernels` | the one table of instances (build/instances.rs) and the images build.rs embedded |
+//! | `table` | the one table of instances (build/instances.rs) and the images build.rs embedded |
+//! | `select` | (SM, dtype, head_dim, options, variant, layout) -> kernel instance |
+//! | `family` | `FamilyHost`, the trait each family's module implements, and the rules families share |
+//! | `fa2`, `fa3`, `fa4` | the families' host rules (FA1 has none beyond its table row) |
 //! | `params` | `FwdParams`, the FFI struct mirrored from `cuda/include/fa_params.h` |
+//! | `launch` | one launch as data (`LaunchPlan`), and the one kernel launch |
+//! | `plan` | launch plans of a named family, for the CPU emulator |
 //! | `device` | driver detection, contexts, compute capability, lazily loaded module cache |
-//! | `dispatch` | (SM, dtype, head_dim, options, variant) -> kernel instance |
-//! | `fa3`, `fa3_tma` | the FA3 stage ladder's refusals, layout checks, TMA tensor maps and launch |
-//! | `fa4` | the FA4 (tcgen05, sm_100a) ladder's refusals, tensor maps and launch |
-//! | `plan` | one launch as data (symbol, grid, block, smem, params, tensor-map arguments), for the CPU emulator |
 //! | `engine` | the device-memory API: [`Engine`], [`DeviceTensor`], caller's stream (cudarc or raw) and output |
-//! | `fa2` | the FA2 family's host-side preconditions (its launch is the generic one) |
 
 mod device;
-mod dispatch;
 mod engine;
 mod fa2;
 mod fa3;
-mod fa3_tma;
 mod fa4;
-#[doc(hidden)]
-pub mod kernels;
-pub mod params;
+mod family;
+mod launch;
+mod params;
 #[doc(hidden)]
 pub mod plan;
+mod select;
+#[doc(hidden)]
+pub mod table;
 
 pub use device::{device_count, driver_present, Device};
 pub use engine::{DeviceLse, DeviceTensor, DeviceTensorMut, Engine};
 
 pub(crate) use device::why_unusable;
-pub(crate) use dispatch::choose;
 pub(crate) use engine::{forward_host_into_typed, forward_host_typed};
+pub(crate) use select::choose;

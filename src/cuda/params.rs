@@ -1,14 +1,25 @@
 //! `FwdParams`: the one FFI struct between Rust and every forward kernel, mirrored field for
 //! field from `cuda/include/fa_params.h`. Both sides assert the size and the offsets, so a change
-//! on one side alone fails the build.
+//! on one side alone fails the build. [`Operands`]: where q, k, v, o, the LSE and the ALiBi
+//! slopes live, from which the parameters are built.
 
-use crate::problem::{Problem, LOG2E};
+use crate::problem::Problem;
 use std::mem::{offset_of, size_of};
 
 /// Bits of [`FwdParams::flags`] (FA_FLAG_* in fa_params.h).
 pub const FLAG_RETURN_LSE: u32 = 1;
 pub const FLAG_SOFTCAP: u32 = 2;
 pub const FLAG_ALIBI: u32 = 4;
+
+/// Where q, k, v, o live: device addresses and element strides of (batch, seqlen, heads), plus
+/// the LSE and ALiBi buffers (0: none).
+#[derive(Clone, Copy, Debug)]
+pub struct Operands {
+    pub ptrs: [u64; 4],
+    pub strides: [[usize; 3]; 4],
+    pub lse: u64,
+    pub alibi: u64,
+}
 
 /// Kernel parameters, passed by value as `const __grid_constant__ FwdParams`.
 #[repr(C)]
@@ -53,8 +64,8 @@ pub struct FwdParams {
     pub descale_block: i32,
     /// Natural units, multiplies q·k.
     pub softmax_scale: f32,
-    /// Score units to log2 units: softmax_scale·log2(e) for raw q·k scores; log2(e) for
-    /// natural-unit scores (softcap or ALiBi on). See cuda/include/softmax_fwd.cuh.
+    /// Score units to log2 units (`Problem::score_units`): softmax_scale·log2(e) for raw q·k
+    /// scores; log2(e) for natural-unit scores (softcap or ALiBi on).
     pub softmax_scale_log2: f32,
     /// The cap (0 when off).
     pub softcap: f32,
@@ -88,12 +99,11 @@ const _: () = {
 };
 
 impl FwdParams {
-    /// The parameters of a launch of `p` on device addresses `ptrs` (q, k, v, o) with element
-    /// strides `strides` (batch, seqlen, heads of each), LSE at `lse` and ALiBi slopes at `alibi`
-    /// (0: none): the one place they are built, for `Engine`'s launches and for the emulator's
-    /// launch plans (`crate::cuda::emulation`). The caller has checked that seqlens fit `i32` and
-    /// that the strides address inside their buffers (so they fit `i64`).
-    pub(crate) fn for_launch(p: &Problem, ptrs: [u64; 4], strides: [[usize; 3]; 4], lse: u64, alibi: u64) -> Self {
+    /// The parameters of a launch of `p` on `ops`: the one place they are built, for
+    /// `Engine`'s launches and for the emulator's launch plans. The caller has checked that
+    /// seqlens fit `i32` and that the strides address inside their buffers (so they fit `i64`).
+    pub(crate) fn for_launch(p: &Problem, ops: &Operands) -> Self {
+        let Operands { ptrs, strides, lse, alibi } = *ops;
         let st = |s: usize| s as i64;
         // An unbounded side is -1. Problem::new clamps bounds to the sequence (<= 2^30 on the
         // GPU); a bound past i32::MAX would see the same keys as i32::MAX, and mask.cuh forms
@@ -138,9 +148,7 @@ impl FwdParams {
             window_left: window(p.left),
             window_right: window(p.right),
             softmax_scale: p.scale,
-            // Score units -> log2 units (softmax_fwd.cuh): natural-unit scores with softcap or
-            // ALiBi, raw q·k otherwise.
-            softmax_scale_log2: if p.softcap.is_some() || p.alibi.is_some() { LOG2E } else { p.scale * LOG2E },
+            softmax_scale_log2: p.score_units().to_log2,
             softcap: p.softcap.unwrap_or(0.0),
             flags,
             ..FwdParams::default()
@@ -148,7 +156,7 @@ impl FwdParams {
     }
 
     /// The struct's bytes as the kernel receives them (native endianness, `fa_params.h` layout).
-    pub fn to_bytes(&self) -> [u8; size_of::<FwdParams>()] {
+    pub fn to_bytes(self) -> [u8; size_of::<FwdParams>()] {
         let mut out = [0u8; size_of::<FwdParams>()];
         let mut at = 0;
         let mut put = |b: &[u8]| {

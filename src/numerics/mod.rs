@@ -3,8 +3,7 @@
 //! and once in a header under `cuda/include/` with the same constants and steps
 //! (`exp2_poly.cuh`, `fp8.cuh`, `hadamard.cuh`, `online_softmax.cuh`).
 
-pub mod baseline;
-pub(crate) mod emulate;
+pub(crate) mod softmax_math;
 pub mod exp2;
 pub mod fp8;
 pub mod hadamard;

@@ -53,6 +53,19 @@ impl SplitMix64 {
     pub fn bernoulli(&mut self, p: f64) -> bool {
         self.uniform() < p
     }
+
+    /// Uniform in `0..n` (0 for `n == 0`); the modulo bias is below `n / 2^64`.
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n.max(1) as u64) as usize
+    }
+
+    /// Fisher–Yates shuffle of `v`.
+    pub fn shuffle<T>(&mut self, v: &mut [T]) {
+        for i in (1..v.len()).rev() {
+            let j = self.below(i + 1);
+            v.swap(i, j);
+        }
+    }
 }
 
 /// Probability that an entry of FlashAttention-3's accuracy inputs carries an outlier.

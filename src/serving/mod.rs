@@ -50,11 +50,11 @@ pub(crate) mod merge;
 pub use layout::{BatchLayout, KvLayout, QueryLayout};
 pub use merge::{merge_states, merge_states_n, AttentionState};
 
-use crate::api::{Dispatch, Output};
+use crate::output::{Dispatch, Output};
 use crate::cpu;
 use crate::cpu::inplace;
 use crate::error::{Error, Operand, Result};
-use crate::numerics::emulate::EmulatedMath;
+use crate::numerics::softmax_math::SoftmaxMath;
 use crate::options::{Backend, ForwardOptions, Precision, Variant};
 use crate::problem::Problem;
 use crate::tensor::{numel, AsTensorView, Data, Element, OwnedData, Shape, TensorView};
@@ -631,7 +631,7 @@ pub(crate) fn run_inplace(
     qkv: (&TensorView<'_>, &TensorView<'_>, &TensorView<'_>),
     run: inplace::RunOpts<'_>,
 ) -> Result<inplace::InplaceOutput> {
-    let math = EmulatedMath::for_problem(p);
+    let math = SoftmaxMath::for_problem(p);
     if math.is_native() {
         inplace::forward(p, layout, qkv, cpu::Native, run)
     } else {

@@ -5,27 +5,8 @@
 use flash_attn::reference::{attention_f64, attention_naive, max_abs_diff};
 use flash_attn::{DType, ForwardOptions, Output, Problem, Tensor};
 
-/// A small deterministic generator (xorshift64*), so tests need no RNG crate.
-pub struct Rng(pub u64);
-
-impl Rng {
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    /// Uniform in [0, 1).
-    pub fn uniform(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-    /// Standard normal (Box-Muller).
-    pub fn normal(&mut self) -> f64 {
-        let u1 = self.uniform().max(1e-300);
-        let u2 = self.uniform();
-        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
-    }
-}
+/// The crate's deterministic generator (SplitMix64), so tests need no RNG crate.
+pub use flash_attn::numerics::rng::SplitMix64 as Rng;
 
 /// A `[b, s, h, d]` tensor of N(0, 1) values in `dtype`.
 pub fn randn(rng: &mut Rng, dtype: DType, shape: [usize; 4]) -> Tensor {

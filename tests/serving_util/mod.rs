@@ -4,34 +4,12 @@
 use flash_attn::reference::{attention_f64, attention_naive, max_abs_diff};
 use flash_attn::{DType, ForwardOptions, Problem, Tensor};
 
-/// xorshift64* (the tests need no RNG crate).
-pub struct Rng(pub u64);
+/// The crate's deterministic generator (SplitMix64), so tests need no RNG crate.
+pub use flash_attn::numerics::rng::SplitMix64 as Rng;
 
-impl Rng {
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    pub fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n.max(1) as u64) as usize
-    }
-    pub fn normal(&mut self) -> f32 {
-        let u1 = ((self.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
-        let u2 = ((self.next_u64() >> 11) as f64) / (1u64 << 53) as f64;
-        ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
-    }
-    /// `n` normal values rounded to `dtype` (so every copy of them is exact).
-    pub fn values(&mut self, n: usize, dtype: DType) -> Vec<f32> {
-        (0..n).map(|_| dtype.round(self.normal())).collect()
-    }
-    pub fn shuffle<T>(&mut self, v: &mut [T]) {
-        for i in (1..v.len()).rev() {
-            let j = self.below(i + 1);
-            v.swap(i, j);
-        }
-    }
+/// `n` normal values rounded to `dtype` (so every copy of them is exact).
+pub fn values(rng: &mut Rng, n: usize, dtype: DType) -> Vec<f32> {
+    (0..n).map(|_| dtype.round(rng.normal() as f32)).collect()
 }
 
 /// Floor of FlashAttention's tolerance rule per dtype (as tests/common).

@@ -1,5 +1,5 @@
 //! The boundary between the GPU benches and the CUDA runtime: the [`GpuHarness`] trait and
-//! [`open`], implemented on the crate's device-memory API (`flash_attn::cuda::Engine`,
+//! [`open`], implemented on the crate's device-memory API (`crate::cuda::Engine`,
 //! `DeviceTensor`, `Engine::launch` on the caller's stream) with cudarc for buffers, events and
 //! a device-to-device copy.
 //!
@@ -14,7 +14,7 @@
 //! through the sets; per-launch ms = elapsed / launches.
 
 use super::Case;
-use flash_attn::{Dispatch, ForwardOptions, Output, Tensor};
+use crate::{Dispatch, ForwardOptions, Output, Tensor};
 
 /// What the report prints about the GPU.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -95,7 +95,7 @@ pub trait GpuHarness {
 pub fn open(ordinal: usize) -> Result<Box<dyn GpuHarness>, String> {
     #[cfg(feature = "cuda")]
     {
-        if !flash_attn::cuda::driver_present() {
+        if !crate::cuda::driver_present() {
             return Err("no CUDA driver (libcuda.so) was found".into());
         }
         let quiet = std::panic::take_hook();
@@ -122,8 +122,8 @@ mod cuda {
     use super::{GpuHarness, GpuInfo, GpuTiming};
     use cudarc::driver::sys::{self, CUdevice_attribute as Attr};
     use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
-    use flash_attn::cuda::{DeviceTensor, DeviceTensorMut, Engine};
-    use flash_attn::{Dispatch, Element, ForwardOptions, Output, OwnedData, Shape, Tensor};
+    use crate::cuda::{DeviceTensor, DeviceTensorMut, Engine};
+    use crate::{Dispatch, Element, ForwardOptions, Output, OwnedData, Shape, Tensor};
     use half::{bf16, f16};
     use std::sync::Arc;
 
@@ -407,13 +407,13 @@ mod cuda {
 }
 
 #[allow(unused_imports)] // used by benches/gpu.rs only
-pub use flash_attn::roofline::rotating_sets;
+pub use crate::bench::roofline::rotating_sets;
 
 /// The GPU sweep of the issue: batch × seqlen = `tokens` (16K), seqlen 512..=16K, head_dim
 /// 64/128/256 with hidden 2048 (32/16/8 heads, as FA3's paper), causal and not, in `dtype`.
 /// `quick` is the short sweep of the one-command GPU check: hdim 64 and 128 at seqlen 4K (the
 /// same shapes as `scripts/peers_torch.py --quick` and `scripts/gpu-bench.sh`).
-pub fn sweep(dtype: flash_attn::DType, tokens: usize, quick: bool) -> Vec<Case> {
+pub fn sweep(dtype: crate::DType, tokens: usize, quick: bool) -> Vec<Case> {
     const HIDDEN: usize = 2048;
     let seqlens: &[usize] = if quick { &[4096] } else { &[512, 1024, 2048, 4096, 8192, 16384] };
     let dims: &[usize] = if quick { &[64, 128] } else { &[64, 128, 256] };

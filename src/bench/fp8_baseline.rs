@@ -24,12 +24,13 @@
 //! 5. **O = P8·V8** with an f32 accumulator over V's codes, multiplied by V's descale (per block
 //!    of V's scales, so per-block scaling is handled too), rounded to f16 (the output dtype).
 
-use super::exp2::exp2_poly_deg;
-use super::fp8::{e4m3_to_f32, round_e4m3};
-use super::hadamard::Rotation;
-use super::quant::{block_rows, fake_quantize, quantize_e4m3, QuantizedE4m3};
+use crate::numerics::exp2::exp2_poly_deg;
+use crate::numerics::fp8::{e4m3_to_f32, round_e4m3};
+use crate::numerics::hadamard::Rotation;
+use crate::numerics::quant::{block_rows, fake_quantize, quantize_e4m3, QuantizedE4m3};
 use crate::cpu::softmax::Exp2Math;
-use crate::error::{Error, Result};
+use crate::error::{Error, Operand, Result};
+use crate::reference::{naive, NaiveSteps};
 use crate::options::{Fp8Scaling, Precision};
 use crate::problem::Problem;
 use crate::tensor::{DType, TensorView};
@@ -84,70 +85,50 @@ pub fn attention_naive_fp8_p_scaled(
     p_scale_log2: f32,
 ) -> Result<Vec<f64>> {
     crate::reference::check_views(p, q, k, v)?;
-    let d = p.head_dim;
-    let h16 = |x: f32| DType::F16.round(x);
-    let p_mul = p_scale_log2.exp2();
-    let (q8, k8, v8) = (quantize(q, scaling)?, quantize(k, scaling)?, quantize(v, scaling)?);
-    let codes = |t: &QuantizedE4m3, b: usize, s: usize, h: usize| -> Vec<f32> {
+    let steps = Fp8Steps {
+        q: quantize(q, scaling)?,
+        k: quantize(k, scaling)?,
+        v: quantize(v, scaling)?,
+        p_mul: p_scale_log2.exp2(),
+    };
+    naive(p, &steps)
+}
+
+/// The baseline's steps 2-5 (module docs) in terms of the one naive loop: e4m3 codes, descaled
+/// products, an f16 softmax and P cast to e4m3 after `p_mul`.
+struct Fp8Steps {
+    q: QuantizedE4m3,
+    k: QuantizedE4m3,
+    v: QuantizedE4m3,
+    p_mul: f32,
+}
+
+impl NaiveSteps for Fp8Steps {
+    fn dtype(&self) -> DType {
+        DType::F16
+    }
+    fn row(&self, which: Operand, b: usize, s: usize, h: usize) -> Vec<f32> {
+        let t = match which {
+            Operand::Q => &self.q,
+            Operand::K => &self.k,
+            _ => &self.v,
+        };
         let [_, s_n, h_n, d] = t.shape;
         let at = ((b * s_n + s) * h_n + h) * d;
         t.codes[at..at + d].iter().map(|&c| e4m3_to_f32(c)).collect()
-    };
-    let mut o = crate::tensor::try_filled(q8.codes.len(), 0.0f64, || "FP8 baseline output".into())?;
-    for b in 0..p.batch {
-        for h in 0..p.heads_q {
-            let hk = h / p.group();
-            let ks: Vec<Vec<f32>> = (0..p.seqlen_k).map(|j| codes(&k8, b, j, hk)).collect();
-            let vs: Vec<Vec<f32>> = (0..p.seqlen_k).map(|j| codes(&v8, b, j, hk)).collect();
-            for i in 0..p.seqlen_q {
-                let qi = codes(&q8, b, i, h);
-                let dq = q8.scale(b, i, h);
-                // Step 2: scaled FP8 matmul with an f16 output, then the softmax scale in f16.
-                let s: Vec<f32> = (0..p.seqlen_k)
-                    .map(|j| {
-                        if !p.visible(i, j) {
-                            return f32::NEG_INFINITY;
-                        }
-                        let acc: f32 = qi.iter().zip(&ks[j]).map(|(a, b)| a * b).sum();
-                        let mut s = h16(h16(acc * (dq * k8.scale(b, j, hk))) * p.scale);
-                        if let Some(cap) = p.softcap {
-                            s = h16(cap * (s / cap).tanh());
-                        }
-                        h16(s + p.alibi_bias(h, i, j))
-                    })
-                    .collect();
-                // Step 3: f16 softmax (max, exp and sum in f32, P rounded to f16).
-                let m = s.iter().fold(f32::NEG_INFINITY, |a, &x| if x > a || x.is_nan() { x } else { a });
-                if m == f32::NEG_INFINITY {
-                    continue;
-                }
-                let e: Vec<f32> = s.iter().map(|&x| (x - m).exp()).collect();
-                let l: f32 = e.iter().sum();
-                // Steps 4 and 5: P to e4m3, f32 accumulation per block of V's scales, descale.
-                let mut out = vec![0.0f32; d];
-                let mut acc = vec![0.0f32; d];
-                for (j, ej) in e.iter().enumerate() {
-                    let p8 = round_e4m3(h16(ej / l) * p_mul);
-                    for (a, vx) in acc.iter_mut().zip(&vs[j]) {
-                        *a += p8 * vx;
-                    }
-                    let block_ends = (j + 1) % v8.block_rows == 0 || j + 1 == p.seqlen_k;
-                    if block_ends {
-                        let dv = v8.scale(b, j, hk) / p_mul;
-                        for (ox, a) in out.iter_mut().zip(acc.iter_mut()) {
-                            *ox += *a * dv;
-                            *a = 0.0;
-                        }
-                    }
-                }
-                let dst = &mut o[((b * p.seqlen_q + i) * p.heads_q + h) * d..][..d];
-                for (ox, x) in dst.iter_mut().zip(&out) {
-                    *ox = h16(*x) as f64;
-                }
-            }
-        }
     }
-    Ok(o)
+    fn qk_descale(&self, b: usize, i: usize, h: usize, j: usize, hk: usize) -> f32 {
+        self.q.scale(b, i, h) * self.k.scale(b, j, hk)
+    }
+    fn p_cast(&self, p: f32) -> f32 {
+        round_e4m3(p * self.p_mul)
+    }
+    fn v_block_rows(&self) -> usize {
+        self.v.block_rows
+    }
+    fn v_descale(&self, b: usize, j: usize, hk: usize) -> f32 {
+        self.v.scale(b, j, hk) / self.p_mul
+    }
 }
 
 /// Our tiled FP8 kernel's arithmetic (accurate exp2, eager rescale, P in e4m3) with P offset by
@@ -162,7 +143,7 @@ impl Exp2Math for PScaled {
         self.log2
     }
     fn exp2(&self, x: f32) -> f32 {
-        exp2_poly_deg(x, super::emulate::ACCURATE_DEGREE)
+        exp2_poly_deg(x, crate::numerics::softmax_math::ACCURATE_DEGREE)
     }
     fn round_p(&self, p: f32) -> f32 {
         round_e4m3(p)
@@ -190,7 +171,7 @@ pub fn tiled_fp8_with_p_scale(
             expected: "Precision::Fp8 { .. }".into(),
         });
     };
-    let limit = super::fp8::E4M3_MAX.log2();
+    let limit = crate::numerics::fp8::E4M3_MAX.log2();
     if !(0.0..limit).contains(&p_scale_log2) {
         return Err(Error::InvalidOption {
             option: "P scale (log2)",

@@ -1,4 +1,4 @@
-//! The CPU backend's emulation of a kernel's softmax arithmetic: which exp2 (FA4's polynomial of
+//! The softmax arithmetic of a kernel, reproduced by the CPU backend: which exp2 (FA4's polynomial of
 //! a chosen degree), lazy rescaling, and P in e4m3 offset by `2^FP8_P_SCALE_LOG2` (FA3).
 //!
 //! P's row sum is accumulated in f32 from the *unrounded* P, as FA3 does; only the P that enters
@@ -17,7 +17,7 @@ pub const ACCURATE_DEGREE: u8 = 5;
 
 /// A kernel's softmax arithmetic, chosen at run time from the problem's options.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct EmulatedMath {
+pub struct SoftmaxMath {
     /// Polynomial degree of exp2 (2..=5).
     pub degree: u8,
     /// `Some(τ)`: rescale only when the row max grows by more than τ (log2 units).
@@ -26,9 +26,9 @@ pub struct EmulatedMath {
     pub fp8_p: bool,
 }
 
-impl EmulatedMath {
+impl SoftmaxMath {
     pub fn for_problem(p: &Problem) -> Self {
-        EmulatedMath {
+        SoftmaxMath {
             degree: match p.exp2 {
                 Exp2::Accurate => ACCURATE_DEGREE,
                 Exp2::Poly(d) => d,
@@ -48,7 +48,7 @@ impl EmulatedMath {
     }
 }
 
-impl Exp2Math for EmulatedMath {
+impl Exp2Math for SoftmaxMath {
     #[inline(always)]
     fn p_offset(&self) -> f32 {
         if self.fp8_p {
@@ -101,7 +101,7 @@ mod tests {
         let p = Problem::new(&q.view(), &k.view(), &v.view(), &ForwardOptions::default()).unwrap();
         let r = attention_f64(&p, &q.view(), &k.view(), &v.view()).unwrap();
         let err = |lazy: Option<f32>| {
-            let math = EmulatedMath { degree: ACCURATE_DEGREE, lazy, fp8_p: true };
+            let math = SoftmaxMath { degree: ACCURATE_DEGREE, lazy, fp8_p: true };
             let out = forward_with(&p, &q.view(), &k.view(), &v.view(), math, 1).unwrap();
             let o: Vec<f64> = out.o.to_f32_vec().iter().map(|&x| x as f64).collect();
             rmse(&o, &r.o)

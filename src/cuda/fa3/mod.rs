@@ -1,0 +1,177 @@
+//! Host side of the FA3 stage ladder (`cuda/fa3_fwd_sm90.cu`, rows "fa3s1".."fa3s5" of
+//! build/instances.rs, each with its `stage`): what the kernels refuse, their layout rule, the
+//! persistent grid of stage 5 (min(SMs, tiles) CTAs), and the three TMA tensor maps stages 2-5
+//! take after `FwdParams`, as data (`launch.rs` encodes them per launch from the device
+//! pointers and strides: host-only, no allocation). Tiles and shared memory come from the table
+//! rows; `tma` repeats the `Fa3Traits` arithmetic and its tests pin the two together.
+
+pub(crate) mod tma;
+
+use super::family::{chunked_rows_refusal, tile_grid, FamilyHost, Grid, LayoutRefusal};
+use super::launch::TensorMaps;
+use super::params::{FwdParams, Operands};
+use super::table::{Family, Tile};
+use crate::error::Result;
+use crate::problem::Problem;
+use crate::tensor::DType;
+use tma::OperandLayout;
+
+/// The first stage on a persistent grid.
+const PERSISTENT_STAGE: u8 = 5;
+/// The first stage that loads through TMA (and takes the tensor maps).
+const TMA_STAGE: u8 = 2;
+
+/// The FA3 ladder's host rules (every stage).
+#[derive(Debug)]
+pub(crate) struct Fa3;
+
+/// The stage of an FA3 row (every row of the ladder has one).
+fn stage(fam: &Family) -> u8 {
+    fam.stage.unwrap_or(1)
+}
+
+impl FamilyHost for Fa3 {
+    fn refusal(&self, _fam: &Family, tile: &Tile, p: &Problem) -> Option<&'static str> {
+        if p.alibi.is_some() {
+            return Some("has no ALiBi (FlashAttention-3 does not implement it; use Fa2 or Fa1)");
+        }
+        // The kernels load and multiply whole 64-column slabs with no tail mask.
+        (p.head_dim != tile.head_dim as usize).then_some("runs head_dim 64, 128 or 256 exactly (no masked tail)")
+    }
+
+    /// 16-byte aligned base addresses and strides of 8 elements: stage 1's 16-byte vector
+    /// loads, and TMA's stride rule from stage 2 on.
+    fn layout_refusal(&self, ops: &Operands) -> Option<LayoutRefusal> {
+        chunked_rows_refusal(ops)
+    }
+
+    fn grid(&self, fam: &Family, tile: &Tile, params: &FwdParams, sm_count: u32) -> Grid {
+        if stage(fam) >= PERSISTENT_STAGE {
+            tma::persistent_grid(tile.block_m, params, sm_count)
+        } else {
+            tile_grid(tile.block_m, params)
+        }
+    }
+
+    fn tensor_maps(&self, fam: &Family, dtype: DType, params: &FwdParams) -> Result<TensorMaps> {
+        if stage(fam) < TMA_STAGE {
+            return Ok(TensorMaps::default());
+        }
+        let [lq, lk, lv] = layouts(params);
+        let specs = tma::tma_specs(stage(fam), dtype, &lq, &lk, &lv)?;
+        Ok(TensorMaps::new(specs, [params.q, params.k, params.v]))
+    }
+}
+
+/// Operand layouts as the tensor maps need them, from the launch parameters (FA3 and FA4).
+pub(crate) fn layouts(p: &FwdParams) -> [OperandLayout; 3] {
+    let l = |seqlen: i32, heads: i32, st: [i64; 3]| OperandLayout {
+        batch: p.batch as usize,
+        seqlen: seqlen as usize,
+        heads: heads as usize,
+        head_dim: p.head_dim as usize,
+        batch_stride: st[0] as usize,
+        row_stride: st[1] as usize,
+        head_stride: st[2] as usize,
+    };
+    [
+        l(p.seqlen_q, p.heads_q, [p.q_batch_stride, p.q_row_stride, p.q_head_stride]),
+        l(p.seqlen_k, p.heads_kv, [p.k_batch_stride, p.k_row_stride, p.k_head_stride]),
+        l(p.seqlen_k, p.heads_kv, [p.v_batch_stride, p.v_row_stride, p.v_head_stride]),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::table::{kernel_symbol, KernelVariant, FAMILIES, FA3_MAX_STAGE};
+    use super::*;
+    use crate::error::Operand;
+    use crate::options::ForwardOptions;
+
+    /// The table's FA3 rows and tma's copy of `Fa3Traits` (whose numbers its own test pins to
+    /// the ones the C++ traits print) agree on every launch number.
+    #[test]
+    fn table_rows_match_the_traits() {
+        let rows: Vec<_> = FAMILIES.iter().filter(|f| f.variant == KernelVariant::Fa3).collect();
+        assert_eq!(rows.len(), FA3_MAX_STAGE as usize);
+        assert_eq!(FA3_MAX_STAGE, crate::problem::FA3_MAX_STAGE);
+        for (f, want_stage) in rows.into_iter().zip(1..) {
+            let stage = f.stage.expect("every FA3 row has a stage");
+            assert_eq!((stage, f.name), (want_stage, format!("fa3s{want_stage}").as_str()));
+            assert_eq!((f.source, f.min_sm), ("cuda/fa3_fwd_sm90.cu", 90));
+            assert!(!f.auto && !f.gpu_verified, "{}: not verified on a GPU yet", f.name);
+            assert_eq!(f.tiles.iter().map(|t| t.head_dim as usize).collect::<Vec<_>>(), tma::FA3_HEAD_DIMS);
+            for t in f.tiles {
+                let g = tma::geometry(stage, t.head_dim as usize).unwrap();
+                assert_eq!(
+                    (t.threads, t.block_m, t.block_n, f.smem_bytes(t)),
+                    (g.threads, g.block_m, g.block_n, g.smem_bytes),
+                    "{} hd{}",
+                    f.name,
+                    t.head_dim
+                );
+            }
+            let want_tma = stage >= TMA_STAGE;
+            assert_eq!(f.sass_expect.contains(&"UTMALDG"), want_tma, "{}", f.name);
+            assert_eq!(f.sass_expect.contains(&"SYNCS"), want_tma, "{}", f.name);
+            assert_eq!(f.sass_expect.contains(&"USETMAXREG"), stage >= 3, "{}", f.name);
+            assert!(f.sass_expect.contains(&"HGMMA"));
+        }
+        assert_eq!(kernel_symbol("fa3s5", 256, "bf16"), "fa3s5_fwd_hd256_bf16");
+    }
+
+    fn problem(head_dim: usize, opts: &ForwardOptions) -> Problem {
+        Problem::from_shapes([1, 100, 4, head_dim], [1, 90, 2, head_dim], [1, 90, 2, head_dim], DType::BF16, opts)
+            .unwrap()
+    }
+    const T128: Tile = Tile { head_dim: 128, block_m: 128, block_n: 128, threads: 384 };
+
+    #[test]
+    fn refuses_alibi_and_inexact_head_dims() {
+        let fam = &FAMILIES[FAMILIES.len() - 1];
+        assert_eq!(Fa3.refusal(fam, &T128, &problem(128, &ForwardOptions::default())), None);
+        let alibi = ForwardOptions::default().alibi_slopes(vec![0.5; 4]);
+        assert!(Fa3.refusal(fam, &T128, &problem(128, &alibi)).unwrap().contains("ALiBi"));
+        assert!(Fa3.refusal(fam, &T128, &problem(96, &ForwardOptions::default())).unwrap().contains("exactly"));
+    }
+
+    /// The launch parameters of contiguous q/o `[2, 100, 4, 128]` and k/v `[2, 300, 2, 128]` at
+    /// 0x1000.. 0x4000, built as every launch builds them.
+    fn params() -> FwdParams {
+        let (q, kv) = ([2, 100, 4, 128], [2, 300, 2, 128]);
+        let p = Problem::from_shapes(q, kv, kv, DType::BF16, &ForwardOptions::default()).unwrap();
+        let st = |s: [usize; 4]| [s[1] * s[2] * s[3], s[2] * s[3], s[3]];
+        let ops = Operands { ptrs: [0x1000, 0x2000, 0x3000, 0x4000], strides: [st(q), st(kv), st(kv), st(q)], lse: 0, alibi: 0 };
+        FwdParams::for_launch(&p, &ops)
+    }
+
+    #[test]
+    fn layout_refusals_name_the_operand() {
+        let (q, kv) = ([100 * 4 * 128, 4 * 128, 128], [300 * 2 * 128, 2 * 128, 128]);
+        let ok = Operands { ptrs: [0x1000, 0x2000, 0x3000, 0x4000], strides: [q, kv, kv, q], lse: 0, alibi: 0 };
+        assert_eq!(Fa3.layout_refusal(&ok), None);
+        let misaligned = Operands { ptrs: [0x1000, 0x2008, 0x3000, 0x4000], ..ok };
+        assert_eq!(Fa3.layout_refusal(&misaligned).map(|r| r.operand), Some(Operand::K));
+        let odd_stride = Operands { strides: [q, kv, kv, [q[0], 4 * 128 + 4, 128]], ..ok };
+        assert_eq!(Fa3.layout_refusal(&odd_stride).map(|r| r.operand), Some(Operand::O));
+    }
+
+    #[test]
+    fn tensor_map_layouts_follow_the_params() {
+        let p = params();
+        let [lq, lk, lv] = layouts(&p);
+        assert_eq!((lq.batch, lq.seqlen, lq.heads, lq.head_dim, lq.row_stride), (2, 100, 4, 128, 512));
+        assert_eq!((lk.seqlen, lk.heads, lk.row_stride, lk.batch_stride), (300, 2, 256, 300 * 256));
+        assert_eq!(lk, lv);
+        let [sq, sk, _] = tma::tma_specs(4, DType::BF16, &lq, &lk, &lv).unwrap();
+        assert_eq!(sq.dims, [128, 4, 100, 2]);
+        assert_eq!(sk.box_dims, [64, 1, 128, 1]);
+        // Stage 1 takes no maps; stages 2-5 take Q, K, V at the operands' addresses.
+        let (s1, s4) = (&FAMILIES[2], &FAMILIES[5]);
+        assert_eq!((s1.stage, s4.stage), (Some(1), Some(4)));
+        assert!(Fa3.tensor_maps(s1, DType::BF16, &p).unwrap().is_empty());
+        let maps = Fa3.tensor_maps(s4, DType::BF16, &p).unwrap();
+        assert_eq!(maps.iter().map(|m| m.global_address).collect::<Vec<_>>(), [0x1000, 0x2000, 0x3000]);
+        assert_eq!(maps[1].spec, sk);
+    }
+}

@@ -1,0 +1,446 @@
+//! The choice logic on fake GPUs and tables, and the real table on every GPU it targets.
+
+use super::super::device::pick_image;
+use super::super::fa2::Fa2;
+use super::super::fa3::Fa3;
+use super::super::fa4::Fa4;
+use super::super::family::Plain;
+use super::super::table::{targets_for, Host, KernelVariant, Target};
+use super::*;
+use crate::options::{ForwardOptions, Variant};
+use crate::tensor::DType;
+
+const fn tile(head_dim: u32) -> Tile {
+    Tile { head_dim, block_m: 64, block_n: 64, threads: 128 }
+}
+fn smem(_stage: Option<u8>, t: &Tile) -> u32 {
+    t.head_dim * 512
+}
+const TILES: &[Tile] = &[tile(64), tile(128), tile(256)];
+const fn family(name: &'static str, variant: KernelVariant, min_sm: u32, auto: bool, rank: u32, host: Host) -> Family {
+    Family {
+        name,
+        variant,
+        stage: None,
+        source: "",
+        tiles: TILES,
+        min_sm,
+        gpu_verified: false,
+        auto,
+        sass_expect: &[],
+        options: KernelOptions::NONE,
+        rank,
+        cpu_emulation: None,
+        smem,
+        host,
+    }
+}
+const FA1: Family = family("fa1", KernelVariant::Fa1, 80, true, 1, &Plain);
+const FA2: Family = family("fa2", KernelVariant::Fa2, 80, true, 2, &Fa2);
+/// An FA3 ladder row as the real table has them (sm_90a-only source, not in Auto).
+const fn fa3_row(name: &'static str, stage: u8, gpu_verified: bool) -> Family {
+    Family {
+        stage: Some(stage),
+        source: "cuda/fa3_fwd_sm90.cu",
+        gpu_verified,
+        ..family(name, KernelVariant::Fa3, 90, false, 30 + stage as u32, &Fa3)
+    }
+}
+/// A table shaped like the real one: FA1, FA2 and an FA3 ladder (three stages here) that is not
+/// allowed in Auto.
+static TABLE: &[Family] = &[
+    FA1,
+    FA2,
+    fa3_row("fa3s1", 1, false),
+    fa3_row("fa3s2", 2, false),
+    fa3_row("fa3s3", 3, false),
+];
+/// The same after stage 2 passed on a GPU.
+static TABLE_S2_VERIFIED: &[Family] = &[
+    FA1,
+    FA2,
+    fa3_row("fa3s1", 1, true),
+    fa3_row("fa3s2", 2, true),
+    fa3_row("fa3s3", 3, false),
+];
+
+const fn image(family: &'static str, head_dim: u32, target: Target) -> Image {
+    Image { family, head_dim, target, bytes: &[], report: "" }
+}
+static IMAGES: &[Image] = &[
+    image("fa1", 64, Target::Sm80),
+    image("fa1", 128, Target::Sm80),
+    image("fa1", 256, Target::Sm80),
+    image("fa1", 64, Target::Ptx80),
+    image("fa1", 128, Target::Ptx80),
+    image("fa1", 256, Target::Ptx80),
+    image("fa1", 64, Target::Sm90a),
+    image("fa1", 128, Target::Sm90a),
+    image("fa1", 256, Target::Sm90a),
+    // fa2: head_dim 64 pruned from the build
+    image("fa2", 128, Target::Sm80),
+    image("fa2", 256, Target::Sm80),
+    image("fa2", 128, Target::Sm90a),
+    image("fa2", 256, Target::Sm90a),
+    image("fa3s1", 64, Target::Sm90a),
+    image("fa3s1", 128, Target::Sm90a),
+    image("fa3s1", 256, Target::Sm90a),
+    image("fa3s2", 64, Target::Sm90a),
+    image("fa3s2", 128, Target::Sm90a),
+    image("fa3s2", 256, Target::Sm90a),
+    // stage 3: head_dim 256 pruned from the build
+    image("fa3s3", 64, Target::Sm90a),
+    image("fa3s3", 128, Target::Sm90a),
+    // a build that (wrongly) had an sm_100a image of the sm_90a-only source
+    image("fa3s3", 128, Target::Sm100a),
+    image("fa4s1", 128, Target::Sm100a),
+    image("fa4s2", 128, Target::Sm100a),
+];
+/// An FA4 ladder row as the real table has them (sm_100a-only source, not in Auto, unverified).
+const fn fa4_row(name: &'static str, stage: u8) -> Family {
+    Family {
+        stage: Some(stage),
+        source: "cuda/fa4_fwd_sm100.cu",
+        ..family(name, KernelVariant::Fa4, 100, false, 40 + stage as u32, &Fa4)
+    }
+}
+/// FA1/FA2 plus two FA4 tcgen05 rungs.
+static TABLE_FA4: &[Family] = &[FA1, FA2, fa4_row("fa4s1", 1), fa4_row("fa4s2", 2)];
+
+struct FakeGpu {
+    cc: (i32, i32),
+    smem: u32,
+}
+impl Gpu for FakeGpu {
+    fn ordinal(&self) -> usize {
+        0
+    }
+    fn name(&self) -> &str {
+        "fake"
+    }
+    fn sm(&self) -> u32 {
+        (self.cc.0 * 10 + self.cc.1) as u32
+    }
+    fn max_smem_optin(&self) -> u32 {
+        self.smem
+    }
+    fn image_for(&self, family: &str, head_dim: u32) -> Option<&'static Image> {
+        pick_image(IMAGES, family, head_dim, self.cc)
+    }
+}
+const H100: FakeGpu = FakeGpu { cc: (9, 0), smem: 227 * 1024 };
+const A100: FakeGpu = FakeGpu { cc: (8, 0), smem: 163 * 1024 };
+const RTX5090: FakeGpu = FakeGpu { cc: (12, 0), smem: 99 * 1024 };
+const B200: FakeGpu = FakeGpu { cc: (10, 0), smem: 227 * 1024 };
+
+fn problem(dtype: DType, head_dim: usize, opts: &ForwardOptions) -> Problem {
+    Problem::from_shapes([1, 100, 4, head_dim], [1, 100, 2, head_dim], [1, 100, 2, head_dim], dtype, opts).unwrap()
+}
+fn pick(gpu: &FakeGpu, head_dim: usize, variant: Variant) -> Result<Choice> {
+    choose_in(TABLE, gpu, &problem(DType::BF16, head_dim, &ForwardOptions::default()), variant)
+}
+
+#[test]
+fn auto_keeps_unverified_fa3_out_on_hopper() {
+    let c = pick(&H100, 128, Variant::Auto).unwrap();
+    assert_eq!((c.family.name, c.image.target), ("fa2", Target::Sm90a));
+    let why = reason_in(TABLE, &H100, &c, Variant::Auto);
+    assert!(why.contains("fa3s1, fa3s2, fa3s3 not picked by Auto"), "{why}");
+    // Explicitly requested, FA3 runs.
+    assert_eq!(pick(&H100, 128, Variant::Fa3).unwrap().family.name, "fa3s3");
+}
+
+#[test]
+fn explicit_variant_the_gpu_cannot_run_is_an_error() {
+    let e = pick(&A100, 128, Variant::Fa3).unwrap_err();
+    assert!(matches!(&e, Error::VariantUnavailable { variant: Variant::Fa3, reason } if reason.contains("sm_90")), "{e:?}");
+    let e = pick(&H100, 128, Variant::Fa4).unwrap_err();
+    assert!(matches!(e, Error::VariantUnavailable { variant: Variant::Fa4, .. }), "{e:?}");
+    let e = pick(&H100, 200, Variant::Fa3).unwrap_err();
+    assert!(matches!(e, Error::VariantUnavailable { .. }), "{e:?}");
+}
+
+fn fa3(table: &'static [Family], gpu: &FakeGpu, head_dim: usize, opts: &ForwardOptions) -> Result<Choice> {
+    let opts = opts.clone().variant(Variant::Fa3);
+    choose_in(table, gpu, &problem(DType::BF16, head_dim, &opts), Variant::Fa3)
+}
+
+#[test]
+fn fa3_without_a_stage_runs_the_highest_verified_else_the_highest_compiled() {
+    let none = ForwardOptions::default();
+    let c = fa3(TABLE, &H100, 128, &none).unwrap();
+    assert_eq!((c.family.name, c.tile.head_dim, c.image.target), ("fa3s3", 128, Target::Sm90a));
+    let why = reason_in(TABLE, &H100, &c, Variant::Fa3);
+    assert!(why.contains("Fa3 requested: fa3s3, no stage is GPU-verified yet"), "{why}");
+    assert!(why.contains("not yet verified on a GPU"), "{why}");
+    // Stage 3 has no hd256 image: the highest compiled stage that runs it is 2.
+    assert_eq!(fa3(TABLE, &H100, 256, &none).unwrap().family.name, "fa3s2");
+    // Once stage 2 is verified it wins over the unverified stage 3.
+    let c = fa3(TABLE_S2_VERIFIED, &H100, 128, &none).unwrap();
+    assert_eq!(c.family.name, "fa3s2");
+    let why = reason_in(TABLE_S2_VERIFIED, &H100, &c, Variant::Fa3);
+    assert!(why.contains("the highest GPU-verified stage"), "{why}");
+    assert!(!why.contains("not yet verified"), "{why}");
+}
+
+#[test]
+fn fa3_stage_selects_the_rung() {
+    let c = fa3(TABLE, &H100, 64, &ForwardOptions::default().fa3_stage(1)).unwrap();
+    assert_eq!(c.family.name, "fa3s1");
+    assert!(reason_in(TABLE, &H100, &c, Variant::Fa3).contains("fa3s1, the stage fa3_stage asked for"));
+    // Explicit beats verified.
+    assert_eq!(fa3(TABLE_S2_VERIFIED, &H100, 64, &ForwardOptions::default().fa3_stage(3)).unwrap().family.name, "fa3s3");
+    // A valid stage this table lacks, and a stage whose image was pruned.
+    let e = fa3(TABLE, &H100, 64, &ForwardOptions::default().fa3_stage(5)).unwrap_err();
+    assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("no stage Some(5)")), "{e:?}");
+    let e = fa3(TABLE, &H100, 256, &ForwardOptions::default().fa3_stage(3)).unwrap_err();
+    assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("no image built")), "{e:?}");
+}
+
+#[test]
+fn fa3_stage_is_validated() {
+    let shapes = ([1, 10, 2, 64], [1, 10, 2, 64]);
+    let check = |opts: ForwardOptions| Problem::from_shapes(shapes.0, shapes.1, shapes.1, DType::BF16, &opts);
+    for bad in [0, 6, 255] {
+        let e = check(ForwardOptions::default().variant(Variant::Fa3).fa3_stage(bad)).unwrap_err();
+        assert!(matches!(e, Error::InvalidOption { option: "fa3_stage", .. }), "{e:?}");
+    }
+    for other in [Variant::Auto, Variant::Fa2] {
+        let e = check(ForwardOptions::default().variant(other).fa3_stage(2)).unwrap_err();
+        assert!(matches!(e, Error::InvalidOption { option: "fa3_stage", .. }), "{e:?}");
+    }
+    assert_eq!(check(ForwardOptions::default().variant(Variant::Fa3).fa3_stage(5)).unwrap().fa3_stage, Some(5));
+}
+
+#[test]
+fn fa3_refusals() {
+    let none = ForwardOptions::default();
+    let refused = |r: Result<Choice>, what: &str| match r {
+        Err(Error::VariantUnavailable { variant: Variant::Fa3, reason }) => assert!(reason.contains(what), "{reason}"),
+        other => panic!("expected a refusal naming {what:?}, got {other:?}"),
+    };
+    refused(fa3(TABLE, &H100, 128, &none.clone().alibi_slopes(vec![0.25; 4])), "ALiBi");
+    refused(fa3(TABLE, &H100, 96, &none), "exactly");
+    refused(fa3(TABLE, &H100, 32, &none), "exactly");
+    refused(fa3(TABLE, &H100, 512, &none), "head_dim up to");
+    refused(fa3(TABLE, &A100, 128, &none), "sm_90");
+    refused(fa3(TABLE, &B200, 128, &none), "built only for sm_90a");
+    refused(fa3(TABLE, &RTX5090, 128, &none), "built only for sm_90a");
+    let f32p = problem(DType::F32, 128, &none.clone().variant(Variant::Fa3));
+    let e = choose_in(TABLE, &H100, &f32p, Variant::Fa3).unwrap_err();
+    assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("F32")), "{e:?}");
+    // Auto never routes to FA3 (unverified) and still runs ALiBi on Hopper.
+    let alibi = none.clone().alibi_slopes(vec![0.25; 4]);
+    let c = choose_in(TABLE, &H100, &problem(DType::BF16, 128, &alibi), Variant::Auto).unwrap();
+    assert_eq!(c.family.name, "fa2");
+}
+
+#[test]
+fn head_dim_runs_on_the_smallest_built_instance_that_holds_it() {
+    let c = pick(&A100, 40, Variant::Fa1).unwrap();
+    assert_eq!((c.tile.head_dim, c.image.target), (64, Target::Sm80));
+    // fa2 runs only its exact head dims (src/cuda/fa2.rs): 40 is refused when forced, and
+    // Auto takes fa1.
+    assert!(matches!(pick(&A100, 40, Variant::Fa2), Err(Error::VariantUnavailable { .. })));
+    assert_eq!(pick(&A100, 40, Variant::Auto).unwrap().family.name, "fa1");
+    let e = pick(&A100, 300, Variant::Auto).unwrap_err();
+    assert!(matches!(e, Error::UnsupportedHeadDim { head_dim: 300, .. }), "{e:?}");
+}
+
+#[test]
+fn gpus_without_own_sass_use_the_ptx() {
+    let c = pick(&RTX5090, 128, Variant::Auto).unwrap();
+    assert_eq!((c.family.name, c.image.target), ("fa1", Target::Ptx80));
+}
+
+#[test]
+fn f32_and_unimplemented_options_find_no_kernel() {
+    let e = choose_in(TABLE, &H100, &problem(DType::F32, 64, &ForwardOptions::default()), Variant::Auto).unwrap_err();
+    assert!(matches!(e, Error::UnsupportedDType { dtype: DType::F32, .. }), "{e:?}");
+    let poly = ForwardOptions::default().exp2(crate::options::Exp2::Poly(3));
+    let e = choose_in(TABLE, &H100, &problem(DType::F16, 64, &poly), Variant::Auto).unwrap_err();
+    assert!(matches!(&e, Error::BackendUnavailable { reason, .. } if reason.contains("exp2_poly")), "{e:?}");
+}
+
+#[test]
+fn shared_memory_beyond_the_gpu_is_refused() {
+    let small = FakeGpu { cc: (8, 6), smem: 100_000 };
+    assert!(pick(&small, 128, Variant::Fa1).is_ok()); // 65536 B
+    let e = pick(&small, 256, Variant::Fa1).unwrap_err(); // 131072 B
+    assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("shared memory")), "{e:?}");
+}
+
+/// The real table with every image it builds present: SASS where a target runs on the GPU,
+/// else the compute_80 PTX (as build.rs produces with no FLASH_ATTN_ARCHS/HDIMS pruning).
+struct Built(FakeGpu);
+impl Gpu for Built {
+    fn ordinal(&self) -> usize {
+        0
+    }
+    fn name(&self) -> &str {
+        "fake-built"
+    }
+    fn sm(&self) -> u32 {
+        self.0.sm()
+    }
+    fn max_smem_optin(&self) -> u32 {
+        self.0.smem
+    }
+    fn image_for(&self, family: &str, head_dim: u32) -> Option<&'static Image> {
+        let fam = FAMILIES.iter().find(|f| f.name == family)?;
+        fam.tiles.iter().find(|t| t.head_dim == head_dim)?;
+        let (major, minor) = self.0.cc;
+        let targets = targets_for(fam.source);
+        let target = targets
+            .iter()
+            .copied()
+            .find(|t| *t != Target::Ptx80 && t.runs_on(major, minor))
+            .or_else(|| targets.iter().copied().find(|t| t.runs_on(major, minor)))?;
+        Some(Box::leak(Box::new(image(fam.name, head_dim, target))))
+    }
+}
+const FA2_DIMS: [usize; 6] = [32, 64, 96, 128, 192, 256];
+/// (GPU, expected SASS target): A100, RTX 3090 (sm_86, 99 KB opt-in), RTX 4090, H100/H200.
+const FA2_GPUS: [(Built, Target); 4] = [
+    (Built(FakeGpu { cc: (8, 0), smem: 163 * 1024 }), Target::Sm80),
+    (Built(FakeGpu { cc: (8, 6), smem: 99 * 1024 }), Target::Sm80),
+    (Built(FakeGpu { cc: (8, 9), smem: 99 * 1024 }), Target::Sm80),
+    (Built(FakeGpu { cc: (9, 0), smem: 227 * 1024 }), Target::Sm90a),
+];
+fn real(gpu: &Built, dtype: DType, head_dim: usize, variant: Variant) -> Result<Choice> {
+    choose_in(FAMILIES, gpu, &problem(dtype, head_dim, &ForwardOptions::default()), variant)
+}
+
+#[test]
+fn auto_picks_fa2_on_ampere_ada_and_hopper() {
+    for (gpu, target) in &FA2_GPUS {
+        for d in FA2_DIMS {
+            for dtype in [DType::F16, DType::BF16] {
+                let c = real(gpu, dtype, d, Variant::Auto).unwrap();
+                assert_eq!((c.family.name, c.tile.head_dim as usize, c.image.target), ("fa2", d, *target), "sm_{} hd{d}", gpu.sm());
+                assert!(c.passed_over.is_none());
+                // Masks, softcap, ALiBi and LSE are run-time flags: still fa2.
+                let opts = ForwardOptions::default().causal(true).softcap(30.0).return_lse(true);
+                let c = choose_in(FAMILIES, gpu, &problem(dtype, d, &opts), Variant::Auto).unwrap();
+                assert_eq!(c.family.name, "fa2");
+            }
+        }
+    }
+}
+
+#[test]
+fn variant_fa2_is_forced_on_any_sm80_plus_and_refused_below() {
+    let newer = [Built(FakeGpu { cc: (10, 0), smem: 227 * 1024 }), Built(FakeGpu { cc: (12, 0), smem: 99 * 1024 })];
+    for gpu in FA2_GPUS.iter().map(|(g, _)| g).chain(&newer) {
+        for d in FA2_DIMS {
+            assert_eq!(real(gpu, DType::BF16, d, Variant::Fa2).unwrap().family.name, "fa2", "sm_{} hd{d}", gpu.sm());
+        }
+    }
+    // sm_120 has no SASS of its own: the compute_80 PTX.
+    assert_eq!(real(&newer[1], DType::F16, 128, Variant::Fa2).unwrap().image.target, Target::Ptx80);
+    let turing = Built(FakeGpu { cc: (7, 5), smem: 64 * 1024 });
+    let e = real(&turing, DType::F16, 64, Variant::Fa2).unwrap_err();
+    assert!(matches!(&e, Error::VariantUnavailable { variant: Variant::Fa2, reason } if reason.contains("sm_80")), "{e:?}");
+    let e = real(&FA2_GPUS[0].0, DType::F32, 64, Variant::Fa2).unwrap_err();
+    assert!(matches!(e, Error::VariantUnavailable { variant: Variant::Fa2, .. }), "{e:?}");
+}
+
+#[test]
+fn head_dims_fa2_lacks_fall_back_to_fa1_under_auto_and_fail_when_forced() {
+    let a100 = &FA2_GPUS[0].0;
+    for d in [8, 40, 72, 100, 160, 200] {
+        let c = real(a100, DType::F16, d, Variant::Auto).unwrap();
+        assert_eq!(c.family.name, "fa1", "hd{d}");
+        assert_eq!(c.passed_over.map(|(f, _)| f.name), Some("fa2"), "hd{d}");
+        let why = reason_in(FAMILIES, a100, &c, Variant::Auto);
+        assert!(why.contains("fa2 passed over") && why.contains("exact head dims"), "{why}");
+        let e = real(a100, DType::F16, d, Variant::Fa2).unwrap_err();
+        assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("exact head dims")), "{e:?}");
+    }
+}
+
+fn operands(ptrs: [u64; 4], strides: [[usize; 3]; 4]) -> Operands {
+    Operands { ptrs, strides, lse: 0, alibi: 0 }
+}
+
+#[test]
+fn fa2_layout_refusal_falls_back_under_auto_and_fails_when_forced() {
+    let a100 = &FA2_GPUS[0].0;
+    let p = problem(DType::BF16, 128, &ForwardOptions::default());
+    let contiguous = [100 * 4 * 128, 4 * 128, 128];
+    let aligned = operands([256; 4], [contiguous; 4]);
+    let c = choose_for_in(FAMILIES, a100, &p, Variant::Auto, &aligned).unwrap();
+    assert_eq!((c.family.name, c.passed_over.map(|(f, _)| f.name)), ("fa2", None));
+    let misaligned = operands([256, 258, 256, 256], [contiguous; 4]);
+    let fb = choose_for_in(FAMILIES, a100, &p, Variant::Auto, &misaligned).unwrap();
+    assert_eq!((fb.family.name, fb.passed_over.map(|(f, _)| f.name)), ("fa1", Some("fa2")));
+    assert!(reason_in(FAMILIES, a100, &fb, Variant::Auto).contains("16-byte aligned"));
+    let e = choose_for_in(FAMILIES, a100, &p, Variant::Fa2, &misaligned).unwrap_err();
+    assert!(
+        matches!(&e, Error::InvalidLayout { operand: crate::Operand::K, reason } if reason.contains("aligned")),
+        "{e:?}"
+    );
+    // FA1 has no layout rule.
+    let e = choose_for_in(FAMILIES, a100, &p, Variant::Fa1, &operands([258; 4], [[3, 5, 7]; 4]));
+    assert_eq!(e.unwrap().family.name, "fa1");
+}
+
+/// The real table: unique names, ascending tiles within the largest
+/// shared memory any supported GPU offers (227 KB, sm_90/sm_100; a GPU with less refuses
+/// the instance at dispatch, as tested above).
+#[test]
+fn the_table_is_well_formed() {
+    for (i, f) in FAMILIES.iter().enumerate() {
+        assert!(FAMILIES[..i].iter().all(|g| g.name != f.name), "duplicate family {}", f.name);
+        assert!(!f.sass_expect.is_empty(), "{}: no SASS expectation", f.name);
+        assert!(f.tiles.windows(2).all(|w| w[0].head_dim < w[1].head_dim), "{}: tiles not ascending", f.name);
+        for t in f.tiles {
+            assert!(t.threads % 32 == 0 && t.block_m > 0 && t.block_n > 0, "{}: bad tile {t:?}", f.name);
+            assert!(f.smem_bytes(t) <= 227 * 1024, "{} hd{}: {} B of shared memory", f.name, t.head_dim, f.smem_bytes(t));
+        }
+    }
+}
+
+#[test]
+fn fa4_runs_only_when_fa4_stage_names_it() {
+    let fa4 = |gpu: &FakeGpu, opts: ForwardOptions| {
+        let opts = opts.variant(Variant::Fa4);
+        choose_in(TABLE_FA4, gpu, &problem(DType::BF16, 128, &opts), Variant::Fa4)
+    };
+    // Auto never picks it.
+    let auto = choose_in(TABLE_FA4, &B200, &problem(DType::BF16, 128, &ForwardOptions::default()), Variant::Auto);
+    assert_eq!(auto.unwrap().family.variant, KernelVariant::Fa1); // the PTX image: no fa2 sm_100a one here
+    // Variant::Fa4 alone does not run an unverified tcgen05 kernel.
+    let e = fa4(&B200, ForwardOptions::default()).unwrap_err();
+    assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("FA4 needs fa4_stage")), "{e:?}");
+    // With the stage, on an sm_100 GPU, that stage runs (not the highest), and the reason says so.
+    for (stage, name) in [(1, "fa4s1"), (2, "fa4s2")] {
+        let c = fa4(&B200, ForwardOptions::default().fa4_stage(stage)).unwrap();
+        assert_eq!((c.family.name, c.image.target), (name, Target::Sm100a));
+        let why = reason_in(TABLE_FA4, &B200, &c, Variant::Fa4);
+        assert!(why.contains(&format!("{name}, the stage fa4_stage asked for")) && why.contains("not yet verified"), "{why}");
+    }
+    // A valid stage this table lacks.
+    let e = fa4(&B200, ForwardOptions::default().fa4_stage(3)).unwrap_err();
+    assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("no stage Some(3)")), "{e:?}");
+    // Elsewhere it is refused with the reason.
+    for gpu in [&H100, &RTX5090] {
+        let e = fa4(gpu, ForwardOptions::default().fa4_stage(1)).unwrap_err();
+        assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("sm_100")), "{e:?}");
+    }
+}
+
+#[test]
+fn fa4_stage_is_validated() {
+    let check = |o: ForwardOptions| Problem::from_shapes([1, 8, 1, 128], [1, 8, 1, 128], [1, 8, 1, 128], DType::BF16, &o);
+    for bad in [0, 4, 255] {
+        let e = check(ForwardOptions::default().variant(Variant::Fa4).fa4_stage(bad)).unwrap_err();
+        assert!(matches!(e, Error::InvalidOption { option: "fa4_stage", .. }), "{e:?}");
+    }
+    for other in [Variant::Auto, Variant::Fa3] {
+        let e = check(ForwardOptions::default().variant(other).fa4_stage(1)).unwrap_err();
+        assert!(matches!(e, Error::InvalidOption { option: "fa4_stage", .. }), "{e:?}");
+    }
+    assert_eq!(check(ForwardOptions::default().variant(Variant::Fa4).fa4_stage(3)).unwrap().fa4_stage, Some(3));
+    assert_eq!(crate::problem::FA4_MAX_STAGE, super::super::table::FA4_MAX_STAGE);
+}

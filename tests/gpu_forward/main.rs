@@ -1,0 +1,305 @@
+//! GPU tests: every kernel family in build/instances.rs against the float64 reference, with
+//! FlashAttention's tolerance `max|out - ref| <= 2 * max|naive_same_dtype - ref| + floor`.
+//! The output and LSE buffers are poisoned with NaN before each launch, so an element the kernel
+//! does not write fails the comparison.
+//!
+//! All `#[ignore]`d: a CPU run lists them as ignored. On a GPU:
+//! `cargo test --release --test gpu_forward -- --ignored` (scripts/gpu-check.sh runs them).
+#![cfg(feature = "cuda")]
+
+//!
+//! | module | concern |
+//! |---|---|
+//! | `matrix` | FA1/FA2 and Auto: random matrix, edge shapes, strided inputs, host path, dispatch |
+//! | `edges` | the edges of the input domain (huge bounds, scores near f32::MAX, infinite V) |
+//! | `streams` | engines' own streams and contexts, CUDA graph capture |
+//! | here | the sanitizer subsets and the FA3 and FA4 ladders, which scripts/gpu-check-run.sh runs by exact name |
+
+#[path = "../common/mod.rs"]
+mod common;
+mod edges;
+mod matrix;
+mod streams;
+mod util;
+
+use common::*;
+use flash_attn::cuda::{table::FAMILIES, Engine};
+use flash_attn::{DType, Error, ForwardOptions, Mask, Variant};
+use half::bf16;
+use util::*;
+
+/// The short subset scripts/gpu-check.sh runs under `compute-sanitizer --tool memcheck`: every
+/// instantiated head dim and one tail dim, seqlens off every tile size, causal and window, GQA,
+/// LSE, both dtypes, every variant. Small, so memcheck's slowdown stays affordable.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn sanitizer_subset() {
+    let engine = engine();
+    let stream = engine.device().context().new_stream().unwrap();
+    let mut rng = Rng::new(13);
+    let mut dims: Vec<usize> = FAMILIES.iter().flat_map(|f| f.tiles.iter().map(|t| t.head_dim as usize)).collect();
+    dims.push(40);
+    dims.sort_unstable();
+    dims.dedup();
+    for dtype in [DType::F16, DType::BF16] {
+        for &d in &dims {
+            for mask in [Mask::Causal, Mask::window(7, 2)] {
+                let q = randn(&mut rng, dtype, [1, 37, 4, d]);
+                let k = randn(&mut rng, dtype, [1, 45, 2, d]);
+                let v = randn(&mut rng, dtype, [1, 45, 2, d]);
+                for var in variants(&engine) {
+                    let opts = ForwardOptions::default().mask(mask).return_lse(true).alibi_slopes(vec![0.25f32; 4]).variant(var);
+                    check(&engine, &stream, [q.view(), k.view(), v.view()], &opts, &format!("{dtype:?} d{d} {mask:?} {var:?}"));
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------- FA3 stage ladder
+// One test per stage (scripts/gpu-check-run.sh runs them in ascending order, each under its
+// own timeout, so a hang in stage N names its rung and leaves the window to the others).
+
+/// Whether this GPU runs the FA3 kernels (sm_90a SASS: compute capability 9.0 only). Elsewhere
+/// the stage must be refused with VariantUnavailable, which is checked.
+fn fa3_runs_here(engine: &Engine, stage: u8) -> bool {
+    let opts = ForwardOptions::default().variant(Variant::Fa3).fa3_stage(stage);
+    let d = engine.dispatch([1, 64, 1, 64], [1, 64, 1, 64], DType::BF16, &opts);
+    if engine.device().compute_capability() == (9, 0) {
+        let d = d.unwrap_or_else(|e| panic!("fa3 stage {stage} on sm_90: {e}"));
+        assert_eq!(d.kernel, format!("fa3s{stage}_fwd_hd64_bf16"));
+        true
+    } else {
+        assert!(matches!(d, Err(Error::VariantUnavailable { .. })), "fa3 stage {stage} off sm_90: {d:?}");
+        false
+    }
+}
+
+/// The FA3 matrix of one stage: bf16/f16 × head_dim 64/128/256 × (plain; GQA + causal with
+/// sq < sk; a sliding window; sq > sk causal: rows with no key give O = 0, LSE = -inf; softcap;
+/// several K/V tiles (ring wrap); odd seqlens with GQA 7:1 and a causal window), each against
+/// the float64 reference with FlashAttention's tolerance, outputs NaN-poisoned; then more
+/// query tiles than SMs (stage 5: many tiles per CTA), and the typed refusals (ALiBi, head_dim
+/// 96, strides off the 16-byte rule).
+fn fa3_matrix(stage: u8) {
+    let engine = engine();
+    if !fa3_runs_here(&engine, stage) {
+        return;
+    }
+    let stream = engine.device().context().new_stream().unwrap();
+    let mut rng = Rng::new(0xfa3 + stage as u64);
+    let fa3 = ForwardOptions::default().variant(Variant::Fa3).fa3_stage(stage);
+    // (batch, sq, sk, hq, hkv, mask, softcap, lse)
+    type Case = (usize, usize, usize, usize, usize, Mask, Option<f32>, bool);
+    let cases: &[Case] = &[
+        (1, 128, 128, 1, 1, Mask::None, None, false),
+        (2, 100, 300, 4, 2, Mask::Causal, None, true),
+        (1, 257, 257, 2, 2, Mask::window(64, 16), None, true),
+        (1, 300, 100, 2, 1, Mask::Causal, None, true),
+        (1, 150, 200, 2, 2, Mask::None, Some(30.0), true),
+        (1, 70, 520, 1, 1, Mask::None, None, true),
+        (2, 77, 333, 7, 1, Mask::causal_window(40), None, true),
+    ];
+    let mut worst = 0.0f64;
+    for dtype in [DType::BF16, DType::F16] {
+        for d in [64usize, 128, 256] {
+            for &(b, sq, sk, hq, hkv, mask, softcap, lse) in cases {
+                let q = randn(&mut rng, dtype, [b, sq, hq, d]);
+                let k = randn(&mut rng, dtype, [b, sk, hkv, d]);
+                let v = randn(&mut rng, dtype, [b, sk, hkv, d]);
+                let mut opts = fa3.clone().mask(mask).return_lse(lse);
+                if let Some(c) = softcap {
+                    opts = opts.softcap(c);
+                }
+                let dt = if dtype == DType::BF16 { "bf16" } else { "f16" };
+                let chosen = engine.dispatch([b, sq, hq, d], [b, sk, hkv, d], dtype, &opts).unwrap();
+                assert_eq!(chosen.kernel, format!("fa3s{stage}_fwd_hd{d}_{dt}"), "{}", chosen.reason);
+                let what = format!("fa3 stage {stage} {dtype:?} b{b} sq{sq} sk{sk} hq{hq} hkv{hkv} d{d} {mask:?} softcap {softcap:?}");
+                worst = worst.max(check(&engine, &stream, [q.view(), k.view(), v.view()], &opts, &what));
+            }
+        }
+    }
+    // More (query tile, head, batch) tiles than any GPU has SMs: stage 5's CTAs take many each.
+    for dtype in [DType::BF16, DType::F16] {
+        let q = randn(&mut rng, dtype, [4, 520, 16, 64]);
+        let k = randn(&mut rng, dtype, [4, 64, 4, 64]);
+        let v = randn(&mut rng, dtype, [4, 64, 4, 64]);
+        let opts = fa3.clone().causal(true).return_lse(true);
+        let what = format!("fa3 stage {stage} {dtype:?} many tiles");
+        worst = worst.max(check(&engine, &stream, [q.view(), k.view(), v.view()], &opts, &what));
+    }
+    // The edges of the input domain (issue 10): huge windows, scores up to near f32::MAX,
+    // softcap f32::MAX, infinite and NaN V with rows that see no key.
+    for dtype in [DType::BF16, DType::F16] {
+        for d in [64usize, 128, 256] {
+            for ([q, k, v], opts, what) in edge_inputs(&mut rng, dtype, d, true) {
+                let mut o = fa3.clone().mask(opts.mask).return_lse(true);
+                o.softmax_scale = opts.softmax_scale;
+                o.softcap = opts.softcap;
+                check_edges(&engine, &stream, [&q, &k, &v], &o, &format!("fa3 stage {stage} {dtype:?} d{d} {what}"));
+            }
+        }
+    }
+    // Refusals are typed errors.
+    let alibi = fa3.clone().alibi_slopes(vec![0.25f32; 2]);
+    let e = engine.dispatch([1, 64, 2, 64], [1, 64, 2, 64], DType::BF16, &alibi);
+    assert!(matches!(&e, Err(Error::VariantUnavailable { reason, .. }) if reason.contains("ALiBi")), "{e:?}");
+    let e = engine.dispatch([1, 64, 2, 96], [1, 64, 2, 96], DType::BF16, &fa3);
+    assert!(matches!(e, Err(Error::VariantUnavailable { .. })), "{e:?}");
+    let padded = randn(&mut rng, DType::BF16, [1, 64, 1, 68]);
+    let data = match padded.view().data() {
+        flash_attn::Data::BF16(x) => x.to_vec(),
+        _ => unreachable!(),
+    };
+    let strided = [64 * 68, 68, 64]; // rows 68 elements apart: 136 bytes, not a multiple of 16
+    let shape = [1, 64, 1, 64];
+    let r = run_typed::<bf16>(&engine, &stream, [(&data, shape, strided), (&data, shape, strided), (&data, shape, strided)], &fa3);
+    assert!(matches!(r, Err(Error::InvalidLayout { .. })), "stride 68: {:?}", r.err());
+    println!("fa3 stage {stage}: passed; worst err/bound {worst:.3}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fa3_stage1() {
+    fa3_matrix(1);
+}
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fa3_stage2() {
+    fa3_matrix(2);
+}
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fa3_stage3() {
+    fa3_matrix(3);
+}
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fa3_stage4() {
+    fa3_matrix(4);
+}
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fa3_stage5() {
+    fa3_matrix(5);
+}
+
+// ---------------------------------------------------------------- FA4 stage ladder
+// Written where no Blackwell GPU was available: never run (docs/fa4.md).
+
+/// Whether this GPU runs the FA4 kernels (sm_100a SASS: compute capability 10.0 only); elsewhere
+/// the stage must be refused with VariantUnavailable, which is checked.
+fn fa4_runs_here(engine: &Engine, stage: u8) -> bool {
+    let opts = ForwardOptions::default().variant(Variant::Fa4).fa4_stage(stage);
+    let d = engine.dispatch([1, 64, 1, 64], [1, 64, 1, 64], DType::BF16, &opts);
+    if engine.device().compute_capability() == (10, 0) {
+        let d = d.unwrap_or_else(|e| panic!("fa4 stage {stage} on sm_100: {e}"));
+        assert_eq!(d.kernel, format!("fa4s{stage}_fwd_hd64_bf16"));
+        true
+    } else {
+        assert!(matches!(d, Err(Error::VariantUnavailable { .. })), "fa4 stage {stage} off sm_100: {d:?}");
+        false
+    }
+}
+
+/// The FA4 (tcgen05) matrix of one stage, as FA3's: bf16/f16 x head_dim 64/128 x the FA3 cases
+/// against the float64 reference, the domain edges, and the refusals (ALiBi, head_dim 96, no
+/// stage).
+fn fa4_matrix(stage: u8) {
+    let engine = engine();
+    if !fa4_runs_here(&engine, stage) {
+        return;
+    }
+    let stream = engine.device().context().new_stream().unwrap();
+    let mut rng = Rng::new(0xfa4 + stage as u64);
+    let fa4 = ForwardOptions::default().variant(Variant::Fa4).fa4_stage(stage);
+    type Case = (usize, usize, usize, usize, usize, Mask, Option<f32>, bool);
+    let cases: &[Case] = &[
+        (1, 128, 128, 1, 1, Mask::None, None, false),
+        (2, 100, 300, 4, 2, Mask::Causal, None, true),
+        (1, 257, 257, 2, 2, Mask::window(64, 16), None, true),
+        (1, 300, 100, 2, 1, Mask::Causal, None, true),
+        (1, 150, 200, 2, 2, Mask::None, Some(30.0), true),
+        (1, 70, 520, 1, 1, Mask::None, None, true),
+        (2, 77, 333, 7, 1, Mask::causal_window(40), None, true),
+    ];
+    let mut worst = 0.0f64;
+    for dtype in [DType::BF16, DType::F16] {
+        for d in [64usize, 128] {
+            for &(b, sq, sk, hq, hkv, mask, softcap, lse) in cases {
+                let q = randn(&mut rng, dtype, [b, sq, hq, d]);
+                let k = randn(&mut rng, dtype, [b, sk, hkv, d]);
+                let v = randn(&mut rng, dtype, [b, sk, hkv, d]);
+                let mut opts = fa4.clone().mask(mask).return_lse(lse);
+                if let Some(c) = softcap {
+                    opts = opts.softcap(c);
+                }
+                let dt = if dtype == DType::BF16 { "bf16" } else { "f16" };
+                let chosen = engine.dispatch([b, sq, hq, d], [b, sk, hkv, d], dtype, &opts).unwrap();
+                assert_eq!(chosen.kernel, format!("fa4s{stage}_fwd_hd{d}_{dt}"), "{}", chosen.reason);
+                let what = format!("fa4 stage {stage} {dtype:?} b{b} sq{sq} sk{sk} hq{hq} hkv{hkv} d{d} {mask:?} softcap {softcap:?}");
+                worst = worst.max(check(&engine, &stream, [q.view(), k.view(), v.view()], &opts, &what));
+            }
+            for ([q, k, v], opts, what) in edge_inputs(&mut rng, dtype, d, true) {
+                let mut o = fa4.clone().mask(opts.mask).return_lse(true);
+                o.softmax_scale = opts.softmax_scale;
+                o.softcap = opts.softcap;
+                check_edges(&engine, &stream, [&q, &k, &v], &o, &format!("fa4 stage {stage} {dtype:?} d{d} {what}"));
+            }
+        }
+    }
+    let alibi = fa4.clone().alibi_slopes(vec![0.25f32; 2]);
+    let e = engine.dispatch([1, 64, 2, 64], [1, 64, 2, 64], DType::BF16, &alibi);
+    assert!(matches!(&e, Err(Error::VariantUnavailable { reason, .. }) if reason.contains("ALiBi")), "{e:?}");
+    let e = engine.dispatch([1, 64, 2, 96], [1, 64, 2, 96], DType::BF16, &fa4);
+    assert!(matches!(e, Err(Error::VariantUnavailable { .. })), "{e:?}");
+    let no_stage = ForwardOptions::default().variant(Variant::Fa4);
+    let e = engine.dispatch([1, 64, 2, 64], [1, 64, 2, 64], DType::BF16, &no_stage);
+    assert!(matches!(&e, Err(Error::VariantUnavailable { reason, .. }) if reason.contains("fa4_stage")), "{e:?}");
+    println!("fa4 stage {stage}: passed; worst err/bound {worst:.3}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (a Blackwell sm_100 one to run; elsewhere the refusal is checked)"]
+fn fa4_stage1() {
+    fa4_matrix(1);
+}
+#[test]
+#[ignore = "needs a CUDA GPU (a Blackwell sm_100 one to run; elsewhere the refusal is checked)"]
+fn fa4_stage2() {
+    fa4_matrix(2);
+}
+#[test]
+#[ignore = "needs a CUDA GPU (a Blackwell sm_100 one to run; elsewhere the refusal is checked)"]
+fn fa4_stage3() {
+    fa4_matrix(3);
+}
+
+/// The short FA3 subset scripts/gpu-check-run.sh runs under compute-sanitizer (memcheck,
+/// racecheck, synccheck), one stage at a time (`FA3_SANITIZE_STAGE`, default all): every head
+/// dim, seqlens off the tiles, causal, GQA, LSE, both dtypes.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fa3_sanitizer_subset() {
+    let engine = engine();
+    let stages: Vec<u8> = match std::env::var("FA3_SANITIZE_STAGE") {
+        Ok(s) => vec![s.parse().expect("FA3_SANITIZE_STAGE: 1..=5")],
+        Err(_) => (1..=5).collect(),
+    };
+    let stream = engine.device().context().new_stream().unwrap();
+    let mut rng = Rng::new(17);
+    for stage in stages {
+        if !fa3_runs_here(&engine, stage) {
+            continue;
+        }
+        for dtype in [DType::F16, DType::BF16] {
+            for d in [64usize, 128, 256] {
+                let q = randn(&mut rng, dtype, [1, 100, 4, d]);
+                let k = randn(&mut rng, dtype, [1, 300, 2, d]);
+                let v = randn(&mut rng, dtype, [1, 300, 2, d]);
+                let opts = ForwardOptions::default().variant(Variant::Fa3).fa3_stage(stage).causal(true).return_lse(true);
+                check(&engine, &stream, [q.view(), k.view(), v.view()], &opts, &format!("fa3 stage {stage} {dtype:?} d{d}"));
+            }
+        }
+    }
+}
