@@ -34,6 +34,7 @@ __device__ const char* hang_barrier_name(unsigned int offset, int* slot);
 #endif
 
 #include "fa_params.h"
+#include "cta_coord.cuh"
 #include "fa3_traits.cuh"
 #include "fast_math_sm90.cuh"
 #include "mbarrier_sm90.cuh"
@@ -284,20 +285,8 @@ __device__ __forceinline__ void consumer_wait(uint64_t* bar, uint32_t parity) {
     __syncwarp();
 }
 
-// Block coordinates: x = query tile (heaviest first under a causal/window mask), y = q head,
-// z = batch.
-struct BlockCoord {
-    int m_block, head, kv_head, batch;
-};
-__device__ __forceinline__ BlockCoord block_coord(const FwdParams& p) {
-    BlockCoord bc;
-    bc.m_block = p.window_right >= 0 ? static_cast<int>(gridDim.x - 1 - blockIdx.x)
-                                     : static_cast<int>(blockIdx.x);
-    bc.head = blockIdx.y;
-    bc.kv_head = bc.head / (p.heads_q / p.heads_kv);
-    bc.batch = blockIdx.z;
-    return bc;
-}
+using fa_cta::block_coord;
+using fa_cta::BlockCoord;
 
 // Stage 5's linear tile numbering: t = m_index * (heads_q * batch) + batch * heads_q + head,
 // with m_index counting query tiles from the last one (the heaviest under a causal/window mask,
@@ -313,12 +302,9 @@ __device__ __forceinline__ BlockCoord tile_coord(const FwdParams& p, int t, int 
     return bc;
 }
 
-// 1024-aligned start of the dynamic shared memory (Fa3Traits::kSmemBytes includes the slack).
-__device__ __forceinline__ uint8_t* aligned_smem(uint8_t* raw) {
-    const uint32_t pad = (kSwizzleAtomBytes - (smem_u32(raw) % kSwizzleAtomBytes)) %
-                         kSwizzleAtomBytes;
-    return raw + pad;
-}
+// The dynamic shared memory base: 1024-aligned (Fa3Traits::kSmemBytes includes the slack).
+using fa_cta::aligned_smem;
+static_assert(static_cast<int>(fa_cta::kSmemAlignBytes) == kSwizzleAtomBytes, "the base alignment is the SW128 atom");
 
 // ---------------------------------------------------------------- stage 1: wgmma only
 

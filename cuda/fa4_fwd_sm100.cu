@@ -26,6 +26,7 @@
 #include <climits>
 
 #include "fa_params.h"
+#include "cta_coord.cuh"
 #include "fast_math_sm90.cuh"
 #include "mask.cuh"
 #include "mbarrier_sm90.cuh"
@@ -136,26 +137,10 @@ using fa3::smem_u32;
 using fa3::tma_load_4d;
 using fa3::tma_prefetch_desc;
 
-// Block coordinates: x = query tile (heaviest first under a causal/window mask), y = q head,
-// z = batch.
-struct BlockCoord {
-    int m_block, head, kv_head, batch;
-};
-__device__ __forceinline__ BlockCoord block_coord(const FwdParams& p) {
-    BlockCoord bc;
-    bc.m_block = p.window_right >= 0 ? static_cast<int>(gridDim.x - 1 - blockIdx.x)
-                                     : static_cast<int>(blockIdx.x);
-    bc.head = blockIdx.y;
-    bc.kv_head = bc.head / (p.heads_q / p.heads_kv);
-    bc.batch = blockIdx.z;
-    return bc;
-}
-
-// 1024-aligned start of the dynamic shared memory (kSmemBytes includes the slack).
-__device__ __forceinline__ uint8_t* aligned_smem(uint8_t* raw) {
-    const uint32_t pad = (kSwizzleAtomBytes - (smem_u32(raw) % kSwizzleAtomBytes)) % kSwizzleAtomBytes;
-    return raw + pad;
-}
+using fa_cta::aligned_smem;  // 1024-aligned dynamic shared memory base (kSmemBytes has the slack)
+using fa_cta::block_coord;
+using fa_cta::BlockCoord;
+static_assert(static_cast<int>(fa_cta::kSmemAlignBytes) == kSwizzleAtomBytes, "the base alignment is the SW128 atom");
 
 // Byte offset of (row, col) in a [rows x cols] tile of SW128 slabs (tcgen05_sm100.cuh).
 __device__ __forceinline__ int sw128_offset(int row, int col, int rows) {
