@@ -107,12 +107,22 @@ struct Fa4Traits {
     static constexpr int kTmemO = kSBuffers * kBlockN;
     static constexpr int kTmemCols = kTmemO + kQTiles * HeadDim <= 256 ? 256 : 512;
 
-    // Stage 3 softmax (FlashAttention-4, docs/fa4.md): elements with index % kPolyEvery ==
-    // kPolyEvery - 1 (12.5%) take the degree-3 software exp2 of exp2_poly.cuh on the FMA units,
-    // the rest MUFU; the running max is kept unless it grew by more than kLazyTau (log2 units).
-    static constexpr int kPolyEvery = 8;
-    static constexpr int kPolyDegree = 3;
-    static constexpr float kLazyTau = Stage >= 3 ? 8.0f : -1.0f;
+    // Stage 3 softmax (FlashAttention-4, docs/fa4.md), with its table row's parameters
+    // (build/instances.rs FA4_SOFTMAX, passed as FA_EXP2_POLY_DEGREE, FA_EXP2_POLY_EVERY,
+    // FA_LAZY_TAU): elements with index % kPolyEvery == kPolyEvery - 1 take the software exp2 of
+    // exp2_poly.cuh (degree kPolyDegree) on the FMA units, the rest MUFU; the running max is kept
+    // unless it grew by more than kLazyTau (log2 units). Stages 1-2 use neither.
+#if defined(FA_EXP2_POLY_EVERY) && defined(FA_EXP2_POLY_DEGREE) && defined(FA_LAZY_TAU)
+    static constexpr int kPolyEvery = Stage >= 3 ? FA_EXP2_POLY_EVERY : 0;
+    static constexpr int kPolyDegree = Stage >= 3 ? FA_EXP2_POLY_DEGREE : 0;
+    static constexpr float kLazyTau = Stage >= 3 ? FA_LAZY_TAU : -1.0f;
+#else
+    static constexpr int kPolyEvery = 0;
+    static constexpr int kPolyDegree = 0;
+    static constexpr float kLazyTau = -1.0f;
+#endif
+    static_assert(Stage < 3 || (kPolyEvery >= 1 && kPolyDegree >= 2 && kLazyTau >= 0.0f),
+                  "stage 3 runs FA4's softmax: its table row passes the parameters");
 
     // TMA: boxes of {64 columns, 1 head, rows, 1 batch}; one box per slab per tile.
     static constexpr int kTmaBoxRows = 128;

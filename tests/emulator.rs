@@ -18,7 +18,7 @@
 mod common;
 use common::emu::*;
 use flash_attn::cuda::table::FAMILIES;
-use flash_attn::{DType, ForwardOptions, Mask};
+use flash_attn::{DType, Exp2, ForwardOptions, Mask, Rescale};
 use std::process::Command;
 
 /// Whether the whole matrix was asked for (`FLASH_ATTN_EMU=full`).
@@ -555,7 +555,15 @@ fn fa4_stage2() {
 }
 #[test]
 fn fa4_stage3() {
-    check_all("fa4 stage 3", &fa4_cases(3), &[]);
+    let mut cases = fa4_cases(3);
+    // A problem that asks for FA4's softmax explicitly, with the row's parameters (degree-3
+    // exp2, tau 8): the same kernel (src/cuda/select.rs routes it; other parameters are refused).
+    let mut explicit = cases[0].clone();
+    explicit.opts.exp2 = Exp2::Poly(3);
+    explicit.opts.rescale = Rescale::Lazy { threshold: 8.0 };
+    explicit.label += " explicit Exp2::Poly(3) + Rescale::Lazy(8)";
+    cases.push(explicit);
+    check_all("fa4 stage 3", &cases, &[]);
 }
 
 const FA4: &str = "cuda/fa4_fwd_sm100.cu";

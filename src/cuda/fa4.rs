@@ -79,7 +79,7 @@ fn tma_specs(dtype: DType, p: &FwdParams) -> Result<[crate::cuda::launch::TmaSpe
 #[cfg(test)]
 mod tests {
     use super::super::plan::plan;
-    use super::super::table::{KernelOptions, KernelVariant, FA4_MAX_STAGE, FAMILIES};
+    use super::super::table::{unit_source, KernelOptions, KernelVariant, SoftmaxParams, FA4_MAX_STAGE, FAMILIES};
     use super::*;
     use crate::options::{ForwardOptions, Variant};
 
@@ -97,7 +97,18 @@ mod tests {
             assert_eq!((f.source, f.min_sm), ("cuda/fa4_fwd_sm100.cu", 100));
             assert!(!f.auto && !f.gpu_verified, "{}: no Blackwell GPU has run it", f.name);
             assert!(f.sass_expect.contains(&"UTCHMMA"), "{}", f.name);
-            assert_eq!(f.options, KernelOptions::NONE, "{}", f.name);
+            // Stage 3 runs FA4's softmax, with the parameters the build passes to the kernel.
+            let unit = unit_source(f, &f.tiles[0], "x.cu", false);
+            if want_stage == 3 {
+                assert_eq!(f.options, KernelOptions::EXP2_POLY.union(KernelOptions::LAZY_RESCALE));
+                assert_eq!(f.softmax, SoftmaxParams { poly_degree: 3, poly_every: 8, lazy_tau: 8.0 });
+                for define in ["FA_EXP2_POLY_DEGREE 3\n", "FA_EXP2_POLY_EVERY 8\n", "FA_LAZY_TAU 8.0f\n"] {
+                    assert!(unit.contains(&format!("#define {define}")), "{unit}");
+                }
+            } else {
+                assert_eq!((f.options, f.softmax), (KernelOptions::NONE, SoftmaxParams::NONE), "{}", f.name);
+                assert!(!unit.contains("FA_EXP2_POLY") && !unit.contains("FA_LAZY_TAU"), "{unit}");
+            }
             for t in f.tiles {
                 // One 128-row TMA box per Q tile (stage 3 has two) and per K/V tile.
                 let q_tiles = if want_stage == 3 { 2 } else { 1 };

@@ -13,7 +13,7 @@ use cudarc::driver::{result, sys, DeviceRepr};
 use std::ffi::c_void;
 use std::ops::Deref;
 
-/// The most tensor maps a kernel takes after `FwdParams` (FA3: Q, K, V).
+/// The most tensor maps a kernel takes after `FwdParams` (FA3, FA4: Q, K, V).
 pub(crate) const MAX_TENSOR_MAPS: usize = 3;
 
 /// The kernel-symbol suffix of a dtype the GPU kernels take (`None` for f32).
@@ -117,7 +117,7 @@ pub struct LaunchPlan {
     pub block: (u32, u32, u32),
     pub smem_bytes: u32,
     pub params: FwdParams,
-    /// The maps after `FwdParams` (FA3 stages 2-5: Q, K, V), else none.
+    /// The maps after `FwdParams` (FA3 stages 2-5 and every FA4 stage: Q, K, V), else none.
     pub tensor_maps: TensorMaps,
 }
 
@@ -191,7 +191,7 @@ pub(crate) fn launch(f: &Loaded, stream: sys::CUstream, plan: &LaunchPlan) -> Re
     let args = &mut args[..1 + plan.tensor_maps.len()];
     // SAFETY: every kernel takes `const __grid_constant__ FwdParams`, followed by one
     // `const __grid_constant__ CUtensorMap` per tensor map its family's host rules give (FA3
-    // stages 2-5: Q, K, V); `args` points at exactly those values, alive for the call
+    // stages 2-5 and FA4: Q, K, V); `args` points at exactly those values, alive for the call
     // (cuLaunchKernel copies them). FwdParams mirrors fa_params.h (size and offsets asserted on
     // both sides), TensorMap is the 128-byte map. The engine checked that every address covers
     // the elements the shapes and strides reach, and the family's layout rules; block and

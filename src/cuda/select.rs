@@ -73,6 +73,24 @@ fn needed_options(p: &Problem) -> KernelOptions {
     o
 }
 
+/// Why `fam`'s softmax parameters are not the ones `p` asks for (a degree of `Exp2::Poly`, a
+/// threshold of `Rescale::Lazy`), or `None`. Defaults ask for nothing: a row that implements
+/// FA4's softmax runs it then too (docs/fa4.md).
+fn softmax_mismatch(fam: &Family, p: &Problem) -> Option<String> {
+    let s = &fam.softmax;
+    if let Exp2::Poly(degree) = p.exp2 {
+        if degree != s.poly_degree {
+            return Some(format!("implements exp2_poly of degree {}, not {degree}", s.poly_degree));
+        }
+    }
+    if let Rescale::Lazy { threshold } = p.rescale {
+        if threshold != s.lazy_tau {
+            return Some(format!("implements lazy_rescale with threshold {}, not {threshold}", s.lazy_tau));
+        }
+    }
+    None
+}
+
 /// The instance of `fam` that runs `p` on `dev` by the table's own rules (SM, targets, dtype,
 /// options, head dim, built image, shared memory); `Err` says why none does.
 fn instance_for(fam: &'static Family, dev: &impl Gpu, p: &Problem) -> std::result::Result<Choice, String> {
@@ -87,6 +105,9 @@ fn instance_for(fam: &'static Family, dev: &impl Gpu, p: &Problem) -> std::resul
     let dtype = dtype_name(p.dtype).ok_or_else(|| format!("takes f16/bf16, not {:?}", p.dtype))?;
     if let Some(opt) = fam.options.first_missing(needed_options(p)) {
         return Err(format!("does not implement {opt}"));
+    }
+    if let Some(why) = softmax_mismatch(fam, p) {
+        return Err(why);
     }
     // The smallest instantiated (and built) head dim that holds this one; the tail is masked.
     let mut too_big = true;
