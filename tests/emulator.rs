@@ -559,8 +559,7 @@ fn fa4_stage3() {
     // A problem that asks for FA4's softmax explicitly, with the row's parameters (degree-3
     // exp2, tau 8): the same kernel (src/cuda/select.rs routes it; other parameters are refused).
     let mut explicit = cases[0].clone();
-    explicit.opts.exp2 = Exp2::Poly(3);
-    explicit.opts.rescale = Rescale::Lazy { threshold: 8.0 };
+    explicit.opts = explicit.opts.exp2(Exp2::Poly(3)).rescale(Rescale::Lazy { threshold: 8.0 });
     explicit.label += " explicit Exp2::Poly(3) + Rescale::Lazy(8)";
     cases.push(explicit);
     check_all("fa4 stage 3", &cases, &[]);

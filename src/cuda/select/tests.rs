@@ -458,9 +458,7 @@ fn fa4_stage_is_validated() {
 fn fa4_softmax_options_route_to_the_stage_that_implements_them() {
     use crate::options::{Exp2, Rescale};
     let fa4 = |stage: u8, exp2: Exp2, rescale: Rescale| {
-        let mut opts = ForwardOptions::default().variant(Variant::Fa4).fa4_stage(stage);
-        opts.exp2 = exp2;
-        opts.rescale = rescale;
+        let opts = ForwardOptions::default().variant(Variant::Fa4).fa4_stage(stage).exp2(exp2).rescale(rescale);
         choose_in(TABLE_FA4_S3, &B200, &problem(DType::BF16, 128, &opts), Variant::Fa4)
     };
     let lazy = |threshold: f32| Rescale::Lazy { threshold };
@@ -479,8 +477,7 @@ fn fa4_softmax_options_route_to_the_stage_that_implements_them() {
     refused(fa4(1, Exp2::Poly(3), Rescale::Always), "does not implement exp2_poly");
     refused(fa4(1, Exp2::Accurate, lazy(8.0)), "does not implement lazy_rescale");
     // Auto never takes FA4's softmax to the FA4 row (it is not in Auto): no family runs it.
-    let mut auto = ForwardOptions::default();
-    auto.exp2 = Exp2::Poly(3);
+    let auto = ForwardOptions::default().exp2(Exp2::Poly(3));
     let e = choose_in(TABLE_FA4_S3, &B200, &problem(DType::BF16, 128, &auto), Variant::Auto).unwrap_err();
     assert!(matches!(e, Error::BackendUnavailable { .. }), "{e:?}");
 }
