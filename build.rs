@@ -44,6 +44,9 @@ macro_rules! host {
 }
 include!("build/instances.rs");
 
+#[path = "build/numerics_header.rs"]
+mod numerics_header;
+
 /// The oldest CUDA whose nvcc builds the kernels (FA3's sm_90a code and the headers need it).
 const MIN_CUDA: (u32, u32) = (12, 4);
 
@@ -110,6 +113,9 @@ fn main() {
     for v in ENV_VARS {
         println!("cargo:rerun-if-env-changed={v}");
     }
+    // The numerics constants shared with Rust, generated even without nvcc: the CPU emulator and
+    // the C++ test programs compile the kernel sources with g++.
+    let generated_include = numerics_header::write(&root, &out);
     println!("cargo:rustc-check-cfg=cfg(fa_kernels)");
     println!("cargo:rustc-check-cfg=cfg(fa_hang_check)");
     if hang_check() {
@@ -186,7 +192,8 @@ fn main() {
         .unwrap_or_else(|e| panic!("cannot create the kernel cache {}: {e}", cache.display()));
     let gen_dir = out.join("gen");
     std::fs::create_dir_all(&gen_dir).unwrap();
-    let include_dir = root.join("cuda/include");
+    // Kernel headers, then the generated ones (the numerics constants).
+    let include_dirs = [root.join("cuda"), generated_include];
     let env_flags: String = ["NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS"]
         .iter()
         .map(|v| format!("{v}={}\n", std::env::var(v).unwrap_or_default()))
@@ -202,7 +209,7 @@ fn main() {
             write_if_changed(&unit, &text);
             // Everything the unit reads but the toolkit's own headers (covered by its version).
             let mut deps = BTreeMap::new();
-            collect_includes(&root.join(fam.source), &include_dir, &mut deps);
+            collect_includes(&root.join(fam.source), &include_dirs, &mut deps);
             for &target in targets_for(fam.source) {
                 if !wanted(target) || skipped.contains(&target) {
                     continue;
@@ -211,10 +218,12 @@ fn main() {
                 key.add(CACHE_FORMAT.as_bytes());
                 key.add(tc.fingerprint.as_bytes());
                 key.add(env_flags.as_bytes());
-                key.add(nvcc_args(target, &include_dir).join(" ").as_bytes());
+                // OUT_DIR differs per profile; the generated header's content is keyed below.
+                let args = nvcc_args(target, &include_dirs).join(" ");
+                key.add(args.replace(&out.display().to_string(), "$OUT_DIR").as_bytes());
                 key.add(text.as_bytes());
                 for (path, content) in &deps {
-                    key.add(path.as_bytes());
+                    key.add(path.replace(&out.display().to_string(), "$OUT_DIR").as_bytes());
                     key.add(content);
                 }
                 let stem = image_stem(fam.name, tile.head_dim, target);
@@ -235,7 +244,7 @@ fn main() {
 
     let start = Instant::now();
     let misses: Vec<&Job> = jobs.iter().filter(|j| !(j.cached_image.is_file() && j.cached_report.is_file())).collect();
-    let threads = compile_all(&tc, &include_dir, &misses);
+    let threads = compile_all(&tc, &include_dirs, &misses);
     let secs = start.elapsed().as_secs_f64();
     for job in &jobs {
         for (from, to) in [(&job.cached_image, &job.image), (&job.cached_report, &job.report)] {
@@ -363,7 +372,7 @@ fn files_under(dir: &Path) -> Vec<PathBuf> {
     out
 }
 
-/// FLASH_ATTN_HANG_CHECK=1: the opt-in hang-diagnosis build (cuda/include/hang_check.cuh,
+/// FLASH_ATTN_HANG_CHECK=1: the opt-in hang-diagnosis build (cuda/sm90/hang_check.cuh,
 /// docs/fa3.md "Hang check"): every generated unit defines FA_HANG_CHECK, so each mbarrier wait
 /// of the kernels reports block, warp, barrier and parity and traps instead of hanging. Unset,
 /// empty or "0": the normal build (the waits are the plain loops).
@@ -473,9 +482,9 @@ fn cache_dir(out: &Path) -> PathBuf {
 }
 
 /// `file` and every file it `#include "..."`s, recursively (resolved next to the including
-/// file, then in `include_dir`), with their contents. Conditional includes count too: a
+/// file, then in each of `include_dirs`), with their contents. Conditional includes count too: a
 /// superset only costs a rebuild more.
-fn collect_includes(file: &Path, include_dir: &Path, seen: &mut BTreeMap<String, Vec<u8>>) {
+fn collect_includes(file: &Path, include_dirs: &[PathBuf], seen: &mut BTreeMap<String, Vec<u8>>) {
     let key = file.display().to_string();
     if seen.contains_key(&key) {
         return;
@@ -489,9 +498,9 @@ fn collect_includes(file: &Path, include_dir: &Path, seen: &mut BTreeMap<String,
         let Some(rest) = rest.trim_start().strip_prefix("include") else { continue };
         let Some(name) = rest.trim().strip_prefix('"').and_then(|r| r.split('"').next()) else { continue };
         let here = file.parent().unwrap_or(Path::new(".")).join(name);
-        let found = if here.is_file() { here } else { include_dir.join(name) };
-        if found.is_file() {
-            collect_includes(&found, include_dir, seen);
+        let found = std::iter::once(here).chain(include_dirs.iter().map(|d| d.join(name))).find(|f| f.is_file());
+        if let Some(found) = found {
+            collect_includes(&found, include_dirs, seen);
         }
     }
 }
@@ -531,20 +540,22 @@ impl Fnv128 {
 }
 
 /// nvcc's arguments for a target, without the output and the unit.
-fn nvcc_args(target: Target, include_dir: &Path) -> Vec<String> {
+fn nvcc_args(target: Target, include_dirs: &[PathBuf]) -> Vec<String> {
     let mut args: Vec<String> = target.nvcc_args().iter().chain(COMMON_FLAGS).map(|s| s.to_string()).collect();
     if target != Target::Ptx80 {
         // ptxas runs only for SASS targets: its report gives registers, shared memory and spills.
         args.extend(["-Xptxas=-v".to_string(), "-Xptxas=-warn-spills".to_string()]);
     }
-    args.extend(["-I".to_string(), include_dir.display().to_string()]);
+    for d in include_dirs {
+        args.extend(["-I".to_string(), d.display().to_string()]);
+    }
     args
 }
 
 /// Compiles `jobs` into the cache, in parallel within cargo's jobserver: the build script's own
 /// token runs one job; each further worker acquires a token per job. Without a jobserver (run
 /// outside cargo), NUM_JOBS workers. Returns the number of workers.
-fn compile_all(tc: &Toolchain, include_dir: &Path, jobs: &[&Job]) -> usize {
+fn compile_all(tc: &Toolchain, include_dirs: &[PathBuf], jobs: &[&Job]) -> usize {
     if jobs.is_empty() {
         return 0;
     }
@@ -571,7 +582,7 @@ fn compile_all(tc: &Toolchain, include_dir: &Path, jobs: &[&Job]) -> usize {
                         }
                     },
                 };
-                if let Err(e) = compile(tc, include_dir, job) {
+                if let Err(e) = compile(tc, include_dirs, job) {
                     errors.lock().unwrap().push(e);
                 }
             });
@@ -592,10 +603,10 @@ fn temp_path(final_path: &Path) -> PathBuf {
     final_path.with_file_name(format!(".{name}.{}.{n}.tmp", std::process::id()))
 }
 
-fn compile(tc: &Toolchain, include_dir: &Path, job: &Job) -> Result<(), String> {
+fn compile(tc: &Toolchain, include_dirs: &[PathBuf], job: &Job) -> Result<(), String> {
     let tmp_image = temp_path(&job.cached_image);
     let mut cmd = Command::new(&tc.nvcc);
-    cmd.args(nvcc_args(job.target, include_dir)).arg("-o").arg(&tmp_image).arg(&job.unit);
+    cmd.args(nvcc_args(job.target, include_dirs)).arg("-o").arg(&tmp_image).arg(&job.unit);
     let what = image_stem(job.family, job.head_dim, job.target);
     let out = cmd.output().map_err(|e| format!("{what}: cannot run {}: {e}", tc.nvcc.display()))?;
     let report = String::from_utf8_lossy(&out.stderr).into_owned();

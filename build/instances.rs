@@ -141,7 +141,7 @@ impl KernelOptions {
 /// runs only on a row with that degree / threshold (src/cuda/select.rs).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SoftmaxParams {
-    /// Degree of the software exp2 polynomial (cuda/include/exp2_poly.cuh); 0: none.
+    /// Degree of the software exp2 polynomial (cuda/common/exp2_poly.cuh); 0: none.
     pub poly_degree: u8,
     /// The share of the software exp2: one element in `poly_every` of a tile takes the
     /// polynomial (FMA units), the rest MUFU.EX2; 0: none.
@@ -279,7 +279,7 @@ const FA1_THREADS: u32 = 128;
 
 /// FA2's shared memory: Q (block_m rows, reused to stage O) plus a two-stage ring of K and V
 /// tiles (block_n rows each), f16/bf16 rows padded by 8 elements (16 bytes) so ldmatrix is
-/// bank-conflict free. Mirrors `Fa2Traits::kSmemBytes` in cuda/include/fa2_traits.cuh.
+/// bank-conflict free. Mirrors `Fa2Traits::kSmemBytes` in cuda/fa2/traits.cuh.
 fn fa2_smem_bytes(_stage: Option<u8>, t: &Tile) -> u32 {
     const STAGES: u32 = 2;
     const PAD: u32 = 8;
@@ -320,7 +320,7 @@ const fn fa3_tile(stage: u8, head_dim: u32) -> Tile {
 /// (1 in stage 1, 2 from stage 2), the mbarriers (stages 2-3: q_full + kv_full/kv_empty per
 /// slot; stages 4-5: q_full, q_empty + k_full/v_full/k_empty/v_empty per slot; stage 1 still
 /// reserves the stage-2/3 set: the traits share one layout) and the alignment slack. Mirrors
-/// `Fa3Traits::kSmemBytes` (cuda/include/fa3_traits.cuh), which the kernel static_asserts
+/// `Fa3Traits::kSmemBytes` (cuda/fa3/traits.cuh), which the kernel static_asserts
 /// equal to FA_SMEM_BYTES.
 fn fa3_smem_bytes(stage: Option<u8>, t: &Tile) -> u32 {
     let stage = stage.unwrap_or(1);
@@ -530,7 +530,7 @@ pub const FAMILIES: &[Family] = &[
     // warpgroup; 2 + FA4's warp roles (load warp, MMA warp, two softmax warpgroups, a correction
     // warpgroup), P in tensor memory (A operand from TMEM); 3 + two Q tiles in ping-pong and
     // FA4's softmax: the degree-3 software exp2 (exp2_poly.cuh) for 1 element in 8, conditional
-    // rescaling with tau = 8 (online_softmax.cuh).
+    // rescaling with tau = 8 (common/softmax.cuh).
     fa4_family("fa4s1", 1, "fa4_stage1", FA4_SASS, KernelOptions::NONE, FA4_S1_TILES),
     fa4_family("fa4s2", 2, "fa4_stage2", FA4_SASS, KernelOptions::NONE, FA4_S2_TILES),
     fa4_family("fa4s3", 3, "fa4_stage3", FA4_S3_SASS, FA4_SOFTMAX_OPTIONS, FA4_S3_TILES),

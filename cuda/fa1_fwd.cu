@@ -4,9 +4,9 @@
 //
 // One thread block = kBlockM query rows of one (batch, head). It walks the key tiles the mask
 // lets it see; per tile:  S = Q·Kᵀ (registers) -> softcap, ALiBi (natural units), mask ->
-// online softmax in score units (softmax_fwd.cuh: running max m, sum l, output rescaled by
-// exp2((m_old - m_new) * c)) -> P to shared memory -> O += P·V (registers). The end divides by
-// l and writes O and the LSE; a row that saw no key is written as 0.
+// online softmax in score units (softmax.cuh, the one every family uses: running max m, sum l,
+// output rescaled by exp2((m_old - m_new) * c)) -> P to shared memory -> O += P·V (registers).
+// The end divides by l and writes O and the LSE; a row that saw no key is written as 0.
 //
 // A V tile holding an infinity or NaN switches O += P·V to a form that skips P = 0, so a key's V
 // reaches only the rows that see it (0 * inf is NaN); the block learns it from the barrier that
@@ -14,16 +14,17 @@
 //
 // Thread layout: kColGroups = 8 consecutive lanes share a query row. In S a thread owns keys
 // cg, cg+8, ...; in O it owns dims cg, cg+8, ...; so a row's max and sum are 3 xor-shuffles.
-// Every row a thread owns in S it also owns in O, so the running max/sum live in registers.
+// Every row a thread owns in S it also owns in O, so the running max/sum live in registers
+// (`Frag` below describes this layout to the shared softmax and mask).
 //
 // Compiled only through the unit build.rs generates from build/instances.rs, which defines
 // FA_HEAD_DIM, FA_BLOCK_M, FA_BLOCK_N, FA_THREADS and FA_SMEM_BYTES (the host's launch values).
 
-#include "dtype.cuh"
-#include "fa_params.h"
-#include "launch.cuh"
-#include "mask.cuh"
-#include "softmax_fwd.cuh"
+#include "common/dtype.cuh"
+#include "common/params.h"
+#include "sm80/launch.cuh"
+#include "common/mask.cuh"
+#include "common/softmax.cuh"
 
 #ifndef FA_HEAD_DIM
 #error "compile through the unit build.rs generates from build/instances.rs"
@@ -97,17 +98,17 @@ __device__ __forceinline__ void accumulate_pv(float (&acc)[kRowsPerThread][kDims
     }
 }
 
-// The sum (or max) over the 8 lanes of a row group.
-__device__ __forceinline__ float group_sum(float x) {
-#pragma unroll
-    for (int o = 1; o < kColGroups; o *= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
-    return x;
-}
-__device__ __forceinline__ float group_max(float x) {
-#pragma unroll
-    for (int o = 1; o < kColGroups; o *= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-    return x;
-}
+// A thread's scores and outputs as rows and columns (the fragment layout of softmax.cuh): row r
+// is block row rg * kRowsPerThread + r, score element j key cg + 8j, output element j dim cg + 8j.
+struct Frag {
+    static constexpr int kRows = kRowsPerThread, kSCols = kKeysPerThread, kOCols = kDimsPerThread;
+    static constexpr int kLanes = kColGroups;
+    int rg, cg;
+    __device__ __forceinline__ static float& s(float (&a)[kRows][kSCols], int r, int j) { return a[r][j]; }
+    __device__ __forceinline__ static float& o(float (&a)[kRows][kOCols], int r, int j) { return a[r][j]; }
+    __device__ __forceinline__ int row(int r) const { return rg * kRowsPerThread + r; }
+    __device__ __forceinline__ int col(int j) const { return cg + j * kColGroups; }
+};
 
 template <typename T>
 __device__ __forceinline__ void forward(const FwdParams& p) {
@@ -121,6 +122,7 @@ __device__ __forceinline__ void forward(const FwdParams& p) {
     const int tid = threadIdx.x;
     const int rg = tid / kColGroups;  // row group: rows rg * kRowsPerThread + i
     const int cg = tid % kColGroups;  // column group: keys / dims cg + 8 * j
+    const Frag frag{rg, cg};
 
     float* sQ = smem;
     float* sK = sQ + kBlockM * kQStride;
@@ -134,24 +136,18 @@ __device__ __forceinline__ void forward(const FwdParams& p) {
 
     load_rows<T, kBlockM, kQStride>(sQ, q, p.q_row_stride, m0, p.seqlen_q, p.head_dim);
 
-    const bool softcap = (p.flags & FA_FLAG_SOFTCAP) != 0;
-    const bool alibi = (p.flags & FA_FLAG_ALIBI) != 0;
-    const float slope = alibi ? reinterpret_cast<const float*>(p.alibi_slopes)[head] : 0.f;
-    // Score units (softmax_fwd.cuh): raw q.k, or natural units with softcap / ALiBi. c is the
+    // Score units (softmax.cuh): raw q.k, or natural units with softcap / ALiBi. c is the
     // host's softmax_scale_log2 (scale * log2 e, or log2 e for natural units), read from the
     // params where it is used (a register held across the loop spilled at hdim 192).
-    const bool natural = softcap || alibi;
+    const float slope = fa_alibi_slope(p, head);
 
     float acc[kRowsPerThread][kDimsPerThread];
-    float row_max[kRowsPerThread];  // running max, score units
-    float row_sum[kRowsPerThread];  // running sum of exp2((s - row_max) * c)
+    FaOnlineSoftmax<Frag> softmax;
+    softmax.init();
 #pragma unroll
-    for (int i = 0; i < kRowsPerThread; ++i) {
-        row_max[i] = -INFINITY;
-        row_sum[i] = 0.f;
+    for (int i = 0; i < kRowsPerThread; ++i)
 #pragma unroll
         for (int dd = 0; dd < kDimsPerThread; ++dd) acc[i][dd] = 0.f;
-    }
 
     // Only the key tiles some row of this block can see.
     const int row_end = min(m0 + kBlockM, p.seqlen_q);
@@ -182,44 +178,17 @@ __device__ __forceinline__ void forward(const FwdParams& p) {
                 for (int j = 0; j < kKeysPerThread; ++j) s[i][j] = fmaf(qv[i], kv[j], s[i][j]);
         }
 
+        // Scores in score units, masked to -inf, then P = exp2((s - m) * c) in place.
+        if (fa_natural_scores(p)) fa_scores_to_natural<true, false>(s, frag, p, slope, m0, n0);
+        if (fa_tile_needs_mask(p, m0, row_end - 1, n0, (long long)n0 + kBlockN - 1))
+            fa_mask_fragment(s, frag, p, m0, n0);
+        float corr[kRowsPerThread];
+        softmax.update(s, p.softmax_scale_log2, corr);
+        softmax.rescale(acc, corr);
 #pragma unroll
-        for (int i = 0; i < kRowsPerThread; ++i) {
-            const int row_local = rg * kRowsPerThread + i;
-            const int row = m0 + row_local;
-            // Scores in score units, masked to -inf: raw q.k, or natural units (softcap's tanh
-            // and the ALiBi bias need them), each step as a straightforward f32 softmax takes it.
-            const int key_lo = fa_key_lo(p, row), key_hi = row < p.seqlen_q ? fa_key_hi(p, row) : 0;
-            float tile_max = -INFINITY;
+        for (int i = 0; i < kRowsPerThread; ++i)
 #pragma unroll
-            for (int j = 0; j < kKeysPerThread; ++j) {
-                const int col = n0 + cg + j * kColGroups;
-                float x;
-                if (col < key_lo || col >= key_hi) {
-                    x = -INFINITY;
-                } else if (natural) {
-                    x = s[i][j] * p.softmax_scale;
-                    if (softcap) x = p.softcap * tanhf(x / p.softcap);
-                    if (alibi) x -= slope * (float)llabs((long long)row + p.seqlen_k - p.seqlen_q - col);
-                } else {
-                    x = s[i][j];
-                }
-                s[i][j] = x;
-                tile_max = fmaxf(tile_max, x);
-            }
-            float m_new, m_ref;
-            const float alpha = fa_softmax_rescale(row_max[i], group_max(tile_max), p.softmax_scale_log2, m_new, m_ref);
-            row_max[i] = m_new;
-            float tile_sum = 0.f;
-#pragma unroll
-            for (int j = 0; j < kKeysPerThread; ++j) {
-                const float e = fa_softmax_p(s[i][j], m_ref, p.softmax_scale_log2);  // masked: exp2(-inf) = 0
-                sP[row_local * kPStride + cg + j * kColGroups] = e;
-                tile_sum += e;
-            }
-            row_sum[i] = row_sum[i] * alpha + group_sum(tile_sum);
-#pragma unroll
-            for (int dd = 0; dd < kDimsPerThread; ++dd) acc[i][dd] *= alpha;
-        }
+            for (int j = 0; j < kKeysPerThread; ++j) sP[frag.row(i) * kPStride + frag.col(j)] = s[i][j];
         __syncthreads();  // sP complete
 
         // O += P·V for this thread's (rows, dims); block-uniform branch.
@@ -231,23 +200,22 @@ __device__ __forceinline__ void forward(const FwdParams& p) {
 
     // Epilogue: O / l, LSE. Rows past seqlen_q and dims past head_dim are not written.
     const bool write_lse = (p.flags & FA_FLAG_RETURN_LSE) != 0;
-    const float u = natural ? 1.f : p.softmax_scale;  // score units -> natural (LSE)
+    const float u = fa_to_natural(p);  // score units -> natural (LSE)
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
-        const int row = m0 + rg * kRowsPerThread + i;
+        const FaRowEnd end = softmax.finalize(i, u);  // every lane of the row takes part
+        const int row = m0 + frag.row(i);
         if (row >= p.seqlen_q) continue;
-        float inv_l, lse;
-        fa_softmax_finalize(row_max[i], row_sum[i], u, inv_l, lse);
-        const bool empty = row_sum[i] == 0.f;  // saw no key: exactly 0, whatever reached acc
         T* o_row = o + (long long)row * p.o_row_stride;
 #pragma unroll
         for (int dd = 0; dd < kDimsPerThread; ++dd) {
-            const int d = cg + dd * kColGroups;
-            if (d < p.head_dim) o_row[d] = fa_from_float<T>(empty ? 0.f : acc[i][dd] * inv_l);
+            const int d = frag.col(dd);
+            // A row that saw no key: exactly 0, whatever reached acc.
+            if (d < p.head_dim) o_row[d] = fa_from_float<T>(end.empty ? 0.f : acc[i][dd] * end.inv_l);
         }
         if (write_lse && cg == 0) {
             float* lse_out = reinterpret_cast<float*>(p.lse);
-            lse_out[((long long)batch * p.heads_q + head) * p.seqlen_q + row] = lse;
+            lse_out[((long long)batch * p.heads_q + head) * p.seqlen_q + row] = end.lse;
         }
     }
 }

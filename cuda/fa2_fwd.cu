@@ -4,7 +4,7 @@
 // rows and never talks to the other warps except through shared-memory barriers. K/V tiles of
 // kBlockN keys stream through a two-stage shared-memory ring with cp.async (tile j-1 lands while
 // tile j is computed; one barrier per tile). S stays in registers, becomes P in place
-// (the accumulator fragment of Q K^T is the A fragment of P V, see fa2_layout.h), and O is
+// (the accumulator fragment of Q K^T is the A fragment of P V, see fa2/layout.h), and O is
 // normalised once at the end, staged through shared memory and written with 16-byte stores.
 //
 // Launch contract (the host mirrors fa2::Fa2Traits<D>, table in docs/fa2.md):
@@ -27,15 +27,16 @@
 // Build: the crate compiles it through the units build.rs generates from build/instances.rs (one
 // per head dim, FA_HEAD_DIM/FA_BLOCK_M/FA_BLOCK_N/FA_THREADS/FA_SMEM_BYTES defined, then
 // FA_INSTANCE(f16) and FA_INSTANCE(bf16)); the row is static_asserted against the traits below.
-// Standalone (no FA_HEAD_DIM) it instantiates every head dim, or only -DFA2_ONLY_HDIM=<D>:
-// scripts/check-fa2.sh builds it that way.
 #include <math.h>
 #include <stdint.h>
 
-#include "fa2_softmax.cuh"
-#include "fa2_traits.cuh"
-#include "fa_params.h"
-#include "mma_sm80.cuh"
+#include "fa2/layout.h"
+#include "fa2/traits.cuh"
+#include "common/params.h"
+#include "common/dtype.cuh"
+#include "common/mask.cuh"
+#include "sm80/mma.cuh"
+#include "common/softmax.cuh"
 
 namespace fa2 {
 
@@ -112,14 +113,11 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
     const int m0 = m_block * kBlockM;                  // first query row of this CTA
     const int m_last = min(m0 + kBlockM, seqlen_q) - 1;  // last real query row
 
-    const float slope = alibi_slope(p, head);
+    const float slope = fa_alibi_slope(p, head);
 
-    // Keys any row of this CTA can see: [range_first.lo, range_last.hi] (window bounds are
-    // monotone in the row, so the first and last real rows bound the union).
-    const KeyRange range_first = key_range(p, m0), range_last = key_range(p, m_last);
-    const int j_lo = range_first.lo, j_hi = range_last.hi;
-    const int n_min = j_lo / kBlockN;
-    const int n_max = j_hi >= j_lo ? j_hi / kBlockN + 1 : n_min;  // exclusive; empty => no tiles
+    // The key tiles any row of this CTA can see: [n_min, n_max).
+    const FaKeyTiles tiles = fa_key_tiles(p, m0, m_last + 1, kBlockN);
+    const int n_min = tiles.n_begin, n_max = tiles.n_end;
 
     // Prologue: Q and the first K/V tile in flight, as one cp.async group. Key tiles are visited
     // from the last one down, so the diagonal/boundary tiles that need the mask come first and set
@@ -129,19 +127,19 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
     if (n_max > n_min) load_kv<T>(sK, sV, p, (n_max - 1) * kBlockN, tid);
     cp_async_commit();
 
-    // Per lane: O accumulators (f32), running max m (log2 units) and partial sum l of its 2 rows
-    // per m-tile ([mt][0] = row g, [mt][1] = row g + 8; l is summed over the quad only at the end).
+    // Per lane: O accumulators (f32) and the softmax state of its 2 rows per m-tile (row g and
+    // g + 8; the sums are reduced over the quad only at the end).
+    using Frag = AccFrag<kMTiles, kNTiles, kDTiles>;
+    const Frag frag{lane};
     float acc_o[kMTiles][kDTiles][4];
-    float row_max[kMTiles][2], row_sum[kMTiles][2];
+    FaOnlineSoftmax<Frag> softmax;
+    softmax.init();
 #pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
+    for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
         for (int dt = 0; dt < kDTiles; ++dt)
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc_o[mt][dt][i] = 0.f;
-        row_max[mt][0] = row_max[mt][1] = -INFINITY;
-        row_sum[mt][0] = row_sum[mt][1] = 0.f;
-    }
 
     const int wrow = warp_row0(warp, kMTiles);  // first CTA row of this warp
     const uint32_t sQ_u32 = smem_u32(sQ), sK_u32 = smem_u32(sK), sV_u32 = smem_u32(sV);
@@ -191,47 +189,16 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
         }
 
         // ---- scores: raw q.k, or natural units with softcap / ALiBi; mask only tiles that
-        // cross a boundary ----
-        if (natural_scores(p)) scores_to_natural(acc_s, p, slope, m0 + wrow, n0, lane);
-        // A tile needs no mask when every (row, key) of it is visible: all keys < seqlen_k, the
-        // tile's last key within the first row's right bound, its first key within the last
-        // row's left bound (ranges of the CTA's first and last real rows).
-        if (n0 + kBlockN - 1 > range_first.hi || n0 < range_last.lo)
-            apply_mask(acc_s, p, m0 + wrow, n0, lane);
+        // cross a boundary (some (row, key) of the CTA's real rows hidden); then the online
+        // softmax in score units (softmax.cuh), S becoming P in place ----
+        if (fa_natural_scores(p)) fa_scores_to_natural<true, false>(acc_s, frag, p, slope, m0 + wrow, n0);
+        if (fa_tile_needs_mask(p, m0, m_last, n0, (long long)n0 + kBlockN - 1))
+            fa_mask_fragment(acc_s, frag, p, m0 + wrow, n0);
+        float corr[Frag::kRows];
+        softmax.update(acc_s, p.softmax_scale_log2, corr);
+        softmax.rescale(acc_o, corr);
 
-        // ---- online softmax in score units (rows g: i = 0,1; rows g+8: i = 2,3); exponents are
-        // (s - m) * c, c = softmax_scale_log2 from the constant bank (fa2_softmax.cuh) ----
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-            for (int hr = 0; hr < 2; ++hr) {
-                float mx = row_max[mt][hr];
-#pragma unroll
-                for (int nt = 0; nt < kNTiles; ++nt)
-                    mx = fmaxf(mx, fmaxf(acc_s[mt][nt][2 * hr], acc_s[mt][nt][2 * hr + 1]));
-                mx = quad_max(mx);
-                // -inf guard: a row with no visible key so far subtracts 0, never (-inf) - (-inf).
-                const float m_use = mx == -INFINITY ? 0.f : mx;
-                const float corr = ex2((row_max[mt][hr] - m_use) * p.softmax_scale_log2);  // old -inf -> 0
-                row_max[mt][hr] = mx;
-                float sum = 0.f;
-#pragma unroll
-                for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const float pr = ex2((acc_s[mt][nt][2 * hr + e] - m_use) * p.softmax_scale_log2);
-                        acc_s[mt][nt][2 * hr + e] = pr;
-                        sum += pr;
-                    }
-                row_sum[mt][hr] = row_sum[mt][hr] * corr + sum;
-#pragma unroll
-                for (int dt = 0; dt < kDTiles; ++dt) {
-                    acc_o[mt][dt][2 * hr] *= corr;
-                    acc_o[mt][dt][2 * hr + 1] *= corr;
-                }
-            }
-
-        // ---- O += P V_j; P's A fragment comes straight from acc_s (fa2_layout.h) ----
+        // ---- O += P V_j; P's A fragment comes straight from acc_s (fa2/layout.h) ----
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
             uint32_t pa[kMTiles][4];
@@ -240,7 +207,7 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
 #pragma unroll
                 for (int r = 0; r < 4; ++r) {
                     const float* src = acc_s[mt][2 * kk + p_src_tile(r)];
-                    pa[mt][r] = M::pack(src[p_src_elem(r, 0)], src[p_src_elem(r, 1)]);
+                    pa[mt][r] = fa_pack2<Elem>(src[p_src_elem(r, 0)], src[p_src_elem(r, 1)]);
                 }
 #pragma unroll
             for (int dp = 0; dp < kDTiles / 2; ++dp) {
@@ -265,27 +232,19 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
                             : nullptr;
     Elem* sO = sQ;
     Elem* gO = head_ptr<Elem>(p.o, p.o_batch_stride, p.o_head_stride, head);
-    const float to_natural = natural_scores(p) ? 1.f : p.softmax_scale;  // the max's units -> natural
+    const float to_natural = fa_to_natural(p);  // the max's units -> natural
 #pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
+    for (int r = 0; r < Frag::kRows; ++r) {
+        const FaRowEnd end = softmax.finalize(r, to_natural);
+        const int srow = wrow + frag.row(r);  // row inside the CTA tile
+        if (write_lse && (lane & 3) == 0 && m0 + srow < seqlen_q) gLse[m0 + srow] = end.lse;
 #pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-            const float l = quad_sum(row_sum[mt][hr]);
-            // A row that saw no visible key has l = 0: output exactly 0 (not O * 0, NaN if a masked
-            // key's infinite V reached O) and LSE -inf. A NaN l (a NaN score it sees) stays NaN.
-            const bool empty = l == 0.f;
-            const float inv = empty ? 0.f : 1.f / l;
-            const int srow = wrow + mt * 16 + hr * 8 + (lane >> 2);  // row inside the CTA tile
-            if (write_lse && (lane & 3) == 0 && m0 + srow < seqlen_q)
-                gLse[m0 + srow] = empty ? -INFINITY : row_max[mt][hr] * to_natural + log2f(l) * kLn2;
-#pragma unroll
-            for (int dt = 0; dt < kDTiles; ++dt) {
-                const int col = dt * 8 + acc_col(lane, 2 * hr);
-                const float o0 = empty ? 0.f : acc_o[mt][dt][2 * hr] * inv;
-                const float o1 = empty ? 0.f : acc_o[mt][dt][2 * hr + 1] * inv;
-                *reinterpret_cast<uint32_t*>(sO + srow * kStride + col) = M::pack(o0, o1);
-            }
+        for (int j = 0; j < Frag::kOCols; j += 2) {
+            const float o0 = end.empty ? 0.f : Frag::o(acc_o, r, j) * end.inv_l;
+            const float o1 = end.empty ? 0.f : Frag::o(acc_o, r, j + 1) * end.inv_l;
+            *reinterpret_cast<uint32_t*>(sO + srow * kStride + frag.col(j)) = fa_pack2<Elem>(o0, o1);
         }
+    }
     __syncthreads();
     constexpr int kChunks = T::kChunksPerRow;
     for (int c = tid; c < kBlockM * kChunks; c += T::kNThreads) {
@@ -312,7 +271,9 @@ using elem_bf16 = __nv_bfloat16;
     }
 #define FA2_KERNEL_(HDIM, DT) FA2_KERNEL(HDIM, DT)  // expands FA_HEAD_DIM before pasting
 
-#ifdef FA_HEAD_DIM
+#ifndef FA_HEAD_DIM
+#error "compile through the unit build.rs generates from build/instances.rs"
+#else
 // The crate's build: build.rs generates one unit per head dim from build/instances.rs, with the
 // row's tile as macros, then writes FA_INSTANCE(f16) and FA_INSTANCE(bf16). The row must be
 // exactly what the traits compute, or the host would launch with the wrong shape.
@@ -323,27 +284,6 @@ static_assert(fa2::Fa2Traits<FA_HEAD_DIM>::kBlockM == FA_BLOCK_M &&
 static_assert(fa2::Fa2Traits<FA_HEAD_DIM>::kSmemBytes == FA_SMEM_BYTES,
               "build/instances.rs fa2_smem_bytes disagrees with fa2_traits.cuh");
 #define FA_INSTANCE(DT) FA2_KERNEL_(FA_HEAD_DIM, DT)
-#else
-// Standalone (scripts/check-fa2.sh): every head dim, or -DFA2_ONLY_HDIM=<D>.
-#define FA2_HDIM(HDIM) FA2_KERNEL(HDIM, f16) FA2_KERNEL(HDIM, bf16)
-#if !defined(FA2_ONLY_HDIM) || FA2_ONLY_HDIM == 32
-FA2_HDIM(32)
-#endif
-#if !defined(FA2_ONLY_HDIM) || FA2_ONLY_HDIM == 64
-FA2_HDIM(64)
-#endif
-#if !defined(FA2_ONLY_HDIM) || FA2_ONLY_HDIM == 96
-FA2_HDIM(96)
-#endif
-#if !defined(FA2_ONLY_HDIM) || FA2_ONLY_HDIM == 128
-FA2_HDIM(128)
-#endif
-#if !defined(FA2_ONLY_HDIM) || FA2_ONLY_HDIM == 192
-FA2_HDIM(192)
-#endif
-#if !defined(FA2_ONLY_HDIM) || FA2_ONLY_HDIM == 256
-FA2_HDIM(256)
-#endif
 #endif
 
 // The launch table of the header comment, checked against the traits.

@@ -12,10 +12,10 @@
 //            warpgroup (O rescale in TMEM, epilogue); P is written over S in TMEM and the PV MMA
 //            reads A from tensor memory.
 //   stage 3  + two Q tiles (256 rows) in ping-pong, one per softmax warpgroup, and FA4's softmax:
-//            software exp2 (exp2_poly.cuh) for 1 element in 8, conditional rescaling with
-//            tau = 8 (online_softmax.cuh); the correction warpgroup rescales only when a row of
+//            software exp2 (common/exp2_poly.cuh) for 1 element in 8, conditional rescaling with
+//            tau = 8 (common/softmax.cuh); the correction warpgroup rescales only when a row of
 //            the warp needs it.
-// Layouts (smem tiles, descriptors, TMEM) are derived in tcgen05_sm100.cuh.
+// Layouts (smem tiles, descriptors, TMEM) are derived in sm100/tcgen05.cuh.
 //
 // Semantics (same as every backend): s = scale * q.k, optional softcap, bottom-right aligned
 // causal/sliding window, GQA, LSE (natural log) on request, rows with no visible key give O = 0
@@ -25,15 +25,15 @@
 // of 8 elements, 16-byte aligned base addresses (TMA, 16-byte stores of O).
 #include <climits>
 
-#include "fa_params.h"
-#include "cta_coord.cuh"
-#include "fast_math_sm90.cuh"
-#include "mask.cuh"
-#include "mbarrier_sm90.cuh"
-#include "online_softmax.cuh"
-#include "tcgen05_sm100.cuh"
-#include "tma_sm90.cuh"
-#include "wgmma_sm90.cuh"  // pack2 (the two-element 16-bit pack)
+#include "common/cta.cuh"
+#include "common/dtype.cuh"
+#include "common/mask.cuh"
+#include "common/params.h"
+#include "common/softmax.cuh"
+#include "sm100/tcgen05.cuh"
+#include "sm80/fast_math.cuh"
+#include "sm90/mbarrier.cuh"
+#include "sm90/tma.cuh"
 
 namespace fa4 {
 
@@ -110,7 +110,7 @@ struct Fa4Traits {
     // Stage 3 softmax (FlashAttention-4, docs/fa4.md), with its table row's parameters
     // (build/instances.rs FA4_SOFTMAX, passed as FA_EXP2_POLY_DEGREE, FA_EXP2_POLY_EVERY,
     // FA_LAZY_TAU): elements with index % kPolyEvery == kPolyEvery - 1 take the software exp2 of
-    // exp2_poly.cuh (degree kPolyDegree) on the FMA units, the rest MUFU; the running max is kept
+    // common/exp2_poly.cuh (degree kPolyDegree) on the FMA units, the rest MUFU; the running max is kept
     // unless it grew by more than kLazyTau (log2 units). Stages 1-2 use neither.
 #if defined(FA_EXP2_POLY_EVERY) && defined(FA_EXP2_POLY_DEGREE) && defined(FA_LAZY_TAU)
     static constexpr int kPolyEvery = Stage >= 3 ? FA_EXP2_POLY_EVERY : 0;
@@ -136,8 +136,6 @@ struct Fa4Traits {
 
 #if defined(__CUDA_ARCH_FEAT_SM100_ALL)
 
-using fa3::fast_exp2;
-using fa3::fast_tanh;
 using fa3::mbar_arrive;
 using fa3::mbar_arrive_expect_tx;
 using fa3::mbar_init;
@@ -152,7 +150,7 @@ using fa_cta::block_coord;
 using fa_cta::BlockCoord;
 static_assert(static_cast<int>(fa_cta::kSmemAlignBytes) == kSwizzleAtomBytes, "the base alignment is the SW128 atom");
 
-// Byte offset of (row, col) in a [rows x cols] tile of SW128 slabs (tcgen05_sm100.cuh).
+// Byte offset of (row, col) in a [rows x cols] tile of SW128 slabs (sm100/tcgen05.cuh).
 __device__ __forceinline__ int sw128_offset(int row, int col, int rows) {
     return (col / kSlabCols) * rows * kSwizzleBytes + row * kSwizzleBytes +
            ((((col % kSlabCols) / 8) ^ (row % 8)) * 16) + (col % 8) * 2;
@@ -218,7 +216,7 @@ __device__ __forceinline__ void softcap_and_mask(const FwdParams& p, float (&s)[
     if (p.flags & FA_FLAG_SOFTCAP) {  // s = cap * tanh((scale * s) / cap), as FA3
         const float inv_cap = 1.f / p.softcap;
 #pragma unroll
-        for (int j = 0; j < BN; ++j) s[j] = p.softcap * fast_tanh((s[j] * p.softmax_scale) * inv_cap);
+        for (int j = 0; j < BN; ++j) s[j] = p.softcap * fa_tanh_approx((s[j] * p.softmax_scale) * inv_cap);
     }
     const int lo = fa_key_lo(p, row), hi = fa_key_hi(p, row);
 #pragma unroll
@@ -234,12 +232,12 @@ __device__ __forceinline__ float online_softmax(RowState& st, float (&s)[BN], fl
 #pragma unroll
     for (int j = 0; j < BN; ++j) mx = fmaxf(mx, s[j]);
     const float m_use = mx == -INFINITY ? 0.f : mx;
-    const float corr = fast_exp2((st.row_max - m_use) * scale_log2);  // old max -inf: 0
+    const float corr = fa_ex2_approx((st.row_max - m_use) * scale_log2);  // old max -inf: 0
     st.row_max = mx;
     float sum = 0.f;
 #pragma unroll
     for (int j = 0; j < BN; ++j) {
-        s[j] = fast_exp2((s[j] - m_use) * scale_log2);
+        s[j] = fa_ex2_approx((s[j] - m_use) * scale_log2);
         sum += s[j];
     }
     st.row_sum = st.row_sum * corr + sum;
@@ -251,9 +249,9 @@ template <class Tr, class T>
 __device__ __forceinline__ void store_p(uint8_t* sp, const float (&s)[Tr::kBlockN], int row) {
 #pragma unroll
     for (int c = 0; c < Tr::kBlockN / 8; ++c) {
-        const uint4 v = make_uint4(fa3::pack2<T>(s[8 * c], s[8 * c + 1]), fa3::pack2<T>(s[8 * c + 2], s[8 * c + 3]),
-                                   fa3::pack2<T>(s[8 * c + 4], s[8 * c + 5]),
-                                   fa3::pack2<T>(s[8 * c + 6], s[8 * c + 7]));
+        const uint4 v = make_uint4(fa_pack2<T>(s[8 * c], s[8 * c + 1]), fa_pack2<T>(s[8 * c + 2], s[8 * c + 3]),
+                                   fa_pack2<T>(s[8 * c + 4], s[8 * c + 5]),
+                                   fa_pack2<T>(s[8 * c + 6], s[8 * c + 7]));
         *reinterpret_cast<uint4*>(sp + sw128_offset(row, 8 * c, Tr::kBlockM)) = v;
     }
 }
@@ -302,8 +300,8 @@ __device__ __forceinline__ void write_output(const FwdParams& p, const RowState&
 #pragma unroll
         for (int q = 0; q < 4; ++q)
             *reinterpret_cast<uint4*>(orow + 32 * c + 8 * q) =
-                make_uint4(fa3::pack2<T>(o[8 * q], o[8 * q + 1]), fa3::pack2<T>(o[8 * q + 2], o[8 * q + 3]),
-                           fa3::pack2<T>(o[8 * q + 4], o[8 * q + 5]), fa3::pack2<T>(o[8 * q + 6], o[8 * q + 7]));
+                make_uint4(fa_pack2<T>(o[8 * q], o[8 * q + 1]), fa_pack2<T>(o[8 * q + 2], o[8 * q + 3]),
+                           fa_pack2<T>(o[8 * q + 4], o[8 * q + 5]), fa_pack2<T>(o[8 * q + 6], o[8 * q + 7]));
     }
     if (live && (p.flags & FA_FLAG_RETURN_LSE)) {
         const float lse = empty ? -INFINITY : st.row_max * max_scale + logf(l);
@@ -540,16 +538,16 @@ __device__ __forceinline__ void softmax_role(const FwdParams& p, const Barriers2
         const float tile_max = fmaxf(red[(slot * 2 + 0) * Tr::kBlockM + r], red[(slot * 2 + 1) * Tr::kBlockM + r]);
         const float m_new = fmaxf(st.row_max, tile_max);
         const float m_use = m_new == -INFINITY ? 0.f : m_new;
-        const float corr = fast_exp2((st.row_max - m_use) * p.softmax_scale_log2);  // old max -inf: 0
+        const float corr = fa_ex2_approx((st.row_max - m_use) * p.softmax_scale_log2);  // old max -inf: 0
         st.row_max = m_new;
         float sum = 0.f;
         uint32_t packed[kKeys / 2];
 #pragma unroll
         for (int i = 0; i < kKeys / 2; ++i) {
-            const float p0 = fast_exp2((s[2 * i] - m_use) * p.softmax_scale_log2);
-            const float p1 = fast_exp2((s[2 * i + 1] - m_use) * p.softmax_scale_log2);
+            const float p0 = fa_ex2_approx((s[2 * i] - m_use) * p.softmax_scale_log2);
+            const float p1 = fa_ex2_approx((s[2 * i + 1] - m_use) * p.softmax_scale_log2);
             sum += p0 + p1;
-            packed[i] = fa3::pack2<T>(p0, p1);
+            packed[i] = fa_pack2<T>(p0, p1);
         }
         st.row_sum = st.row_sum * corr + sum;
         // P_j over S_j: keys 64 wg + 2c, +1 -> column col0 + 32 wg + c (A from TMEM, 16-bit).
@@ -679,10 +677,10 @@ struct Barriers3 {
 };
 
 // exp2 of element i of a tile: the software polynomial for every kPolyEvery-th element (FMA
-// units), MUFU for the rest. Both are exact where MUFU is (exp2_poly.cuh's range handling).
+// units), MUFU for the rest. Both are exact where MUFU is (common/exp2_poly.cuh's range handling).
 template <class Tr>
 __device__ __forceinline__ float mixed_exp2(float x, int i) {
-    return (i % Tr::kPolyEvery) == Tr::kPolyEvery - 1 ? fa_exp2_poly<Tr::kPolyDegree>(x) : fast_exp2(x);
+    return (i % Tr::kPolyEvery) == Tr::kPolyEvery - 1 ? fa_exp2_poly<Tr::kPolyDegree>(x) : fa_ex2_approx(x);
 }
 
 // The MMA warp's issuing thread, ping-pong over the two Q tiles: while softmax warpgroup 1 works
@@ -812,7 +810,7 @@ __device__ __forceinline__ void softmax_role3(const FwdParams& p, const Barriers
                 const float p0 = mixed_exp2<Tr>((s[2 * i] - m_use) * c, 2 * i);
                 const float p1 = mixed_exp2<Tr>((s[2 * i + 1] - m_use) * c, 2 * i + 1);
                 sum += p0 + p1;
-                packed[i] = fa3::pack2<T>(p0, p1);
+                packed[i] = fa_pack2<T>(p0, p1);
             }
             tmem_st_32x32b_x16(tmem_addr(tmem, 32 * (warp % 4), col0 + (kQuarter / 2) * q), packed);
         }

@@ -23,7 +23,7 @@
 //! |---|---|
 //! | [`reference`](mod@reference) | naive float64 attention, used only to check |
 //! | `cpu` | the CPU backend (tiled online softmax in 16-query panels, 6×16 AVX2 micro-kernel, std threads) |
-//! | [`numerics`] | exp2 polynomial, FP8, Hadamard: shared constants with `cuda/include/` |
+//! | [`numerics`] | exp2 polynomial, FP8, Hadamard: shared constants with `cuda/common/` |
 //! | `cuda` (feature `cuda`) | kernel table, dispatch, device-memory `Engine` over embedded cubins (docs/cuda.md) |
 //! | `bench` (feature `bench`) | measurement tooling: FLOP/byte model, roofline ceilings, FP8 baselines |
 //! | [`serving`] | varlen batches, dense and paged KV caches with append, split-KV decode, `merge_states` (docs/serving.md) |

@@ -5,9 +5,9 @@
 //!   instruction block of the same tile (only LBO of the N = 64 MN-major V descriptor differs:
 //!   unused there, CuTe writes 0), with the k-step start offsets derived from CuTe's layout;
 //! - the tile storage (plain loads and the TMA placement model), the 128B swizzle, the wgmma
-//!   operand fetch of scripts/fa3-layout-sim.cpp, the accumulator map and the P -> A register
+//!   operand fetch of cuda/test/fa3_layout_sim.cpp, the accumulator map and the P -> A register
 //!   reuse equal CuTe's layouts / `CLayout_64xN` / `ALayout_64x16`;
-//! - the sm_80 mma.m16n8k16 A/B/C maps and ldmatrix(.trans) maps of cuda/include/fa2_layout.h and
+//! - the sm_80 mma.m16n8k16 A/B/C maps and ldmatrix(.trans) maps of cuda/fa2/layout.h and
 //!   cuda/test/fa2_layout_test.cpp equal CuTe's SM80 MMA traits and SM75 LDSM copy traits;
 //! - e4m3 (FP8) K-major descriptors, and deliberate mutations are detected;
 //! - the emulator's layout decoders (cuda/test/emu/sm90_layouts.h, sm80_layouts.h; checked by
@@ -96,7 +96,7 @@ fn our_layouts_equal_cute() {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cute-oracle");
     std::fs::create_dir_all(&dir).unwrap();
     let src = root().join("cuda/test/oracle");
-    let kernel_inc = root().join("cuda/include");
+    let kernel_inc = root().join("cuda");
     let cuda_sys: Vec<(&str, &Path)> = cuda.iter().map(|p| ("-isystem", p.as_path())).collect();
     let cute_incs: Vec<(&str, &Path)> = [("-isystem", cutlass.as_path())]
         .into_iter()
@@ -294,7 +294,7 @@ fn our_wgmma_instructions_equal_cutes() {
         ])
         .arg(&cutlass)
         .arg("-I")
-        .arg(root().join("cuda/include"))
+        .arg(root().join("cuda"))
         .arg(root().join("cuda/test/oracle/gmma_forms.cu"))
         .arg("-o")
         .arg(&cubin)

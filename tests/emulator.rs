@@ -93,8 +93,20 @@ fn layout_functions() {
 fn wrappers_match_the_instruction_headers() {
     let root = root();
     let emu_h = std::fs::read_to_string(root.join("cuda/test/emu/emu.h")).unwrap();
-    let mut sources: Vec<_> = std::fs::read_dir(root.join("cuda/include")).unwrap().flatten().map(|e| e.path()).collect();
-    sources.extend(std::fs::read_dir(root.join("cuda")).unwrap().flatten().map(|e| e.path()).filter(|p| p.is_file()));
+    // Every kernel source and header: cuda/ without the test programs.
+    let mut sources = Vec::new();
+    let mut dirs = vec![root.join("cuda")];
+    while let Some(dir) = dirs.pop() {
+        for p in std::fs::read_dir(&dir).unwrap().flatten().map(|e| e.path()) {
+            if p.is_dir() {
+                if p.file_name().is_some_and(|n| n != "test") {
+                    dirs.push(p);
+                }
+            } else {
+                sources.push(p);
+            }
+        }
+    }
     sources.sort();
     let mut wrappers = Vec::new();
     for path in &sources {
@@ -441,8 +453,9 @@ fn fa3_stage5() {
 
 // ---------------------------------------------------------------- mutations
 
-const FA3: &str = "cuda/fa3_fwd_sm90.cu";
-const WG: &str = "cuda/include/wgmma_sm90.cuh";
+const FA3_MAINLOOP: &str = "cuda/fa3/mainloop.cuh";
+const FA3_PIPELINE: &str = "cuda/fa3/pipeline.cuh";
+const WG: &str = "cuda/sm90/wgmma.cuh";
 
 /// Kernel mutations the emulator must catch, each on a case that passes unmutated, with the
 /// diagnoses that count as catching it.
@@ -461,19 +474,19 @@ fn mutations() -> Vec<(Mutation, &'static str, &'static [&'static str])> {
         (Mutation { name: "a_fragment_registers_swapped", file: WG,
             from: "return acc_index(2 * k + r / 2, r % 2, 0);", to: "return acc_index(2 * k + r % 2, r / 2, 0);", defines: &[] },
          "fa3s4", &["max |O - ref|"]),
-        (Mutation { name: "expect_tx_one_box_short", file: FA3,
+        (Mutation { name: "expect_tx_one_box_short", file: FA3_PIPELINE,
             from: "mbar_arrive_expect_tx(bar, Tr::kKvTileBytes);",
             to: "mbar_arrive_expect_tx(bar, Tr::kKvTileBytes - Tr::kKvTileBytes / Tr::kSlabs);", defines: &[] },
          "fa3s4", &["the phase completed before all its bytes landed"]),
-        (Mutation { name: "flipped_parity", file: FA3,
+        (Mutation { name: "flipped_parity", file: FA3_MAINLOOP,
             from: "return static_cast<uint32_t>(((it0 + j) / S) & 1); };",
             to: "return static_cast<uint32_t>((((it0 + j) / S) & 1) ^ 1); };", defines: &[] },
          "fa3s5", &["deadlock", "has not written yet", "max |O - ref|"]),
-        (Mutation { name: "kv_slot_released_before_retire", file: FA3,
-            from: "            gemm_qk<Tr, T>(s, q_addr, smem_u32(sk + slot * Tr::kKvTileBytes));\n            consume_tile<Tr, T>(p, acc, s, fp, m_first, kv.n_begin + it,\n                                smem_u32(sv + slot * Tr::kKvTileBytes));\n            mbar_arrive(&bars.kv_empty[slot]);",
-            to: "            gemm_qk<Tr, T>(s, q_addr, smem_u32(sk + slot * Tr::kKvTileBytes));\n            mbar_arrive(&bars.kv_empty[slot]);\n            consume_tile<Tr, T>(p, acc, s, fp, m_first, kv.n_begin + it,\n                                smem_u32(sv + slot * Tr::kKvTileBytes));", defines: &[] },
+        (Mutation { name: "kv_slot_released_before_retire", file: FA3_MAINLOOP,
+            from: "        gemm_qk<Tr, T>(s, q_addr, cta.k_slot(slot));\n        consume_tile<Tr, T>(p, acc, s, frag, m_first, kv.n_begin + it, cta.v_slot(slot));\n        release(it, slot);",
+            to: "        gemm_qk<Tr, T>(s, q_addr, cta.k_slot(slot));\n        release(it, slot);\n        consume_tile<Tr, T>(p, acc, s, frag, m_first, kv.n_begin + it, cta.v_slot(slot));", defines: &[] },
          "fa3s3", &["the buffer was released before its readers' wgmma.wait_group"]),
-        (Mutation { name: "missing_wgmma_wait", file: FA3,
+        (Mutation { name: "missing_wgmma_wait", file: FA3_MAINLOOP,
             from: "    issue_qk<Tr, T>(s, q_addr, k_addr);\n    wgmma_wait<0>();", to: "    issue_qk<Tr, T>(s, q_addr, k_addr);", defines: &[] },
          "fa3s2", &["is read (fence_regs) while wgmma"]),
     ]
@@ -566,7 +579,7 @@ fn fa4_stage3() {
 }
 
 const FA4: &str = "cuda/fa4_fwd_sm100.cu";
-const TC: &str = "cuda/include/tcgen05_sm100.cuh";
+const TC: &str = "cuda/sm100/tcgen05.cuh";
 
 /// tcgen05 mistakes the emulator must catch in the FA4 kernel, with the diagnoses that count.
 #[rustfmt::skip]

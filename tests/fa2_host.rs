@@ -1,7 +1,7 @@
 //! Host checks of the FA2 kernel (cuda/fa2_fwd.cu) with g++, no GPU and no CUDA headers needed:
 //!
 //! - `fa2_fragment_layout`: cuda/test/fa2_layout_test.cpp models ldmatrix (.x4, .trans) and
-//!   mma.m16n8k16 from the PTX ISA, checks every fragment map of cuda/include/fa2_layout.h
+//!   mma.m16n8k16 from the PTX ISA, checks every fragment map of cuda/fa2/layout.h
 //!   against it, replays the kernel's warp loops on integer tiles for every head dim, and checks
 //!   ldmatrix bank conflicts and load coverage (about 0.1 s to run).
 //!
@@ -22,7 +22,7 @@ fn gxx(args: &[&str], sources: &[PathBuf], exe: &Path) {
     let out = Command::new("g++")
         .args(args)
         .arg("-I")
-        .arg(root().join("cuda/include"))
+        .arg(root().join("cuda"))
         .args(sources)
         .arg("-o")
         .arg(exe)

@@ -1,4 +1,4 @@
-//! The FA3 host layout model (scripts/fa3-layout-sim.cpp, docs/fa3.md): compiled with g++
+//! The FA3 host layout model (cuda/test/fa3_layout_sim.cpp, docs/fa3.md): compiled with g++
 //! against the kernel's own `__host__ __device__` offset, descriptor and fragment helpers, it
 //! models TMA's SWIZZLE_128B placement and wgmma's operand fetch and accumulator layout, checks
 //! S = QKᵀ and O = S·V exactly for every stage and head dim, and brute-forces the tile-range
@@ -24,8 +24,8 @@ fn fa3_layouts_match_the_tma_and_wgmma_model() {
         .arg("-isystem")
         .arg(toolkit.join("include"))
         .arg("-I")
-        .arg(root.join("cuda/include"))
-        .arg(root.join("scripts/fa3-layout-sim.cpp"))
+        .arg(root.join("cuda"))
+        .arg(root.join("cuda/test/fa3_layout_sim.cpp"))
         .arg("-o")
         .arg(&exe)
         .output()

@@ -1,4 +1,4 @@
-//! The opt-in hang-check build (FLASH_ATTN_HANG_CHECK=1, cuda/include/hang_check.cuh, docs/fa3.md
+//! The opt-in hang-check build (FLASH_ATTN_HANG_CHECK=1, cuda/sm90/hang_check.cuh, docs/fa3.md
 //! "Hang check"), without a GPU:
 //! - `wait_policy_reports_then_traps`: the kernels' own wait loop and report text run on the host
 //!   (cuda/test/hang_check_test.cpp, g++) with a fake clock: a wait that never completes prints
@@ -34,7 +34,7 @@ fn wait_policy_reports_then_traps() {
             "-D__device__=",
         ])
         .arg("-I")
-        .arg(root().join("cuda/include"))
+        .arg(root().join("cuda"))
         .arg(root().join("cuda/test/hang_check_test.cpp"))
         .arg("-o")
         .arg(&exe)
@@ -94,7 +94,9 @@ mod nvcc {
             .args(["-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a"])
             .args(args)
             .arg("-I")
-            .arg(root().join("cuda/include"))
+            .arg(root().join("cuda"))
+            .arg("-I")
+            .arg(Path::new(env!("OUT_DIR")).join("include")) // the generated numerics constants
             .arg(input)
             .arg("-o")
             .arg(output)

@@ -26,10 +26,10 @@ use std::process::{Command, Stdio};
 const PROGRAM: &str = r#"
 #include <stdio.h>
 #include <string.h>
-#include "exp2_poly.cuh"
-#include "fp8.cuh"
-#include "hadamard.cuh"
-#include "online_softmax.cuh"
+#include "common/exp2_poly.cuh"
+#include "common/fp8.cuh"
+#include "common/hadamard.cuh"
+#include "common/softmax.cuh"
 
 static float rd() { unsigned u; if (scanf("%x", &u) != 1) return 0; return fa_u2f(u); }
 int main() {
@@ -97,7 +97,9 @@ fn build() -> PathBuf {
     let exe = dir.join("parity");
     let out = Command::new(&nvcc)
         .args(["-x", "c++", "-std=c++17", "-O2", "-cudart", "none", "-Xcompiler", "-ffp-contract=off", "-I"])
-        .arg(repo().join("cuda/include"))
+        .arg(repo().join("cuda"))
+        .arg("-I")
+        .arg(Path::new(env!("OUT_DIR")).join("include")) // the generated numerics constants
         .arg("-o")
         .arg(&exe)
         .arg(&src)
@@ -256,10 +258,10 @@ fn cuda_headers_match_rust_bit_for_bit() {
 /// A kernel using every helper, compiled for the crate's targets: the device paths (add.rm floor,
 /// hardware e4m3 conversion) at least build, and sm_90a's SASS shows the instructions we rely on.
 const KERNEL: &str = r#"
-#include "exp2_poly.cuh"
-#include "fp8.cuh"
-#include "hadamard.cuh"
-#include "online_softmax.cuh"
+#include "common/exp2_poly.cuh"
+#include "common/fp8.cuh"
+#include "common/hadamard.cuh"
+#include "common/softmax.cuh"
 extern "C" __global__ void numerics_probe(float* x, unsigned char* c, int n, unsigned long long seed) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
@@ -286,7 +288,9 @@ fn cuda_headers_compile_for_every_target() {
         let cubin = dir.join(format!("probe_sm{arch}.cubin"));
         let out = Command::new(&nvcc)
             .args(["-std=c++17", "-cubin", &format!("-gencode=arch=compute_{arch},code=sm_{arch}"), "-I"])
-            .arg(repo().join("cuda/include"))
+            .arg(repo().join("cuda"))
+            .arg("-I")
+            .arg(Path::new(env!("OUT_DIR")).join("include"))
             .arg("-o")
             .arg(&cubin)
             .arg(&src)

@@ -224,3 +224,27 @@ fn fa3_warp_specialised_stages_enter_with_168_registers() {
 fn keep_filter(filter: &str, x: &str) -> bool {
     filter.trim().is_empty() || filter.split(',').any(|f| f.trim() == x)
 }
+
+/// FA3 stages 4-5 overlap: the ping-pong token travels through named barriers (`bar.arrive`:
+/// BAR.ARV) and each consumer waits for S_j while PV_j-1 may still run (`wgmma.wait_group 1`:
+/// WARPGROUP.DEPBAR.LE gsb0, 0x1). Without either, the stage would still compute the right
+/// numbers, serialised, so only the SASS shows it (formerly checked by scripts/check-fa3.sh).
+#[test]
+#[cfg_attr(not(fa_kernels), ignore = "nvcc was not found at build time, so no kernel was built (run scripts/install-cuda-toolchain.sh)")]
+fn fa3_overlapped_stages_pass_the_token_and_keep_one_gemm_in_flight() {
+    let mut checked = 0;
+    for img in cubins().filter(|i| i.family == "fa3s4" || i.family == "fa3s5") {
+        for (name, sass) in sass_by_kernel(img) {
+            assert!(opcodes(&sass).iter().any(|op| op.starts_with("BAR.ARV")), "{name}: no BAR.ARV (ping-pong)");
+            assert!(
+                sass.lines().any(|l| l.contains("WARPGROUP.DEPBAR.LE gsb0, 0x1")),
+                "{name}: no WARPGROUP.DEPBAR.LE gsb0, 0x1 (a wait leaving one wgmma group in flight)"
+            );
+            checked += 1;
+        }
+    }
+    let built = keep_filter(ARCHS_FILTER, "90a") && family("fa3s4").tiles.iter().any(|t| keep_filter(HDIMS_FILTER, &t.head_dim.to_string()));
+    if built {
+        assert!(checked > 0, "no FA3 stage 4-5 kernel was checked");
+    }
+}

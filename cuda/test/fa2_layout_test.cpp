@@ -1,9 +1,9 @@
 // Host check of the FA2 kernel's index math, no GPU needed (g++ -std=c++17 -Icuda/include).
 //
 // The instructions are modelled here straight from the PTX ISA text (section 9.7.14.5.8 for the
-// mma.m16n8k16 fragments, 9.7.14.5.15 for ldmatrix), written independently of fa2_layout.h; the
-// kernel's loops are then replayed for one warp with the functions of fa2_layout.h and the traits
-// of fa2_traits.cuh, on integer-valued tiles (exact in double), and compared with plain matmuls:
+// mma.m16n8k16 fragments, 9.7.14.5.15 for ldmatrix), written independently of fa2/layout.h; the
+// kernel's loops are then replayed for one warp with the functions of fa2/layout.h and the traits
+// of fa2/traits.cuh, on integer-valued tiles (exact in double), and compared with plain matmuls:
 //   S = Q K^T through ldmatrix(Q) / ldmatrix(K) / mma, P = S reused as the A operand in registers,
 //   O = P V through ldmatrix.trans(V) / mma, and the epilogue's (row, col) of every O element.
 // It also checks that the padded shared layout keeps each 8-row ldmatrix phase on 8 distinct
@@ -12,8 +12,8 @@
 #include <cstdlib>
 #include <vector>
 
-#include "fa2_layout.h"
-#include "fa2_traits.cuh"
+#include "fa2/layout.h"
+#include "fa2/traits.cuh"
 
 static int failures = 0;
 #define CHECK(cond, ...)                                   \
@@ -94,7 +94,7 @@ static void check_spec_bijections() {
             CHECK(b[i][j] == 1, "B element (%d,%d) covered %d times", i, j, b[i][j]);
             CHECK(c[i][j] == 1, "C element (%d,%d) covered %d times", i, j, c[i][j]);
         }
-    // ... and fa2_layout.h agrees with the spec.
+    // ... and fa2/layout.h agrees with the spec.
     for (int l = 0; l < 32; ++l) {
         for (int i = 0; i < 4; ++i) {
             CHECK(fa2::acc_row(l, i) == spec_c_row(l, i) && fa2::acc_col(l, i) == spec_c_col(l, i), "acc map");

@@ -1,4 +1,4 @@
-// Host run of the hang-check build's wait policy and report text (cuda/include/hang_check.cuh),
+// Host run of the hang-check build's wait policy and report text (cuda/sm90/hang_check.cuh),
 // no GPU: the very wait_loop / print_timeout / print_wait the kernels use, with a fake clock and a
 // probe standing in for mbarrier.try_wait (tests/hang_check.rs builds it with g++ and checks).
 //   hang_check_test          a never-completing wait: prints the report, then the trap report,
@@ -8,7 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "hang_check.cuh"
+#include "sm90/hang_check.cuh"
 
 int main(int argc, char** argv) {
     const bool completes = argc > 1 && std::strcmp(argv[1], "done") == 0;

@@ -42,3 +42,57 @@ pub fn micro_kernel_skip_zero_b<const FMA: bool>(a_packed: &[f32], b_packed: &[f
         }
     }
 }
+
+/// [`micro_kernel`] on two B panels at once: `acc[t] += a · b[t]`, a 6×32 tile from one pass
+/// over A. Each element of A is broadcast once for both panels; with 512-bit registers the 12
+/// accumulators are 12 zmm, enough independent FMA chains to cover their latency, where the 6 of
+/// a single 6×16 tile are not. (With 256-bit registers the 24 accumulators would spill: AVX2
+/// uses [`micro_kernel`].) `SKIP`: as [`micro_kernel_skip_zero_b`], per panel.
+#[inline(always)]
+pub fn micro_kernel_x2<const FMA: bool, const SKIP: bool>(a_packed: &[f32], b: [&[f32]; 2], acc: &mut [Acc; 2]) {
+    let steps = a_packed.chunks_exact(MR).zip(b[0].chunks_exact(NR)).zip(b[1].chunks_exact(NR));
+    for ((a, b0), b1) in steps {
+        for i in 0..MR {
+            let ai = a[i];
+            for (t, bt) in [b0, b1].into_iter().enumerate() {
+                for j in 0..NR {
+                    let x = if FMA { ai.mul_add(bt[j], acc[t][i][j]) } else { ai * bt[j] + acc[t][i][j] };
+                    acc[t][i][j] = if SKIP && bt[j] == 0.0 { acc[t][i][j] } else { x };
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paired_kernel_is_two_single_kernels() {
+        let kc = 13;
+        let a: Vec<f32> = (0..kc * MR).map(|i| ((i * 7) % 11) as f32 - 5.0).collect();
+        let b0: Vec<f32> = (0..kc * NR).map(|i| ((i * 5) % 13) as f32 * 0.25 - 1.0).collect();
+        let mut b1: Vec<f32> = (0..kc * NR).map(|i| ((i * 3) % 7) as f32 - 3.0).collect();
+        b1[5] = 0.0;
+        let mut a_inf = a.clone();
+        a_inf[3] = f32::INFINITY;
+        for (a, skip) in [(&a, false), (&a_inf, true)] {
+            let init: Acc = std::array::from_fn(|i| std::array::from_fn(|j| (i * NR + j) as f32));
+            let (mut s0, mut s1) = (init, init);
+            let mut pair = [init, init];
+            if skip {
+                micro_kernel_skip_zero_b::<false>(a, &b0, &mut s0);
+                micro_kernel_skip_zero_b::<false>(a, &b1, &mut s1);
+                micro_kernel_x2::<false, true>(a, [&b0, &b1], &mut pair);
+            } else {
+                micro_kernel::<false>(a, &b0, &mut s0);
+                micro_kernel::<false>(a, &b1, &mut s1);
+                micro_kernel_x2::<false, false>(a, [&b0, &b1], &mut pair);
+            }
+            let bits = |x: &Acc| x.iter().flatten().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&pair[0]), bits(&s0));
+            assert_eq!(bits(&pair[1]), bits(&s1));
+        }
+    }
+}

@@ -10,6 +10,12 @@
 //! columns for `P·V`); scores are held as panels of [`NR`] = 16 rows per key, the layout of the
 //! shared online-softmax verbs (`cpu/softmax.rs`), which run unchanged.
 //!
+//! Decode-like calls (each row block fits one panel: `seqlen_q · group <= 16`) run the items of
+//! all kv heads of a (sequence, row block, split) as one unit that advances chunk by chunk over
+//! every head: a chunk's K/V rows of all heads lie side by side (`[.., seqlen, heads,
+//! head_dim]`), so memory is swept in order instead of one head's rows a whole row of all heads
+//! apart, which left a decode step waiting on scattered cache misses.
+//!
 //! Split-KV (flash-decoding): when there are too few items to occupy the workers, each item's
 //! key range is split; each split writes its normalised output and LSE, and a second pass merges
 //! them with `serving::merge::merge_row` (the arithmetic of the public `merge_states`). The
@@ -20,7 +26,7 @@
 use super::gemm::NR;
 use super::parallel;
 use super::pool;
-use super::softmax::{finalize, max_get_scale, online_softmax, panel_max, Exp2Math, RowState};
+use super::softmax::{finalize, online_softmax, panel_max, panel_scales, Exp2Math, RowState};
 use super::{ScoreMod, MAX_HEAD_DIM};
 use crate::error::{Error, Result};
 use crate::problem::Problem;
@@ -34,7 +40,7 @@ pub const RB: usize = 64;
 /// them.
 pub const KC: usize = 64;
 /// A split of the keys must hold at least this many: below it the split's fixed costs (loading
-/// the queries, the merge, a thread's start while threads are spawned per call) outweigh the
+/// the queries, the merge, a pool worker's wake-up) outweigh the
 /// parallelism it buys.
 pub const MIN_SPLIT_KEYS: usize = 512;
 /// Most splits of one item's keys (FlashAttention's limit too).
@@ -134,17 +140,19 @@ struct Scratch {
 }
 
 impl Scratch {
-    fn new(d: usize, half: bool) -> Self {
+    /// For items of up to `rows` query rows (at most [`RB`]).
+    fn new(d: usize, half: bool, rows: usize) -> Self {
         let hb = if half { KC * d } else { 0 };
+        let rb = rows.div_ceil(NR).max(1) * NR;
         Scratch {
-            q: vec![0.0; RB * d],
-            o: vec![0.0; RB * d],
+            q: vec![0.0; rb * d],
+            o: vec![0.0; rb * d],
             s: vec![[0.0; NR]; KC],
-            rows: vec![RowState::EMPTY; RB],
-            lo: vec![0; RB],
-            hi: vec![0; RB],
-            qi: vec![0; RB],
-            head: vec![0; RB],
+            rows: vec![RowState::EMPTY; rb],
+            lo: vec![0; rb],
+            hi: vec![0; rb],
+            qi: vec![0; rb],
+            head: vec![0; rb],
             kbuf: vec![0.0; hb],
             vbuf: vec![0.0; hb],
             kofs: vec![0; KC],
@@ -375,9 +383,51 @@ fn pv_panel<const FMA: bool, const SKIP: bool>(o: &mut [f32], d: usize, nl: usiz
     }
 }
 
-/// Runs one item: see the module documentation.
+/// What an item keeps between its chunks: its sequence's own problem (masks, ALiBi and causal
+/// alignment are per sequence) and the keys any of its rows sees.
+struct ItemSpan {
+    ps: Problem,
+    lo_all: usize,
+    hi_all: usize,
+}
+
+/// Runs a group of items (see the module documentation): items of one sequence, row block and
+/// key split that differ only in their kv head. When they see the same keys they advance chunk
+/// by chunk together, so each chunk's K/V rows of all their heads, which lie side by side in
+/// memory (`[.., seqlen, heads, head_dim]`), are read in one sweep rather than one head's rows a
+/// whole row of all heads apart at a time; otherwise each runs alone.
 #[inline(always)]
-fn attend<M: Exp2Math, const FMA: bool>(c: &Ctx<'_, M>, it: &mut Item<'_>, scr: &mut Scratch) {
+fn attend<M: Exp2Math, const FMA: bool>(c: &Ctx<'_, M>, items: &mut [Item<'_>], scrs: &mut [Scratch]) {
+    let spans: Vec<ItemSpan> = items.iter_mut().zip(scrs.iter_mut()).map(|(it, scr)| attend_begin(c, it, scr)).collect();
+    let together = spans.windows(2).all(|w| (w[0].lo_all, w[0].hi_all) == (w[1].lo_all, w[1].hi_all));
+    if together {
+        let (lo_all, hi_all) = spans.first().map_or((0, 0), |s| (s.lo_all, s.hi_all));
+        let mut j0 = lo_all;
+        while j0 < hi_all {
+            let j1 = (j0 + KC).min(hi_all);
+            for ((it, scr), sp) in items.iter_mut().zip(scrs.iter_mut()).zip(&spans) {
+                attend_chunk::<M, FMA>(c, it, scr, &sp.ps, j0, j1);
+            }
+            j0 = j1;
+        }
+    } else {
+        for ((it, scr), sp) in items.iter_mut().zip(scrs.iter_mut()).zip(&spans) {
+            let mut j0 = sp.lo_all;
+            while j0 < sp.hi_all {
+                let j1 = (j0 + KC).min(sp.hi_all);
+                attend_chunk::<M, FMA>(c, it, scr, &sp.ps, j0, j1);
+                j0 = j1;
+            }
+        }
+    }
+    for (it, scr) in items.iter_mut().zip(scrs.iter_mut()) {
+        attend_end(c, it, scr);
+    }
+}
+
+/// An item's queries, key ranges and cleared state.
+#[inline(always)]
+fn attend_begin<M: Exp2Math>(c: &Ctx<'_, M>, it: &mut Item<'_>, scr: &mut Scratch) -> ItemSpan {
     let d = c.p.head_dim;
     let g = c.group;
     let (b, hk) = (it.b, it.hk);
@@ -391,18 +441,7 @@ fn attend<M: Exp2Math, const FMA: bool>(c: &Ctx<'_, M>, it: &mut Item<'_>, scr: 
         ..c.p.clone()
     };
     let Scratch {
-        q,
-        o,
-        s,
-        rows,
-        lo,
-        hi,
-        qi,
-        head,
-        kbuf,
-        vbuf,
-        kofs,
-        vofs,
+        q, o, rows, lo, hi, qi, head, ..
     } = scr;
 
     for rl in 0..nrows {
@@ -426,73 +465,105 @@ fn attend<M: Exp2Math, const FMA: bool>(c: &Ctx<'_, M>, it: &mut Item<'_>, scr: 
     let lo_all = lo[..nrows].iter().copied().min().unwrap_or(0);
     let hi_all = hi[..nrows].iter().copied().max().unwrap_or(0);
 
-    let mut j0 = lo_all;
-    while j0 < hi_all {
-        let j1 = (j0 + KC).min(hi_all);
-        let n = j1 - j0;
-        c.layout.for_kv_rows(b, j0, j1, |jl, outer, row| {
-            kofs[jl] = c.k.offset(outer, row, hk);
-            vofs[jl] = c.v.offset(outer, row, hk);
-        });
-        let krows = chunk_rows(c.k.data(), &kofs[..n], d, kbuf);
-        let vrows = chunk_rows(c.v.data(), &vofs[..n], d, vbuf);
+    ItemSpan { ps, lo_all, hi_all }
+}
 
-        for l0 in (0..nrows).step_by(NR) {
-            let nl = NR.min(nrows - l0);
-            let plo = lo[l0..l0 + nl].iter().copied().min().unwrap_or(0).max(j0);
-            let phi = hi[l0..l0 + nl].iter().copied().max().unwrap_or(0).min(j1);
-            if plo >= phi {
-                continue;
-            }
-            let (c0, c1) = (plo - j0, phi - j0);
-            let full = (l0..l0 + nl).all(|r| lo[r] <= plo && hi[r] >= phi);
-            let qp = &q[l0 * d..(l0 + NR) * d];
-            let sp = &mut s[c0..c1];
-            // S = Q·Kᵀ for this panel's rows.
-            qk_panel::<FMA>(qp, d, nl, &krows[c0..c1], sp);
-            // Softcap and ALiBi in natural units (score units: `cpu::softmax`), the mask, and
-            // −inf for the padding lanes.
-            for (tl, row) in sp.iter_mut().enumerate() {
-                let j = plo + tl;
-                for (l, x) in row.iter_mut().enumerate().take(nl) {
-                    let rl = l0 + l;
-                    if c.sm.natural {
-                        let s = *x * c.sm.scale;
-                        let s = match c.sm.softcap {
-                            Some(cap) => cap * (s / cap).tanh(),
-                            None => s,
-                        };
-                        *x = s + ps.alibi_bias(head[rl], qi[rl], j);
-                    }
-                    if !full && (j < lo[rl] || j >= hi[rl]) {
-                        *x = f32::NEG_INFINITY;
-                    }
+/// Keys `j0..j1` of an item.
+#[inline(always)]
+fn attend_chunk<M: Exp2Math, const FMA: bool>(
+    c: &Ctx<'_, M>,
+    it: &mut Item<'_>,
+    scr: &mut Scratch,
+    ps: &Problem,
+    j0: usize,
+    j1: usize,
+) {
+    let d = c.p.head_dim;
+    let (b, hk) = (it.b, it.hk);
+    let nrows = it.r1 - it.r0;
+    let Scratch {
+        q,
+        o,
+        s,
+        rows,
+        lo,
+        hi,
+        qi,
+        head,
+        kbuf,
+        vbuf,
+        kofs,
+        vofs,
+    } = scr;
+    let n = j1 - j0;
+    c.layout.for_kv_rows(b, j0, j1, |jl, outer, row| {
+        kofs[jl] = c.k.offset(outer, row, hk);
+        vofs[jl] = c.v.offset(outer, row, hk);
+    });
+    let krows = chunk_rows(c.k.data(), &kofs[..n], d, kbuf);
+    let vrows = chunk_rows(c.v.data(), &vofs[..n], d, vbuf);
+
+    for l0 in (0..nrows).step_by(NR) {
+        let nl = NR.min(nrows - l0);
+        let plo = lo[l0..l0 + nl].iter().copied().min().unwrap_or(0).max(j0);
+        let phi = hi[l0..l0 + nl].iter().copied().max().unwrap_or(0).min(j1);
+        if plo >= phi {
+            continue;
+        }
+        let (c0, c1) = (plo - j0, phi - j0);
+        let full = (l0..l0 + nl).all(|r| lo[r] <= plo && hi[r] >= phi);
+        let qp = &q[l0 * d..(l0 + NR) * d];
+        let sp = &mut s[c0..c1];
+        // S = Q·Kᵀ for this panel's rows.
+        qk_panel::<FMA>(qp, d, nl, &krows[c0..c1], sp);
+        // Softcap and ALiBi in natural units (score units: `cpu::softmax`), the mask, and
+        // −inf for the padding lanes.
+        for (tl, row) in sp.iter_mut().enumerate() {
+            let j = plo + tl;
+            for (l, x) in row.iter_mut().enumerate().take(nl) {
+                let rl = l0 + l;
+                if c.sm.natural {
+                    let s = *x * c.sm.scale;
+                    let s = match c.sm.softcap {
+                        Some(cap) => cap * (s / cap).tanh(),
+                        None => s,
+                    };
+                    *x = s + ps.alibi_bias(head[rl], qi[rl], j);
                 }
-                row[nl..].iter_mut().for_each(|x| *x = f32::NEG_INFINITY);
-            }
-            // The online softmax, the verbs of the tiled path.
-            let states = &mut rows[l0..l0 + NR];
-            let tile_max = panel_max(sp.as_flattened());
-            let scales: [f32; NR] = std::array::from_fn(|l| max_get_scale(&mut states[l], tile_max[l], c.sm.c, &c.math));
-            online_softmax::<M, FMA>(states, &scales, sp.as_flattened_mut(), c.sm.c, &c.math);
-            let op = &mut o[l0 * d..(l0 + NR) * d];
-            for (l, &sc) in scales.iter().enumerate().take(nl) {
-                if sc != 1.0 {
-                    op[l * d..(l + 1) * d].iter_mut().for_each(|x| *x *= sc);
+                if !full && (j < lo[rl] || j >= hi[rl]) {
+                    *x = f32::NEG_INFINITY;
                 }
             }
-            // O += P·V; where some row does not see some key of the chunk, zeros of P are
-            // skipped so that key's V (possibly inf/NaN) cannot reach that row.
-            let vr = &vrows[c0..c1];
-            if full {
-                pv_panel::<FMA, false>(op, d, nl, sp, vr);
-            } else {
-                pv_panel::<FMA, true>(op, d, nl, sp, vr);
+            row[nl..].iter_mut().for_each(|x| *x = f32::NEG_INFINITY);
+        }
+        // The online softmax, the verbs of the tiled path.
+        let states = &mut rows[l0..l0 + NR];
+        let tile_max = panel_max(sp.as_flattened());
+        let scales = panel_scales(states, &tile_max, c.sm.c, &c.math);
+        online_softmax::<M, FMA>(states, &scales, sp.as_flattened_mut(), c.sm.c, &c.math);
+        let op = &mut o[l0 * d..(l0 + NR) * d];
+        for (l, &sc) in scales.iter().enumerate().take(nl) {
+            if sc != 1.0 {
+                op[l * d..(l + 1) * d].iter_mut().for_each(|x| *x *= sc);
             }
         }
-        j0 = j1;
+        // O += P·V; where some row does not see some key of the chunk, zeros of P are
+        // skipped so that key's V (possibly inf/NaN) cannot reach that row.
+        let vr = &vrows[c0..c1];
+        if full {
+            pv_panel::<FMA, false>(op, d, nl, sp, vr);
+        } else {
+            pv_panel::<FMA, true>(op, d, nl, sp, vr);
+        }
     }
+}
 
+/// An item's normalised outputs and LSEs.
+#[inline(always)]
+fn attend_end<M: Exp2Math>(c: &Ctx<'_, M>, it: &mut Item<'_>, scr: &mut Scratch) {
+    let d = c.p.head_dim;
+    let nrows = it.r1 - it.r0;
+    let Scratch { o, rows, .. } = scr;
     for rl in 0..nrows {
         let (inv, lse) = finalize(&rows[rl], c.sm.u, &c.math);
         it.lse[rl] = lse;
@@ -509,19 +580,19 @@ fn attend<M: Exp2Math, const FMA: bool>(c: &Ctx<'_, M>, it: &mut Item<'_>, scr: 
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn attend_avx2<M: Exp2Math>(c: &Ctx<'_, M>, it: &mut Item<'_>, scr: &mut Scratch) {
-    attend::<M, true>(c, it, scr)
+fn attend_avx2<M: Exp2Math>(c: &Ctx<'_, M>, items: &mut [Item<'_>], scrs: &mut [Scratch]) {
+    attend::<M, true>(c, items, scrs)
 }
 
-fn attend_any<M: Exp2Math>(c: &Ctx<'_, M>, it: &mut Item<'_>, scr: &mut Scratch) {
+fn attend_any<M: Exp2Math>(c: &Ctx<'_, M>, items: &mut [Item<'_>], scrs: &mut [Scratch]) {
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
         // SAFETY: the CPU was just checked to support AVX2 and FMA, the only requirement of a
         // `#[target_feature]` function; the function itself is safe code.
-        unsafe { attend_avx2(c, it, scr) };
+        unsafe { attend_avx2(c, items, scrs) };
         return;
     }
-    attend::<M, false>(c, it, scr)
+    attend::<M, false>(c, items, scrs)
 }
 
 /// Name of the kernel this CPU runs on this path.
@@ -620,7 +691,12 @@ pub(crate) fn forward<M: Exp2Math>(
         spans.push(blocks);
     }
     let threads = threads.clamp(1, (work / MIN_WORK_PER_THREAD).max(1).try_into().unwrap_or(usize::MAX));
-    let ns_all = splits.unwrap_or_else(|| num_splits(base_items, threads, max_span));
+    // Decode-like calls (every row block within one panel) run all kv heads of a (sequence, row
+    // block, split) as one unit (see `attend`): the split heuristic counts those units.
+    let max_rows = (0..batch).map(|b| (seqlen_q(b) * g).min(RB)).max().unwrap_or(0);
+    let by_heads = max_rows <= NR;
+    let units = if by_heads { base_items / hkv.max(1) } else { base_items };
+    let ns_all = splits.unwrap_or_else(|| num_splits(units, threads, max_span));
 
     // Items (ordered by sequence, kv head, row block, split) and their output buffers.
     let mut plans = Vec::with_capacity(batch);
@@ -681,8 +757,18 @@ pub(crate) fn forward<M: Exp2Math>(
                 lse: li,
             });
         }
-        // Heaviest first, so the last items to finish are short.
-        items.sort_by_key(|it| std::cmp::Reverse(it.cost));
+        // Work units: one item, or (decode-like) the items of all kv heads of one (sequence, row
+        // block, split). Heaviest first, so the last units to finish are short.
+        let mut units: Vec<(u64, Vec<Item<'_>>)> = if by_heads {
+            let mut map: std::collections::BTreeMap<(usize, usize, usize), Vec<Item<'_>>> = Default::default();
+            for it in items {
+                map.entry((it.b, it.r0, it.k0)).or_default().push(it);
+            }
+            map.into_values().map(|u| (u.iter().map(|it| it.cost).sum(), u)).collect()
+        } else {
+            items.into_iter().map(|it| (it.cost, vec![it])).collect()
+        };
+        units.sort_by_key(|u| std::cmp::Reverse(u.0));
         let ctx = Ctx {
             p,
             layout,
@@ -695,10 +781,16 @@ pub(crate) fn forward<M: Exp2Math>(
         };
         let half = k.dtype() != crate::tensor::DType::F32;
         parallel::for_each(
-            &mut items,
+            &mut units,
             threads,
-            || Scratch::new(d, half),
-            |scr, it| attend_any(&ctx, it, scr),
+            Vec::<Scratch>::new,
+            |scrs, (_, unit)| {
+                while scrs.len() < unit.len() {
+                    scrs.push(Scratch::new(d, half, max_rows));
+                }
+                let n = unit.len();
+                attend_any(&ctx, unit, &mut scrs[..n]);
+            },
         );
     }
 

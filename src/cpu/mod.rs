@@ -4,8 +4,9 @@
 //! query head of the GQA group and every block of `BR` query rows then streams over the key
 //! tiles of `BC` keys: `Sᵀ = K·Qᵀ` (6×16 register micro-kernel), the online softmax of each
 //! query (exp2 of `(x − m)·scale·log2e`, −inf guard; `softmax` explains the units),
-//! `Oᵀ = Oᵀ·diag(scale) + Vᵀ·Pᵀ`, and one normalisation at the end. Work items (kv head, group head, query block) are handed out heaviest first to
-//! `std` threads; each writes its own disjoint slice of the output.
+//! `Oᵀ = Oᵀ·diag(scale) + Vᵀ·Pᵀ`, and one normalisation at the end. Work items (kv head, group
+//! head, query block) are handed out heaviest first to the persistent worker pool (`parallel`);
+//! each writes its own disjoint slice of the output.
 
 mod gemm;
 pub(crate) mod inplace;
@@ -21,9 +22,8 @@ use crate::numerics::quant::fake_quantize;
 use crate::options::Precision;
 use crate::problem::Problem;
 use crate::tensor::{try_filled, DataMut, Element, Tensor, TensorView};
-use gemm::{micro_kernel, micro_kernel_skip_zero_b, Acc, MR, NR};
-use softmax::{finalize, max_get_scale, online_softmax, rescale_o, Exp2Math, RowState};
-use std::sync::Mutex;
+use gemm::{micro_kernel, micro_kernel_skip_zero_b, micro_kernel_x2, Acc, MR, NR};
+use softmax::{finalize, online_softmax, rescale_o, Exp2Math, RowState};
 
 /// Query rows per work item (a multiple of the 16-query panels).
 pub const BR: usize = 96;
@@ -108,19 +108,45 @@ struct PackedKv {
 fn pack_kv(p: &Problem, sz: &Sizes, k: &TensorView, v: &TensorView, b: usize, hk: usize) -> Result<PackedKv> {
     let d = p.head_dim;
     let sk_pad = sz.sk_pad;
-    let mut kp = pool::take(sz.k_pack, "packed K of one head")?;
-    let mut vp = pool::take(sz.v_pack, "packed V of one head")?;
-    let mut row = vec![0.0f32; d];
-    for j in 0..p.seqlen_k {
-        let (strip, lane) = (j / MR, j % MR);
-        k.read_row(b, j, hk, &mut row);
-        let base = strip * d * MR;
-        for (x, &val) in row.iter().enumerate() {
-            kp[base + x * MR + lane] = val;
+    // Every element is written below: the keys and columns of the inputs by the scatter, the
+    // padding (keys past seqlen_k, columns past head_dim) with zeros.
+    let mut kp = pool::take_dirty(sz.k_pack, "packed K of one head")?;
+    let mut vp = pool::take_dirty(sz.v_pack, "packed V of one head")?;
+    kp[p.seqlen_k / MR * d * MR..].fill(0.0); // the last, partial strip (rewritten below)
+    let dv = sz.v_pack / sk_pad;
+    for strip in vp.chunks_exact_mut(sk_pad * MR) {
+        strip[p.seqlen_k * MR..].fill(0.0);
+    }
+    if dv > d {
+        // Columns d..dv of the last column strip, for every key.
+        let last = &mut vp[(dv / MR - 1) * sk_pad * MR..];
+        for key in last.chunks_exact_mut(MR) {
+            key[d % MR..].fill(0.0);
         }
-        v.read_row(b, j, hk, &mut row);
-        for (x, &val) in row.iter().enumerate() {
-            vp[(x / MR) * sk_pad * MR + j * MR + x % MR] = val;
+    }
+    // A strip's six K rows and six V rows are read first, back to back, then scattered: with
+    // the [batch, seqlen, heads, head_dim] layout consecutive keys of one head are a row of all
+    // heads apart, so each row is a separate cache miss; twelve independent reads overlap where
+    // a read followed by its scatter would wait for each miss in turn.
+    let mut rows = vec![0.0f32; 2 * MR * d];
+    for strip in 0..p.seqlen_k.div_ceil(MR) {
+        let n = MR.min(p.seqlen_k - strip * MR);
+        let (kr, vr) = rows.split_at_mut(MR * d);
+        for lane in 0..n {
+            k.read_row(b, strip * MR + lane, hk, &mut kr[lane * d..(lane + 1) * d]);
+            v.read_row(b, strip * MR + lane, hk, &mut vr[lane * d..(lane + 1) * d]);
+        }
+        let kdst = &mut kp[strip * d * MR..(strip + 1) * d * MR];
+        for lane in 0..n {
+            for (x, &val) in kr[lane * d..(lane + 1) * d].iter().enumerate() {
+                kdst[x * MR + lane] = val;
+            }
+        }
+        for lane in 0..n {
+            let j = strip * MR + lane;
+            for (x, &val) in vr[lane * d..(lane + 1) * d].iter().enumerate() {
+                vp[(x / MR) * sk_pad * MR + j * MR + x % MR] = val;
+            }
         }
     }
     let v_finite = all_finite(&vp);
@@ -219,6 +245,68 @@ impl ScoreMod {
     }
 }
 
+/// Where a panel's part of a tile lies: head, first query row and row count of the block, the
+/// tile's first computed key, and whether every row of the block sees the whole tile.
+struct PanelAt {
+    h: usize,
+    i0: usize,
+    nrows: usize,
+    k0: usize,
+    full_tile: bool,
+}
+
+/// Panel `pn`'s scores `sp` (`[keys][NR]`, keys from `at.k0`) to probabilities: softcap and
+/// ALiBi, the mask, the online softmax down each query column, and the rescale of its output
+/// panel `op`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn panel_softmax<M: Exp2Math, const FMA: bool>(
+    p: &Problem,
+    sm: ScoreMod,
+    math: &M,
+    at: &PanelAt,
+    pn: usize,
+    ranges: &[(usize, usize)],
+    sp: &mut [f32],
+    states: &mut [RowState],
+    op: &mut [f32],
+) {
+    // Softcap and ALiBi, in natural units (as a straightforward implementation computes them:
+    // each step is finite wherever its f32 counterpart there is).
+    if sm.natural {
+        for (jl, row) in sp.chunks_exact_mut(NR).enumerate() {
+            for (lane, x) in row.iter_mut().enumerate().take(at.nrows.saturating_sub(pn * NR)) {
+                let s = *x * sm.scale;
+                // A division, as a straightforward implementation writes it: for a cap far above
+                // the scores, (s / cap) * cap gives s back to within an ulp, where
+                // s * (1 / cap) * cap accumulates three roundings.
+                let s = match sm.softcap {
+                    Some(cap) => cap * (s / cap).tanh(),
+                    None => s,
+                };
+                *x = s + p.alibi_bias(at.h, at.i0 + pn * NR + lane, at.k0 + jl);
+            }
+        }
+    }
+    // The mask, branch-free per lane so it vectorises (padded lanes see everything).
+    if !at.full_tile {
+        let lo: [i64; NR] = std::array::from_fn(|l| ranges.get(pn * NR + l).map_or(0, |r| r.0 as i64));
+        let hi: [i64; NR] = std::array::from_fn(|l| ranges.get(pn * NR + l).map_or(i64::MAX, |r| r.1 as i64));
+        for (jl, row) in sp.chunks_exact_mut(NR).enumerate() {
+            let j = (at.k0 + jl) as i64;
+            for q in 0..NR {
+                row[q] = if j < lo[q] || j >= hi[q] { f32::NEG_INFINITY } else { row[q] };
+            }
+        }
+    }
+    // Online softmax down each query column.
+    let states = &mut states[..NR];
+    let tile_max = softmax::panel_max(sp);
+    let scales = softmax::panel_scales(states, &tile_max, sm.c, math);
+    online_softmax::<M, FMA>(states, &scales, sp, sm.c, math);
+    rescale_o(&mut op[..round_up(p.head_dim, MR) * NR], &scales);
+}
+
 /// One work item: query rows `i0..i1` of head `h` against the packed K/V of its kv head.
 /// Writes `(i1 - i0) × d` normalised outputs to `o_out` and the LSEs to `lse_out`.
 ///
@@ -227,7 +315,7 @@ impl ScoreMod {
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 #[allow(clippy::needless_range_loop)] // `pn` indexes the panel's keys, Q and score slices alike
-fn attend_block<M: Exp2Math, const FMA: bool>(
+fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
     p: &Problem,
     q: &TensorView,
     kv: &PackedKv,
@@ -282,78 +370,81 @@ fn attend_block<M: Exp2Math, const FMA: bool>(
         let j1 = (j0 + BC).min(round_up(hi_all, MR)).min(sk_pad);
         let cols = j1 - j0;
         let full_tile = j0 >= inner_lo && j1 <= inner_hi;
-        for pn in 0..panels {
-            // This panel's part of the tile: local keys c0..c1 (multiples of MR).
+        // This panel's part of the tile: local keys c0..c1 (multiples of MR), if any.
+        let part = |pn: usize| {
             let (plo, phi) = panel_keys[pn];
             let c0 = (plo.max(j0) - j0) / MR * MR;
             let c1 = (round_up(phi.max(j0), MR) - j0).min(cols);
-            if c0 >= c1 {
+            (c0 < c1).then_some((c0, c1))
+        };
+        let mut pn = 0;
+        while pn < panels {
+            let Some((c0, c1)) = part(pn) else {
+                pn += 1;
                 continue;
-            }
+            };
+            // Two panels that see the same keys of this tile go through the paired kernel.
+            let pair = PAIR && pn + 1 < panels && part(pn + 1) == Some((c0, c1));
             let (k0, k1) = (j0 + c0, j0 + c1);
-            let qp = &scr.q[pn * d * NR..(pn + 1) * d * NR];
-            let sp = &mut scr.s[pn * BC * NR + c0 * NR..pn * BC * NR + c1 * NR];
+            let (s_lo, s_hi) = scr.s.split_at_mut((pn + 1) * BC * NR);
+            let sp0 = &mut s_lo[pn * BC * NR + c0 * NR..pn * BC * NR + c1 * NR];
+            let sp1: &mut [f32] = if pair { &mut s_hi[c0 * NR..c1 * NR] } else { &mut [] };
+            let q0 = &scr.q[pn * d * NR..(pn + 1) * d * NR];
+            let k_strip = |ks: usize| &kv.k[(k0 / MR + ks) * d * MR..(k0 / MR + ks + 1) * d * MR];
             // Sᵀ = K·Qᵀ, six keys at a time.
-            for (ks, s6) in sp.chunks_exact_mut(MR * NR).enumerate() {
-                let strip = k0 / MR + ks;
-                let mut acc: Acc = [[0.0; NR]; MR];
-                micro_kernel::<FMA>(&kv.k[strip * d * MR..(strip + 1) * d * MR], qp, &mut acc);
-                for (dst, a) in s6.chunks_exact_mut(NR).zip(&acc) {
-                    dst.copy_from_slice(a);
-                }
-            }
-            // Softcap and ALiBi, in natural units (as a straightforward implementation computes
-            // them: each step is finite wherever its f32 counterpart there is).
-            if sm.natural {
-                for (jl, row) in sp.chunks_exact_mut(NR).enumerate() {
-                    for (lane, x) in row.iter_mut().enumerate().take(nrows.saturating_sub(pn * NR)) {
-                        let s = *x * sm.scale;
-                        // A division, as a straightforward implementation writes it: for a cap
-                        // far above the scores, (s / cap) * cap gives s back to within an ulp,
-                        // where s * (1 / cap) * cap accumulates three roundings.
-                        let s = match sm.softcap {
-                            Some(cap) => cap * (s / cap).tanh(),
-                            None => s,
-                        };
-                        *x = s + p.alibi_bias(h, i0 + pn * NR + lane, k0 + jl);
+            if pair {
+                let q1 = &scr.q[(pn + 1) * d * NR..(pn + 2) * d * NR];
+                for (ks, (s6a, s6b)) in sp0.chunks_exact_mut(MR * NR).zip(sp1.chunks_exact_mut(MR * NR)).enumerate() {
+                    let mut acc: [Acc; 2] = [[[0.0; NR]; MR]; 2];
+                    micro_kernel_x2::<FMA, false>(k_strip(ks), [q0, q1], &mut acc);
+                    for (s6, a) in [s6a, s6b].into_iter().zip(&acc) {
+                        s6.copy_from_slice(a.as_flattened());
                     }
                 }
-            }
-            // The mask, branch-free per lane so it vectorises (padded lanes see everything).
-            if !full_tile {
-                let lo: [i64; NR] = std::array::from_fn(|l| ranges.get(pn * NR + l).map_or(0, |r| r.0 as i64));
-                let hi: [i64; NR] = std::array::from_fn(|l| ranges.get(pn * NR + l).map_or(i64::MAX, |r| r.1 as i64));
-                for (jl, row) in sp.chunks_exact_mut(NR).enumerate() {
-                    let j = (k0 + jl) as i64;
-                    for q in 0..NR {
-                        row[q] = if j < lo[q] || j >= hi[q] { f32::NEG_INFINITY } else { row[q] };
-                    }
+            } else {
+                for (ks, s6) in sp0.chunks_exact_mut(MR * NR).enumerate() {
+                    let mut acc: Acc = [[0.0; NR]; MR];
+                    micro_kernel::<FMA>(k_strip(ks), q0, &mut acc);
+                    s6.copy_from_slice(acc.as_flattened());
                 }
             }
-            // Online softmax down each query column.
-            let states = &mut scr.rows[pn * NR..(pn + 1) * NR];
-            let tile_max = softmax::panel_max(sp);
-            let scales: [f32; NR] = std::array::from_fn(|q| max_get_scale(&mut states[q], tile_max[q], sm.c, math));
-            online_softmax::<M, FMA>(states, &scales, sp, sm.c, math);
-            let op = &mut scr.o[pn * dv * NR..(pn + 1) * dv * NR];
-            rescale_o(op, &scales);
+            let (o_lo, o_hi) = scr.o.split_at_mut((pn + 1) * dv * NR);
+            let op0 = &mut o_lo[pn * dv * NR..];
+            let op1 = &mut o_hi[..if pair { dv * NR } else { 0 }];
+            let (r_lo, r_hi) = scr.rows.split_at_mut((pn + 1) * NR);
+            let panel = PanelAt { h, i0, nrows, k0, full_tile };
+            panel_softmax::<M, FMA>(p, sm, math, &panel, pn, &ranges, sp0, &mut r_lo[pn * NR..], op0);
+            if pair {
+                panel_softmax::<M, FMA>(p, sm, math, &panel, pn + 1, &ranges, sp1, &mut r_hi[..NR], op1);
+            }
             // Oᵀ += Vᵀ·Pᵀ, six columns of V at a time.
-            for (ds, o6) in op.chunks_exact_mut(MR * NR).enumerate() {
-                let base = ds * sk_pad * MR;
-                let mut acc: Acc = [[0.0; NR]; MR];
-                for (a, src) in acc.iter_mut().zip(o6.chunks_exact(NR)) {
-                    a.copy_from_slice(src);
+            let v_strip = |ds: usize| &kv.v[ds * sk_pad * MR + k0 * MR..ds * sk_pad * MR + k1 * MR];
+            if pair {
+                for (ds, (o6a, o6b)) in op0.chunks_exact_mut(MR * NR).zip(op1.chunks_exact_mut(MR * NR)).enumerate() {
+                    let mut acc: [Acc; 2] = [[[0.0; NR]; MR]; 2];
+                    acc[0].as_flattened_mut().copy_from_slice(o6a);
+                    acc[1].as_flattened_mut().copy_from_slice(o6b);
+                    if kv.v_finite {
+                        micro_kernel_x2::<FMA, false>(v_strip(ds), [sp0, sp1], &mut acc);
+                    } else {
+                        micro_kernel_x2::<FMA, true>(v_strip(ds), [sp0, sp1], &mut acc);
+                    }
+                    o6a.copy_from_slice(acc[0].as_flattened());
+                    o6b.copy_from_slice(acc[1].as_flattened());
                 }
-                let vs = &kv.v[base + k0 * MR..base + k1 * MR];
-                if kv.v_finite {
-                    micro_kernel::<FMA>(vs, sp, &mut acc);
-                } else {
-                    micro_kernel_skip_zero_b::<FMA>(vs, sp, &mut acc);
-                }
-                for (dst, a) in o6.chunks_exact_mut(NR).zip(&acc) {
-                    dst.copy_from_slice(a);
+            } else {
+                for (ds, o6) in op0[..dv * NR].chunks_exact_mut(MR * NR).enumerate() {
+                    let mut acc: Acc = [[0.0; NR]; MR];
+                    acc.as_flattened_mut().copy_from_slice(o6);
+                    if kv.v_finite {
+                        micro_kernel::<FMA>(v_strip(ds), sp0, &mut acc);
+                    } else {
+                        micro_kernel_skip_zero_b::<FMA>(v_strip(ds), sp0, &mut acc);
+                    }
+                    o6.copy_from_slice(acc.as_flattened());
                 }
             }
+            pn += if pair { 2 } else { 1 };
         }
         j0 = j1;
     }
@@ -374,60 +465,115 @@ fn attend_block<M: Exp2Math, const FMA: bool>(
     }
 }
 
+/// Head-major work item: (b, kv head), with the outputs and LSEs of all its query heads.
+type HeadItem<'o> = ((usize, usize), &'o mut [f32], &'o mut [f32]);
+
 /// Work item: (b, kv head, q head, row range), with its output slices.
 type Item<'o> = ((usize, usize, usize, usize, usize), &'o mut [f32], &'o mut [f32]);
 
-/// Runs one thread's share of the items of a chunk.
-#[inline(always)]
-fn worker<M: Exp2Math, const FMA: bool>(
+/// One work item, compiled for `isa` (AVX-512: the paired 6×32 kernel) when the CPU has it.
+#[allow(clippy::too_many_arguments)]
+fn attend_any<M: Exp2Math>(
     p: &Problem,
     q: &TensorView,
-    packed: &[(usize, PackedKv)],
+    kv: &PackedKv,
+    at: (usize, usize, usize, usize),
     sm: ScoreMod,
     math: &M,
-    queue: &Mutex<Vec<Item<'_>>>,
+    scr: &mut Scratch,
+    out: (&mut [f32], &mut [f32]),
+    isa: Isa,
 ) {
-    let mut scr = Scratch::new(p.head_dim);
-    loop {
-        let item = match queue.lock() {
-            Ok(mut g) => g.pop(),
-            Err(poisoned) => poisoned.into_inner().pop(),
-        };
-        let Some(((b, kvi, h, i0, i1), o_out, lse_out)) = item else { break };
-        let kv = &packed[kvi].1;
-        attend_block::<M, FMA>(p, q, kv, (b, h, i0, i1), sm, math, &mut scr, o_out, lse_out);
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn worker_avx2<M: Exp2Math>(
-    p: &Problem,
-    q: &TensorView,
-    packed: &[(usize, PackedKv)],
-    sm: ScoreMod,
-    math: &M,
-    queue: &Mutex<Vec<Item<'_>>>,
-) {
-    worker::<M, true>(p, q, packed, sm, math, queue)
-}
-
-fn run_worker<M: Exp2Math>(
-    p: &Problem,
-    q: &TensorView,
-    packed: &[(usize, PackedKv)],
-    sm: ScoreMod,
-    math: &M,
-    queue: &Mutex<Vec<Item<'_>>>,
-) {
+    // The detection is repeated (a cached atomic load) so that the safety of each call below
+    // rests on a check right here, whatever `isa` was asked for.
+    let has = detect_isa();
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU was just checked to support AVX2 and FMA, the only requirement of a
+    if isa == Isa::Avx512 && has == Isa::Avx512 {
+        #[target_feature(enable = "avx512f,avx2,fma")]
+        #[allow(clippy::too_many_arguments)]
+        fn avx512<M: Exp2Math>(
+            p: &Problem,
+            q: &TensorView,
+            kv: &PackedKv,
+            at: (usize, usize, usize, usize),
+            sm: ScoreMod,
+            math: &M,
+            scr: &mut Scratch,
+            (o, lse): (&mut [f32], &mut [f32]),
+        ) {
+            attend_block::<M, true, true>(p, q, kv, at, sm, math, scr, o, lse)
+        }
+        // SAFETY: `detect_isa()` found AVX-512F, AVX2 and FMA on this CPU, the only requirement of a
         // `#[target_feature]` function; the function itself is safe code.
-        unsafe { worker_avx2(p, q, packed, sm, math, queue) };
+        unsafe { avx512(p, q, kv, at, sm, math, scr, out) };
         return;
     }
-    worker::<M, false>(p, q, packed, sm, math, queue)
+    #[cfg(target_arch = "x86_64")]
+    if isa != Isa::Portable && has != Isa::Portable {
+        #[target_feature(enable = "avx2,fma")]
+        #[allow(clippy::too_many_arguments)]
+        fn avx2<M: Exp2Math>(
+            p: &Problem,
+            q: &TensorView,
+            kv: &PackedKv,
+            at: (usize, usize, usize, usize),
+            sm: ScoreMod,
+            math: &M,
+            scr: &mut Scratch,
+            (o, lse): (&mut [f32], &mut [f32]),
+        ) {
+            attend_block::<M, true, false>(p, q, kv, at, sm, math, scr, o, lse)
+        }
+        // SAFETY: the CPU was just checked to support AVX2 and FMA, the only requirement of a
+        // `#[target_feature]` function; the function itself is safe code.
+        unsafe { avx2(p, q, kv, at, sm, math, scr, out) };
+        return;
+    }
+    attend_block::<M, false, false>(p, q, kv, at, sm, math, scr, out.0, out.1)
+}
+
+/// The instruction sets the tiled path is compiled for, best first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Isa {
+    /// AVX-512F (+ AVX2, FMA): the same loops in 512-bit registers (a 16-query panel row is one).
+    Avx512,
+    Avx2Fma,
+    Portable,
+}
+
+/// The best [`Isa`] this CPU has (detected at run time), unless `FLASH_ATTN_CPU_ISA` asks for a
+/// lesser one (`avx2`, `portable`: to compare paths on one machine; never a better one than the
+/// CPU has).
+pub(crate) fn isa() -> Isa {
+    static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+    *ISA.get_or_init(|| {
+        let detected = detect_isa();
+        let cap = match std::env::var("FLASH_ATTN_CPU_ISA").as_deref() {
+            Ok("portable") => Isa::Portable,
+            Ok("avx2") => Isa::Avx2Fma,
+            _ => Isa::Avx512,
+        };
+        // Variants are ordered best first: the larger of the two is the lesser ISA.
+        if (cap as u8) > (detected as u8) {
+            cap
+        } else {
+            detected
+        }
+    })
+}
+
+fn detect_isa() -> Isa {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let avx2 = std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma");
+        if avx2 && std::is_x86_feature_detected!("avx512f") {
+            return Isa::Avx512;
+        }
+        if avx2 {
+            return Isa::Avx2Fma;
+        }
+    }
+    Isa::Portable
 }
 
 /// Number of worker threads: the request, capped at the machine's available parallelism (more
@@ -436,20 +582,6 @@ fn run_worker<M: Exp2Math>(
 pub(crate) fn threads(requested: Option<usize>) -> usize {
     let hw = std::thread::available_parallelism().map_or(1, |n| n.get());
     requested.filter(|&n| n > 0).map_or(hw, |n| n.min(hw))
-}
-
-/// Runs `job` on up to `n` threads of `scope` (the calling thread being one of them). A thread
-/// the system refuses to start is simply not started: the others share its work.
-fn run_on<'scope, 'env, F>(scope: &'scope std::thread::Scope<'scope, 'env>, n: usize, job: &'scope F)
-where
-    F: Fn() + Sync,
-{
-    for _ in 1..n {
-        if std::thread::Builder::new().spawn_scoped(scope, job).is_err() {
-            break;
-        }
-    }
-    job();
 }
 
 fn check_head_dim(p: &Problem) -> Result<()> {
@@ -475,12 +607,13 @@ pub(crate) fn forward_with<M: Exp2Math>(
 ) -> Result<CpuOutput> {
     check_head_dim(p)?;
     let mut o = Tensor::zeros(p.dtype, [p.batch, p.seqlen_q, p.heads_q, p.head_dim])?;
-    let lse = forward_with_into(p, q, k, v, math, nthreads, o.data_mut().as_data_mut())?;
+    let lse = forward_with_into(p, q, k, v, math, nthreads, o.data_mut().as_data_mut(), isa())?;
     Ok(CpuOutput { o, lse, kernel: path_name() })
 }
 
 /// As [`forward_with`], writing the output into `dst` (contiguous `[batch, seqlen_q, heads_q,
 /// head_dim]` of the problem's dtype, checked by the caller); returns the LSE.
+#[allow(clippy::too_many_arguments)]
 fn forward_with_into<M: Exp2Math>(
     p: &Problem,
     q: &TensorView,
@@ -489,6 +622,7 @@ fn forward_with_into<M: Exp2Math>(
     math: M,
     nthreads: usize,
     dst: DataMut<'_>,
+    isa: Isa,
 ) -> Result<Vec<f32>> {
     check_head_dim(p)?;
     let d = p.head_dim;
@@ -496,7 +630,8 @@ fn forward_with_into<M: Exp2Math>(
     // Every size first: a problem too large for this machine fails here, before any work.
     let sz = Sizes::new(p)?;
     // Internal layout [batch, heads_q, seqlen_q, d] so each work item owns a contiguous slice.
-    let mut o_hm = pool::take(sz.n_o, "output")?;
+    // Every element is written by the work item that owns its rows.
+    let mut o_hm = pool::take_dirty(sz.n_o, "output")?;
     let mut lse = try_filled(sz.n_lse, f32::NEG_INFINITY, || "LSE".into())?;
 
     let kv_bytes = 4 * (sz.k_pack + sz.v_pack);
@@ -507,23 +642,61 @@ fn forward_with_into<M: Exp2Math>(
 
     let kv_heads: Vec<(usize, usize)> =
         (0..p.batch).flat_map(|b| (0..p.heads_kv).map(move |hk| (b, hk))).collect();
-    for heads in kv_heads.chunks(chunk) {
+    // Enough kv heads to share out whole: one work item per (batch, kv head) packs that head's
+    // K/V (into the buffers the worker's previous item gave back) and runs all its query
+    // blocks at once, while the packed data is still in this core's cache. Otherwise (few kv
+    // heads: long sequences, or many threads) all heads are packed first and the items are
+    // (kv head, query head, query block), so that every worker has work.
+    let head_major = kv_heads.len() >= 2 * nthreads;
+    let failed: std::sync::Mutex<Option<Error>> = std::sync::Mutex::new(None);
+    let rows_per_kv = p.group() * p.seqlen_q;
+    let mut head_items: Vec<HeadItem> = if head_major {
+        let o_chunks = std::mem::take(&mut o_rest).chunks_mut(rows_per_kv * d);
+        let l_chunks = std::mem::take(&mut lse_rest).chunks_mut(rows_per_kv);
+        kv_heads.iter().copied().zip(o_chunks.zip(l_chunks)).map(|(bh, (o, l))| (bh, o, l)).collect()
+    } else {
+        Vec::new()
+    };
+    parallel::for_each(
+        &mut head_items,
+        nthreads,
+        || Scratch::new(d),
+        |scr, ((b, hk), o, l)| {
+            let kv = match pack_kv(p, &sz, k, v, *b, *hk) {
+                Ok(kv) => kv,
+                Err(e) => {
+                    failed.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e);
+                    return;
+                }
+            };
+            for gi in 0..p.group() {
+                let h = *hk * p.group() + gi;
+                for blk in 0..nblocks {
+                    let (i0, i1) = (blk * BR, ((blk + 1) * BR).min(p.seqlen_q));
+                    let r0 = gi * p.seqlen_q + i0;
+                    let out = (&mut o[r0 * d..(r0 + i1 - i0) * d], &mut l[r0..r0 + i1 - i0]);
+                    attend_any(p, q, &kv, (*b, h, i0, i1), sm, &math, scr, out, isa);
+                }
+            }
+            pool::give(kv.k);
+            pool::give(kv.v);
+        },
+    );
+    drop(head_items);
+    if let Some(e) = failed.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        return Err(e);
+    }
+    for heads in kv_heads.chunks(if head_major { usize::MAX } else { chunk }).filter(|_| !head_major) {
         // Pack this chunk's K/V in parallel.
         let packed: Vec<(usize, PackedKv)> = {
-            let next = Mutex::new(heads.iter().enumerate().rev().collect::<Vec<_>>());
-            let out = Mutex::new(Vec::with_capacity(heads.len()));
-            let job = || loop {
-                let job = next.lock().unwrap_or_else(|e| e.into_inner()).pop();
-                let Some((idx, &(b, hk))) = job else { break };
-                let pk = pack_kv(p, &sz, k, v, b, hk);
-                out.lock().unwrap_or_else(|e| e.into_inner()).push((idx, pk));
-            };
-            std::thread::scope(|s| run_on(s, nthreads.min(heads.len()), &job));
-            let mut v = out.into_inner().unwrap_or_else(|e| e.into_inner());
-            v.sort_by_key(|x| x.0);
-            let mut packed = Vec::with_capacity(v.len());
-            for (i, pk) in v {
-                packed.push((heads[i].1, pk?));
+            let mut jobs: Vec<(usize, usize, Option<Result<PackedKv>>)> =
+                heads.iter().map(|&(b, hk)| (b, hk, None)).collect();
+            parallel::for_each(&mut jobs, nthreads, || (), |_, j| j.2 = Some(pack_kv(p, &sz, k, v, j.0, j.1)));
+            let mut packed = Vec::with_capacity(jobs.len());
+            for (_, hk, pk) in jobs {
+                // Every job ran (for_each returns when all are done).
+                let pk = pk.ok_or_else(|| Error::TooLarge { what: "packed K/V".into() })?;
+                packed.push((hk, pk?));
             }
             packed
         };
@@ -548,12 +721,18 @@ fn forward_with_into<M: Exp2Math>(
                 }
             }
         }
-        // Heaviest first (popped from the back): causal blocks near the bottom go out early.
-        items.sort_by_key(|x| x.0);
-        let queue = Mutex::new(items.into_iter().map(|x| x.1).collect::<Vec<_>>());
-        let n = nthreads.min(heads.len() * per_kv).max(1);
-        let job = || run_worker(p, q, &packed, sm, &math, &queue);
-        std::thread::scope(|s| run_on(s, n, &job));
+        // Heaviest first: causal blocks near the bottom go out early.
+        items.sort_by_key(|x| std::cmp::Reverse(x.0));
+        let mut items: Vec<Item> = items.into_iter().map(|x| x.1).collect();
+        parallel::for_each(
+            &mut items,
+            nthreads,
+            || Scratch::new(d),
+            |scr, ((b, kvi, h, i0, i1), o_out, lse_out)| {
+                let kv = &packed[*kvi].1;
+                attend_any(p, q, kv, (*b, *h, *i0, *i1), sm, &math, scr, (o_out, lse_out), isa);
+            },
+        );
         for (_, pk) in packed {
             pool::give(pk.k);
             pool::give(pk.v);
@@ -586,15 +765,8 @@ fn to_seq_major<T: Element>(p: &Problem, src: &[f32], dst: &mut [T], nthreads: u
             }
         }
     };
-    let chunks: Vec<(usize, &mut [T])> = dst.chunks_mut(per * hq * d).enumerate().collect();
-    let n = chunks.len();
-    let queue = Mutex::new(chunks);
-    let job = || loop {
-        let next = queue.lock().unwrap_or_else(|e| e.into_inner()).pop();
-        let Some((c, chunk)) = next else { break };
-        convert(c, chunk);
-    };
-    std::thread::scope(|s| run_on(s, n, &job));
+    let mut chunks: Vec<(usize, &mut [T])> = dst.chunks_mut(per * hq * d).enumerate().collect();
+    parallel::for_each(&mut chunks, nthreads, || (), |_, (c, chunk)| convert(*c, chunk));
 }
 
 /// The CPU forward pass with the problem's arithmetic. Returns the output and the name of the
@@ -622,26 +794,26 @@ pub(crate) fn run_into(
 ) -> Result<(Vec<f32>, &'static str)> {
     let math = SoftmaxMath::for_problem(p);
     if math.is_native() {
-        return Ok((forward_with_into(p, q, k, v, Native, nthreads, dst)?, path_name()));
+        return Ok((forward_with_into(p, q, k, v, Native, nthreads, dst, isa())?, path_name()));
     }
     let Precision::Fp8 { scaling, hadamard } = p.precision else {
-        return Ok((forward_with_into(p, q, k, v, math, nthreads, dst)?, "cpu-tiled-emulated-exp2"));
+        return Ok((forward_with_into(p, q, k, v, math, nthreads, dst, isa())?, "cpu-tiled-emulated-exp2"));
     };
     let rot = hadamard.and_then(|seed| Rotation::new(p.head_dim, seed));
     let q8 = fake_quantize(q, scaling, rot.as_ref())?;
     let k8 = fake_quantize(k, scaling, rot.as_ref())?;
     let v8 = fake_quantize(v, scaling, None)?;
-    let lse = forward_with_into(p, &q8.view(), &k8.view(), &v8.view(), math, nthreads, dst)?;
+    let lse = forward_with_into(p, &q8.view(), &k8.view(), &v8.view(), math, nthreads, dst, isa())?;
     Ok((lse, "cpu-tiled-emulated-fp8"))
 }
 
 /// Name of the micro-kernel path this CPU takes.
 pub(crate) fn path_name() -> &'static str {
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-        return "cpu-tiled-avx2-fma";
+    match isa() {
+        Isa::Avx512 => "cpu-tiled-avx512",
+        Isa::Avx2Fma => "cpu-tiled-avx2-fma",
+        Isa::Portable => "cpu-tiled-portable",
     }
-    "cpu-tiled-portable"
 }
 
 #[cfg(test)]
@@ -670,6 +842,92 @@ mod tests {
             let x = -126.0 * i as f32 / 2000.0;
             let rel = (exp2_fast(x) as f64 / (x as f64).exp2() - 1.0).abs();
             assert!(rel < 2e-7, "{x}: {rel}");
+        }
+    }
+
+    /// Every instruction set this CPU has (AVX-512 runs only where the CPU has it: on a CPU
+    /// without it that case is the AVX2 path again, and the test says so on stderr) gives the
+    /// float64 reference's output within 2e-6 and matches the other paths' to f32 rounding, on
+    /// shapes that exercise paired and unpaired panels (partial blocks, causal diagonals,
+    /// windows, GQA, softcap, an infinite V).
+    #[test]
+    fn every_isa_matches_the_reference() {
+        use crate::options::{ForwardOptions, Mask};
+        use crate::reference::{attention_f64, max_abs_diff};
+        use crate::tensor::DType;
+        if detect_isa() != Isa::Avx512 {
+            eprintln!("this CPU has no AVX-512: the AVX-512 path is compiled but not run here");
+        }
+        let isas = [Isa::Avx512, Isa::Avx2Fma, Isa::Portable];
+        let cases: [(usize, usize, usize, usize, usize, ForwardOptions); 6] = [
+            (1, 200, 200, 2, 64, ForwardOptions::default()),
+            (2, 97, 131, 2, 40, ForwardOptions::default().causal(true)),
+            (1, 130, 130, 4, 128, ForwardOptions::default().mask(Mask::window(37, 5))),
+            (1, 64, 300, 1, 24, ForwardOptions::default().softcap(7.0)),
+            (1, 48, 48, 2, 72, ForwardOptions::default().causal(true)),
+            (1, 33, 77, 2, 16, ForwardOptions::default().mask(Mask::window(9, 0))),
+        ];
+        for (ci, (b, sq, sk, hkv, d, opts)) in cases.into_iter().enumerate() {
+            let hq = 2 * hkv;
+            let val = |i: usize, m: usize| (((i * m) % 97) as f32 / 97.0 - 0.5) * 2.0;
+            let q = Tensor::from_vec((0..b * sq * hq * d).map(|i| val(i, 31)).collect(), [b, sq, hq, d]).unwrap();
+            let k = Tensor::from_vec((0..b * sk * hkv * d).map(|i| val(i, 17)).collect(), [b, sk, hkv, d]).unwrap();
+            let mut vv: Vec<f32> = (0..b * sk * hkv * d).map(|i| val(i, 13)).collect();
+            if ci == 1 {
+                vv[(sk - 1) * hkv * d] = f32::INFINITY; // the last key: seen by the last query only
+            }
+            let v = Tensor::from_vec(vv, [b, sk, hkv, d]).unwrap();
+            let p = Problem::new(&q.view(), &k.view(), &v.view(), &opts).unwrap();
+            let r = attention_f64(&p, &q.view(), &k.view(), &v.view()).unwrap();
+            let mut outs = Vec::new();
+            for isa in isas {
+                let mut o = Tensor::zeros(DType::F32, [b, sq, hq, d]).unwrap();
+                let lse =
+                    forward_with_into(&p, &q.view(), &k.view(), &v.view(), Native, 2, o.data_mut().as_data_mut(), isa)
+                        .unwrap();
+                let o: Vec<f64> = o.to_f32_vec().iter().map(|&x| x as f64).collect();
+                let finite = |x: &[f64]| x.iter().map(|&y| if y.is_finite() { y } else { 0.0 }).collect::<Vec<_>>();
+                let same_inf = o.iter().zip(&r.o).all(|(a, b)| a.is_finite() == b.is_finite());
+                assert!(same_inf, "case {ci} {isa:?}: non-finite outputs differ from the reference");
+                let err = max_abs_diff(&finite(&o), &finite(&r.o));
+                assert!(err < 2e-6, "case {ci} {isa:?}: max error {err}");
+                let lse64: Vec<f64> = lse.iter().map(|&x| x as f64).collect();
+                let lerr = max_abs_diff(&finite(&lse64), &finite(&r.lse));
+                assert!(lerr < 2e-5, "case {ci} {isa:?}: LSE error {lerr}");
+                outs.push(finite(&o));
+            }
+            for w in outs.windows(2) {
+                assert!(max_abs_diff(&w[0], &w[1]) < 1e-6, "case {ci}: paths disagree");
+            }
+        }
+    }
+
+    /// Packed K/V and the head-major output reuse buffers without zeroing them: a call whose
+    /// inputs are all NaN and infinities leaves such values behind, and the next call (smaller,
+    /// so its padding lies where the old data was) must not see them.
+    #[test]
+    fn reused_buffers_never_leak_into_results() {
+        use crate::options::ForwardOptions;
+        use crate::reference::{attention_f64, max_abs_diff};
+        use crate::tensor::DType;
+        let bad = |n: usize, x: f32| Tensor::from_vec(vec![x; n], [1, 60, 1, 22]).unwrap();
+        let (q, k, v) = (bad(60 * 22, 1.0), bad(60 * 22, f32::INFINITY), bad(60 * 22, f32::NAN));
+        let p = Problem::new(&q.view(), &k.view(), &v.view(), &ForwardOptions::default()).unwrap();
+        for isa in [Isa::Avx512, Isa::Avx2Fma, Isa::Portable] {
+            let (sq, sk, d) = (23, 49, 14);
+            let mut o = Tensor::zeros(DType::F32, [1, 60, 1, 22]).unwrap();
+            forward_with_into(&p, &q.view(), &k.view(), &v.view(), Native, 1, o.data_mut().as_data_mut(), isa).unwrap();
+            let val = |i: usize, m: usize| (((i * m) % 89) as f32 / 89.0 - 0.5) * 3.0;
+            let t = |n: usize, s: usize, m: usize| Tensor::from_vec((0..n * d).map(|i| val(i, m)).collect(), [1, s, 1, d]);
+            let (q2, k2, v2) = (t(sq, sq, 7).unwrap(), t(sk, sk, 11).unwrap(), t(sk, sk, 5).unwrap());
+            let p2 = Problem::new(&q2.view(), &k2.view(), &v2.view(), &ForwardOptions::default()).unwrap();
+            let mut o2 = Tensor::zeros(DType::F32, [1, sq, 1, d]).unwrap();
+            let (q2v, k2v, v2v) = (q2.view(), k2.view(), v2.view());
+            forward_with_into(&p2, &q2v, &k2v, &v2v, Native, 1, o2.data_mut().as_data_mut(), isa).unwrap();
+            let r = attention_f64(&p2, &q2v, &k2v, &v2v).unwrap();
+            let o2: Vec<f64> = o2.to_f32_vec().iter().map(|&x| x as f64).collect();
+            assert!(o2.iter().all(|x| x.is_finite()), "{isa:?}");
+            assert!(max_abs_diff(&o2, &r.o) < 2e-6, "{isa:?}");
         }
     }
 

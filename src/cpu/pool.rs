@@ -35,6 +35,25 @@ pub(crate) fn take(len: usize, what: &str) -> Result<Vec<f32>> {
     }
 }
 
+/// As [`take`], but a reused buffer keeps its old contents (any f32, NaN and infinities
+/// included): for callers that write every element before reading it, which saves zeroing
+/// megabytes per call.
+pub(crate) fn take_dirty(len: usize, what: &str) -> Result<Vec<f32>> {
+    let reused = {
+        let mut p = pool();
+        let best = p.iter().enumerate().filter(|(_, b)| b.capacity() >= len).min_by_key(|(_, b)| b.capacity());
+        best.map(|(i, _)| i).map(|i| p.swap_remove(i))
+    };
+    match reused {
+        Some(mut v) => {
+            // Only the part past the old length is filled (the capacity suffices: no allocation).
+            v.resize(len, 0.0);
+            Ok(v)
+        }
+        None => try_filled(len, 0.0, || format!("{what}: {len} f32")),
+    }
+}
+
 /// Hands a buffer back for later calls (dropped if keeping it would exceed the bound).
 pub(crate) fn give(v: Vec<f32>) {
     let mut p = pool();

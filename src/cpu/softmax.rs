@@ -104,6 +104,18 @@ pub fn max_get_scale<M: Exp2Math>(st: &mut RowState, tile_max: f32, c: f32, math
     scale
 }
 
+/// [`max_get_scale`] for each query of a panel. A plain loop: `std::array::from_fn` is not
+/// always inlined, and out of line it loses the caller's `#[target_feature]` context, so its
+/// `exp2` (a `floor` and `mul_add`) became calls to libm's software `floorf` and `fmaf`.
+#[inline(always)]
+pub fn panel_scales<M: Exp2Math>(states: &mut [RowState], tile_max: &[f32; NR], c: f32, math: &M) -> [f32; NR] {
+    let mut scales = [1.0f32; NR];
+    for ((sc, st), &m) in scales.iter_mut().zip(states.iter_mut()).zip(tile_max) {
+        *sc = max_get_scale(st, m, c, math);
+    }
+    scales
+}
+
 /// Turns a `[keys][NR]` panel of scores (score units) into probabilities in place,
 /// `p = exp2((x − m)·c + offset)` per query (masked scores −inf give 0), scales each query's sum
 /// by `scales` and adds the new probabilities, and rounds P for the second product.

@@ -192,7 +192,7 @@ pub(crate) fn launch(f: &Loaded, stream: sys::CUstream, plan: &LaunchPlan) -> Re
     // SAFETY: every kernel takes `const __grid_constant__ FwdParams`, followed by one
     // `const __grid_constant__ CUtensorMap` per tensor map its family's host rules give (FA3
     // stages 2-5 and FA4: Q, K, V); `args` points at exactly those values, alive for the call
-    // (cuLaunchKernel copies them). FwdParams mirrors fa_params.h (size and offsets asserted on
+    // (cuLaunchKernel copies them). FwdParams mirrors cuda/common/params.h (size and offsets asserted on
     // both sides), TensorMap is the 128-byte map. The engine checked that every address covers
     // the elements the shapes and strides reach, and the family's layout rules; block and
     // dynamic shared memory are the table row's, which the kernel static_asserts against its

@@ -8,7 +8,7 @@
 //! | `select` | (SM, dtype, head_dim, options, variant, layout) -> kernel instance |
 //! | `family` | `FamilyHost`, the trait each family's module implements, and the rules families share |
 //! | `fa2`, `fa3`, `fa4` | the families' host rules (FA1 has none beyond its table row) |
-//! | `params` | `FwdParams`, the FFI struct mirrored from `cuda/include/fa_params.h` |
+//! | `params` | `FwdParams`, the FFI struct mirrored from `cuda/common/params.h` |
 //! | `launch` | one launch as data (`LaunchPlan`), and the one kernel launch |
 //! | `plan` | launch plans of a named family, for the CPU emulator |
 //! | `device` | driver detection, contexts, compute capability, lazily loaded module cache |

@@ -1,12 +1,12 @@
 //! `FwdParams`: the one FFI struct between Rust and every forward kernel, mirrored field for
-//! field from `cuda/include/fa_params.h`. Both sides assert the size and the offsets, so a change
+//! field from `cuda/common/params.h`. Both sides assert the size and the offsets, so a change
 //! on one side alone fails the build. [`Operands`]: where q, k, v, o, the LSE and the ALiBi
 //! slopes live, from which the parameters are built.
 
 use crate::problem::Problem;
 use std::mem::{offset_of, size_of};
 
-/// Bits of [`FwdParams::flags`] (FA_FLAG_* in fa_params.h).
+/// Bits of [`FwdParams::flags`] (FA_FLAG_* in cuda/common/params.h).
 pub const FLAG_RETURN_LSE: u32 = 1;
 pub const FLAG_SOFTCAP: u32 = 2;
 pub const FLAG_ALIBI: u32 = 4;
@@ -74,7 +74,7 @@ pub struct FwdParams {
     pub reserved: u32,
 }
 
-// The same numbers as the static_asserts in fa_params.h, plus every other offset.
+// The same numbers as the static_asserts in cuda/common/params.h, plus every other offset.
 const _: () = {
     assert!(size_of::<FwdParams>() == 224);
     assert!(offset_of!(FwdParams, q) == 0);
@@ -155,7 +155,7 @@ impl FwdParams {
         }
     }
 
-    /// The struct's bytes as the kernel receives them (native endianness, `fa_params.h` layout).
+    /// The struct's bytes as the kernel receives them (native endianness, `cuda/common/params.h` layout).
     pub fn to_bytes(self) -> [u8; size_of::<FwdParams>()] {
         let mut out = [0u8; size_of::<FwdParams>()];
         let mut at = 0;
@@ -206,7 +206,7 @@ impl FwdParams {
 }
 
 // SAFETY: FwdParams is #[repr(C)], Copy, made only of integers and floats with no padding
-// (size and every offset asserted above to match fa_params.h), so its bytes are a valid kernel
+// (size and every offset asserted above to match cuda/common/params.h), so its bytes are a valid kernel
 // argument of type `FwdParams`.
 unsafe impl cudarc::driver::DeviceRepr for FwdParams {}
 

@@ -1,5 +1,5 @@
 //! Software `exp2` (FlashAttention-4's emulation on the FMA units), shared with
-//! `cuda/include/exp2_poly.cuh` (same constants, same steps).
+//! `cuda/common/exp2_poly.cuh` (same constants, same steps).
 //!
 //! `2^x = 2^floor(x) * 2^f`, `f = x - floor(x)` in `[0, 1)`:
 //! 1. clamp `x` below at -127 (2^-127 is already below f32's normal range, so P underflows to ~0);

@@ -1,5 +1,5 @@
 //! FP8 codecs with NVIDIA's semantics (round to nearest even, saturate to the largest finite
-//! value, NaN stays NaN), shared with `cuda/include/fp8.cuh`.
+//! value, NaN stays NaN), shared with `cuda/common/fp8.cuh`.
 //!
 //! The codecs are `float8` 0.7's, a port of CUDA's `__nv_cvt_double_to_fp8` with `SatFinite`;
 //! it matches CUDA 13.0's host conversion bit for bit except for the NaN encoding (float8 keeps

@@ -6,7 +6,7 @@
 //! order), applied in `O(d log d)` by the butterfly below. `H·Hᵀ = d·I`, so `M` is orthogonal.
 //! `d` must be a power of two; other head dims are refused by [`crate::numerics::validate`]
 //! (padding with zeros would change the quantisation blocks' content and is left to callers).
-//! Mirrored step for step by `cuda/include/hadamard.cuh`.
+//! Mirrored step for step by `cuda/common/hadamard.cuh`.
 
 use super::rng;
 

@@ -1,7 +1,8 @@
 //! Numerics shared by the CPU backend and the CUDA kernels: software exp2, FP8 (e4m3) with
 //! per-block scales, the Hadamard rotation, and the lazy-rescale rule. Each lives here once in Rust
-//! and once in a header under `cuda/include/` with the same constants and steps
-//! (`exp2_poly.cuh`, `fp8.cuh`, `hadamard.cuh`, `online_softmax.cuh`).
+//! and once in a header under `cuda/common/` with the same steps (`exp2_poly.cuh`, `fp8.cuh`,
+//! `hadamard.cuh`, `softmax.cuh`); the constants reach CUDA through a header build.rs generates from
+//! these Rust ones (`build/numerics_header.rs`).
 
 pub(crate) mod softmax_math;
 pub mod exp2;
@@ -34,7 +35,7 @@ pub fn fp8_lazy_limit() -> f32 {
 /// `tau`; `growth` is `(tile_max - m) · c`, the growth in log2 units (formed from the difference
 /// in score units, never from maxima converted to log2 units on their own, see
 /// `cpu::softmax`). Used by `cpu::softmax::max_get_scale`; mirrored by `fa_lazy_keeps_max` in
-/// `cuda/include/online_softmax.cuh`.
+/// `cuda/common/softmax.cuh`.
 #[inline(always)]
 pub fn lazy_keeps_max(growth: f32, tau: f32) -> bool {
     growth <= tau

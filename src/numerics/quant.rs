@@ -1,7 +1,7 @@
 //! Quantisation of `[batch, seqlen, heads, head_dim]` tensors to e4m3 with one f32 scale per
 //! (batch, head, block of `block_rows` sequence positions): FlashAttention-3's block
 //! quantisation. Per-tensor scaling (one scale per batch × head, as FA3's released code) is the
-//! same with one block covering the whole sequence. Mirrored by `cuda/include/fp8.cuh`.
+//! same with one block covering the whole sequence. Mirrored by `cuda/common/fp8.cuh`.
 //!
 //! `scale = amax / 448` so the block's largest magnitude lands on e4m3's largest value; a block
 //! of zeros gets scale 1 (its codes are 0 either way) instead of a 0/0. The code of `x` is

@@ -1,7 +1,7 @@
 //! A tiny deterministic generator (SplitMix64, Steele, Lea & Flood 2014), so the crate needs no
 //! RNG dependency. It is counter based: the `i`-th output (0-based) of a stream seeded with `s`
 //! is `mix64(s + (i + 1) * GOLDEN_GAMMA)`, so a GPU thread can compute any element on its own
-//! (`cuda/include/hadamard.cuh` does exactly that for the Hadamard signs).
+//! (`cuda/common/hadamard.cuh` does exactly that for the Hadamard signs).
 
 /// The SplitMix64 increment, `2^64 / φ` rounded to odd.
 pub const GOLDEN_GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;

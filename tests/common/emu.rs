@@ -55,7 +55,7 @@ fn sources_hash() -> u64 {
     *H.get_or_init(|| {
         let mut h = DefaultHasher::new();
         (CXXFLAGS, UBSAN).hash(&mut h);
-        for f in files_under(&root().join("cuda")) {
+        for f in files_under(&root().join("cuda")).into_iter().chain(files_under(&generated_include())) {
             f.hash(&mut h);
             std::fs::read(&f).unwrap_or_default().hash(&mut h);
         }
@@ -68,13 +68,20 @@ const CXXFLAGS: &[&str] =
 
 const UBSAN: &[&str] = &["-fsanitize=signed-integer-overflow,shift", "-fno-sanitize-recover=all"];
 
+/// The headers build.rs generates (the numerics constants, build/numerics_header.rs).
+pub fn generated_include() -> PathBuf {
+    Path::new(env!("OUT_DIR")).join("include")
+}
+
 fn includes(cuda_root: &Path) -> Vec<String> {
     let emu = root().join("cuda/test/emu");
     vec![
         "-isystem".into(),
         emu.join("include").display().to_string(),
         "-I".into(),
-        cuda_root.join("include").display().to_string(),
+        cuda_root.display().to_string(),
+        "-I".into(),
+        generated_include().display().to_string(),
         "-I".into(),
         emu.display().to_string(),
     ]

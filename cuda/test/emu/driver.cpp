@@ -29,7 +29,7 @@
 #include <string>
 #include <vector>
 
-#include "fa_params.h"
+#include "common/params.h"
 #include "runtime.h"
 
 namespace {

@@ -1,9 +1,9 @@
 // Force-included (g++ -include) before a kernel source when the CPU emulator compiles it: maps
 // the CUDA language onto plain C++ and supplies host versions of exactly the inline-PTX
-// wrappers of the instruction headers (cuda/include/{mma_sm80,wgmma_sm90,mbarrier_sm90,
-// tma_sm90,fast_math_sm90}.cuh, tcgen05_sm100.cuh, launch.cuh, hang_check.cuh's clock), which those headers compile out under
+// wrappers of the instruction headers (cuda/{mma_sm80,wgmma_sm90,mbarrier_sm90,
+// tma_sm90,fast_math}.cuh, sm80/launch.cuh, sm90/hang_check.cuh's clock), sm100/tcgen05.cuh, which those headers compile out under
 // FA_HOST_EMULATION. tests/emulator.rs checks that the two lists of wrappers are the same.
-// The headers' other code (descriptor builders, layouts, mbar_wait, pack2, ...) is used as is.
+// The headers' other code (descriptor builders, layouts, mbar_wait, ...) is used as is.
 //
 // Build a kernel unit: g++ -std=c++20 -include cuda/test/emu/emu.h -isystem cuda/test/emu/include
 //   -I cuda/include -x c++ <unit> + runtime.cpp + driver.cpp (tests/emulator.rs does it).
@@ -11,7 +11,7 @@
 #define FA_HOST_EMULATION 1
 // The kernels' sm_90a code paths are compiled (their wrappers come from here, not from PTX).
 #define __CUDA_ARCH_FEAT_SM90_ALL 1
-// ... and so are the sm_100a ones (tcgen05_sm100.cuh's wrappers come from here too).
+// ... and so are the sm_100a ones (sm100/tcgen05.cuh's wrappers come from here too).
 #define __CUDA_ARCH_FEAT_SM100_ALL 1
 
 #include <algorithm>
@@ -25,7 +25,7 @@
 #include <cuda_bf16.h>  // the emulator's host versions (cuda/test/emu/include)
 #include <cuda_fp16.h>
 
-#include "fa_params.h"
+#include "common/params.h"
 #include "runtime.h"
 
 // ---- CUDA C++ keywords ----
@@ -91,7 +91,7 @@ inline unsigned __float_as_uint(float x) { return __builtin_bit_cast(unsigned, x
 inline size_t __cvta_generic_to_shared(const void* p) { return ::emu::cvta_shared(p); }
 [[noreturn]] inline void __trap() { ::emu::trap(); }
 
-// launch.cuh
+// sm80/launch.cuh
 inline unsigned fa_dynamic_smem_bytes() { return ::emu::dynamic_smem_bytes(); }
 
 namespace emu_detail {
@@ -102,7 +102,7 @@ constexpr ::emu::Elem elem_of() {
 }
 }  // namespace emu_detail
 
-// ---- hang_check.cuh (the opt-in GPU hang diagnosis; its clock) ----
+// ---- sm90/hang_check.cuh (the opt-in GPU hang diagnosis; its clock) ----
 namespace fa_hang {
 inline uint64_t globaltimer_ns() {
     return static_cast<uint64_t>(
@@ -111,7 +111,7 @@ inline uint64_t globaltimer_ns() {
 }
 }  // namespace fa_hang
 
-// ---- mma_sm80.cuh ----
+// ---- sm80/mma.cuh ----
 namespace fa2 {
 inline void cp_async_16(uint32_t dst_smem, const void* src_gmem, int src_bytes) {
     ::emu::cp_async(dst_smem, src_gmem, 16, src_bytes);
@@ -127,18 +127,15 @@ template <typename Elem>
 inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     ::emu::mma_m16n8k16(d, a, b0, b1, emu_detail::elem_of<Elem>());
 }
-inline float ex2(float x) { return ::emu::ex2_approx_ftz(x); }
 inline int cta_head() { return ::emu::ctaid(1); }
 inline int cta_batch() { return ::emu::ctaid(2); }
 }  // namespace fa2
 
-// ---- fast_math_sm90.cuh ----
-namespace fa3 {
-inline float fast_exp2(float x) { return ::emu::ex2_approx_ftz(x); }
-inline float fast_tanh(float x) { return ::emu::tanh_approx(x); }
-}  // namespace fa3
+// ---- fast_math.cuh ----
+inline float fa_ex2_approx(float x) { return ::emu::ex2_approx_ftz(x); }
+inline float fa_tanh_approx(float x) { return ::emu::tanh_approx(x); }
 
-// ---- mbarrier_sm90.cuh (smem_u32 is the header's own, through __cvta_generic_to_shared) ----
+// ---- sm90/mbarrier.cuh (smem_u32 is the header's own, through __cvta_generic_to_shared) ----
 namespace fa3 {
 inline uint32_t emu_smem_addr(const void* p) { return static_cast<uint32_t>(::emu::cvta_shared(p)); }
 inline void mbar_init(uint64_t* bar, uint32_t count) { ::emu::mbar_init(emu_smem_addr(bar), count); }
@@ -162,8 +159,8 @@ inline void named_bar_arrive() {
 }
 }  // namespace fa3
 
-// ---- tma_sm90.cuh (needs TmaDesc: the header's pure part is included first) ----
-#include "tma_sm90.cuh"
+// ---- sm90/tma.cuh (needs TmaDesc: the header's pure part is included first) ----
+#include "sm90/tma.cuh"
 namespace fa3 {
 inline void tma_prefetch_desc(const TmaDesc* map) { ::emu::tma_prefetch(map); }
 inline void tma_load_4d(void* dst, const TmaDesc* map, uint64_t* bar, int c0, int c1, int c2, int c3) {
@@ -174,7 +171,7 @@ inline void fence_proxy_async_smem() { ::emu::fence_proxy_async(); }
 inline bool elect_one_sync() { return ::emu::elect_one(); }
 }  // namespace fa3
 
-// ---- wgmma_sm90.cuh ----
+// ---- sm90/wgmma.cuh ----
 // EMU_MUTATE_DROP_TRANS_B (mutation self-test): the RS wgmma is executed without its transpose
 // bit, as if the kernel's PTX lacked it.
 namespace fa3 {
@@ -217,7 +214,7 @@ inline void wgmma_m64n64k16_rs_tb(float* d, const uint32_t (&a)[4], uint64_t des
 }
 }  // namespace fa3
 
-// ---- tcgen05_sm100.cuh ----
+// ---- sm100/tcgen05.cuh ----
 namespace fa4 {
 inline uint32_t emu_smem_addr(const void* p) { return static_cast<uint32_t>(::emu::cvta_shared(p)); }
 inline void tmem_alloc(uint32_t* dst, uint32_t ncols) { ::emu::tmem_alloc(emu_smem_addr(dst), ncols); }

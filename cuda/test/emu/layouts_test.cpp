@@ -1,7 +1,7 @@
 // Checks of the emulator's layout functions (sm80_layouts.h, sm90_layouts.h), run by
 // tests/emulator.rs: their own properties (bijections, involutions, round trips), and that the
-// kernels' encoders (the descriptors, tile offsets and fragment indices of wgmma_sm90.cuh,
-// fa3_traits.cuh and fa2_layout.h) address exactly the elements the emulator's decoders read.
+// kernels' encoders (the descriptors, tile offsets and fragment indices of sm90/wgmma.cuh,
+// fa3/traits.cuh and fa2/layout.h) address exactly the elements the emulator's decoders read.
 // Both sides share one reading of the PTX ISA; an oracle that is not ours (CuTe) checks the
 // decoders separately. Exit status 0 when every check holds.
 #include <cstdio>
@@ -9,8 +9,8 @@
 #include <set>
 #include <utility>
 
-#include "fa2_layout.h"
-#include "fa3_traits.cuh"
+#include "fa2/layout.h"
+#include "fa3/traits.cuh"
 #include "sm80_layouts.h"
 #include "sm90_layouts.h"
 

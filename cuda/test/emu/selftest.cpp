@@ -17,11 +17,11 @@
 #include <string>
 #include <vector>
 
-#include "fa2_layout.h"
-#include "mma_sm80.cuh"
+#include "fa2/layout.h"
+#include "sm80/mma.cuh"
 #include "sm100_layouts.h"
 #include "sm90_layouts.h"
-#include "tcgen05_sm100.cuh"
+#include "sm100/tcgen05.cuh"
 
 namespace {
 
@@ -190,7 +190,7 @@ void divergent_collective() {
 }
 
 // mma.sync m16n8k16 with ldmatrix (.trans) operands: D = A B for a 16x16 A and a 16x16 B (two n8
-// tiles), fragments loaded with the lane -> row maps the FA2 kernel uses (fa2_layout.h).
+// tiles), fragments loaded with the lane -> row maps the FA2 kernel uses (fa2/layout.h).
 void ldmatrix_mma() {
     for (int elem = 0; elem < 2; ++elem) {
         launch(32, 4096, [&] {

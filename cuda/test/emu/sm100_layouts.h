@@ -6,7 +6,7 @@
 //
 // Written from the PTX ISA 9.0 ("Tensor Core 5th Generation Family Instructions": shared memory
 // descriptor, instruction descriptor, matrix fragments and data-path layouts); nothing here is
-// copied from the kernels (cuda/include/tcgen05_sm100.cuh encodes, this header decodes).
+// copied from the kernels (cuda/sm100/tcgen05.cuh encodes, this header decodes).
 //
 //  * UMMA shared-memory descriptor (64 bits): [0:14) start >> 4, [16:30) LBO >> 4, [32:46) SBO
 //    >> 4, [46:48) fixed version 1, [49:52) base offset, [52] LBO mode (0: the canonical byte

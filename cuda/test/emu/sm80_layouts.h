@@ -5,7 +5,7 @@
 //
 // Written from the PTX ISA 9.0, "Matrix Fragments for mma.m16n8k16 with floating point type"
 // and "ldmatrix". Notation: lane l, g = l / 4, q = l % 4. The kernel side has its own helpers
-// (cuda/include/fa2_layout.h); these are the emulator's independent copy.
+// (cuda/fa2/layout.h); these are the emulator's independent copy.
 #pragma once
 
 namespace emu {

@@ -7,7 +7,7 @@
 // Written from the PTX ISA 9.0 ("Asynchronous Warpgroup Level Matrix Multiply-Accumulate":
 // matrix descriptor format, shared memory matrix layouts, register fragments) and the CUDA driver
 // documentation of cuTensorMapEncodeTiled (swizzle modes); nothing here is copied from the kernels
-// (cuda/include/wgmma_sm90.cuh builds descriptors; this header decodes them).
+// (cuda/sm90/wgmma.cuh builds descriptors; this header decodes them).
 //
 // Conventions:
 //  * Addresses are byte addresses in the CTA's shared-memory window (what

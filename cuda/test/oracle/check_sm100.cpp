@@ -1,5 +1,5 @@
 // The sm_100a (tcgen05) encodings against CuTe (cute_maps_sm100.h): the FA4 kernels' descriptor
-// builders (cuda/include/tcgen05_sm100.cuh) and the emulator's decoders (cuda/test/emu/
+// builders (cuda/sm100/tcgen05.cuh) and the emulator's decoders (cuda/test/emu/
 // sm100_layouts.h).
 //  1. descriptor fields: decode_umma_desc equals CuTe's UMMA::SmemDescriptor bitfield on edge-case
 //     and random 64-bit values, encode_umma_desc equals CuTe's packing of the same fields;
@@ -22,7 +22,7 @@
 
 #include "cute_maps_sm100.h"
 #include "sm100_layouts.h"
-#include "tcgen05_sm100.cuh"
+#include "sm100/tcgen05.cuh"
 
 namespace {
 

@@ -1,9 +1,9 @@
 // The FA2 (sm_80) layouts against CuTe (cute_maps.h): the kernel's fragment helpers in
-// cuda/include/fa2_layout.h and the PTX ISA models of cuda/test/fa2_layout_test.cpp (compiled in
+// cuda/fa2/layout.h and the PTX ISA models of cuda/test/fa2_layout_test.cpp (compiled in
 // here with its main renamed, so its own spec_* maps and ldmatrix model are the ones checked).
 //
 // Checked:
-//  1. mma.sync m16n8k16 A / B / C fragment maps: fa2_layout.h and the test's spec_* == CuTe's
+//  1. mma.sync m16n8k16 A / B / C fragment maps: fa2/layout.h and the test's spec_* == CuTe's
 //     MMA_Traits<SM80_16x8x16_F32BF16BF16F32_TN> (f16 identical, static_assert in cute_maps.cpp);
 //  2. ldmatrix .x4 and .x4.trans: the test's ldmatrix model == CuTe's Copy_Traits
 //     <SM75_U32x4_LDSM_N> / <SM75_U16x8_LDSM_T> (which lane's row, which element of it);
@@ -62,7 +62,7 @@ void check_mma_maps() {
             EXPECT80(spec_c_row(l, v) == c.row && spec_c_col(l, v) == c.col, "spec C lane %d value %d", l, v);
         }
     }
-    section80("mma.m16n8k16 A/B/C fragments (fa2_layout.h, fa2_layout_test spec_*)", c0, b0);
+    section80("mma.m16n8k16 A/B/C fragments (fa2/layout.h, fa2_layout_test spec_*)", c0, b0);
 }
 
 void check_ldmatrix_model() {
@@ -123,7 +123,7 @@ void check_kernel_addressing() {
                 EXPECT80(c.row == a.row && c.col + 8 * fa2::p_src_tile(reg) == a.col, "P lane %d reg %d half %d", l, reg,
                          h);
             }
-    section80("FA2 ldmatrix addressing -> mma fragments, P reuse (fa2_layout.h)", c0, b0);
+    section80("FA2 ldmatrix addressing -> mma fragments, P reuse (fa2/layout.h)", c0, b0);
 }
 
 // The checks must bite: each deliberate error has to disagree with CuTe somewhere.

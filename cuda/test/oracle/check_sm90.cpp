@@ -1,6 +1,6 @@
 // The FA3 (sm_90a) layouts against CuTe (cute_maps.h): the kernel's own __host__ helpers in
-// cuda/include/wgmma_sm90.cuh and fa3_traits.cuh, and the software model of
-// scripts/fa3-layout-sim.cpp (its hardware model is compiled in here with its main renamed, so
+// cuda/sm90/wgmma.cuh and fa3/traits.cuh, and the software model of
+// cuda/test/fa3_layout_sim.cpp (its hardware model is compiled in here with its main renamed, so
 // the very functions it runs are the ones checked).
 //
 // Checked, for every stage 1-5 and head dim 64/128/256 (the tiles of Fa3Traits):
@@ -28,7 +28,7 @@
 #include "cute_maps.h"
 
 #define main fa3_layout_sim_main
-#include "../../../scripts/fa3-layout-sim.cpp"
+#include "../fa3_layout_sim.cpp"
 #undef main
 
 namespace {
@@ -212,7 +212,7 @@ void check_v_lbo_wide(const IndexSmem& mem) {
     }
 }
 
-// The thread position the kernel (frag_pos in cuda/fa3_fwd_sm90.cu, device-only) and the header
+// The thread position the kernel (AccFrag in cuda/fa3_fwd_sm90.cu, device-only) and the header
 // comment give to accumulator index acc_index(j, h, e).
 co::RowCol our_c(int thread, int j, int h, int e) {
     const int w = thread / 32, lane = thread % 32;

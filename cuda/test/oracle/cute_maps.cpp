@@ -166,7 +166,7 @@ using Ss16n256 = SM90_64x256x16_F32BF16BF16_SS<K, K>;
 using Bf = bfloat16_t;
 using E4 = float_e4m3_t;
 
-// The tiles our FA3 kernels use (cuda/include/fa3_traits.cuh: Q [BM x D] as A, K [BN x D] as B,
+// The tiles our FA3 kernels use (cuda/fa3/traits.cuh: Q [BM x D] as A, K [BN x D] as B,
 // both K-major; V [BN x D] as the MN-major B [D x BN] of P V), the wider-N forms of the V
 // descriptor (where LBO is used), the e4m3 K-major tiles FP8 will need, and for the emulator's
 // decoder one tile per other swizzle mode (A and B, K- and MN-major, 16- and 8-bit) and one wide

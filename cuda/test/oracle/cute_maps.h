@@ -65,7 +65,7 @@ int swizzle_atom_offset(Major major, int swizzle_bytes, int elem_bytes, int mn, 
 
 // One shared-memory operand tile as CuTe builds it: tile_to_shape of the canonical atom to
 // (mn, k), for K-major tiling along mn first (8-row atoms stacked, then the next atom column:
-// our "SW128 slabs", cuda/include/wgmma_sm90.cuh), for MN-major along k first (so an MN-major
+// our "SW128 slabs", cuda/sm90/wgmma.cuh), for MN-major along k first (so an MN-major
 // [mn x k] tile is byte-for-byte the K-major [k x mn] tile with k and mn swapped: our V tile).
 // The tile is an A operand (M = 64 per instruction, K-major) or a B operand (N = inst_mn).
 enum class Operand { A, B };

@@ -1,4 +1,4 @@
-// Our wgmma instruction wrappers (cuda/include/wgmma_sm90.cuh) next to CuTe's for the same
+// Our wgmma instruction wrappers (cuda/sm90/wgmma.cuh) next to CuTe's for the same
 // shapes and layouts, compiled for sm_90a (compile-checked only): tests/cute_oracle.rs compares
 // the HGMMA instructions ptxas makes of each pair, register numbers aside, so the operand kinds,
 // the transpose flags and the accumulate / overwrite forms of our inline PTX are NVIDIA's.
@@ -12,7 +12,7 @@
 
 #include <utility>
 
-#include "wgmma_sm90.cuh"
+#include "sm90/wgmma.cuh"
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 

@@ -201,7 +201,7 @@ mod tests {
     #[test]
     fn geometry_matches_the_cuda_traits() {
         // (stage, hd) -> (threads, block_m, block_n, kv_stages, smem_bytes): the values
-        // Fa3Traits<Stage, HeadDim> prints (host build of cuda/include/fa3_traits.cuh).
+        // Fa3Traits<Stage, HeadDim> prints (host build of cuda/fa3/traits.cuh).
         let want = [
             (1, 64, 128, 64, 128, 1, 42008),
             (1, 128, 128, 64, 128, 1, 82968),

@@ -2,23 +2,14 @@
 // struct per (stage, head_dim). Everything the host needs for a launch (threads, dynamic smem,
 // rows per CTA) is a constexpr here and repeated in docs/fa3.md.
 #pragma once
-#include "fa_params.h"
-#include "mask.cuh"
-#include "wgmma_sm90.cuh"
+#include "common/params.h"
+#include "common/mask.cuh"
+#include "sm90/wgmma.cuh"
 
 namespace fa3 {
 
 // ---- Tile ranges and mask predicates: the shared 64-bit rule of mask.cuh (__host__ too:
-// scripts/fa3-layout-sim.cpp brute-forces them against key_visible, written from the definition).
-
-// Key j is visible to query i iff i + off - left <= j <= i + off + right (off = seqlen_k -
-// seqlen_q, bottom-right aligned; -1 = unbounded side) and 0 <= j < seqlen_k. In 64 bits, so
-// bounds up to INT_MAX cannot overflow.
-__host__ __device__ constexpr bool key_visible(const FwdParams& p, int i, int j) {
-    const long long off = (long long)p.seqlen_k - p.seqlen_q;
-    return j >= 0 && j < p.seqlen_k && (p.window_left < 0 || j >= i + off - p.window_left) &&
-           (p.window_right < 0 || j <= i + off + p.window_right);
-}
+// cuda/test/fa3_layout_sim.cpp brute-forces them against the definition, written there).
 
 // Key tiles [n_begin, n_end) that a block of query rows [m_begin, m_end) can see (every tile
 // holding at least one visible key of some row in the block; n_end == n_begin when none).
@@ -115,7 +106,7 @@ struct Fa3Traits {
     static constexpr int kPingPongBarrier0 = 1;
     static constexpr int kPingPongThreads = 2 * kWarpgroupThreads;
 
-    // ---- Offsets the mainloop uses (bytes); shared with scripts/fa3-layout-sim.cpp. ----
+    // ---- Offsets the mainloop uses (bytes); shared with cuda/test/fa3_layout_sim.cpp. ----
     static constexpr int kStepsPerSlab = kSlabCols / kMmaK;  // 4 k16 steps per 64-column slab
     // S = Q K^T, reduction step kk (columns 16kk.. of D). A = Q (K-major), relative to the
     // warpgroup's first Q row in slab 0.

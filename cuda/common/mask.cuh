@@ -12,10 +12,12 @@
 // (Written for register pressure too: FA3 stages 4-5 at head_dim 256 sit at their 168-register
 // budget, and a fully 64-bit form spilled there.)
 //
-// Plain C++ apart from the qualifiers, so the host emulations and scripts/fa3-layout-sim.cpp
+// Plain C++ apart from the qualifiers, so the host emulations and cuda/test/fa3_layout_sim.cpp
 // compile it unchanged.
 #pragma once
-#include "fa_params.h"
+#include <math.h>
+
+#include "common/params.h"
 
 #define FA_MASK_FN __host__ __device__ __forceinline__ constexpr
 
@@ -63,4 +65,23 @@ FA_MASK_FN FaKeyTiles fa_key_tiles(const FwdParams& p, int row_begin, int row_en
 FA_MASK_FN bool fa_tile_needs_mask(const FwdParams& p, int row_first, int row_last,
                                    long long key_first, long long key_last) {
     return key_first < fa_key_lo(p, row_last) || key_last >= fa_key_hi(p, row_first);
+}
+
+// Sets the scores of keys their row does not see to -inf, over one thread's fragment of a tile
+// (the layouts of softmax.cuh: Frag::s, f.row, f.col); row0 / col0: the query row and the key of
+// the tile's origin. Kernels call it only on tiles where fa_tile_needs_mask says some pair is
+// hidden.
+template <class Frag, class S>
+__host__ __device__ __forceinline__ void fa_mask_fragment(S& s, const Frag& f, const FwdParams& p, int row0,
+                                                          int col0) {
+#pragma unroll
+    for (int r = 0; r < Frag::kRows; ++r) {
+        const int i = row0 + f.row(r);
+        const int lo = fa_key_lo(p, i), hi = fa_key_hi(p, i);  // visible keys [lo, hi)
+#pragma unroll
+        for (int j = 0; j < Frag::kSCols; ++j) {
+            const int key = col0 + f.col(j);
+            if (key < lo || key >= hi) Frag::s(s, r, j) = -INFINITY;
+        }
+    }
 }

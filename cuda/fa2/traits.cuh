@@ -34,7 +34,7 @@ struct Fa2TraitsBase {
     static constexpr int kDTiles = kHeadDim / 8;  // n8 tiles of O per m-tile
     static constexpr int kKSteps = kHeadDim / 16; // k16 steps of Q K^T
     // Row pitch of every shared tile, in elements: 16 bytes of padding keep ldmatrix conflict-free
-    // (see fa2_layout.h) and keep each row 16-byte aligned for cp.async and the 16-byte O stores.
+    // (see fa2/layout.h) and keep each row 16-byte aligned for cp.async and the 16-byte O stores.
     static constexpr int kStride = kHeadDim + 8;
     static constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks per global row
     static constexpr int kElemBytes = 2;                // f16 / bf16

@@ -5,7 +5,7 @@
 #pragma once
 
 #include <math.h>
-#include "fa_numerics_common.cuh"
+#include "common/numerics.cuh"
 
 #define FA_SPLITMIX64_GAMMA 0x9E3779B97F4A7C15ull
 

@@ -1,8 +1,8 @@
 // Where a CTA of the FA3 (sm_90a) and FA4 (sm_100a) kernels works and where its dynamic shared
-// memory starts: one definition for cuda/fa3_fwd_sm90.cu and cuda/fa4_fwd_sm100.cu.
+// memory starts: one definition for the FA3 pieces (cuda/fa3/) and cuda/fa4_fwd_sm100.cu.
 #pragma once
 #include <stdint.h>
-#include "fa_params.h"
+#include "common/params.h"
 
 namespace fa_cta {
 

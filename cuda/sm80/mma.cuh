@@ -1,16 +1,16 @@
 // Thin wrappers over the sm_80 warp-level instructions the FA2 kernel uses: cp.async (global ->
 // shared, 16 bytes, zero-fill), ldmatrix (shared -> mma fragments) and mma.sync m16n8k16 with f32
-// accumulation, plus the other GPU-only primitives of the kernel (ex2, quad shuffles, %ctaid).
+// accumulation, plus the CTA coordinates read through %ctaid (the softmax's ex2 and shuffles are
+// the shared ones of fast_math.cuh and softmax.cuh).
 // The CPU emulator (cuda/test/emu) implements the PTX wrappers on the host, from the PTX ISA text,
 // to run the unchanged kernel source on the CPU. Fragment layouts are documented (and host-tested)
-// in fa2_layout.h. All of these exist on sm_80 and every later architecture (sm_90a and sm_100a
+// in fa2/layout.h. All of these exist on sm_80 and every later architecture (sm_90a and sm_100a
 // keep mma.sync), so the same source compiles for every target of the crate.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
 
-#include "fa2_layout.h"
 
 namespace fa2 {
 
@@ -42,7 +42,7 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // ---- ldmatrix ------------------------------------------------------------------------------------
-// Four 8x8 b16 matrices; this lane supplies the row address `addr` (see fa2_layout.h for which).
+// Four 8x8 b16 matrices; this lane supplies the row address `addr` (see fa2/layout.h for which).
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -79,15 +79,6 @@ __device__ __forceinline__ void mma_m16n8k16<__nv_bfloat16>(float (&d)[4], const
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// ---- softmax primitives --------------------------------------------------------------------------
-// 2^x with the MUFU.EX2 unit; ftz is harmless (p < 2^-126 contributes nothing next to p = 1 of
-// the row max) and ex2.approx(-inf) = +0, which the -inf guard relies on.
-__device__ __forceinline__ float ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
 // ---- CTA coordinates ------------------------------------------------------------------------------
 // %ctaid.{y,z} read through volatile asm: the compiler cannot hoist these out of the main loop, so
 // the 64-bit K/V head pointers are recomputed per tile (a few integer ops next to thousands of
@@ -112,28 +103,6 @@ struct Mma {
                                                uint32_t b1) {
         mma_m16n8k16<Elem>(d, a, b0, b1);
     }
-    // Two floats -> one 16-bit x2 register, `lo` in the low 16 bits (the lower element index).
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi);
 };
-template <>
-__device__ __forceinline__ uint32_t Mma<__half>::pack(float lo, float hi) {
-    __half2 h = __floats2half2_rn(lo, hi);  // .x = lo (low half), .y = hi
-    return *reinterpret_cast<uint32_t*>(&h);
-}
-template <>
-__device__ __forceinline__ uint32_t Mma<__nv_bfloat16>::pack(float lo, float hi) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);  // .x = lo (low half), .y = hi
-    return *reinterpret_cast<uint32_t*>(&h);
-}
-
-// Max / sum over the 4 lanes of a quad (lanes 4g..4g+3 share a row of every accumulator tile).
-__device__ __forceinline__ float quad_max(float x) {
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-    x += __shfl_xor_sync(0xffffffffu, x, 1);
-    return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
 
 }  // namespace fa2

@@ -1,5 +1,5 @@
 // Host-only consistency check of the FA3 kernel's layouts (no GPU): runs the kernel's own offset,
-// descriptor and fragment-index helpers (cuda/include/fa3_traits.cuh, wgmma_sm90.cuh) against a
+// descriptor and fragment-index helpers (cuda/fa3/traits.cuh, sm90/wgmma.cuh) against a
 // software model of how the hardware is documented to use them, and compares S = Q K^T and
 // O = S V with exact integer arithmetic.
 //
@@ -19,8 +19,8 @@
 // every stage and head dim; the K/V tile range and mask-skip predicates agree with the
 // visibility rule (brute force). What it cannot prove: that the model is what the silicon does.
 //
-// Build (scripts/check-fa3.sh does this): g++ -std=c++17 -O1 -D__host__= -D__device__=
-//   -D__forceinline__=inline -I<cuda include> -Icuda/include scripts/fa3-layout-sim.cpp
+// Built and run by tests/fa3_layout_sim.rs: g++ -std=c++17 -O1 -D__host__= -D__device__=
+//   -D__forceinline__=inline -I<cuda include> -Icuda cuda/test/fa3_layout_sim.cpp
 #include <climits>
 #include <cstdint>
 #include <cstdio>
@@ -28,7 +28,7 @@
 #include <cstring>
 #include <vector>
 
-#include "fa3_traits.cuh"
+#include "fa3/traits.cuh"
 
 using namespace fa3;
 
@@ -214,6 +214,15 @@ void run() {
     }
     std::printf("fa3-layout-sim: stage %d hd %3d (BM %3d, BN %3d): %s\n", Stage, D, BM, BN,
                 g_failures ? "MISMATCH" : "S and O exact");
+}
+
+// The test's own statement of the visibility rule, from its definition (not the kernels' code):
+// key j is visible to query i iff i + off - left <= j <= i + off + right (off = seqlen_k -
+// seqlen_q, bottom-right aligned; -1 = unbounded side) and 0 <= j < seqlen_k; in 64 bits.
+bool key_visible(const FwdParams& p, int i, int j) {
+    const long long off = (long long)p.seqlen_k - p.seqlen_q;
+    return j >= 0 && j < p.seqlen_k && (p.window_left < 0 || j >= i + off - p.window_left) &&
+           (p.window_right < 0 || j <= i + off + p.window_right);
 }
 
 // Brute force of the tile-range and mask-skip predicates against key_visible(): every visible

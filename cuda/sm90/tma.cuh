@@ -7,7 +7,7 @@
 // needs no <cuda.h>.
 #pragma once
 #include <stdint.h>
-#include "mbarrier_sm90.cuh"
+#include "sm90/mbarrier.cuh"
 
 namespace fa3 {
 

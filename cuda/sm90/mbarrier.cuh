@@ -9,11 +9,11 @@
 //
 // Compiled for sm_90a and sm_100a (the FA3 and FA4 kernels; the bodies are guarded).
 // With FA_HANG_CHECK defined (build.rs: FLASH_ATTN_HANG_CHECK=1) the waits report and trap
-// instead of hanging (hang_check.cuh); without it they are exactly the plain loops below.
+// instead of hanging (sm90/hang_check.cuh); without it they are exactly the plain loops below.
 #pragma once
 #include <stdint.h>
 #if defined(FA_HANG_CHECK)
-#include "hang_check.cuh"
+#include "sm90/hang_check.cuh"
 #endif
 
 namespace fa3 {

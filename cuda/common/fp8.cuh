@@ -5,11 +5,10 @@
 #pragma once
 
 #include <cuda_fp8.h>
-#include "fa_numerics_common.cuh"
+#include "common/numerics.cuh"
 
-#define FA_E4M3_MAX 448.0f
-// P is multiplied by 2^FA_FP8_P_SCALE_LOG2 before its e4m3 cast (FA3's Max_offset = 8).
-#define FA_FP8_P_SCALE_LOG2 8.0f
+// FA_E4M3_MAX and FA_FP8_P_SCALE_LOG2 (P is multiplied by 2^that before its e4m3 cast, FA3's
+// Max_offset = 8) come from the generated fa_numerics_constants.h.
 
 FA_HD uint8_t fa_e4m3_encode(float x) {
     return (uint8_t)__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);

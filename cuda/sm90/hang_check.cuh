@@ -3,7 +3,7 @@
 // here is included and every wait of the kernels is the plain `while (!try_wait) {}` loop.
 //
 // A GPU window is minutes long and a hung kernel only shows as a timeout. In the hang-check build:
-//  * every mbarrier wait (mbar_wait, mbarrier_sm90.cuh) polls against the %globaltimer clock; once
+//  * every mbarrier wait (mbar_wait, sm90/mbarrier.cuh) polls against the %globaltimer clock; once
 //    it has waited FA_HANG_CHECK_NS ns it prints one line per waiting warp: block, warp, thread,
 //    the barrier (its name when the kernel file provides FA_HANG_BARRIER_NAME, and its byte
 //    offset from the 1024-aligned dynamic shared memory base), the awaited parity, time and polls;

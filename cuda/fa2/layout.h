@@ -91,4 +91,22 @@ FA2_HD constexpr int ldsm_v_col(int lane) { return (lane >> 4) * 8; }
 // its m-tile mt covers the 16 rows starting at warp_row0 + 16 * mt.
 FA2_HD constexpr int warp_row0(int warp, int m_tiles) { return warp * 16 * m_tiles; }
 
+// A warp's m16n8k16 accumulator blocks S[kMTiles][kNTiles][4] and O[kMTiles][kDTiles][4] seen
+// as rows and columns, the fragment layout of the shared softmax and mask (softmax.cuh): row r is
+// half r % 2 (rows g, g + 8) of m-tile r / 2; element j is column j % 2 of this lane's pair in
+// n-tile j / 2. row/col are relative to the warp's first row and the tile's first key.
+template <int kMTiles, int kNTiles, int kDTiles>
+struct AccFrag {
+    static constexpr int kRows = 2 * kMTiles, kSCols = 2 * kNTiles, kOCols = 2 * kDTiles, kLanes = 4;
+    int lane;
+    FA2_HD static float& s(float (&a)[kMTiles][kNTiles][4], int r, int j) {
+        return a[r / 2][j / 2][2 * (r % 2) + j % 2];
+    }
+    FA2_HD static float& o(float (&a)[kMTiles][kDTiles][4], int r, int j) {
+        return a[r / 2][j / 2][2 * (r % 2) + j % 2];
+    }
+    FA2_HD int row(int r) const { return 16 * (r / 2) + acc_row(lane, 2 * (r % 2)); }
+    FA2_HD int col(int j) const { return 8 * (j / 2) + acc_col(lane, j % 2); }
+};
+
 }  // namespace fa2

@@ -48,7 +48,7 @@
 // the accumulator or A registers were touched by ordinary instructions; wgmma_commit() closes a
 // group; wgmma_wait<N>() waits until at most N groups are pending (afterwards the accumulators
 // may be read and the shared-memory operands overwritten). Shared memory written by ordinary
-// stores must be followed by fence.proxy.async before a wgmma reads it (tma_sm90.cuh).
+// stores must be followed by fence.proxy.async before a wgmma reads it (sm90/tma.cuh).
 #pragma once
 #include <stdint.h>
 #include <cuda_bf16.h>
@@ -70,7 +70,7 @@ constexpr int kMmaN = 64;                           // N of the one instruction 
 // Swizzle-mode field value for 128B swizzle.
 constexpr uint64_t kDescSwizzle128B = 1;
 
-// The descriptor and offset helpers are __host__ too: scripts/fa3-layout-sim.cpp runs them
+// The descriptor and offset helpers are __host__ too: cuda/test/fa3_layout_sim.cpp runs them
 // against a software model of wgmma's operand fetch.
 __host__ __device__ constexpr uint64_t desc_field(uint32_t bytes) {
     return static_cast<uint64_t>((bytes & 0x3FFFF) >> 4);  // 14-bit field, 16-byte units
@@ -197,21 +197,5 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs_tb(float* d, const uint32_t (
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL && !FA_HOST_EMULATION
-
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(__CUDA_ARCH_FEAT_SM100_ALL)
-
-// Two f32 -> one b32 holding two 16-bit values, low half = x (the lower column).
-template <class T>
-__device__ __forceinline__ uint32_t pack2(float x, float y) {
-    if constexpr (std::is_same<T, __nv_bfloat16>::value) {
-        __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
-        return *reinterpret_cast<uint32_t*>(&v);
-    } else {
-        __half2 v = __floats2half2_rn(x, y);
-        return *reinterpret_cast<uint32_t*>(&v);
-    }
-}
-
-#endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 }  // namespace fa3

@@ -1,0 +1,181 @@
+// The online softmax of every kernel family (FA1, FA2, FA3), written once over the family's
+// fragment layout, and the scalar rules it is built from (the same verbs as src/cpu/softmax.rs:
+// max_get_scale, rescale, finalize).
+//
+// Units, as on the CPU (src/cpu/softmax.rs, "Units"): scores s and the running max m are in score
+// units (raw q.k, or natural units when softcap or ALiBi is on); every exponent is (s - m) * c
+// with c = FwdParams::softmax_scale_log2 (scale * log2 e for raw scores, log2 e for natural
+// ones), and u converts score units to natural units for the LSE (scale, or 1). Never m * c
+// alone: rounded to f32 next to an exact s * c it is off by up to ±128 in the exponent once
+// |m * c| >= 2^31, and s * c overflows above f32::MAX / log2 e.
+//
+// The -inf guard: while a row has seen only masked keys its max is -inf, and exponents are taken
+// against 0 instead, so exp2((-inf - 0) * c) = 0 and never exp2(-inf + inf) = NaN.
+//
+// A fragment layout `Frag` says which scores and outputs a thread holds (one object per thread):
+//   kRows               rows of the tile this thread holds a part of
+//   kSCols, kOCols      score / output elements per row held by this thread
+//   kLanes              lanes sharing a row (a power of two; partners by xor 1, 2, ...)
+//   s(S&, r, j), o(O&, r, j)   element j of row r of the score / output array (a float&)
+//   row(r), col(j)      tile-relative query row of row r and key of score element j
+#pragma once
+#include <math.h>
+
+#include "common/exp2_poly.cuh"
+#include "common/numerics.cuh"
+#include "common/params.h"
+
+// ---- scalar rules (host and device) -----------------------------------------------------------
+
+// What row exponents are taken against: the max, or 0 while it is -inf (the -inf guard).
+FA_HD float fa_softmax_ref(float m) { return m == -INFINITY ? 0.f : m; }
+
+// Whether a tile may keep the stale running max (FlashAttention-4's lazy rescale, the rule of
+// max_get_scale in src/cpu/softmax.rs, proof of exactness and of no overflow there): growth =
+// (tile_max - m) * c, the growth of the max in log2 units, is at most tau.
+FA_HD bool fa_lazy_keeps_max(float growth, float tau) { return growth <= tau; }
+
+// With P in e4m3 offset by 2^FA_FP8_P_SCALE_LOG2, tau + that offset must stay below log2(448) or
+// P saturates while the f32 row sum still counts it (FlashAttention issues #2131, #2716).
+// Written as fp8_lazy_limit() in src/numerics/mod.rs (log2(448) - 8, then compare) so the two
+// agree at the boundary too.
+FA_HD bool fa_fp8_lazy_threshold_ok(float tau) { return tau < log2f(FA_E4M3_MAX) - FA_FP8_P_SCALE_LOG2; }
+
+// Folds a tile's max into the running max *m and returns the factor for O and l (1 when nothing
+// changes), with the lazy rule (tau < 0: eager) and the degree-D software exp2.
+template <int D> FA_HD float fa_max_get_scale(float* m, float tile_max, float c, float tau) {
+    if (!(tile_max > *m)) return 1.0f;  // no growth, or NaN
+    if (*m == -INFINITY) {              // first visible key: nothing to rescale
+        *m = tile_max;
+        return 1.0f;
+    }
+    const float growth = (tile_max - *m) * c;  // > 0, possibly +inf (then the factor is 0)
+    if (tau >= 0.0f && fa_lazy_keeps_max(growth, tau)) return 1.0f;
+    float scale = fa_exp2_poly<D>(-growth);
+    *m = tile_max;
+    return scale;
+}
+
+// The end of a row with max m (score units) and sum l: 1/l and the natural-log LSE, u converting
+// the max to natural units. A row that saw no key (l = 0) is `empty`: its output is written as
+// exactly 0 (not O * 0, NaN if a masked key's infinite V reached O) and its LSE is -inf,
+// FlashAttention's convention. A NaN sum (a NaN score the row sees) stays NaN.
+struct FaRowEnd {
+    float inv_l, lse;
+    bool empty;
+};
+FA_HD FaRowEnd fa_softmax_finalize(float m, float l, float u) {
+    if (l == 0.f) return FaRowEnd{0.f, -INFINITY, true};
+    return FaRowEnd{1.f / l, m * u + log2f(l) * FA_LN2, false};
+}
+
+// Whether scores are in natural units (softcap or ALiBi on) rather than raw q.k, and the factor
+// that converts the max's score units to natural units for the LSE.
+FA_HD bool fa_natural_scores(const FwdParams& p) { return (p.flags & (FA_FLAG_SOFTCAP | FA_FLAG_ALIBI)) != 0u; }
+FA_HD float fa_to_natural(const FwdParams& p) { return fa_natural_scores(p) ? 1.f : p.softmax_scale; }
+
+// ---- the score transform and the online softmax over a fragment (device) ----------------------
+#if defined(__CUDACC__) || defined(FA_HOST_EMULATION)
+#include "sm80/fast_math.cuh"
+
+// The ALiBi slope of a query head (0 without ALiBi).
+__device__ __forceinline__ float fa_alibi_slope(const FwdParams& p, int head) {
+    return (p.flags & FA_FLAG_ALIBI) ? reinterpret_cast<const float*>(p.alibi_slopes)[head] : 0.f;
+}
+
+// Raw q.k -> natural units in place, called only when fa_natural_scores(p) (the common case keeps
+// raw q.k and pays nothing): times softmax_scale, softcap cap * tanh(v * (1 / cap)) (1 / cap is
+// finite: the host refuses subnormal caps; folding scale / cap into one factor would overflow to
+// inf), then minus the ALiBi bias slope * |i + seqlen_k - seqlen_q - j|. Each step as a
+// straightforward f32 softmax takes it, so each is finite wherever its counterpart there is.
+// kAlibi: the family takes ALiBi; kFastTanh: tanh.approx (2^-11 relative error) instead of tanhf.
+// row0 / col0: the query row and key of the tile's origin.
+template <bool kAlibi, bool kFastTanh, class Frag, class S>
+__device__ __forceinline__ void fa_scores_to_natural(S& s, const Frag& f, const FwdParams& p, float slope, int row0,
+                                                     int col0) {
+    const bool softcap = (p.flags & FA_FLAG_SOFTCAP) != 0u;
+    const float inv_cap = softcap ? 1.f / p.softcap : 0.f;
+    // 32-bit on purpose (64-bit cost FA2 18 registers at hdim 128): with seqlens <= 2^30 (the
+    // engine's limit) |row + diag - key| <= 2^30 + 255 for every row and key of a tile, padding
+    // included, and so is every partial sum.
+    const int diag = p.seqlen_k - p.seqlen_q;
+#pragma unroll
+    for (int r = 0; r < Frag::kRows; ++r)
+#pragma unroll
+        for (int j = 0; j < Frag::kSCols; ++j) {
+            float& v = Frag::s(s, r, j);
+            v *= p.softmax_scale;
+            if (softcap) v = p.softcap * (kFastTanh ? fa_tanh_approx(v * inv_cap) : tanhf(v * inv_cap));
+            if (kAlibi) v -= slope * static_cast<float>(abs(row0 + f.row(r) + diag - (col0 + f.col(j))));
+        }
+}
+
+// Max / sum over the kLanes lanes that share a row (consecutive lanes, xor partners).
+template <int kLanes> __device__ __forceinline__ float fa_lanes_max(float x) {
+#pragma unroll
+    for (int o = 1; o < kLanes; o *= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+template <int kLanes> __device__ __forceinline__ float fa_lanes_sum(float x) {
+#pragma unroll
+    for (int o = 1; o < kLanes; o *= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+// Per-thread state of the rows it holds: running max m (score units, -inf before any visible
+// key) and this thread's partial running sum l (reduced over the row's lanes at the end).
+template <class Frag>
+struct FaOnlineSoftmax {
+    static constexpr int kRows = Frag::kRows;
+    float m[kRows];
+    float l[kRows];
+
+    __device__ __forceinline__ void init() {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+            m[r] = -INFINITY;
+            l[r] = 0.f;
+        }
+    }
+
+    // Folds one tile of scores (masked keys -inf) into the state: s becomes P = exp2((s - m) * c)
+    // in place, and corr[r] receives the factor the output accumulated so far must be multiplied
+    // by (rescale). Does not touch O, so a kernel may overlap it with a PV product in flight.
+    template <class S>
+    __device__ __forceinline__ void update(S& s, float c, float (&corr)[kRows]) {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+            float mx = m[r];
+#pragma unroll
+            for (int j = 0; j < Frag::kSCols; ++j) mx = fmaxf(mx, Frag::s(s, r, j));
+            mx = fa_lanes_max<Frag::kLanes>(mx);
+            const float ref = fa_softmax_ref(mx);
+            corr[r] = fa_ex2_approx((m[r] - ref) * c);  // old max -inf: 0, nothing to rescale yet
+            m[r] = mx;
+            float sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < Frag::kSCols; ++j) {
+                float& x = Frag::s(s, r, j);
+                x = fa_ex2_approx((x - ref) * c);  // masked: exp2(-inf) = 0
+                sum += x;
+            }
+            l[r] = l[r] * corr[r] + sum;
+        }
+    }
+
+    // O *= corr, row by row.
+    template <class O>
+    __device__ __forceinline__ void rescale(O& o, const float (&corr)[kRows]) const {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r)
+#pragma unroll
+            for (int j = 0; j < Frag::kOCols; ++j) Frag::o(o, r, j) *= corr[r];
+    }
+
+    // The end of row r (u: score units -> natural units). Every lane of the row must call it.
+    __device__ __forceinline__ FaRowEnd finalize(int r, float u) const {
+        return fa_softmax_finalize(m[r], fa_lanes_sum<Frag::kLanes>(l[r]), u);
+    }
+};
+
+#endif  // __CUDACC__ || FA_HOST_EMULATION

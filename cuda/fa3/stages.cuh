@@ -1,0 +1,195 @@
+// The five FA3 stages (docs/fa3.md), each a composition of the shared pieces: the preamble
+// (preamble.cuh: shared memory, tensor-map prefetch), the scheduler (block or persistent tile
+// coordinates, the K/V tiles a query tile sees), the pipeline (TMA issue, mbarriers, ring
+// positions, ping-pong), the mainloop (GEMMs, softmax, the loops) and the epilogue.
+#pragma once
+#include "fa3/epilogue.cuh"
+#include "fa3/mainloop.cuh"
+#include "fa3/pipeline.cuh"
+#include "fa3/preamble.cuh"
+#include "fa3/scheduler.cuh"
+
+namespace fa3 {
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// Stage 1: wgmma only. One warpgroup; every thread copies Q once and each K/V tile into the
+// single-buffered swizzled tiles with plain loads, then S, softmax, PV, all waited for.
+template <class T, int D>
+__device__ __forceinline__ void stage1(const FwdParams& p) {
+    using Tr = Fa3Traits<1, D>;
+    const Cta<Tr> cta;
+    const int tid = threadIdx.x;
+    const OneTile<Tr> tile(p);
+
+    const T* q = reinterpret_cast<const T*>(p.q) + tile.bc.batch * p.q_batch_stride + tile.m0 * p.q_row_stride +
+                 tile.bc.head * p.q_head_stride;
+    const T* k =
+        reinterpret_cast<const T*>(p.k) + tile.bc.batch * p.k_batch_stride + tile.bc.kv_head * p.k_head_stride;
+    const T* v =
+        reinterpret_cast<const T*>(p.v) + tile.bc.batch * p.v_batch_stride + tile.bc.kv_head * p.v_head_stride;
+    load_tile_sw128<Tr::kBlockM, D>(cta.sq, q, p.q_row_stride, p.seqlen_q - tile.m0, tid, Tr::kThreads);
+
+    const typename Acc<Tr>::Frag frag(tid);
+    Acc<Tr> acc;
+    acc.init();
+    float s[Tr::kBlockN / 2];
+#pragma unroll
+    for (int i = 0; i < Tr::kBlockN / 2; ++i) s[i] = 0.f;
+    for (int n = tile.kv.n_begin; n < tile.kv.n_end; ++n) {
+        __syncthreads();  // every thread's wgmmas of the previous tile have completed (wait 0)
+        const int n0 = n * Tr::kBlockN;
+        load_tile_sw128<Tr::kBlockN, D>(cta.sk, k + n0 * p.k_row_stride, p.k_row_stride, p.seqlen_k - n0, tid,
+                                        Tr::kThreads);
+        load_tile_sw128<Tr::kBlockN, D>(cta.sv, v + n0 * p.v_row_stride, p.v_row_stride, p.seqlen_k - n0, tid,
+                                        Tr::kThreads);
+        fence_proxy_async_smem();  // generic-proxy stores -> visible to wgmma (async proxy)
+        __syncthreads();
+        gemm_qk<Tr, T>(s, smem_u32(cta.sq), cta.k_slot(0));
+        consume_tile<Tr, T>(p, acc, s, frag, tile.m0, n, cta.v_slot(0));
+    }
+    write_output<Tr, T>(p, acc, frag, tile.m0, tile.bc.batch, tile.bc.head);
+}
+
+// Stage 2: + TMA into the 2-slot K/V ring with mbarriers. One warpgroup; thread 0 issues Q and
+// the first tiles, and refills a slot once the whole CTA has passed the barrier after its use.
+template <class T, int D>
+__device__ __forceinline__ void stage2(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk,
+                                       const TmaDesc* tv) {
+    using Tr = Fa3Traits<2, D>;
+    const Cta<Tr> cta;
+    Barriers<Tr> bars(cta.smem);
+    const OneTile<Tr> tile(p);
+    const RingIssuer<Tr> issue{tq, tk, tv, cta.sq, cta.sk, cta.sv, bars, tile};
+    const bool issuer = threadIdx.x == 0;
+
+    if (issuer) bars.init(0);  // no kv_empty: the CTA barrier releases a slot
+    __syncthreads();
+    if (issuer && tile.n_tiles > 0) {
+        issue.start(p.seqlen_q);
+        for (int it = 0; it < min(tile.n_tiles, Tr::kKvStages); ++it) issue.kv(it);
+    }
+    const typename Acc<Tr>::Frag frag(threadIdx.x);
+    Acc<Tr> acc;
+    acc.init();
+    mainloop_ring<Tr, T>(p, cta, bars, acc, frag, smem_u32(cta.sq), tile.m0, tile.kv, [&](int it, int) {
+        // Both wgmma groups reading this slot were waited on by every thread; after the CTA
+        // barrier the slot may be refilled (async proxy writes after async proxy reads).
+        __syncthreads();
+        if (issuer && it + Tr::kKvStages < tile.n_tiles) issue.kv(it + Tr::kKvStages);
+    });
+    write_output<Tr, T>(p, acc, frag, tile.m0, tile.bc.batch, tile.bc.head);
+}
+
+// Stage 3: + warp specialisation. Warpgroup 0 produces (setmaxnreg.dec, thread 0 issues TMA
+// after each slot's release); warpgroups 1-2 consume 64 query rows each (setmaxnreg.inc) and
+// release a slot through its "empty" mbarrier.
+template <class T, int D>
+__device__ __forceinline__ void stage3(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk,
+                                       const TmaDesc* tv) {
+    using Tr = Fa3Traits<3, D>;
+    const Cta<Tr> cta;
+    Barriers<Tr> bars(cta.smem);
+    const OneTile<Tr> tile(p);
+    const int warpgroup = threadIdx.x / kWarpgroupThreads;
+
+    if (threadIdx.x == 0) bars.init(Tr::kConsumerThreads);
+    __syncthreads();  // the last CTA-wide barrier: roles diverge below
+    if (warpgroup < Tr::kProducerWarpgroups) {
+        setmaxnreg_dec<Tr::kProducerRegs>();
+        if (threadIdx.x == 0 && tile.n_tiles > 0) {
+            const RingIssuer<Tr> issue{tq, tk, tv, cta.sq, cta.sk, cta.sv, bars, tile};
+            issue.start(p.seqlen_q);
+            for (int it = 0; it < tile.n_tiles; ++it) {
+                // Use u = it / S of a slot needs use u - 1 released (its phase u - 1 done).
+                if (it >= Tr::kKvStages)
+                    mbar_wait(&bars.kv_empty[it % Tr::kKvStages], ((it / Tr::kKvStages) - 1) & 1);
+                issue.kv(it);
+            }
+        }
+        return;
+    }
+    setmaxnreg_inc<Tr::kConsumerRegs>();
+    const int cw = warpgroup - Tr::kProducerWarpgroups;  // consumer index: query rows 64cw..
+    const int m_first = tile.m0 + cw * kMmaM;
+    const typename Acc<Tr>::Frag frag(threadIdx.x % kWarpgroupThreads);
+    Acc<Tr> acc;
+    acc.init();
+    mainloop_ring<Tr, T>(p, cta, bars, acc, frag, smem_u32(cta.sq) + Tr::q_warpgroup_offset(cw), m_first, tile.kv,
+                         [&](int, int slot) { mbar_arrive(&bars.kv_empty[slot]); });
+    write_output<Tr, T>(p, acc, frag, m_first, tile.bc.batch, tile.bc.head);
+}
+
+// Stage 4: + ping-pong and intra-warpgroup overlap, one query tile per CTA (grid as in stages
+// 1-3). Stage 5: + persistent scheduling: gridDim.x CTAs (ideally the SM count) walk the tiles
+// heaviest first; the K/V ring and the Q buffer carry across tiles.
+template <int Stage, class T, int D>
+__device__ __forceinline__ void stage45(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk,
+                                        const TmaDesc* tv) {
+    using Tr = Fa3Traits<Stage, D>;
+    const Cta<Tr> cta;
+    SplitBarriers<Tr> bars(cta.smem);
+    const int tid = threadIdx.x;
+    const int warpgroup = tid / kWarpgroupThreads;
+    const TileScheduler<Tr> sched(p);
+
+    if (tid == 0) bars.init();
+    __syncthreads();  // the last CTA-wide barrier: roles diverge below
+
+    RingPos pos;
+    if (warpgroup < Tr::kProducerWarpgroups) {
+        setmaxnreg_dec<Tr::kProducerRegs>();
+        if (tid == 0) {
+            prefetch_maps(tq, tk, tv);
+            for (int t = sched.begin; t < sched.num_tiles; t += sched.step) {
+                const BlockCoord bc = sched.coord(p, t);
+                produce_tile<Tr>(p.seqlen_q, tq, tk, tv, cta.sq, cta.sk, cta.sv, bars, bc, kv_range<Tr>(p, bc), pos);
+            }
+#if defined(FA_HANG_CHECK)
+            watch_release<Tr>(bars, pos);
+#endif
+        }
+        return;
+    }
+    setmaxnreg_inc<Tr::kConsumerRegs>();
+    const int cw = warpgroup - Tr::kProducerWarpgroups;
+    const PingPong<Tr> turn(cw);
+    const typename Acc<Tr>::Frag frag(tid % kWarpgroupThreads);
+    turn.start();
+    for (int t = sched.begin; t < sched.num_tiles; t += sched.step) {
+        const BlockCoord bc = sched.coord(p, t);
+        const int m_first = bc.m_block * Tr::kBlockM + cw * kMmaM;
+        Acc<Tr> acc;
+        acc.init();
+        mainloop_overlapped<Tr, T>(p, cta, bars, acc, frag, m_first, kv_range<Tr>(p, bc), pos, cw, turn);
+        write_output<Tr, T>(p, acc, frag, m_first, bc.batch, bc.head);
+    }
+    turn.finish();
+}
+
+#else  // not sm_90a (nvcc's host pass): the instances exist but do nothing.
+
+template <class T, int D>
+__device__ __forceinline__ void stage1(const FwdParams&) {}
+template <class T, int D>
+__device__ __forceinline__ void stage2(const FwdParams&, const TmaDesc*, const TmaDesc*, const TmaDesc*) {}
+template <class T, int D>
+__device__ __forceinline__ void stage3(const FwdParams&, const TmaDesc*, const TmaDesc*, const TmaDesc*) {}
+template <int Stage, class T, int D>
+__device__ __forceinline__ void stage45(const FwdParams&, const TmaDesc*, const TmaDesc*, const TmaDesc*) {}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+// The stages that take tensor maps (2-5), by number: what the entry points call.
+template <int Stage, class T, int D>
+__device__ __forceinline__ void stage_with_maps(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk,
+                                                const TmaDesc* tv) {
+    if constexpr (Stage == 2)
+        stage2<T, D>(p, tq, tk, tv);
+    else if constexpr (Stage == 3)
+        stage3<T, D>(p, tq, tk, tv);
+    else
+        stage45<Stage, T, D>(p, tq, tk, tv);
+}
+
+}  // namespace fa3

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Our CPU backend and the CPU peers (torch SDPA, onnxruntime MHA and Attention) side by side:
+# the table of issue 16 with an `ours / best` column, into docs/bench-data/cpu-peers.md (+ .jsonl).
+#
+#   scripts/cpu-peers.sh            # 3 alternating rounds, median: about 3-5 minutes on 2 cores
+#   scripts/cpu-peers.sh --quick    # 1 short round: a smoke run (under a minute)
+#   scripts/cpu-peers.sh --rounds 5 --out /tmp/table.md
+#
+# Needs: the peers' venv (PEERS_PYTHON, default /tmp/peers-venv/bin/python; set it up as
+# ../shared/peers/README.md says: one pip install, under a minute) and cpu_peers.py
+# (PEERS_DIR, default ../shared/peers next to this repository, else /work/shared/peers).
+# Builds examples/bench in release first (CPU-only unless NVCC is set: the GPU kernels do not
+# matter here). Run it on a quiet machine: the table notes the load average it saw.
+set -euo pipefail
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$repo"
+py="${PEERS_PYTHON:-/tmp/peers-venv/bin/python}"
+dir="${PEERS_DIR:-}"
+if [ -z "$dir" ]; then
+  for c in "$repo/../shared/peers" /work/shared/peers; do
+    if [ -f "$c/cpu_peers.py" ]; then dir="$c"; break; fi
+  done
+fi
+if [ -z "$dir" ] || [ ! -f "$dir/cpu_peers.py" ]; then
+  echo "cpu-peers: cpu_peers.py not found: set PEERS_DIR to the folder holding it" >&2
+  exit 2
+fi
+if ! "$py" -c "import torch, onnxruntime, onnx" 2>/dev/null; then
+  echo "cpu-peers: $py lacks torch/onnxruntime/onnx: set PEERS_PYTHON, or create the venv as $dir/README.md says" >&2
+  exit 2
+fi
+cargo build --release --quiet --example bench
+exec python3 "$repo/scripts/cpu_peers_table.py" --bench "$repo/target/release/examples/bench" \
+  --python "$py" --peers-script "$dir/cpu_peers.py" "$@"
