@@ -156,11 +156,21 @@ __device__ __forceinline__ int sw128_offset(int row, int col, int rows) {
            ((((col % kSlabCols) / 8) ^ (row % 8)) * 16) + (col % 8) * 2;
 }
 
-// Per-row online-softmax state (a thread owns one query row).
-struct RowState {
-    float row_max;  // running max of raw (unscaled) scores, -inf before any visible key
-    float row_sum;  // running sum of exp2(...)
+// A thread's row of S as a fragment of the shared online softmax (common/softmax.cuh): one TMEM
+// lane = one query row per thread, N consecutive keys of it in registers at a time, no lanes to
+// reduce over. O stays in tensor memory (rescale_o), so the softmax never touches it.
+template <int N>
+struct RowFrag {
+    static constexpr int kRows = 1, kSCols = N, kOCols = 0, kLanes = 1;
+    __device__ __forceinline__ static float& s(float (&a)[N], int, int j) { return a[j]; }
+    __device__ __forceinline__ int row(int) const { return 0; }
+    __device__ __forceinline__ int col(int j) const { return j; }
 };
+
+// The online-softmax state of a thread's row, N keys at a time, with stage Tr's exponent policy
+// (Fa4Traits: kPolyEvery, kPolyDegree, kLazyTau; stages 1-2 eager MUFU).
+template <class Tr, int N>
+using RowSoftmax = FaOnlineSoftmax<RowFrag<N>, Tr>;
 
 // ---- The two GEMMs (one thread issues; completion through umma_commit).
 
@@ -209,39 +219,15 @@ __device__ __forceinline__ void tmem_load_row(uint32_t tmem, int warp, int col, 
     }
 }
 
-// Optional softcap (natural units), then -inf for keys outside [lo, hi) (past seqlen_k or
-// outside the window; mask.cuh).
+// Optional softcap (natural units; the shared score transform, no ALiBi: the host refuses it),
+// then -inf for keys outside [lo, hi) (past seqlen_k or outside the window; mask.cuh).
 template <int BN>
 __device__ __forceinline__ void softcap_and_mask(const FwdParams& p, float (&s)[BN], int row, int n0) {
-    if (p.flags & FA_FLAG_SOFTCAP) {  // s = cap * tanh((scale * s) / cap), as FA3
-        const float inv_cap = 1.f / p.softcap;
-#pragma unroll
-        for (int j = 0; j < BN; ++j) s[j] = p.softcap * fa_tanh_approx((s[j] * p.softmax_scale) * inv_cap);
-    }
+    if (fa_natural_scores(p)) fa_scores_to_natural<false, true>(s, RowFrag<BN>{}, p, 0.f, row, n0);
     const int lo = fa_key_lo(p, row), hi = fa_key_hi(p, row);
 #pragma unroll
     for (int j = 0; j < BN; ++j)
         if (n0 + j < lo || n0 + j >= hi) s[j] = -INFINITY;
-}
-
-// Row max update, s -> exp2((s - max) * scale_log2), row sum; returns the factor the output
-// accumulated so far must be multiplied by (exponents from differences only; the -inf guard).
-template <int BN>
-__device__ __forceinline__ float online_softmax(RowState& st, float (&s)[BN], float scale_log2) {
-    float mx = st.row_max;
-#pragma unroll
-    for (int j = 0; j < BN; ++j) mx = fmaxf(mx, s[j]);
-    const float m_use = mx == -INFINITY ? 0.f : mx;
-    const float corr = fa_ex2_approx((st.row_max - m_use) * scale_log2);  // old max -inf: 0
-    st.row_max = mx;
-    float sum = 0.f;
-#pragma unroll
-    for (int j = 0; j < BN; ++j) {
-        s[j] = fa_ex2_approx((s[j] - m_use) * scale_log2);
-        sum += s[j];
-    }
-    st.row_sum = st.row_sum * corr + sum;
-    return corr;
 }
 
 // P (this thread's row) -> 16-bit, into the K-major SW128 P tile (16-byte chunks).
@@ -256,12 +242,12 @@ __device__ __forceinline__ void store_p(uint8_t* sp, const float (&s)[Tr::kBlock
     }
 }
 
-// O (this thread's TMEM row) *= corr, 32 columns at a time.
+// O_t (this thread's TMEM row of Q tile t's output) *= corr, 32 columns at a time.
 template <class Tr>
-__device__ __forceinline__ void rescale_o(uint32_t tmem, int warp, float corr) {
+__device__ __forceinline__ void rescale_o(uint32_t tmem, int warp, float corr, int t = 0) {
 #pragma unroll
     for (int c = 0; c < Tr::kHeadDim / 32; ++c) {
-        const uint32_t a = tmem_addr(tmem, 32 * (warp % 4), Tr::kTmemO + 32 * c);
+        const uint32_t a = tmem_addr(tmem, 32 * (warp % 4), Tr::kTmemO + t * Tr::kHeadDim + 32 * c);
         uint32_t r[32];
         tmem_ld_32x32b_x32(a, r);
         tmem_wait_ld(r);
@@ -275,15 +261,13 @@ __device__ __forceinline__ void rescale_o(uint32_t tmem, int warp, float corr) {
 // Normalise and write this thread's row of O (and LSE) from TMEM; rows with no visible key
 // get O = 0 (not O * 0: NaN if a masked key's infinite V reached O) and LSE -inf. Every thread
 // of the warp loads (tcgen05.ld is .sync.aligned); only rows below seqlen_q are stored.
+// `end`: the row's fa_softmax_finalize.
 template <class Tr, class T>
-__device__ __forceinline__ void write_output(const FwdParams& p, const RowState& st, uint32_t tmem, int warp,
+__device__ __forceinline__ void write_output(const FwdParams& p, const FaRowEnd& end, uint32_t tmem, int warp,
                                              int row, int batch, int head, bool have_o) {
     const bool live = row < p.seqlen_q;
-    const bool softcap = (p.flags & FA_FLAG_SOFTCAP) != 0;
-    const float max_scale = softcap ? 1.f : p.softmax_scale;  // the max in natural units
-    const float l = st.row_sum;
-    const bool empty = l == 0.f || !have_o;
-    const float inv = empty ? 0.f : 1.f / l;
+    const bool empty = end.empty || !have_o;
+    const float inv = empty ? 0.f : end.inv_l;
 #pragma unroll
     for (int c = 0; c < Tr::kHeadDim / 32; ++c) {
         float o[32];
@@ -304,10 +288,61 @@ __device__ __forceinline__ void write_output(const FwdParams& p, const RowState&
                            fa_pack2<T>(o[8 * q + 4], o[8 * q + 5]), fa_pack2<T>(o[8 * q + 6], o[8 * q + 7]));
     }
     if (live && (p.flags & FA_FLAG_RETURN_LSE)) {
-        const float lse = empty ? -INFINITY : st.row_max * max_scale + logf(l);
+        const float lse = empty ? -INFINITY : end.lse;
         reinterpret_cast<float*>(p.lse)[(static_cast<int64_t>(batch) * p.heads_q + head) * p.seqlen_q + row] = lse;
     }
 }
+
+// ---- What every stage does first and last.
+
+// The carve-up of the 1024-aligned dynamic shared memory (Fa4Traits offsets), this CTA's query
+// tile and key tiles, and the thread's place in the CTA.
+template <class Tr>
+struct Cta {
+    uint8_t *smem, *sq, *sk, *sv;
+    uint64_t* bars;  // the barrier block (Barriers2 / Barriers3, or stage 1's four)
+    uint32_t* tmem_slot;
+    int tid, warp, lane;
+    BlockCoord bc;
+    int m0;
+    FaKeyTiles kv;
+    int n_tiles;
+    __device__ __forceinline__ Cta(const FwdParams& p, uint8_t* smem_raw)
+        : smem(aligned_smem(smem_raw)), sq(smem + Tr::kOffQ), sk(smem + Tr::kOffK), sv(smem + Tr::kOffV),
+          bars(reinterpret_cast<uint64_t*>(smem + Tr::kOffBarriers)),
+          tmem_slot(reinterpret_cast<uint32_t*>(smem + Tr::kOffTmemSlot)), tid(threadIdx.x), warp(tid / 32),
+          lane(tid % 32), bc(block_coord(p)), m0(bc.m_block * Tr::kBlockM),
+          kv(fa_key_tiles(p, m0, min(m0 + Tr::kBlockM, p.seqlen_q), Tr::kBlockN)), n_tiles(kv.n_end - kv.n_begin) {}
+
+    // The TMEM allocation (warp kAllocWarp, which then gives up the right to allocate more) and
+    // the barriers (thread 0: init_barriers(), then the init fence), seen by every thread;
+    // returns the TMEM base address.
+    template <class F>
+    __device__ __forceinline__ uint32_t start(F&& init_barriers) const {
+        if (warp == Tr::kAllocWarp) {
+            tmem_alloc(tmem_slot, Tr::kTmemCols);
+            tmem_relinquish();
+        }
+        if (tid == 0) {
+            init_barriers();
+            mbar_init_fence();
+        }
+        tcgen05_fence_before();
+        __syncthreads();
+        tcgen05_fence_after();
+        return *tmem_slot;
+    }
+
+    // Every thread's TMEM accesses are done before the allocating warp frees the columns.
+    __device__ __forceinline__ void finish(uint32_t tmem) const {
+        tcgen05_fence_before();
+        __syncthreads();
+        if (warp == Tr::kAllocWarp) {
+            tcgen05_fence_after();
+            tmem_dealloc(tmem, Tr::kTmemCols);
+        }
+    }
+};
 
 // ---------------------------------------------------------------- stage 1
 
@@ -316,41 +351,23 @@ __device__ __forceinline__ void stage1(const FwdParams& p, const TmaDesc* tq, co
                                        const TmaDesc* tv) {
     using Tr = Fa4Traits<1, D>;
     extern __shared__ uint8_t smem_raw[];
-    uint8_t* smem = aligned_smem(smem_raw);
-    uint8_t* sq = smem + Tr::kOffQ;
-    uint8_t* sk = smem + Tr::kOffK;
-    uint8_t* sv = smem + Tr::kOffV;
-    uint8_t* sp = smem + Tr::kOffP;
-    uint64_t* bars = reinterpret_cast<uint64_t*>(smem + Tr::kOffBarriers);
-    uint64_t* q_full = bars;
-    uint64_t* kv_full = bars + 1;
-    uint64_t* s_full = bars + 2;
-    uint64_t* o_full = bars + 3;
-    uint32_t* tmem_slot = reinterpret_cast<uint32_t*>(smem + Tr::kOffTmemSlot);
-
-    const int tid = threadIdx.x;
-    const int warp = tid / 32;
+    const Cta<Tr> cta(p, smem_raw);
+    uint8_t *sq = cta.sq, *sk = cta.sk, *sv = cta.sv;
+    uint8_t* sp = cta.smem + Tr::kOffP;
+    uint64_t* q_full = cta.bars;
+    uint64_t* kv_full = cta.bars + 1;
+    uint64_t* s_full = cta.bars + 2;
+    uint64_t* o_full = cta.bars + 3;
+    const int tid = cta.tid, warp = cta.warp, m0 = cta.m0, n_tiles = cta.n_tiles;
+    const BlockCoord& bc = cta.bc;
+    const FaKeyTiles& kv = cta.kv;
     const bool issuer = tid == 0;
-    const BlockCoord bc = block_coord(p);
-    const int m0 = bc.m_block * Tr::kBlockM;
-    const FaKeyTiles kv = fa_key_tiles(p, m0, min(m0 + Tr::kBlockM, p.seqlen_q), Tr::kBlockN);
-    const int n_tiles = kv.n_end - kv.n_begin;
-
-    if (warp == 0) {
-        tmem_alloc(tmem_slot, Tr::kTmemCols);
-        tmem_relinquish();
-    }
-    if (issuer) {
+    const uint32_t tmem = cta.start([&] {
         mbar_init(q_full, 1);
         mbar_init(kv_full, 1);
         mbar_init(s_full, 1);
         mbar_init(o_full, 1);
-        mbar_init_fence();
-    }
-    tcgen05_fence_before();
-    __syncthreads();
-    tcgen05_fence_after();
-    const uint32_t tmem = *tmem_slot;
+    });
 
     if (issuer && n_tiles > 0) {
         tma_prefetch_desc(tq);
@@ -363,7 +380,8 @@ __device__ __forceinline__ void stage1(const FwdParams& p, const TmaDesc* tq, co
     }
 
     const int row = m0 + tid;  // this thread's query row (TMEM lane tid)
-    RowState st{-INFINITY, 0.f};
+    RowSoftmax<Tr, Tr::kBlockN> st;
+    st.init();
     for (int it = 0; it < n_tiles; ++it) {
         const int n = kv.n_begin + it;
         if (issuer) {
@@ -390,10 +408,11 @@ __device__ __forceinline__ void stage1(const FwdParams& p, const TmaDesc* tq, co
         float s[Tr::kBlockN];
         tmem_load_row<Tr::kBlockN>(tmem, warp, Tr::kTmemS, s);
         softcap_and_mask<Tr::kBlockN>(p, s, row, n * Tr::kBlockN);
-        const float corr = online_softmax<Tr::kBlockN>(st, s, p.softmax_scale_log2);
+        float corr[1];
+        st.update(s, p.softmax_scale_log2, corr);
         store_p<Tr, T>(sp, s, tid);
         fa3::fence_proxy_async_smem();  // P (generic-proxy stores) -> visible to the MMA
-        if (it > 0) rescale_o<Tr>(tmem, warp, corr);
+        if (it > 0) rescale_o<Tr>(tmem, warp, corr[0]);
         tcgen05_fence_before();
         __syncthreads();
         if (issuer) {
@@ -405,15 +424,8 @@ __device__ __forceinline__ void stage1(const FwdParams& p, const TmaDesc* tq, co
         __syncwarp();
         tcgen05_fence_after();
     }
-    write_output<Tr, T>(p, st, tmem, warp, row, bc.batch, bc.head, n_tiles > 0);
-
-    // Every thread's TMEM reads are done before the allocating warp frees the columns.
-    tcgen05_fence_before();
-    __syncthreads();
-    if (warp == 0) {
-        tcgen05_fence_after();
-        tmem_dealloc(tmem, Tr::kTmemCols);
-    }
+    write_output<Tr, T>(p, st.finalize(0, fa_to_natural(p)), tmem, warp, row, bc.batch, bc.head, n_tiles > 0);
+    cta.finish(tmem);
 }
 
 // ---------------------------------------------------------------- stage 2: + FA4's warp roles
@@ -431,6 +443,19 @@ struct Barriers2 {
         o_ready = b + 11;    // O rescaled for tile j by the correction warpgroup (128 arrivals)
         o_done = b + 12;     // O += P_j V_j completed (commit)
         stats_full = b + 13; // final row max and partial sums in shared memory (256 arrivals)
+    }
+    __device__ __forceinline__ void init() const {
+        mbar_init(q_full, 1);
+        for (int s = 0; s < 2; ++s) {
+            mbar_init(&kv_full[s], 1);
+            mbar_init(&kv_empty[s], 1);
+            mbar_init(&s_full[s], 1);
+            mbar_init(&p_full[s], 2 * 128);
+            mbar_init(&corr_full[s], 128);
+        }
+        mbar_init(o_ready, 128);
+        mbar_init(o_done, 1);
+        mbar_init(stats_full, 2 * 128);
     }
 };
 
@@ -481,10 +506,11 @@ __device__ __forceinline__ void mma_role(const Barriers2& b, uint32_t tmem, uint
     }
 }
 
-// The load warp's one thread: Q once, then K/V tile j into ring slot j % 2 once the MMAs of tile
-// j - 2 released it.
-template <class Tr>
-__device__ __forceinline__ void load_role(const Barriers2& b, const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
+// The load warp's one thread (stages 2-3, Barriers2 or Barriers3): every Q tile once (a tile wholly
+// past seqlen_q is zero-filled by TMA and its rows never written), then K/V tile j into ring slot
+// j % 2 once the MMAs of tile j - 2 released it.
+template <class Tr, class B>
+__device__ __forceinline__ void load_role(const B& b, const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
                                           uint8_t* sq, uint8_t* sk, uint8_t* sv, const BlockCoord& bc, int m0,
                                           int n_begin, int n_tiles) {
     tma_prefetch_desc(tq);
@@ -492,8 +518,11 @@ __device__ __forceinline__ void load_role(const Barriers2& b, const TmaDesc* tq,
     tma_prefetch_desc(tv);
     mbar_arrive_expect_tx(b.q_full, Tr::kTmaQBytes);
 #pragma unroll
-    for (int slab = 0; slab < Tr::kSlabs; ++slab)
-        tma_load_4d(sq + slab * Tr::kQSlabStride, tq, b.q_full, slab * kSlabCols, bc.head, m0, bc.batch);
+    for (int t = 0; t < Tr::kQTiles; ++t)
+#pragma unroll
+        for (int slab = 0; slab < Tr::kSlabs; ++slab)
+            tma_load_4d(sq + t * Tr::kQTileBytes + slab * Tr::kQSlabStride, tq, b.q_full, slab * kSlabCols, bc.head,
+                        m0 + t * kUmmaM, bc.batch);
     for (int j = 0; j < n_tiles; ++j) {
         const int slot = j % 2;
         if (j >= 2) mbar_wait(&b.kv_empty[slot], ((j - 2) / 2) & 1);
@@ -518,7 +547,9 @@ __device__ __forceinline__ void softmax_role(const FwdParams& p, const Barriers2
     float* red = reinterpret_cast<float*>(smem + Tr::kOffRed);    // [tile % 2][wg][row]
     float* corr_s = reinterpret_cast<float*>(smem + Tr::kOffCorr);  // [tile % 2][row]
     const int row = m0 + r;
-    RowState st{-INFINITY, 0.f};
+    const float c = p.softmax_scale_log2;
+    RowSoftmax<Tr, kKeys> st;
+    st.init();
     for (int j = 0; j < n_tiles; ++j) {
         const int slot = j % 2;
         const int col0 = Tr::kTmemS + slot * Tr::kBlockN;
@@ -528,28 +559,16 @@ __device__ __forceinline__ void softmax_role(const FwdParams& p, const Barriers2
         float s[kKeys];
         tmem_load_row<kKeys>(tmem, warp, col0 + kKeys * wg, s);
         softcap_and_mask<kKeys>(p, s, row, (n_begin + j) * Tr::kBlockN + kKeys * wg);
-        float mx = -INFINITY;
-#pragma unroll
-        for (int i = 0; i < kKeys; ++i) mx = fmaxf(mx, s[i]);
-        red[(slot * 2 + wg) * Tr::kBlockM + r] = mx;
+        red[(slot * 2 + wg) * Tr::kBlockM + r] = st.row_max(s, 0);
         // Both warpgroups' partial maxima are written, and both have read their S half out of
         // TMEM (so P may now be written over it).
         fa3::named_bar_sync<1, 256>();
         const float tile_max = fmaxf(red[(slot * 2 + 0) * Tr::kBlockM + r], red[(slot * 2 + 1) * Tr::kBlockM + r]);
-        const float m_new = fmaxf(st.row_max, tile_max);
-        const float m_use = m_new == -INFINITY ? 0.f : m_new;
-        const float corr = fa_ex2_approx((st.row_max - m_use) * p.softmax_scale_log2);  // old max -inf: 0
-        st.row_max = m_new;
-        float sum = 0.f;
+        const float corr = st.fold_max(0, tile_max, c);
+        st.add_sum(0, corr, st.exp_sum(s, 0, c));
         uint32_t packed[kKeys / 2];
 #pragma unroll
-        for (int i = 0; i < kKeys / 2; ++i) {
-            const float p0 = fa_ex2_approx((s[2 * i] - m_use) * p.softmax_scale_log2);
-            const float p1 = fa_ex2_approx((s[2 * i + 1] - m_use) * p.softmax_scale_log2);
-            sum += p0 + p1;
-            packed[i] = fa_pack2<T>(p0, p1);
-        }
-        st.row_sum = st.row_sum * corr + sum;
+        for (int i = 0; i < kKeys / 2; ++i) packed[i] = fa_pack2<T>(s[2 * i], s[2 * i + 1]);
         // P_j over S_j: keys 64 wg + 2c, +1 -> column col0 + 32 wg + c (A from TMEM, 16-bit).
         static_assert(kKeys / 2 == 32, "one x32 store per warpgroup");
         tmem_st_32x32b_x32(tmem_addr(tmem, 32 * (warp % 4), col0 + (kKeys / 2) * wg), packed);
@@ -561,8 +580,8 @@ __device__ __forceinline__ void softmax_role(const FwdParams& p, const Barriers2
     }
     float* lsum = reinterpret_cast<float*>(smem + Tr::kOffLsum);
     float* msum = reinterpret_cast<float*>(smem + Tr::kOffMax);
-    lsum[wg * Tr::kBlockM + r] = st.row_sum;
-    if (wg == 0) msum[r] = st.row_max;
+    lsum[wg * Tr::kBlockM + r] = st.l[0];
+    if (wg == 0) msum[r] = st.m[0];
     mbar_arrive(b.stats_full);
 }
 
@@ -593,69 +612,8 @@ __device__ __forceinline__ void correction_role(const FwdParams& p, const Barrie
     }
     const float* lsum = reinterpret_cast<const float*>(smem + Tr::kOffLsum);
     const float* msum = reinterpret_cast<const float*>(smem + Tr::kOffMax);
-    RowState st{msum[r], lsum[r] + lsum[Tr::kBlockM + r]};
-    write_output<Tr, T>(p, st, tmem, warp, m0 + r, bc.batch, bc.head, n_tiles > 0);
-}
-
-template <class T, int D>
-__device__ __forceinline__ void stage2(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk,
-                                       const TmaDesc* tv) {
-    using Tr = Fa4Traits<2, D>;
-    extern __shared__ uint8_t smem_raw[];
-    uint8_t* smem = aligned_smem(smem_raw);
-    uint8_t* sq = smem + Tr::kOffQ;
-    uint8_t* sk = smem + Tr::kOffK;
-    uint8_t* sv = smem + Tr::kOffV;
-    const Barriers2 b(reinterpret_cast<uint64_t*>(smem + Tr::kOffBarriers));
-    uint32_t* tmem_slot = reinterpret_cast<uint32_t*>(smem + Tr::kOffTmemSlot);
-
-    const int tid = threadIdx.x;
-    const int warp = tid / 32, lane = tid % 32;
-    const BlockCoord bc = block_coord(p);
-    const int m0 = bc.m_block * Tr::kBlockM;
-    const FaKeyTiles kv = fa_key_tiles(p, m0, min(m0 + Tr::kBlockM, p.seqlen_q), Tr::kBlockN);
-    const int n_tiles = kv.n_end - kv.n_begin;
-
-    if (warp == Tr::kAllocWarp) {
-        tmem_alloc(tmem_slot, Tr::kTmemCols);
-        tmem_relinquish();
-    }
-    if (tid == 0) {
-        mbar_init(b.q_full, 1);
-        for (int s = 0; s < 2; ++s) {
-            mbar_init(&b.kv_full[s], 1);
-            mbar_init(&b.kv_empty[s], 1);
-            mbar_init(&b.s_full[s], 1);
-            mbar_init(&b.p_full[s], 2 * 128);
-            mbar_init(&b.corr_full[s], 128);
-        }
-        mbar_init(b.o_ready, 128);
-        mbar_init(b.o_done, 1);
-        mbar_init(b.stats_full, 2 * 128);
-        mbar_init_fence();
-    }
-    tcgen05_fence_before();
-    __syncthreads();
-    tcgen05_fence_after();
-    const uint32_t tmem = *tmem_slot;
-
-    if (warp < 2 * 4) {
-        softmax_role<Tr, T>(p, b, smem, tmem, warp / 4, tid % 128, warp, m0, kv.n_begin, n_tiles);
-    } else if (warp < Tr::kLoadWarp) {
-        correction_role<Tr, T>(p, b, smem, tmem, tid % 128, warp, m0, bc, n_tiles);
-    } else if (warp == Tr::kLoadWarp) {
-        if (lane == 0 && n_tiles > 0)
-            load_role<Tr>(b, tq, tk, tv, sq, sk, sv, bc, m0, kv.n_begin, n_tiles);
-    } else if (warp == Tr::kMmaWarp) {
-        if (lane == 0 && n_tiles > 0) mma_role<Tr, T>(b, tmem, smem_u32(sq), smem_u32(sk), smem_u32(sv), n_tiles);
-    }
-    // Every role's TMEM accesses are done before the allocating warp frees the columns.
-    tcgen05_fence_before();
-    __syncthreads();
-    if (warp == Tr::kAllocWarp) {
-        tcgen05_fence_after();
-        tmem_dealloc(tmem, Tr::kTmemCols);
-    }
+    const FaRowEnd end = fa_softmax_finalize(msum[r], lsum[r] + lsum[Tr::kBlockM + r], fa_to_natural(p));
+    write_output<Tr, T>(p, end, tmem, warp, m0 + r, bc.batch, bc.head, n_tiles > 0);
 }
 
 // ---------------------------------------------------------------- stage 3: + two Q tiles in
@@ -674,14 +632,20 @@ struct Barriers3 {
         o_done = b + 13;     // [2 Q tiles] O_t += P_t V_j done (commit)
         stats_full = b + 15; // both softmax warpgroups' final max and sums in smem (256 arrivals)
     }
+    __device__ __forceinline__ void init() const {
+        mbar_init(q_full, 1);
+        for (int s = 0; s < 2; ++s) {
+            mbar_init(&kv_full[s], 1);
+            mbar_init(&kv_empty[s], 1);
+            mbar_init(&s_full[s], 1);
+            mbar_init(&p_full[s], 128);
+            mbar_init(&corr_full[s], 128);
+            mbar_init(&o_ready[s], 128);
+            mbar_init(&o_done[s], 1);
+        }
+        mbar_init(stats_full, 2 * 128);
+    }
 };
-
-// exp2 of element i of a tile: the software polynomial for every kPolyEvery-th element (FMA
-// units), MUFU for the rest. Both are exact where MUFU is (common/exp2_poly.cuh's range handling).
-template <class Tr>
-__device__ __forceinline__ float mixed_exp2(float x, int i) {
-    return (i % Tr::kPolyEvery) == Tr::kPolyEvery - 1 ? fa_exp2_poly<Tr::kPolyDegree>(x) : fa_ex2_approx(x);
-}
 
 // The MMA warp's issuing thread, ping-pong over the two Q tiles: while softmax warpgroup 1 works
 // on S_1 of tile j, the tensor core runs O_0 += P_0 V_j and S_0 of tile j + 1, and vice versa.
@@ -738,35 +702,6 @@ __device__ __forceinline__ void mma_role3(const Barriers3& b, uint32_t tmem, uin
     }
 }
 
-template <class Tr>
-__device__ __forceinline__ void load_role3(const Barriers3& b, const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
-                                           uint8_t* sq, uint8_t* sk, uint8_t* sv, const BlockCoord& bc, int m0,
-                                           int n_begin, int n_tiles) {
-    tma_prefetch_desc(tq);
-    tma_prefetch_desc(tk);
-    tma_prefetch_desc(tv);
-    // Both Q tiles; a tile wholly past seqlen_q is zero-filled by TMA and its rows never written.
-    mbar_arrive_expect_tx(b.q_full, Tr::kTmaQBytes);
-#pragma unroll
-    for (int t = 0; t < Tr::kQTiles; ++t)
-#pragma unroll
-        for (int slab = 0; slab < Tr::kSlabs; ++slab)
-            tma_load_4d(sq + t * Tr::kQTileBytes + slab * Tr::kQSlabStride, tq, b.q_full, slab * kSlabCols, bc.head,
-                        m0 + t * kUmmaM, bc.batch);
-    for (int j = 0; j < n_tiles; ++j) {
-        const int slot = j % 2;
-        if (j >= 2) mbar_wait(&b.kv_empty[slot], ((j - 2) / 2) & 1);
-        mbar_arrive_expect_tx(&b.kv_full[slot], Tr::kTmaKvBytes);
-#pragma unroll
-        for (int slab = 0; slab < Tr::kSlabs; ++slab) {
-            tma_load_4d(sk + slot * Tr::kKvTileBytes + slab * Tr::kKvSlabStride, tk, &b.kv_full[slot],
-                        slab * kSlabCols, bc.kv_head, (n_begin + j) * Tr::kBlockN, bc.batch);
-            tma_load_4d(sv + slot * Tr::kKvTileBytes + slab * Tr::kKvSlabStride, tv, &b.kv_full[slot],
-                        slab * kSlabCols, bc.kv_head, (n_begin + j) * Tr::kBlockN, bc.batch);
-        }
-    }
-}
-
 // Softmax warpgroup t: all 128 keys of every tile for the 128 rows of Q tile t, in two passes over
 // 32-key quarters of S (the row max, then exp2 and P), so S never sits in registers whole (the
 // 512-thread CTA has 128 registers per thread); P quarter q goes to columns [16 q, 16 q + 16) of
@@ -780,7 +715,8 @@ __device__ __forceinline__ void softmax_role3(const FwdParams& p, const Barriers
     const int row = m0 + t * kUmmaM + r;
     const int col0 = Tr::kTmemS + t * Tr::kBlockN;
     const float c = p.softmax_scale_log2;
-    RowState st{-INFINITY, 0.f};
+    RowSoftmax<Tr, kQuarter> st;  // FA4's softmax: Tr's poly share and lazy threshold
+    st.init();
     for (int j = 0; j < n_tiles; ++j) {
         const int n0 = (n_begin + j) * Tr::kBlockN;
         mbar_wait(&b.s_full[t], j & 1);
@@ -792,29 +728,23 @@ __device__ __forceinline__ void softmax_role3(const FwdParams& p, const Barriers
             float s[kQuarter];
             tmem_load_row<kQuarter>(tmem, warp, col0 + kQuarter * q, s);
             softcap_and_mask<kQuarter>(p, s, row, n0 + kQuarter * q);
-#pragma unroll
-            for (int i = 0; i < kQuarter; ++i) tile_max = fmaxf(tile_max, s[i]);
+            tile_max = st.row_max(s, 0, tile_max);
         }
         // Conditional rescaling: the running max moves only when it grew by more than tau.
-        const float corr = fa_max_get_scale<Tr::kPolyDegree>(&st.row_max, tile_max, c, Tr::kLazyTau);
-        const float m_use = st.row_max == -INFINITY ? 0.f : st.row_max;
+        const float corr = st.fold_max(0, tile_max, c);
         float sum = 0.f;
 #pragma unroll 1
         for (int q = 0; q < kQuarters; ++q) {
             float s[kQuarter];
             tmem_load_row<kQuarter>(tmem, warp, col0 + kQuarter * q, s);
             softcap_and_mask<kQuarter>(p, s, row, n0 + kQuarter * q);
+            sum += st.exp_sum(s, 0, c);  // element i % kPolyEvery == kPolyEvery - 1: software exp2
             uint32_t packed[kQuarter / 2];
 #pragma unroll
-            for (int i = 0; i < kQuarter / 2; ++i) {
-                const float p0 = mixed_exp2<Tr>((s[2 * i] - m_use) * c, 2 * i);
-                const float p1 = mixed_exp2<Tr>((s[2 * i + 1] - m_use) * c, 2 * i + 1);
-                sum += p0 + p1;
-                packed[i] = fa_pack2<T>(p0, p1);
-            }
+            for (int i = 0; i < kQuarter / 2; ++i) packed[i] = fa_pack2<T>(s[2 * i], s[2 * i + 1]);
             tmem_st_32x32b_x16(tmem_addr(tmem, 32 * (warp % 4), col0 + (kQuarter / 2) * q), packed);
         }
-        st.row_sum = st.row_sum * corr + sum;
+        st.add_sum(0, corr, sum);
         tmem_wait_st();
         corr_s[t * kUmmaM + r] = corr;
         tcgen05_fence_before();
@@ -823,25 +753,9 @@ __device__ __forceinline__ void softmax_role3(const FwdParams& p, const Barriers
     }
     float* lsum = reinterpret_cast<float*>(smem + Tr::kOffLsum);
     float* msum = reinterpret_cast<float*>(smem + Tr::kOffMax);
-    lsum[t * kUmmaM + r] = st.row_sum;
-    msum[t * kUmmaM + r] = st.row_max;
+    lsum[t * kUmmaM + r] = st.l[0];
+    msum[t * kUmmaM + r] = st.m[0];
     mbar_arrive(b.stats_full);
-}
-
-// O_t (this thread's row) *= corr for Q tile t.
-template <class Tr>
-__device__ __forceinline__ void rescale_o_tile(uint32_t tmem, int warp, int t, float corr) {
-#pragma unroll
-    for (int cc = 0; cc < Tr::kHeadDim / 32; ++cc) {
-        const uint32_t a = tmem_addr(tmem, 32 * (warp % 4), Tr::kTmemO + t * Tr::kHeadDim + 32 * cc);
-        uint32_t x[32];
-        tmem_ld_32x32b_x32(a, x);
-        tmem_wait_ld(x);
-#pragma unroll
-        for (int i = 0; i < 32; ++i) x[i] = __float_as_uint(__uint_as_float(x[i]) * corr);
-        tmem_st_32x32b_x32(a, x);
-    }
-    tmem_wait_st();
 }
 
 // The correction warpgroup: per tile and Q tile, rescales O_t only when some row of the warp
@@ -864,7 +778,7 @@ __device__ __forceinline__ void correction_role3(const FwdParams& p, const Barri
                     mbar_wait(&b.o_done[t], (j - 1) & 1);
                     __syncwarp();
                     tcgen05_fence_after();
-                    rescale_o_tile<Tr>(tmem, warp, t, corr);
+                    rescale_o<Tr>(tmem, warp, corr, t);
                 }
             }
             tcgen05_fence_before();
@@ -881,80 +795,61 @@ __device__ __forceinline__ void correction_role3(const FwdParams& p, const Barri
             __syncwarp();
             tcgen05_fence_after();
         }
-        const RowState st{msum[t * kUmmaM + r], lsum[t * kUmmaM + r]};
-        write_output<Tr, T>(p, st, tmem + static_cast<uint32_t>(t * Tr::kHeadDim), warp, m0 + t * kUmmaM + r,
+        const FaRowEnd end = fa_softmax_finalize(msum[t * kUmmaM + r], lsum[t * kUmmaM + r], fa_to_natural(p));
+        write_output<Tr, T>(p, end, tmem + static_cast<uint32_t>(t * Tr::kHeadDim), warp, m0 + t * kUmmaM + r,
                             bc.batch, bc.head, n_tiles > 0);
     }
 }
 
-template <class T, int D>
-__device__ __forceinline__ void stage3(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk,
-                                       const TmaDesc* tv) {
-    using Tr = Fa4Traits<3, D>;
+// ---------------------------------------------------------------- stages 2-3: the warp roles
+
+// Warpgroups 0-1 softmax, warpgroup 2 correction, the load warp and the MMA warp (Fa4Traits),
+// with stage 2's or stage 3's role functions and barriers.
+template <int Stage, class T, int D>
+__device__ __forceinline__ void warp_roles(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk,
+                                           const TmaDesc* tv) {
+    using Tr = Fa4Traits<Stage, D>;
+    using B = typename std::conditional<Stage == 2, Barriers2, Barriers3>::type;
     extern __shared__ uint8_t smem_raw[];
-    uint8_t* smem = aligned_smem(smem_raw);
-    uint8_t* sq = smem + Tr::kOffQ;
-    uint8_t* sk = smem + Tr::kOffK;
-    uint8_t* sv = smem + Tr::kOffV;
-    const Barriers3 b(reinterpret_cast<uint64_t*>(smem + Tr::kOffBarriers));
-    uint32_t* tmem_slot = reinterpret_cast<uint32_t*>(smem + Tr::kOffTmemSlot);
-
-    const int tid = threadIdx.x;
-    const int warp = tid / 32, lane = tid % 32;
-    const BlockCoord bc = block_coord(p);
-    const int m0 = bc.m_block * Tr::kBlockM;
-    const FaKeyTiles kv = fa_key_tiles(p, m0, min(m0 + Tr::kBlockM, p.seqlen_q), Tr::kBlockN);
-    const int n_tiles = kv.n_end - kv.n_begin;
-
-    if (warp == Tr::kAllocWarp) {
-        tmem_alloc(tmem_slot, Tr::kTmemCols);
-        tmem_relinquish();
-    }
-    if (tid == 0) {
-        mbar_init(b.q_full, 1);
-        for (int s = 0; s < 2; ++s) {
-            mbar_init(&b.kv_full[s], 1);
-            mbar_init(&b.kv_empty[s], 1);
-            mbar_init(&b.s_full[s], 1);
-            mbar_init(&b.p_full[s], 128);
-            mbar_init(&b.corr_full[s], 128);
-            mbar_init(&b.o_ready[s], 128);
-            mbar_init(&b.o_done[s], 1);
-        }
-        mbar_init(b.stats_full, 2 * 128);
-        mbar_init_fence();
-    }
-    tcgen05_fence_before();
-    __syncthreads();
-    tcgen05_fence_after();
-    const uint32_t tmem = *tmem_slot;
-
+    const Cta<Tr> cta(p, smem_raw);
+    const B b(cta.bars);
+    const uint32_t tmem = cta.start([&] { b.init(); });
+    const int warp = cta.warp, r = cta.tid % 128, n_tiles = cta.n_tiles;
+    const bool issuer = cta.lane == 0 && n_tiles > 0;
     if (warp < 2 * 4) {
-        softmax_role3<Tr, T>(p, b, smem, tmem, warp / 4, tid % 128, warp, m0, kv.n_begin, n_tiles);
+        if constexpr (Stage == 2)
+            softmax_role<Tr, T>(p, b, cta.smem, tmem, warp / 4, r, warp, cta.m0, cta.kv.n_begin, n_tiles);
+        else
+            softmax_role3<Tr, T>(p, b, cta.smem, tmem, warp / 4, r, warp, cta.m0, cta.kv.n_begin, n_tiles);
     } else if (warp < Tr::kLoadWarp) {
-        correction_role3<Tr, T>(p, b, smem, tmem, tid % 128, warp, m0, bc, n_tiles);
+        if constexpr (Stage == 2)
+            correction_role<Tr, T>(p, b, cta.smem, tmem, r, warp, cta.m0, cta.bc, n_tiles);
+        else
+            correction_role3<Tr, T>(p, b, cta.smem, tmem, r, warp, cta.m0, cta.bc, n_tiles);
     } else if (warp == Tr::kLoadWarp) {
-        if (lane == 0 && n_tiles > 0)
-            load_role3<Tr>(b, tq, tk, tv, sq, sk, sv, bc, m0, kv.n_begin, n_tiles);
-    } else if (warp == Tr::kMmaWarp) {
-        if (lane == 0 && n_tiles > 0) mma_role3<Tr, T>(b, tmem, smem_u32(sq), smem_u32(sk), smem_u32(sv), n_tiles);
+        if (issuer) load_role<Tr>(b, tq, tk, tv, cta.sq, cta.sk, cta.sv, cta.bc, cta.m0, cta.kv.n_begin, n_tiles);
+    } else if (warp == Tr::kMmaWarp && issuer) {
+        if constexpr (Stage == 2)
+            mma_role<Tr, T>(b, tmem, smem_u32(cta.sq), smem_u32(cta.sk), smem_u32(cta.sv), n_tiles);
+        else
+            mma_role3<Tr, T>(b, tmem, smem_u32(cta.sq), smem_u32(cta.sk), smem_u32(cta.sv), n_tiles);
     }
-    tcgen05_fence_before();
-    __syncthreads();
-    if (warp == Tr::kAllocWarp) {
-        tcgen05_fence_after();
-        tmem_dealloc(tmem, Tr::kTmemCols);
-    }
+    cta.finish(tmem);
+}
+
+// One entry per stage.
+template <int Stage, class T, int D>
+__device__ __forceinline__ void forward(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv) {
+    if constexpr (Stage == 1)
+        stage1<T, D>(p, tq, tk, tv);
+    else
+        warp_roles<Stage, T, D>(p, tq, tk, tv);
 }
 
 #else  // host pass / other targets: the kernels compile to nothing
 
-template <class T, int D>
-__device__ __forceinline__ void stage1(const FwdParams&, const TmaDesc*, const TmaDesc*, const TmaDesc*) {}
-template <class T, int D>
-__device__ __forceinline__ void stage2(const FwdParams&, const TmaDesc*, const TmaDesc*, const TmaDesc*) {}
-template <class T, int D>
-__device__ __forceinline__ void stage3(const FwdParams&, const TmaDesc*, const TmaDesc*, const TmaDesc*) {}
+template <int Stage, class T, int D>
+__device__ __forceinline__ void forward(const FwdParams&, const TmaDesc*, const TmaDesc*, const TmaDesc*) {}
 
 #endif  // __CUDA_ARCH_FEAT_SM100_ALL
 
@@ -964,26 +859,13 @@ __device__ __forceinline__ void stage3(const FwdParams&, const TmaDesc*, const T
 // Symbol: fa4s<stage>_fwd_hd<D>_<dtype> (build/instances.rs: one family row per stage). Every
 // stage takes the params and the tensor maps of Q, K, V (box rows 128; src/cuda/fa4.rs).
 
-#define FA4_S1(DT, T, D)                                                                              \
-    extern "C" __global__ void __launch_bounds__(fa4::Fa4Traits<1, D>::kThreads, 1)                   \
-        fa4s1_fwd_hd##D##_##DT(const __grid_constant__ FwdParams p, const __grid_constant__ fa3::TmaDesc tmap_q, \
-                               const __grid_constant__ fa3::TmaDesc tmap_k,                           \
-                               const __grid_constant__ fa3::TmaDesc tmap_v) {                         \
-        fa4::stage1<T, D>(p, &tmap_q, &tmap_k, &tmap_v);                                              \
-    }
-#define FA4_S2(DT, T, D)                                                                              \
-    extern "C" __global__ void __launch_bounds__(fa4::Fa4Traits<2, D>::kThreads, 1)                   \
-        fa4s2_fwd_hd##D##_##DT(const __grid_constant__ FwdParams p, const __grid_constant__ fa3::TmaDesc tmap_q, \
-                               const __grid_constant__ fa3::TmaDesc tmap_k,                           \
-                               const __grid_constant__ fa3::TmaDesc tmap_v) {                         \
-        fa4::stage2<T, D>(p, &tmap_q, &tmap_k, &tmap_v);                                              \
-    }
-#define FA4_S3(DT, T, D)                                                                              \
-    extern "C" __global__ void __launch_bounds__(fa4::Fa4Traits<3, D>::kThreads, 1)                   \
-        fa4s3_fwd_hd##D##_##DT(const __grid_constant__ FwdParams p, const __grid_constant__ fa3::TmaDesc tmap_q, \
-                               const __grid_constant__ fa3::TmaDesc tmap_k,                           \
-                               const __grid_constant__ fa3::TmaDesc tmap_v) {                         \
-        fa4::stage3<T, D>(p, &tmap_q, &tmap_k, &tmap_v);                                              \
+#define FA4_KERNEL(S, DT, T, D)                                                                       \
+    extern "C" __global__ void __launch_bounds__(fa4::Fa4Traits<S, D>::kThreads, 1)                   \
+        fa4s##S##_fwd_hd##D##_##DT(const __grid_constant__ FwdParams p,                               \
+                                   const __grid_constant__ fa3::TmaDesc tmap_q,                       \
+                                   const __grid_constant__ fa3::TmaDesc tmap_k,                       \
+                                   const __grid_constant__ fa3::TmaDesc tmap_v) {                     \
+        fa4::forward<S, T, D>(p, &tmap_q, &tmap_k, &tmap_v);                                          \
     }
 #define FA4_TYPE_bf16 __nv_bfloat16
 #define FA4_TYPE_f16 __half
@@ -997,7 +879,7 @@ static_assert(FA_BLOCK_M == fa4::Fa4Traits<FA4_STAGE, FA_HEAD_DIM>::kBlockM, "ta
 static_assert(FA_BLOCK_N == fa4::Fa4Traits<FA4_STAGE, FA_HEAD_DIM>::kBlockN, "table: block_n");
 static_assert(FA_SMEM_BYTES == fa4::Fa4Traits<FA4_STAGE, FA_HEAD_DIM>::kSmemBytes,
               "table: dynamic shared memory (fa4_smem_bytes in build/instances.rs)");
-#define FA4_INSTANCE_(S, DT, D) FA4_S##S(DT, FA4_TYPE_##DT, D)
+#define FA4_INSTANCE_(S, DT, D) FA4_KERNEL(S, DT, FA4_TYPE_##DT, D)
 #define FA4_INSTANCE(S, DT, D) FA4_INSTANCE_(S, DT, D)
 #define FA_INSTANCE(DT) FA4_INSTANCE(FA4_STAGE, DT, FA_HEAD_DIM)
 #endif
