@@ -6,10 +6,9 @@
 #include <cute/atom/mma_traits_sm100.hpp>
 #include <cute/tensor.hpp>
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <cstdio>
+
+#include "quiet_stdout.h"
 
 namespace cute_oracle {
 namespace sm100 {
@@ -57,27 +56,7 @@ uint32_t idesc_majors(bool a_mn, bool b_mn) {
     return idesc<T, 128, N, MN, MN>();
 }
 
-// make_umma_desc on the host prints an error for the start address (cast_smem_ptr_to_uint) and
-// writes 0 there; the message is expected, so stdout goes to /dev/null meanwhile.
-struct QuietStdout {
-    int saved = -1;
-    QuietStdout() {
-        std::fflush(stdout);
-        saved = dup(1);
-        const int null = open("/dev/null", O_WRONLY);
-        if (null >= 0) {
-            dup2(null, 1);
-            close(null);
-        }
-    }
-    ~QuietStdout() {
-        std::fflush(stdout);
-        if (saved >= 0) {
-            dup2(saved, 1);
-            close(saved);
-        }
-    }
-};
+using cute_oracle::QuietStdout;
 
 template <int Kind>
 auto tile_layout() {
