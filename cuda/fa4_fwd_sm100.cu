@@ -459,6 +459,26 @@ struct Barriers2 {
     }
 };
 
+// A softmax warpgroup's end of row r for the correction warpgroup (stages 2-3): its partial sum
+// into slot `i` of the partial sums (stage 2: the warpgroup, stage 3: the Q tile), the running
+// max into slot i of the maxima where `with_max`, then the stats_full arrival.
+template <class Tr, class B, class St>
+__device__ __forceinline__ void publish_row_end(const B& b, uint8_t* smem, const St& st, int i, int r, bool with_max) {
+    reinterpret_cast<float*>(smem + Tr::kOffLsum)[i * kUmmaM + r] = st.l[0];
+    if (with_max) reinterpret_cast<float*>(smem + Tr::kOffMax)[i * kUmmaM + r] = st.m[0];
+    mbar_arrive(b.stats_full);
+}
+
+// The end of the row at `row` of the maxima (stats_full waited for): its max and the sum of its
+// `parts` partial sums, kUmmaM apart (stage 2: one per softmax warpgroup).
+template <class Tr>
+__device__ __forceinline__ FaRowEnd published_row_end(const FwdParams& p, const uint8_t* smem, int row, int parts) {
+    const float* lsum = reinterpret_cast<const float*>(smem + Tr::kOffLsum);
+    float l = 0.f;
+    for (int i = 0; i < parts; ++i) l += lsum[i * kUmmaM + row];
+    return fa_softmax_finalize(reinterpret_cast<const float*>(smem + Tr::kOffMax)[row], l, fa_to_natural(p));
+}
+
 // The MMA warp's one issuing thread: S_0, then per tile j: S_{j+1} into the other TMEM buffer
 // (overlapping tile j's softmax), and once P_j and the rescaled O are ready, O += P_j V_j with P
 // read from tensor memory. MMAs of one thread execute in issue order, so S_{j+1} overwrites buffer
@@ -578,11 +598,7 @@ __device__ __forceinline__ void softmax_role(const FwdParams& p, const Barriers2
         mbar_arrive(&b.p_full[slot]);
         if (wg == 0) mbar_arrive(&b.corr_full[slot]);
     }
-    float* lsum = reinterpret_cast<float*>(smem + Tr::kOffLsum);
-    float* msum = reinterpret_cast<float*>(smem + Tr::kOffMax);
-    lsum[wg * Tr::kBlockM + r] = st.l[0];
-    if (wg == 0) msum[r] = st.m[0];
-    mbar_arrive(b.stats_full);
+    publish_row_end<Tr>(b, smem, st, wg, r, wg == 0);
 }
 
 // The correction warpgroup: before PV_j (j >= 1) rescales O in TMEM by tile j's factors, once
@@ -610,9 +626,7 @@ __device__ __forceinline__ void correction_role(const FwdParams& p, const Barrie
         __syncwarp();
         tcgen05_fence_after();
     }
-    const float* lsum = reinterpret_cast<const float*>(smem + Tr::kOffLsum);
-    const float* msum = reinterpret_cast<const float*>(smem + Tr::kOffMax);
-    const FaRowEnd end = fa_softmax_finalize(msum[r], lsum[r] + lsum[Tr::kBlockM + r], fa_to_natural(p));
+    const FaRowEnd end = published_row_end<Tr>(p, smem, r, 2);
     write_output<Tr, T>(p, end, tmem, warp, m0 + r, bc.batch, bc.head, n_tiles > 0);
 }
 
@@ -751,11 +765,7 @@ __device__ __forceinline__ void softmax_role3(const FwdParams& p, const Barriers
         mbar_arrive(&b.p_full[t]);
         mbar_arrive(&b.corr_full[t]);
     }
-    float* lsum = reinterpret_cast<float*>(smem + Tr::kOffLsum);
-    float* msum = reinterpret_cast<float*>(smem + Tr::kOffMax);
-    lsum[t * kUmmaM + r] = st.l[0];
-    msum[t * kUmmaM + r] = st.m[0];
-    mbar_arrive(b.stats_full);
+    publish_row_end<Tr>(b, smem, st, t, r, true);
 }
 
 // The correction warpgroup: per tile and Q tile, rescales O_t only when some row of the warp
@@ -786,8 +796,6 @@ __device__ __forceinline__ void correction_role3(const FwdParams& p, const Barri
         }
     }
     mbar_wait(b.stats_full, 0);
-    const float* lsum = reinterpret_cast<const float*>(smem + Tr::kOffLsum);
-    const float* msum = reinterpret_cast<const float*>(smem + Tr::kOffMax);
 #pragma unroll
     for (int t = 0; t < Tr::kQTiles; ++t) {
         if (n_tiles > 0) {
@@ -795,7 +803,7 @@ __device__ __forceinline__ void correction_role3(const FwdParams& p, const Barri
             __syncwarp();
             tcgen05_fence_after();
         }
-        const FaRowEnd end = fa_softmax_finalize(msum[t * kUmmaM + r], lsum[t * kUmmaM + r], fa_to_natural(p));
+        const FaRowEnd end = published_row_end<Tr>(p, smem, t * kUmmaM + r, 1);
         write_output<Tr, T>(p, end, tmem + static_cast<uint32_t>(t * Tr::kHeadDim), warp, m0 + t * kUmmaM + r,
                             bc.batch, bc.head, n_tiles > 0);
     }
