@@ -430,6 +430,18 @@ __device__ __forceinline__ void stage1(const FwdParams& p, const TmaDesc* tq, co
 
 // ---------------------------------------------------------------- stage 2: + FA4's warp roles
 
+// The barriers stages 2 and 3 share, one arrival each: q_full, and per slot (stage 2: K/V ring
+// slot; stage 3: Q tile for s_full) kv_full, kv_empty, s_full.
+__device__ __forceinline__ void init_ring_barriers(uint64_t* q_full, uint64_t* kv_full, uint64_t* kv_empty,
+                                                   uint64_t* s_full) {
+    mbar_init(q_full, 1);
+    for (int s = 0; s < 2; ++s) {
+        mbar_init(&kv_full[s], 1);
+        mbar_init(&kv_empty[s], 1);
+        mbar_init(&s_full[s], 1);
+    }
+}
+
 // Barrier block of stage 2 (8 bytes each), in the order of Fa4Traits' comment.
 struct Barriers2 {
     uint64_t *q_full, *kv_full, *kv_empty, *s_full, *p_full, *corr_full, *o_ready, *o_done, *stats_full;
@@ -445,11 +457,8 @@ struct Barriers2 {
         stats_full = b + 13; // final row max and partial sums in shared memory (256 arrivals)
     }
     __device__ __forceinline__ void init() const {
-        mbar_init(q_full, 1);
+        init_ring_barriers(q_full, kv_full, kv_empty, s_full);
         for (int s = 0; s < 2; ++s) {
-            mbar_init(&kv_full[s], 1);
-            mbar_init(&kv_empty[s], 1);
-            mbar_init(&s_full[s], 1);
             mbar_init(&p_full[s], 2 * 128);
             mbar_init(&corr_full[s], 128);
         }
@@ -647,11 +656,8 @@ struct Barriers3 {
         stats_full = b + 15; // both softmax warpgroups' final max and sums in smem (256 arrivals)
     }
     __device__ __forceinline__ void init() const {
-        mbar_init(q_full, 1);
+        init_ring_barriers(q_full, kv_full, kv_empty, s_full);
         for (int s = 0; s < 2; ++s) {
-            mbar_init(&kv_full[s], 1);
-            mbar_init(&kv_empty[s], 1);
-            mbar_init(&s_full[s], 1);
             mbar_init(&p_full[s], 128);
             mbar_init(&corr_full[s], 128);
             mbar_init(&o_ready[s], 128);
