@@ -487,22 +487,30 @@ fn attend_any<M: Exp2Math>(
     // The detection is repeated (a cached atomic load) so that the safety of each call below
     // rests on a check right here, whatever `isa` was asked for.
     let has = detect_isa();
+    // `attend_block` compiled with `$features` enabled (`$simd`, `$wide`: its const parameters).
+    #[cfg(target_arch = "x86_64")]
+    macro_rules! compiled_for {
+        ($features:literal, $simd:literal, $wide:literal) => {{
+            #[target_feature(enable = $features)]
+            #[allow(clippy::too_many_arguments)]
+            fn run<M: Exp2Math>(
+                p: &Problem,
+                q: &TensorView,
+                kv: &PackedKv,
+                at: (usize, usize, usize, usize),
+                sm: ScoreMod,
+                math: &M,
+                scr: &mut Scratch,
+                (o, lse): (&mut [f32], &mut [f32]),
+            ) {
+                attend_block::<M, $simd, $wide>(p, q, kv, at, sm, math, scr, o, lse)
+            }
+            run::<M>
+        }};
+    }
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512 && has == Isa::Avx512 {
-        #[target_feature(enable = "avx512f,avx2,fma")]
-        #[allow(clippy::too_many_arguments)]
-        fn avx512<M: Exp2Math>(
-            p: &Problem,
-            q: &TensorView,
-            kv: &PackedKv,
-            at: (usize, usize, usize, usize),
-            sm: ScoreMod,
-            math: &M,
-            scr: &mut Scratch,
-            (o, lse): (&mut [f32], &mut [f32]),
-        ) {
-            attend_block::<M, true, true>(p, q, kv, at, sm, math, scr, o, lse)
-        }
+        let avx512 = compiled_for!("avx512f,avx2,fma", true, true);
         // SAFETY: `detect_isa()` found AVX-512F, AVX2 and FMA on this CPU, the only requirement of a
         // `#[target_feature]` function; the function itself is safe code.
         unsafe { avx512(p, q, kv, at, sm, math, scr, out) };
@@ -510,20 +518,7 @@ fn attend_any<M: Exp2Math>(
     }
     #[cfg(target_arch = "x86_64")]
     if isa != Isa::Portable && has != Isa::Portable {
-        #[target_feature(enable = "avx2,fma")]
-        #[allow(clippy::too_many_arguments)]
-        fn avx2<M: Exp2Math>(
-            p: &Problem,
-            q: &TensorView,
-            kv: &PackedKv,
-            at: (usize, usize, usize, usize),
-            sm: ScoreMod,
-            math: &M,
-            scr: &mut Scratch,
-            (o, lse): (&mut [f32], &mut [f32]),
-        ) {
-            attend_block::<M, true, false>(p, q, kv, at, sm, math, scr, o, lse)
-        }
+        let avx2 = compiled_for!("avx2,fma", true, false);
         // SAFETY: the CPU was just checked to support AVX2 and FMA, the only requirement of a
         // `#[target_feature]` function; the function itself is safe code.
         unsafe { avx2(p, q, kv, at, sm, math, scr, out) };

@@ -17,14 +17,17 @@ fn pool() -> std::sync::MutexGuard<'static, Vec<Vec<f32>>> {
     POOL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// The smallest kept buffer whose capacity holds `len` f32, taken out of the pool.
+fn reuse(len: usize) -> Option<Vec<f32>> {
+    let mut p = pool();
+    let best = p.iter().enumerate().filter(|(_, b)| b.capacity() >= len).min_by_key(|(_, b)| b.capacity());
+    best.map(|(i, _)| i).map(|i| p.swap_remove(i))
+}
+
 /// A buffer of `len` zeros, reusing a kept one when one is large enough; a new one is allocated
 /// fallibly ([`crate::Error::TooLarge`] naming `what`).
 pub(crate) fn take(len: usize, what: &str) -> Result<Vec<f32>> {
-    let reused = {
-        let mut p = pool();
-        let best = p.iter().enumerate().filter(|(_, b)| b.capacity() >= len).min_by_key(|(_, b)| b.capacity());
-        best.map(|(i, _)| i).map(|i| p.swap_remove(i))
-    };
+    let reused = reuse(len);
     match reused {
         Some(mut v) => {
             v.clear();
@@ -39,11 +42,7 @@ pub(crate) fn take(len: usize, what: &str) -> Result<Vec<f32>> {
 /// included): for callers that write every element before reading it, which saves zeroing
 /// megabytes per call.
 pub(crate) fn take_dirty(len: usize, what: &str) -> Result<Vec<f32>> {
-    let reused = {
-        let mut p = pool();
-        let best = p.iter().enumerate().filter(|(_, b)| b.capacity() >= len).min_by_key(|(_, b)| b.capacity());
-        best.map(|(i, _)| i).map(|i| p.swap_remove(i))
-    };
+    let reused = reuse(len);
     match reused {
         Some(mut v) => {
             // Only the part past the old length is filled (the capacity suffices: no allocation).

@@ -530,8 +530,27 @@ pub fn run_case(c: &Case, mutation: Option<&Mutation>) -> Outcome {
     if c.max_score.is_some() && o.iter().any(|x| !x.is_finite()) && naive.iter().all(|x| x.is_finite()) {
         return Err(format!("the naive f32 softmax is finite, the kernel's output is not\n{log}"));
     }
-    let err = max_abs_diff(&o, &r.o);
+    let mut err = max_abs_diff(&o, &r.o);
     let bound = 2.0 * max_abs_diff(&naive, &r.o) + floor_for(c.dtype);
+    if err > bound && c.max_score.is_some() {
+        // Rows of a near tie may differ from the reference (near_tie_row_ok); every other row is
+        // held to the bound.
+        let (qx, kx, vx) = (q.to_f32_vec(), k.to_f32_vec(), v.to_f32_vec());
+        let d = p.head_dim;
+        let mut rest = 0.0f64;
+        let mut all_ok = true;
+        for (row, (got, want)) in o.chunks_exact(d).zip(r.o.chunks_exact(d)).enumerate() {
+            let e = max_abs_diff(got, want);
+            if e <= bound {
+                rest = rest.max(e);
+            } else if !near_tie_row_ok(&p, &qx, &kx, &vx, row, got, bound) {
+                all_ok = false;
+            }
+        }
+        if all_ok {
+            err = rest;
+        }
+    }
     // max_abs_diff counts a NaN where the reference has a number as infinitely wrong.
     if err > bound {
         let worst = o.iter().zip(&r.o).enumerate().max_by(|a, b| {
@@ -555,6 +574,58 @@ pub fn run_case(c: &Case, mutation: Option<&Mutation>) -> Outcome {
         }
     }
     Ok(Pass { ratio: err / bound, log, plan: pl })
+}
+
+/// Whether output row `row` ([b, s, h] order, contiguous Q/K/V as `max_score` cases use) of a
+/// case with huge scores is a correct result of a near tie that the f32 scores cannot resolve.
+///
+/// At such scales the softmax is one-hot on the largest f32 score: two keys whose exact scores
+/// differ by less than the rounding error of an f32 dot product may round to the same f32 score
+/// (both get P = 1, the row is their mean) or swap, in any correct kernel, whatever its
+/// summation order; the float64 reference resolves them and the naive f32 softmax, summing in
+/// another order, may too. So a row is accepted when (1) distinct f32 scores near the top are
+/// one-hot apart (half an ulp of the top score times scale * log2 e is past the f32 exponent
+/// range: P is exactly 0 or 1), and (2) it is, within `bound`, the mean of V over a nonempty
+/// subset of the keys whose exact score is within the error bounds of the top one (Higham's
+/// gamma_(d+1) * sum |q_i k_i| each: d products, exact in f32 for 16-bit inputs, summed in any
+/// order, and one rounding for a scale applied to the score). Found on fa3s4 F16 window (40, 8),
+/// max |score| 2.5e38, row 79 head 1: keys 84 and 90 differ by 5.5e-7 (under an ulp, 1.9e-6)
+/// and the wgmma summation order rounds both to 0x1.208936p+4.
+fn near_tie_row_ok(p: &Problem, q: &[f32], k: &[f32], v: &[f32], row: usize, got: &[f64], bound: f64) -> bool {
+    let d = p.head_dim;
+    let (h, i, b) = (row % p.heads_q, (row / p.heads_q) % p.seqlen_q, row / p.heads_q / p.seqlen_q);
+    let kh = h / (p.heads_q / p.heads_kv);
+    let kv_row = |j: usize| ((b * p.seqlen_k + j) * p.heads_kv + kh) * d;
+    let qr = &q[row * d..][..d];
+    let u = f32::EPSILON as f64 / 2.0;
+    let gamma = (d + 1) as f64 * u / (1.0 - (d + 1) as f64 * u);
+    let (lo, hi) = p.key_range(i);
+    let scores: Vec<(usize, f64, f64)> = (lo..hi)
+        .map(|j| {
+            let (dot, abs) = qr.iter().zip(&k[kv_row(j)..][..d]).fold((0.0, 0.0), |(s, a), (&x, &y)| {
+                let t = x as f64 * y as f64;
+                (s + t, a + t.abs())
+            });
+            (j, dot, gamma * abs)
+        })
+        .collect();
+    let Some(&(_, top, top_err)) = scores.iter().max_by(|a, b| a.1.total_cmp(&b.1)) else { return false };
+    let t32 = (top as f32).abs();
+    let half_ulp = (f32::from_bits(t32.to_bits() + 1) - t32) as f64 / 2.0;
+    if half_ulp * p.scale as f64 * std::f64::consts::LOG2_E < 160.0 {
+        return false;
+    }
+    let near: Vec<usize> = scores.iter().filter(|s| top - s.1 <= top_err + s.2).map(|s| s.0).collect();
+    if near.len() < 2 || near.len() > 8 {
+        return false;
+    }
+    (1u32..1 << near.len()).any(|set| {
+        let keys: Vec<usize> = (0..near.len()).filter(|&n| set >> n & 1 == 1).map(|n| near[n]).collect();
+        (0..d).all(|e| {
+            let mean = keys.iter().map(|&j| v[kv_row(j) + e] as f64).sum::<f64>() / keys.len() as f64;
+            (got[e] - mean).abs() <= bound
+        })
+    })
 }
 
 /// Runs cases on up to `threads` worker threads; returns (case name, outcome) in order.
