@@ -134,6 +134,28 @@ impl KernelOptions {
     }
 }
 
+/// The parameters of FA4's softmax in a row that implements `EXP2_POLY` / `LAZY_RESCALE`
+/// (`SoftmaxParams::NONE` elsewhere). The build passes them to the kernel as
+/// FA_EXP2_POLY_DEGREE / FA_EXP2_POLY_EVERY (rows with `EXP2_POLY`) and FA_LAZY_TAU (rows with
+/// `LAZY_RESCALE`); a problem that asks for `Exp2::Poly(d)` or `Rescale::Lazy { threshold }`
+/// runs only on a row with that degree / threshold (src/cuda/select.rs).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SoftmaxParams {
+    /// Degree of the software exp2 polynomial (cuda/common/exp2_poly.cuh); 0: none.
+    pub poly_degree: u8,
+    /// The share of the software exp2: one element in `poly_every` of a tile takes the
+    /// polynomial (FMA units), the rest MUFU.EX2; 0: none.
+    pub poly_every: u32,
+    /// The lazy-rescaling threshold, log2 units: the running max is kept unless a tile's max
+    /// exceeds it by more; negative: none (rescale whenever the max grows).
+    pub lazy_tau: f32,
+}
+
+impl SoftmaxParams {
+    /// Exact MUFU exp2, rescale whenever the max grows (every family but FA4 stage 3).
+    pub const NONE: SoftmaxParams = SoftmaxParams { poly_degree: 0, poly_every: 0, lazy_tau: -1.0 };
+}
+
 /// One kernel family: one source file and the head dims it is instantiated for.
 #[derive(Clone, Copy, Debug)]
 pub struct Family {
@@ -161,6 +183,8 @@ pub struct Family {
     pub sass_expect: &'static [&'static str],
     /// Options beyond the plain forward that the family implements.
     pub options: KernelOptions,
+    /// The parameters of the softmax options it implements (`SoftmaxParams::NONE`: none).
+    pub softmax: SoftmaxParams,
     /// Auto preference: higher wins among the families that can run a problem.
     pub rank: u32,
     /// The test of tests/emulator.rs (tests/fp8_emulator.rs for an FP8 family) that runs this family's kernel source, unchanged, in the
@@ -212,7 +236,7 @@ pub fn image_stem(family: &str, head_dim: u32, target: Target) -> String {
 /// (tests/common/emu.rs) and tests/hang_check.rs compile the same text.
 pub fn unit_source(fam: &Family, tile: &Tile, source_path: &str, hang_check: bool) -> String {
     let mut s = format!("// Generated from build/instances.rs: {} head_dim {}.\n", fam.name, tile.head_dim);
-    let defines = [
+    let mut defines = vec![
         // The family's name as a bare token, and its ladder stage (0: not a ladder).
         ("FA_FAMILY", fam.name.to_string()),
         ("FA_STAGE", fam.stage.unwrap_or(0).to_string()),
@@ -222,6 +246,14 @@ pub fn unit_source(fam: &Family, tile: &Tile, source_path: &str, hang_check: boo
         ("FA_THREADS", tile.threads.to_string()),
         ("FA_SMEM_BYTES", fam.smem_bytes(tile).to_string()),
     ];
+    // FA4's softmax parameters, only in the units of rows that implement them.
+    if fam.options.contains(KernelOptions::EXP2_POLY) {
+        defines.push(("FA_EXP2_POLY_DEGREE", fam.softmax.poly_degree.to_string()));
+        defines.push(("FA_EXP2_POLY_EVERY", fam.softmax.poly_every.to_string()));
+    }
+    if fam.options.contains(KernelOptions::LAZY_RESCALE) {
+        defines.push(("FA_LAZY_TAU", format!("{:?}f", fam.softmax.lazy_tau)));
+    }
     for (name, value) in defines {
         s += &format!("#define {name} {value}\n");
     }
@@ -320,6 +352,7 @@ const fn fa3_family(
         auto: false,
         sass_expect,
         options: KernelOptions::NONE,
+        softmax: SoftmaxParams::NONE,
         rank: 30 + stage as u32,
         cpu_emulation: Some(cpu_emulation),
         smem: fa3_smem_bytes,
@@ -366,7 +399,98 @@ pub fn image_kernel_symbols(fam: &Family, head_dim: u32, dtype: &str) -> Vec<Str
     v
 }
 
-/// The families. Add FA4 rows here.
+/// The highest stage of the FA4 ladder built so far (docs/fa4.md).
+pub const FA4_MAX_STAGE: u8 = 3;
+
+/// FA4 (Blackwell tcgen05) rows per TMEM lane: the M of one cta_group::1 MMA, the query rows of
+/// one Q tile, and the keys of one K/V tile.
+const FA4_TILE_ROWS: u32 = 128;
+/// FA4 dynamic shared memory slack: the kernel rounds its base up to a 1024-byte swizzle atom.
+const FA4_SMEM_SLACK: u32 = 1024;
+
+/// The FA4 tile of a stage: 128 query rows (one Q tile; stage 3 takes two, ping-pong) and 128
+/// keys per tile; stage 1 runs one warpgroup, stages 2-3 four (two softmax, correction,
+/// load/MMA warps). Mirrors `Fa4Traits` (cuda/fa4_fwd_sm100.cu).
+const fn fa4_tile(stage: u8, head_dim: u32) -> Tile {
+    Tile {
+        head_dim,
+        block_m: if stage >= 3 { 2 * FA4_TILE_ROWS } else { FA4_TILE_ROWS },
+        block_n: FA4_TILE_ROWS,
+        threads: if stage == 1 { 128 } else { 512 },
+    }
+}
+
+/// FA4 shared memory of a stage's tile (16-bit tiles; mbarriers are 8 bytes, the TMEM address
+/// word 8, the f32 exchange buffers one float per row of a 128-row Q tile):
+/// - stage 1: Q, K, V, P, four mbarriers (q_full, kv_full, s_full, o_full);
+/// - stage 2: Q, a 2-slot K/V ring, 14 mbarriers, the softmax/correction exchange (partial maxima
+///   [2][2], factors [2], partial sums [2], max); P lives in tensor memory;
+/// - stage 3: two Q tiles, the 2-slot K/V ring, 16 mbarriers, factors, partial sums and maxima
+///   per Q tile.
+///
+/// Mirrors `Fa4Traits<S, D>::kSmemBytes`, which the kernel static_asserts equal to FA_SMEM_BYTES.
+fn fa4_smem_bytes(stage: Option<u8>, t: &Tile) -> u32 {
+    let elem = 2;
+    let q = t.block_m * t.head_dim * elem;
+    let kv_tile = t.block_n * t.head_dim * elem;
+    let row_f32 = FA4_TILE_ROWS * 4;
+    let tmem_addr = 8;
+    match stage.unwrap_or(1) {
+        1 => q + 2 * kv_tile + t.block_m * t.block_n * elem + 8 * 4 + tmem_addr + FA4_SMEM_SLACK,
+        2 => q + 4 * kv_tile + 8 * 14 + tmem_addr + (4 + 2 + 2 + 1) * row_f32 + FA4_SMEM_SLACK,
+        _ => q + 4 * kv_tile + 8 * 16 + tmem_addr + 3 * 2 * row_f32 + FA4_SMEM_SLACK,
+    }
+}
+
+/// One row of the FA4 ladder: cuda/fa4_fwd_sm100.cu (sm_100a only, by its file name) for head
+/// dims 64/128. No Blackwell GPU has run it: not `gpu_verified`, never `auto`, and an explicit
+/// `Variant::Fa4` runs a stage only when `fa4_stage` names it (src/cuda/select.rs). Every stage
+/// uses tcgen05.mma into tensor memory (UTCHMMA), tcgen05.ld/st (LDTM/STTM), TMA (UTMALDG) and
+/// mbarriers (SYNCS).
+const fn fa4_family(
+    name: &'static str,
+    stage: u8,
+    cpu_emulation: &'static str,
+    sass_expect: &'static [&'static str],
+    options: KernelOptions,
+    tiles: &'static [Tile],
+) -> Family {
+    Family {
+        name,
+        variant: KernelVariant::Fa4,
+        stage: Some(stage),
+        source: "cuda/fa4_fwd_sm100.cu",
+        tiles,
+        min_sm: 100,
+        gpu_verified: false,
+        auto: false,
+        sass_expect,
+        options,
+        softmax: if options.contains(KernelOptions::EXP2_POLY) || options.contains(KernelOptions::LAZY_RESCALE) {
+            FA4_SOFTMAX
+        } else {
+            SoftmaxParams::NONE
+        },
+        rank: 40 + stage as u32,
+        cpu_emulation: Some(cpu_emulation),
+        smem: fa4_smem_bytes,
+        host: host!(fa4::Fa4),
+    }
+}
+const FA4_S1_TILES: &[Tile] = &[fa4_tile(1, 64), fa4_tile(1, 128)];
+const FA4_S2_TILES: &[Tile] = &[fa4_tile(2, 64), fa4_tile(2, 128)];
+const FA4_S3_TILES: &[Tile] = &[fa4_tile(3, 64), fa4_tile(3, 128)];
+/// FA4's softmax (stage 3; docs/fa4.md): the degree-3 software exp2 for one element in 8
+/// (12.5% of the exponentials on the FMA units), lazy rescaling with tau = 8 (log2 units, a
+/// factor of 256).
+const FA4_SOFTMAX: SoftmaxParams = SoftmaxParams { poly_degree: 3, poly_every: 8, lazy_tau: 8.0 };
+/// The options of a stage that runs FA4's softmax.
+const FA4_SOFTMAX_OPTIONS: KernelOptions = KernelOptions::EXP2_POLY.union(KernelOptions::LAZY_RESCALE);
+const FA4_SASS: &[&str] = &["UTCHMMA", "LDTM", "STTM", "UTMALDG", "SYNCS"];
+/// Stage 3 adds the FMA-pipe exp2 (FFMA next to MUFU.EX2).
+const FA4_S3_SASS: &[&str] = &["UTCHMMA", "LDTM", "STTM", "UTMALDG", "SYNCS", "MUFU.EX2", "FFMA"];
+
+/// The families.
 pub const FAMILIES: &[Family] = &[
     Family {
         name: "fa1",
@@ -390,6 +514,7 @@ pub const FAMILIES: &[Family] = &[
         auto: true,
         sass_expect: &["FFMA", "MUFU.EX2"],
         options: KernelOptions::NONE,
+        softmax: SoftmaxParams::NONE,
         rank: 1,
         cpu_emulation: Some("fa1_all_instances"),
         smem: fa1_smem_bytes,
@@ -421,6 +546,7 @@ pub const FAMILIES: &[Family] = &[
         // Tensor-core mma.sync, ldmatrix (and its .trans form for V), cp.async global->shared.
         sass_expect: &["HMMA.16816.F32", "LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS"],
         options: KernelOptions::NONE,
+        softmax: SoftmaxParams::NONE,
         rank: 2,
         cpu_emulation: Some("fa2_all_instances"),
         smem: fa2_smem_bytes,
@@ -451,9 +577,18 @@ pub const FAMILIES: &[Family] = &[
         // pre-pass in the same image is checked for spills and local memory only).
         sass_expect: &["QGMMA", "UTMALDG", "SYNCS", "USETMAXREG"],
         options: KernelOptions::FP8,
+        softmax: SoftmaxParams::NONE,
         rank: 40,
         cpu_emulation: Some("fp8_consumer_matches_cpu_fp8_path"),
         smem: fa3_fp8_smem_bytes,
         host: host!(fp8::Fp8),
     },
+    // The FA4 ladder (docs/fa4.md), Blackwell tcgen05. 1 tcgen05.mma into tensor memory, one
+    // warpgroup; 2 + FA4's warp roles (load warp, MMA warp, two softmax warpgroups, a correction
+    // warpgroup), P in tensor memory (A operand from TMEM); 3 + two Q tiles in ping-pong and
+    // FA4's softmax: the degree-3 software exp2 (exp2_poly.cuh) for 1 element in 8, conditional
+    // rescaling with tau = 8 (common/softmax.cuh).
+    fa4_family("fa4s1", 1, "fa4_stage1", FA4_SASS, KernelOptions::NONE, FA4_S1_TILES),
+    fa4_family("fa4s2", 2, "fa4_stage2", FA4_SASS, KernelOptions::NONE, FA4_S2_TILES),
+    fa4_family("fa4s3", 3, "fa4_stage3", FA4_S3_SASS, FA4_SOFTMAX_OPTIONS, FA4_S3_TILES),
 ];

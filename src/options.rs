@@ -135,6 +135,10 @@ pub struct ForwardOptions {
     /// The rung of the FA3 stage ladder to run (1..=5, docs/fa3.md), with `Variant::Fa3` only;
     /// `None` runs the highest GPU-verified stage, or the highest compiled one if none is.
     pub fa3_stage: Option<u8>,
+    /// The rung of the FA4 (Blackwell tcgen05) ladder to run (docs/fa4.md), with `Variant::Fa4`
+    /// only. Those kernels have never run on a GPU: without this option `Variant::Fa4` never
+    /// runs one (and `Auto` never does).
+    pub fa4_stage: Option<u8>,
     /// Key splits per work item on the split-KV (flash-decoding) paths: `None` uses the
     /// heuristic (docs/serving.md), `Some(n)` forces `n` (1..=128; 1 never splits). A
     /// performance choice only: every count gives the same attention up to rounding. Paths that
@@ -198,6 +202,12 @@ impl ForwardOptions {
     /// when the problem is validated ([`crate::Error::InvalidOption`]).
     pub fn fa3_stage(mut self, stage: u8) -> Self {
         self.fa3_stage = Some(stage);
+        self
+    }
+    /// Runs stage `stage` of the FA4 tcgen05 ladder (sm_100a only, docs/fa4.md); needs
+    /// `variant(Variant::Fa4)`. Checked when the problem is validated.
+    pub fn fa4_stage(mut self, stage: u8) -> Self {
+        self.fa4_stage = Some(stage);
         self
     }
     /// Forces `n` key splits on the split-KV paths (see [`ForwardOptions::num_splits`]).

@@ -40,6 +40,8 @@ pub struct Problem {
     pub rescale: Rescale,
     /// The FA3 stage requested with `Variant::Fa3` (validated: 1..=FA3_MAX_STAGE).
     pub fa3_stage: Option<u8>,
+    /// The FA4 stage requested with `Variant::Fa4` (validated: 1..=FA4_MAX_STAGE).
+    pub fa4_stage: Option<u8>,
 }
 
 /// The units scores are formed in, and the factors out of them: the one statement of the rule
@@ -61,6 +63,9 @@ pub(crate) struct ScoreUnits {
 /// Stages of the FA3 ladder (cuda/fa3_fwd_sm90.cu); the CUDA dispatch tests check it against
 /// the kernel table's `FA3_MAX_STAGE`.
 pub(crate) const FA3_MAX_STAGE: u8 = 5;
+/// Stages of the FA4 ladder (cuda/fa4_fwd_sm100.cu) built so far; checked against the kernel
+/// table's `FA4_MAX_STAGE` by the CUDA dispatch tests.
+pub(crate) const FA4_MAX_STAGE: u8 = 3;
 
 impl Problem {
     /// Validates q, k, v and the options. Every refusal is a typed error.
@@ -166,6 +171,22 @@ impl Problem {
                 });
             }
         }
+        if let Some(stage) = opts.fa4_stage {
+            if opts.variant != crate::options::Variant::Fa4 {
+                return Err(Error::InvalidOption {
+                    option: "fa4_stage",
+                    got: format!("{stage} with Variant::{:?}", opts.variant),
+                    expected: "Variant::Fa4 (a stage of the FA4 ladder runs only when FA4 is requested)".into(),
+                });
+            }
+            if !(1..=FA4_MAX_STAGE).contains(&stage) {
+                return Err(Error::InvalidOption {
+                    option: "fa4_stage",
+                    got: stage.to_string(),
+                    expected: format!("1..={FA4_MAX_STAGE}"),
+                });
+            }
+        }
         Ok(Problem {
             batch,
             seqlen_q,
@@ -184,6 +205,7 @@ impl Problem {
             exp2: opts.exp2,
             rescale: opts.rescale,
             fa3_stage: opts.fa3_stage,
+            fa4_stage: opts.fa4_stage,
         })
     }
 

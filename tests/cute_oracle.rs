@@ -16,6 +16,10 @@
 //!   K- and MN-major, 16- and 8-bit), LBO ignored where unused (the N = 64 V), the swizzles, TMA
 //!   box placement, the wgmma accumulator / A16 / A8 maps, mma.sync and ldmatrix(.trans) maps,
 //!   and 25 deliberately wrong decoders are caught;
+//! - the sm_100a (tcgen05) encodings (cuda/test/oracle/check_sm100.cpp): the FA4 kernels' UMMA
+//!   shared-memory and instruction descriptors and the emulator's decoders (sm100_layouts.h)
+//!   against CuTe's `UMMA::SmemDescriptor`, `InstrDescriptor`, `make_instr_desc` and
+//!   `make_umma_desc` of the same tiles, and the operand fetch against CuTe's layouts;
 //! - `our_wgmma_instructions_equal_cutes` (compile-checked only): our wgmma wrappers and CuTe's
 //!   MMA_64x64x16 SS / RS ops, compiled for sm_90a (cuda/test/oracle/gmma_forms.cu), become the same
 //!   HGMMA instructions (operand kinds, `.tnspB`, accumulate vs overwrite), bf16 and f16.
@@ -85,6 +89,7 @@ fn our_layouts_equal_cute() {
     let sm80_incs = vec![("-I", kernel_inc.as_path())];
     let emu_inc = root().join("cuda/test/emu");
     let emu_incs = vec![("-I", emu_inc.as_path())];
+    let sm100_incs = vec![("-I", kernel_inc.as_path()), ("-I", emu_inc.as_path())];
     let warn = vec!["-Wall", "-Wextra"];
     // The kernel headers' __host__ __device__ helpers as plain host functions.
     let host = vec![
@@ -99,6 +104,8 @@ fn our_layouts_equal_cute() {
         ("check_sm90", &host, &sm90_incs),
         ("check_sm80", &warn, &sm80_incs),
         ("check_emu", &warn, &emu_incs),
+        ("cute_maps_sm100", &warn, &cute_incs),
+        ("check_sm100", &host, &sm100_incs),
         ("oracle_main", &warn, &vec![]),
     ];
     // Two at a time: the CuTe unit dominates (about 20 s of g++), the rest is a few seconds.
@@ -156,6 +163,11 @@ fn our_layouts_equal_cute() {
         "cute-oracle emu: operand_addr ignores LBO where the layout does not use it".into(),
         "cute-oracle emu: mutations (operand addressing x6, LBO use, descriptor fields x4, desc_problem, swizzle x2, \
          TMA, accumulator x2, A16, A8 x2, mma A/B/C, ldmatrix x2): 25 of 25 detected"
+            .into(),
+        "cute-oracle sm100: UMMA descriptor fields (decode_umma_desc, encode_umma_desc)".into(),
+        "cute-oracle sm100: instruction descriptor (umma_idesc_f16, decode_idesc)".into(),
+        "cute-oracle sm100: FA4 descriptors and operand fetch (Q/K/P K-major slab, V MN-major N = 64 / 128)".into(),
+        "cute-oracle sm100: mutations (MN-major LBO/SBO swapped, layout field at the sm_90 position): 2 of 2 detected"
             .into(),
     ];
     for stage in 1..=5 {

@@ -18,7 +18,7 @@
 mod common;
 use common::emu::*;
 use flash_attn::cuda::table::FAMILIES;
-use flash_attn::{DType, ForwardOptions, Mask};
+use flash_attn::{DType, Exp2, ForwardOptions, Mask, Rescale};
 use std::process::Command;
 
 /// Whether the whole matrix was asked for (`FLASH_ATTN_EMU=full`).
@@ -74,7 +74,7 @@ fn emulator_self_tests() {
     let log = String::from_utf8_lossy(&out.stdout);
     println!("{log}");
     assert!(out.status.success(), "emulator self-tests failed:\n{log}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(log.contains("41 of 41 emulator self-tests as expected"), "{log}");
+    assert!(log.contains("48 of 48 emulator self-tests as expected"), "{log}");
 }
 
 #[test]
@@ -305,29 +305,53 @@ fn domain_edges() {
     let families: [(&'static str, usize); 4] = [("fa1", 64), ("fa2", 128), ("fa3s1", 64), ("fa3s4", 128)];
     for (family, hd) in families {
         for dtype in [DType::F16, DType::BF16] {
-            let huge = [i64::MAX, i32::MAX as i64 + 1];
-            for (n, &h) in huge.iter().enumerate() {
-                for (sq, sk, mask) in [(90, 200, Mask::window(h, h)), (150, 70, Mask::window(h, 0)), (100, 130, Mask::window(0, h))] {
-                    let mut c = Case::new(family, dtype, [1, sq, 2, hd], [1, sk, 1, hd], opts(mask, None, true));
-                    c.label = format!("huge bound {n}");
-                    cases.push(c);
-                }
-            }
-            for (target, mask) in [(3.0e38, Mask::Causal), (2.5e38, Mask::window(40, 8)), (1e10, Mask::None)] {
-                let mut c = Case::new(family, dtype, [1, 100, 2, hd], [1, 140, 1, hd], opts(mask, None, true));
-                c.max_score = Some(target);
-                c.label = format!("max |score| {target:e}");
-                cases.push(c);
-            }
-            for fill in [f32::INFINITY, f32::NAN] {
-                let mut c = Case::new(family, dtype, [1, 150, 2, hd], [1, 60, 1, hd], opts(Mask::Causal, None, true));
-                c.v_fill = Some(fill);
-                c.label = format!("V = {fill}");
-                cases.push(c);
-            }
+            cases.extend(edge_cases(family, hd, dtype));
         }
     }
     check_all("domain edges", &cases, &[]);
+}
+
+/// The domain-edge cases of one family, head dim and dtype (see `domain_edges`).
+fn edge_cases(family: &'static str, hd: usize, dtype: DType) -> Vec<Case> {
+    let mut cases = Vec::new();
+    let huge = [i64::MAX, i32::MAX as i64 + 1];
+    for (n, &h) in huge.iter().enumerate() {
+        for (sq, sk, mask) in [(90, 200, Mask::window(h, h)), (150, 70, Mask::window(h, 0)), (100, 130, Mask::window(0, h))] {
+            let mut c = Case::new(family, dtype, [1, sq, 2, hd], [1, sk, 1, hd], opts(mask, None, true));
+            c.label = format!("huge bound {n}");
+            cases.push(c);
+        }
+    }
+    for (target, mask) in [(3.0e38, Mask::Causal), (2.5e38, Mask::window(40, 8)), (1e10, Mask::None)] {
+        let mut c = Case::new(family, dtype, [1, 100, 2, hd], [1, 140, 1, hd], opts(mask, None, true));
+        c.max_score = Some(target);
+        c.label = format!("max |score| {target:e}");
+        cases.push(c);
+    }
+    for fill in [f32::INFINITY, f32::NAN] {
+        let mut c = Case::new(family, dtype, [1, 150, 2, hd], [1, 60, 1, hd], opts(Mask::Causal, None, true));
+        c.v_fill = Some(fill);
+        c.label = format!("V = {fill}");
+        cases.push(c);
+    }
+    cases
+}
+
+/// The domain edges for the FA4 (tcgen05) stages: stage 3 in bf16 at hd 64 in the CI subset;
+/// every stage in both dtypes with FLASH_ATTN_EMU=full.
+#[test]
+fn fa4_domain_edges() {
+    let mut cases = Vec::new();
+    if full() {
+        for (family, hd) in [("fa4s1", 64), ("fa4s2", 128), ("fa4s3", 64)] {
+            for dtype in [DType::F16, DType::BF16] {
+                cases.extend(edge_cases(family, hd, dtype));
+            }
+        }
+    } else {
+        cases.extend(edge_cases("fa4s3", 64, DType::BF16));
+    }
+    check_all("fa4 domain edges", &cases, &[]);
 }
 
 // ---------------------------------------------------------------- FA3
@@ -491,6 +515,135 @@ fn mutations_are_caught() {
             Err(e) => {
                 let why = expect.iter().find(|x| e.contains(*x));
                 println!("caught {} ({fam}) by {why:?}:\n{}\n", m.name, e.lines().take(6).collect::<Vec<_>>().join("\n"));
+                if why.is_none() {
+                    missed.push(m.name);
+                }
+            }
+        }
+    }
+    assert!(missed.is_empty(), "mutations not caught (or caught for an unexpected reason): {missed:?}");
+}
+
+// ---------------------------------------------------------------- FA4 (tcgen05, sm_100a)
+
+const FA4_DIMS: [usize; 2] = [64, 128];
+
+fn fa4_case(stage: u32, s: &Shape, dtype: DType, d: usize) -> Case {
+    let family: &'static str = ["fa4s1", "fa4s2", "fa4s3"][stage as usize - 1];
+    let mut c = Case::new(family, dtype, [s.b, s.sq, s.hq, d], [s.b, s.sk, s.hkv, d], opts(s.mask, s.softcap, s.lse));
+    c.input_scale = s.input_scale;
+    c.label = s.label.to_string();
+    c
+}
+
+/// Stage `stage`'s cases: the FA3 shape matrix at head dims 64 and 128 (FLASH_ATTN_EMU=full),
+/// else 5 cases that rotate over the shapes, head dims and dtypes, one of them a huge window.
+fn fa4_cases(stage: u32) -> Vec<Case> {
+    let mut cases = Vec::new();
+    if full() {
+        for s in FA3_SHAPES {
+            for dtype in FA3_DTYPES {
+                for d in FA4_DIMS {
+                    cases.push(fa4_case(stage, s, dtype, d));
+                }
+            }
+        }
+    } else {
+        let regular: Vec<&Shape> = FA3_SHAPES.iter().filter(|s| !s.label.starts_with("huge")).collect();
+        for j in 0..4usize {
+            let i = 4 * (stage as usize - 1) + 2 * j;
+            cases.push(fa4_case(stage, regular[i % regular.len()], FA3_DTYPES[j % 2], FA4_DIMS[(i + j / 2) % 2]));
+        }
+        let huge: Vec<&Shape> = FA3_SHAPES.iter().filter(|s| s.label.starts_with("huge")).collect();
+        cases.push(fa4_case(stage, huge[stage as usize % 2], FA3_DTYPES[stage as usize % 2], 128));
+    }
+    cases
+}
+
+#[test]
+fn fa4_stage1() {
+    check_all("fa4 stage 1", &fa4_cases(1), &[]);
+}
+#[test]
+fn fa4_stage2() {
+    check_all("fa4 stage 2", &fa4_cases(2), &[]);
+}
+#[test]
+fn fa4_stage3() {
+    let mut cases = fa4_cases(3);
+    // A problem that asks for FA4's softmax explicitly, with the row's parameters (degree-3
+    // exp2, tau 8): the same kernel (src/cuda/select.rs routes it; other parameters are refused).
+    let mut explicit = cases[0].clone();
+    explicit.opts = explicit.opts.exp2(Exp2::Poly(3)).rescale(Rescale::Lazy { threshold: 8.0 });
+    explicit.label += " explicit Exp2::Poly(3) + Rescale::Lazy(8)";
+    cases.push(explicit);
+    check_all("fa4 stage 3", &cases, &[]);
+}
+
+const FA4: &str = "cuda/fa4_fwd_sm100.cu";
+const TC: &str = "cuda/sm100/tcgen05.cuh";
+
+/// tcgen05 mistakes the emulator must catch in the FA4 kernel, with the diagnoses that count.
+#[rustfmt::skip]
+fn fa4_mutations() -> Vec<(Mutation, &'static str, &'static [&'static str])> {
+    vec![
+        (Mutation { name: "p_without_proxy_fence", file: FA4,
+            from: "        fa3::fence_proxy_async_smem();  // P (generic-proxy stores) -> visible to the MMA\n",
+            to: "", defines: &[] },
+         "fa4s1", &["after the last fence.proxy.async"]),
+        (Mutation { name: "rescale_without_wait_st", file: FA4,
+            from: "        tmem_st_32x32b_x32(a, r);\n    }\n    tmem_wait_st();", to: "        tmem_st_32x32b_x32(a, r);\n    }", defines: &[] },
+         "fa4s1", &["has not completed", "without tcgen05.wait::st"]),
+        (Mutation { name: "umma_desc_without_version", file: TC,
+            from: "constexpr uint64_t kUmmaDescVersion = 1;", to: "constexpr uint64_t kUmmaDescVersion = 0;", defines: &[] },
+         "fa4s1", &["version field"]),
+        (Mutation { name: "idesc_n_off_by_one_bit", file: TC,
+            from: "(uint32_t(n >> 3) << 17)", to: "(uint32_t(n >> 3) << 18)", defines: &[] },
+         "fa4s1", &["instruction descriptor", "not inside one allocation", "max |O - ref|"]),
+        (Mutation { name: "s_read_before_commit_wait", file: FA4,
+            from: "        mbar_wait(s_full, it & 1);\n", to: "", defines: &[] },
+         "fa4s1", &["has not written yet", "arrival underflow", "deadlock", "max |O - ref|", "incomplete at exit"]),
+        (Mutation { name: "kv_reloaded_before_pv_completes", file: FA4,
+            from: "            umma_commit(o_full);\n",
+            to: "            umma_commit(o_full);\n            if (it + 1 < n_tiles) tma_load_4d(sv, tv, kv_full, 0, bc.kv_head, (n + 1) * Tr::kBlockN, bc.batch);\n", defines: &[] },
+         "fa4s1", &["not yet executed", "changed between issue", "deadlock", "max |O - ref|", "arrival underflow"]),
+        (Mutation { name: "rows_past_the_end_skip_tcgen05_ld", file: FA4,
+            from: "        if (!live) continue;\n", to: "        if (!live) return;\n", defines: &[] },
+         "fa4s1", &["of its 32 lanes: it is .sync.aligned"]),
+        (Mutation { name: "s2_p_handed_over_before_wait_st", file: FA4,
+            from: "        tmem_wait_st();\n        if (wg == 0) corr_s[slot * Tr::kBlockM + r] = corr;\n",
+            to: "        if (wg == 0) corr_s[slot * Tr::kBlockM + r] = corr;\n", defines: &[] },
+         "fa4s2", &["has not completed", "without tcgen05.wait::st", "not yet waited for"]),
+        (Mutation { name: "s2_one_s_buffer", file: FA4,
+            from: "Tr::kTmemS + slot * Tr::kBlockN), umma_desc_kmajor_sw128(sq + off)",
+            to: "Tr::kTmemS), umma_desc_kmajor_sw128(sq + off)", defines: &[] },
+         "fa4s2", &["(in flight) uses", "has not written yet", "has not completed", "max |O - ref|"]),
+        // (Dropping only the p_full wait of stage 3 is benign: o_ready implies it, since the
+        // correction warpgroup's arrival follows the softmax's corr_full, which follows p_full.)
+        (Mutation { name: "s3_pv_without_waits", file: FA4,
+            from: "        mbar_wait(&b.p_full[t], j & 1);\n        mbar_wait(&b.o_ready[t], j & 1);\n", to: "", defines: &[] },
+         "fa4s3", &["has not completed", "has not written yet", "(in flight) uses", "max |O - ref|", "deadlock", "arrival underflow"]),
+    ]
+}
+
+#[test]
+fn fa4_mutations_are_caught() {
+    let case = |fam: &'static str| {
+        Case::new(fam, DType::BF16, [1, 130, 2, 64], [1, 400, 1, 64], ForwardOptions::default().return_lse(true).causal(true))
+    };
+    for fam in ["fa4s1", "fa4s2", "fa4s3"] {
+        run_case(&case(fam), None).unwrap_or_else(|e| panic!("{fam} fails unmutated: {e}"));
+    }
+    let mut missed = Vec::new();
+    for (m, fam, expect) in &fa4_mutations() {
+        match run_case(&case(fam), Some(m)) {
+            Ok(p) => {
+                println!("MISSED {}: passes with err/bound {:.3}", m.name, p.ratio);
+                missed.push(m.name);
+            }
+            Err(e) => {
+                let why = expect.iter().find(|x| e.contains(*x));
+                println!("caught {} by {why:?}:\n{}\n", m.name, e.lines().take(6).collect::<Vec<_>>().join("\n"));
                 if why.is_none() {
                     missed.push(m.name);
                 }

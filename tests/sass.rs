@@ -14,8 +14,9 @@
 #![cfg(feature = "cuda")]
 
 use flash_attn::cuda::table::{
-    fp8_prepass_symbol, image_kernel_symbols, kernel_symbol, targets_for, FP8_PREPASS_SASS, Image, Target, ARCHS_FILTER, CUOBJDUMP, DTYPE_NAMES, FAMILIES, HDIMS_FILTER, IMAGES,
-    BUILD_SUMMARY, NVCC_VERSION, PTX_ISA, TARGETS_SKIPPED, WHY_NO_KERNELS,
+    fp8_prepass_symbol, image_kernel_symbols, kernel_symbol, targets_for, Family, Image, KernelVariant, Target,
+    ARCHS_FILTER, BUILD_SUMMARY, CUOBJDUMP, DTYPE_NAMES, FAMILIES, FP8_PREPASS_SASS, HDIMS_FILTER, IMAGES, NVCC_VERSION,
+    PTX_ISA, TARGETS_SKIPPED, WHY_NO_KERNELS,
 };
 use std::process::Command;
 use std::sync::OnceLock;
@@ -212,7 +213,8 @@ fn toolchain_present_when_required() {
 fn fa3_warp_specialised_stages_enter_with_168_registers() {
     const ENTRY_REGISTERS: u32 = 168;
     let mut checked = 0;
-    for img in cubins().filter(|i| family(i.family).stage.is_some_and(|s| s >= 3)) {
+    let ws_stage = |f: &Family| f.variant == KernelVariant::Fa3 && f.stage.is_some_and(|s| s >= 3);
+    for img in cubins().filter(|i| ws_stage(family(i.family))) {
         // The forward kernels (not the FP8 pre-pass an FP8 family's image also holds).
         let forward: Vec<String> = DTYPE_NAMES.iter().map(|dt| kernel_symbol(img.family, img.head_dim, dt)).collect();
         for (name, regs, ..) in report_stats(img.report).into_iter().filter(|(n, ..)| forward.contains(n)) {

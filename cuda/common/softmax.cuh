@@ -18,6 +18,12 @@
 //   kLanes              lanes sharing a row (a power of two; partners by xor 1, 2, ...)
 //   s(S&, r, j), o(O&, r, j)   element j of row r of the score / output array (a float&)
 //   row(r), col(j)      tile-relative query row of row r and key of score element j
+//
+// A policy `Pol` says how exponents are taken (FaEagerMufu for FA1-FA3, FA4 stage 3's table
+// row for FlashAttention-4's softmax):
+//   kPolyEvery, kPolyDegree   score element j with j % kPolyEvery == kPolyEvery - 1 takes the
+//                             degree-kPolyDegree software exp2 (FMA units), the rest MUFU (0: none)
+//   kLazyTau                  the lazy rescale threshold in log2 units (< 0: eager)
 #pragma once
 #include <math.h>
 
@@ -122,9 +128,19 @@ template <int kLanes> __device__ __forceinline__ float fa_lanes_sum(float x) {
     return x;
 }
 
+// The exponent policy of FA1-FA3: every exponent on MUFU, the running max always moves.
+struct FaEagerMufu {
+    static constexpr int kPolyEvery = 0;
+    static constexpr int kPolyDegree = 0;
+    static constexpr float kLazyTau = -1.0f;
+};
+
 // Per-thread state of the rows it holds: running max m (score units, -inf before any visible
 // key) and this thread's partial running sum l (reduced over the row's lanes at the end).
-template <class Frag>
+// update() is one tile in one call; a kernel whose row is split (across warpgroups, or over
+// passes through tensor memory) composes the same steps itself: row_max, fold_max, exp_sum,
+// add_sum.
+template <class Frag, class Pol = FaEagerMufu>
 struct FaOnlineSoftmax {
     static constexpr int kRows = Frag::kRows;
     float m[kRows];
@@ -138,6 +154,52 @@ struct FaOnlineSoftmax {
         }
     }
 
+    // Max of row r of a tile of scores (masked keys -inf) over this thread's elements and the
+    // row's lanes.
+    template <class S>
+    __device__ __forceinline__ static float row_max(S& s, int r, float mx = -INFINITY) {
+#pragma unroll
+        for (int j = 0; j < Frag::kSCols; ++j) mx = fmaxf(mx, Frag::s(s, r, j));
+        return fa_lanes_max<Frag::kLanes>(mx);
+    }
+
+    // Folds a tile's row max into m[r]; returns the factor for O and l (rescale): eager, the
+    // max moves and the factor is exp2((m_old - ref) * c) (old max -inf: 0, nothing to rescale
+    // yet); lazy, fa_max_get_scale's rule.
+    __device__ __forceinline__ float fold_max(int r, float tile_max, float c) {
+        if constexpr (Pol::kLazyTau >= 0.0f) {
+            return fa_max_get_scale<Pol::kPolyDegree>(&m[r], tile_max, c, Pol::kLazyTau);
+        } else {
+            const float mx = fmaxf(m[r], tile_max);
+            const float corr = fa_ex2_approx((m[r] - fa_softmax_ref(mx)) * c);
+            m[r] = mx;
+            return corr;
+        }
+    }
+
+    // Row r of s becomes P = exp2((s - ref) * c) in place, ref = the running max under the
+    // -inf guard (masked: exp2(-inf) = 0); returns this thread's sum of the row's P.
+    template <class S>
+    __device__ __forceinline__ float exp_sum(S& s, int r, float c) const {
+        const float ref = fa_softmax_ref(m[r]);
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < Frag::kSCols; ++j) {
+            float& x = Frag::s(s, r, j);
+            const float e = (x - ref) * c;
+            if constexpr (Pol::kPolyEvery > 0) {
+                x = j % Pol::kPolyEvery == Pol::kPolyEvery - 1 ? fa_exp2_poly<Pol::kPolyDegree>(e) : fa_ex2_approx(e);
+            } else {
+                x = fa_ex2_approx(e);
+            }
+            sum += x;
+        }
+        return sum;
+    }
+
+    // l[r] = l[r] * corr + sum: the running sum, rescaled with the factor fold_max returned.
+    __device__ __forceinline__ void add_sum(int r, float corr, float sum) { l[r] = l[r] * corr + sum; }
+
     // Folds one tile of scores (masked keys -inf) into the state: s becomes P = exp2((s - m) * c)
     // in place, and corr[r] receives the factor the output accumulated so far must be multiplied
     // by (rescale). Does not touch O, so a kernel may overlap it with a PV product in flight.
@@ -145,21 +207,8 @@ struct FaOnlineSoftmax {
     __device__ __forceinline__ void update(S& s, float c, float (&corr)[kRows]) {
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
-            float mx = m[r];
-#pragma unroll
-            for (int j = 0; j < Frag::kSCols; ++j) mx = fmaxf(mx, Frag::s(s, r, j));
-            mx = fa_lanes_max<Frag::kLanes>(mx);
-            const float ref = fa_softmax_ref(mx);
-            corr[r] = fa_ex2_approx((m[r] - ref) * c);  // old max -inf: 0, nothing to rescale yet
-            m[r] = mx;
-            float sum = 0.f;
-#pragma unroll
-            for (int j = 0; j < Frag::kSCols; ++j) {
-                float& x = Frag::s(s, r, j);
-                x = fa_ex2_approx((x - ref) * c);  // masked: exp2(-inf) = 0
-                sum += x;
-            }
-            l[r] = l[r] * corr[r] + sum;
+            corr[r] = fold_max(r, row_max(s, r, m[r]), c);
+            add_sum(r, corr[r], exp_sum(s, r, c));
         }
     }
 

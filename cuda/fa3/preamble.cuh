@@ -1,6 +1,7 @@
 // The preamble every FA3 stage starts with: shared memory carve-up and the tensor-map prefetch.
 // (Block coordinates: scheduler.cuh; accumulator init: Acc::init in mainloop.cuh.)
 #pragma once
+#include "common/cta.cuh"
 #include "fa3/traits.cuh"
 #include "sm90/tma.cuh"
 #include "sm90/wgmma.cuh"
@@ -10,11 +11,8 @@ namespace fa3 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 // 1024-aligned start of the dynamic shared memory (Fa3Traits::kSmemBytes includes the slack).
-__device__ __forceinline__ uint8_t* aligned_smem(uint8_t* raw) {
-    const uint32_t pad = (kSwizzleAtomBytes - (smem_u32(raw) % kSwizzleAtomBytes)) %
-                         kSwizzleAtomBytes;
-    return raw + pad;
-}
+using fa_cta::aligned_smem;
+static_assert(static_cast<int>(fa_cta::kSmemAlignBytes) == kSwizzleAtomBytes, "the base alignment is the SW128 atom");
 
 // What every stage sets up first: the 1024-aligned dynamic shared memory carved into the Q tile,
 // the K and V rings and the barrier block (Fa3Traits offsets).

@@ -2,6 +2,7 @@
 // (heaviest query tile first under a causal/window mask), stage 5's persistent walk over the
 // same tiles, and the K/V tiles a query tile sees (the shared mask rule).
 #pragma once
+#include "common/cta.cuh"
 #include "common/mask.cuh"
 #include "common/params.h"
 #include "fa3/traits.cuh"
@@ -10,20 +11,9 @@ namespace fa3 {
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-// Block coordinates: x = query tile (heaviest first under a causal/window mask), y = q head,
-// z = batch.
-struct BlockCoord {
-    int m_block, head, kv_head, batch;
-};
-__device__ __forceinline__ BlockCoord block_coord(const FwdParams& p) {
-    BlockCoord bc;
-    bc.m_block = p.window_right >= 0 ? static_cast<int>(gridDim.x - 1 - blockIdx.x)
-                                     : static_cast<int>(blockIdx.x);
-    bc.head = blockIdx.y;
-    bc.kv_head = bc.head / (p.heads_q / p.heads_kv);
-    bc.batch = blockIdx.z;
-    return bc;
-}
+// Block coordinates of the one-tile stages (common/cta.cuh, shared with FA4).
+using fa_cta::block_coord;
+using fa_cta::BlockCoord;
 
 // Stage 5's linear tile numbering: t = m_index * (heads_q * batch) + batch * heads_q + head,
 // with m_index counting query tiles from the last one (the heaviest under a causal/window mask,

@@ -7,7 +7,7 @@
 // u-th use, so the waiter of use u waits parity (u & 1). (PTX ISA "Parallel Synchronization and
 // Communication Instructions: mbarrier", phases and tx-count.)
 //
-// Only compiled for sm_90a (the file is included by *_sm90.cu files; the bodies are guarded).
+// Compiled for sm_90a and sm_100a (the FA3 and FA4 kernels; the bodies are guarded).
 // With FA_HANG_CHECK defined (build.rs: FLASH_ATTN_HANG_CHECK=1) the waits report and trap
 // instead of hanging (sm90/hang_check.cuh); without it they are exactly the plain loops below.
 #pragma once
@@ -23,9 +23,9 @@ __device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
 }
 
-// Inline PTX: only when nvcc compiles for sm_90a. The CPU emulator (cuda/test/emu, which defines
+// Inline PTX: only when nvcc compiles for sm_90a or sm_100a. The CPU emulator (cuda/test/emu, which defines
 // FA_HOST_EMULATION) supplies host versions of exactly the functions in this block.
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && !defined(FA_HOST_EMULATION)
+#if (defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(__CUDA_ARCH_FEAT_SM100_ALL)) && !defined(FA_HOST_EMULATION)
 
 // One thread initialises; `count` arrivals (mbarrier.arrive / arrive.expect_tx) complete a phase.
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
@@ -91,7 +91,7 @@ __device__ __forceinline__ void named_bar_arrive() {
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL && !FA_HOST_EMULATION
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(__CUDA_ARCH_FEAT_SM100_ALL)
 
 #if defined(FA_HANG_CHECK)
 // The bounded wait, out of line so the clock, board and report code stay out of the callers'

@@ -16,9 +16,9 @@ struct alignas(128) TmaDesc {
 };
 static_assert(sizeof(TmaDesc) == 128, "CUtensorMap is 128 bytes");
 
-// Inline PTX: only when nvcc compiles for sm_90a. The CPU emulator (cuda/test/emu, which defines
+// Inline PTX: only when nvcc compiles for sm_90a or sm_100a. The CPU emulator (cuda/test/emu, which defines
 // FA_HOST_EMULATION) supplies host versions of exactly the functions in this block.
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && !defined(FA_HOST_EMULATION)
+#if (defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(__CUDA_ARCH_FEAT_SM100_ALL)) && !defined(FA_HOST_EMULATION)
 
 // Pull the descriptor into the TMA unit's cache ahead of the first copy.
 __device__ __forceinline__ void tma_prefetch_desc(const TmaDesc* map) {

@@ -14,7 +14,7 @@ use cudarc::driver::{result, sys, DeviceRepr};
 use std::ffi::c_void;
 use std::ops::Deref;
 
-/// The most tensor maps a kernel takes after `FwdParams` (FA3: Q, K, V).
+/// The most tensor maps a kernel takes after `FwdParams` (FA3, FA4: Q, K, V).
 pub(crate) const MAX_TENSOR_MAPS: usize = 3;
 
 /// The kernel-symbol suffix of a dtype the GPU kernels take (`None` for f32).
@@ -120,7 +120,7 @@ pub struct LaunchPlan {
     pub block: (u32, u32, u32),
     pub smem_bytes: u32,
     pub params: FwdParams,
-    /// The maps after `FwdParams` (FA3 stages 2-5: Q, K, V), else none.
+    /// The maps after `FwdParams` (FA3 stages 2-5 and every FA4 stage: Q, K, V), else none.
     pub tensor_maps: TensorMaps,
 }
 
@@ -227,7 +227,7 @@ fn launch_kernel(
     let args = &mut args[..1 + tensor_maps.len().min(MAX_TENSOR_MAPS)];
     // SAFETY: every forward kernel takes `const __grid_constant__ FwdParams`, followed by one
     // `const __grid_constant__ CUtensorMap` per tensor map its family's host rules give (FA3
-    // stages 2-5 and the FP8 consumer: Q, K, V); the FP8 pre-pass takes `const
+    // stages 2-5, FA4 and the FP8 consumer: Q, K, V); the FP8 pre-pass takes `const
     // __grid_constant__ Fp8PrepassParams` alone. `args` points at exactly those values, alive
     // for the call (cuLaunchKernel copies them). FwdParams mirrors cuda/common/params.h and
     // PrepassParams cuda/common/fp8_prepass_params.h (size and offsets asserted on both sides),

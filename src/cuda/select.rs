@@ -73,6 +73,24 @@ fn needed_options(p: &Problem) -> KernelOptions {
     o
 }
 
+/// Why `fam`'s softmax parameters are not the ones `p` asks for (a degree of `Exp2::Poly`, a
+/// threshold of `Rescale::Lazy`), or `None`. Defaults ask for nothing: a row that implements
+/// FA4's softmax runs it then too (docs/fa4.md).
+fn softmax_mismatch(fam: &Family, p: &Problem) -> Option<String> {
+    let s = &fam.softmax;
+    if let Exp2::Poly(degree) = p.exp2 {
+        if degree != s.poly_degree {
+            return Some(format!("implements exp2_poly of degree {}, not {degree}", s.poly_degree));
+        }
+    }
+    if let Rescale::Lazy { threshold } = p.rescale {
+        if threshold != s.lazy_tau {
+            return Some(format!("implements lazy_rescale with threshold {}, not {threshold}", s.lazy_tau));
+        }
+    }
+    None
+}
+
 /// The instance of `fam` that runs `p` on `dev` by the table's own rules (SM, targets, dtype,
 /// options, head dim, built image, shared memory); `Err` says why none does.
 fn instance_for(fam: &'static Family, dev: &impl Gpu, p: &Problem) -> std::result::Result<Choice, String> {
@@ -93,6 +111,9 @@ fn instance_for(fam: &'static Family, dev: &impl Gpu, p: &Problem) -> std::resul
     // never runs a 16-bit problem, under Auto or an explicit variant.
     if fam.options.contains(KernelOptions::FP8) && !needed.contains(KernelOptions::FP8) {
         return Err("runs only Precision::Fp8 problems".into());
+    }
+    if let Some(why) = softmax_mismatch(fam, p) {
+        return Err(why);
     }
     // The smallest instantiated (and built) head dim that holds this one; the tail is masked.
     let mut too_big = true;
@@ -199,20 +220,32 @@ fn auto_below(families: &'static [Family], dev: &impl Gpu, p: &Problem, rank: u3
     Ok(best)
 }
 
-/// An explicitly requested variant. A variant with several families (the FA3 stage ladder)
-/// runs the stage `p.fa3_stage` names, else the highest GPU-verified stage that runs the
-/// problem, else (none verified) the highest-ranked one that does; `Choice::pick` says which.
+/// The stage option of a ladder variant: its name and what the problem asks for (`None` for a
+/// variant without one).
+fn requested_stage(p: &Problem, variant: Variant) -> (&'static str, Option<u8>) {
+    match variant {
+        Variant::Fa3 => ("the stage fa3_stage asked for", p.fa3_stage),
+        Variant::Fa4 => ("the stage fa4_stage asked for", p.fa4_stage),
+        _ => ("", None),
+    }
+}
+
+/// An explicitly requested variant. A variant with several families (the FA3 and FA4 stage
+/// ladders) runs the stage its option (`fa3_stage`, `fa4_stage`) names, else the highest
+/// GPU-verified stage that runs the problem, else (none verified) the highest-ranked one that
+/// does; `Choice::pick` says which. (An FA4 stage's own refusal requires `fa4_stage`.)
 fn choose_explicit(families: &'static [Family], dev: &impl Gpu, p: &Problem, variant: Variant) -> Result<Choice> {
     let unavailable = |reason: String| Error::VariantUnavailable { variant, reason };
     let of_variant = || families.iter().filter(move |f| Variant::from(f.variant) == variant);
     let ladder = of_variant().count() > 1;
-    let candidates = || of_variant().filter(move |f| p.fa3_stage.is_none_or(|s| f.stage == Some(s)));
+    let (asked_for, stage) = requested_stage(p, variant);
+    let candidates = || of_variant().filter(move |f| stage.is_none_or(|s| f.stage == Some(s)));
     if of_variant().next().is_none() {
         return Err(unavailable("no kernel of this family is built into this crate".into()));
     }
     if candidates().next().is_none() {
         let names: Vec<&str> = of_variant().map(|f| f.name).collect();
-        return Err(unavailable(format!("no stage {:?} among {}", p.fa3_stage, names.join(", "))));
+        return Err(unavailable(format!("no stage {stage:?} among {}", names.join(", "))));
     }
     // Verified beats unverified; among equals, the higher rank (the higher stage) wins.
     let key = |c: &Choice| (c.family.gpu_verified, c.family.rank);
@@ -226,8 +259,8 @@ fn choose_explicit(families: &'static [Family], dev: &impl Gpu, p: &Problem, var
         return Err(unavailable(format!("{}: {why}", on(c.family, dev))));
     }
     if ladder {
-        c.pick = if p.fa3_stage.is_some() {
-            "the stage fa3_stage asked for"
+        c.pick = if stage.is_some() {
+            asked_for
         } else if c.family.gpu_verified {
             "the highest GPU-verified stage that runs this problem"
         } else if candidates().any(|f| f.gpu_verified) {

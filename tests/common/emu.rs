@@ -6,10 +6,12 @@
 #![allow(dead_code)]
 
 use super::{floor_for, randn, Rng};
-use flash_attn::cuda::table::{kernel_symbol, targets_for, unit_source, Family, Tile, DTYPE_NAMES, FAMILIES, IMAGES};
+use flash_attn::cuda::table::{
+    kernel_symbol, targets_for, unit_source, Family, KernelVariant, Tile, DTYPE_NAMES, FAMILIES, IMAGES,
+};
 use flash_attn::cuda::plan::{plan, LaunchPlan, Operands, TensorMapArgs};
 use flash_attn::reference::{attention_f64, attention_naive, max_abs_diff};
-use flash_attn::{DType, Data, ForwardOptions, Problem, Tensor, TensorView};
+use flash_attn::{DType, Data, ForwardOptions, Problem, Tensor, TensorView, Variant};
 use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -307,7 +309,13 @@ pub struct Case {
 }
 
 impl Case {
-    pub fn new(family: &'static str, dtype: DType, q: [usize; 4], k: [usize; 4], opts: ForwardOptions) -> Self {
+    pub fn new(family: &'static str, dtype: DType, q: [usize; 4], k: [usize; 4], mut opts: ForwardOptions) -> Self {
+        // An FA4 stage runs only when `fa4_stage` names it (its host refuses the plan otherwise):
+        // ask for the row the case names, as a caller would.
+        if let Some(row) = FAMILIES.iter().find(|f| f.name == family && f.variant == KernelVariant::Fa4) {
+            opts.variant = Variant::Fa4;
+            opts.fa4_stage = row.stage;
+        }
         Case {
             family,
             dtype,

@@ -14,7 +14,7 @@
 //! | `edges` | the edges of the input domain (huge bounds, scores near f32::MAX, infinite V) |
 //! | `streams` | engines' own streams and contexts, CUDA graph capture |
 //! | `fp8` | the Hopper FP8 forward (fa3fp8s3) against the CPU FP8 path and float64 |
-//! | here | the sanitizer subsets and the FA3 ladder, which scripts/gpu-check-run.sh runs by exact name |
+//! | here | the sanitizer subsets and the FA3 and FA4 ladders, which scripts/gpu-check-run.sh runs by exact name |
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -27,7 +27,9 @@ mod util;
 use common::*;
 use flash_attn::cuda::{table::FAMILIES, Engine};
 use flash_attn::{DType, Error, ForwardOptions, Mask, Variant};
+use cudarc::driver::CudaStream;
 use half::bf16;
+use std::sync::Arc;
 use util::*;
 
 /// The short subset scripts/gpu-check.sh runs under `compute-sanitizer --tool memcheck`: every
@@ -62,35 +64,52 @@ fn sanitizer_subset() {
 // One test per stage (scripts/gpu-check-run.sh runs them in ascending order, each under its
 // own timeout, so a hang in stage N names its rung and leaves the window to the others).
 
-/// Whether this GPU runs the FA3 kernels (sm_90a SASS: compute capability 9.0 only). Elsewhere
-/// the stage must be refused with VariantUnavailable, which is checked.
-fn fa3_runs_here(engine: &Engine, stage: u8) -> bool {
-    let opts = ForwardOptions::default().variant(Variant::Fa3).fa3_stage(stage);
-    let d = engine.dispatch([1, 64, 1, 64], [1, 64, 1, 64], DType::BF16, &opts);
-    if engine.device().compute_capability() == (9, 0) {
-        let d = d.unwrap_or_else(|e| panic!("fa3 stage {stage} on sm_90: {e}"));
-        assert_eq!(d.kernel, format!("fa3s{stage}_fwd_hd64_bf16"));
+/// A stage ladder (FA3, FA4): its name in kernel symbols, the options that select a stage, the
+/// compute capability its SASS runs on, and its head dims.
+#[derive(Clone, Copy)]
+struct Ladder {
+    name: &'static str,
+    stage: fn(u8) -> ForwardOptions,
+    cc: (i32, i32),
+    dims: &'static [usize],
+}
+const FA3: Ladder = Ladder {
+    name: "fa3",
+    stage: |s| ForwardOptions::default().variant(Variant::Fa3).fa3_stage(s),
+    cc: (9, 0),
+    dims: &[64, 128, 256],
+};
+const FA4: Ladder = Ladder {
+    name: "fa4",
+    stage: |s| ForwardOptions::default().variant(Variant::Fa4).fa4_stage(s),
+    cc: (10, 0),
+    dims: &[64, 128],
+};
+
+/// Whether this GPU runs the ladder's kernels (sm_90a / sm_100a SASS: that compute capability
+/// only). Elsewhere the stage must be refused with VariantUnavailable, which is checked.
+fn runs_here(engine: &Engine, ladder: Ladder, stage: u8) -> bool {
+    let name = ladder.name;
+    let d = engine.dispatch([1, 64, 1, 64], [1, 64, 1, 64], DType::BF16, &(ladder.stage)(stage));
+    if engine.device().compute_capability() == ladder.cc {
+        let d = d.unwrap_or_else(|e| panic!("{name} stage {stage} on its GPU: {e}"));
+        assert_eq!(d.kernel, format!("{name}s{stage}_fwd_hd64_bf16"));
         true
     } else {
-        assert!(matches!(d, Err(Error::VariantUnavailable { .. })), "fa3 stage {stage} off sm_90: {d:?}");
+        assert!(matches!(d, Err(Error::VariantUnavailable { .. })), "{name} stage {stage} elsewhere: {d:?}");
         false
     }
 }
 
-/// The FA3 matrix of one stage: bf16/f16 × head_dim 64/128/256 × (plain; GQA + causal with
-/// sq < sk; a sliding window; sq > sk causal: rows with no key give O = 0, LSE = -inf; softcap;
-/// several K/V tiles (ring wrap); odd seqlens with GQA 7:1 and a causal window), each against
-/// the float64 reference with FlashAttention's tolerance, outputs NaN-poisoned; then more
-/// query tiles than SMs (stage 5: many tiles per CTA), and the typed refusals (ALiBi, head_dim
-/// 96, strides off the 16-byte rule).
-fn fa3_matrix(stage: u8) {
-    let engine = engine();
-    if !fa3_runs_here(&engine, stage) {
-        return;
-    }
-    let stream = engine.device().context().new_stream().unwrap();
-    let mut rng = Rng::new(0xfa3 + stage as u64);
-    let fa3 = ForwardOptions::default().variant(Variant::Fa3).fa3_stage(stage);
+/// One stage of a ladder against the float64 reference with FlashAttention's tolerance, outputs
+/// NaN-poisoned: bf16/f16 × the ladder's head dims × (plain; GQA + causal with sq < sk; a sliding
+/// window; sq > sk causal: rows with no key give O = 0, LSE = -inf; softcap; several K/V tiles
+/// (ring wrap); odd seqlens with GQA 7:1 and a causal window), then the edges of the input domain
+/// (issue 10: huge windows, scores up to near f32::MAX, softcap f32::MAX, infinite and NaN V with
+/// rows that see no key). Returns the worst err/bound.
+fn ladder_cases(engine: &Engine, stream: &Arc<CudaStream>, rng: &mut Rng, ladder: Ladder, stage: u8) -> f64 {
+    let name = ladder.name;
+    let base = (ladder.stage)(stage);
     // (batch, sq, sk, hq, hkv, mask, softcap, lse)
     type Case = (usize, usize, usize, usize, usize, Mask, Option<f32>, bool);
     let cases: &[Case] = &[
@@ -104,23 +123,49 @@ fn fa3_matrix(stage: u8) {
     ];
     let mut worst = 0.0f64;
     for dtype in [DType::BF16, DType::F16] {
-        for d in [64usize, 128, 256] {
+        for &d in ladder.dims {
             for &(b, sq, sk, hq, hkv, mask, softcap, lse) in cases {
-                let q = randn(&mut rng, dtype, [b, sq, hq, d]);
-                let k = randn(&mut rng, dtype, [b, sk, hkv, d]);
-                let v = randn(&mut rng, dtype, [b, sk, hkv, d]);
-                let mut opts = fa3.clone().mask(mask).return_lse(lse);
+                let q = randn(rng, dtype, [b, sq, hq, d]);
+                let k = randn(rng, dtype, [b, sk, hkv, d]);
+                let v = randn(rng, dtype, [b, sk, hkv, d]);
+                let mut opts = base.clone().mask(mask).return_lse(lse);
                 if let Some(c) = softcap {
                     opts = opts.softcap(c);
                 }
                 let dt = if dtype == DType::BF16 { "bf16" } else { "f16" };
                 let chosen = engine.dispatch([b, sq, hq, d], [b, sk, hkv, d], dtype, &opts).unwrap();
-                assert_eq!(chosen.kernel, format!("fa3s{stage}_fwd_hd{d}_{dt}"), "{}", chosen.reason);
-                let what = format!("fa3 stage {stage} {dtype:?} b{b} sq{sq} sk{sk} hq{hq} hkv{hkv} d{d} {mask:?} softcap {softcap:?}");
-                worst = worst.max(check(&engine, &stream, [q.view(), k.view(), v.view()], &opts, &what));
+                assert_eq!(chosen.kernel, format!("{name}s{stage}_fwd_hd{d}_{dt}"), "{}", chosen.reason);
+                let what = format!("{name} stage {stage} {dtype:?} b{b} sq{sq} sk{sk} hq{hq} hkv{hkv} d{d} {mask:?} softcap {softcap:?}");
+                worst = worst.max(check(engine, stream, [q.view(), k.view(), v.view()], &opts, &what));
+            }
+            for ([q, k, v], opts, what) in edge_inputs(rng, dtype, d, true) {
+                let mut o = base.clone().mask(opts.mask).return_lse(true);
+                o.softmax_scale = opts.softmax_scale;
+                o.softcap = opts.softcap;
+                check_edges(engine, stream, [&q, &k, &v], &o, &format!("{name} stage {stage} {dtype:?} d{d} {what}"));
             }
         }
     }
+    // Refusals are typed errors: ALiBi, head_dim 96.
+    let alibi = base.clone().alibi_slopes(vec![0.25f32; 2]);
+    let e = engine.dispatch([1, 64, 2, 64], [1, 64, 2, 64], DType::BF16, &alibi);
+    assert!(matches!(&e, Err(Error::VariantUnavailable { reason, .. }) if reason.contains("ALiBi")), "{e:?}");
+    let e = engine.dispatch([1, 64, 2, 96], [1, 64, 2, 96], DType::BF16, &base);
+    assert!(matches!(e, Err(Error::VariantUnavailable { .. })), "{e:?}");
+    worst
+}
+
+/// The FA3 matrix of one stage: the ladder's cases (ladder_cases), then more query tiles than SMs
+/// (stage 5: many tiles per CTA), and strides off the 16-byte rule refused.
+fn fa3_matrix(stage: u8) {
+    let engine = engine();
+    if !runs_here(&engine, FA3, stage) {
+        return;
+    }
+    let stream = engine.device().context().new_stream().unwrap();
+    let mut rng = Rng::new(0xfa3 + stage as u64);
+    let fa3 = (FA3.stage)(stage);
+    let mut worst = ladder_cases(&engine, &stream, &mut rng, FA3, stage);
     // More (query tile, head, batch) tiles than any GPU has SMs: stage 5's CTAs take many each.
     for dtype in [DType::BF16, DType::F16] {
         let q = randn(&mut rng, dtype, [4, 520, 16, 64]);
@@ -130,24 +175,6 @@ fn fa3_matrix(stage: u8) {
         let what = format!("fa3 stage {stage} {dtype:?} many tiles");
         worst = worst.max(check(&engine, &stream, [q.view(), k.view(), v.view()], &opts, &what));
     }
-    // The edges of the input domain (issue 10): huge windows, scores up to near f32::MAX,
-    // softcap f32::MAX, infinite and NaN V with rows that see no key.
-    for dtype in [DType::BF16, DType::F16] {
-        for d in [64usize, 128, 256] {
-            for ([q, k, v], opts, what) in edge_inputs(&mut rng, dtype, d, true) {
-                let mut o = fa3.clone().mask(opts.mask).return_lse(true);
-                o.softmax_scale = opts.softmax_scale;
-                o.softcap = opts.softcap;
-                check_edges(&engine, &stream, [&q, &k, &v], &o, &format!("fa3 stage {stage} {dtype:?} d{d} {what}"));
-            }
-        }
-    }
-    // Refusals are typed errors.
-    let alibi = fa3.clone().alibi_slopes(vec![0.25f32; 2]);
-    let e = engine.dispatch([1, 64, 2, 64], [1, 64, 2, 64], DType::BF16, &alibi);
-    assert!(matches!(&e, Err(Error::VariantUnavailable { reason, .. }) if reason.contains("ALiBi")), "{e:?}");
-    let e = engine.dispatch([1, 64, 2, 96], [1, 64, 2, 96], DType::BF16, &fa3);
-    assert!(matches!(e, Err(Error::VariantUnavailable { .. })), "{e:?}");
     let padded = randn(&mut rng, DType::BF16, [1, 64, 1, 68]);
     let data = match padded.view().data() {
         flash_attn::Data::BF16(x) => x.to_vec(),
@@ -186,6 +213,41 @@ fn fa3_stage5() {
     fa3_matrix(5);
 }
 
+// ---------------------------------------------------------------- FA4 stage ladder
+// Written where no Blackwell GPU was available: never run (docs/fa4.md).
+
+/// The FA4 (tcgen05) matrix of one stage: the ladder's cases (ladder_cases, as FA3's), and the
+/// refusal of FA4 without a stage.
+fn fa4_matrix(stage: u8) {
+    let engine = engine();
+    if !runs_here(&engine, FA4, stage) {
+        return;
+    }
+    let stream = engine.device().context().new_stream().unwrap();
+    let mut rng = Rng::new(0xfa4 + stage as u64);
+    let worst = ladder_cases(&engine, &stream, &mut rng, FA4, stage);
+    let no_stage = ForwardOptions::default().variant(Variant::Fa4);
+    let e = engine.dispatch([1, 64, 2, 64], [1, 64, 2, 64], DType::BF16, &no_stage);
+    assert!(matches!(&e, Err(Error::VariantUnavailable { reason, .. }) if reason.contains("fa4_stage")), "{e:?}");
+    println!("fa4 stage {stage}: passed; worst err/bound {worst:.3}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (a Blackwell sm_100 one to run; elsewhere the refusal is checked)"]
+fn fa4_stage1() {
+    fa4_matrix(1);
+}
+#[test]
+#[ignore = "needs a CUDA GPU (a Blackwell sm_100 one to run; elsewhere the refusal is checked)"]
+fn fa4_stage2() {
+    fa4_matrix(2);
+}
+#[test]
+#[ignore = "needs a CUDA GPU (a Blackwell sm_100 one to run; elsewhere the refusal is checked)"]
+fn fa4_stage3() {
+    fa4_matrix(3);
+}
+
 /// The short FA3 subset scripts/gpu-check-run.sh runs under compute-sanitizer (memcheck,
 /// racecheck, synccheck), one stage at a time (`FA3_SANITIZE_STAGE`, default all): every head
 /// dim, seqlens off the tiles, causal, GQA, LSE, both dtypes.
@@ -200,7 +262,7 @@ fn fa3_sanitizer_subset() {
     let stream = engine.device().context().new_stream().unwrap();
     let mut rng = Rng::new(17);
     for stage in stages {
-        if !fa3_runs_here(&engine, stage) {
+        if !runs_here(&engine, FA3, stage) {
             continue;
         }
         for dtype in [DType::F16, DType::BF16] {

@@ -31,8 +31,9 @@ pub fn variants(engine: &Engine) -> Vec<Variant> {
     let (major, minor) = engine.device().compute_capability();
     let sm = (major * 10 + minor) as u32;
     let mut out = vec![Variant::Auto];
-    // The FA3 stage ladder has its own matrix (fa3_stage1..5 below): it refuses ALiBi and head
-    // dims other than 64/128/256, which this generic matrix draws.
+    // The FA3 and FA4 stage ladders have their own matrices (fa3_stage1..5, fa4_stage1..3 in
+    // main.rs): they refuse ALiBi and inexact head dims, which this generic matrix draws, and FA4
+    // runs only with `fa4_stage`.
     for fam in FAMILIES.iter().filter(|f| f.stage.is_none()) {
         let var = Variant::from(fam.variant);
         if sm >= fam.min_sm {

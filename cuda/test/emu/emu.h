@@ -1,8 +1,8 @@
 // Force-included (g++ -include) before a kernel source when the CPU emulator compiles it: maps
 // the CUDA language onto plain C++ and supplies host versions of exactly the inline-PTX
 // wrappers of the instruction headers (cuda/sm80/{mma,fast_math,launch}.cuh,
-// cuda/sm90/{wgmma,wgmma_fp8,mbarrier,tma}.cuh, sm90/hang_check.cuh's clock), which those headers
-// compile out under FA_HOST_EMULATION. tests/emulator.rs checks that the two lists of wrappers
+// cuda/sm90/{wgmma,wgmma_fp8,mbarrier,tma}.cuh, sm90/hang_check.cuh's clock, sm100/tcgen05.cuh),
+// which those headers compile out under FA_HOST_EMULATION. tests/emulator.rs checks that the two lists of wrappers
 // are the same.
 // The headers' other code (descriptor builders, layouts, mbar_wait, ...) is used as is.
 //
@@ -12,6 +12,8 @@
 #define FA_HOST_EMULATION 1
 // The kernels' sm_90a code paths are compiled (their wrappers come from here, not from PTX).
 #define __CUDA_ARCH_FEAT_SM90_ALL 1
+// ... and so are the sm_100a ones (sm100/tcgen05.cuh's wrappers come from here too).
+#define __CUDA_ARCH_FEAT_SM100_ALL 1
 
 #include <algorithm>
 #include <chrono>
@@ -64,6 +66,9 @@ extern unsigned char smem_raw[::emu::kWindowBytes] __attribute__((alias("emu_sha
 namespace fa3 {
 extern uint8_t smem_raw[::emu::kWindowBytes] __attribute__((alias("emu_shared_window")));
 }
+namespace fa4 {
+extern uint8_t smem_raw[::emu::kWindowBytes] __attribute__((alias("emu_shared_window")));
+}
 
 // ---- intrinsics ----
 inline void __syncthreads() { ::emu::syncthreads(); }
@@ -92,6 +97,8 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
     for (int i = 0; i < 4; ++i) r |= static_cast<unsigned>((v >> (8 * ((s >> (4 * i)) & 7))) & 0xFF) << (8 * i);
     return r;
 }
+inline float __uint_as_float(unsigned u) { return __builtin_bit_cast(float, u); }
+inline unsigned __float_as_uint(float x) { return __builtin_bit_cast(unsigned, x); }
 inline size_t __cvta_generic_to_shared(const void* p) { return ::emu::cvta_shared(p); }
 [[noreturn]] inline void __trap() { ::emu::trap(); }
 
@@ -230,6 +237,30 @@ inline void wgmma_m64n64k32_rs_e4m3(float* d, const uint32_t (&a)[4], uint64_t d
     ::emu::wgmma_issue(::emu::WgmmaInstr{64, 64, 32, e, e, true, 0, desc_b, 1, 1, 1, 0, 0}, d, a);
 }
 }  // namespace fa3
+// ---- sm100/tcgen05.cuh ----
+namespace fa4 {
+inline uint32_t emu_smem_addr(const void* p) { return static_cast<uint32_t>(::emu::cvta_shared(p)); }
+inline void tmem_alloc(uint32_t* dst, uint32_t ncols) { ::emu::tmem_alloc(emu_smem_addr(dst), ncols); }
+inline void tmem_relinquish() { ::emu::tmem_relinquish(); }
+inline void tmem_dealloc(uint32_t taddr, uint32_t ncols) { ::emu::tmem_dealloc(taddr, ncols); }
+inline void umma_f16_ss(uint32_t d_tmem, uint64_t a_desc, uint64_t b_desc, uint32_t idesc, uint32_t accumulate) {
+    ::emu::umma_issue(d_tmem, false, a_desc, b_desc, idesc, accumulate);
+}
+inline void umma_f16_ts(uint32_t d_tmem, uint32_t a_tmem, uint64_t b_desc, uint32_t idesc, uint32_t accumulate) {
+    ::emu::umma_issue(d_tmem, true, a_tmem, b_desc, idesc, accumulate);
+}
+inline void umma_commit(uint64_t* bar) { ::emu::umma_commit(emu_smem_addr(bar)); }
+inline void tmem_ld_32x32b_x32(uint32_t taddr, uint32_t (&r)[32]) { ::emu::tmem_ld(taddr, r, 32); }
+inline void tmem_st_32x32b_x32(uint32_t taddr, const uint32_t (&r)[32]) { ::emu::tmem_st(taddr, r, 32); }
+inline void tmem_st_32x32b_x16(uint32_t taddr, const uint32_t (&r)[16]) { ::emu::tmem_st(taddr, r, 16); }
+template <int N>
+inline void tmem_wait_ld(uint32_t (&)[N]) {
+    ::emu::tmem_wait_ld();
+}
+inline void tmem_wait_st() { ::emu::tmem_wait_st(); }
+inline void tcgen05_fence_before() { ::emu::tcgen05_fence(false); }
+inline void tcgen05_fence_after() { ::emu::tcgen05_fence(true); }
+}  // namespace fa4
 
 // ---- registering the kernels of a unit with the driver ----
 // EMU_KERNEL(fa3s2_fwd_hd64_bf16) after the kernel definitions: the driver then finds it by name.

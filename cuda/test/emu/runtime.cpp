@@ -544,6 +544,13 @@ void land_tma(size_t i);
 // Executes the oldest fully issued, unexecuted wgmma of warpgroup w.
 void exec_wgmma(unsigned w);
 void land_cp(size_t i);
+// tcgen05 (tcgen05.inc): pieces of asynchronous work ready to fire, firing one, the per-CTA state,
+// and the guard on TMA destinations that unexecuted MMAs read.
+size_t tc_pending();
+void tc_fire(size_t i);
+void tc_cta_begin();
+void tc_cta_end();
+void tc_check_tma_dst(uint32_t lo, uint32_t hi);
 
 bool wg_can_exec(unsigned w) {
     WgState& s = g_cta->wgs[w];
@@ -557,7 +564,8 @@ bool fire_one() {
     const size_t n_tma = c.tma.size(), n_cp = c.cp.size();
     size_t n_wg = 0;
     for (unsigned w = 0; w < c.wgs.size(); ++w) n_wg += wg_can_exec(w);
-    const size_t total = n_tma + n_cp + n_wg;
+    const size_t n_tc = tc_pending();
+    const size_t total = n_tma + n_cp + n_wg + n_tc;
     if (!total) return false;
     size_t pick = g_launch.rng() % total;
     if (pick < n_tma) {
@@ -570,6 +578,11 @@ bool fire_one() {
         return true;
     }
     pick -= n_cp;
+    if (pick < n_tc) {
+        tc_fire(pick);
+        return true;
+    }
+    pick -= n_tc;
     for (unsigned w = 0; w < c.wgs.size(); ++w)
         if (wg_can_exec(w) && pick-- == 0) {
             exec_wgmma(w);
@@ -1444,6 +1457,7 @@ void tma_load(uint32_t dst, const void* map, uint32_t bar, const int32_t* coords
     for (const TmaCopy& o : g_cta->tma)
         if (overlaps(dst, dst + bytes, o.dst, o.dst + o.bytes))
             fail("two TMA copies in flight write the same shared bytes (0x%x and 0x%x)", dst, o.dst);
+    tc_check_tma_dst(dst, dst + bytes);
     // The copy may land at once: the bytes must not be operands of a wgmma unless every thread of
     // its warpgroup retired it (wgmma.wait_group) *before* this copy, in happens-before order (a
     // buffer released before its readers waited fails here whatever the schedule).
@@ -1789,7 +1803,9 @@ void launch(const LaunchConfig& cfg, void (*entry)(void*), void* arg) {
                     init_fiber(f);
                     make_runnable(&f);
                 }
+                tc_cta_begin();
                 schedule();
+                tc_cta_end();
                 // End-of-CTA checks.
                 for (unsigned id = 0; id < 16; ++id)
                     if (c.bars[id].arrived)
@@ -1836,3 +1852,6 @@ std::vector<std::string> kernel_names() {
 }
 
 }  // namespace emu
+
+// The tcgen05 (sm_100a) model: tensor memory, UMMA, commit, tcgen05.ld/st.
+#include "tcgen05.inc"

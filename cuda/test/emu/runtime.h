@@ -95,6 +95,24 @@ void wgmma_issue(const WgmmaInstr& ins, float* d, const uint32_t* a_regs);
 void wgmma_check_regs(const float* d, int n);
 void setmaxnreg(bool inc, int regs);
 
+// ---- sm_100 tcgen05 (tensor memory, UMMA; implemented in tcgen05.inc) ----
+// Warp-collective allocation of `ncols` tensor-memory columns; the base address is written to the
+// shared word at `dst`.
+void tmem_alloc(uint32_t dst, uint32_t ncols);
+void tmem_relinquish();
+void tmem_dealloc(uint32_t taddr, uint32_t ncols);
+// One thread issues D[d_tmem] (+)= A B^T (kind::f16, cta_group::1): A from a shared-memory
+// descriptor (a_tmem false) or from tensor memory at address `a` (a_tmem true).
+void umma_issue(uint32_t d_tmem, bool a_tmem, uint64_t a, uint64_t b_desc, uint32_t idesc, uint32_t accumulate);
+// tcgen05.commit: one arrival on the mbarrier at `bar` once this thread's earlier MMAs completed.
+void umma_commit(uint32_t bar);
+// tcgen05.ld/st .32x32b.x<n>: registers r (valid after tmem_wait_ld / landed at tmem_wait_st).
+void tmem_ld(uint32_t taddr, uint32_t* r, int n);
+void tmem_wait_ld();
+void tmem_st(uint32_t taddr, const uint32_t* r, int n);
+void tmem_wait_st();
+void tcgen05_fence(bool after);
+
 // ---- TMA descriptors (the emulator's encoding of a CUtensorMap, 128 bytes) ----
 // Same argument list and enum values as cuTensorMapEncodeTiled; returns 0 (CUDA_SUCCESS) or 1
 // (CUDA_ERROR_INVALID_VALUE) with the reason in *why.

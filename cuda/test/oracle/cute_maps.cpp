@@ -9,10 +9,9 @@
 #include <cute/tensor.hpp>
 #include <cutlass/version.h>
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <cstdio>
+
+#include "quiet_stdout.h"
 #include <type_traits>
 
 namespace cute_oracle {
@@ -66,28 +65,7 @@ RowCol c_map_dispatch(int n, int thread, int value, std::integer_sequence<int, I
     return r;
 }
 
-// make_gmma_desc calls cast_smem_ptr_to_uint, which on the host prints "ERROR: ... not
-// supported" to stdout and returns 0 (documented in cute_maps.h). The message is expected here,
-// so stdout is pointed at /dev/null while CuTe builds descriptors.
-struct QuietStdout {
-    int saved = -1;
-    QuietStdout() {
-        std::fflush(stdout);
-        saved = dup(1);
-        const int null = open("/dev/null", O_WRONLY);
-        if (null >= 0) {
-            dup2(null, 1);
-            close(null);
-        }
-    }
-    ~QuietStdout() {
-        std::fflush(stdout);
-        if (saved >= 0) {
-            dup2(saved, 1);
-            close(saved);
-        }
-    }
-};
+using cute_oracle::QuietStdout;
 
 template <GMMA::Major Mj, int Sw, class T>
 auto atom() {

@@ -63,8 +63,8 @@ impl FamilyHost for Fa3 {
     }
 }
 
-/// Operand layouts as the tensor maps need them, from the launch parameters.
-fn layouts(p: &FwdParams) -> [OperandLayout; 3] {
+/// Operand layouts as the tensor maps need them, from the launch parameters (FA3 and FA4).
+pub(crate) fn layouts(p: &FwdParams) -> [OperandLayout; 3] {
     let l = |seqlen: i32, heads: i32, st: [i64; 3]| OperandLayout {
         batch: p.batch as usize,
         seqlen: seqlen as usize,

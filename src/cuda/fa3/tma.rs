@@ -101,7 +101,8 @@ pub(crate) struct OperandLayout {
     pub head_stride: usize,
 }
 
-fn tma_spec(op: Operand, l: &OperandLayout, box_rows: u32, data_type: u32, elem_bytes: u64) -> Result<TmaSpec> {
+/// One operand's spec with `box_rows`-row boxes (the FA3 stages' and the FA4 kernels', `fa4.rs`).
+pub(crate) fn tma_spec(op: Operand, l: &OperandLayout, box_rows: u32, data_type: u32, elem_bytes: u64) -> Result<TmaSpec> {
     let bad = |reason: String| Error::InvalidLayout {
         operand: op,
         reason,

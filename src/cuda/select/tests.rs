@@ -3,8 +3,9 @@
 use super::super::device::pick_image;
 use super::super::fa2::Fa2;
 use super::super::fa3::Fa3;
+use super::super::fa4::Fa4;
 use super::super::family::Plain;
-use super::super::table::{targets_for, Host, KernelVariant, Target};
+use super::super::table::{targets_for, Host, KernelVariant, SoftmaxParams, Target};
 use super::*;
 use crate::options::{ForwardOptions, Variant};
 use crate::tensor::DType;
@@ -28,6 +29,7 @@ const fn family(name: &'static str, variant: KernelVariant, min_sm: u32, auto: b
         auto,
         sass_expect: &[],
         options: KernelOptions::NONE,
+        softmax: SoftmaxParams::NONE,
         rank,
         cpu_emulation: None,
         smem,
@@ -92,7 +94,27 @@ static IMAGES: &[Image] = &[
     image("fa3s3", 128, Target::Sm90a),
     // a build that (wrongly) had an sm_100a image of the sm_90a-only source
     image("fa3s3", 128, Target::Sm100a),
+    image("fa4s1", 128, Target::Sm100a),
+    image("fa4s2", 128, Target::Sm100a),
+    image("fa4s3", 128, Target::Sm100a),
 ];
+/// An FA4 ladder row as the real table has them (sm_100a-only source, not in Auto, unverified).
+const fn fa4_row(name: &'static str, stage: u8) -> Family {
+    Family {
+        stage: Some(stage),
+        source: "cuda/fa4_fwd_sm100.cu",
+        ..family(name, KernelVariant::Fa4, 100, false, 40 + stage as u32, &Fa4)
+    }
+}
+/// The FA4 rung that runs FA4's softmax (degree-3 exp2 on 1 element in 8, lazy tau 8).
+const FA4_S3: Family = Family {
+    options: KernelOptions::EXP2_POLY.union(KernelOptions::LAZY_RESCALE),
+    softmax: SoftmaxParams { poly_degree: 3, poly_every: 8, lazy_tau: 8.0 },
+    ..fa4_row("fa4s3", 3)
+};
+static TABLE_FA4_S3: &[Family] = &[FA1, FA2, fa4_row("fa4s1", 1), FA4_S3];
+/// FA1/FA2 plus two FA4 tcgen05 rungs.
+static TABLE_FA4: &[Family] = &[FA1, FA2, fa4_row("fa4s1", 1), fa4_row("fa4s2", 2)];
 
 struct FakeGpu {
     cc: (i32, i32),
@@ -386,6 +408,78 @@ fn the_table_is_well_formed() {
             assert!(f.smem_bytes(t) <= 227 * 1024, "{} hd{}: {} B of shared memory", f.name, t.head_dim, f.smem_bytes(t));
         }
     }
+}
+
+#[test]
+fn fa4_runs_only_when_fa4_stage_names_it() {
+    let fa4 = |gpu: &FakeGpu, opts: ForwardOptions| {
+        let opts = opts.variant(Variant::Fa4);
+        choose_in(TABLE_FA4, gpu, &problem(DType::BF16, 128, &opts), Variant::Fa4)
+    };
+    // Auto never picks it.
+    let auto = choose_in(TABLE_FA4, &B200, &problem(DType::BF16, 128, &ForwardOptions::default()), Variant::Auto);
+    assert_eq!(auto.unwrap().family.variant, KernelVariant::Fa1); // the PTX image: no fa2 sm_100a one here
+    // Variant::Fa4 alone does not run an unverified tcgen05 kernel.
+    let e = fa4(&B200, ForwardOptions::default()).unwrap_err();
+    assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("FA4 needs fa4_stage")), "{e:?}");
+    // With the stage, on an sm_100 GPU, that stage runs (not the highest), and the reason says so.
+    for (stage, name) in [(1, "fa4s1"), (2, "fa4s2")] {
+        let c = fa4(&B200, ForwardOptions::default().fa4_stage(stage)).unwrap();
+        assert_eq!((c.family.name, c.image.target), (name, Target::Sm100a));
+        let why = reason_in(TABLE_FA4, &B200, &c, Variant::Fa4);
+        assert!(why.contains(&format!("{name}, the stage fa4_stage asked for")) && why.contains("not yet verified"), "{why}");
+    }
+    // A valid stage this table lacks.
+    let e = fa4(&B200, ForwardOptions::default().fa4_stage(3)).unwrap_err();
+    assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("no stage Some(3)")), "{e:?}");
+    // Elsewhere it is refused with the reason.
+    for gpu in [&H100, &RTX5090] {
+        let e = fa4(gpu, ForwardOptions::default().fa4_stage(1)).unwrap_err();
+        assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("sm_100")), "{e:?}");
+    }
+}
+
+#[test]
+fn fa4_stage_is_validated() {
+    let check = |o: ForwardOptions| Problem::from_shapes([1, 8, 1, 128], [1, 8, 1, 128], [1, 8, 1, 128], DType::BF16, &o);
+    for bad in [0, 4, 255] {
+        let e = check(ForwardOptions::default().variant(Variant::Fa4).fa4_stage(bad)).unwrap_err();
+        assert!(matches!(e, Error::InvalidOption { option: "fa4_stage", .. }), "{e:?}");
+    }
+    for other in [Variant::Auto, Variant::Fa3] {
+        let e = check(ForwardOptions::default().variant(other).fa4_stage(1)).unwrap_err();
+        assert!(matches!(e, Error::InvalidOption { option: "fa4_stage", .. }), "{e:?}");
+    }
+    assert_eq!(check(ForwardOptions::default().variant(Variant::Fa4).fa4_stage(3)).unwrap().fa4_stage, Some(3));
+    assert_eq!(crate::problem::FA4_MAX_STAGE, super::super::table::FA4_MAX_STAGE);
+}
+
+#[test]
+fn fa4_softmax_options_route_to_the_stage_that_implements_them() {
+    use crate::options::{Exp2, Rescale};
+    let fa4 = |stage: u8, exp2: Exp2, rescale: Rescale| {
+        let opts = ForwardOptions::default().variant(Variant::Fa4).fa4_stage(stage).exp2(exp2).rescale(rescale);
+        choose_in(TABLE_FA4_S3, &B200, &problem(DType::BF16, 128, &opts), Variant::Fa4)
+    };
+    let lazy = |threshold: f32| Rescale::Lazy { threshold };
+    // Asked for explicitly, with the row's parameters: stage 3 runs it (and by default too).
+    for (exp2, rescale) in [(Exp2::Poly(3), lazy(8.0)), (Exp2::Poly(3), Rescale::Always), (Exp2::Accurate, lazy(8.0))] {
+        assert_eq!(fa4(3, exp2, rescale).unwrap().family.name, "fa4s3", "{exp2:?} {rescale:?}");
+    }
+    assert_eq!(fa4(3, Exp2::Accurate, Rescale::Always).unwrap().family.name, "fa4s3");
+    // Other parameters than the row's are refused, naming what the row has.
+    let refused = |r: Result<Choice>, what: &str| {
+        assert!(matches!(&r, Err(Error::VariantUnavailable { reason, .. }) if reason.contains(what)), "{what}: {r:?}");
+    };
+    refused(fa4(3, Exp2::Poly(5), Rescale::Always), "exp2_poly of degree 3, not 5");
+    refused(fa4(3, Exp2::Poly(3), lazy(4.0)), "lazy_rescale with threshold 8, not 4");
+    // A stage without FA4's softmax refuses the options.
+    refused(fa4(1, Exp2::Poly(3), Rescale::Always), "does not implement exp2_poly");
+    refused(fa4(1, Exp2::Accurate, lazy(8.0)), "does not implement lazy_rescale");
+    // Auto never takes FA4's softmax to the FA4 row (it is not in Auto): no family runs it.
+    let auto = ForwardOptions::default().exp2(Exp2::Poly(3));
+    let e = choose_in(TABLE_FA4_S3, &B200, &problem(DType::BF16, 128, &auto), Variant::Auto).unwrap_err();
+    assert!(matches!(e, Error::BackendUnavailable { .. }), "{e:?}");
 }
 
 fn fp8_opts(scaling: crate::options::Fp8Scaling) -> ForwardOptions {
