@@ -30,21 +30,13 @@
 #include <vector>
 
 #include "common/params.h"
+#include "launch_file.h"
 #include "runtime.h"
 
 namespace {
 
-[[noreturn]] void usage_error(const std::string& msg) {
-    std::fprintf(stderr, "emu driver: %s\n", msg.c_str());
-    std::exit(2);
-}
-
-uint64_t num(const std::string& s) {
-    char* end = nullptr;
-    const unsigned long long v = std::strtoull(s.c_str(), &end, 0);
-    if (!end || *end) usage_error("not a number: " + s);
-    return v;
-}
+using emu_launch::num;
+using emu_launch::usage_error;
 
 struct Buffer {
     std::string name, path;
@@ -135,24 +127,17 @@ int main(int argc, char** argv) {
         return 0;
     }
     if (argc != 2) usage_error("usage: emu_<unit> <launch file> | --list");
-    std::ifstream in(argv[1]);
-    if (!in) usage_error(std::string("cannot read ") + argv[1]);
     std::string kernel;
     emu::LaunchConfig cfg;
     std::vector<uint64_t> seeds;
     std::vector<unsigned char> params_bytes;
     std::vector<Tmap> tmaps;
     bool print_maps = false;
-    std::string line;
-    while (std::getline(in, line)) {
-        std::istringstream ls(line);
-        std::string key;
-        if (!(ls >> key) || key[0] == '#') continue;
-        std::vector<std::string> a;
-        for (std::string w; ls >> w;) a.push_back(w);
-        auto need = [&](size_t n) {
-            if (a.size() < n) usage_error("too few values for " + key);
-        };
+    emu_launch::g_program = "emu driver";
+    emu_launch::for_each_directive(argv[1], [&](const emu_launch::Directive& d) {
+        const std::string& key = d.key;
+        const std::vector<std::string>& a = d.a;
+        const auto need = [&](size_t n) { d.need(n); };
         if (key == "kernel") {
             need(1);
             kernel = a[0];
@@ -173,9 +158,7 @@ int main(int argc, char** argv) {
             for (const std::string& s : a) seeds.push_back(num(s));
         } else if (key == "params") {
             need(1);
-            const std::string& h = a[0];
-            if (h.size() != 2 * sizeof(FwdParams)) usage_error("params: expected " + std::to_string(2 * sizeof(FwdParams)) + " hex digits");
-            for (size_t i = 0; i < h.size(); i += 2) params_bytes.push_back(static_cast<unsigned char>(std::stoul(h.substr(i, 2), nullptr, 16)));
+            emu_launch::hex_bytes(a[0], sizeof(FwdParams), params_bytes);
         } else if (key == "in" || key == "out") {
             need(4);
             Buffer b;
@@ -216,7 +199,7 @@ int main(int argc, char** argv) {
         } else {
             usage_error("unknown directive " + key);
         }
-    }
+    });
     int nmaps = 0;
     const emu::KernelInvoker invoke = emu::find_kernel(kernel, &nmaps);
     if (!invoke) usage_error("kernel " + kernel + " is not compiled into this program (see --list)");

@@ -20,20 +20,12 @@
 #include <vector>
 
 #include "../../fp8_prepass.cu"
+#include "launch_file.h"
 
 namespace {
 
-[[noreturn]] void usage_error(const std::string& msg) {
-    std::fprintf(stderr, "fp8 prepass driver: %s\n", msg.c_str());
-    std::exit(2);
-}
-
-int64_t num(const std::string& s) {
-    char* end = nullptr;
-    const long long v = std::strtoll(s.c_str(), &end, 0);
-    if (!end || *end) usage_error("not a number: " + s);
-    return v;
-}
+using emu_launch::num;
+using emu_launch::usage_error;
 
 constexpr size_t kSlack = 256;
 constexpr unsigned char kCanary = 0x5C;
@@ -89,22 +81,15 @@ Kernel find(const std::string& name) {
 
 int main(int argc, char** argv) {
     if (argc != 2) usage_error("usage: fp8_prepass_main <launch file>");
-    std::ifstream in(argv[1]);
-    if (!in) usage_error(std::string("cannot read ") + argv[1]);
     std::string kernel;
     emu::LaunchConfig cfg;
     std::vector<uint64_t> seeds;
     std::vector<unsigned char> params_bytes;
-    std::string line;
-    while (std::getline(in, line)) {
-        std::istringstream ls(line);
-        std::string key;
-        if (!(ls >> key) || key[0] == '#') continue;
-        std::vector<std::string> a;
-        for (std::string w; ls >> w;) a.push_back(w);
-        auto need = [&](size_t n) {
-            if (a.size() < n) usage_error("too few values for " + key);
-        };
+    emu_launch::g_program = "fp8 prepass driver";
+    emu_launch::for_each_directive(argv[1], [&](const emu_launch::Directive& d) {
+        const std::string& key = d.key;
+        const std::vector<std::string>& a = d.a;
+        const auto need = [&](size_t n) { d.need(n); };
         if (key == "kernel") {
             need(1);
             kernel = a[0];
@@ -118,8 +103,7 @@ int main(int argc, char** argv) {
             for (const std::string& x : a) seeds.push_back(static_cast<uint64_t>(num(x)));
         } else if (key == "params") {
             need(1);
-            if (a[0].size() != 2 * sizeof(Fp8PrepassParams)) usage_error("params: expected " + std::to_string(2 * sizeof(Fp8PrepassParams)) + " hex digits");
-            for (size_t i = 0; i < a[0].size(); i += 2) params_bytes.push_back(static_cast<unsigned char>(std::stoul(a[0].substr(i, 2), nullptr, 16)));
+            emu_launch::hex_bytes(a[0], sizeof(Fp8PrepassParams), params_bytes);
         } else if (key == "in" || key == "out") {
             need(4);
             Buffer b;
@@ -138,7 +122,7 @@ int main(int argc, char** argv) {
         } else {
             usage_error("unknown directive " + key);
         }
-    }
+    });
     if (params_bytes.size() != sizeof(Fp8PrepassParams)) usage_error("missing params");
     g_kernel = find(kernel);
     Fp8PrepassParams p;
