@@ -15,6 +15,7 @@
 #include <cstdio>
 
 #include "cute_maps.h"
+#include "expect.h"
 
 #define main fa2_layout_test_main
 #include "../fa2_layout_test.cpp"
@@ -24,29 +25,12 @@ namespace {
 
 namespace co = cute_oracle;
 
-int g_bad80 = 0;
-long g_cases80 = 0;
-
-#define EXPECT80(cond, ...)                                \
-    do {                                                   \
-        ++g_cases80;                                       \
-        if (!(cond)) {                                     \
-            if (g_bad80++ < 20) {                          \
-                std::printf("  MISMATCH %s:%d: ", __FILE__, __LINE__); \
-                std::printf(__VA_ARGS__);                  \
-                std::printf("\n");                         \
-            }                                              \
-        }                                                  \
-    } while (0)
-
-void section80(const char* what, long cases_before, int bad_before) {
-    std::printf("cute-oracle sm80: %s: %ld checks, %s\n", what, g_cases80 - cases_before,
-                g_bad80 == bad_before ? "equal to CuTe" : "MISMATCH");
-}
+co::Expect g_sm80{"sm80"};
+#define EXPECT80(cond, ...) CUTE_ORACLE_EXPECT(g_sm80, cond, __VA_ARGS__)
 
 void check_mma_maps() {
-    const long c0 = g_cases80;
-    const int b0 = g_bad80;
+    const long c0 = g_sm80.cases;
+    const int b0 = g_sm80.bad;
     for (int l = 0; l < 32; ++l) {
         for (int v = 0; v < 8; ++v) {
             const co::RowCol a = co::mma16816_a_map(l, v);
@@ -62,12 +46,12 @@ void check_mma_maps() {
             EXPECT80(spec_c_row(l, v) == c.row && spec_c_col(l, v) == c.col, "spec C lane %d value %d", l, v);
         }
     }
-    section80("mma.m16n8k16 A/B/C fragments (fa2/layout.h, fa2_layout_test spec_*)", c0, b0);
+    g_sm80.section("mma.m16n8k16 A/B/C fragments (fa2/layout.h, fa2_layout_test spec_*)", c0, b0);
 }
 
 void check_ldmatrix_model() {
-    const long c0 = g_cases80;
-    const int b0 = g_bad80;
+    const long c0 = g_sm80.cases;
+    const int b0 = g_sm80.bad;
     // 32 rows of 8 elements; element (row s, col c) holds 8 s + c; lane s addresses row s.
     std::vector<double> smem(32 * 8);
     for (int i = 0; i < 32 * 8; ++i) smem[i] = i;
@@ -86,7 +70,7 @@ void check_ldmatrix_model() {
                              reg, h, got, want);
                 }
     }
-    section80("ldmatrix .x4 / .x4.trans (fa2_layout_test model)", c0, b0);
+    g_sm80.section("ldmatrix .x4 / .x4.trans (fa2_layout_test model)", c0, b0);
 }
 
 // The element of the 16x16 block (row, col) that (lane, reg, half) receives when lane s supplies
@@ -101,8 +85,8 @@ Elem ldsm_elem(int (*row_of)(int), int (*col_of)(int), bool trans, int lane, int
 }
 
 void check_kernel_addressing() {
-    const long c0 = g_cases80;
-    const int b0 = g_bad80;
+    const long c0 = g_sm80.cases;
+    const int b0 = g_sm80.bad;
     for (int l = 0; l < 32; ++l)
         for (int reg = 0; reg < 4; ++reg)
             for (int h = 0; h < 2; ++h) {
@@ -123,7 +107,7 @@ void check_kernel_addressing() {
                 EXPECT80(c.row == a.row && c.col + 8 * fa2::p_src_tile(reg) == a.col, "P lane %d reg %d half %d", l, reg,
                          h);
             }
-    section80("FA2 ldmatrix addressing -> mma fragments, P reuse (fa2/layout.h)", c0, b0);
+    g_sm80.section("FA2 ldmatrix addressing -> mma fragments, P reuse (fa2/layout.h)", c0, b0);
 }
 
 // The checks must bite: each deliberate error has to disagree with CuTe somewhere.
@@ -145,8 +129,8 @@ void check_mutations80() {
             diff = v.row != bv.row || v.col != bv.col + 8 * (reg / 2);
         }
     ++tried, detected += diff;
-    ++g_cases80;
-    if (detected != tried) ++g_bad80;
+    ++g_sm80.cases;
+    if (detected != tried) ++g_sm80.bad;
     std::printf("cute-oracle sm80: mutations (A halves, B registers, V without .trans): %d of %d detected\n", detected,
                 tried);
 }
@@ -158,5 +142,5 @@ int check_sm80() {
     check_ldmatrix_model();
     check_kernel_addressing();
     check_mutations80();
-    return g_bad80;
+    return g_sm80.bad;
 }

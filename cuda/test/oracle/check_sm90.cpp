@@ -26,6 +26,7 @@
 #include <utility>
 
 #include "cute_maps.h"
+#include "expect.h"
 
 #define main fa3_layout_sim_main
 #include "../fa3_layout_sim.cpp"
@@ -35,25 +36,8 @@ namespace {
 
 namespace co = cute_oracle;
 
-int g_bad = 0;
-long g_cases = 0;
-
-#define EXPECT(cond, ...)                                  \
-    do {                                                   \
-        ++g_cases;                                         \
-        if (!(cond)) {                                     \
-            if (g_bad++ < 20) {                            \
-                std::printf("  MISMATCH %s:%d: ", __FILE__, __LINE__); \
-                std::printf(__VA_ARGS__);                  \
-                std::printf("\n");                         \
-            }                                              \
-        }                                                  \
-    } while (0)
-
-void section(const char* what, long cases_before, int bad_before) {
-    std::printf("cute-oracle sm90: %s: %ld checks, %s\n", what, g_cases - cases_before,
-                g_bad == bad_before ? "equal to CuTe" : "MISMATCH");
-}
+co::Expect g_sm90{"sm90"};
+#define EXPECT(cond, ...) CUTE_ORACLE_EXPECT(g_sm90, cond, __VA_ARGS__)
 
 co::GmmaTile tile_q(int bm, int d) { return {co::Operand::A, co::Major::K, 16, 128, bm, d, 64}; }
 co::GmmaTile tile_k(int bn, int d) { return {co::Operand::B, co::Major::K, 16, 128, bn, d, 64}; }
@@ -63,7 +47,7 @@ int64_t cute_offset(const co::GmmaTile& t, int mn, int k) {
     int64_t off = -1;
     if (!co::gmma_tile_offset(t, mn, k, &off)) {
         std::printf("  no CuTe tile (mn %d k %d inst %d)\n", t.mn, t.k, t.inst_mn);
-        ++g_bad;
+        ++g_sm90.bad;
     }
     return off;
 }
@@ -71,7 +55,7 @@ co::GmmaDesc cute_desc(const co::GmmaTile& t, int mb, int kb) {
     co::GmmaDesc d{};
     if (!co::gmma_desc(t, mb, kb, &d)) {
         std::printf("  no CuTe descriptor (mn %d k %d inst %d block %d %d)\n", t.mn, t.k, t.inst_mn, mb, kb);
-        ++g_bad;
+        ++g_sm90.bad;
     }
     return d;
 }
@@ -79,8 +63,8 @@ co::GmmaDesc cute_desc(const co::GmmaTile& t, int mb, int kb) {
 constexpr uint64_t kLboMask = 0x3FFFull << 16;
 
 void check_swizzle() {
-    const long c0 = g_cases;
-    const int b0 = g_bad;
+    const long c0 = g_sm90.cases;
+    const int b0 = g_sm90.bad;
     for (uint32_t a = 0; a < (256u << 10); ++a)
         EXPECT(swizzle128(a) == co::swizzle_addr(128, a), "swizzle128(%u) = %u, CuTe %u", a, swizzle128(a),
                co::swizzle_addr(128, a));
@@ -89,11 +73,11 @@ void check_swizzle() {
         for (int c = 0; c < 64; ++c)
             EXPECT(sw128_offset(r, c, 8) == co::swizzle_atom_offset(co::Major::K, 128, 2, r, c),
                    "atom (%d, %d)", r, c);
-    section("128B swizzle (model swizzle128, sw128_offset atom)", c0, b0);
+    g_sm90.section("128B swizzle (model swizzle128, sw128_offset atom)", c0, b0);
     // The interface's own conventions (cute_maps.h), for its other users: every canonical atom is
     // the swizzle function applied to the row-major (K-major) / column-major (MN-major) offset.
-    const long c1 = g_cases;
-    const int b1 = g_bad;
+    const long c1 = g_sm90.cases;
+    const int b1 = g_sm90.bad;
     for (int sw : {0, 32, 64, 128})
         for (int eb : {1, 2, 4}) {
             const int row_bytes = sw ? sw : 16, per_row = row_bytes / eb;
@@ -107,7 +91,7 @@ void check_swizzle() {
                 }
             EXPECT(co::swizzle_atom_offset(co::Major::K, sw, eb, 8, 0) == -1, "K atom bounds");
         }
-    section("canonical atoms = swizzle(linear offset), 128B/64B/32B/none x 1/2/4 bytes (cute_maps.h)", c1, b1);
+    g_sm90.section("canonical atoms = swizzle(linear offset), 128B/64B/32B/none x 1/2/4 bytes (cute_maps.h)", c1, b1);
 }
 
 // Storage of one stage's tiles: where the kernel (plain loads or TMA) puts each element.
@@ -257,8 +241,8 @@ void check_fragments() {
 // FP8 e4m3, K-major SW128: a 128-element row is 128 bytes, so the byte geometry is the 16-bit one
 // with 128-element slabs; desc_kmajor_sw128 applies unchanged at these offsets.
 void check_e4m3() {
-    const long c0 = g_cases;
-    const int b0 = g_bad;
+    const long c0 = g_sm90.cases;
+    const int b0 = g_sm90.bad;
     int n = 0;
     const co::GmmaTile* all = co::gmma_tiles(&n);
     int tiles = 0;
@@ -276,7 +260,7 @@ void check_e4m3() {
             }
     }
     EXPECT(tiles >= 6, "e4m3 SW128 tiles instantiated: %d", tiles);
-    section("e4m3 K-major SW128 descriptors (desc_kmajor_sw128 at 32-byte k steps)", c0, b0);
+    g_sm90.section("e4m3 K-major SW128 descriptors (desc_kmajor_sw128 at 32-byte k steps)", c0, b0);
 
     // The 8-bit RS A fragment against the accumulator: count threads whose A elements of key step
     // 0 (k 0..31) are not all among their own accumulator elements of columns 0..31.
@@ -350,29 +334,29 @@ void check_mutations(const IndexSmem& mem) {
         }
         ++tried, detected += diff;
     }
-    ++g_cases;
-    if (detected != tried) ++g_bad;
+    ++g_sm90.cases;
+    if (detected != tried) ++g_sm90.bad;
     std::printf("cute-oracle sm90: mutations (SBO, swizzle mode, k step, V key step, A registers, C halves): "
                 "%d of %d detected\n", detected, tried);
 }
 
 template <int Stage>
 void check_stage(const IndexSmem& mem) {
-    const long c0 = g_cases;
-    const int b0 = g_bad;
+    const long c0 = g_sm90.cases;
+    const int b0 = g_sm90.bad;
     check_storage<Stage, 64>();
     check_storage<Stage, 128>();
     check_storage<Stage, 256>();
     char what[96];
     std::snprintf(what, sizeof what, "stage %d storage (hd 64/128/256, Q/K/V)", Stage);
-    section(what, c0, b0);
-    const long c1 = g_cases;
-    const int b1 = g_bad;
+    g_sm90.section(what, c0, b0);
+    const long c1 = g_sm90.cases;
+    const int b1 = g_sm90.bad;
     check_descriptors<Stage, 64>(mem);
     check_descriptors<Stage, 128>(mem);
     check_descriptors<Stage, 256>(mem);
     std::snprintf(what, sizeof what, "stage %d descriptors and operand fetch (hd 64/128/256, Q/K/V)", Stage);
-    section(what, c1, b1);
+    g_sm90.section(what, c1, b1);
 }
 
 }  // namespace
@@ -386,20 +370,20 @@ int check_sm90() {
     check_stage<4>(mem);
     check_stage<5>(mem);
     {
-        const long c0 = g_cases;
-        const int b0 = g_bad;
+        const long c0 = g_sm90.cases;
+        const int b0 = g_sm90.bad;
         check_v_lbo_wide<128>(mem);
         check_v_lbo_wide<256>(mem);
-        section("MN-major LBO with N = 128, 256 instructions (V, hd 128/256)", c0, b0);
+        g_sm90.section("MN-major LBO with N = 128, 256 instructions (V, hd 128/256)", c0, b0);
     }
     {
-        const long c0 = g_cases;
-        const int b0 = g_bad;
+        const long c0 = g_sm90.cases;
+        const int b0 = g_sm90.bad;
         check_fragments<64>();
         check_fragments<128>();
-        section("wgmma accumulator and P->A register fragments (N = 64, 128)", c0, b0);
+        g_sm90.section("wgmma accumulator and P->A register fragments (N = 64, 128)", c0, b0);
     }
     check_e4m3();
     check_mutations(mem);
-    return g_bad;
+    return g_sm90.bad;
 }
