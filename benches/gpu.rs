@@ -11,7 +11,7 @@ use flash_attn::bench::support;
 use criterion::{Criterion, SamplingMode, Throughput};
 use flash_attn::bench::roofline::{lookup_gpu, Math, Roofline};
 use flash_attn::bench::flops;
-use flash_attn::{Backend, DType, ForwardOptions, Variant};
+use flash_attn::{Backend, DType, ForwardOptions, Fp8Scaling, Precision, Variant};
 use std::time::Duration;
 use support::gpu::{self, GpuHarness};
 
@@ -63,27 +63,36 @@ fn main() {
     let mut group = c.benchmark_group(format!("attention_{}", info.name.replace(' ', "_")));
     group.sampling_mode(SamplingMode::Flat);
 
-    // TODO(lead): add fp8 (Precision::Fp8 { scaling: PerBlock{..}, hadamard: Some(seed) }) once
-    // the FP8 kernels exist; `prepare` returning Err skips it where unsupported.
+    // Every variant in bf16, then FP8 through Variant::Fa3 (docs/fp8.md: per-block 64 scales +
+    // Hadamard, timed end to end from the bf16 inputs: pre-pass + consumer); `prepare` returning
+    // Err skips what this GPU does not run (FP8: sm_90a, the FP8 rows' head dims).
+    let fp8 = Precision::Fp8 { scaling: Fp8Scaling::PerBlock { rows: 64 }, hadamard: Some(1) };
+    let runs = [
+        ("Fa1", Variant::Fa1, Precision::Native),
+        ("Fa2", Variant::Fa2, Precision::Native),
+        ("Fa3", Variant::Fa3, Precision::Native),
+        ("Fa4", Variant::Fa4, Precision::Native),
+        ("Fa3-fp8", Variant::Fa3, fp8),
+    ];
     for case in gpu::sweep(DType::BF16, tokens, quick) {
         let (q, k, v) = case.inputs(1);
         let base = ForwardOptions::default().mask(case.mask).backend(Backend::Cuda(info.ordinal));
         let p = case.problem(&q, &k, &v, &base);
         let cost = flops::cost(&p);
         let sets = gpu::rotating_sets(cost.bytes, info.l2_bytes);
-        for variant in [Variant::Fa1, Variant::Fa2, Variant::Fa3, Variant::Fa4] {
-            let opts = base.clone().variant(variant);
+        for (label, variant, precision) in runs {
+            let opts = base.clone().variant(variant).precision(precision);
             // Ask the dispatch, upload and probe once: a variant this GPU does not run is
             // skipped with the dispatch's reason.
             match harness.prepare(&q, &k, &v, &opts, sets) {
-                Ok(d) => println!("{variant:?} {}: {} ({})", case.id(), d.kernel, d.reason),
+                Ok(d) => println!("{label} {}: {} ({})", case.id(), d.kernel, d.reason),
                 Err(why) => {
-                    println!("skip {variant:?} {}: {why}", case.id());
+                    println!("skip {label} {}: {why}", case.id());
                     continue;
                 }
             }
             group.throughput(Throughput::Elements(cost.flops));
-            group.bench_function(format!("{variant:?}/{}", case.id()), |b| {
+            group.bench_function(format!("{label}/{}", case.id()), |b| {
                 b.iter_custom(|iters| {
                     let t = bench_launches(harness.as_mut(), &case, iters);
                     Duration::from_secs_f64(t * 1e-3)

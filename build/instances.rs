@@ -365,16 +365,45 @@ const FA3_S345_TILES: &[Tile] = &[fa3_tile(3, 64), fa3_tile(3, 128), fa3_tile(3,
 /// SASS of the warp-specialised stages: wgmma, TMA, mbarriers, setmaxnreg.
 const FA3_WS_SASS: &[&str] = &["HGMMA", "UTMALDG", "SYNCS", "USETMAXREG"];
 
-/// The FP8 consumer's stage-3 tile (cuda/fa3_fp8_fwd_sm90.cu, `Fp8Traits<3, D>`): two consumer
-/// warpgroups of 64 query rows and a producer, 128 keys per K/Vᵀ tile, head_dim 128 only.
+/// The FP8 consumer's tile at stages 3-5 (cuda/fa3_fp8_fwd_sm90.cu, `Fp8Traits<S, D>`): two
+/// consumer warpgroups of 64 query rows and a producer, 128 keys per K/Vᵀ tile, head_dim 128 only.
 const FA3_FP8_TILES: &[Tile] = &[Tile { head_dim: 128, block_m: 128, block_n: 128, threads: 384 }];
 
-/// The FP8 consumer's shared memory (stage 3): e4m3 (1-byte) Q of the CTA's rows, a 2-slot
-/// K / Vᵀ ring, 5 mbarriers (q_full, kv_full and kv_empty per slot) and the alignment slack.
-/// Mirrors `Fp8Traits<3, D>::kSmemBytes`, which the unit static_asserts equal to FA_SMEM_BYTES.
-fn fa3_fp8_smem_bytes(_stage: Option<u8>, t: &Tile) -> u32 {
+/// The FP8 consumer's shared memory (stages 3-5): e4m3 (1-byte) Q of the CTA's rows, a 2-slot
+/// K / Vᵀ ring, the mbarriers (stage 3: q_full, kv_full and kv_empty per slot; stages 4-5: q_full,
+/// k_full, v_full, k_empty, v_empty per slot, q_empty) and the alignment slack. Mirrors
+/// `Fp8Traits<S, D>::kSmemBytes`, which the unit static_asserts equal to FA_SMEM_BYTES.
+fn fa3_fp8_smem_bytes(stage: Option<u8>, t: &Tile) -> u32 {
     const SLOTS: u32 = 2;
-    t.block_m * t.head_dim + 2 * SLOTS * t.block_n * t.head_dim + FA3_MBARRIER_BYTES * (1 + 2 * SLOTS) + FA3_SMEM_SLACK
+    let barriers = if stage.unwrap_or(3) >= 4 { 2 + 4 * SLOTS } else { 1 + 2 * SLOTS };
+    t.block_m * t.head_dim + 2 * SLOTS * t.block_n * t.head_dim + FA3_MBARRIER_BYTES * barriers + FA3_SMEM_SLACK
+}
+
+/// One row of the FP8 ladder (docs/fp8.md, "On Hopper"): the FP8 consumer of `stage` (e4m3
+/// wgmma, TMA ring, warp specialisation; 4: + ping-pong and intra-warpgroup overlap; 5: + the
+/// persistent grid) and, in the same image, its bf16/f16 -> e4m3 pre-pass. It runs only
+/// `Precision::Fp8` problems (src/cuda/select.rs) and never ran on a GPU, so Auto leaves it
+/// alone; `Variant::Fa3` with `Precision::Fp8` runs the highest stage, `fa3_stage` picks another.
+const fn fa3_fp8_family(name: &'static str, stage: u8) -> Family {
+    Family {
+        name,
+        variant: KernelVariant::Fa3,
+        stage: Some(stage),
+        source: "cuda/fa3_fp8_fwd_sm90.cu",
+        tiles: FA3_FP8_TILES,
+        min_sm: 90,
+        gpu_verified: false,
+        auto: false,
+        // QGMMA: e4m3 wgmma; the rest as the 16-bit stages 3-5 (checked on the forward kernels;
+        // the pre-pass in the same image is checked for spills and local memory only).
+        sass_expect: &["QGMMA", "UTMALDG", "SYNCS", "USETMAXREG"],
+        options: KernelOptions::FP8,
+        softmax: SoftmaxParams::NONE,
+        rank: 37 + stage as u32,
+        cpu_emulation: Some(if stage == 3 { "fp8_consumer_matches_cpu_fp8_path" } else { "fp8_consumer_stages_4_5" }),
+        smem: fa3_fp8_smem_bytes,
+        host: host!(fp8::Fp8),
+    }
 }
 
 /// The FP8 pre-pass kernel a family with the `FP8` option carries in its image beside its
@@ -560,29 +589,11 @@ pub const FAMILIES: &[Family] = &[
     fa3_family("fa3s3", 3, "fa3_stage3", FA3_WS_SASS, FA3_S345_TILES),
     fa3_family("fa3s4", 4, "fa3_stage4", FA3_WS_SASS, FA3_S345_TILES),
     fa3_family("fa3s5", 5, "fa3_stage5", FA3_WS_SASS, FA3_S345_TILES),
-    // The FP8 forward (docs/fp8.md, "On Hopper"): the stage-3 FP8 consumer (e4m3 wgmma, TMA ring,
-    // warp specialisation) and, in the same image, its bf16/f16 -> e4m3 pre-pass. It runs only
-    // `Precision::Fp8` problems (src/cuda/select.rs) and is never GPU-verified yet, so Auto
-    // leaves it alone; `Variant::Fa3` with `Precision::Fp8` runs it.
-    Family {
-        name: "fa3fp8s3",
-        variant: KernelVariant::Fa3,
-        stage: Some(3),
-        source: "cuda/fa3_fp8_fwd_sm90.cu",
-        tiles: FA3_FP8_TILES,
-        min_sm: 90,
-        gpu_verified: false,
-        auto: false,
-        // QGMMA: e4m3 wgmma; the rest as the 16-bit stage 3 (checked on the forward kernels; the
-        // pre-pass in the same image is checked for spills and local memory only).
-        sass_expect: &["QGMMA", "UTMALDG", "SYNCS", "USETMAXREG"],
-        options: KernelOptions::FP8,
-        softmax: SoftmaxParams::NONE,
-        rank: 40,
-        cpu_emulation: Some("fp8_consumer_matches_cpu_fp8_path"),
-        smem: fa3_fp8_smem_bytes,
-        host: host!(fp8::Fp8),
-    },
+    // The FP8 forward (docs/fp8.md, "On Hopper"): the FP8 consumer at stages 3-5 of the FA3
+    // ladder, each image with its bf16/f16 -> e4m3 pre-pass (fa3_fp8_family).
+    fa3_fp8_family("fa3fp8s3", 3),
+    fa3_fp8_family("fa3fp8s4", 4),
+    fa3_fp8_family("fa3fp8s5", 5),
     // The FA4 ladder (docs/fa4.md), Blackwell tcgen05. 1 tcgen05.mma into tensor memory, one
     // warpgroup; 2 + FA4's warp roles (load warp, MMA warp, two softmax warpgroups, a correction
     // warpgroup), P in tensor memory (A operand from TMEM); 3 + two Q tiles in ping-pong and

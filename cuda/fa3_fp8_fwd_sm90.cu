@@ -1,9 +1,10 @@
-// FP8 (e4m3) consumer of the FA3 kernels, stage-1 structure (docs/fp8.md "On Hopper"): one
-// warpgroup per 64 query rows, Q / K / Vᵀ codes copied by plain 16-byte loads into SW128 shared
-// memory, S = Q Kᵀ and O += P V as e4m3 wgmma (sm90/wgmma_fp8.cuh); stages 2-3 add the TMA ring
-// and warp specialisation. Composed from the FA3 pieces (cuda/fa3/): the shared-memory carve-up,
-// scheduler, TMA ring and its barriers, stage 2-3 skeletons (stage2_of / stage3_of), the shared
-// score transform, mask and online softmax (scores_to_p) and the epilogue. What is FP8's own, here:
+// FP8 (e4m3) consumer of the FA3 kernels (docs/fp8.md "On Hopper"), stages 1-5 of the FA3 ladder:
+// stage 1 one warpgroup per 64 query rows, Q / K / Vᵀ codes copied by plain 16-byte loads into
+// SW128 shared memory, S = Q Kᵀ and O += P V as e4m3 wgmma (sm90/wgmma_fp8.cuh); stages 2-5 add
+// the TMA ring, warp specialisation, ping-pong with intra-warpgroup overlap, and the persistent
+// grid. Composed from the FA3 pieces (cuda/fa3/): the shared-memory carve-up, scheduler, TMA ring
+// and its barriers, the stage skeletons (stage1_of .. stage45_of), the shared score transform,
+// mask and online softmax (scores_to_p) and the epilogue. What is FP8's own, here:
 // the tile plan (Fp8Traits: e4m3 bytes, Vᵀ), the e4m3 GEMMs, the descales on S and O, and P's
 // trip through e4m3 (scaled by 2^8, moved between the lanes of a quad by acc_to_a8: the 8-bit A
 // fragment does not match the f32 accumulator's layout, unlike the 16-bit pack_p).
@@ -32,13 +33,14 @@
 
 namespace fa3 {
 
-// Tile shapes, roles and shared-memory plan of FP8 stage `Stage` (1-3), with the members the FA3
-// pieces read (Cta, Barriers, OneTile, RingIssuer, Acc, scores_to_p, stage2_of / stage3_of).
+// Tile shapes, roles and shared-memory plan of FP8 stage `Stage` (1-5), with the members the FA3
+// pieces read (Cta, Barriers / SplitBarriers, OneTile, RingIssuer, TileScheduler, PingPong, Acc,
+// scores_to_p, the stage skeletons).
 // K [128 keys x D] and Vᵀ [D x 128 keys] tiles are the same bytes (D = kBlockN = 128).
 template <int Stage, int D>
 struct Fp8Traits {
     static_assert(D == 128, "the FP8 consumer is instantiated for head_dim 128");
-    static_assert(Stage >= 1 && Stage <= 3, "FP8 stages 1-3");
+    static_assert(Stage >= 1 && Stage <= 5, "FP8 stages 1-5");
     static constexpr int kStage = Stage;
     static constexpr int kHeadDim = D;
     static constexpr int kSlabs = D / kSlabCols8;  // 128-column e4m3 slabs of Q and K
@@ -61,9 +63,13 @@ struct Fp8Traits {
     static constexpr int kOffK = kQBytes;
     static constexpr int kOffV = kOffK + kKvStages * kKvTileBytes;
     static constexpr int kOffBarriers = kOffV + kKvStages * kKvTileBytes;
-    // Stages 2-3: q_full, kv_full[2], kv_empty[2] (pipeline.cuh Barriers); stage 1: none.
-    static constexpr bool kSplitKv = false;
-    static constexpr int kNumBarriers = Stage >= 2 ? 1 + 2 * kKvStages : 0;
+    // Stages 2-3: q_full, kv_full[2], kv_empty[2] (pipeline.cuh Barriers); stages 4-5: q_full,
+    // k_full, v_full, k_empty, v_empty per slot, q_empty (SplitBarriers); stage 1: none.
+    static constexpr bool kSplitKv = Stage >= 4;
+    static constexpr int kNumBarriers = kSplitKv ? 2 + 4 * kKvStages : Stage >= 2 ? 1 + 2 * kKvStages : 0;
+    // Stages 4-5: the ping-pong's named barriers (as Fa3Traits).
+    static constexpr int kPingPongBarrier0 = 1;
+    static constexpr int kPingPongThreads = 2 * kWarpgroupThreads;
     static constexpr int kSmemUsed = kOffBarriers + 8 * kNumBarriers;
     static constexpr int kSmemBytes = kSmemUsed + kSwizzleAtomBytes;
     static_assert(kSmemBytes <= 227 * 1024, "sm_90 opt-in shared memory");
@@ -135,6 +141,7 @@ template <class Tr, class T>
 struct Fp8Tile {
     using Elem = uint8_t;  // e4m3 codes; src.v of TileSources is Vᵀ
     using Frag = typename Acc<Tr>::Frag;
+    using PFrag = uint32_t[Tr::kBlockN / kMmaK8][4];  // e4m3 P as A fragments, keys 32k.. in [k]
     static constexpr int D = Tr::kHeadDim;
     float s[Tr::kBlockN / 2] = {};
     float dq[2];
@@ -157,13 +164,11 @@ struct Fp8Tile {
         load_tile8<D, Tr::kBlockN>(cta.sv, src.v + n0, p.v_row_stride, D, p.seqlen_k - n0, tid);
     }
 
-    // S = Q Kᵀ (e4m3), per-block descales on S, then the shared score transform, mask and online
-    // softmax (scores_to_p), rescale O, P · 2^8 -> e4m3 A fragments, O' += P V per 64-key half
-    // under its V descale. q_addr / k_addr / v_addr: the shared addresses of the Q, K and Vᵀ tiles.
-    __device__ __forceinline__ void operator()(const FwdParams& p, Acc<Tr>& acc, const Frag& frag, int m_first, int n,
-                                               uint32_t q_addr, uint32_t k_addr, uint32_t v_addr) {
-        const int n0 = n * Tr::kBlockN;
-        wgmma_fence();
+    // The pieces (as SyncTile's; the overlapped loop of stages 4-5 interleaves them, operator()
+    // runs them in order). Issue S = Q Kᵀ (e4m3) as one wgmma group; q_addr / k_addr: the shared
+    // addresses of the warpgroup's Q rows and of the K tile.
+    __device__ __forceinline__ void issue_qk(uint32_t q_addr, uint32_t k_addr) {
+        wgmma_fence();  // s was read by the previous tile's softmax
 #pragma unroll
         for (int kk = 0; kk < D / kMmaK8; ++kk) {
             const uint64_t da = desc_kmajor_sw128(q_addr + Tr::qk_a_offset(kk));
@@ -173,10 +178,14 @@ struct Fp8Tile {
                                         desc_kmajor_sw128(k_addr + Tr::qk_b_offset(kk, nh)), kk > 0 ? 1 : 0);
         }
         wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(s);
+    }
 
-        // Per-block descales on S, per element of the tile (before softcap and mask, as on the CPU).
+    // S of K/V tile n has retired: per-block descales on S, per element of the tile (before
+    // softcap and mask, as on the CPU), then the shared score transform, mask and online softmax
+    // (scores_to_p): S becomes P (unscaled, as the row sums saw it); corr receives O's factor.
+    __device__ __forceinline__ void scores(const FwdParams& p, Acc<Tr>& acc, const Frag& frag, int m_first, int n,
+                                           float (&corr)[2]) {
+        const int n0 = n * Tr::kBlockN;
 #pragma unroll
         for (int c = 0; c < Tr::kBlockN / 8; ++c)
 #pragma unroll
@@ -185,40 +194,82 @@ struct Fp8Tile {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) s[acc_index(c, h, e)] *= dq[h] * dk;
             }
-
-        float corr[2];
         scores_to_p<Tr>(p, acc, s, frag, m_first, n, corr);
-        acc.softmax.rescale(acc.o, corr);
+    }
 
-        // P · 2^8 -> e4m3 A fragments (the row sums above used the unscaled P).
+    // P · 2^8 -> e4m3 A fragments (acc_to_a8 moves P between the lanes of a quad).
+    __device__ __forceinline__ void pack(PFrag& a) {
         const float p_scale = exp2f(FA_FP8_P_SCALE_LOG2);
 #pragma unroll
         for (int i = 0; i < Tr::kBlockN / 2; ++i) s[i] *= p_scale;
-        uint32_t a[Tr::kBlockN / kMmaK8][4];
 #pragma unroll
         for (int kk = 0; kk < Tr::kBlockN / kMmaK8; ++kk) acc_to_a8(&s[16 * kk], a[kk]);
+    }
 
-        // Two 64-key halves, each under one V descale: O' *= dv_old / dv_new, then O' += P V.
+    // Issue O' += P V for K/V tile n (v_addr: its Vᵀ tile), per 64-key half under that half's V
+    // descale: O' *= dv_old / dv_new before a half whose descale differs (warpgroup-uniform). The
+    // first half's rescale touches O only after the caller retired the previous P V; a second
+    // half under another descale (64-row V blocks) must wait for the first half's product, so that
+    // wait (which also retires any S group issued before) sits inside. The last group is left in
+    // flight for the caller to wait for.
+    __device__ __forceinline__ void issue_pv(const FwdParams& p, Acc<Tr>& acc, const PFrag& a, uint32_t v_addr, int n) {
+        constexpr int kHalves = Tr::kBlockN / 64;
+        const int n0 = n * Tr::kBlockN;
+        float ratio[kHalves];
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
+        for (int half = 0; half < kHalves; ++half) {
             const float dv_new = descale_at(p.v_descale, p, bhk, p.seqlen_k, n0 + 64 * half);
-            const float ratio = dv == 0.f ? 1.f : dv / dv_new;
+            ratio[half] = dv == 0.f ? 1.f : dv / dv_new;
             dv = dv_new;
-            if (ratio != 1.f) {
-#pragma unroll
-                for (int i = 0; i < D / 2; ++i) acc.o[i] *= ratio;
-            }
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 2 * half; kk < 2 * half + 2; ++kk)
-#pragma unroll
-                for (int nh = 0; nh < D / kMmaN; ++nh)
-                    wgmma_m64n64k32_rs_e4m3(&acc.o[acc_index(nh * kMmaN / 8, 0, 0)], a[kk],
-                                            desc_kmajor_sw128(v_addr + Tr::pv_b_offset(kk, nh)));
-            wgmma_commit();
-            wgmma_wait<0>();
-            fence_regs(acc.o);
         }
+        bool split = false;  // a later half under another descale: its own group after a wait
+#pragma unroll
+        for (int half = 1; half < kHalves; ++half) split |= ratio[half] != 1.f;
+        if (ratio[0] != 1.f) {
+#pragma unroll
+            for (int i = 0; i < D / 2; ++i) acc.o[i] *= ratio[0];
+        }
+        if (!split) {
+            pv_steps(acc, a, v_addr, 0, kHalves);
+        } else {
+#pragma unroll
+            for (int half = 0; half < kHalves; ++half) {
+                if (half > 0) {
+                    wgmma_wait<0>();
+                    fence_regs(acc.o);
+#pragma unroll
+                    for (int i = 0; i < D / 2; ++i) acc.o[i] *= ratio[half];
+                }
+                pv_steps(acc, a, v_addr, half, half + 1);
+            }
+        }
+    }
+    // One wgmma group of O' += P V over the 64-key halves [h0, h1) of the tile.
+    __device__ __forceinline__ static void pv_steps(Acc<Tr>& acc, const PFrag& a, uint32_t v_addr, int h0, int h1) {
+        wgmma_fence();  // o rescaled and a written by ordinary instructions
+#pragma unroll
+        for (int kk = 2 * h0; kk < 2 * h1; ++kk)
+#pragma unroll
+            for (int nh = 0; nh < D / kMmaN; ++nh)
+                wgmma_m64n64k32_rs_e4m3(&acc.o[acc_index(nh * kMmaN / 8, 0, 0)], a[kk],
+                                        desc_kmajor_sw128(v_addr + Tr::pv_b_offset(kk, nh)));
+        wgmma_commit();
+    }
+
+    // Stages 1-3: the whole tile, waited for (S, its descales and softmax, rescale O, P V).
+    __device__ __forceinline__ void operator()(const FwdParams& p, Acc<Tr>& acc, const Frag& frag, int m_first, int n,
+                                               uint32_t q_addr, uint32_t k_addr, uint32_t v_addr) {
+        issue_qk(q_addr, k_addr);
+        wgmma_wait<0>();
+        fence_regs(s);
+        float corr[2];
+        scores(p, acc, frag, m_first, n, corr);
+        acc.softmax.rescale(acc.o, corr);
+        PFrag a;
+        pack(a);
+        issue_pv(p, acc, a, v_addr, n);
+        wgmma_wait<0>();
+        fence_regs(acc.o);
     }
 
     // O = O' · dv · 2^-8; write_output then normalises by the row sum.
@@ -230,76 +281,77 @@ struct Fp8Tile {
 };
 
 // The 16-bit stages' skeletons (fa3/stages.cuh) with the FP8 tile plan and tile work: stage 1
-// (plain loads), stage 2 (+ the TMA ring, thread 0 issues), stage 3 (+ warp specialisation).
+// (plain loads), stage 2 (+ the TMA ring, thread 0 issues), stage 3 (+ warp specialisation),
+// stage 4 (+ ping-pong and intra-warpgroup overlap), stage 5 (+ the persistent grid).
 template <class T, int D>
 __device__ __forceinline__ void fp8_stage1(const FwdParams& p) {
     stage1_of<Fp8Traits<1, D>, T, Fp8Tile>(p);
 }
-template <class T, int D>
-__device__ __forceinline__ void fp8_stage2(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv) {
-    stage2_of<Fp8Traits<2, D>, T, Fp8Tile>(p, tq, tk, tv);
-}
-template <class T, int D>
-__device__ __forceinline__ void fp8_stage3(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv) {
-    stage3_of<Fp8Traits<3, D>, T, Fp8Tile>(p, tq, tk, tv);
+template <int Stage, class T, int D>
+__device__ __forceinline__ void fp8_stage_with_maps(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk,
+                                                    const TmaDesc* tv) {
+    if constexpr (Stage == 2)
+        stage2_of<Fp8Traits<2, D>, T, Fp8Tile>(p, tq, tk, tv);
+    else if constexpr (Stage == 3)
+        stage3_of<Fp8Traits<3, D>, T, Fp8Tile>(p, tq, tk, tv);
+    else
+        stage45_of<Fp8Traits<Stage, D>, T, Fp8Tile>(p, tq, tk, tv);
 }
 
 #else  // not sm_90a: the instances exist (so every target links) but do nothing.
 
 template <class T, int D>
 __device__ __forceinline__ void fp8_stage1(const FwdParams&) {}
-template <class T, int D>
-__device__ __forceinline__ void fp8_stage2(const FwdParams&, const TmaDesc*, const TmaDesc*, const TmaDesc*) {}
-template <class T, int D>
-__device__ __forceinline__ void fp8_stage3(const FwdParams&, const TmaDesc*, const TmaDesc*, const TmaDesc*) {}
+template <int Stage, class T, int D>
+__device__ __forceinline__ void fp8_stage_with_maps(const FwdParams&, const TmaDesc*, const TmaDesc*, const TmaDesc*) {}
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 }  // namespace fa3
 
-// Symbols: fa3fp8s<stage>_fwd_hd<D>_<output dtype>; stage 2 also takes the tensor maps of Q, K, Vᵀ.
+// Symbols: fa3fp8s<stage>_fwd_hd<D>_<output dtype>; stages 2-5 also take the tensor maps of Q, K, Vᵀ.
 #define FA3_FP8_S1(DT, T, D)                                                               \
     extern "C" __global__ void __launch_bounds__(fa3::kWarpgroupThreads, 1)                \
         fa3fp8s1_fwd_hd##D##_##DT(const __grid_constant__ FwdParams p) {                   \
         fa3::fp8_stage1<T, D>(p);                                                          \
     }
-#define FA3_FP8_S2(DT, T, D)                                                                             \
-    extern "C" __global__ void __launch_bounds__(fa3::kWarpgroupThreads, 1) fa3fp8s2_fwd_hd##D##_##DT(   \
-        const __grid_constant__ FwdParams p, const __grid_constant__ fa3::TmaDesc tmap_q,                \
-        const __grid_constant__ fa3::TmaDesc tmap_k, const __grid_constant__ fa3::TmaDesc tmap_vt) {     \
-        fa3::fp8_stage2<T, D>(p, &tmap_q, &tmap_k, &tmap_vt);                                            \
-    }
-#define FA3_FP8_S3(DT, T, D)                                                                             \
-    extern "C" __global__ void __launch_bounds__(fa3::Fp8Traits<3, D>::kThreads, 1) fa3fp8s3_fwd_hd##D##_##DT( \
-        const __grid_constant__ FwdParams p, const __grid_constant__ fa3::TmaDesc tmap_q,                \
-        const __grid_constant__ fa3::TmaDesc tmap_k, const __grid_constant__ fa3::TmaDesc tmap_vt) {     \
-        fa3::fp8_stage3<T, D>(p, &tmap_q, &tmap_k, &tmap_vt);                                            \
+#define FA3_FP8_SN(N, DT, T, D)                                                                          \
+    extern "C" __global__ void __launch_bounds__(fa3::Fp8Traits<N, D>::kThreads, 1)                      \
+        fa3fp8s##N##_fwd_hd##D##_##DT(const __grid_constant__ FwdParams p,                               \
+                                      const __grid_constant__ fa3::TmaDesc tmap_q,                       \
+                                      const __grid_constant__ fa3::TmaDesc tmap_k,                       \
+                                      const __grid_constant__ fa3::TmaDesc tmap_vt) {                    \
+        fa3::fp8_stage_with_maps<N, T, D>(p, &tmap_q, &tmap_k, &tmap_vt);                                \
     }
 #if defined(FA_FAMILY)
-// A build.rs unit of the table row fa3fp8s3 (build/instances.rs): the stage-3 consumer and, in
-// the same image, the pre-pass of its head dim (E = elements per lane, head_dim <= 32·E), so one
-// loaded module holds both launches of the FP8 forward.
+// A build.rs unit of a table row fa3fp8s<3..5> (build/instances.rs): the consumer of that stage
+// and, in the same image, the pre-pass of its head dim (E = elements per lane, head_dim <= 32·E),
+// so one loaded module holds both launches of the FP8 forward.
 #define FA_FP8_PREPASS_NO_INSTANCES 1
 #include "fp8_prepass.cu"
-static_assert(FA_STAGE == 3, "fa3fp8s3: the stage-3 consumer");
+static_assert(FA_STAGE >= 3 && FA_STAGE <= 5, "fa3fp8s<3..5>: the warp-specialised consumers");
 #define FA3_FP8_PREPASS_E (FA_HEAD_DIM <= 32 ? 1 : FA_HEAD_DIM <= 64 ? 2 : FA_HEAD_DIM <= 128 ? 4 : 8)
 static_assert(FA3_FP8_PREPASS_E == 4, "the instance below is written for head_dim 128");
 // The table and the traits must agree on the launch shape.
-static_assert(FA_THREADS == fa3::Fp8Traits<3, FA_HEAD_DIM>::kThreads, "table: threads");
-static_assert(FA_BLOCK_M == fa3::Fp8Traits<3, FA_HEAD_DIM>::kBlockM, "table: block_m");
-static_assert(FA_BLOCK_N == fa3::Fp8Traits<3, FA_HEAD_DIM>::kBlockN, "table: block_n");
-static_assert(FA_SMEM_BYTES == fa3::Fp8Traits<3, FA_HEAD_DIM>::kSmemBytes,
+static_assert(FA_THREADS == fa3::Fp8Traits<FA_STAGE, FA_HEAD_DIM>::kThreads, "table: threads");
+static_assert(FA_BLOCK_M == fa3::Fp8Traits<FA_STAGE, FA_HEAD_DIM>::kBlockM, "table: block_m");
+static_assert(FA_BLOCK_N == fa3::Fp8Traits<FA_STAGE, FA_HEAD_DIM>::kBlockN, "table: block_n");
+static_assert(FA_SMEM_BYTES == fa3::Fp8Traits<FA_STAGE, FA_HEAD_DIM>::kSmemBytes,
               "table: dynamic shared memory (fa3_fp8_smem_bytes in build/instances.rs)");
 #define FA3_FP8_TYPE_bf16 __nv_bfloat16
 #define FA3_FP8_TYPE_f16 __half
-#define FA3_FP8_UNIT_(DT, D) FA3_FP8_S3(DT, FA3_FP8_TYPE_##DT, D) FA_FP8_PREPASS_INSTANCE(DT, 4)
-#define FA3_FP8_UNIT(DT, D) FA3_FP8_UNIT_(DT, D)
-#define FA_INSTANCE(DT) FA3_FP8_UNIT(DT, FA_HEAD_DIM)
+#define FA3_FP8_UNIT_(S, DT, D) FA3_FP8_SN(S, DT, FA3_FP8_TYPE_##DT, D) FA_FP8_PREPASS_INSTANCE(DT, 4)
+#define FA3_FP8_UNIT(S, DT, D) FA3_FP8_UNIT_(S, DT, D)
+#define FA_INSTANCE(DT) FA3_FP8_UNIT(FA_STAGE, DT, FA_HEAD_DIM)
 #else
 FA3_FP8_S1(bf16, __nv_bfloat16, 128)
 FA3_FP8_S1(f16, __half, 128)
-FA3_FP8_S2(bf16, __nv_bfloat16, 128)
-FA3_FP8_S2(f16, __half, 128)
-FA3_FP8_S3(bf16, __nv_bfloat16, 128)
-FA3_FP8_S3(f16, __half, 128)
+FA3_FP8_SN(2, bf16, __nv_bfloat16, 128)
+FA3_FP8_SN(2, f16, __half, 128)
+FA3_FP8_SN(3, bf16, __nv_bfloat16, 128)
+FA3_FP8_SN(3, f16, __half, 128)
+FA3_FP8_SN(4, bf16, __nv_bfloat16, 128)
+FA3_FP8_SN(4, f16, __half, 128)
+FA3_FP8_SN(5, bf16, __nv_bfloat16, 128)
+FA3_FP8_SN(5, f16, __half, 128)
 #endif  // FA_FAMILY

@@ -4,8 +4,10 @@
 # network); the report and the plot are made afterwards on any machine:
 #   python3 scripts/report.py OUT/*.jsonl --md OUT/report.md --png-dir OUT/plots
 #
-#   scripts/gpu-bench.sh            short version (hdim 64/128, seqlen 4K, 16K tokens): ~1-2 min
-#   scripts/gpu-bench.sh --full     the issue's sweep (seqlen 512..16K, hdim 64/128/256)
+#   scripts/gpu-bench.sh            short version (hdim 64/128, seqlen 4K, 16K tokens; FP8 at
+#                                   hdim 64/128/256): ~2 min
+#   scripts/gpu-bench.sh --full     the issue's sweep (seqlen 512..16K, hdim 64/128/256; FP8 at
+#                                   seqlen 4K-16K)
 #
 # Without a GPU every step says "no CUDA GPU present" and the script exits 0.
 set -euo pipefail
@@ -38,6 +40,29 @@ for d in $dims; do
         $bench --backend cuda --variant "$variant" --dtype bf16 --batch "$b" --seqlen "$s" \
           --heads "$heads" --head-dim "$d" $causal --runs 20 --check-rows 16 >> "$out/ours.jsonl" \
           || echo "ours: $variant b$b s$s d$d $causal failed" >&2
+      done
+    done
+  done
+done
+
+# FP8 (docs/fp8.md, "On Hopper"): Variant::Fa3 with Precision::Fp8 on bf16 inputs, timed end to
+# end (scratch, pre-pass of Q+K and of V into Vᵀ, the top FP8 consumer stage), beside the bf16
+# lines above and the torch SDPA peers below; head dims 64/128/256 at seqlen 4K (short) or
+# 4K-16K (--full), causal and not. Per-block (64) scales + Hadamard (the accuracy table's
+# setting); --full adds per-tensor scales without rotation (FA3's released granularity). A head
+# dim the FP8 rows lack prints the dispatch's refusal and no line. Never ran on a GPU yet.
+if [[ $quick == 1 ]]; then fp8_seqlens="4096"; fp8_modes="block:64"; else fp8_seqlens="4096 8192 16384"; fp8_modes="block:64 tensor"; fi
+: > "$out/fp8.jsonl"
+for d in 64 128 256; do
+  heads=$((hidden / d))
+  for s in $fp8_seqlens; do
+    b=$(( tokens / s > 0 ? tokens / s : 1 ))
+    for causal in "" "--causal"; do
+      for mode in $fp8_modes; do
+        rot=""; [[ $mode == block:* ]] && rot="--hadamard 1"
+        $bench --backend cuda --variant fa3 --fp8 "$mode" $rot --dtype bf16 --batch "$b" --seqlen "$s" \
+          --heads "$heads" --head-dim "$d" $causal --runs 20 --check-rows 16 >> "$out/fp8.jsonl" \
+          || echo "fp8: $mode b$b s$s d$d $causal failed" >&2
       done
     done
   done

@@ -13,8 +13,9 @@
 #   3. each bench binary briefly (criterion: 0.5 s warm-up, 1 s measurement; the GPU one on
 #      its short sweep, FA_BENCH_QUICK=1),
 #   4. the short performance run: bin/fa-bench (one JSON line per shape and variant: hdim 64
-#      and 128 at seqlen 4K, 16K tokens, causal and not, bf16) and peers_torch.py (torch SDPA
-#      flash and cuDNN) on the same shapes, into $OUT/perf.jsonl (~90 s at most),
+#      and 128 at seqlen 4K, 16K tokens, causal and not, bf16; then FP8 through Variant::Fa3 at
+#      hdim 64/128/256) and peers_torch.py (torch SDPA flash and cuDNN) on the same shapes, into
+#      $OUT/perf.jsonl (~130 s at most),
 # then a summary table with the performance lines, printed last. Full logs go to $OUT (at most 8 files: the device tool's
 # limit), or gpu-check/out when OUT is unset. Budget: well under 5 minutes.
 set -uo pipefail
@@ -160,6 +161,22 @@ if [ -x "$here/bin/fa-bench" ]; then
           --seqlen 4096 --heads $((2048 / d)) --head-dim "$d" $causal --warmup 1 --runs 7 --launches 5 \
           --check-rows 16 --copy-mib 256 >>"$perf" 2>>"$out/bench.log" || n_fail=$((n_fail + 1))
       done
+    done
+  done
+  # FP8 (docs/fp8.md): Variant::Fa3 + Precision::Fp8 (per-block 64 + Hadamard), end to end from
+  # bf16 (pre-pass + consumer), hdim 64/128/256 on the same 16K tokens, causal and not; its own
+  # 40 s budget. A head dim without an FP8 row prints the refusal and no line (not a failure).
+  t8=$SECONDS
+  for d in 64 128 256; do
+    for causal in "" "--causal"; do
+      if [ $((SECONDS - t8)) -ge 40 ]; then
+        echo "perf: FP8 time budget spent, skipping d$d $causal" >>"$out/bench.log"
+        continue
+      fi
+      echo "== fa-bench fp8 d$d $causal" >>"$out/bench.log"
+      timeout 20 "$here/bin/fa-bench" --backend cuda --variant fa3 --fp8 block:64 --hadamard 1 --dtype bf16 \
+        --batch 4 --seqlen 4096 --heads $((2048 / d)) --head-dim "$d" $causal --warmup 1 --runs 7 --launches 5 \
+        --check-rows 16 --copy-mib 256 >>"$perf" 2>>"$out/bench.log" || n_fail=$((n_fail + 1))
     done
   done
   ours=$(grep -c '"impl":"flash_attn"' "$perf")

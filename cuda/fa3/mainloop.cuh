@@ -174,14 +174,17 @@ __device__ __forceinline__ void load_tile_sw128(uint8_t* dst, const T* src, int6
 
 // ---- The loops.
 
-// The synchronous work on one K/V tile in the 16-bit stages 1-3, one object per consumer thread
-// (it holds S): S = Q K^T, then consume_tile; and stage 1's plain loads. The FP8 consumer has its
-// own with the same members (Fp8Tile, cuda/fa3_fp8_fwd_sm90.cu), so the stage skeletons
-// (stage1_of, mainloop_ring, stages.cuh) take either.
+// The work on one K/V tile in the 16-bit kernels, one object per consumer thread (it holds S):
+// synchronously (operator(): S = Q K^T, then consume_tile; stages 1-3), or as the pieces the
+// overlapped loop of stages 4-5 interleaves (issue_qk, scores, pack, issue_pv); and stage 1's
+// plain loads. The FP8 consumer has its own with the same members (Fp8Tile,
+// cuda/fa3_fp8_fwd_sm90.cu), so the stage skeletons (stage1_of, mainloop_ring,
+// mainloop_overlapped, stages.cuh) take either.
 template <class Tr, class T>
 struct SyncTile {
     using Elem = T;  // as stored in global memory
     using Frag = typename Acc<Tr>::Frag;
+    using PFrag = uint32_t[Tr::kBlockN / kMmaK][4];  // P as A fragments, keys 16k.. in [k]
     float s[Tr::kBlockN / 2];
     __device__ __forceinline__ SyncTile(const FwdParams&, const Frag&, const BlockCoord&, int) {
 #pragma unroll
@@ -203,6 +206,17 @@ struct SyncTile {
                                                int n_tile, uint32_t q_addr, uint32_t k_addr, uint32_t v_addr) {
         gemm_qk<Tr, T>(s, q_addr, k_addr);
         consume_tile<Tr, T>(p, acc, s, frag, m_first, n_tile, v_addr);
+    }
+    // The overlapped loop's pieces: issue S = Q K^T; S (retired) -> P, corr for O; P -> A
+    // fragments; issue O += P V (n_tile: the tile P belongs to).
+    __device__ __forceinline__ void issue_qk(uint32_t q_addr, uint32_t k_addr) { fa3::issue_qk<Tr, T>(s, q_addr, k_addr); }
+    __device__ __forceinline__ void scores(const FwdParams& p, Acc<Tr>& acc, const Frag& frag, int m_first, int n_tile,
+                                           float (&corr)[2]) {
+        scores_to_p<Tr>(p, acc, s, frag, m_first, n_tile, corr);
+    }
+    __device__ __forceinline__ void pack(PFrag& a) const { pack_p<Tr, T>(s, a); }
+    __device__ __forceinline__ void issue_pv(const FwdParams&, Acc<Tr>& acc, const PFrag& a, uint32_t v_addr, int) {
+        fa3::issue_pv<Tr, T>(acc.o, a, v_addr);
     }
     __device__ __forceinline__ void finish(Acc<Tr>&) const {}
 };
@@ -229,15 +243,17 @@ __device__ __forceinline__ void mainloop_ring(const FwdParams& p, const Cta<Tr>&
 //   S_0; softmax_0 | for j >= 1: {S_j, PV_j-1} issued, wait S_j, softmax_j under PV_j-1,
 //   wait PV, rescale O | PV_last
 // into acc (the caller writes it out). Releases K_j as soon as S_j retires, V_j after PV_j, Q
-// after the last S.
-template <class Tr, class T>
+// after the last S. Op: the tile work's pieces (SyncTile, or the FP8 consumer's Fp8Tile), one
+// object per query tile; bc: the tile's coordinates.
+template <class Tr, class T, template <class, class> class Op>
 __device__ __forceinline__ void mainloop_overlapped(const FwdParams& p, const Cta<Tr>& cta,
                                                     SplitBarriers<Tr>& bars, Acc<Tr>& acc,
                                                     const typename Acc<Tr>::Frag& frag, int m_first,
-                                                    const KvRange& kv, RingPos& pos, int cw,
+                                                    const BlockCoord& bc, const KvRange& kv, RingPos& pos, int cw,
                                                     const PingPong<Tr>& turn) {
     constexpr int S = Tr::kKvStages;
     const int n_tiles = kv.n_end - kv.n_begin;
+    Op<Tr, T> op(p, frag, bc, m_first);
     if (n_tiles > 0) {
         const uint32_t q_addr = smem_u32(cta.sq) + Tr::q_warpgroup_offset(cw);
         const int it0 = pos.kv_it;  // ring position of K/V tile 0 of this query tile
@@ -245,8 +261,7 @@ __device__ __forceinline__ void mainloop_overlapped(const FwdParams& p, const Ct
         auto k_addr = [&](int j) { return cta.k_slot(slot(j)); };
         auto v_addr = [&](int j) { return cta.v_slot(slot(j)); };
         auto full_parity = [&](int j) { return static_cast<uint32_t>(((it0 + j) / S) & 1); };
-        float s[Tr::kBlockN / 2];
-        uint32_t a[Tr::kBlockN / kMmaK][4];  // P of the tile whose PV is issued next
+        typename Op<Tr, T>::PFrag a;  // P of the tile whose PV is issued next
         float corr[2];
 
         consumer_wait(bars.q_full, pos.q_use & 1);
@@ -254,39 +269,39 @@ __device__ __forceinline__ void mainloop_overlapped(const FwdParams& p, const Ct
         // Prologue: S_0, its softmax, P_0.
         consumer_wait(&bars.k_full[slot(0)], full_parity(0));
         turn.acquire();
-        issue_qk<Tr, T>(s, q_addr, k_addr(0));
+        op.issue_qk(q_addr, k_addr(0));
         turn.pass();
         wgmma_wait<0>();
-        fence_regs(s);
+        fence_regs(op.s);
         mbar_arrive(&bars.k_empty[slot(0)]);
         if (n_tiles == 1) mbar_arrive(bars.q_empty);  // last read of Q has retired
-        scores_to_p<Tr>(p, acc, s, frag, m_first, kv.n_begin, corr);  // O is still 0: no rescale needed
-        pack_p<Tr, T>(s, a);
+        op.scores(p, acc, frag, m_first, kv.n_begin, corr);  // O is still 0: no rescale needed
+        op.pack(a);
 
         for (int j = 1; j < n_tiles; ++j) {
             consumer_wait(&bars.k_full[slot(j)], full_parity(j));
             consumer_wait(&bars.v_full[slot(j - 1)], full_parity(j - 1));
             turn.acquire();
-            issue_qk<Tr, T>(s, q_addr, k_addr(j));      // group 1: S_j
-            issue_pv<Tr, T>(acc.o, a, v_addr(j - 1));    // group 2: O += P_j-1 V_j-1
+            op.issue_qk(q_addr, k_addr(j));                         // group 1: S_j
+            op.issue_pv(p, acc, a, v_addr(j - 1), kv.n_begin + j - 1);  // group 2: O += P_j-1 V_j-1
             turn.pass();
             wgmma_wait<1>();  // groups retire in order: S_j is ready, PV may still run
-            fence_regs(s);
+            fence_regs(op.s);
             mbar_arrive(&bars.k_empty[slot(j)]);
             if (j == n_tiles - 1) mbar_arrive(bars.q_empty);
-            scores_to_p<Tr>(p, acc, s, frag, m_first, kv.n_begin + j, corr);  // overlaps PV_j-1; O untouched
+            op.scores(p, acc, frag, m_first, kv.n_begin + j, corr);  // overlaps PV_j-1; O untouched
             wgmma_wait<0>();
             fence_regs(acc.o);
             mbar_arrive(&bars.v_empty[slot(j - 1)]);
             acc.softmax.rescale(acc.o, corr);  // O now refers to the new row max
-            pack_p<Tr, T>(s, a);       // a is free: PV_j-1 has retired
+            op.pack(a);                        // a is free: PV_j-1 has retired
         }
 
         // Epilogue: PV of the last tile.
         const int last = n_tiles - 1;
         consumer_wait(&bars.v_full[slot(last)], full_parity(last));
         turn.acquire();
-        issue_pv<Tr, T>(acc.o, a, v_addr(last));
+        op.issue_pv(p, acc, a, v_addr(last), kv.n_begin + last);
         turn.pass();
         wgmma_wait<0>();
         fence_regs(acc.o);
@@ -295,6 +310,7 @@ __device__ __forceinline__ void mainloop_overlapped(const FwdParams& p, const Ct
         pos.kv_it += n_tiles;
         ++pos.q_use;
     }
+    op.finish(acc);
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

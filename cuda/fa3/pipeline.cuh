@@ -164,12 +164,16 @@ struct SplitBarriers {
     }
 };
 
-// Stages 4-5: one K or one V tile into ring slot `slot`, counted on its own barrier `bar`.
-template <class Tr>
+// Stages 4-5: one K or one V tile (kV: through load_v_tile) into ring slot `slot`, counted on its
+// own barrier `bar`.
+template <class Tr, bool kV = false>
 __device__ __forceinline__ void issue_tile(const TmaDesc* map, uint8_t* ring, uint64_t* bar,
                                            int slot, int n, int kv_head, int batch) {
     mbar_arrive_expect_tx(bar, Tr::kKvTileBytes);
-    load_kv_tile<Tr>(map, ring, bar, slot, n, kv_head, batch);
+    if constexpr (kV)
+        load_v_tile<Tr>(map, ring, bar, slot, n, kv_head, batch);
+    else
+        load_kv_tile<Tr>(map, ring, bar, slot, n, kv_head, batch);
 }
 
 // Ping-pong token between the two consumer warpgroups: a warpgroup may issue its GEMMs only
@@ -234,7 +238,7 @@ __device__ __forceinline__ void produce_tile(int seqlen_q, const TmaDesc* tq, co
         if (pos.kv_it >= S) mbar_wait(&bars.k_empty[slot], prev_use_parity);
         issue_tile<Tr>(tk, sk, &bars.k_full[slot], slot, kv.n_begin + j, bc.kv_head, bc.batch);
         if (pos.kv_it >= S) mbar_wait(&bars.v_empty[slot], prev_use_parity);
-        issue_tile<Tr>(tv, sv, &bars.v_full[slot], slot, kv.n_begin + j, bc.kv_head, bc.batch);
+        issue_tile<Tr, true>(tv, sv, &bars.v_full[slot], slot, kv.n_begin + j, bc.kv_head, bc.batch);
     }
 }
 

@@ -127,10 +127,10 @@ __device__ __forceinline__ void stage3(const FwdParams& p, const TmaDesc* tq, co
 // Stage 4: + ping-pong and intra-warpgroup overlap, one query tile per CTA (grid as in stages
 // 1-3). Stage 5: + persistent scheduling: gridDim.x CTAs (ideally the SM count) walk the tiles
 // heaviest first; the K/V ring and the Q buffer carry across tiles.
-template <int Stage, class T, int D>
-__device__ __forceinline__ void stage45(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk,
-                                        const TmaDesc* tv) {
-    using Tr = Fa3Traits<Stage, D>;
+// Tr, Op: as stage1_of.
+template <class Tr, class T, template <class, class> class Op>
+__device__ __forceinline__ void stage45_of(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk,
+                                           const TmaDesc* tv) {
     const Cta<Tr> cta;
     SplitBarriers<Tr> bars(cta.smem);
     const int tid = threadIdx.x;
@@ -165,10 +165,17 @@ __device__ __forceinline__ void stage45(const FwdParams& p, const TmaDesc* tq, c
         const int m_first = bc.m_block * Tr::kBlockM + cw * kMmaM;
         Acc<Tr> acc;
         acc.init();
-        mainloop_overlapped<Tr, T>(p, cta, bars, acc, frag, m_first, kv_range<Tr>(p, bc), pos, cw, turn);
+        mainloop_overlapped<Tr, T, Op>(p, cta, bars, acc, frag, m_first, bc, kv_range<Tr>(p, bc), pos, cw, turn);
         write_output<Tr, T>(p, acc, frag, m_first, bc.batch, bc.head);
     }
     turn.finish();
+}
+
+// The 16-bit stages 4-5.
+template <int Stage, class T, int D>
+__device__ __forceinline__ void stage45(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk,
+                                        const TmaDesc* tv) {
+    stage45_of<Fa3Traits<Stage, D>, T, SyncTile>(p, tq, tk, tv);
 }
 
 #else  // not sm_90a (nvcc's host pass): the instances exist but do nothing.

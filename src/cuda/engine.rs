@@ -594,7 +594,7 @@ impl Engine {
                 reason: format!("Vᵀ row stride {} is below seqlen_k {}", codes.vt_row_stride, p.seqlen_k),
             });
         }
-        let params = fp8::consumer_plan(&p, &ops, 3)?.params;
+        let params = fp8::consumer_params(&p, &ops)?;
         let plan = plan_launch(c.family, c.tile, p.dtype, params, self.dev.sm_count())?;
         let f = self.dev.function(c.family, c.tile, c.dtype)?;
         launch(&f, stream, &plan)

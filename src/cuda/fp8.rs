@@ -5,7 +5,8 @@
 //! row "fa3fp8s3" (build/instances.rs; one image holds both), whose host rules are `Fp8`
 //! here: `select` picks it for `Precision::Fp8` problems on sm_90a.
 
-use super::family::{chunked_rows_refusal, FamilyHost, LayoutRefusal};
+use super::fa3::tma::persistent_grid;
+use super::family::{chunked_rows_refusal, tile_grid, FamilyHost, Grid, LayoutRefusal};
 use super::launch::TensorMaps;
 use super::launch::{
     TensorMapArgs, TmaSpec, TMA_DTYPE_UINT8, TMA_INTERLEAVE_NONE, TMA_L2_PROMOTION_256B, TMA_OOB_FILL_NONE, TMA_RANK,
@@ -40,9 +41,14 @@ pub const CONSUMER_S2_SMEM_BYTES: u32 = (64 * 128 + 2 * 128 * 128 + 2 * 128 * 12
 /// Fp8Traits<3, 128>::kSmemBytes (stage 3): Q of the CTA's 128 rows, the 2-slot ring, 5 mbarriers,
 /// the slack.
 pub const CONSUMER_S3_SMEM_BYTES: u32 = (128 * 128 + 2 * 128 * 128 + 2 * 128 * 128 + 8 * 5 + 1024) as u32;
-/// Stage 3: a producer warpgroup and two consumer warpgroups, 128 query rows per CTA.
+/// Fp8Traits<4 or 5, 128>::kSmemBytes (stages 4-5): as stage 3 with 10 mbarriers (q_full, then
+/// k_full, v_full, k_empty, v_empty per slot, then q_empty).
+pub const CONSUMER_S45_SMEM_BYTES: u32 = (128 * 128 + 2 * 128 * 128 + 2 * 128 * 128 + 8 * 10 + 1024) as u32;
+/// Stages 3-5: a producer warpgroup and two consumer warpgroups, 128 query rows per CTA.
 pub const CONSUMER_S3_THREADS: u32 = 384;
 pub const CONSUMER_S3_BLOCK_M: usize = 128;
+/// The highest stage of the FP8 consumer (docs/fp8.md): the top row of the FP8 ladder.
+pub const CONSUMER_MAX_STAGE: u32 = 5;
 
 /// One operand of the pre-pass, mirrored from `Fp8PrepassOperand` (cuda/common/fp8_prepass_params.h).
 #[repr(C)]
@@ -322,18 +328,19 @@ fn u8_map(global_address: u64, dims: [usize; 4], strides: [usize; 3], box_dims: 
 }
 
 /// The launch of the FP8 consumer's `stage` (1: plain loads; 2: + TMA ring; 3: + warp
-/// specialisation, docs/fp8.md) for
-/// problem `p` (its precision must be `Precision::Fp8`) on `ops`.
+/// specialisation; 4: + ping-pong and intra-warpgroup overlap; 5: + the persistent grid of
+/// min(`sm_count`, tiles) CTAs, docs/fp8.md) for problem `p` (its precision must be
+/// `Precision::Fp8`) on `ops`. `sm_count` matters to stage 5 only.
 ///
 /// # Errors
-/// [`Error::InvalidOption`] for a stage other than 1, 2 or 3, when `p` is not an FP8 problem, asks
+/// [`Error::InvalidOption`] for a stage other than 1 to 5, when `p` is not an FP8 problem, asks
 /// for ALiBi, or has a block size
 /// that is not a multiple of 64 rows; [`Error::UnsupportedHeadDim`] for head dims other than
 /// 128; [`Error::UnsupportedDType`]; [`Error::InvalidLayout`] for strides or addresses that are
 /// not multiples of 16 bytes (the consumer's 16-byte loads); [`Error::TooLarge`].
-pub fn consumer_plan(p: &Problem, ops: &ConsumerOperands, stage: u32) -> Result<ConsumerLaunch> {
-    if !(1..=3).contains(&stage) {
-        return Err(option_error("FP8 consumer stage", stage.to_string(), "1, 2 or 3"));
+pub fn consumer_plan(p: &Problem, ops: &ConsumerOperands, stage: u32, sm_count: u32) -> Result<ConsumerLaunch> {
+    if !(1..=CONSUMER_MAX_STAGE).contains(&stage) {
+        return Err(option_error("FP8 consumer stage", stage.to_string(), "1 to 5"));
     }
     let Precision::Fp8 { scaling, .. } = p.precision else {
         return Err(option_error("precision", format!("{:?}", p.precision), "Precision::Fp8 for the FP8 consumer"));
@@ -384,14 +391,25 @@ pub fn consumer_plan(p: &Problem, ops: &ConsumerOperands, stage: u32) -> Result<
     let mut params = FwdParams::for_launch(p, &operands);
     [params.q_descale, params.k_descale, params.v_descale] = ops.descales;
     params.descale_block = descale_block;
-    let block_m = if stage == 3 { CONSUMER_S3_BLOCK_M } else { CONSUMER_BLOCK_M };
-    let grid = (to_i32(p.seqlen_q.div_ceil(block_m), "query tiles")? as u32, p.heads_q as u32, p.batch as u32);
+    let block_m = if stage >= 3 { CONSUMER_S3_BLOCK_M } else { CONSUMER_BLOCK_M };
+    to_i32(p.seqlen_q.div_ceil(block_m), "query tiles")?;
+    let grid = if stage >= 5 {
+        persistent_grid(block_m as u32, &params, sm_count)
+    } else {
+        tile_grid(block_m as u32, &params)
+    };
     let tensor_maps = if stage >= 2 { consumer_maps(&params).to_vec() } else { Vec::new() };
     Ok(ConsumerLaunch {
         kernel: format!("fa3fp8s{stage}_fwd_hd{CONSUMER_HEAD_DIM}_{suffix}"),
         grid,
-        block: if stage == 3 { CONSUMER_S3_THREADS } else { CONSUMER_THREADS },
-        smem_bytes: [CONSUMER_SMEM_BYTES, CONSUMER_S2_SMEM_BYTES, CONSUMER_S3_SMEM_BYTES][stage as usize - 1],
+        block: if stage >= 3 { CONSUMER_S3_THREADS } else { CONSUMER_THREADS },
+        smem_bytes: [
+            CONSUMER_SMEM_BYTES,
+            CONSUMER_S2_SMEM_BYTES,
+            CONSUMER_S3_SMEM_BYTES,
+            CONSUMER_S45_SMEM_BYTES,
+            CONSUMER_S45_SMEM_BYTES,
+        ][stage as usize - 1],
         params,
         tensor_maps,
     })
@@ -448,8 +466,8 @@ impl Fp8Scratch {
 /// The three launches of the FP8 forward of `p` on the caller's bf16/f16 tensors `ops`
 /// (element strides; `ops.ptrs[3]` the output, `ops.lse` its LSE or 0) with the scratch at
 /// device address `scratch` (laid out as `layout`): the pre-pass of Q and K (rotated when
-/// `hadamard` is set), the pre-pass of V into Vᵀ, then the stage-3 consumer's parameters (its
-/// grid and tensor maps come from the table row: `launch::plan_launch`).
+/// `hadamard` is set), the pre-pass of V into Vᵀ, then the consumer's parameters (the same at
+/// every stage; its grid and tensor maps come from the table row: `launch::plan_launch`).
 ///
 /// # Errors
 /// As [`prepass_plan`] and [`consumer_plan`].
@@ -506,7 +524,7 @@ pub fn forward_plans(
         lse: ops.lse,
         descales: layout.scales.map(at),
     };
-    Ok((qk, v, consumer_plan(p, &consumer, 3)?.params))
+    Ok((qk, v, consumer_params(p, &consumer)?))
 }
 
 /// The consumer's tensor maps (stages 2-3) from its launch parameters: UINT8 maps of the Q and K
@@ -539,9 +557,18 @@ fn consumer_maps(p: &FwdParams) -> [TensorMapArgs; 3] {
     ]
 }
 
-/// The host rules of the FP8 row ("fa3fp8s3"): the problems the consumer runs, the layout of
-/// the bf16/f16 inputs the pre-pass reads, and the consumer's tensor maps (over the e4m3 codes
-/// its `FwdParams` point at).
+/// The consumer's `FwdParams` for `p` on `ops` (the same at every stage), checked as
+/// [`consumer_plan`] checks them.
+///
+/// # Errors
+/// As [`consumer_plan`].
+pub fn consumer_params(p: &Problem, ops: &ConsumerOperands) -> Result<FwdParams> {
+    Ok(consumer_plan(p, ops, CONSUMER_MAX_STAGE, 1)?.params)
+}
+
+/// The host rules of the FP8 rows ("fa3fp8s3".."fa3fp8s5"): the problems the consumer runs, the
+/// layout of the bf16/f16 inputs the pre-pass reads, stage 5's persistent grid, and the
+/// consumer's tensor maps (over the e4m3 codes its `FwdParams` point at).
 #[derive(Debug)]
 pub(crate) struct Fp8;
 
@@ -573,6 +600,15 @@ impl FamilyHost for Fp8 {
         chunked_rows_refusal(ops)
     }
 
+    /// Stage 5: min(SMs, tiles) CTAs walking every (query tile, head, batch); else one CTA per tile.
+    fn grid(&self, fam: &Family, tile: &Tile, params: &FwdParams, sm_count: u32) -> Grid {
+        if fam.stage.unwrap_or(3) >= 5 {
+            persistent_grid(tile.block_m, params, sm_count)
+        } else {
+            tile_grid(tile.block_m, params)
+        }
+    }
+
     /// Over the e4m3 codes: the launch's `FwdParams` point at the pre-pass's outputs.
     fn tensor_maps(&self, _fam: &Family, _dtype: DType, params: &FwdParams) -> Result<TensorMaps> {
         let [q, k, v] = consumer_maps(params);
@@ -587,23 +623,40 @@ mod tests {
     use crate::options::ForwardOptions;
 
     fn row() -> &'static Family {
-        FAMILIES.iter().find(|f| f.options.contains(KernelOptions::FP8)).expect("the FP8 row")
+        rows().last().copied().expect("the FP8 rows")
     }
 
-    /// The table row and the launch plans' constants (the consumer's `Fp8Traits<3, 128>`) agree.
+    fn rows() -> Vec<&'static Family> {
+        FAMILIES.iter().filter(|f| f.options.contains(KernelOptions::FP8)).collect()
+    }
+
+    /// The table rows and the launch plans' constants (the consumer's `Fp8Traits<S, 128>`) agree.
     #[test]
-    fn table_row_matches_the_consumer() {
-        let f = row();
-        assert_eq!((f.name, f.stage, f.source, f.min_sm), ("fa3fp8s3", Some(3), "cuda/fa3_fp8_fwd_sm90.cu", 90));
-        assert!(!f.auto && !f.gpu_verified, "never ran on a GPU");
-        let t = &f.tiles[0];
-        assert_eq!(f.tiles.len(), 1);
-        assert_eq!(
-            (t.head_dim as usize, t.block_m as usize, t.block_n as usize, t.threads, f.smem_bytes(t)),
-            (CONSUMER_HEAD_DIM, CONSUMER_S3_BLOCK_M, CONSUMER_BLOCK_N, CONSUMER_S3_THREADS, CONSUMER_S3_SMEM_BYTES)
-        );
-        assert!(f.sass_expect.contains(&"QGMMA"));
-        assert_eq!(image_kernel_symbols(f, 128, "bf16"), ["fa3fp8s3_fwd_hd128_bf16", "fa_fp8_prepass_e4_bf16"]);
+    fn table_rows_match_the_consumer() {
+        let rows = rows();
+        assert_eq!(rows.iter().map(|f| (f.name, f.stage)).collect::<Vec<_>>(), [
+            ("fa3fp8s3", Some(3)),
+            ("fa3fp8s4", Some(4)),
+            ("fa3fp8s5", Some(5))
+        ]);
+        assert_eq!(row().stage, Some(CONSUMER_MAX_STAGE as u8), "the top row is the highest stage");
+        for f in rows {
+            assert_eq!((f.source, f.min_sm), ("cuda/fa3_fp8_fwd_sm90.cu", 90));
+            assert!(!f.auto && !f.gpu_verified, "never ran on a GPU");
+            let t = &f.tiles[0];
+            assert_eq!(f.tiles.len(), 1);
+            let stage = f.stage.unwrap() as u32;
+            let plan_smem = if stage >= 4 { CONSUMER_S45_SMEM_BYTES } else { CONSUMER_S3_SMEM_BYTES };
+            assert_eq!(
+                (t.head_dim as usize, t.block_m as usize, t.block_n as usize, t.threads, f.smem_bytes(t)),
+                (CONSUMER_HEAD_DIM, CONSUMER_S3_BLOCK_M, CONSUMER_BLOCK_N, CONSUMER_S3_THREADS, plan_smem)
+            );
+            assert!(f.sass_expect.contains(&"QGMMA"));
+            assert_eq!(
+                image_kernel_symbols(f, 128, "bf16"),
+                [format!("{}_fwd_hd128_bf16", f.name), "fa_fp8_prepass_e4_bf16".to_string()]
+            );
+        }
         for d in [1, 32, 33, 64, 96, 128, 256] {
             let p = |x: u64| PrepassInput {
                 shape: [1, 1, 1, d],
@@ -637,7 +690,7 @@ mod tests {
         assert!(problem_refusal(&problem(128, &alibi)).unwrap().contains("ALiBi"));
     }
 
-    /// The host's maps are the consumer plan's (stage 3), so `Engine` and the emulator agree.
+    /// The host's maps and grids are the consumer plan's (stages 3-5), so `Engine` and the emulator agree.
     #[test]
     fn host_maps_are_the_plans() {
         let opts =
@@ -655,10 +708,20 @@ mod tests {
             lse: 0,
             descales: [0x40_0000, 0x50_0000, 0x60_0000],
         };
-        let plan = consumer_plan(&p, &ops, 3).unwrap();
-        let maps = Fp8.tensor_maps(row(), DType::BF16, &plan.params).unwrap();
-        assert_eq!(&maps[..], &plan.tensor_maps[..]);
-        assert_eq!(plan.kernel, crate::cuda::table::kernel_symbol(row().name, 128, "bf16"));
+        for f in rows() {
+            let stage = f.stage.unwrap() as u32;
+            let plan = consumer_plan(&p, &ops, stage, 132).unwrap();
+            let maps = Fp8.tensor_maps(f, DType::BF16, &plan.params).unwrap();
+            assert_eq!(&maps[..], &plan.tensor_maps[..]);
+            assert_eq!(plan.kernel, crate::cuda::table::kernel_symbol(f.name, 128, "bf16"));
+            // The grid the engine launches (the row's host) is the plan's: stage 5 persistent.
+            assert_eq!(Fp8.grid(f, &f.tiles[0], &plan.params, 132), plan.grid, "{}", f.name);
+        }
+        // q [1, 100, 4, 128]: 4 tiles of 128 rows; stage 5 runs min(SMs, tiles) CTAs.
+        assert_eq!(consumer_plan(&p, &ops, 4, 132).unwrap().grid, (1, 4, 1));
+        assert_eq!(consumer_plan(&p, &ops, 5, 132).unwrap().grid, (4, 1, 1));
+        assert_eq!(consumer_plan(&p, &ops, 5, 3).unwrap().grid, (3, 1, 1));
+        assert!(consumer_plan(&p, &ops, 6, 132).is_err());
     }
 
     /// The engine's three launches: scratch regions disjoint and 256-byte aligned, the pre-pass

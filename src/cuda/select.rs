@@ -294,7 +294,27 @@ fn no_kernel_error(families: &'static [Family], dev: &impl Gpu, p: &Problem) -> 
             Ok(c) => refusal(&c, p).map(|e| format!("{}: {e}", f.name)),
         })
         .collect();
-    Error::BackendUnavailable { backend, reason: format!("no kernel runs this problem: {}", why.join("; ")) }
+    let mut reason = format!("no kernel runs this problem: {}", why.join("; "));
+    // Families Auto leaves alone until verified on a GPU but that would run the problem here (the
+    // FP8 ladder for Precision::Fp8): the highest of each variant, and how to ask for it.
+    let mut held_back: Vec<&Family> = Vec::new();
+    for f in families.iter().filter(|f| !f.auto) {
+        if instance_for(f, dev, p).is_ok_and(|c| refusal(&c, p).is_none()) {
+            match held_back.iter_mut().find(|h| h.variant == f.variant) {
+                Some(h) if h.rank < f.rank => *h = f,
+                Some(_) => {}
+                None => held_back.push(f),
+            }
+        }
+    }
+    for f in held_back {
+        reason += &format!(
+            "; {} runs it but is not picked by Auto until verified on a GPU (ask for Variant::{:?})",
+            f.name,
+            Variant::from(f.variant)
+        );
+    }
+    Error::BackendUnavailable { backend, reason }
 }
 
 /// The `Dispatch::reason` text of a choice (built only when asked: it allocates).

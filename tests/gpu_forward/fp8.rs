@@ -1,5 +1,5 @@
-//! The Hopper FP8 forward (table row fa3fp8s3: the pre-pass, then the stage-3 FP8 consumer)
-//! through `Engine` and `flash_attn::forward`, against the CPU FP8 path (`Precision::Fp8` on
+//! The Hopper FP8 forward (table rows fa3fp8s3..fa3fp8s5: the pre-pass, then the FP8 consumer of
+//! stage 3, 4 or 5; `Variant::Fa3` alone takes stage 5) through `Engine` and `flash_attn::forward`, against the CPU FP8 path (`Precision::Fp8` on
 //! `Backend::Cpu`) and float64, with the acceptance of the emulator test
 //! (tests/fp8_emulator.rs, `fp8_consumer_matches_cpu_fp8_path`): the kernel tiles keys by 128 and
 //! the CPU path by 64, so P · 2^8 rounds against other running maxima; both must be equally far
@@ -33,10 +33,15 @@ fn fp8_forward_matches_cpu_fp8_path() {
         (DType::F16, [1, 65, 2, 128], [1, 129, 2, 128], Fp8Scaling::PerTensor, None, false),
         (DType::BF16, [2, 1000, 8, 128], [2, 1000, 8, 128], block(128), Some(3), false),
     ];
-    for (dtype, qs, ks, scaling, hadamard, causal) in cases {
-        let what = format!("{dtype:?} q{qs:?} k{ks:?} {scaling:?} hadamard {hadamard:?} causal {causal}");
+    for ((dtype, qs, ks, scaling, hadamard, causal), stage) in
+        cases.into_iter().flat_map(|c| [(c, None), (c, Some(3)), (c, Some(4))])
+    {
+        let what = format!("{dtype:?} q{qs:?} k{ks:?} {scaling:?} hadamard {hadamard:?} causal {causal} stage {stage:?}");
         let (q, k, v) = (randn(&mut rng, dtype, qs), randn(&mut rng, dtype, ks), randn(&mut rng, dtype, ks));
-        let opts = fp8(scaling, hadamard, causal);
+        let opts = match stage {
+            Some(s) => fp8(scaling, hadamard, causal).fa3_stage(s),
+            None => fp8(scaling, hadamard, causal),
+        };
         if engine.device().sm() != 90 {
             // Not Hopper: the FP8 kernels are sm_90a only; a typed refusal, never a fallback.
             let e = engine.dispatch(qs, ks, dtype, &opts).unwrap_err();
@@ -44,9 +49,11 @@ fn fp8_forward_matches_cpu_fp8_path() {
             continue;
         }
         let got = run_views(&engine, &stream, [q.view(), k.view(), v.view()], &opts).unwrap();
-        assert!(got.kernel.starts_with("fa3fp8s3_fwd_hd128_"), "{what}: {}", got.kernel);
+        let want = format!("fa3fp8s{}_fwd_hd128_", stage.unwrap_or(5));
+        assert!(got.kernel.starts_with(&want), "{what}: {}", got.kernel);
         // The CPU runs no kernel family: Variant::Auto there.
-        let cpu = forward(&q, &k, &v, &opts.clone().variant(Variant::Auto).backend(Backend::Cpu)).unwrap();
+        let cpu_opts = fp8(scaling, hadamard, causal).variant(Variant::Auto).backend(Backend::Cpu);
+        let cpu = forward(&q, &k, &v, &cpu_opts).unwrap();
         let cpu_o: Vec<f64> = cpu.o.to_f32_vec().iter().map(|&x| x as f64).collect();
         let p = Problem::new(&q.view(), &k.view(), &v.view(), &ForwardOptions::default().causal(causal)).unwrap();
         let exact = attention_f64(&p, &q.view(), &k.view(), &v.view()).unwrap().o;

@@ -9,5 +9,9 @@ EMU_KERNEL(fa3fp8s2_fwd_hd128_bf16)
 EMU_KERNEL(fa3fp8s2_fwd_hd128_f16)
 EMU_KERNEL(fa3fp8s3_fwd_hd128_bf16)
 EMU_KERNEL(fa3fp8s3_fwd_hd128_f16)
+EMU_KERNEL(fa3fp8s4_fwd_hd128_bf16)
+EMU_KERNEL(fa3fp8s4_fwd_hd128_f16)
+EMU_KERNEL(fa3fp8s5_fwd_hd128_bf16)
+EMU_KERNEL(fa3fp8s5_fwd_hd128_f16)
 
 #include "driver.cpp"

@@ -486,37 +486,50 @@ fn fp8_opts(scaling: crate::options::Fp8Scaling) -> ForwardOptions {
     ForwardOptions::default().precision(crate::options::Precision::Fp8 { scaling, hadamard: Some(0x5EED) })
 }
 
-/// `Precision::Fp8` on a (faked) sm_90 device: `Variant::Fa3` runs the FP8 row; a 16-bit problem
-/// never does; Auto leaves the unverified FP8 row alone (then `forward`'s Backend::Auto runs the
-/// CPU FP8 path); what the consumer does not run is a typed refusal naming the rule.
+/// `Precision::Fp8` on a (faked) sm_90 device: `Variant::Fa3` runs the top FP8 row (stage 5),
+/// `fa3_stage` 3-5 its rungs; a 16-bit problem never does; Auto leaves the unverified FP8 rows
+/// alone and says which one would run it and how to ask (then `forward`'s Backend::Auto runs the
+/// CPU FP8 path with that reason); what the consumer does not run is a typed refusal naming the rule.
 #[test]
 fn fp8_problems_choose_the_fp8_family_on_hopper() {
     use crate::options::Fp8Scaling;
     let h200 = &FA2_GPUS[3].0;
     let block = fp8_opts(Fp8Scaling::PerBlock { rows: 128 });
     let c = choose_in(FAMILIES, h200, &problem(DType::BF16, 128, &block), Variant::Fa3).unwrap();
-    assert_eq!((c.family.name, c.tile.head_dim, c.image.target), ("fa3fp8s3", 128, Target::Sm90a));
+    assert_eq!((c.family.name, c.tile.head_dim, c.image.target), ("fa3fp8s5", 128, Target::Sm90a));
+    assert!(c.pick.contains("highest compiled stage"), "{}", c.pick);
     let c =
         choose_in(FAMILIES, h200, &problem(DType::F16, 128, &fp8_opts(Fp8Scaling::PerTensor)), Variant::Fa3).unwrap();
-    assert_eq!(c.family.name, "fa3fp8s3");
-    // fa3_stage 3 names the FP8 row's rung; another stage has no FP8 kernel.
-    let s3 = fp8_opts(Fp8Scaling::PerTensor).variant(Variant::Fa3).fa3_stage(3);
-    assert_eq!(
-        choose_in(FAMILIES, h200, &problem(DType::BF16, 128, &s3), Variant::Fa3).unwrap().family.name,
-        "fa3fp8s3"
-    );
-    let s5 = fp8_opts(Fp8Scaling::PerTensor).variant(Variant::Fa3).fa3_stage(5);
-    let e = choose_in(FAMILIES, h200, &problem(DType::BF16, 128, &s5), Variant::Fa3).unwrap_err();
-    assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("fp8")), "{e:?}");
+    assert_eq!(c.family.name, "fa3fp8s5");
+    // fa3_stage 3-5 names an FP8 row's rung; stages 1-2 have no FP8 row.
+    for (stage, name) in [(3, "fa3fp8s3"), (4, "fa3fp8s4"), (5, "fa3fp8s5")] {
+        let o = fp8_opts(Fp8Scaling::PerTensor).variant(Variant::Fa3).fa3_stage(stage);
+        let c = choose_in(FAMILIES, h200, &problem(DType::BF16, 128, &o), Variant::Fa3).unwrap();
+        assert_eq!((c.family.name, c.pick), (name, "the stage fa3_stage asked for"));
+    }
+    for stage in [1, 2] {
+        let o = fp8_opts(Fp8Scaling::PerTensor).variant(Variant::Fa3).fa3_stage(stage);
+        let e = choose_in(FAMILIES, h200, &problem(DType::BF16, 128, &o), Variant::Fa3).unwrap_err();
+        assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("fp8")), "{e:?}");
+    }
     // 16-bit problems never land on the FP8 row, explicit or Auto.
     for d in [64, 128, 256] {
         let c = real(h200, DType::BF16, d, Variant::Fa3).unwrap();
         assert!(c.family.name.starts_with("fa3s"), "hd{d}: {}", c.family.name);
         assert_eq!(real(h200, DType::BF16, d, Variant::Auto).unwrap().family.name, "fa2");
     }
-    // Auto: no GPU-verified family implements FP8, so no GPU kernel (the CPU runs it).
+    // Auto: no GPU-verified family implements FP8, so no GPU kernel (the CPU runs it); the
+    // reason names the FP8 row that would run it and the explicit request.
     let e = choose_in(FAMILIES, h200, &problem(DType::BF16, 128, &block), Variant::Auto).unwrap_err();
-    assert!(matches!(e, Error::BackendUnavailable { .. }), "{e:?}");
+    assert!(
+        matches!(&e, Error::BackendUnavailable { reason, .. }
+            if reason.contains("fa3fp8s5 runs it but is not picked by Auto") && reason.contains("Variant::Fa3")
+                && !reason.contains("fa3fp8s3 runs")),
+        "{e:?}"
+    );
+    // Where no FP8 row runs the problem (head_dim 64), no such hint.
+    let e = choose_in(FAMILIES, h200, &problem(DType::BF16, 64, &block), Variant::Auto).unwrap_err();
+    assert!(matches!(&e, Error::BackendUnavailable { reason, .. } if !reason.contains("not picked by Auto")), "{e:?}");
     // Typed refusals of what the consumer does not run.
     for (d, opts, why) in [
         (64, block.clone(), "head_dim 128"),
@@ -525,7 +538,7 @@ fn fp8_problems_choose_the_fp8_family_on_hopper() {
     ] {
         let e = choose_in(FAMILIES, h200, &problem(DType::BF16, d, &opts), Variant::Fa3).unwrap_err();
         assert!(
-            matches!(&e, Error::VariantUnavailable { variant: Variant::Fa3, reason } if reason.contains("fa3fp8s3") && reason.contains(why)),
+            matches!(&e, Error::VariantUnavailable { variant: Variant::Fa3, reason } if reason.contains("fa3fp8s5") && reason.contains(why)),
             "hd{d}: {e:?}"
         );
     }
