@@ -1,9 +1,9 @@
 //! The Hopper FP8 forward's launches as data (docs/fp8.md, "On Hopper"): the pre-pass
 //! (`cuda/fp8_prepass.cu`: bf16/f16 -> e4m3 codes + per-block scales, Q and K rotated) and the FP8
 //! consumer (`cuda/fa3_fp8_fwd_sm90.cu`). The CPU emulator runs exactly these launches
-//! (tests/fp8_emulator.rs). The stage-3 consumer and the pre-pass of head_dim 128 are the table
-//! row "fa3fp8s3" (build/instances.rs; one image holds both), whose host rules are `Fp8`
-//! here: `select` picks it for `Precision::Fp8` problems on sm_90a.
+//! (tests/fp8_emulator.rs). The stage 3-5 consumers, each with the pre-pass of head_dim 128 in
+//! its image, are the table rows "fa3fp8s3".."fa3fp8s5" (build/instances.rs), whose host rules are
+//! `Fp8` here: `select` picks them for `Precision::Fp8` problems on sm_90a.
 
 use super::fa3::tma::persistent_grid;
 use super::family::{chunked_rows_refusal, tile_grid, FamilyHost, Grid, LayoutRefusal};
@@ -362,7 +362,7 @@ pub fn consumer_plan(p: &Problem, ops: &ConsumerOperands, stage: u32, sm_count: 
     if p.head_dim != CONSUMER_HEAD_DIM {
         return Err(Error::UnsupportedHeadDim {
             head_dim: p.head_dim,
-            backend: "the FP8 consumer (fa3fp8s1)".into(),
+            backend: "the FP8 consumer".into(),
             supported: CONSUMER_HEAD_DIM.to_string(),
         });
     }

@@ -13,7 +13,7 @@
 //! | `matrix` | FA1/FA2 and Auto: random matrix, edge shapes, strided inputs, host path, dispatch |
 //! | `edges` | the edges of the input domain (huge bounds, scores near f32::MAX, infinite V) |
 //! | `streams` | engines' own streams and contexts, CUDA graph capture |
-//! | `fp8` | the Hopper FP8 forward (fa3fp8s3) against the CPU FP8 path and float64 |
+//! | `fp8` | the Hopper FP8 forward (fa3fp8s3..fa3fp8s5) against the CPU FP8 path and float64 |
 //! | here | the sanitizer subsets and the FA3 and FA4 ladders, which scripts/gpu-check-run.sh runs by exact name |
 
 #[path = "../common/mod.rs"]

@@ -92,7 +92,7 @@ mod tests {
     /// the ones the C++ traits print) agree on every launch number.
     #[test]
     fn table_rows_match_the_traits() {
-        // The 16-bit ladder (the FP8 row, fa3fp8s3, has its own checks in src/cuda/fp8.rs).
+        // The 16-bit ladder (the FP8 rows, fa3fp8s3..fa3fp8s5, have their own checks in src/cuda/fp8.rs).
         let rows: Vec<_> = FAMILIES.iter().filter(|f| f.variant == KernelVariant::Fa3 && f.source == "cuda/fa3_fwd_sm90.cu").collect();
         assert_eq!(rows.len(), FA3_MAX_STAGE as usize);
         assert_eq!(FA3_MAX_STAGE, crate::problem::FA3_MAX_STAGE);
