@@ -206,6 +206,27 @@ impl Family {
     pub fn smem_bytes(&self, tile: &Tile) -> u32 {
         (self.smem)(self.stage, tile)
     }
+
+    /// The rung of its variant's ladder that `fa3_stage` / `fa4_stage` name: `stage`, except
+    /// for the FA4-softmax rows on the FA2 / FA3 pipelines (variant Fa4, another source), whose
+    /// `stage` is the FA3 stage they compile (FA_STAGE), not a rung of the tcgen05 ladder.
+    pub fn ladder_stage(&self) -> Option<u8> {
+        match self.variant {
+            KernelVariant::Fa4 if !self.source.ends_with("_sm100.cu") => None,
+            _ => self.stage,
+        }
+    }
+
+    /// The pipeline the row's kernel runs, for `Dispatch::reason`: its source's family.
+    pub fn pipeline(&self) -> &'static str {
+        match self.source {
+            "cuda/fa1_fwd.cu" => "the FA1 pipeline (CUDA cores)",
+            "cuda/fa2_fwd.cu" => "the FA2 pipeline (mma.sync, cp.async ring)",
+            "cuda/fa3_fwd_sm90.cu" | "cuda/fa3_fp8_fwd_sm90.cu" => "the FA3 pipeline (wgmma, TMA, warp specialisation)",
+            "cuda/fa4_fwd_sm100.cu" => "the FA4 pipeline (tcgen05, tensor memory)",
+            _ => "its own pipeline",
+        }
+    }
 }
 
 /// The targets a source is compiled for, from its file name: `*_sm90.cu` only for sm_90a,

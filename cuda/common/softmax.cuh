@@ -240,9 +240,17 @@ struct FaOnlineSoftmax {
         }
     }
 
-    // O *= corr, row by row.
+    // O *= corr, row by row. With the lazy rule the factors are exactly 1 on most tiles: the
+    // warp skips the multiplies when every factor of its 32 lanes is 1 (warp-uniform, so every
+    // lane of a warp takes the same path; every lane must call it).
     template <class O>
     __device__ __forceinline__ void rescale(O& o, const float (&corr)[kRows]) const {
+        if constexpr (Pol::kLazyTau >= 0.0f) {
+            bool need = false;
+#pragma unroll
+            for (int r = 0; r < kRows; ++r) need |= corr[r] != 1.0f;
+            if (fa_lanes_max<32>(need ? 1.0f : 0.0f) == 0.0f) return;
+        }
 #pragma unroll
         for (int r = 0; r < kRows; ++r)
 #pragma unroll
