@@ -739,7 +739,11 @@ fn fa4_softmax_sweep() {
     for fam in FAMILIES.iter().filter(|f| f.cpu_emulation == Some("fa4_softmax_sweep")) {
         for (label, dtype) in [("large scores causal", DType::BF16), ("window gqa", DType::F16)] {
             let mut c = fa4_softmax_case(fam.name, shape(label), dtype, 128, 2);
-            c.label = format!("{label} share 1/{} tau {}", fam.softmax.poly_every, fam.softmax.lazy_tau);
+            let share = match fam.softmax.poly_every {
+                0 => "none".to_string(),
+                e => format!("1/{e}"),
+            };
+            c.label = format!("{label} share {share} tau {}", fam.softmax.lazy_tau);
             cases.push(c);
         }
     }

@@ -376,7 +376,12 @@ fn fa4_softmax_note(f: &Family) -> String {
     };
     let rescale =
         if s.lazy_tau >= 0.0 { format!("lazy rescale, tau {}", s.lazy_tau) } else { "eager rescale".to_string() };
-    format!("; FA4's softmax ({share}, {rescale}) in {}", f.pipeline())
+    // A row on the FA3 pipeline compiles one of its stages (`stage`, not a rung of FA4's ladder).
+    let stage = match (f.ladder_stage(), f.stage) {
+        (None, Some(s)) => format!(" at stage {s}"),
+        _ => String::new(),
+    };
+    format!("; FA4's softmax ({share}, {rescale}) in {}{stage}", f.pipeline())
 }
 
 #[cfg(test)]

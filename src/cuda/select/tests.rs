@@ -553,7 +553,7 @@ fn fa4_softmax_runs_on_the_fa2_and_fa3_pipelines() {
         for (gpu, name, target, pipeline) in [
             (a100, "fa4_fa2", Target::Sm80, "FA2 pipeline"),
             (rtx3090, "fa4_fa2", Target::Sm80, "FA2 pipeline"),
-            (h200, "fa4_fa3s5", Target::Sm90a, "FA3 pipeline"),
+            (h200, "fa4_fa3s5", Target::Sm90a, "FA3 pipeline (wgmma, TMA, warp specialisation) at stage 5"),
             (&b200, "fa4_fa2", Target::Sm100a, "FA2 pipeline"),
             (&rtx5090, "fa4_fa2", Target::Ptx80, "FA2 pipeline"),
         ] {
