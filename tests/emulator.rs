@@ -731,13 +731,17 @@ fn fa4_softmax_fa3() {
     check_all("fa4 softmax on fa3s5", &fa4_softmax_cases("fa4_fa3s5", &[1, 2]), &[]);
 }
 
-/// The benchmark's sweep rows (hd 128, sm_90a): each share x tau on a case that rescales and
-/// one that keeps the max.
+/// The benchmark's sweep rows (hd 128, sm_90a): each share x tau on a case that must move the
+/// max and one that keeps it (FLASH_ATTN_EMU=full); the CI subset takes one per row, the case
+/// that keeps the max for tau 8 and the other for tau 0 (where every growth moves it).
 #[test]
 fn fa4_softmax_sweep() {
     let mut cases = Vec::new();
     for fam in FAMILIES.iter().filter(|f| f.cpu_emulation == Some("fa4_softmax_sweep")) {
         for (label, dtype) in [("large scores causal", DType::BF16), ("window gqa", DType::F16)] {
+            if !full() && label.starts_with("large") == (fam.softmax.lazy_tau > 0.0) {
+                continue;
+            }
             let mut c = fa4_softmax_case(fam.name, shape(label), dtype, 128, 2);
             let share = match fam.softmax.poly_every {
                 0 => "none".to_string(),
@@ -747,7 +751,7 @@ fn fa4_softmax_sweep() {
             cases.push(c);
         }
     }
-    assert_eq!(cases.len(), 8, "four sweep rows");
+    assert_eq!(cases.len(), if full() { 8 } else { 4 }, "four sweep rows");
     check_all("fa4 softmax sweep", &cases, &[]);
 }
 
