@@ -294,7 +294,7 @@ fn fa4_softmax_rows_take_their_share_off_mufu() {
         let r = if base == "fa2" { tile.block_m as usize / 32 } else { 2 };
         let c = tile.block_n as usize / 4;
         let e = fam.softmax.poly_every as usize;
-        let poly = if e > 0 { c / e } else { 0 };
+        let poly = c.checked_div(e).unwrap_or(0); // elements on the polynomial (E = 0: none)
         let lazy = fam.softmax.lazy_tau >= 0.0;
         let (mufu_factor, poly_factor) = match (lazy, e > 0) {
             (true, true) => (0, r),
