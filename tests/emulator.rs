@@ -7,7 +7,8 @@
 //! mutations of the kernels that must fail.
 //!
 //! `cargo test --test emulator` runs a representative subset (every FA1 and FA2 instance, 5 FA3
-//! cases per stage rotating over head dims, dtypes and shapes, every mutation). The whole FA3
+//! cases per stage rotating over head dims, dtypes and shapes, every mutation, 5-6 cases of FA4's
+//! softmax per pipeline and one per sweep row). The whole FA3
 //! matrix (stages 1-5 x bf16/f16 x head_dim 64/128/256 x 10 shapes, stage 5 on 1, 2 and 3 CTAs):
 //! `FLASH_ATTN_EMU=full cargo test --release --test emulator` (scripts/emulate.sh).
 //!
