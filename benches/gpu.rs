@@ -11,7 +11,7 @@ use flash_attn::bench::support;
 use criterion::{Criterion, SamplingMode, Throughput};
 use flash_attn::bench::roofline::{lookup_gpu, Math, Roofline};
 use flash_attn::bench::flops;
-use flash_attn::{Backend, DType, ForwardOptions, Fp8Scaling, Precision, Variant};
+use flash_attn::{Backend, DType, ForwardOptions, Fp8Scaling, Precision, Rescale, Variant};
 use std::time::Duration;
 use support::gpu::{self, GpuHarness};
 
@@ -80,8 +80,14 @@ fn main() {
         let p = case.problem(&q, &k, &v, &base);
         let cost = flops::cost(&p);
         let sets = gpu::rotating_sets(cost.bytes, info.l2_bytes);
-        for (label, variant, precision) in runs {
-            let opts = base.clone().variant(variant).precision(precision);
+        let mut runs: Vec<(String, ForwardOptions)> = runs
+            .iter()
+            .map(|&(label, variant, precision)| (label.to_string(), base.clone().variant(variant).precision(precision)))
+            .collect();
+        if case.head_dim == 128 {
+            runs.extend(fa4_softmax_sweep(&base));
+        }
+        for (label, opts) in runs {
             // Ask the dispatch, upload and probe once: a variant this GPU does not run is
             // skipped with the dispatch's reason.
             match harness.prepare(&q, &k, &v, &opts, sets) {
@@ -117,6 +123,25 @@ fn main() {
         }
     }
     println!("per-shape JSON lines with % of roofline and errors: scripts/gpu-bench.sh (examples/bench.rs)");
+}
+
+/// FA4's softmax on the FA3 pipeline (docs/fa4.md, "Part 1"), head dim 128: the share of the
+/// software exp2 (0, 1 in 8, 1 in 4) x the lazy threshold tau (0, 8), each a kernel row of its
+/// own (`fa4_exp2_share` + `Rescale::Lazy` pick it), beside FA3 in bf16 (`Variant::Fa3`: the
+/// (0, 0) point) and in FP8 (the `Fa3-fp8` run of every case). Only an sm_90a GPU runs the rows; elsewhere they are skipped with
+/// the dispatch's reason (the sm_80 / sm_100 FA2-pipeline row has only the default share).
+fn fa4_softmax_sweep(base: &ForwardOptions) -> Vec<(String, ForwardOptions)> {
+    let mut runs = Vec::new();
+    for share in [0u32, 8, 4] {
+        for tau in [0.0f32, 8.0] {
+            if share == 0 && tau == 0.0 {
+                continue; // fa3s5 itself: the Fa3 run
+            }
+            let opts = base.clone().variant(Variant::Fa4).fa4_exp2_share(share).rescale(Rescale::Lazy { threshold: tau });
+            runs.push((format!("Fa4-share{share}-tau{tau}"), opts));
+        }
+    }
+    runs
 }
 
 /// Total milliseconds of `iters` launches, timed in event-bracketed batches.

@@ -206,6 +206,27 @@ impl Family {
     pub fn smem_bytes(&self, tile: &Tile) -> u32 {
         (self.smem)(self.stage, tile)
     }
+
+    /// The rung of its variant's ladder that `fa3_stage` / `fa4_stage` name: `stage`, except
+    /// for the FA4-softmax rows on the FA2 / FA3 pipelines (variant Fa4, another source), whose
+    /// `stage` is the FA3 stage they compile (FA_STAGE), not a rung of the tcgen05 ladder.
+    pub fn ladder_stage(&self) -> Option<u8> {
+        match self.variant {
+            KernelVariant::Fa4 if !self.source.ends_with("_sm100.cu") => None,
+            _ => self.stage,
+        }
+    }
+
+    /// The pipeline the row's kernel runs, for `Dispatch::reason`: its source's family.
+    pub fn pipeline(&self) -> &'static str {
+        match self.source {
+            "cuda/fa1_fwd.cu" => "the FA1 pipeline (CUDA cores)",
+            "cuda/fa2_fwd.cu" => "the FA2 pipeline (mma.sync, cp.async ring)",
+            "cuda/fa3_fwd_sm90.cu" | "cuda/fa3_fp8_fwd_sm90.cu" => "the FA3 pipeline (wgmma, TMA, warp specialisation)",
+            "cuda/fa4_fwd_sm100.cu" => "the FA4 pipeline (tcgen05, tensor memory)",
+            _ => "its own pipeline",
+        }
+    }
 }
 
 /// The targets a source is compiled for, from its file name: `*_sm90.cu` only for sm_90a,
@@ -519,6 +540,89 @@ const FA4_SASS: &[&str] = &["UTCHMMA", "LDTM", "STTM", "UTMALDG", "SYNCS"];
 /// Stage 3 adds the FMA-pipe exp2 (FFMA next to MUFU.EX2).
 const FA4_S3_SASS: &[&str] = &["UTCHMMA", "LDTM", "STTM", "UTMALDG", "SYNCS", "MUFU.EX2", "FFMA"];
 
+/// FA4's softmax (issue 15 part 1, docs/fa4.md "Part 1") in an existing pipeline: the share of
+/// the software exp2 (`poly_every`) and the lazy threshold (`lazy_tau`) are the row's parameters,
+/// passed to the unit as FA_EXP2_POLY_EVERY / FA_EXP2_POLY_DEGREE / FA_LAZY_TAU (the kernel's
+/// `FaRowPolicy`, cuda/common/softmax.cuh); the options follow from them (a share of 0 has no
+/// EXP2_POLY, a negative tau no LAZY_RESCALE).
+const fn fa4_softmax_options(s: SoftmaxParams) -> KernelOptions {
+    let poly = if s.poly_every > 0 { KernelOptions::EXP2_POLY } else { KernelOptions::NONE };
+    let lazy = if s.lazy_tau >= 0.0 { KernelOptions::LAZY_RESCALE } else { KernelOptions::NONE };
+    poly.union(lazy)
+}
+
+/// FA4's softmax in the FA2 pipeline (cuda/fa2_fwd.cu, FA2's tiles): `Variant::Fa4` on sm_80,
+/// sm_120 (PTX) and, without `fa4_stage`, on sm_100 (the tcgen05 stages need it). Ranked below
+/// the FA3-pipeline rows, so sm_90a takes those.
+const fn fa4_fa2_family(name: &'static str, softmax: SoftmaxParams, cpu_emulation: &'static str, tiles: &'static [Tile]) -> Family {
+    Family {
+        name,
+        variant: KernelVariant::Fa4,
+        stage: None,
+        source: "cuda/fa2_fwd.cu",
+        tiles,
+        min_sm: 80,
+        gpu_verified: false,
+        auto: false,
+        sass_expect: FA4_FA2_SASS,
+        options: fa4_softmax_options(softmax),
+        softmax,
+        rank: 36,
+        cpu_emulation: Some(cpu_emulation),
+        smem: fa2_smem_bytes,
+        host: host!(fa2::Fa2),
+    }
+}
+
+/// FA4's softmax in the FA3 pipeline at its top stage (cuda/fa3_fwd_sm90.cu stage 5: TMA ring,
+/// warp specialisation, ping-pong, intra-warpgroup overlap, persistent grid): `Variant::Fa4` on
+/// sm_90a. `rank` 38 for the default row, 37 for the benchmark's sweep rows (which a problem
+/// reaches by naming their share / tau: src/cuda/select.rs).
+const fn fa4_fa3_family(
+    name: &'static str,
+    softmax: SoftmaxParams,
+    rank: u32,
+    cpu_emulation: &'static str,
+    tiles: &'static [Tile],
+) -> Family {
+    Family {
+        name,
+        variant: KernelVariant::Fa4,
+        stage: Some(FA4_FA3_STAGE),
+        source: "cuda/fa3_fwd_sm90.cu",
+        tiles,
+        min_sm: 90,
+        gpu_verified: false,
+        auto: false,
+        sass_expect: FA4_FA3_SASS,
+        options: fa4_softmax_options(softmax),
+        softmax,
+        rank,
+        cpu_emulation: Some(cpu_emulation),
+        smem: fa3_smem_bytes,
+        host: host!(fa3::Fa3),
+    }
+}
+/// The FA3 stage the FA4-softmax rows run (the top of the ladder, what `Variant::Fa3` runs).
+pub const FA4_FA3_STAGE: u8 = 5;
+/// Head dims of the FA4-softmax rows in the FA2 / FA3 pipelines: FlashAttention-4's (64, 128).
+const FA4_FA2_TILES: &[Tile] = &[
+    Tile { head_dim: 64, block_m: 128, block_n: 64, threads: FA2_THREADS },
+    Tile { head_dim: 128, block_m: 128, block_n: 32, threads: FA2_THREADS },
+];
+const FA4_FA3_TILES: &[Tile] = &[fa3_tile(FA4_FA3_STAGE, 64), fa3_tile(FA4_FA3_STAGE, 128)];
+/// The benchmark's sweep rows: head dim 128 only (the H200 comparison beside FA3, docs/fa4.md).
+const FA4_FA3_SWEEP_TILES: &[Tile] = &[fa3_tile(FA4_FA3_STAGE, 128)];
+/// The software exp2 (FFMA) beside MUFU.EX2 in the FA2 / FA3 pipelines (tests/sass.rs also
+/// compares the MUFU.EX2 count with the pipeline's own row).
+const FA4_FA2_SASS: &[&str] = &["HMMA.16816.F32", "LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS", "MUFU.EX2", "FFMA"];
+const FA4_FA3_SASS: &[&str] = &["HGMMA", "UTMALDG", "SYNCS", "USETMAXREG", "MUFU.EX2", "FFMA"];
+/// FA4's softmax with a share of one element in `every` (0: none) and threshold `tau` (log2
+/// units; negative: eager), the degree-3 polynomial.
+const fn fa4_softmax(every: u32, tau: f32) -> SoftmaxParams {
+    SoftmaxParams { poly_degree: if every > 0 { 3 } else { 0 }, poly_every: every, lazy_tau: tau }
+}
+
 /// The families.
 pub const FAMILIES: &[Family] = &[
     Family {
@@ -602,4 +706,16 @@ pub const FAMILIES: &[Family] = &[
     fa4_family("fa4s1", 1, "fa4_stage1", FA4_SASS, KernelOptions::NONE, FA4_S1_TILES),
     fa4_family("fa4s2", 2, "fa4_stage2", FA4_SASS, KernelOptions::NONE, FA4_S2_TILES),
     fa4_family("fa4s3", 3, "fa4_stage3", FA4_S3_SASS, FA4_SOFTMAX_OPTIONS, FA4_S3_TILES),
+    // FA4's softmax in the FA2 and FA3 pipelines (issue 15 part 1, docs/fa4.md "Part 1"): the
+    // default rows (1 element in 8 on the FMA units, tau = 8, FA4_SOFTMAX), then the benchmark's
+    // sweep of the share (0, 1 in 8, 1 in 4) x tau (0, 8) in the FA3 pipeline at head dim 128
+    // (`_p<every>t<tau>`). Two points need no row: (1 in 8, 8) is the default row, and (0, 0) is
+    // fa3s5 itself (tau = 0 keeps the max only when it did not grow, and the factor of a growth
+    // is the same MUFU exp2 of the same product: the same numbers as the eager rescale).
+    fa4_fa2_family("fa4_fa2", FA4_SOFTMAX, "fa4_softmax_fa2", FA4_FA2_TILES),
+    fa4_fa3_family("fa4_fa3s5", FA4_SOFTMAX, 38, "fa4_softmax_fa3", FA4_FA3_TILES),
+    fa4_fa3_family("fa4_fa3s5_p0t8", fa4_softmax(0, 8.0), 37, "fa4_softmax_sweep", FA4_FA3_SWEEP_TILES),
+    fa4_fa3_family("fa4_fa3s5_p8t0", fa4_softmax(8, 0.0), 37, "fa4_softmax_sweep", FA4_FA3_SWEEP_TILES),
+    fa4_fa3_family("fa4_fa3s5_p4t0", fa4_softmax(4, 0.0), 37, "fa4_softmax_sweep", FA4_FA3_SWEEP_TILES),
+    fa4_fa3_family("fa4_fa3s5_p4t8", fa4_softmax(4, 8.0), 37, "fa4_softmax_sweep", FA4_FA3_SWEEP_TILES),
 ];

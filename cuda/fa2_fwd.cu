@@ -132,7 +132,7 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
     using Frag = AccFrag<kMTiles, kNTiles, kDTiles>;
     const Frag frag{lane};
     float acc_o[kMTiles][kDTiles][4];
-    FaOnlineSoftmax<Frag> softmax;
+    FaOnlineSoftmax<Frag, FaRowPolicy> softmax;  // the row's exponent policy (FA4's softmax: docs/fa4.md)
     softmax.init();
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
@@ -259,19 +259,21 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
 }  // namespace fa2
 
 // ---- instances: extern "C" so the host looks them up by plain name -------------------------------
-// One instance: fa2_fwd_hd<D>_<f16|bf16>, the symbol build/instances.rs `kernel_symbol` gives.
+// One instance: <family>_fwd_hd<D>_<f16|bf16>, the symbol build/instances.rs `kernel_symbol`
+// gives: fa2_fwd_hd<D>_<dtype>, or fa4_fa2_fwd_hd<D>_<dtype> for the row that runs FA4's softmax
+// in this pipeline (FA_FAMILY, with its FaRowPolicy).
 namespace fa2 {
 using elem_f16 = __half;
 using elem_bf16 = __nv_bfloat16;
 }  // namespace fa2
-#define FA2_KERNEL(HDIM, DT)                                                                        \
+#define FA2_KERNEL(FAM, HDIM, DT)                                                                   \
     extern "C" __global__ void __launch_bounds__(fa2::Fa2Traits<HDIM>::kNThreads, 1)               \
-        fa2_fwd_hd##HDIM##_##DT(const __grid_constant__ FwdParams p) {                              \
+        FAM##_fwd_hd##HDIM##_##DT(const __grid_constant__ FwdParams p) {                            \
         fa2::fwd_kernel<fa2::elem_##DT, HDIM>(p);                                                   \
     }
-#define FA2_KERNEL_(HDIM, DT) FA2_KERNEL(HDIM, DT)  // expands FA_HEAD_DIM before pasting
+#define FA2_KERNEL_(FAM, HDIM, DT) FA2_KERNEL(FAM, HDIM, DT)  // expands FA_FAMILY, FA_HEAD_DIM before pasting
 
-#ifndef FA_HEAD_DIM
+#if !defined(FA_HEAD_DIM) || !defined(FA_FAMILY)
 #error "compile through the unit build.rs generates from build/instances.rs"
 #else
 // The crate's build: build.rs generates one unit per head dim from build/instances.rs, with the
@@ -283,7 +285,7 @@ static_assert(fa2::Fa2Traits<FA_HEAD_DIM>::kBlockM == FA_BLOCK_M &&
               "build/instances.rs fa2 tile disagrees with fa2_traits.cuh");
 static_assert(fa2::Fa2Traits<FA_HEAD_DIM>::kSmemBytes == FA_SMEM_BYTES,
               "build/instances.rs fa2_smem_bytes disagrees with fa2_traits.cuh");
-#define FA_INSTANCE(DT) FA2_KERNEL_(FA_HEAD_DIM, DT)
+#define FA_INSTANCE(DT) FA2_KERNEL_(FA_FAMILY, FA_HEAD_DIM, DT)
 #endif
 
 // The launch table of the header comment, checked against the traits.

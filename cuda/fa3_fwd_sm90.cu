@@ -50,23 +50,25 @@ __device__ const char* hang_barrier_name(unsigned int offset, int* slot);
 // (static_asserted below against Fa3Traits) and the stage, as FA_STAGE=<n> or (older units)
 // through the family token FA_FAMILY=fa3s<n>; then FA_INSTANCE(f16) and FA_INSTANCE(bf16).
 
-#define FA3_S1(DT, T, D)                                                                   \
+// FAM: the row's name (FA_FAMILY): fa3s<S>, or fa4_fa3s5* for the rows that run FA4's softmax
+// in this pipeline (with their FaRowPolicy).
+#define FA3_S1(FAM, DT, T, D)                                                              \
     extern "C" __global__ void __launch_bounds__(fa3::Fa3Traits<1, D>::kThreads, 1)        \
-        fa3s1_fwd_hd##D##_##DT(const __grid_constant__ FwdParams p) {                      \
+        FAM##_fwd_hd##D##_##DT(const __grid_constant__ FwdParams p) {                      \
         fa3::stage1<T, D>(p);                                                              \
     }
-#define FA3_SN(S, DT, T, D)                                                                \
+#define FA3_SN(FAM, S, DT, T, D)                                                           \
     extern "C" __global__ void __launch_bounds__(fa3::Fa3Traits<S, D>::kThreads, 1)        \
-        fa3s##S##_fwd_hd##D##_##DT(const __grid_constant__ FwdParams p,                    \
+        FAM##_fwd_hd##D##_##DT(const __grid_constant__ FwdParams p,                        \
                                    const __grid_constant__ fa3::TmaDesc tmap_q,            \
                                    const __grid_constant__ fa3::TmaDesc tmap_k,            \
                                    const __grid_constant__ fa3::TmaDesc tmap_v) {          \
         fa3::stage_with_maps<S, T, D>(p, &tmap_q, &tmap_k, &tmap_v);                       \
     }
-#define FA3_S2(DT, T, D) FA3_SN(2, DT, T, D)
-#define FA3_S3(DT, T, D) FA3_SN(3, DT, T, D)
-#define FA3_S4(DT, T, D) FA3_SN(4, DT, T, D)
-#define FA3_S5(DT, T, D) FA3_SN(5, DT, T, D)
+#define FA3_S2(FAM, DT, T, D) FA3_SN(FAM, 2, DT, T, D)
+#define FA3_S3(FAM, DT, T, D) FA3_SN(FAM, 3, DT, T, D)
+#define FA3_S4(FAM, DT, T, D) FA3_SN(FAM, 4, DT, T, D)
+#define FA3_S5(FAM, DT, T, D) FA3_SN(FAM, 5, DT, T, D)
 #define FA3_TYPE_bf16 __nv_bfloat16
 #define FA3_TYPE_f16 __half
 
@@ -99,10 +101,10 @@ static_assert(FA_BLOCK_M == fa3::Fa3Traits<FA3_STAGE, FA_HEAD_DIM>::kBlockM, "ta
 static_assert(FA_BLOCK_N == fa3::Fa3Traits<FA3_STAGE, FA_HEAD_DIM>::kBlockN, "table: block_n");
 static_assert(FA_SMEM_BYTES == fa3::Fa3Traits<FA3_STAGE, FA_HEAD_DIM>::kSmemBytes,
               "table: dynamic shared memory (fa3_smem_bytes in build/instances.rs)");
-// Two expansion levels so FA3_STAGE and FA_HEAD_DIM become literals before pasting.
-#define FA3_INSTANCE_(S, DT, D) FA3_S##S(DT, FA3_TYPE_##DT, D)
-#define FA3_INSTANCE(S, DT, D) FA3_INSTANCE_(S, DT, D)
-#define FA_INSTANCE(DT) FA3_INSTANCE(FA3_STAGE, DT, FA_HEAD_DIM)
+// Two expansion levels so FA_FAMILY, FA3_STAGE and FA_HEAD_DIM become literals before pasting.
+#define FA3_INSTANCE_(FAM, S, DT, D) FA3_S##S(FAM, DT, FA3_TYPE_##DT, D)
+#define FA3_INSTANCE(FAM, S, DT, D) FA3_INSTANCE_(FAM, S, DT, D)
+#define FA_INSTANCE(DT) FA3_INSTANCE(FA_FAMILY, FA3_STAGE, DT, FA_HEAD_DIM)
 #if defined(FA3_HANG_NAMES)
 __device__ const char* fa3::hang_barrier_name(unsigned int offset, int* slot) {
     using Tr = fa3::Fa3Traits<FA3_STAGE, FA_HEAD_DIM>;

@@ -139,6 +139,11 @@ pub struct ForwardOptions {
     /// only. Those kernels have never run on a GPU: without this option `Variant::Fa4` never
     /// runs one (and `Auto` never does).
     pub fa4_stage: Option<u8>,
+    /// FA4's softmax in the FA2 / FA3 pipelines (docs/fa4.md, "Part 1"), with `Variant::Fa4`
+    /// only: one score element in `n` takes the software exp2 (0: none), which picks the kernel
+    /// row with that share (the benchmark's sweep: 0, 8, 4); `None` takes the default row's
+    /// (1 in 8). With `rescale(Rescale::Lazy { threshold })` it names one row of the sweep.
+    pub fa4_exp2_share: Option<u32>,
     /// Key splits per work item on the split-KV (flash-decoding) paths: `None` uses the
     /// heuristic (docs/serving.md), `Some(n)` forces `n` (1..=128; 1 never splits). A
     /// performance choice only: every count gives the same attention up to rounding. Paths that
@@ -208,6 +213,13 @@ impl ForwardOptions {
     /// `variant(Variant::Fa4)`. Checked when the problem is validated.
     pub fn fa4_stage(mut self, stage: u8) -> Self {
         self.fa4_stage = Some(stage);
+        self
+    }
+    /// Runs the FA4-softmax kernel whose software exp2 takes one score element in `n` (0: none;
+    /// see [`ForwardOptions::fa4_exp2_share`]); needs `variant(Variant::Fa4)`. Checked when the
+    /// problem is validated; a share no kernel row has is refused when the kernel is chosen.
+    pub fn fa4_exp2_share(mut self, n: u32) -> Self {
+        self.fa4_exp2_share = Some(n);
         self
     }
     /// Forces `n` key splits on the split-KV paths (see [`ForwardOptions::num_splits`]).

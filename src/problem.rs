@@ -42,6 +42,8 @@ pub struct Problem {
     pub fa3_stage: Option<u8>,
     /// The FA4 stage requested with `Variant::Fa4` (validated: 1..=FA4_MAX_STAGE).
     pub fa4_stage: Option<u8>,
+    /// The software-exp2 share (one element in n) requested with `Variant::Fa4`.
+    pub fa4_exp2_share: Option<u32>,
 }
 
 /// The units scores are formed in, and the factors out of them: the one statement of the rule
@@ -187,6 +189,15 @@ impl Problem {
                 });
             }
         }
+        if let Some(n) = opts.fa4_exp2_share {
+            if opts.variant != crate::options::Variant::Fa4 {
+                return Err(Error::InvalidOption {
+                    option: "fa4_exp2_share",
+                    got: format!("{n} with Variant::{:?}", opts.variant),
+                    expected: "Variant::Fa4 (the share of FA4's software exp2 picks an FA4 kernel row)".into(),
+                });
+            }
+        }
         Ok(Problem {
             batch,
             seqlen_q,
@@ -206,6 +217,7 @@ impl Problem {
             rescale: opts.rescale,
             fa3_stage: opts.fa3_stage,
             fa4_stage: opts.fa4_stage,
+            fa4_exp2_share: opts.fa4_exp2_share,
         })
     }
 

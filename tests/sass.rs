@@ -213,7 +213,8 @@ fn toolchain_present_when_required() {
 fn fa3_warp_specialised_stages_enter_with_168_registers() {
     const ENTRY_REGISTERS: u32 = 168;
     let mut checked = 0;
-    let ws_stage = |f: &Family| f.variant == KernelVariant::Fa3 && f.stage.is_some_and(|s| s >= 3);
+    // The FA3 ladder's rows and those that run FA4's softmax on its pipeline (variant Fa4).
+    let ws_stage = |f: &Family| f.source.starts_with("cuda/fa3") && f.stage.is_some_and(|s| s >= 3);
     for img in cubins().filter(|i| ws_stage(family(i.family))) {
         // The forward kernels (not the FP8 pre-pass an FP8 family's image also holds).
         let forward: Vec<String> = DTYPE_NAMES.iter().map(|dt| kernel_symbol(img.family, img.head_dim, dt)).collect();
@@ -241,9 +242,12 @@ fn keep_filter(filter: &str, x: &str) -> bool {
 #[cfg_attr(not(fa_kernels), ignore = "nvcc was not found at build time, so no kernel was built (run scripts/install-cuda-toolchain.sh)")]
 fn fa3_overlapped_stages_pass_the_token_and_keep_one_gemm_in_flight() {
     let mut checked = 0;
-    // The 16-bit stages 4-5 and the FP8 consumer's (its image also holds the pre-pass: skipped).
-    let overlapped = ["fa3s4", "fa3s5", "fa3fp8s4", "fa3fp8s5"];
-    for img in cubins().filter(|i| overlapped.contains(&i.family)) {
+    // The 16-bit stages 4-5 (FA3's own rows and the FA4-softmax rows compiled at stage 5) and the
+    // FP8 consumer's (its image also holds the pre-pass: skipped).
+    let overlapped = |f: &Family| {
+        (f.source == "cuda/fa3_fwd_sm90.cu" || f.source == "cuda/fa3_fp8_fwd_sm90.cu") && f.stage.is_some_and(|s| s >= 4)
+    };
+    for img in cubins().filter(|i| overlapped(family(i.family))) {
         for (name, sass) in sass_by_kernel(img).into_iter().filter(|(n, _)| !n.starts_with("fa_fp8_prepass")) {
             assert!(opcodes(&sass).iter().any(|op| op.starts_with("BAR.ARV")), "{name}: no BAR.ARV (ping-pong)");
             assert!(
@@ -256,5 +260,76 @@ fn fa3_overlapped_stages_pass_the_token_and_keep_one_gemm_in_flight() {
     let built = keep_filter(ARCHS_FILTER, "90a") && family("fa3s4").tiles.iter().any(|t| keep_filter(HDIMS_FILTER, &t.head_dim.to_string()));
     if built {
         assert!(checked > 0, "no FA3 stage 4-5 kernel was checked");
+    }
+}
+
+/// FA4's softmax on the FA2 / FA3 pipelines (docs/fa4.md, "Part 1"): every kernel of a row with
+/// a software-exp2 share of 1 in E takes exactly that share of the score exponentials off MUFU,
+/// counted against the pipeline's own row (share 0, eager rescale) of the same head dim and
+/// target. Per kernel, with R rows and C score elements per row per thread (FA2: R = block_m /
+/// 32, C = block_n / 4; FA3: R = 2, C = block_n / 4), S places the tile softmax is compiled (FA2:
+/// 1, the tile loop; FA3 stage 5: 2, the first tile and the overlapped loop), L of them with a
+/// possibly finite running max (1: the first tile of FA3 starts from -inf, where the lazy rule
+/// returns 1 with no exponential), and T other MUFU.EX2 per score element (FA2's softcap tanhf:
+/// 1; FA3's tanh.approx is MUFU.TANH: 0):
+///   pipeline row  MUFU.EX2 = S R C (1 + T) + S R          (the factor on MUFU at every place)
+///   FA4 row       MUFU.EX2 = S R (C - C/E) + S R C T + [factor on MUFU] L R
+///                 FADD.RM  = S R C/E + [factor by the polynomial] L R
+/// FADD.RM is the software exp2's floor (add.rm of 2^23 + 2^22), one per polynomial exp2 and in
+/// no pipeline row; FFMA (its Horner steps) must be there too. The lazy factor uses the
+/// polynomial where the row has a share, MUFU where it has none (share 0).
+#[test]
+#[cfg_attr(not(fa_kernels), ignore = "nvcc was not found at build time, so no kernel was built (run scripts/install-cuda-toolchain.sh)")]
+fn fa4_softmax_rows_take_their_share_off_mufu() {
+    let count = |sass: &str, op: &str| opcodes(sass).iter().filter(|o| **o == op).count();
+    let mut checked = 0;
+    for img in cubins() {
+        let fam = family(img.family);
+        let (base, s, t) = match fam.source {
+            _ if fam.variant != KernelVariant::Fa4 => continue,
+            "cuda/fa2_fwd.cu" => ("fa2", 1, 1),
+            "cuda/fa3_fwd_sm90.cu" => ("fa3s5", 2, 0),
+            _ => continue, // the tcgen05 ladder (docs/fa4.md: its loops are not unrolled)
+        };
+        let Some(base_img) = cubins().find(|i| i.family == base && i.head_dim == img.head_dim && i.target == img.target) else {
+            continue;
+        };
+        let tile = fam.tiles.iter().find(|t| t.head_dim == img.head_dim).unwrap();
+        let r = if base == "fa2" { tile.block_m as usize / 32 } else { 2 };
+        let c = tile.block_n as usize / 4;
+        let e = fam.softmax.poly_every as usize;
+        let poly = c.checked_div(e).unwrap_or(0); // elements on the polynomial (E = 0: none)
+        let lazy = fam.softmax.lazy_tau >= 0.0;
+        let (mufu_factor, poly_factor) = match (lazy, e > 0) {
+            (true, true) => (0, r),
+            (true, false) => (r, 0),
+            (false, _) => (s * r, 0),
+        };
+        let base_kernels = sass_by_kernel(base_img);
+        for (name, sass) in sass_by_kernel(img) {
+            let dt = name.rsplit('_').next().unwrap();
+            let (_, base_sass) = base_kernels.iter().find(|(n, _)| n.ends_with(&format!("_{dt}"))).unwrap();
+            let want_base = s * r * c * (1 + t) + s * r;
+            let want = s * r * (c - poly) + s * r * c * t + mufu_factor;
+            let want_floor = s * r * poly + poly_factor;
+            let got = (count(base_sass, "MUFU.EX2"), count(&sass, "MUFU.EX2"), count(&sass, "FADD.RM"));
+            println!(
+                "{name:30} {}: MUFU.EX2 {} (pipeline row {}), FADD.RM {}; R {r} C {c} E {e} S {s}",
+                img.target.name(),
+                got.1,
+                got.0,
+                got.2
+            );
+            assert_eq!(got, (want_base, want, want_floor), "{name} on {}: (pipeline row MUFU.EX2, MUFU.EX2, FADD.RM)", img.target.name());
+            assert_eq!(count(base_sass, "FADD.RM"), 0, "{base}: no software exp2");
+            if e > 0 {
+                assert!(count(&sass, "FFMA") > count(base_sass, "FFMA"), "{name}: the polynomial's FFMAs");
+            }
+            checked += 1;
+        }
+    }
+    let built = keep_filter(ARCHS_FILTER, "80") && keep_filter(HDIMS_FILTER, "128");
+    if built && !IMAGES.is_empty() {
+        assert!(checked > 0, "no FA4-softmax kernel was checked");
     }
 }

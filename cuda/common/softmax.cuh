@@ -19,8 +19,8 @@
 //   s(S&, r, j), o(O&, r, j)   element j of row r of the score / output array (a float&)
 //   row(r), col(j)      tile-relative query row of row r and key of score element j
 //
-// A policy `Pol` says how exponents are taken (FaEagerMufu for FA1-FA3, FA4 stage 3's table
-// row for FlashAttention-4's softmax):
+// A policy `Pol` says how exponents are taken (FaEagerMufu for FA1; FaRowPolicy, the unit's
+// table row, for FA2 and FA3; FA4 stage 3's traits for FlashAttention-4's softmax):
 //   kPolyEvery, kPolyDegree   score element j with j % kPolyEvery == kPolyEvery - 1 takes the
 //                             degree-kPolyDegree software exp2 (FMA units), the rest MUFU (0: none)
 //   kLazyTau                  the lazy rescale threshold in log2 units (< 0: eager)
@@ -48,8 +48,8 @@ FA_HD bool fa_lazy_keeps_max(float growth, float tau) { return growth <= tau; }
 FA_HD bool fa_fp8_lazy_threshold_ok(float tau) { return tau < log2f(FA_E4M3_MAX) - FA_FP8_P_SCALE_LOG2; }
 
 // Folds a tile's max into the running max *m and returns the factor for O and l (1 when nothing
-// changes), with the lazy rule (tau < 0: eager) and the degree-D software exp2.
-template <int D> FA_HD float fa_max_get_scale(float* m, float tile_max, float c, float tau) {
+// changes), with the lazy rule (tau < 0: eager) and `exp2` for the factor.
+template <class Exp2> FA_HD float fa_max_get_scale_with(float* m, float tile_max, float c, float tau, Exp2 exp2) {
     if (!(tile_max > *m)) return 1.0f;  // no growth, or NaN
     if (*m == -INFINITY) {              // first visible key: nothing to rescale
         *m = tile_max;
@@ -57,9 +57,14 @@ template <int D> FA_HD float fa_max_get_scale(float* m, float tile_max, float c,
     }
     const float growth = (tile_max - *m) * c;  // > 0, possibly +inf (then the factor is 0)
     if (tau >= 0.0f && fa_lazy_keeps_max(growth, tau)) return 1.0f;
-    float scale = fa_exp2_poly<D>(-growth);
+    float scale = exp2(-growth);
     *m = tile_max;
     return scale;
+}
+// fa_max_get_scale_with the degree-D software exp2 (src/cpu/softmax.rs max_get_scale with
+// Exp2::Poly(D)).
+template <int D> FA_HD float fa_max_get_scale(float* m, float tile_max, float c, float tau) {
+    return fa_max_get_scale_with(m, tile_max, c, tau, [](float x) { return fa_exp2_poly<D>(x); });
 }
 
 // The end of a row with max m (score units) and sum l: 1/l and the natural-log LSE, u converting
@@ -135,6 +140,27 @@ struct FaEagerMufu {
     static constexpr float kLazyTau = -1.0f;
 };
 
+// The exponent policy of the compile unit's table row (build/instances.rs): FA4's softmax in
+// the FA2 and FA3 pipelines where the row has the EXP2_POLY / LAZY_RESCALE options (the build
+// then defines FA_EXP2_POLY_EVERY and FA_EXP2_POLY_DEGREE, resp. FA_LAZY_TAU), FaEagerMufu's
+// values where it has not. A row may have either option alone: share 0 with the lazy rescale
+// (its factor then on MUFU, as the CPU's Exp2::Accurate), or the share with the eager rescale.
+struct FaRowPolicy {
+#if defined(FA_EXP2_POLY_EVERY) && defined(FA_EXP2_POLY_DEGREE)
+    static constexpr int kPolyEvery = FA_EXP2_POLY_EVERY;
+    static constexpr int kPolyDegree = FA_EXP2_POLY_DEGREE;
+#else
+    static constexpr int kPolyEvery = 0;
+    static constexpr int kPolyDegree = 0;
+#endif
+#if defined(FA_LAZY_TAU)
+    static constexpr float kLazyTau = FA_LAZY_TAU;
+#else
+    static constexpr float kLazyTau = -1.0f;
+#endif
+    static_assert(kPolyEvery == 0 || (kPolyEvery >= 1 && kPolyDegree >= 2), "a software exp2 share needs its degree");
+};
+
 // Per-thread state of the rows it holds: running max m (score units, -inf before any visible
 // key) and this thread's partial running sum l (reduced over the row's lanes at the end).
 // update() is one tile in one call; a kernel whose row is split (across warpgroups, or over
@@ -167,8 +193,10 @@ struct FaOnlineSoftmax {
     // max moves and the factor is exp2((m_old - ref) * c) (old max -inf: 0, nothing to rescale
     // yet); lazy, fa_max_get_scale's rule.
     __device__ __forceinline__ float fold_max(int r, float tile_max, float c) {
-        if constexpr (Pol::kLazyTau >= 0.0f) {
+        if constexpr (Pol::kLazyTau >= 0.0f && Pol::kPolyDegree >= 2) {
             return fa_max_get_scale<Pol::kPolyDegree>(&m[r], tile_max, c, Pol::kLazyTau);
+        } else if constexpr (Pol::kLazyTau >= 0.0f) {
+            return fa_max_get_scale_with(&m[r], tile_max, c, Pol::kLazyTau, [](float x) { return fa_ex2_approx(x); });
         } else {
             const float mx = fmaxf(m[r], tile_max);
             const float corr = fa_ex2_approx((m[r] - fa_softmax_ref(mx)) * c);
@@ -212,9 +240,17 @@ struct FaOnlineSoftmax {
         }
     }
 
-    // O *= corr, row by row.
+    // O *= corr, row by row. With the lazy rule the factors are exactly 1 on most tiles: the
+    // warp skips the multiplies when every factor of its 32 lanes is 1 (warp-uniform, so every
+    // lane of a warp takes the same path; every lane must call it).
     template <class O>
     __device__ __forceinline__ void rescale(O& o, const float (&corr)[kRows]) const {
+        if constexpr (Pol::kLazyTau >= 0.0f) {
+            bool need = false;
+#pragma unroll
+            for (int r = 0; r < kRows; ++r) need |= corr[r] != 1.0f;
+            if (fa_lanes_max<32>(need ? 1.0f : 0.0f) == 0.0f) return;
+        }
 #pragma unroll
         for (int r = 0; r < kRows; ++r)
 #pragma unroll

@@ -37,12 +37,13 @@ struct AccFrag {
     __device__ __forceinline__ int col(int j) const { return 8 * (j / 2) + col0 + j % 2; }
 };
 
-// Per-warpgroup output accumulator and online-softmax state (this thread's two rows).
+// Per-warpgroup output accumulator and online-softmax state (this thread's two rows), with the
+// unit's exponent policy (FaRowPolicy: FA4's softmax in the row that asks for it, docs/fa4.md).
 template <class Tr>
 struct Acc {
     using Frag = AccFrag<Tr::kBlockN, Tr::kHeadDim>;
     float o[Tr::kHeadDim / 2];
-    FaOnlineSoftmax<Frag> softmax;
+    FaOnlineSoftmax<Frag, FaRowPolicy> softmax;
     __device__ __forceinline__ void init() {
 #pragma unroll
         for (int i = 0; i < Tr::kHeadDim / 2; ++i) o[i] = 0.f;

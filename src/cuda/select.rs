@@ -78,6 +78,12 @@ fn needed_options(p: &Problem) -> KernelOptions {
 /// FA4's softmax runs it then too (docs/fa4.md).
 fn softmax_mismatch(fam: &Family, p: &Problem) -> Option<String> {
     let s = &fam.softmax;
+    if let Some(every) = p.fa4_exp2_share {
+        if every != s.poly_every {
+            let share = |n: u32| if n == 0 { "none".to_string() } else { format!("1 element in {n}") };
+            return Some(format!("implements a software exp2 share of {}, not {}", share(s.poly_every), share(every)));
+        }
+    }
     if let Exp2::Poly(degree) = p.exp2 {
         if degree != s.poly_degree {
             return Some(format!("implements exp2_poly of degree {}, not {degree}", s.poly_degree));
@@ -136,6 +142,12 @@ fn instance_for(fam: &'static Family, dev: &impl Gpu, p: &Problem) -> std::resul
     } else {
         format!("has no image built for head_dim {} on sm_{} (FLASH_ATTN_HDIMS/ARCHS pruned it?)", p.head_dim, dev.sm())
     })
+}
+
+/// Whether `fam` has a target this GPU runs, at its minimum SM.
+fn builds_for(fam: &Family, dev: &impl Gpu) -> bool {
+    let (major, minor) = ((dev.sm() / 10) as i32, (dev.sm() % 10) as i32);
+    dev.sm() >= fam.min_sm && targets_for(fam.source).iter().any(|t| t.runs_on(major, minor))
 }
 
 /// The family's own problem refusal of a table-admitted choice.
@@ -231,15 +243,17 @@ fn requested_stage(p: &Problem, variant: Variant) -> (&'static str, Option<u8>) 
 }
 
 /// An explicitly requested variant. A variant with several families (the FA3 and FA4 stage
-/// ladders) runs the stage its option (`fa3_stage`, `fa4_stage`) names, else the highest
-/// GPU-verified stage that runs the problem, else (none verified) the highest-ranked one that
-/// does; `Choice::pick` says which. (An FA4 stage's own refusal requires `fa4_stage`.)
+/// ladders, FA4's softmax on the FA2 / FA3 pipelines) runs the stage its option (`fa3_stage`,
+/// `fa4_stage`) names, else the highest GPU-verified row that runs the problem (no refusal of
+/// its own), else (none verified) the highest-ranked one that does; `Choice::pick` says which.
+/// (An FA4 tcgen05 stage's own refusal requires `fa4_stage`, so without it `Variant::Fa4` runs
+/// FA4's softmax on the FA3 pipeline on sm_90a and on the FA2 pipeline elsewhere.)
 fn choose_explicit(families: &'static [Family], dev: &impl Gpu, p: &Problem, variant: Variant) -> Result<Choice> {
     let unavailable = |reason: String| Error::VariantUnavailable { variant, reason };
     let of_variant = || families.iter().filter(move |f| Variant::from(f.variant) == variant);
     let ladder = of_variant().count() > 1;
     let (asked_for, stage) = requested_stage(p, variant);
-    let candidates = || of_variant().filter(move |f| stage.is_none_or(|s| f.stage == Some(s)));
+    let candidates = || of_variant().filter(move |f| stage.is_none_or(|s| f.ladder_stage() == Some(s)));
     if of_variant().next().is_none() {
         return Err(unavailable("no kernel of this family is built into this crate".into()));
     }
@@ -249,18 +263,37 @@ fn choose_explicit(families: &'static [Family], dev: &impl Gpu, p: &Problem, var
     }
     // Verified beats unverified; among equals, the higher rank (the higher stage) wins.
     let key = |c: &Choice| (c.family.gpu_verified, c.family.rank);
-    let Some(mut c) = candidates().filter_map(|f| instance_for(f, dev, p).ok()).max_by_key(key) else {
-        // The table's refusal of the highest-ranked candidate (all stages refuse alike).
-        let fam = candidates().max_by_key(|f| f.rank).expect("checked non-empty above");
+    let admitted = || candidates().filter_map(|f| instance_for(f, dev, p).ok());
+    let Some(best) = admitted().max_by_key(key) else {
+        // The table's refusal of the highest-ranked candidate built for this GPU, else of the
+        // highest-ranked one (the FA3 stages refuse alike; of the FA4 rows, those of another
+        // architecture say least).
+        let fam = candidates()
+            .filter(|f| builds_for(f, dev))
+            .max_by_key(|f| f.rank)
+            .or_else(|| candidates().max_by_key(|f| f.rank))
+            .expect("checked non-empty above");
         let why = instance_for(fam, dev, p).err().unwrap_or_default();
         return Err(unavailable(format!("{}: {why}", on(fam, dev))));
     };
-    if let Some(why) = refusal(&c, p) {
-        return Err(unavailable(format!("{}: {why}", on(c.family, dev))));
-    }
+    let Some(mut c) = admitted().filter(|c| refusal(c, p).is_none()).max_by_key(key) else {
+        // Every admitted row refuses: the best one's refusal, then any different one of a
+        // lower row (the FA4 rows refuse for different reasons; the FA3 stages alike).
+        let mut reasons = vec![(best.family, refusal(&best, p).unwrap_or_default())];
+        for c in admitted() {
+            let why = refusal(&c, p).unwrap_or_default();
+            if reasons.iter().all(|(_, w)| *w != why) {
+                reasons.push((c.family, why));
+            }
+        }
+        let text: Vec<String> = reasons.iter().map(|(f, why)| format!("{}: {why}", on(f, dev))).collect();
+        return Err(unavailable(text.join("; ")));
+    };
     if ladder {
         c.pick = if stage.is_some() {
             asked_for
+        } else if variant == Variant::Fa4 {
+            "the highest-ranked FA4 row that runs this problem here (the tcgen05 stages run only when fa4_stage names one)"
         } else if c.family.gpu_verified {
             "the highest GPU-verified stage that runs this problem"
         } else if candidates().any(|f| f.gpu_verified) {
@@ -339,14 +372,36 @@ fn reason_in(families: &'static [Family], dev: &impl Gpu, c: &Choice, requested:
         format!("{requested:?} requested: {}, {}", c.family.name, c.pick)
     };
     format!(
-        "{how}; {} sm_{} ({}), head_dim instance {}, {} image{}",
+        "{how}; {} sm_{} ({}), head_dim instance {}, {} image{}{}",
         dev.name(),
         dev.sm(),
         c.dtype,
         c.tile.head_dim,
         c.image.target.name(),
+        fa4_softmax_note(c.family),
         if c.family.gpu_verified { "" } else { "; this family is not yet verified on a GPU" }
     )
+}
+
+/// "; FA4's softmax (...) in the FA3 pipeline (...)" for a row that runs FA4's softmax (which
+/// pipeline ran, and the row's knobs), else nothing.
+fn fa4_softmax_note(f: &Family) -> String {
+    let s = &f.softmax;
+    if *s == super::table::SoftmaxParams::NONE {
+        return String::new();
+    }
+    let share = match s.poly_every {
+        0 => "every exp2 on MUFU".to_string(),
+        n => format!("degree-{} software exp2 for 1 element in {n}", s.poly_degree),
+    };
+    let rescale =
+        if s.lazy_tau >= 0.0 { format!("lazy rescale, tau {}", s.lazy_tau) } else { "eager rescale".to_string() };
+    // A row on the FA3 pipeline compiles one of its stages (`stage`, not a rung of FA4's ladder).
+    let stage = match (f.ladder_stage(), f.stage) {
+        (None, Some(s)) => format!(" at stage {s}"),
+        _ => String::new(),
+    };
+    format!("; FA4's softmax ({share}, {rescale}) in {}{stage}", f.pipeline())
 }
 
 #[cfg(test)]

@@ -306,6 +306,10 @@ pub struct Case {
     /// Every V set to this value (inf or NaN): rows that see no key must be exactly 0 with LSE
     /// -inf, rows that see keys non-finite.
     pub v_fill: Option<f32>,
+    /// FA4's softmax rows (docs/fa4.md, "Part 1"): also compare O with the CPU backend run with
+    /// the row's softmax as options (`Exp2::Poly(degree)` where the row has a share,
+    /// `Rescale::Lazy { tau }` where it has a threshold), the oracle of the exponent sequence.
+    pub cpu_oracle: bool,
 }
 
 impl Case {
@@ -314,7 +318,7 @@ impl Case {
         // ask for the row the case names, as a caller would.
         if let Some(row) = FAMILIES.iter().find(|f| f.name == family && f.variant == KernelVariant::Fa4) {
             opts.variant = Variant::Fa4;
-            opts.fa4_stage = row.stage;
+            opts.fa4_stage = row.ladder_stage();
         }
         Case {
             family,
@@ -329,6 +333,7 @@ impl Case {
             label: String::new(),
             max_score: None,
             v_fill: None,
+            cpu_oracle: false,
         }
     }
     pub fn name(&self) -> String {
@@ -353,6 +358,9 @@ impl Case {
 #[derive(Clone, Debug)]
 pub struct Pass {
     pub ratio: f64,
+    /// With `Case::cpu_oracle`: max |O - O_cpu| over max |O_ref| (both outputs 16-bit), in
+    /// units of the dtype's epsilon.
+    pub oracle_ulps: Option<f64>,
     pub log: String,
     /// The launch the run made.
     pub plan: LaunchPlan,
@@ -524,7 +532,7 @@ pub fn run_case(c: &Case, mutation: Option<&Mutation>) -> Outcome {
                 return Err(format!("LSE {at} of a row that sees no key is not -inf\n{log}"));
             }
         }
-        return Ok(Pass { ratio: 0.0, log, plan: pl });
+        return Ok(Pass { ratio: 0.0, oracle_ulps: None, log, plan: pl });
     }
     // Scores near f32::MAX: the straightforward softmax in f32 is the yardstick (in a 16-bit
     // dtype its scores overflow).
@@ -576,7 +584,54 @@ pub fn run_case(c: &Case, mutation: Option<&Mutation>) -> Outcome {
             return Err(format!("max |LSE - ref| {lerr:.3e} > {tol:e}\n{log}"));
         }
     }
-    Ok(Pass { ratio: err / bound, log, plan: pl })
+    let oracle_ulps = if c.cpu_oracle { Some(cpu_oracle_ulps(c, &opts, &qv, &kv, &vv, &o, &r.o)?) } else { None };
+    Ok(Pass { ratio: err / bound, oracle_ulps, log, plan: pl })
+}
+
+/// The largest output difference the CPU oracle may show against an FA4-softmax kernel, in
+/// epsilons of the 16-bit dtype at the output's scale (max |O_ref|): both round O to the dtype
+/// (1 ulp each at most at that scale) and P to the dtype for the second product; the kernel
+/// takes 7 of 8 (3 of 4) exponentials on MUFU (relative error 2^-22) where the oracle takes the
+/// degree-3 polynomial (5e-5 relative, 0.4 bf16 / 0.05 f16 epsilon), and sums in its own order.
+pub const CPU_ORACLE_ULPS: f64 = 4.0;
+
+/// max |O - O_cpu| / (eps * max |O_ref|) for `c` against the CPU backend with the row's softmax
+/// as options (see `Case::cpu_oracle`); Err when over `CPU_ORACLE_ULPS`.
+fn cpu_oracle_ulps(
+    c: &Case,
+    opts: &ForwardOptions,
+    q: &TensorView<'_>,
+    k: &TensorView<'_>,
+    v: &TensorView<'_>,
+    o: &[f64],
+    o_ref: &[f64],
+) -> Result<f64, String> {
+    let fam = FAMILIES.iter().find(|f| f.name == c.family).unwrap();
+    let s = fam.softmax;
+    let mut cpu = opts.clone().backend(flash_attn::Backend::Cpu).variant(Variant::Auto);
+    cpu.fa4_stage = None;
+    cpu.fa4_exp2_share = None;
+    cpu = cpu.exp2(if s.poly_every > 0 { flash_attn::Exp2::Poly(s.poly_degree) } else { flash_attn::Exp2::Accurate });
+    cpu = cpu.rescale(if s.lazy_tau >= 0.0 {
+        flash_attn::Rescale::Lazy { threshold: s.lazy_tau }
+    } else {
+        flash_attn::Rescale::Always
+    });
+    let out = flash_attn::forward(q, k, v, &cpu).map_err(|e| format!("cpu oracle: {e}"))?;
+    let got: Vec<f64> = out.o.to_f32_vec().iter().map(|&x| x as f64).collect();
+    let eps = match c.dtype {
+        DType::BF16 => 2f64.powi(-8),
+        _ => 2f64.powi(-11),
+    };
+    let scale = o_ref.iter().fold(0.0f64, |m, x| if x.is_finite() { m.max(x.abs()) } else { m }).max(1e-30);
+    let ulps = max_abs_diff(o, &got) / (eps * scale);
+    if ulps > CPU_ORACLE_ULPS {
+        return Err(format!(
+            "max |O - O_cpu oracle ({:?}, {:?})| is {ulps:.2} epsilons of max |O_ref| {scale:.3e}, over {CPU_ORACLE_ULPS}",
+            cpu.exp2, cpu.rescale
+        ));
+    }
+    Ok(ulps)
 }
 
 /// Whether output row `row` ([b, s, h] order, contiguous Q/K/V as `max_score` cases use) of a

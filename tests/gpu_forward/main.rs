@@ -226,9 +226,11 @@ fn fa4_matrix(stage: u8) {
     let stream = engine.device().context().new_stream().unwrap();
     let mut rng = Rng::new(0xfa4 + stage as u64);
     let worst = ladder_cases(&engine, &stream, &mut rng, FA4, stage);
+    // Without a stage, Variant::Fa4 runs FA4's softmax on the FA2 pipeline here (docs/fa4.md,
+    // "Part 1"), never a tcgen05 stage.
     let no_stage = ForwardOptions::default().variant(Variant::Fa4);
-    let e = engine.dispatch([1, 64, 2, 64], [1, 64, 2, 64], DType::BF16, &no_stage);
-    assert!(matches!(&e, Err(Error::VariantUnavailable { reason, .. }) if reason.contains("fa4_stage")), "{e:?}");
+    let d = engine.dispatch([1, 64, 2, 64], [1, 64, 2, 64], DType::BF16, &no_stage).unwrap();
+    assert_eq!(d.kernel, "fa4_fa2_fwd_hd64_bf16", "{}", d.reason);
     println!("fa4 stage {stage}: passed; worst err/bound {worst:.3}");
 }
 
@@ -246,6 +248,70 @@ fn fa4_stage2() {
 #[ignore = "needs a CUDA GPU (a Blackwell sm_100 one to run; elsewhere the refusal is checked)"]
 fn fa4_stage3() {
     fa4_matrix(3);
+}
+
+/// FA4's softmax on the FA2 / FA3 pipelines (docs/fa4.md, "Part 1"): `Variant::Fa4` without
+/// `fa4_stage` runs `fa4_fa3s5` on sm_90a and `fa4_fa2` on every other sm_80+ GPU; the
+/// ladder's case shapes at head dims 64 / 128 in both dtypes, large scores (the lazy rescale
+/// must move the max), the domain edges, and on sm_90a each sweep row (share x tau) at hd 128.
+#[test]
+#[ignore = "needs a CUDA GPU (sm_80 or newer)"]
+fn fa4_softmax_pipelines() {
+    use flash_attn::Rescale;
+    let engine = engine();
+    let stream = engine.device().context().new_stream().unwrap();
+    let mut rng = Rng::new(0xfa41);
+    let hopper = engine.device().compute_capability() == (9, 0);
+    let row = if hopper { "fa4_fa3s5" } else { "fa4_fa2" };
+    let fa4 = ForwardOptions::default().variant(Variant::Fa4);
+    let mut runs = vec![(row.to_string(), fa4.clone(), vec![64, 128])];
+    if hopper {
+        for (share, tau) in [(0u32, 8.0f32), (8, 0.0), (4, 0.0), (4, 8.0)] {
+            let o = fa4.clone().fa4_exp2_share(share).rescale(Rescale::Lazy { threshold: tau });
+            runs.push((format!("{row}_p{share}t{tau}"), o, vec![128]));
+        }
+    }
+    // (batch, sq, sk, hq, hkv, mask, softcap, input scale)
+    type Case = (usize, usize, usize, usize, usize, Mask, Option<f32>, f32);
+    let cases: &[Case] = &[
+        (2, 100, 300, 4, 2, Mask::Causal, None, 1.0),
+        (1, 257, 257, 2, 2, Mask::window(64, 16), None, 1.0),
+        (1, 150, 200, 2, 2, Mask::None, Some(30.0), 1.0),
+        (1, 70, 520, 1, 1, Mask::None, None, 1.0),
+        (1, 300, 300, 2, 1, Mask::Causal, None, 12.0),
+    ];
+    let mut worst = 0.0f64;
+    for (name, base, dims) in &runs {
+        for dtype in [DType::BF16, DType::F16] {
+            for &d in dims {
+                for &(b, sq, sk, hq, hkv, mask, softcap, scale) in cases {
+                    let gen = |rng: &mut Rng, s: [usize; 4]| {
+                        let t = randn(rng, dtype, s);
+                        let x: Vec<f32> = t.to_f32_vec().iter().map(|v| v * scale).collect();
+                        flash_attn::Tensor::from_f32(&x, dtype, s).unwrap()
+                    };
+                    let (q, k, v) = (gen(&mut rng, [b, sq, hq, d]), gen(&mut rng, [b, sk, hkv, d]), gen(&mut rng, [b, sk, hkv, d]));
+                    let mut opts = base.clone().mask(mask).return_lse(true);
+                    if let Some(c) = softcap {
+                        opts = opts.softcap(c);
+                    }
+                    let chosen = engine.dispatch([b, sq, hq, d], [b, sk, hkv, d], dtype, &opts).unwrap();
+                    assert!(chosen.kernel.starts_with(&format!("{row}_")) && chosen.reason.contains("FA4's softmax"), "{}", chosen.reason);
+                    let what = format!("{name} {dtype:?} b{b} sq{sq} sk{sk} hq{hq} hkv{hkv} d{d} {mask:?} softcap {softcap:?} x{scale}");
+                    worst = worst.max(check(&engine, &stream, [q.view(), k.view(), v.view()], &opts, &what));
+                }
+                if name == row {
+                    for ([q, k, v], opts, what) in edge_inputs(&mut rng, dtype, d, true) {
+                        let mut o = base.clone().mask(opts.mask).return_lse(true);
+                        o.softmax_scale = opts.softmax_scale;
+                        o.softcap = opts.softcap;
+                        check_edges(&engine, &stream, [&q, &k, &v], &o, &format!("{name} {dtype:?} d{d} {what}"));
+                    }
+                }
+            }
+        }
+    }
+    println!("fa4 softmax on {row}: passed; worst err/bound {worst:.3}");
 }
 
 /// The short FA3 subset scripts/gpu-check-run.sh runs under compute-sanitizer (memcheck,

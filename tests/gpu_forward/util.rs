@@ -33,8 +33,9 @@ pub fn variants(engine: &Engine) -> Vec<Variant> {
     let mut out = vec![Variant::Auto];
     // The FA3 and FA4 stage ladders have their own matrices (fa3_stage1..5, fa4_stage1..3 in
     // main.rs): they refuse ALiBi and inexact head dims, which this generic matrix draws, and FA4
-    // runs only with `fa4_stage`.
-    for fam in FAMILIES.iter().filter(|f| f.stage.is_none()) {
+    // runs only with `fa4_stage`; so do FA4's softmax rows on the FA2 / FA3 pipelines
+    // (fa4_softmax_pipelines).
+    for fam in FAMILIES.iter().filter(|f| f.stage.is_none() && Variant::from(f.variant) != Variant::Fa4) {
         let var = Variant::from(fam.variant);
         if sm >= fam.min_sm {
             out.push(var);

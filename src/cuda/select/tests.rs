@@ -549,3 +549,103 @@ fn fp8_problems_choose_the_fp8_family_on_hopper() {
     let e = choose_in(FAMILIES, a100, &problem(DType::BF16, 128, &block), Variant::Fa3).unwrap_err();
     assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("sm_90")), "{e:?}");
 }
+
+/// FA4's softmax on the FA2 / FA3 pipelines (issue 15 part 1, docs/fa4.md "Part 1") in the real
+/// table: `Variant::Fa4` without `fa4_stage` runs the FA3-pipeline row on sm_90a, the
+/// FA2-pipeline row on sm_80, sm_120 (PTX) and sm_100 (where the tcgen05 stages need
+/// `fa4_stage`); the reason names the pipeline and the knobs; Auto never picks them.
+#[test]
+fn fa4_softmax_runs_on_the_fa2_and_fa3_pipelines() {
+    let fa4 = |gpu: &Built, d: usize, opts: ForwardOptions| {
+        choose_in(FAMILIES, gpu, &problem(DType::BF16, d, &opts.variant(Variant::Fa4)), Variant::Fa4)
+    };
+    let b200 = Built(FakeGpu { cc: (10, 0), smem: 227 * 1024 });
+    let rtx5090 = Built(FakeGpu { cc: (12, 0), smem: 99 * 1024 });
+    let (a100, rtx3090, h200) = (&FA2_GPUS[0].0, &FA2_GPUS[1].0, &FA2_GPUS[3].0);
+    for d in [64, 128] {
+        for (gpu, name, target, pipeline) in [
+            (a100, "fa4_fa2", Target::Sm80, "FA2 pipeline"),
+            (rtx3090, "fa4_fa2", Target::Sm80, "FA2 pipeline"),
+            (h200, "fa4_fa3s5", Target::Sm90a, "FA3 pipeline (wgmma, TMA, warp specialisation) at stage 5"),
+            (&b200, "fa4_fa2", Target::Sm100a, "FA2 pipeline"),
+            (&rtx5090, "fa4_fa2", Target::Ptx80, "FA2 pipeline"),
+        ] {
+            let c = fa4(gpu, d, ForwardOptions::default().causal(true)).unwrap();
+            assert_eq!((c.family.name, c.tile.head_dim as usize, c.image.target), (name, d, target), "sm_{}", gpu.sm());
+            let why = reason_in(FAMILIES, gpu, &c, Variant::Fa4);
+            assert!(
+                why.contains(pipeline)
+                    && why.contains("degree-3 software exp2 for 1 element in 8, lazy rescale, tau 8")
+                    && why.contains("tcgen05 stages run only when fa4_stage names one")
+                    && why.contains("not yet verified"),
+                "{why}"
+            );
+            // Auto never picks a row of FA4's softmax (none is verified on a GPU).
+            let auto = choose_in(FAMILIES, gpu, &problem(DType::BF16, d, &ForwardOptions::default()), Variant::Auto);
+            assert!(!auto.unwrap().family.name.starts_with("fa4"));
+        }
+    }
+    // fa4_stage names a tcgen05 rung only: on sm_100 it runs; on sm_90 it is refused (the FA3
+    // pipeline row is not a rung of that ladder).
+    let c = fa4(&b200, 128, ForwardOptions::default().fa4_stage(3)).unwrap();
+    assert_eq!(c.family.name, "fa4s3");
+    let e = fa4(h200, 128, ForwardOptions::default().fa4_stage(3)).unwrap_err();
+    assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("fa4s3") && reason.contains("sm_100")), "{e:?}");
+    // FA4's head dims only; ALiBi runs on the FA2 pipeline (the FA3 one refuses it), on sm_90a
+    // too (its sm_90a SASS).
+    let e = fa4(a100, 96, ForwardOptions::default()).unwrap_err();
+    assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("fa4_fa2") && reason.contains("exact head dims")), "{e:?}");
+    let c = fa4(h200, 128, ForwardOptions::default().alibi_slopes(vec![0.5; 4])).unwrap();
+    assert_eq!((c.family.name, c.image.target), ("fa4_fa2", Target::Sm90a));
+    // On sm_100 every tcgen05 stage refuses without fa4_stage and the FA2 pipeline refuses
+    // hd 96: the error names both reasons.
+    let e = fa4(&b200, 96, ForwardOptions::default()).unwrap_err();
+    assert!(
+        matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("FA4 needs fa4_stage") && reason.contains("exact head dims")),
+        "{e:?}"
+    );
+}
+
+/// The benchmark's sweep (share 0 / 1 in 8 / 1 in 4 x tau 0 / 8) on sm_90a: `fa4_exp2_share`
+/// and `Rescale::Lazy { threshold }` name one row; (0, 0) is fa3s5 itself (Variant::Fa3).
+#[test]
+fn fa4_softmax_sweep_rows_are_reached_by_their_knobs() {
+    use crate::options::Rescale;
+    let h200 = &FA2_GPUS[3].0;
+    let fa4 = |share: Option<u32>, tau: Option<f32>| {
+        let mut o = ForwardOptions::default().variant(Variant::Fa4);
+        if let Some(n) = share {
+            o = o.fa4_exp2_share(n);
+        }
+        if let Some(threshold) = tau {
+            o = o.rescale(Rescale::Lazy { threshold });
+        }
+        choose_in(FAMILIES, h200, &problem(DType::BF16, 128, &o), Variant::Fa4)
+    };
+    for (share, tau, name) in [
+        (None, None, "fa4_fa3s5"),
+        (Some(8), Some(8.0), "fa4_fa3s5"),
+        (Some(8), None, "fa4_fa3s5"),
+        (Some(0), Some(8.0), "fa4_fa3s5_p0t8"),
+        (Some(8), Some(0.0), "fa4_fa3s5_p8t0"),
+        (Some(4), Some(0.0), "fa4_fa3s5_p4t0"),
+        (Some(4), Some(8.0), "fa4_fa3s5_p4t8"),
+    ] {
+        let c = fa4(share, tau).unwrap_or_else(|e| panic!("{share:?} {tau:?}: {e:?}"));
+        assert_eq!(c.family.name, name, "{share:?} {tau:?}");
+        let s = c.family.softmax;
+        assert_eq!((s.poly_every, s.lazy_tau), (share.unwrap_or(8), tau.unwrap_or(8.0)), "{name}");
+    }
+    // A share or tau no row has is refused, naming what the best row implements.
+    let e = fa4(Some(0), Some(0.0)).unwrap_err();
+    assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("share of 1 element in 8, not none")), "{e:?}");
+    let e = fa4(Some(16), None).unwrap_err();
+    assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("not 1 element in 16")), "{e:?}");
+    // hd 64 has only the default row.
+    let o = ForwardOptions::default().variant(Variant::Fa4).fa4_exp2_share(4);
+    assert!(choose_in(FAMILIES, h200, &problem(DType::BF16, 64, &o), Variant::Fa4).is_err());
+    // The option needs Variant::Fa4.
+    let check = |o: ForwardOptions| Problem::from_shapes([1, 8, 1, 128], [1, 8, 1, 128], [1, 8, 1, 128], DType::BF16, &o);
+    let e = check(ForwardOptions::default().variant(Variant::Fa3).fa4_exp2_share(8)).unwrap_err();
+    assert!(matches!(e, Error::InvalidOption { option: "fa4_exp2_share", .. }), "{e:?}");
+}
