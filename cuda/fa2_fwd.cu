@@ -105,12 +105,17 @@ __device__ __forceinline__ void load_tile_paged(Elem* smem, const Elem* ghead, c
 
 __device__ __forceinline__ int kv_head(const FwdParams& p) { return cta_head() / (p.heads_q / p.heads_kv); }
 
-// Issues the K and V tiles of keys [n0, n0 + kBlockN) of sequence `seq` into one ring stage
+// This CTA's sequence, re-derived from %ctaid.z (volatile, see cta_batch) and the index arrays
+// wherever it is needed, rather than kept live across the register-bound main loop (keeping
+// it cost hdim 96 a spill).
+__device__ __forceinline__ FaSeq cta_seq(const FwdParams& p) { return fa_seq(p, fa_batch_split(p, cta_batch()).b); }
+
+// Issues the K and V tiles of keys [n0, n0 + kBlockN) of this CTA's sequence into one ring stage
 // (caller commits). The kv head is the shared GQA/MQA head h / (heads_q / heads_kv), so K/V are
 // never copied; it is re-read from %ctaid.y per tile (see cta_head) rather than kept live.
 template <typename T, typename Elem>
-__device__ __forceinline__ void load_kv(Elem* sK_stage, Elem* sV_stage, const FwdParams& p, const FaSeq& seq, int n0,
-                                        int tid) {
+__device__ __forceinline__ void load_kv(Elem* sK_stage, Elem* sV_stage, const FwdParams& p, int n0, int tid) {
+    const FaSeq seq = cta_seq(p);
     const int hk = kv_head(p);
     const Elem* k = reinterpret_cast<const Elem*>(p.k) + hk * p.k_head_stride;
     const Elem* v = reinterpret_cast<const Elem*>(p.v) + hk * p.v_head_stride;
@@ -144,12 +149,12 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
     // split, seqlen_q x seqlen_k). The grid covers the longest sequence: CTAs past this one's
     // rows have nothing to do (uniform over the CTA, before any barrier).
     const FaBatchSplit bs = fa_batch_split(p, blockIdx.z);
-    const FaSeq seq = fa_seq(p, bs.b);
-    const int seqlen_q = seq.sq;
+    const FaSeq seq = fa_seq(p, bs.b);  // the prologue's; the loop and epilogue re-derive it
+    const int seqlen_q = seq.sq, seqlen_k = seq.sk;
     const int m0 = m_block * kBlockM;                  // first query row of this CTA
     if (m0 >= seqlen_q) return;
     const int m_last = min(m0 + kBlockM, seqlen_q) - 1;  // last real query row
-    const FaMaskDims mask = fa_seq_mask(p, seq);
+    const FaMaskDims mask{p.window_left, p.window_right, seqlen_q, seqlen_k};  // fa_seq_mask
 
     const float slope = fa_alibi_slope(p, head);
 
@@ -165,7 +170,7 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
     // a sane row max early.
     load_tile<T, kBlockM>(sQ, reinterpret_cast<const Elem*>(p.q) + fa_q_offset(p, seq, head, 0), p.q_row_stride, m0,
                           seqlen_q, tid);
-    if (n_max > n_min) load_kv<T>(sK, sV, p, seq, (n_max - 1) * kBlockN, tid);
+    if (n_max > n_min) load_kv<T>(sK, sV, p, (n_max - 1) * kBlockN, tid);
     cp_async_commit();
 
     // Per lane: O accumulators (f32) and the softmax state of its 2 rows per m-tile (row g and
@@ -198,7 +203,7 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
         cp_async_wait<0>();  // tile j (and, first time, Q) landed for this thread ...
         __syncthreads();     // ... and for every thread; every warp is done with tile j+1
         if (n_block > n_min)
-            load_kv<T>(sK + (stage ^ 1) * kBlockN * kStride, sV + (stage ^ 1) * kBlockN * kStride, p, seq,
+            load_kv<T>(sK + (stage ^ 1) * kBlockN * kStride, sV + (stage ^ 1) * kBlockN * kStride, p,
                        n0 - kBlockN, tid);
         cp_async_commit();
         const uint32_t sK_stage = sK_u32 + stage * kStageBytes, sV_stage = sV_u32 + stage * kStageBytes;
@@ -233,7 +238,7 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
         // cross a boundary (some (row, key) of the CTA's real rows hidden); then the online
         // softmax in score units (softmax.cuh), S becoming P in place ----
         if (fa_natural_scores(p))
-            fa_scores_to_natural<true, false>(acc_s, frag, p, slope, m0 + wrow, n0, seq.sk - seq.sq);
+            fa_scores_to_natural<true, false>(acc_s, frag, p, slope, m0 + wrow, n0, seqlen_k - seqlen_q);
         if (fa_tile_needs_mask(mask, m0, m_last, n0, (long long)n0 + kBlockN - 1))
             fa_mask_fragment(acc_s, frag, mask, m0 + wrow, n0);
         float corr[Frag::kRows];
@@ -270,13 +275,14 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
     const bool write_lse = (p.flags & FA_FLAG_RETURN_LSE) != 0u;
     // The LSE index of row 0 of this (sequence, head): [batch, heads_q, seqlen_q] dense,
     // [heads_q, total_q] packed (seqlen.cuh); the split-KV accumulators use the same rows.
-    const int64_t lse_row0 = fa_lse_index(seq, head, 0);
+    const FaSeq seq_out = cta_seq(p);
+    const int64_t lse_row0 = fa_lse_index(seq_out, head, 0);
     const float to_natural = fa_to_natural(p);  // the max's units -> natural
     if (splits > 1) {
         // Split-KV: this split's normalised partial state in f32, straight from the fragments
         // (o_accum [splits, lse rows, head_dim], lse_accum [splits, lse rows]); the combine
         // kernel merges the splits into o and lse.
-        const int64_t acc_row0 = static_cast<int64_t>(bs.split) * fa_lse_rows(p) + lse_row0;
+        const int64_t acc_row0 = static_cast<int64_t>(fa_batch_split(p, cta_batch()).split) * fa_lse_rows(p) + lse_row0;
         float* gLseAcc = reinterpret_cast<float*>(p.lse_accum) + acc_row0;
         float* gOAcc = reinterpret_cast<float*>(p.o_accum) + acc_row0 * kHeadDim;
 #pragma unroll
@@ -298,7 +304,7 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
     }
     float* gLse = write_lse ? reinterpret_cast<float*>(p.lse) + lse_row0 : nullptr;
     Elem* sO = sQ;
-    Elem* gO = reinterpret_cast<Elem*>(p.o) + fa_o_offset(p, seq, head, 0);
+    Elem* gO = reinterpret_cast<Elem*>(p.o) + fa_o_offset(p, seq_out, head, 0);
 #pragma unroll
     for (int r = 0; r < Frag::kRows; ++r) {
         const FaRowEnd end = softmax.finalize(r, to_natural);

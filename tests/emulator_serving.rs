@@ -11,10 +11,9 @@
 //! adds a seeded random matrix (docs/emulator.md).
 
 mod common;
-#[allow(dead_code)]
 mod serving_util;
 
-use common::emu::{run_launch, unit_exe, LaunchBuf, LSE_TOL};
+use common::emu::{run_launch, unit_exe, LaunchBuf, Mutation, LSE_TOL};
 use flash_attn::cuda::plan::{plan_append, plan_serving, FwdParams, LaunchPlan, Operands, ServingOperands};
 use flash_attn::cuda::table::FAMILIES;
 use flash_attn::reference::{attention_f64, attention_naive, max_abs_diff};
@@ -221,6 +220,11 @@ fn zeros(dtype: DType, s: [usize; 4]) -> Tensor {
 
 /// Runs `c` in the emulator; returns the worst err / bound over its sequences.
 fn run(c: &SCase) -> Result<f64, String> {
+    run_mutated(c, None)
+}
+
+/// [`run`] on a mutated copy of the kernel sources (the mutation self-test).
+fn run_mutated(c: &SCase, mutation: Option<&Mutation>) -> Result<f64, String> {
     let mut rng = Rng::new(c.seed | 1);
     let (hq, hkv, d, dtype) = (c.hq, c.hkv, c.d, c.dtype);
     let batch = c.batch();
@@ -279,9 +283,10 @@ fn run(c: &SCase) -> Result<f64, String> {
     let fp: FwdParams = pl.params;
     let lse_rows = fp.lse_rows();
     let fam = FAMILIES.iter().find(|f| f.name == "fa2").unwrap();
-    let exe = unit_exe(fam, pl.tile, None)?;
+    let exe = unit_exe(fam, pl.tile, mutation)?;
     let mut h = std::collections::hash_map::DefaultHasher::new();
     std::hash::Hash::hash(&c.name(), &mut h);
+    std::hash::Hash::hash(&mutation.map(|m| m.name), &mut h);
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
         .join("emu/serving")
         .join(format!("{:016x}", std::hash::Hasher::finish(&h)));
@@ -410,12 +415,11 @@ fn append(
 ) -> Result<(Vec<u8>, Vec<u8>), String> {
     let (hkv, d, dtype) = (c.hkv, c.d, c.dtype);
     let row = hkv * d;
-    let batch = c.batch();
     let (mut pre_k, mut pre_v) = (st.k.clone(), st.v.clone());
     let (mut knew, mut vnew) = (Vec::new(), Vec::new());
-    for b in 0..batch {
+    for (b, &cached) in seqlens.iter().enumerate() {
         for i in 0..c.new {
-            let j = seqlens[b] as usize + i;
+            let j = cached as usize + i;
             let (outer, r) = layout.kv_row(b, j);
             let at = (outer * st.shape[1] + r) * row;
             pre_k[at..at + row].fill(f32::NAN);
@@ -632,4 +636,45 @@ fn fa2_kvcache_append() {
         cases.push(SCase { new: 4, alibi: true, ..base(DType::F16, 96, 2, 1, Err(4), paged(&lens, 256, false)) });
     }
     check(&cases);
+}
+
+/// The serving tests catch the mistakes they exist for: each mutation of the per-sequence view
+/// makes a CI case fail (a kernel that ignored the block table, the sequence's own diagonal, or
+/// overlapped the splits would otherwise pass unnoticed).
+#[test]
+fn serving_mutations_are_caught() {
+    let lens = [33, 0, 300, 1];
+    let muts = [
+        (
+            Mutation { name: "block_table_ignored", file: "cuda/common/seqlen.cuh", from: "row[j / p.page_size]", to: "row[0]", defines: &[] },
+            SCase { mask: Mask::Causal, ..base(DType::F16, 64, 8, 2, Err(1), paged(&lens, 3, true)) },
+        ),
+        (
+            Mutation {
+                name: "alibi_whole_batch_diagonal",
+                file: "cuda/fa2_fwd.cu",
+                from: "m0 + wrow, n0, seqlen_k - seqlen_q);",
+                to: "m0 + wrow, n0, p.seqlen_k - p.seqlen_q);",
+                defines: &[],
+            },
+            SCase { alibi: true, ..base(DType::F16, 64, 4, 2, Ok(vec![2, 0, 70, 1]), paged(&lens, 16, false)) },
+        ),
+        (
+            Mutation {
+                name: "splits_overlap",
+                file: "cuda/common/seqlen.cuh",
+                from: "const long long b = static_cast<long long>(split) * per, e = b + per;",
+                to: "const long long b = static_cast<long long>(split) * per, e = b + per + 1;",
+                defines: &[],
+            },
+            SCase { splits: 3, ..base(DType::F16, 64, 8, 2, Err(1), paged(&[300, 0, 77, 1], 16, true)) },
+        ),
+    ];
+    for (m, c) in &muts {
+        assert!(run(c).is_ok(), "{}: the unmutated case must pass", m.name);
+        match run_mutated(c, Some(m)) {
+            Ok(r) => panic!("mutation {} was not caught (err/bound {r:.3})", m.name),
+            Err(e) => assert!(e.contains("max |O - ref|") || e.contains("LSE"), "mutation {}: unexpected failure {e}", m.name),
+        }
+    }
 }
