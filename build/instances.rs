@@ -413,6 +413,10 @@ pub fn append_kv_symbol(head_dim: u32, dtype: &str) -> String {
     format!("fa_append_kv_hd{head_dim}_{dtype}")
 }
 
+/// What the append kernel's SASS must contain (tests/sass.rs): global loads and stores of the
+/// rows it copies (none of its family's tensor-core instructions).
+pub const APPEND_KV_SASS: &[&str] = &["LDG", "STG"];
+
 /// The highest stage of the FA4 ladder built so far (docs/fa4.md).
 pub const FA4_MAX_STAGE: u8 = 3;
 

@@ -473,8 +473,7 @@ fn prepare<'a>(
         });
     }
     let layout = BatchLayout::new(ql, q.shape(), kl, k.shape())?;
-    let (b, msq, msk) = (layout.batch(), layout.max_seqlen_q(), layout.max_seqlen_k());
-    let p = Problem::from_shapes([b, msq, hq, d], [b, msk, hkv, d], [b, msk, hkv, d], dtype, opts)?;
+    let p = layout.launch_problem(hq, hkv, d, dtype, opts)?;
     if let Precision::Fp8 { .. } = p.precision {
         return Err(Error::InvalidOption {
             option: "precision",

@@ -15,7 +15,6 @@ use crate::cuda::select;
 use crate::error::{Error, Operand, Result};
 use crate::options::{ForwardOptions, Precision, Variant};
 use crate::output::Dispatch;
-use crate::problem::Problem;
 use crate::serving::layout::{BatchLayout, KvLayout, QueryLayout};
 use crate::tensor::check_extent;
 use cudarc::driver::sys;
@@ -174,7 +173,7 @@ impl Engine {
         let [_, _, hq, d] = qb.shape;
         let [_, _, hkv, _] = kb.shape;
         let (b, msq, msk) = (layout.batch(), layout.max_seqlen_q(), layout.max_seqlen_k());
-        let p = Problem::from_shapes([b, msq, hq, d], [b, msk, hkv, d], [b, msk, hkv, d], qb.dtype, opts)?;
+        let p = layout.launch_problem(hq, hkv, d, qb.dtype, opts)?;
         if let Precision::Fp8 { .. } = p.precision {
             return Err(Error::InvalidOption {
                 option: "precision",
