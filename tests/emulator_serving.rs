@@ -9,6 +9,7 @@
 //! a sequence's keys (and unused blocks) hold NaN, so a kernel that read one would produce NaN.
 //! `cargo test --test emulator_serving` runs a representative subset; `FLASH_ATTN_EMU=full`
 //! adds a seeded random matrix (docs/emulator.md).
+#![cfg(feature = "cuda")]
 
 mod common;
 mod serving_util;
