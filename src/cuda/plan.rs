@@ -156,6 +156,35 @@ mod tests {
         assert!(matches!(plan("fa9", &p100, &o100, 1), Err(Error::VariantUnavailable { .. })));
     }
 
+    /// FA2 plans every serving layout (grid z = batch x splits, the append kernel on its own
+    /// grid); a family without a serving path refuses with a typed reason.
+    #[test]
+    fn serving_plans() {
+        use crate::serving::layout::{BatchLayout, KvLayout, QueryLayout};
+        let (table, seqlens) = ([1, 0, 2, 3], [3, 4]);
+        let kv = KvLayout::Paged { block_table: &table, max_blocks_per_seq: 2, seqlens: &seqlens, new: 1 };
+        let l = BatchLayout::new(QueryLayout::Dense, [2, 1, 8, 64], kv, [4, 3, 2, 64]).unwrap();
+        let p = l.launch_problem(8, 2, 64, DType::F16, &ForwardOptions::default()).unwrap();
+        let o = ops([2, 1, 8, 64], [4, 3, 2, 64]);
+        let s = ServingOperands {
+            seqused_k: 0x6_0000_0000,
+            block_table: 0x7_0000_0000,
+            knew: 0x8_0000_0000,
+            vnew: 0x9_0000_0000,
+            new_strides: [contiguous([2, 1, 2, 64]); 2],
+            o_accum: 0xA_0000_0000,
+            lse_accum: 0xB_0000_0000,
+            ..ServingOperands::default()
+        };
+        let pl = plan_serving("fa2", &p, &l, &o, &s, 3, 1).unwrap();
+        assert_eq!((pl.kernel(), pl.grid), ("fa2_fwd_hd64_f16".to_string(), (1, 8, 6)));
+        assert_eq!((pl.params.page_size, pl.params.seqlen_new, pl.params.num_splits), (3, 1, 3));
+        let ap = plan_append(&p, &l, &o, &s).unwrap();
+        assert_eq!((ap.kernel(), ap.grid, ap.block, ap.smem_bytes), ("fa_append_kv_hd64_f16".to_string(), (1, 2, 2), (128, 1, 1), 0));
+        let e = plan_serving("fa1", &p, &l, &o, &s, 1, 1).unwrap_err();
+        assert!(matches!(e, Error::VariantUnavailable { .. }) && e.to_string().contains("varlen"), "{e}");
+    }
+
     #[test]
     fn layout_refusals_are_layout_errors() {
         let s = [1, 64, 2, 64];
