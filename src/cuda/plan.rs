@@ -5,13 +5,13 @@
 //! says (the emulator maps them onto host buffers).
 
 pub use super::launch::{LaunchPlan, TensorMapArgs};
-pub use super::params::Operands;
-use super::params::FwdParams;
+pub use super::params::{FwdParams, Operands, ServingOperands};
 use super::select::layout_error;
 use super::table::FAMILIES;
 use crate::error::{Error, Result};
 use crate::options::Variant;
 use crate::problem::Problem;
+use crate::serving::layout::BatchLayout;
 
 /// The launch `Engine` would make of family `family` (a row name of build/instances.rs, e.g.
 /// "fa2", "fa3s4") for problem `p` on `ops`; `sm_count` sizes a persistent grid.
@@ -21,6 +21,69 @@ use crate::problem::Problem;
 /// instance for, the family's problem refusal (`Error::VariantUnavailable`), its layout refusal
 /// and the TMA rules (`Error::InvalidLayout`).
 pub fn plan(family: &str, p: &Problem, ops: &Operands, sm_count: u32) -> Result<LaunchPlan> {
+    plan_params(family, p, ops, FwdParams::for_launch(p, ops), sm_count)
+}
+
+/// The launch of a serving call: `p` as `serving::prepare` builds it (the layout's batch and
+/// longest sequences), the validated `layout`, its index buffers at `s`, `num_splits` key splits
+/// (1: none). Parameters from `FwdParams::for_serving`; the family's serving refusal applies.
+///
+/// # Errors
+/// As [`plan`], plus `for_serving`'s and the family's serving refusal
+/// (`Error::VariantUnavailable`).
+pub fn plan_serving(
+    family: &str,
+    p: &Problem,
+    layout: &BatchLayout<'_>,
+    ops: &Operands,
+    s: &ServingOperands,
+    num_splits: usize,
+    sm_count: u32,
+) -> Result<LaunchPlan> {
+    let params = FwdParams::for_serving(p, layout, ops, s, num_splits)?;
+    plan_params(family, p, ops, params, sm_count)
+}
+
+/// The launch of the serving KV append kernel (cuda/common/append_kv.cuh) for a layout with new
+/// rows: grid (seqlen_new, heads_kv, batch), `kFaAppendThreads` threads, no shared memory, in the
+/// `APPEND_KV_FAMILY` (FA2) image of the smallest head dim unit that holds `p.head_dim` (the
+/// kernel copies `head_dim` elements per row, element by element: any head dim, any alignment).
+/// It runs before the attention launch on the same stream.
+///
+/// # Errors
+/// `for_serving`'s errors; `Error::InvalidSeqLayout` when the layout appends nothing or is not a
+/// cache; `Error::UnsupportedDType` for dtypes other than f16/bf16.
+pub fn plan_append(p: &Problem, layout: &BatchLayout<'_>, ops: &Operands, s: &ServingOperands) -> Result<LaunchPlan> {
+    use crate::serving::layout::KvLayout;
+    let new = match layout.kv_layout() {
+        KvLayout::Cache { new, .. } | KvLayout::Paged { new, .. } => new,
+        _ => 0,
+    };
+    if new == 0 {
+        return Err(Error::InvalidSeqLayout {
+            what: "append".into(),
+            got: "a layout with no new rows".into(),
+            expected: "a dense or paged cache with seqlen_new >= 1 rows to append".into(),
+        });
+    }
+    let params = FwdParams::for_serving(p, layout, ops, s, 1)?;
+    let fam = FAMILIES.iter().find(|f| f.name == super::table::APPEND_KV_FAMILY).expect("the append family is in the table");
+    let tile = fam.tiles.iter().filter(|t| t.head_dim as usize >= p.head_dim).min_by_key(|t| t.head_dim).ok_or_else(|| {
+        Error::VariantUnavailable { variant: Variant::Auto, reason: format!("no append kernel unit holds head_dim {}", p.head_dim) }
+    })?;
+    let mut pl = super::launch::plan_launch(fam, tile, p.dtype, params, 1)?;
+    pl.grid = (new as u32, p.heads_kv as u32, p.batch as u32);
+    pl.block = (APPEND_KV_THREADS, 1, 1);
+    pl.smem_bytes = 0;
+    pl.tensor_maps = Default::default();
+    pl.append_kv = true;
+    Ok(pl)
+}
+
+/// Threads of the append kernel (`kFaAppendThreads`, cuda/common/append_kv.cuh).
+pub const APPEND_KV_THREADS: u32 = 128;
+
+fn plan_params(family: &str, p: &Problem, ops: &Operands, params: FwdParams, sm_count: u32) -> Result<LaunchPlan> {
     let Some(fam) = FAMILIES.iter().find(|f| f.name == family) else {
         let reason = format!("no family {family:?} in the table");
         return Err(Error::VariantUnavailable { variant: Variant::Auto, reason });
@@ -34,10 +97,15 @@ pub fn plan(family: &str, p: &Problem, ops: &Operands, sm_count: u32) -> Result<
     if let Some(why) = fam.host.refusal(fam, tile, p) {
         return Err(unavailable(why.into()));
     }
+    if params.is_serving() {
+        if let Some(why) = fam.host.serving_refusal(fam, tile, &params) {
+            return Err(unavailable(why.into()));
+        }
+    }
     if let Some(r) = fam.host.layout_refusal(ops) {
         return Err(layout_error(family, r));
     }
-    super::launch::plan_launch(fam, tile, p.dtype, FwdParams::for_launch(p, ops), sm_count)
+    super::launch::plan_launch(fam, tile, p.dtype, params, sm_count)
 }
 
 #[cfg(test)]
@@ -86,6 +154,35 @@ mod tests {
         assert!(matches!(plan("fa2", &p100, &o100, 1), Err(Error::VariantUnavailable { .. })));
         assert!(matches!(plan("fa3s2", &p100, &o100, 1), Err(Error::VariantUnavailable { .. })));
         assert!(matches!(plan("fa9", &p100, &o100, 1), Err(Error::VariantUnavailable { .. })));
+    }
+
+    /// FA2 plans every serving layout (grid z = batch x splits, the append kernel on its own
+    /// grid); a family without a serving path refuses with a typed reason.
+    #[test]
+    fn serving_plans() {
+        use crate::serving::layout::{BatchLayout, KvLayout, QueryLayout};
+        let (table, seqlens) = ([1, 0, 2, 3], [3, 4]);
+        let kv = KvLayout::Paged { block_table: &table, max_blocks_per_seq: 2, seqlens: &seqlens, new: 1 };
+        let l = BatchLayout::new(QueryLayout::Dense, [2, 1, 8, 64], kv, [4, 3, 2, 64]).unwrap();
+        let p = l.launch_problem(8, 2, 64, DType::F16, &ForwardOptions::default()).unwrap();
+        let o = ops([2, 1, 8, 64], [4, 3, 2, 64]);
+        let s = ServingOperands {
+            seqused_k: 0x6_0000_0000,
+            block_table: 0x7_0000_0000,
+            knew: 0x8_0000_0000,
+            vnew: 0x9_0000_0000,
+            new_strides: [contiguous([2, 1, 2, 64]); 2],
+            o_accum: 0xA_0000_0000,
+            lse_accum: 0xB_0000_0000,
+            ..ServingOperands::default()
+        };
+        let pl = plan_serving("fa2", &p, &l, &o, &s, 3, 1).unwrap();
+        assert_eq!((pl.kernel(), pl.grid), ("fa2_fwd_hd64_f16".to_string(), (1, 8, 6)));
+        assert_eq!((pl.params.page_size, pl.params.seqlen_new, pl.params.num_splits), (3, 1, 3));
+        let ap = plan_append(&p, &l, &o, &s).unwrap();
+        assert_eq!((ap.kernel(), ap.grid, ap.block, ap.smem_bytes), ("fa_append_kv_hd64_f16".to_string(), (1, 2, 2), (128, 1, 1), 0));
+        let e = plan_serving("fa1", &p, &l, &o, &s, 1, 1).unwrap_err();
+        assert!(matches!(e, Error::VariantUnavailable { .. }) && e.to_string().contains("varlen"), "{e}");
     }
 
     #[test]
