@@ -12,9 +12,12 @@
 //! | `launch` | one launch as data (`LaunchPlan`), and the one kernel launch |
 //! | `plan` | launch plans of a named family, for the CPU emulator |
 //! | `fp8` | the Hopper FP8 pre-pass and consumer launches as data |
+//! | `combine` | the combine kernel's launches as data (split-KV's second pass, device `merge_states`), the GPU split count |
 //! | `device` | driver detection, contexts, compute capability, lazily loaded module cache |
 //! | `engine` | the device-memory API: [`Engine`], [`DeviceTensor`], caller's stream (cudarc or raw) and output |
 
+#[doc(hidden)]
+pub mod combine;
 mod device;
 mod engine;
 mod fa2;
@@ -32,7 +35,7 @@ mod select;
 pub mod table;
 
 pub use device::{device_count, driver_present, Device};
-pub use engine::{DeviceLse, DeviceTensor, DeviceTensorMut, Engine, Fp8Codes};
+pub use engine::{DeviceLse, DeviceLseRef, DeviceTensor, DeviceTensorMut, Engine, Fp8Codes};
 
 pub(crate) use device::why_unusable;
 pub(crate) use engine::{forward_host_into_typed, forward_host_typed};
