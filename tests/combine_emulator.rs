@@ -16,7 +16,7 @@
 #![cfg(feature = "cuda")]
 
 mod common;
-use common::emu::tool_exe;
+use common::emu::{tool_exe_with, Mutation};
 use common::Rng;
 use flash_attn::cuda::combine::{lse_strides, merge_plan, splits_plan, CombineLaunch, Rows, StateRows, MAX_INPUTS};
 use flash_attn::serving::merge_states_n;
@@ -231,7 +231,12 @@ fn lse_bound(n: usize, lse: f64) -> f64 {
 /// Runs one case in the emulator and compares it with the host merge. Returns a summary: the
 /// largest error as a fraction of its bound.
 fn run(c: &Case) -> Result<String, String> {
-    let exe = tool_exe("combine_main.cpp")?;
+    run_with(c, None)
+}
+
+/// [`run`] on a mutated copy of the kernel source.
+fn run_with(c: &Case, mutation: Option<&Mutation>) -> Result<String, String> {
+    let exe = tool_exe_with("combine_main.cpp", mutation)?;
     let dir = work_dir(&c.name);
     let (states, kinds) = draw(c);
     let [b, s, h, d] = c.shape;
@@ -363,7 +368,8 @@ fn run(c: &Case) -> Result<String, String> {
     }
     let kinds_seen: Vec<String> =
         KINDS.iter().zip(counts).filter(|(_, n)| *n > 0).map(|(k, n)| format!("{k:?} {n}")).collect();
-    Ok(format!("{rows} rows [{}]; worst {:.3} of the bound ({})", kinds_seen.join(", "), worst.0, worst.1))
+    let worst = if worst.0 == 0.0 { "every value exact".to_string() } else { format!("worst {:.3} of the bound ({})", worst.0, worst.1) };
+    Ok(format!("{rows} rows [{}]; {worst}", kinds_seen.join(", ")))
 }
 
 fn check(cases: &[Case]) {
@@ -451,4 +457,39 @@ fn combine_plans_refuse_what_the_kernel_cannot_run() {
     let e = splits_plan([1, 1, 1, 300], 2, 0x10, 0x20, DType::F16, out, 0).unwrap_err();
     assert!(matches!(e, Error::UnsupportedHeadDim { head_dim: 300, .. }), "{e}");
     assert_eq!(lse_strides([2, 5, 3, 64]), [15, 1, 5]);
+}
+
+/// Wrong kernels must fail these checks: each mutation is a textual edit of a copy of cuda/
+/// (exactly one occurrence), run on a list and a split case that hold every row kind.
+#[test]
+fn combine_mutations_are_caught() {
+    const M: &[(&str, &str, &str)] = &[
+        // The o of a state that saw no key is read (its NaN reaches the row).
+        ("reads_empty_states", "            if (l == -INFINITY) continue;  // saw no key: weighs nothing, its o is not read\n", ""),
+        // Weights not divided by their sum.
+        ("unnormalised_weights", "const float w = expf(l - m) * inv;", "const float w = expf(l - m);"),
+        // The sum without the max subtracted (overflows at large LSEs, inconsistent with w).
+        ("sum_without_max", "if (l != -INFINITY) sum += expf(l - m);", "if (l != -INFINITY) sum += expf(l);"),
+        // The inputs' LSE read at (b, h, s) instead of (b, s, h).
+        ("lse_rows_transposed", "at(p.lse_strides, b, s, h)", "at(p.lse_strides, b, h, s)"),
+    ];
+    let cases = [
+        case(3, [2, 3, 4, 64], DType::F32, DType::F32, Form::List { strided: false }, 7),
+        case(8, [2, 5, 2, 40], DType::F32, DType::BF16, Form::Splits, 8),
+    ];
+    for c in &cases {
+        run(c).unwrap_or_else(|e| panic!("unmutated {}: {e}", c.name));
+    }
+    let mut missed = Vec::new();
+    for &(name, from, to) in M {
+        let m = Mutation { name, file: "cuda/combine.cu", from, to, defines: &[] };
+        // A mutation must build: a compile error is not a caught defect.
+        tool_exe_with("combine_main.cpp", Some(&m)).unwrap_or_else(|e| panic!("mutation {name}: {e}"));
+        let failures: Vec<String> = cases.iter().filter_map(|c| run_with(c, Some(&m)).err()).collect();
+        match failures.first() {
+            Some(e) => println!("caught {name}: {}", e.lines().next().unwrap_or("")),
+            None => missed.push(name),
+        }
+    }
+    assert!(missed.is_empty(), "mutations the combine checks did not catch: {missed:?}");
 }
