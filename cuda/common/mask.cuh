@@ -12,6 +12,11 @@
 // (Written for register pressure too: FA3 stages 4-5 at head_dim 256 sit at their 168-register
 // budget, and a fully 64-bit form spilled there.)
 //
+// Every function takes the dimensions as any `P` with window_left, window_right, seqlen_q and
+// seqlen_k: FwdParams itself on a dense launch, or the FaMaskDims of one sequence
+// (cuda/common/seqlen.cuh fa_seq_mask: that sequence's sq_b and sk_b, so each sequence of a
+// varlen / cache batch is aligned bottom-right on its own).
+//
 // Plain C++ apart from the qualifiers, so the host emulations and cuda/test/fa3_layout_sim.cpp
 // compile it unchanged.
 #pragma once
@@ -21,12 +26,18 @@
 
 #define FA_MASK_FN __host__ __device__ __forceinline__ constexpr
 
+// The mask's view of one sequence: the window of FwdParams and the sequence's own lengths.
+struct FaMaskDims {
+    int32_t window_left, window_right, seqlen_q, seqlen_k;
+};
+
 FA_MASK_FN long long fa_clamp_keys(long long x, long long seqlen_k) {
     return x < 0 ? 0 : (x > seqlen_k ? seqlen_k : x);
 }
 
 // First key query row i (>= 0) sees, in [0, seqlen_k].
-FA_MASK_FN int fa_key_lo(const FwdParams& p, int i) {
+template <class P>
+FA_MASK_FN int fa_key_lo(const P& p, int i) {
     if (p.window_left < 0) return 0;
     // i - left and seqlen_k - seqlen_q are differences of non-negative ints: they fit; only their
     // sum needs 64 bits.
@@ -35,7 +46,8 @@ FA_MASK_FN int fa_key_lo(const FwdParams& p, int i) {
 }
 
 // One past the last key query row i (>= 0) sees, in [0, seqlen_k] (no key when hi <= lo).
-FA_MASK_FN int fa_key_hi(const FwdParams& p, int i) {
+template <class P>
+FA_MASK_FN int fa_key_hi(const P& p, int i) {
     if (p.window_right < 0) return p.seqlen_k;
     // seqlen_k - seqlen_q + 1 <= seqlen_k fits (seqlen_q >= 1); i + right needs 64 bits.
     const long long hi = (long long)i + p.window_right + (p.seqlen_k - p.seqlen_q + 1);
@@ -43,7 +55,8 @@ FA_MASK_FN int fa_key_hi(const FwdParams& p, int i) {
 }
 
 // Whether query row i sees key j.
-FA_MASK_FN bool fa_key_visible(const FwdParams& p, int i, long long j) {
+template <class P>
+FA_MASK_FN bool fa_key_visible(const P& p, int i, long long j) {
     return j >= fa_key_lo(p, i) && j < fa_key_hi(p, i);
 }
 
@@ -53,7 +66,8 @@ FA_MASK_FN bool fa_key_visible(const FwdParams& p, int i, long long j) {
 struct FaKeyTiles {
     int n_begin, n_end;
 };
-FA_MASK_FN FaKeyTiles fa_key_tiles(const FwdParams& p, int row_begin, int row_end, int block_n) {
+template <class P>
+FA_MASK_FN FaKeyTiles fa_key_tiles(const P& p, int row_begin, int row_end, int block_n) {
     const int lo = fa_key_lo(p, row_begin), hi = fa_key_hi(p, row_end - 1);
     const int n_begin = lo / block_n;
     return FaKeyTiles{n_begin, hi <= lo ? n_begin : (int)(((long long)hi + block_n - 1) / block_n)};
@@ -62,7 +76,8 @@ FA_MASK_FN FaKeyTiles fa_key_tiles(const FwdParams& p, int row_begin, int row_en
 // Whether some (row, key) of rows [row_first, row_last] x keys [key_first, key_last] is hidden
 // (false: every pair is visible and the per-element mask may be skipped). Keys at or past
 // seqlen_k count as hidden.
-FA_MASK_FN bool fa_tile_needs_mask(const FwdParams& p, int row_first, int row_last,
+template <class P>
+FA_MASK_FN bool fa_tile_needs_mask(const P& p, int row_first, int row_last,
                                    long long key_first, long long key_last) {
     return key_first < fa_key_lo(p, row_last) || key_last >= fa_key_hi(p, row_first);
 }
@@ -71,8 +86,8 @@ FA_MASK_FN bool fa_tile_needs_mask(const FwdParams& p, int row_first, int row_la
 // (the layouts of softmax.cuh: Frag::s, f.row, f.col); row0 / col0: the query row and the key of
 // the tile's origin. Kernels call it only on tiles where fa_tile_needs_mask says some pair is
 // hidden.
-template <class Frag, class S>
-__host__ __device__ __forceinline__ void fa_mask_fragment(S& s, const Frag& f, const FwdParams& p, int row0,
+template <class Frag, class S, class P>
+__host__ __device__ __forceinline__ void fa_mask_fragment(S& s, const Frag& f, const P& p, int row0,
                                                           int col0) {
 #pragma unroll
     for (int r = 0; r < Frag::kRows; ++r) {

@@ -36,6 +36,26 @@ typedef struct FwdParams {
     float softcap;             // cap (0 when off)
     uint32_t flags;            // FA_FLAG_*
     uint32_t reserved;         // keeps the size a multiple of 8
+
+    // ---- serving (docs/serving.md "GPU"): all 0 on a dense launch, which then behaves as before.
+    // Mirrors src/serving/layout.rs BatchLayout; the per-sequence view is cuda/common/seqlen.cuh.
+    // With any of these set, batch/seqlen_q/seqlen_k above are the batch and the longest sequence
+    // (max_seqlen_q/k: the grid's size and the mask's clamp), not every sequence's length.
+    uint64_t cu_seqlens_q;  // i32 [batch + 1]: q/o packed [1, total_q, heads, dim]; LSE then [heads_q, total_q]
+    uint64_t cu_seqlens_k;  // i32 [batch + 1]: k/v packed [1, total_k, heads_kv, dim]
+    uint64_t seqused_k;     // i32 [batch]: keys cached before this call's seqlen_new rows (cache_seqlens)
+    uint64_t block_table;   // i32 [batch, block_table_batch_stride]: k/v paged [num_blocks, page_size, heads_kv, dim]
+    uint64_t knew, vnew;    // [batch, seqlen_new, heads_kv, dim]: rows the append kernel writes into the cache
+    uint64_t o_accum;       // f32 [num_splits, lse rows, head_dim]: split-KV partial outputs (normalised)
+    uint64_t lse_accum;     // f32 [num_splits, lse rows]: their LSEs (natural log, -inf: no key)
+    int64_t knew_batch_stride, knew_row_stride, knew_head_stride;
+    int64_t vnew_batch_stride, vnew_row_stride, vnew_head_stride;
+    int32_t block_table_batch_stride;  // entries per row of block_table (max_blocks_per_seq)
+    int32_t page_size;                 // keys per block (any >= 1); 0 = not paged
+    int32_t num_splits;                // key splits (split-KV); 0 or 1 = none
+    int32_t seqlen_new;                // rows appended per sequence by this call (0: none)
+    int32_t total_q;                   // rows of a packed q (the packed LSE's head stride); 0 when dense
+    uint32_t reserved2;                // keeps the size a multiple of 8
 } FwdParams;
 
 #ifdef __cplusplus
@@ -44,10 +64,18 @@ typedef struct FwdParams {
 
 #ifdef __cplusplus
 #include <cstddef>
-static_assert(sizeof(FwdParams) == 224, "FwdParams size: update src/cuda/params.rs too");
+static_assert(sizeof(FwdParams) == 360, "FwdParams size: update src/cuda/params.rs too");
 static_assert(offsetof(FwdParams, q_batch_stride) == 72, "FwdParams layout");
 static_assert(offsetof(FwdParams, batch) == 168, "FwdParams layout");
 static_assert(offsetof(FwdParams, window_left) == 192, "FwdParams layout");
 static_assert(offsetof(FwdParams, softmax_scale) == 204, "FwdParams layout");
 static_assert(offsetof(FwdParams, flags) == 216, "FwdParams layout");
+static_assert(offsetof(FwdParams, cu_seqlens_q) == 224, "FwdParams layout");
+static_assert(offsetof(FwdParams, block_table) == 248, "FwdParams layout");
+static_assert(offsetof(FwdParams, o_accum) == 272, "FwdParams layout");
+static_assert(offsetof(FwdParams, knew_batch_stride) == 288, "FwdParams layout");
+static_assert(offsetof(FwdParams, vnew_head_stride) == 328, "FwdParams layout");
+static_assert(offsetof(FwdParams, block_table_batch_stride) == 336, "FwdParams layout");
+static_assert(offsetof(FwdParams, num_splits) == 344, "FwdParams layout");
+static_assert(offsetof(FwdParams, total_q) == 352, "FwdParams layout");
 #endif

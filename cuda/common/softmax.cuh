@@ -95,16 +95,16 @@ __device__ __forceinline__ float fa_alibi_slope(const FwdParams& p, int head) {
 // inf), then minus the ALiBi bias slope * |i + seqlen_k - seqlen_q - j|. Each step as a
 // straightforward f32 softmax takes it, so each is finite wherever its counterpart there is.
 // kAlibi: the family takes ALiBi; kFastTanh: tanh.approx (2^-11 relative error) instead of tanhf.
-// row0 / col0: the query row and key of the tile's origin.
+// row0 / col0: the query row and key of the tile's origin; diag: seqlen_k - seqlen_q of the
+// sequence (a serving launch passes each sequence's sk_b - sq_b, cuda/common/seqlen.cuh).
 template <bool kAlibi, bool kFastTanh, class Frag, class S>
 __device__ __forceinline__ void fa_scores_to_natural(S& s, const Frag& f, const FwdParams& p, float slope, int row0,
-                                                     int col0) {
+                                                     int col0, int diag) {
     const bool softcap = (p.flags & FA_FLAG_SOFTCAP) != 0u;
     const float inv_cap = softcap ? 1.f / p.softcap : 0.f;
     // 32-bit on purpose (64-bit cost FA2 18 registers at hdim 128): with seqlens <= 2^30 (the
     // engine's limit) |row + diag - key| <= 2^30 + 255 for every row and key of a tile, padding
     // included, and so is every partial sum.
-    const int diag = p.seqlen_k - p.seqlen_q;
 #pragma unroll
     for (int r = 0; r < Frag::kRows; ++r)
 #pragma unroll
@@ -114,6 +114,13 @@ __device__ __forceinline__ void fa_scores_to_natural(S& s, const Frag& f, const 
             if (softcap) v = p.softcap * (kFastTanh ? fa_tanh_approx(v * inv_cap) : tanhf(v * inv_cap));
             if (kAlibi) v -= slope * static_cast<float>(abs(row0 + f.row(r) + diag - (col0 + f.col(j))));
         }
+}
+
+// A dense launch: the diagonal of the whole problem.
+template <bool kAlibi, bool kFastTanh, class Frag, class S>
+__device__ __forceinline__ void fa_scores_to_natural(S& s, const Frag& f, const FwdParams& p, float slope, int row0,
+                                                     int col0) {
+    fa_scores_to_natural<kAlibi, kFastTanh>(s, f, p, slope, row0, col0, p.seqlen_k - p.seqlen_q);
 }
 
 // Max / sum over the kLanes lanes that share a row (consecutive lanes, xor partners).

@@ -36,6 +36,13 @@ pub(crate) trait FamilyHost: Sync + fmt::Debug {
         None
     }
 
+    /// Why the family cannot run the serving launch `params` (varlen, KV cache, paged, append,
+    /// split-KV: `FwdParams::is_serving`), or `None`. Checked only for serving launches; the
+    /// default refuses every one (a family opts in to what its kernels read, seqlen.cuh).
+    fn serving_refusal(&self, _fam: &Family, _tile: &Tile, _params: &FwdParams) -> Option<&'static str> {
+        Some("has no varlen / KV-cache / split-KV path (cuda/common/seqlen.cuh) yet")
+    }
+
     /// Why the kernels cannot run on these device addresses and element strides, or `None`.
     fn layout_refusal(&self, _ops: &Operands) -> Option<LayoutRefusal> {
         None
@@ -63,10 +70,13 @@ pub(crate) struct LayoutRefusal {
     pub why: &'static str,
 }
 
-/// The grid of every non-persistent kernel: (query tiles of `block_m` rows, heads_q, batch).
+/// The grid of every non-persistent kernel: (query tiles of `block_m` rows, heads_q, batch ×
+/// key splits). On a serving launch `seqlen_q` is the longest sequence: CTAs past a shorter
+/// one's rows exit; z is `b * splits + split` (cuda/common/seqlen.cuh).
 pub(crate) fn tile_grid(block_m: u32, params: &FwdParams) -> Grid {
     let tiles = (params.seqlen_q as u32).div_ceil(block_m);
-    (tiles, params.heads_q as u32, params.batch as u32)
+    let splits = params.num_splits.max(1) as u32;
+    (tiles, params.heads_q as u32, params.batch as u32 * splits)
 }
 
 /// Elements of one 16-byte chunk of an f16/bf16 row.
@@ -128,5 +138,6 @@ mod tests {
         let p = FwdParams { batch: 2, seqlen_q: 1000, heads_q: 16, ..FwdParams::default() };
         assert_eq!(tile_grid(128, &p), (8, 16, 2)); // ceil(1000 / 128) = 8
         assert_eq!(tile_grid(64, &FwdParams { seqlen_q: 64, heads_q: 1, batch: 1, ..p }), (1, 1, 1));
+        assert_eq!(tile_grid(128, &FwdParams { num_splits: 3, ..p }), (8, 16, 6)); // z = batch x splits
     }
 }

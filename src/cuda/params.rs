@@ -3,7 +3,9 @@
 //! on one side alone fails the build. [`Operands`]: where q, k, v, o, the LSE and the ALiBi
 //! slopes live, from which the parameters are built.
 
+use crate::error::{Error, Result};
 use crate::problem::Problem;
+use crate::serving::layout::{BatchLayout, KvLayout, QueryLayout};
 use std::mem::{offset_of, size_of};
 
 /// Bits of [`FwdParams::flags`] (FA_FLAG_* in cuda/common/params.h).
@@ -19,6 +21,26 @@ pub struct Operands {
     pub strides: [[usize; 3]; 4],
     pub lse: u64,
     pub alibi: u64,
+}
+
+/// Where a serving launch's index and split buffers live (device addresses, 0: none), beside
+/// [`Operands`]: the i32 arrays of the [`BatchLayout`] (`cu_seqlens_q/k`, `cache_seqlens`,
+/// `block_table`), the f32 split-KV partial states, and the rows an append writes.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ServingOperands {
+    pub cu_seqlens_q: u64,
+    pub cu_seqlens_k: u64,
+    /// `cache_seqlens` (i32 `[batch]`).
+    pub seqused_k: u64,
+    pub block_table: u64,
+    /// f32 `[num_splits, lse rows, head_dim]` and `[num_splits, lse rows]` (docs/serving.md).
+    pub o_accum: u64,
+    pub lse_accum: u64,
+    /// k_new, v_new `[batch, seqlen_new, heads_kv, head_dim]` (append) and their element strides
+    /// of (batch, seqlen, heads).
+    pub knew: u64,
+    pub vnew: u64,
+    pub new_strides: [[usize; 3]; 2],
 }
 
 /// Kernel parameters, passed by value as `const __grid_constant__ FwdParams`.
@@ -72,11 +94,45 @@ pub struct FwdParams {
     /// FLAG_* bits.
     pub flags: u32,
     pub reserved: u32,
+    // ---- serving (docs/serving.md "GPU"; cuda/common/seqlen.cuh reads them): all 0 on a dense
+    // launch. With any set, `batch`/`seqlen_q`/`seqlen_k` are the batch and the longest sequences.
+    /// i32 `[batch + 1]`: q/o packed `[1, total_q, heads, dim]`; the LSE then `[heads_q, total_q]`.
+    pub cu_seqlens_q: u64,
+    /// i32 `[batch + 1]`: k/v packed `[1, total_k, heads_kv, dim]`.
+    pub cu_seqlens_k: u64,
+    /// i32 `[batch]`: keys cached before this call's `seqlen_new` rows (`cache_seqlens`).
+    pub seqused_k: u64,
+    /// i32 `[batch, block_table_batch_stride]`: k/v are paged `[num_blocks, page_size, hkv, d]`.
+    pub block_table: u64,
+    /// `[batch, seqlen_new, heads_kv, head_dim]`: rows the append kernel writes into the cache.
+    pub knew: u64,
+    pub vnew: u64,
+    /// f32 `[num_splits, lse rows, head_dim]`: split-KV partial outputs (normalised per split).
+    pub o_accum: u64,
+    /// f32 `[num_splits, lse rows]`: their LSEs (natural log; -inf: the split saw no key).
+    pub lse_accum: u64,
+    pub knew_batch_stride: i64,
+    pub knew_row_stride: i64,
+    pub knew_head_stride: i64,
+    pub vnew_batch_stride: i64,
+    pub vnew_row_stride: i64,
+    pub vnew_head_stride: i64,
+    /// Entries per row of `block_table` (`max_blocks_per_seq`).
+    pub block_table_batch_stride: i32,
+    /// Keys per block (any >= 1); 0 = not paged.
+    pub page_size: i32,
+    /// Key splits; 0 or 1 = none.
+    pub num_splits: i32,
+    /// Rows appended per sequence by this call.
+    pub seqlen_new: i32,
+    /// Rows of a packed q (the packed LSE's head stride); 0 when dense.
+    pub total_q: i32,
+    pub reserved2: u32,
 }
 
 // The same numbers as the static_asserts in cuda/common/params.h, plus every other offset.
 const _: () = {
-    assert!(size_of::<FwdParams>() == 224);
+    assert!(size_of::<FwdParams>() == 360);
     assert!(offset_of!(FwdParams, q) == 0);
     assert!(offset_of!(FwdParams, lse) == 32);
     assert!(offset_of!(FwdParams, alibi_slopes) == 40);
@@ -96,6 +152,23 @@ const _: () = {
     assert!(offset_of!(FwdParams, softcap) == 212);
     assert!(offset_of!(FwdParams, flags) == 216);
     assert!(offset_of!(FwdParams, reserved) == 220);
+    assert!(offset_of!(FwdParams, cu_seqlens_q) == 224);
+    assert!(offset_of!(FwdParams, cu_seqlens_k) == 232);
+    assert!(offset_of!(FwdParams, seqused_k) == 240);
+    assert!(offset_of!(FwdParams, block_table) == 248);
+    assert!(offset_of!(FwdParams, knew) == 256);
+    assert!(offset_of!(FwdParams, vnew) == 264);
+    assert!(offset_of!(FwdParams, o_accum) == 272);
+    assert!(offset_of!(FwdParams, lse_accum) == 280);
+    assert!(offset_of!(FwdParams, knew_batch_stride) == 288);
+    assert!(offset_of!(FwdParams, vnew_batch_stride) == 312);
+    assert!(offset_of!(FwdParams, vnew_head_stride) == 328);
+    assert!(offset_of!(FwdParams, block_table_batch_stride) == 336);
+    assert!(offset_of!(FwdParams, page_size) == 340);
+    assert!(offset_of!(FwdParams, num_splits) == 344);
+    assert!(offset_of!(FwdParams, seqlen_new) == 348);
+    assert!(offset_of!(FwdParams, total_q) == 352);
+    assert!(offset_of!(FwdParams, reserved2) == 356);
 };
 
 impl FwdParams {
@@ -155,6 +228,105 @@ impl FwdParams {
         }
     }
 
+    /// The parameters of a serving launch: [`FwdParams::for_launch`] of `p` (built from the
+    /// layout's batch and longest sequences, as `serving::prepare` builds it) plus the fields of
+    /// the validated `layout`, mirrored one to one (docs/serving.md "GPU"), the split count and
+    /// the append's rows. The one place a `BatchLayout` becomes kernel parameters.
+    ///
+    /// # Errors
+    /// `Error::InvalidSeqLayout` when `p` does not describe `layout` (batch, longest sequences)
+    /// or a buffer the layout needs has no device address (e.g. a packed q without
+    /// `cu_seqlens_q`, splits without `o_accum`/`lse_accum`); `Error::TooLarge` when an index
+    /// does not fit the kernels' i32.
+    pub fn for_serving(
+        p: &Problem,
+        layout: &BatchLayout<'_>,
+        ops: &Operands,
+        s: &ServingOperands,
+        num_splits: usize,
+    ) -> Result<Self> {
+        let bad = |what: &str, got: String, expected: &str| Error::InvalidSeqLayout {
+            what: what.to_string(),
+            got,
+            expected: expected.to_string(),
+        };
+        let dims = (layout.batch(), layout.max_seqlen_q(), layout.max_seqlen_k());
+        if (p.batch, p.seqlen_q, p.seqlen_k) != dims {
+            return Err(bad(
+                "problem",
+                format!("batch {}, seqlen_q {}, seqlen_k {}", p.batch, p.seqlen_q, p.seqlen_k),
+                "the layout's batch and longest sequences (serving::prepare builds the problem so)",
+            ));
+        }
+        let need = |addr: u64, what: &str| -> Result<u64> {
+            if addr == 0 {
+                return Err(bad(what, "no device address (0)".into(), "the device buffer the layout names"));
+            }
+            Ok(addr)
+        };
+        let i32_of = |x: usize, what: &str| -> Result<i32> {
+            i32::try_from(x).map_err(|_| Error::TooLarge { what: format!("{what} {x} (the kernels index with i32)") })
+        };
+        let mut f = FwdParams::for_launch(p, ops);
+        if let QueryLayout::Varlen { .. } = layout.query_layout() {
+            f.cu_seqlens_q = need(s.cu_seqlens_q, "cu_seqlens_q")?;
+            f.total_q = i32_of(layout.q_rows(), "total_q")?;
+        }
+        let new = match layout.kv_layout() {
+            KvLayout::Varlen { .. } => {
+                f.cu_seqlens_k = need(s.cu_seqlens_k, "cu_seqlens_k")?;
+                0
+            }
+            KvLayout::Cache { new, .. } => {
+                f.seqused_k = need(s.seqused_k, "cache_seqlens")?;
+                new
+            }
+            KvLayout::Paged { max_blocks_per_seq, new, .. } => {
+                f.seqused_k = need(s.seqused_k, "cache_seqlens")?;
+                f.block_table = need(s.block_table, "block_table")?;
+                f.block_table_batch_stride = i32_of(max_blocks_per_seq, "max_blocks_per_seq")?;
+                f.page_size = i32_of(layout.page_size(), "page size")?;
+                new
+            }
+            _ => 0,
+        };
+        if new > 0 {
+            f.seqlen_new = i32_of(new, "seqlen_new")?;
+            f.knew = need(s.knew, "k_new")?;
+            f.vnew = need(s.vnew, "v_new")?;
+            let st = |x: usize| x as i64;
+            let [kn, vn] = s.new_strides;
+            (f.knew_batch_stride, f.knew_row_stride, f.knew_head_stride) = (st(kn[0]), st(kn[1]), st(kn[2]));
+            (f.vnew_batch_stride, f.vnew_row_stride, f.vnew_head_stride) = (st(vn[0]), st(vn[1]), st(vn[2]));
+        }
+        if num_splits > 1 {
+            f.num_splits = i32_of(num_splits, "num_splits")?;
+            f.o_accum = need(s.o_accum, "o_accum")?;
+            f.lse_accum = need(s.lse_accum, "lse_accum")?;
+        }
+        Ok(f)
+    }
+
+    /// Whether any serving field is set (a varlen, cache, paged, append or split-KV launch).
+    pub fn is_serving(&self) -> bool {
+        self.cu_seqlens_q != 0
+            || self.cu_seqlens_k != 0
+            || self.seqused_k != 0
+            || self.block_table != 0
+            || self.seqlen_new != 0
+            || self.num_splits > 1
+    }
+
+    /// Rows of the LSE (and of each split's partial state): `batch * heads_q * seqlen_q` dense,
+    /// `heads_q * total_q` packed (FlashAttention's layouts).
+    pub fn lse_rows(&self) -> usize {
+        if self.cu_seqlens_q != 0 {
+            self.heads_q as usize * self.total_q as usize
+        } else {
+            self.batch as usize * self.heads_q as usize * self.seqlen_q as usize
+        }
+    }
+
     /// The struct's bytes as the kernel receives them (native endianness, `cuda/common/params.h` layout).
     pub fn to_bytes(self) -> [u8; size_of::<FwdParams>()] {
         let mut out = [0u8; size_of::<FwdParams>()];
@@ -200,6 +372,32 @@ impl FwdParams {
         }
         put(&self.flags.to_ne_bytes());
         put(&self.reserved.to_ne_bytes());
+        for x in [
+            self.cu_seqlens_q,
+            self.cu_seqlens_k,
+            self.seqused_k,
+            self.block_table,
+            self.knew,
+            self.vnew,
+            self.o_accum,
+            self.lse_accum,
+        ] {
+            put(&x.to_ne_bytes());
+        }
+        for x in [
+            self.knew_batch_stride,
+            self.knew_row_stride,
+            self.knew_head_stride,
+            self.vnew_batch_stride,
+            self.vnew_row_stride,
+            self.vnew_head_stride,
+        ] {
+            put(&x.to_ne_bytes());
+        }
+        for x in [self.block_table_batch_stride, self.page_size, self.num_splits, self.seqlen_new, self.total_q] {
+            put(&x.to_ne_bytes());
+        }
+        put(&self.reserved2.to_ne_bytes());
         debug_assert_eq!(at, size_of::<FwdParams>());
         out
     }
@@ -236,5 +434,92 @@ mod tests {
         assert_eq!(at(offset_of!(FwdParams, softmax_scale), 4), &0.5f32.to_ne_bytes());
         assert_eq!(at(offset_of!(FwdParams, flags), 4), &3u32.to_ne_bytes());
         assert_eq!(at(offset_of!(FwdParams, reserved), 4), &9u32.to_ne_bytes());
+        assert!(b[offset_of!(FwdParams, cu_seqlens_q)..].iter().all(|&x| x == 0), "dense: serving fields 0");
+    }
+
+    /// The serving fields land at their offsets too (each a distinct value).
+    #[test]
+    fn serving_fields_follow_the_c_layout() {
+        let p = FwdParams {
+            cu_seqlens_q: 0xA1,
+            cu_seqlens_k: 0xA2,
+            seqused_k: 0xA3,
+            block_table: 0xA4,
+            knew: 0xA5,
+            vnew: 0xA6,
+            o_accum: 0xA7,
+            lse_accum: 0xA8,
+            knew_batch_stride: 11,
+            knew_row_stride: 12,
+            knew_head_stride: 13,
+            vnew_batch_stride: 14,
+            vnew_row_stride: 15,
+            vnew_head_stride: 16,
+            block_table_batch_stride: 17,
+            page_size: 18,
+            num_splits: 19,
+            seqlen_new: 20,
+            total_q: 21,
+            reserved2: 22,
+            ..FwdParams::default()
+        };
+        let b = p.to_bytes();
+        let u64_at = |o: usize| u64::from_ne_bytes(b[o..o + 8].try_into().unwrap());
+        let i32_at = |o: usize| i32::from_ne_bytes(b[o..o + 4].try_into().unwrap());
+        assert_eq!(u64_at(offset_of!(FwdParams, cu_seqlens_q)), 0xA1);
+        assert_eq!(u64_at(offset_of!(FwdParams, cu_seqlens_k)), 0xA2);
+        assert_eq!(u64_at(offset_of!(FwdParams, seqused_k)), 0xA3);
+        assert_eq!(u64_at(offset_of!(FwdParams, block_table)), 0xA4);
+        assert_eq!(u64_at(offset_of!(FwdParams, knew)), 0xA5);
+        assert_eq!(u64_at(offset_of!(FwdParams, vnew)), 0xA6);
+        assert_eq!(u64_at(offset_of!(FwdParams, o_accum)), 0xA7);
+        assert_eq!(u64_at(offset_of!(FwdParams, lse_accum)), 0xA8);
+        assert_eq!(u64_at(offset_of!(FwdParams, knew_batch_stride)), 11);
+        assert_eq!(u64_at(offset_of!(FwdParams, vnew_head_stride)), 16);
+        assert_eq!(i32_at(offset_of!(FwdParams, block_table_batch_stride)), 17);
+        assert_eq!(i32_at(offset_of!(FwdParams, page_size)), 18);
+        assert_eq!(i32_at(offset_of!(FwdParams, num_splits)), 19);
+        assert_eq!(i32_at(offset_of!(FwdParams, seqlen_new)), 20);
+        assert_eq!(i32_at(offset_of!(FwdParams, total_q)), 21);
+        assert_eq!(i32_at(offset_of!(FwdParams, reserved2)), 22);
+        assert!(p.is_serving() && !FwdParams::default().is_serving());
+    }
+
+    /// A paged, appending, split layout becomes the matching fields; missing buffers are refused.
+    #[test]
+    fn for_serving_mirrors_the_layout() {
+        use crate::options::ForwardOptions;
+        use crate::tensor::DType;
+        let table = [2, 0, 1, -1, 1, 2, -1, -1];
+        let seqlens = [7, 4];
+        let kv = KvLayout::Paged { block_table: &table, max_blocks_per_seq: 4, seqlens: &seqlens, new: 1 };
+        let cu = [0, 3, 5];
+        let ql = QueryLayout::Varlen { cu_seqlens: &cu, max_seqlen: 3 };
+        let l = BatchLayout::new(ql, [1, 5, 4, 8], kv, [3, 3, 2, 8]).unwrap();
+        let p = Problem::from_shapes([2, 3, 4, 8], [2, 8, 2, 8], [2, 8, 2, 8], DType::F16, &ForwardOptions::default())
+            .unwrap();
+        let ops = Operands { ptrs: [0x100, 0x200, 0x300, 0x400], strides: [[0, 32, 8], [48, 16, 8], [48, 16, 8], [0, 32, 8]], lse: 0x500, alibi: 0 };
+        let s = ServingOperands {
+            cu_seqlens_q: 0x600,
+            seqused_k: 0x700,
+            block_table: 0x800,
+            knew: 0x900,
+            vnew: 0xA00,
+            new_strides: [[16, 16, 8]; 2],
+            o_accum: 0xB00,
+            lse_accum: 0xC00,
+            ..ServingOperands::default()
+        };
+        let f = FwdParams::for_serving(&p, &l, &ops, &s, 3).unwrap();
+        assert_eq!((f.cu_seqlens_q, f.total_q, f.cu_seqlens_k), (0x600, 5, 0));
+        assert_eq!((f.seqused_k, f.block_table, f.block_table_batch_stride, f.page_size), (0x700, 0x800, 4, 3));
+        assert_eq!((f.seqlen_new, f.knew, f.vnew, f.knew_row_stride), (1, 0x900, 0xA00, 16));
+        assert_eq!((f.num_splits, f.o_accum, f.lse_accum), (3, 0xB00, 0xC00));
+        assert_eq!((f.batch, f.seqlen_q, f.seqlen_k, f.lse_rows()), (2, 3, 8, 20));
+        let e = FwdParams::for_serving(&p, &l, &ops, &ServingOperands { block_table: 0, ..s }, 3).unwrap_err();
+        assert!(e.to_string().contains("block_table"), "{e}");
+        let e = FwdParams::for_serving(&p, &l, &ops, &ServingOperands { o_accum: 0, ..s }, 2).unwrap_err();
+        assert!(e.to_string().contains("o_accum"), "{e}");
+        assert!(FwdParams::for_serving(&p, &l, &ops, &ServingOperands { o_accum: 0, ..s }, 1).is_ok());
     }
 }

@@ -5,13 +5,13 @@
 //! says (the emulator maps them onto host buffers).
 
 pub use super::launch::{LaunchPlan, TensorMapArgs};
-pub use super::params::Operands;
-use super::params::FwdParams;
+pub use super::params::{FwdParams, Operands, ServingOperands};
 use super::select::layout_error;
 use super::table::FAMILIES;
 use crate::error::{Error, Result};
 use crate::options::Variant;
 use crate::problem::Problem;
+use crate::serving::layout::BatchLayout;
 
 /// The launch `Engine` would make of family `family` (a row name of build/instances.rs, e.g.
 /// "fa2", "fa3s4") for problem `p` on `ops`; `sm_count` sizes a persistent grid.
@@ -21,6 +21,30 @@ use crate::problem::Problem;
 /// instance for, the family's problem refusal (`Error::VariantUnavailable`), its layout refusal
 /// and the TMA rules (`Error::InvalidLayout`).
 pub fn plan(family: &str, p: &Problem, ops: &Operands, sm_count: u32) -> Result<LaunchPlan> {
+    plan_params(family, p, ops, FwdParams::for_launch(p, ops), sm_count)
+}
+
+/// The launch of a serving call: `p` as `serving::prepare` builds it (the layout's batch and
+/// longest sequences), the validated `layout`, its index buffers at `s`, `num_splits` key splits
+/// (1: none). Parameters from `FwdParams::for_serving`; the family's serving refusal applies.
+///
+/// # Errors
+/// As [`plan`], plus `for_serving`'s and the family's serving refusal
+/// (`Error::VariantUnavailable`).
+pub fn plan_serving(
+    family: &str,
+    p: &Problem,
+    layout: &BatchLayout<'_>,
+    ops: &Operands,
+    s: &ServingOperands,
+    num_splits: usize,
+    sm_count: u32,
+) -> Result<LaunchPlan> {
+    let params = FwdParams::for_serving(p, layout, ops, s, num_splits)?;
+    plan_params(family, p, ops, params, sm_count)
+}
+
+fn plan_params(family: &str, p: &Problem, ops: &Operands, params: FwdParams, sm_count: u32) -> Result<LaunchPlan> {
     let Some(fam) = FAMILIES.iter().find(|f| f.name == family) else {
         let reason = format!("no family {family:?} in the table");
         return Err(Error::VariantUnavailable { variant: Variant::Auto, reason });
@@ -34,10 +58,15 @@ pub fn plan(family: &str, p: &Problem, ops: &Operands, sm_count: u32) -> Result<
     if let Some(why) = fam.host.refusal(fam, tile, p) {
         return Err(unavailable(why.into()));
     }
+    if params.is_serving() {
+        if let Some(why) = fam.host.serving_refusal(fam, tile, &params) {
+            return Err(unavailable(why.into()));
+        }
+    }
     if let Some(r) = fam.host.layout_refusal(ops) {
         return Err(layout_error(family, r));
     }
-    super::launch::plan_launch(fam, tile, p.dtype, FwdParams::for_launch(p, ops), sm_count)
+    super::launch::plan_launch(fam, tile, p.dtype, params, sm_count)
 }
 
 #[cfg(test)]

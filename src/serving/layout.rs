@@ -314,6 +314,14 @@ impl<'a> BatchLayout<'a> {
         self.q_rows
     }
 
+    /// Keys per block of a paged cache (1 for any other layout).
+    pub fn page_size(&self) -> usize {
+        match self.kv {
+            KvLayout::Paged { .. } => self.k_dims[1],
+            _ => 1,
+        }
+    }
+
     /// Query rows of sequence `b`.
     #[inline]
     pub fn seqlen_q(&self, b: usize) -> usize {

@@ -380,6 +380,83 @@ fn bits_of(t: &Tensor) -> Vec<u8> {
     }
 }
 
+/// One buffer of a launch file (driver.cpp's `in` / `out` / `inout` directives).
+#[derive(Clone, Debug)]
+pub struct LaunchBuf {
+    pub name: String,
+    /// The device address the plan's parameters use.
+    pub addr: u64,
+    /// `in`: these bytes; `out`: `out_bytes` read back; `inout`: these bytes, read back.
+    pub data: Vec<u8>,
+    pub out_bytes: usize,
+    pub kind: &'static str,
+}
+
+impl LaunchBuf {
+    pub fn input(name: &str, addr: u64, data: Vec<u8>) -> Self {
+        LaunchBuf { name: name.into(), addr, data, out_bytes: 0, kind: "in" }
+    }
+    pub fn output(name: &str, addr: u64, bytes: usize) -> Self {
+        LaunchBuf { name: name.into(), addr, data: Vec::new(), out_bytes: bytes, kind: "out" }
+    }
+    /// Read and written (a KV cache the append kernel writes into).
+    pub fn inout(name: &str, addr: u64, data: Vec<u8>) -> Self {
+        let n = data.len();
+        LaunchBuf { name: name.into(), addr, data, out_bytes: n, kind: "inout" }
+    }
+    /// i32 index arrays (cu_seqlens, cache_seqlens, block_table).
+    pub fn i32s(name: &str, addr: u64, v: &[i32]) -> Self {
+        Self::input(name, addr, v.iter().flat_map(|x| x.to_le_bytes()).collect())
+    }
+}
+
+/// Writes the launch file of `pl` with `bufs` into `dir` and runs `exe` on it under `seeds`:
+/// returns the emulator's log and the bytes of every `out` / `inout` buffer by name.
+pub fn run_launch(
+    exe: &Path,
+    dir: &Path,
+    pl: &LaunchPlan,
+    family: &str,
+    seeds: &[u64],
+    bufs: &[LaunchBuf],
+) -> Result<(String, HashMap<String, Vec<u8>>), String> {
+    std::fs::create_dir_all(dir).unwrap();
+    let file = |n: &str| dir.join(n).display().to_string();
+    let mut lf = String::new();
+    writeln!(lf, "kernel {}", pl.kernel()).unwrap();
+    writeln!(lf, "grid {} {} {}", pl.grid.0, pl.grid.1, pl.grid.2).unwrap();
+    writeln!(lf, "block {}", pl.block.0).unwrap();
+    writeln!(lf, "smem {}", pl.smem_bytes).unwrap();
+    writeln!(lf, "regs {}", entry_regs(family, pl.tile.head_dim, &pl.kernel())).unwrap();
+    writeln!(lf, "seeds {}", seeds.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(" ")).unwrap();
+    let hex: String = pl.params.to_bytes().iter().map(|b| format!("{b:02x}")).collect();
+    writeln!(lf, "params {hex}").unwrap();
+    writeln!(lf, "print-maps").unwrap();
+    for b in bufs {
+        let bytes = if b.kind == "out" {
+            b.out_bytes
+        } else {
+            std::fs::write(file(&b.name), &b.data).unwrap();
+            b.data.len()
+        };
+        writeln!(lf, "{} {} {:#x} {bytes} {}", b.kind, b.name, b.addr, file(&b.name)).unwrap();
+    }
+    for m in &pl.tensor_maps {
+        writeln!(lf, "{}", tmap_directive(m)).unwrap();
+    }
+    std::fs::write(file("launch"), &lf).unwrap();
+    let out = Command::new(exe).arg(file("launch")).output().map_err(|e| format!("run {}: {e}", exe.display()))?;
+    let log = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() {
+        return Err(format!("emulator exit {:?}:\n{log}", out.status.code()));
+    }
+    let mut outs = HashMap::new();
+    for b in bufs.iter().filter(|b| b.kind != "in") {
+        outs.insert(b.name.clone(), std::fs::read(file(&b.name)).map_err(|e| format!("{}: {e}", b.name))?);
+    }
+    Ok((log, outs))
+}
+
 /// Runs `c` under the emulator (with `mutation` if any) and compares with the reference.
 pub fn run_case(c: &Case, mutation: Option<&Mutation>) -> Outcome {
     let mut h = DefaultHasher::new();
@@ -451,45 +528,23 @@ pub fn run_case(c: &Case, mutation: Option<&Mutation>) -> Outcome {
     let exe = unit_exe(fam, pl.tile, mutation)?;
 
     let dir = work_dir().join("runs").join(format!("{:016x}{}", h.finish(), mutation.map_or("", |m| m.name)));
-    std::fs::create_dir_all(&dir).unwrap();
-    let file = |n: &str| dir.join(n).display().to_string();
-    let mut lf = String::new();
-    writeln!(lf, "kernel {}", pl.kernel()).unwrap();
-    writeln!(lf, "grid {} {} {}", pl.grid.0, pl.grid.1, pl.grid.2).unwrap();
-    writeln!(lf, "block {}", pl.block.0).unwrap();
-    writeln!(lf, "smem {}", pl.smem_bytes).unwrap();
-    writeln!(lf, "regs {}", entry_regs(c.family, pl.tile.head_dim, &pl.kernel())).unwrap();
-    writeln!(lf, "seeds {}", c.seeds.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(" ")).unwrap();
-    let hex: String = pl.params.to_bytes().iter().map(|b| format!("{b:02x}")).collect();
-    writeln!(lf, "params {hex}").unwrap();
-    writeln!(lf, "print-maps").unwrap();
     let n_o = c.q.iter().product::<usize>() * 2;
-    for (name, addr, t) in [("q", Q, &q), ("k", K, &k), ("v", V, &v)] {
-        let b = bits_of(t);
-        std::fs::write(file(name), &b).unwrap();
-        writeln!(lf, "in {name} {addr:#x} {} {}", b.len(), file(name)).unwrap();
-    }
-    writeln!(lf, "out o {O:#x} {n_o} {}", file("o")).unwrap();
+    let mut bufs = vec![
+        LaunchBuf::input("q", Q, bits_of(&q)),
+        LaunchBuf::input("k", K, bits_of(&k)),
+        LaunchBuf::input("v", V, bits_of(&v)),
+        LaunchBuf::output("o", O, n_o),
+    ];
     let n_lse = p.batch * p.heads_q * p.seqlen_q;
     if c.opts.return_lse {
-        writeln!(lf, "out lse {LSE:#x} {} {}", n_lse * 4, file("lse")).unwrap();
+        bufs.push(LaunchBuf::output("lse", LSE, n_lse * 4));
     }
     if let Some(s) = &c.opts.alibi_slopes {
-        let b: Vec<u8> = s.iter().flat_map(|x| x.to_le_bytes()).collect();
-        std::fs::write(file("alibi"), &b).unwrap();
-        writeln!(lf, "in alibi {ALIBI:#x} {} {}", b.len(), file("alibi")).unwrap();
+        bufs.push(LaunchBuf::input("alibi", ALIBI, s.iter().flat_map(|x| x.to_le_bytes()).collect()));
     }
-    for m in &pl.tensor_maps {
-        writeln!(lf, "{}", tmap_directive(m)).unwrap();
-    }
-    std::fs::write(file("launch"), &lf).unwrap();
-    let out = Command::new(&exe).arg(file("launch")).output().map_err(|e| format!("run {}: {e}", exe.display()))?;
-    let log = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    if !out.status.success() {
-        return Err(format!("emulator exit {:?}:\n{log}", out.status.code()));
-    }
+    let (log, outs) = run_launch(&exe, &dir, &pl, c.family, &c.seeds, &bufs)?;
     // Outputs against the float64 reference, with the GPU tests' rule.
-    let o_bytes = std::fs::read(file("o")).unwrap();
+    let o_bytes = &outs["o"];
     let stored: Vec<f64> = o_bytes
         .chunks_exact(2)
         .map(|b| {
@@ -514,7 +569,7 @@ pub fn run_case(c: &Case, mutation: Option<&Mutation>) -> Outcome {
     }
     let r = attention_f64(&p, &qv, &kv, &vv).unwrap();
     let lse_out = || -> Vec<f64> {
-        let lb = std::fs::read(file("lse")).unwrap();
+        let lb = &outs["lse"];
         lb.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64).collect()
     };
     if c.v_fill.is_some() {

@@ -12,6 +12,8 @@
 //   params <hex bytes of FwdParams>
 //   in  <name> <device address> <bytes> <file>      input buffer (checked unchanged afterwards)
 //   out <name> <device address> <bytes> <file>      output buffer: NaN-poisoned, written back
+//   inout <name> <device address> <bytes> <file>    read from the file, written back (a KV cache
+//                                                   the append kernel writes into)
 //   tmap <data_type> <rank> <address> <dims..> <strides (rank-1)..> <box..> <elem strides..>
 //        <interleave> <swizzle> <l2 promotion> <oob fill>     (cuTensorMapEncodeTiled's arguments)
 //   print-maps                 print every encoded map as the kernel receives it (decoded)
@@ -41,6 +43,7 @@ using emu_launch::usage_error;
 struct Buffer {
     std::string name, path;
     bool out = false;
+    bool inout = false;  // an output whose initial contents come from the file (not poisoned)
     uint64_t dev = 0, bytes = 0;
     unsigned char* host = nullptr;   // bytes at host[0 .. bytes)
     unsigned char* region = nullptr; // mmap'ed, including guard pages
@@ -159,16 +162,17 @@ int main(int argc, char** argv) {
         } else if (key == "params") {
             need(1);
             emu_launch::hex_bytes(a[0], sizeof(FwdParams), params_bytes);
-        } else if (key == "in" || key == "out") {
+        } else if (key == "in" || key == "out" || key == "inout") {
             need(4);
             Buffer b;
             b.name = a[0];
-            b.out = key == "out";
+            b.out = key != "in";
+            b.inout = key == "inout";
             b.dev = num(a[1]);
             b.bytes = num(a[2]);
             b.path = a[3];
             allocate(b);
-            if (!b.out) {
+            if (!b.out || b.inout) {
                 std::ifstream f(b.path, std::ios::binary);
                 b.input.resize(b.bytes);
                 if (!f.read(reinterpret_cast<char*>(b.input.data()), static_cast<std::streamsize>(b.bytes)))
@@ -218,6 +222,16 @@ int main(int argc, char** argv) {
     p.q_descale = translate(p.q_descale, "params.q_descale");
     p.k_descale = translate(p.k_descale, "params.k_descale");
     p.v_descale = translate(p.v_descale, "params.v_descale");
+    // Serving (cuda/common/seqlen.cuh): the i32 index buffers, the append's rows and the
+    // split-KV partial states travel as `in` / `out` buffers like any other.
+    p.cu_seqlens_q = translate(p.cu_seqlens_q, "params.cu_seqlens_q");
+    p.cu_seqlens_k = translate(p.cu_seqlens_k, "params.cu_seqlens_k");
+    p.seqused_k = translate(p.seqused_k, "params.seqused_k");
+    p.block_table = translate(p.block_table, "params.block_table");
+    p.knew = translate(p.knew, "params.knew");
+    p.vnew = translate(p.vnew, "params.vnew");
+    p.o_accum = translate(p.o_accum, "params.o_accum");
+    p.lse_accum = translate(p.lse_accum, "params.lse_accum");
 
     struct alignas(128) Map {
         unsigned char b[128];
@@ -255,7 +269,8 @@ int main(int argc, char** argv) {
     std::vector<std::vector<unsigned char>> first;
     for (size_t si = 0; si < seeds.size(); ++si) {
         for (Buffer& b : g_buffers)
-            if (b.out) std::memset(b.host, 0xFF, b.bytes);  // NaN in f16, bf16 and f32
+            if (b.inout) std::memcpy(b.host, b.input.data(), b.bytes);
+            else if (b.out) std::memset(b.host, 0xFF, b.bytes);  // NaN in f16, bf16 and f32
         cfg.seed = seeds[si];
         cfg.window_offset = 0;
         emu::launch(cfg, &run_thread, &e);
