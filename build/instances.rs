@@ -557,7 +557,7 @@ pub const FAMILIES: &[Family] = &[
         rank: 1,
         cpu_emulation: Some("fa1_all_instances"),
         smem: fa1_smem_bytes,
-        host: host!(family::Plain),
+        host: host!(fa1::Fa1),
     },
     Family {
         name: "fa2",

@@ -7,7 +7,7 @@
 //! | `table` | the one table of instances (build/instances.rs) and the images build.rs embedded |
 //! | `select` | (SM, dtype, head_dim, options, variant, layout) -> kernel instance |
 //! | `family` | `FamilyHost`, the trait each family's module implements, and the rules families share |
-//! | `fa2`, `fa3`, `fa4` | the families' host rules (FA1 has none beyond its table row) |
+//! | `fa1`, `fa2`, `fa3`, `fa4` | the families' host rules (FA1: its serving paths) |
 //! | `params` | `FwdParams`, the FFI struct mirrored from `cuda/common/params.h` |
 //! | `launch` | one launch as data (`LaunchPlan`), and the one kernel launch |
 //! | `plan` | launch plans of a named family, for the CPU emulator |
@@ -20,6 +20,7 @@
 pub mod combine;
 mod device;
 mod engine;
+mod fa1;
 mod fa2;
 mod fa3;
 mod fa4;
