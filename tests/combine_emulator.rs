@@ -134,7 +134,7 @@ fn strides_for(shape: [usize; 4], style: usize) -> ([usize; 3], usize) {
     let [b, s, h, d] = shape;
     let st = match style % 3 {
         0 => [s * h * d, h * d, d],
-        1 => [h * s * d, d, s * d],      // [b, h, s, d] storage (the split-KV partials' layout)
+        1 => [h * s * d, d, s * d], // [b, h, s, d] storage (the split-KV partials' layout)
         _ => [s * h * (d + 5), h * (d + 5), d + 5], // padded rows
     };
     let len = (b - 1) * st[0] + (s - 1) * st[1] + (h - 1) * st[2] + d;
@@ -204,11 +204,7 @@ fn draw(c: &Case) -> (Vec<State>, Vec<RowKind>) {
                     st.lse[li] = l;
                     let at = bi * st.strides[0] + si * st.strides[1] + hi * st.strides[2];
                     for j in 0..d {
-                        st.o[at + j] = if empty {
-                            f32::NAN
-                        } else {
-                            round(c.input, rng.normal() as f32)
-                        };
+                        st.o[at + j] = if empty { f32::NAN } else { round(c.input, rng.normal() as f32) };
                     }
                     if kind == RowKind::NanO && i == special {
                         st.o[at + d / 2] = f32::NAN;
@@ -243,7 +239,8 @@ fn run_with(c: &Case, mutation: Option<&Mutation>) -> Result<String, String> {
     let rows = b * s * h;
     let out_style = if c.form == (Form::List { strided: true }) { 2 } else { 0 };
     let (out_strides, out_len) = strides_for(c.shape, out_style);
-    let (o_base, lse_base, out_base, out_lse_base) = (0x1000_0000u64, 0x8000_0000u64, 0x10_0000_0000u64, 0x20_0000_0000u64);
+    let (o_base, lse_base, out_base, out_lse_base) =
+        (0x1000_0000u64, 0x8000_0000u64, 0x10_0000_0000u64, 0x20_0000_0000u64);
     let out = Rows { ptr: out_base, strides: out_strides };
     let mut buffers: Vec<(String, u64, Vec<u8>)> = Vec::new();
     let plan: CombineLaunch = match c.form {
@@ -266,7 +263,8 @@ fn run_with(c: &Case, mutation: Option<&Mutation>) -> Result<String, String> {
         }
     };
     let hex: String = plan.params.to_bytes().iter().map(|b| format!("{b:02x}")).collect();
-    let mut file = format!("kernel {}\ngrid {}\nblock {}\nseeds 1 2 3\nparams {hex}\n", plan.kernel, plan.grid, plan.block);
+    let mut file =
+        format!("kernel {}\ngrid {}\nblock {}\nseeds 1 2 3\nparams {hex}\n", plan.kernel, plan.grid, plan.block);
     for (name, addr, bytes) in &buffers {
         let path = dir.join(format!("{name}.bin"));
         std::fs::write(&path, bytes).unwrap();
@@ -291,8 +289,10 @@ fn run_with(c: &Case, mutation: Option<&Mutation>) -> Result<String, String> {
 
     // The host merge of the same states (in the states' dtype; split partials are f32).
     let bits: Vec<Vec<u8>> = states.iter().map(|st| to_bytes(c.input, &st.o)).collect();
-    let halves: Vec<Vec<f16>> = bits.iter().map(|b| b.chunks_exact(2).map(|c| f16::from_le_bytes(c.try_into().unwrap())).collect()).collect();
-    let bhalves: Vec<Vec<bf16>> = bits.iter().map(|b| b.chunks_exact(2).map(|c| bf16::from_le_bytes(c.try_into().unwrap())).collect()).collect();
+    let halves: Vec<Vec<f16>> =
+        bits.iter().map(|b| b.chunks_exact(2).map(|c| f16::from_le_bytes(c.try_into().unwrap())).collect()).collect();
+    let bhalves: Vec<Vec<bf16>> =
+        bits.iter().map(|b| b.chunks_exact(2).map(|c| bf16::from_le_bytes(c.try_into().unwrap())).collect()).collect();
     let views: Vec<(TensorView, &[f32])> = states
         .iter()
         .enumerate()
@@ -368,7 +368,11 @@ fn run_with(c: &Case, mutation: Option<&Mutation>) -> Result<String, String> {
     }
     let kinds_seen: Vec<String> =
         KINDS.iter().zip(counts).filter(|(_, n)| *n > 0).map(|(k, n)| format!("{k:?} {n}")).collect();
-    let worst = if worst.0 == 0.0 { "every value exact".to_string() } else { format!("worst {:.3} of the bound ({})", worst.0, worst.1) };
+    let worst = if worst.0 == 0.0 {
+        "every value exact".to_string()
+    } else {
+        format!("worst {:.3} of the bound ({})", worst.0, worst.1)
+    };
     Ok(format!("{rows} rows [{}]; {worst}", kinds_seen.join(", ")))
 }
 
@@ -384,7 +388,12 @@ fn check(cases: &[Case]) {
             }
         }
     }
-    assert!(failed.is_empty(), "{} of {} combine launches differ from the host merge: {failed:#?}", failed.len(), cases.len());
+    assert!(
+        failed.is_empty(),
+        "{} of {} combine launches differ from the host merge: {failed:#?}",
+        failed.len(),
+        cases.len()
+    );
 }
 
 fn case(n: usize, shape: [usize; 4], input: DType, output: DType, form: Form, seed: u64) -> Case {
@@ -394,7 +403,9 @@ fn case(n: usize, shape: [usize; 4], input: DType, output: DType, form: Form, se
         Form::Splits => "splits",
     };
     let packed = if shape[0] == 1 && shape[1] > 1 { "_packed" } else { "" };
-    let name = format!("{tag}{packed}_n{n}_{input:?}_to_{output:?}_{}x{}x{}x{}", shape[0], shape[1], shape[2], shape[3]).to_lowercase();
+    let name =
+        format!("{tag}{packed}_n{n}_{input:?}_to_{output:?}_{}x{}x{}x{}", shape[0], shape[1], shape[2], shape[3])
+            .to_lowercase();
     Case { name, n, shape, input, output, form, seed }
 }
 
@@ -428,7 +439,12 @@ fn combine_matches_host_merge() {
             let splits = i % 2 == 0;
             let n = 1 + (rng.next_u64() % if splits { 128 } else { 64 }) as usize;
             let d = [1, 16, 32, 64, 80, 96, 128, 200, 256][(rng.next_u64() % 9) as usize];
-            let shape = [1 + (rng.next_u64() % 3) as usize, 1 + (rng.next_u64() % 9) as usize, 1 + (rng.next_u64() % 5) as usize, d];
+            let shape = [
+                1 + (rng.next_u64() % 3) as usize,
+                1 + (rng.next_u64() % 9) as usize,
+                1 + (rng.next_u64() % 5) as usize,
+                d,
+            ];
             let (input, output) = if splits {
                 (DType::F32, [DType::F32, DType::F16, DType::BF16][i % 3])
             } else {
@@ -465,7 +481,11 @@ fn combine_plans_refuse_what_the_kernel_cannot_run() {
 fn combine_mutations_are_caught() {
     const M: &[(&str, &str, &str)] = &[
         // The o of a state that saw no key is read (its NaN reaches the row).
-        ("reads_empty_states", "            if (l == -INFINITY) continue;  // saw no key: weighs nothing, its o is not read\n", ""),
+        (
+            "reads_empty_states",
+            "            if (l == -INFINITY) continue;  // saw no key: weighs nothing, its o is not read\n",
+            "",
+        ),
         // Weights not divided by their sum.
         ("unnormalised_weights", "const float w = expf(l - m) * inv;", "const float w = expf(l - m);"),
         // The sum without the max subtracted (overflows at large LSEs, inconsistent with w).

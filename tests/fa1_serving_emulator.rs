@@ -147,7 +147,9 @@ fn run(c: &Case) -> Result<String, String> {
     let kl = match c.kv {
         Kv::Varlen => KvLayout::Varlen { cu_seqlens: &cu_k, max_seqlen: c.sk.iter().max().copied().unwrap_or(0) },
         Kv::Cache => KvLayout::Cache { seqlens: &seqlens, new: 0 },
-        Kv::Paged { .. } => KvLayout::Paged { block_table: &table, max_blocks_per_seq: max_blocks, seqlens: &seqlens, new: 0 },
+        Kv::Paged { .. } => {
+            KvLayout::Paged { block_table: &table, max_blocks_per_seq: max_blocks, seqlens: &seqlens, new: 0 }
+        }
     };
     let layout = BatchLayout::new(ql, q_shape, kl, k_shape).map_err(|e| e.to_string())?;
     let row = hkv * d;
@@ -236,9 +238,16 @@ fn run(c: &Case) -> Result<String, String> {
         writeln!(lf, "out o {O:#x} {n_o} {}", cdir.join("o").display()).unwrap();
         writeln!(lf, "out lse {LSE:#x} {} {}", lse_rows * 4, cdir.join("lse").display()).unwrap();
         std::fs::write(cdir.join("launch"), lf).unwrap();
-        let res = std::process::Command::new(tool_exe("combine_main.cpp")?).arg(cdir.join("launch")).output().map_err(|e| e.to_string())?;
+        let res = std::process::Command::new(tool_exe("combine_main.cpp")?)
+            .arg(cdir.join("launch"))
+            .output()
+            .map_err(|e| e.to_string())?;
         if !res.status.success() {
-            return Err(format!("combine: {}{}", String::from_utf8_lossy(&res.stdout), String::from_utf8_lossy(&res.stderr)));
+            return Err(format!(
+                "combine: {}{}",
+                String::from_utf8_lossy(&res.stdout),
+                String::from_utf8_lossy(&res.stderr)
+            ));
         }
         outs.insert("o".into(), std::fs::read(cdir.join("o")).unwrap());
         outs.insert("lse".into(), std::fs::read(cdir.join("lse")).unwrap());
@@ -338,7 +347,19 @@ fn check(cases: &[Case]) {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn case(name: &str, dtype: DType, packed_q: bool, sq: Vec<usize>, sk: Vec<usize>, kv: Kv, splits: usize, hq: usize, hkv: usize, opts: ForwardOptions, seed: u64) -> Case {
+fn case(
+    name: &str,
+    dtype: DType,
+    packed_q: bool,
+    sq: Vec<usize>,
+    sk: Vec<usize>,
+    kv: Kv,
+    splits: usize,
+    hq: usize,
+    hkv: usize,
+    opts: ForwardOptions,
+    seed: u64,
+) -> Case {
     Case { name: name.into(), dtype, d: 64, hq, hkv, packed_q, sq, sk, kv, splits, opts, seed }
 }
 
@@ -350,12 +371,84 @@ fn fa1_serving_matches_per_sequence_reference() {
     let window = ForwardOptions::default().mask(Mask::window(17, 3)).return_lse(true);
     let plain = ForwardOptions::default();
     let cases = vec![
-        case("varlen_causal_gqa", DType::F16, true, vec![5, 0, 1, 70], vec![9, 4, 0, 130], Kv::Varlen, 1, 4, 2, causal.clone(), 1),
-        case("cache_decode_window", DType::BF16, false, vec![1; 4], vec![0, 1, 77, 200], Kv::Cache, 1, 4, 1, window.clone(), 2),
-        case("paged1_decode", DType::F16, false, vec![1; 3], vec![33, 1, 90], Kv::Paged { page: 1, shared: false }, 1, 2, 2, causal.clone(), 3),
-        case("paged3_shared_chunk", DType::BF16, false, vec![4; 3], vec![10, 35, 4], Kv::Paged { page: 3, shared: true }, 1, 4, 2, causal.clone(), 4),
-        case("paged16_varlen_q", DType::F16, true, vec![3, 0, 17], vec![40, 5, 17], Kv::Paged { page: 16, shared: false }, 1, 4, 4, window, 5),
-        case("paged256_splits3", DType::BF16, false, vec![1; 2], vec![300, 0], Kv::Paged { page: 256, shared: false }, 3, 4, 1, causal.clone(), 6),
+        case(
+            "varlen_causal_gqa",
+            DType::F16,
+            true,
+            vec![5, 0, 1, 70],
+            vec![9, 4, 0, 130],
+            Kv::Varlen,
+            1,
+            4,
+            2,
+            causal.clone(),
+            1,
+        ),
+        case(
+            "cache_decode_window",
+            DType::BF16,
+            false,
+            vec![1; 4],
+            vec![0, 1, 77, 200],
+            Kv::Cache,
+            1,
+            4,
+            1,
+            window.clone(),
+            2,
+        ),
+        case(
+            "paged1_decode",
+            DType::F16,
+            false,
+            vec![1; 3],
+            vec![33, 1, 90],
+            Kv::Paged { page: 1, shared: false },
+            1,
+            2,
+            2,
+            causal.clone(),
+            3,
+        ),
+        case(
+            "paged3_shared_chunk",
+            DType::BF16,
+            false,
+            vec![4; 3],
+            vec![10, 35, 4],
+            Kv::Paged { page: 3, shared: true },
+            1,
+            4,
+            2,
+            causal.clone(),
+            4,
+        ),
+        case(
+            "paged16_varlen_q",
+            DType::F16,
+            true,
+            vec![3, 0, 17],
+            vec![40, 5, 17],
+            Kv::Paged { page: 16, shared: false },
+            1,
+            4,
+            4,
+            window,
+            5,
+        ),
+        case(
+            "paged256_splits3",
+            DType::BF16,
+            false,
+            vec![1; 2],
+            vec![300, 0],
+            Kv::Paged { page: 256, shared: false },
+            3,
+            4,
+            1,
+            causal.clone(),
+            6,
+        ),
         case("cache_splits2_nolse", DType::F16, false, vec![2; 3], vec![150, 1, 64], Kv::Cache, 2, 2, 1, plain, 7),
         case("varlen_splits4", DType::BF16, true, vec![1, 6, 0], vec![200, 6, 3], Kv::Varlen, 4, 2, 2, causal, 8),
     ];
@@ -371,10 +464,15 @@ fn fa1_serving_matches_per_sequence_reference() {
                 _ => Kv::Paged { page: [1, 3, 16, 256][(rng.next_u64() % 4) as usize], shared: rng.uniform() < 0.5 },
             };
             let packed_q = kv == Kv::Varlen || rng.uniform() < 0.5;
-            let sq: Vec<usize> = if packed_q { (0..b).map(|_| len(&mut rng, 40)).collect() } else { vec![1 + (rng.next_u64() % 4) as usize; b] };
+            let sq: Vec<usize> = if packed_q {
+                (0..b).map(|_| len(&mut rng, 40)).collect()
+            } else {
+                vec![1 + (rng.next_u64() % 4) as usize; b]
+            };
             let sk: Vec<usize> = (0..b).map(|_| len(&mut rng, 400)).collect();
             let (hq, hkv) = [(4, 4), (4, 2), (4, 1), (2, 2)][(rng.next_u64() % 4) as usize];
-            let mask = [Mask::None, Mask::Causal, Mask::window(30, 0), Mask::window(5, 9)][(rng.next_u64() % 4) as usize];
+            let mask =
+                [Mask::None, Mask::Causal, Mask::window(30, 0), Mask::window(5, 9)][(rng.next_u64() % 4) as usize];
             let opts = ForwardOptions::default().mask(mask).return_lse(rng.uniform() < 0.7);
             let splits = [1, 1, 2, 3, 5][(rng.next_u64() % 5) as usize];
             let dt = if i % 2 == 0 { DType::F16 } else { DType::BF16 };

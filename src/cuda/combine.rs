@@ -172,11 +172,21 @@ fn strides_i64(s: [usize; 3], what: &str) -> Result<[i64; 3]> {
 
 /// The geometry shared by both forms: rows `shape` (`[batch, seqlen, heads, head_dim]`), the
 /// output and its LSE (`lse`: device address, 0 for none, in the forward's layout).
-fn base(shape: Shape, input: DType, output: DType, out: Rows, out_lse: u64) -> Result<(&'static str, u32, CombineParams)> {
+fn base(
+    shape: Shape,
+    input: DType,
+    output: DType,
+    out: Rows,
+    out_lse: u64,
+) -> Result<(&'static str, u32, CombineParams)> {
     let kernel = kernel_symbol(input, output)?;
     let [b, s, h, d] = shape;
     if d == 0 || d > MAX_HEAD_DIM {
-        return Err(Error::UnsupportedHeadDim { head_dim: d, backend: "cuda combine".into(), supported: format!("1..={MAX_HEAD_DIM}") });
+        return Err(Error::UnsupportedHeadDim {
+            head_dim: d,
+            backend: "cuda combine".into(),
+            supported: format!("1..={MAX_HEAD_DIM}"),
+        });
     }
     let int = |x: usize, what: &str| {
         i32::try_from(x).map_err(|_| Error::TooLarge { what: format!("{what} {x} (the combine takes i32 extents)") })
@@ -184,7 +194,9 @@ fn base(shape: Shape, input: DType, output: DType, out: Rows, out_lse: u64) -> R
     let rows = (b as u128) * (s as u128) * (h as u128);
     let grid = rows.div_ceil(WARPS as u128);
     if grid > i32::MAX as u128 {
-        return Err(Error::TooLarge { what: format!("{rows} rows to merge (at most {} per launch)", i32::MAX as u128 * WARPS as u128) });
+        return Err(Error::TooLarge {
+            what: format!("{rows} rows to merge (at most {} per launch)", i32::MAX as u128 * WARPS as u128),
+        });
     }
     let params = CombineParams {
         out_o: out.ptr,
@@ -214,7 +226,9 @@ pub fn check_state_count(n: usize) -> Result<()> {
         return Err(Error::InvalidOption {
             option: "merge_states_n states",
             got: format!("{n} states"),
-            expected: format!("1..={MAX_INPUTS} states per device merge (merge larger lists in groups of at most {MAX_INPUTS})"),
+            expected: format!(
+                "1..={MAX_INPUTS} states per device merge (merge larger lists in groups of at most {MAX_INPUTS})"
+            ),
         });
     }
     Ok(())
@@ -227,7 +241,14 @@ pub fn check_state_count(n: usize) -> Result<()> {
 /// # Errors
 /// [`Error::InvalidOption`] for no state or more than [`MAX_INPUTS`]; the dtype pair, head_dim
 /// and size errors of the kernel.
-pub fn merge_plan(shape: Shape, input: DType, output: DType, states: &[StateRows], out: Rows, out_lse: u64) -> Result<CombineLaunch> {
+pub fn merge_plan(
+    shape: Shape,
+    input: DType,
+    output: DType,
+    states: &[StateRows],
+    out: Rows,
+    out_lse: u64,
+) -> Result<CombineLaunch> {
     check_state_count(states.len())?;
     let (kernel, grid, mut params) = base(shape, input, output, out, out_lse)?;
     params.lse_strides = strides_i64(lse_strides(shape), "lse stride")?;
@@ -246,7 +267,15 @@ pub fn merge_plan(shape: Shape, input: DType, output: DType, states: &[StateRows
 /// # Errors
 /// [`Error::InvalidOption`] for 0 or more than [`MAX_SPLITS`] splits; the kernel's dtype,
 /// head_dim and size errors.
-pub fn splits_plan(shape: Shape, splits: usize, o_accum: u64, lse_accum: u64, output: DType, out: Rows, out_lse: u64) -> Result<CombineLaunch> {
+pub fn splits_plan(
+    shape: Shape,
+    splits: usize,
+    o_accum: u64,
+    lse_accum: u64,
+    output: DType,
+    out: Rows,
+    out_lse: u64,
+) -> Result<CombineLaunch> {
     if splits == 0 || splits > MAX_SPLITS {
         return Err(Error::InvalidOption {
             option: "num_splits",
@@ -260,14 +289,17 @@ pub fn splits_plan(shape: Shape, splits: usize, o_accum: u64, lse_accum: u64, ou
     let o_per_split = lse_per_split * d as u128;
     let fits = |x: u128| x * splits as u128 <= i64::MAX as u128;
     if !fits(o_per_split) {
-        return Err(Error::TooLarge { what: format!("o_accum of {splits} splits x {o_per_split} f32 (the combine indexes in i64)") });
+        return Err(Error::TooLarge {
+            what: format!("o_accum of {splits} splits x {o_per_split} f32 (the combine indexes in i64)"),
+        });
     }
     params.lse_strides = strides_i64(lse_strides(shape), "lse stride")?;
     params.o_state_stride = o_per_split as i64;
     params.lse_state_stride = lse_per_split as i64;
     params.n_inputs = 1;
     params.states_per_input = splits as i32;
-    params.inputs[0] = CombineInput { o: o_accum, lse: lse_accum, o_strides: strides_i64([h * s * d, d, s * d], "o_accum stride")? };
+    params.inputs[0] =
+        CombineInput { o: o_accum, lse: lse_accum, o_strides: strides_i64([h * s * d, d, s * d], "o_accum stride")? };
     Ok(CombineLaunch { kernel, grid, block: WARPS * 32, params })
 }
 
@@ -275,7 +307,14 @@ pub fn splits_plan(shape: Shape, splits: usize, o_accum: u64, lse_accum: u64, ou
 /// FlashAttention's `num_splits_heuristic`), the one function for both, with `workers` = SMs ×
 /// CTAs of the forward kernel per SM and `items` = batch × heads_kv × query blocks (the CTAs of
 /// the unsplit launch); `keys` the longest sequence's.
-pub fn gpu_num_splits(sm_count: u32, ctas_per_sm: u32, batch: usize, heads_kv: usize, query_blocks: usize, keys: usize) -> usize {
+pub fn gpu_num_splits(
+    sm_count: u32,
+    ctas_per_sm: u32,
+    batch: usize,
+    heads_kv: usize,
+    query_blocks: usize,
+    keys: usize,
+) -> usize {
     let workers = (sm_count as usize).saturating_mul(ctas_per_sm.max(1) as usize);
     let items = batch.saturating_mul(heads_kv).saturating_mul(query_blocks);
     crate::cpu::inplace::num_splits(items, workers, keys)
@@ -288,7 +327,13 @@ mod tests {
     #[test]
     fn every_kernel_of_the_row_is_reachable() {
         let mut named: Vec<&str> = Vec::new();
-        for (i, o) in [(DType::F32, DType::F32), (DType::F32, DType::F16), (DType::F32, DType::BF16), (DType::F16, DType::F16), (DType::BF16, DType::BF16)] {
+        for (i, o) in [
+            (DType::F32, DType::F32),
+            (DType::F32, DType::F16),
+            (DType::F32, DType::BF16),
+            (DType::F16, DType::F16),
+            (DType::BF16, DType::BF16),
+        ] {
             named.push(kernel_symbol(i, o).unwrap());
         }
         named.sort();
@@ -319,14 +364,26 @@ mod tests {
     fn plans_refuse_what_the_kernel_cannot_run() {
         let out = Rows { ptr: 1, strides: [1, 1, 1] };
         let st = StateRows { o: out, lse: 1 };
-        assert!(matches!(merge_plan([1, 1, 1, 8], DType::F32, DType::F32, &[], out, 0), Err(Error::InvalidOption { .. })));
+        assert!(matches!(
+            merge_plan([1, 1, 1, 8], DType::F32, DType::F32, &[], out, 0),
+            Err(Error::InvalidOption { .. })
+        ));
         let many = vec![st; MAX_INPUTS + 1];
-        assert!(matches!(merge_plan([1, 1, 1, 8], DType::F32, DType::F32, &many, out, 0), Err(Error::InvalidOption { .. })));
-        assert!(matches!(merge_plan([1, 1, 1, 257], DType::F32, DType::F32, &[st], out, 0), Err(Error::UnsupportedHeadDim { .. })));
+        assert!(matches!(
+            merge_plan([1, 1, 1, 8], DType::F32, DType::F32, &many, out, 0),
+            Err(Error::InvalidOption { .. })
+        ));
+        assert!(matches!(
+            merge_plan([1, 1, 1, 257], DType::F32, DType::F32, &[st], out, 0),
+            Err(Error::UnsupportedHeadDim { .. })
+        ));
         assert!(matches!(splits_plan([1, 1, 1, 8], 0, 1, 1, DType::F16, out, 0), Err(Error::InvalidOption { .. })));
         assert!(matches!(splits_plan([1, 1, 1, 8], 129, 1, 1, DType::F16, out, 0), Err(Error::InvalidOption { .. })));
         let l = splits_plan([2, 1, 8, 64], 3, 0x10, 0x20, DType::BF16, out, 0).unwrap();
-        assert_eq!((l.params.o_state_stride, l.params.lse_state_stride, l.params.states_per_input), (2 * 8 * 64, 16, 3));
+        assert_eq!(
+            (l.params.o_state_stride, l.params.lse_state_stride, l.params.states_per_input),
+            (2 * 8 * 64, 16, 3)
+        );
         assert_eq!(l.params.inputs[0].o_strides, [8 * 64, 64, 64]);
     }
 

@@ -3,8 +3,8 @@
 //! the device against the one-shot forward. Compile-checked only: no GPU has run these (the
 //! kernel itself ran in the emulator, tests/combine_emulator.rs).
 
-use super::common::*;
 use super::common::Rng;
+use super::common::*;
 use super::util::*;
 use cudarc::driver::{CudaStream, DeviceRepr};
 use flash_attn::cuda::{DeviceLse, DeviceLseRef, DeviceTensor, DeviceTensorMut, Engine};
@@ -48,7 +48,9 @@ fn device_merge_states_matches_the_host() {
     let engine = engine();
     let stream = engine.device().context().new_stream().unwrap();
     let mut rng = Rng::new(41);
-    for (n, shape) in [(1, [2, 3, 4, 64]), (2, [1, 17, 8, 128]), (3, [3, 1, 8, 256]), (8, [1, 5, 2, 40]), (64, [1, 2, 2, 96])] {
+    for (n, shape) in
+        [(1, [2, 3, 4, 64]), (2, [1, 17, 8, 128]), (3, [3, 1, 8, 256]), (8, [1, 5, 2, 40]), (64, [1, 2, 2, 96])]
+    {
         for dtype in [DType::F32, DType::F16, DType::BF16] {
             let [b, s, h, d] = shape;
             let rows = b * s * h;
@@ -56,20 +58,22 @@ fn device_merge_states_matches_the_host() {
             for _ in 0..n {
                 let mut o: Vec<f32> = (0..rows * d).map(|_| dtype.round(rng.normal() as f32)).collect();
                 let mut l: Vec<f32> = (0..rows).map(|_| 3.0 * rng.normal() as f32).collect();
-                for r in 0..rows {
+                for (r, lr) in l.iter_mut().enumerate() {
                     // Row r % 5 == 0: every state empty; r % 5 == 1: this state empty half the time.
                     if r % 5 == 0 || (r % 5 == 1 && rng.uniform() < 0.5) {
                         // o is [b, s, h, d], l is [b, h, s]: row r of l is (bi, hi, si).
                         let (bi, hi, si) = (r / (h * s), (r / s) % h, r % s);
-                        l[r] = f32::NEG_INFINITY;
+                        *lr = f32::NEG_INFINITY;
                         let at = ((bi * s + si) * h + hi) * d;
                         o[at..at + d].iter_mut().for_each(|x| *x = f32::NAN);
                     }
                 }
                 states.push((o, l));
             }
-            let host_views: Vec<Tensor> = states.iter().map(|(o, _)| Tensor::from_f32(o, dtype, shape).unwrap()).collect();
-            let list: Vec<(TensorView, &[f32])> = host_views.iter().zip(&states).map(|(t, (_, l))| (t.view(), l.as_slice())).collect();
+            let host_views: Vec<Tensor> =
+                states.iter().map(|(o, _)| Tensor::from_f32(o, dtype, shape).unwrap()).collect();
+            let list: Vec<(TensorView, &[f32])> =
+                host_views.iter().zip(&states).map(|(t, (_, l))| (t.view(), l.as_slice())).collect();
             let want = merge_states_n(&list).unwrap();
             let got = match dtype {
                 DType::F32 => device_merge::<f32>(&engine, &stream, shape, &states),
@@ -77,13 +81,19 @@ fn device_merge_states_matches_the_host() {
                     &engine,
                     &stream,
                     shape,
-                    &states.iter().map(|(o, l)| (o.iter().map(|x| f16::from_f32(*x)).collect(), l.clone())).collect::<Vec<_>>(),
+                    &states
+                        .iter()
+                        .map(|(o, l)| (o.iter().map(|x| f16::from_f32(*x)).collect(), l.clone()))
+                        .collect::<Vec<_>>(),
                 ),
                 DType::BF16 => device_merge::<bf16>(
                     &engine,
                     &stream,
                     shape,
-                    &states.iter().map(|(o, l)| (o.iter().map(|x| bf16::from_f32(*x)).collect(), l.clone())).collect::<Vec<_>>(),
+                    &states
+                        .iter()
+                        .map(|(o, l)| (o.iter().map(|x| bf16::from_f32(*x)).collect(), l.clone()))
+                        .collect::<Vec<_>>(),
                 ),
                 other => panic!("no combine dtype {other:?}"),
             }
@@ -91,11 +101,19 @@ fn device_merge_states_matches_the_host() {
             let want_o = want.o.to_f32_vec();
             let tol_o = (2 * n + 10) as f64 * 2f64.powi(-24) * 5.0 + floor_for(dtype) * 0.1;
             for (i, (g, w)) in got.0.iter().zip(&want_o).enumerate() {
-                let ok = if w.is_nan() { g.is_nan() } else { ((g - w) as f64).abs() <= tol_o + (w.abs() as f64) * 2f64.powi(-7) };
+                let ok = if w.is_nan() {
+                    g.is_nan()
+                } else {
+                    ((g - w) as f64).abs() <= tol_o + (w.abs() as f64) * 2f64.powi(-7)
+                };
                 assert!(ok, "n {n} {dtype:?} {shape:?}: o[{i}] = {g}, host {w}");
             }
             for (i, (g, w)) in got.1.iter().zip(&want.lse).enumerate() {
-                let ok = if w.is_infinite() { g == w } else { ((g - w) as f64).abs() <= (n + 28) as f64 * 2f64.powi(-24) + 2f64.powi(-23) * w.abs() as f64 };
+                let ok = if w.is_infinite() {
+                    g == w
+                } else {
+                    ((g - w) as f64).abs() <= (n + 28) as f64 * 2f64.powi(-24) + 2f64.powi(-23) * w.abs() as f64
+                };
                 assert!(ok, "n {n} {dtype:?} {shape:?}: lse[{i}] = {g}, host {w}");
             }
         }
