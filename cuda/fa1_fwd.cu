@@ -12,7 +12,7 @@
 // cuda/common/seqlen.cuh, so the same code runs dense, varlen (packed q/o, packed k/v), KV caches
 // and paged caches of any page size (K/V tiles are copied row by row, each row's address looked
 // up through the block table), with the mask, ALiBi and LSE on each sequence's own sq_b x sk_b.
-// Split-KV: grid z is b * splits + split; a split walks only its key tiles (fa_split_keys) and
+// Split-KV: grid z is b * splits + split; a split walks only its key tiles (fa_split_tiles) and
 // writes its normalised output and LSE (-inf, zeros: no key) to o_accum / lse_accum in f32, which
 // the combine kernel (cuda/combine.cu) merges.
 //
@@ -168,9 +168,9 @@ __device__ __forceinline__ void forward(const FwdParams& p) {
     // Only the key tiles some row of this block can see, within this CTA's split (whole tiles).
     const int row_end = min(m0 + kBlockM, seq.sq);
     const FaKeyTiles tiles = fa_key_tiles(md, m0, row_end, kBlockN);
-    const FaKeyRange keys = fa_split_keys(seq.sk, splits, bsplit.split, kBlockN);
-    const int n_first = max(tiles.n_begin * kBlockN, keys.begin);
-    const int n_last = min(tiles.n_end * kBlockN, keys.end);  // keys.begin and the tiles: multiples of kBlockN
+    const FaKeyTiles split_tiles = fa_split_tiles(seq.sk, splits, bsplit.split, kBlockN);
+    const int n_first = max(tiles.n_begin, split_tiles.n_begin) * kBlockN;
+    const int n_last = min(tiles.n_end, split_tiles.n_end) * kBlockN;
     for (int n0 = n_first; n0 < n_last; n0 += kBlockN) {
         __syncthreads();  // the previous tile's readers of sK, sV, sP are done
         load_rows<T, kBlockN, kKStride>(sK, k, k_row, n0, seq.sk, p.head_dim);

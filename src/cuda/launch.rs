@@ -8,7 +8,7 @@ use super::device::{cuda_err, Loaded};
 use super::combine::{CombineLaunch, CombineParams};
 use super::fp8::{PrepassLaunch, PrepassParams};
 use super::params::FwdParams;
-use super::table::{kernel_symbol, Family, Tile, DTYPE_NAMES};
+use super::table::{append_kv_symbol, kernel_symbol, Family, Tile, DTYPE_NAMES};
 use crate::error::{Error, Operand, Result};
 use crate::tensor::DType;
 use cudarc::driver::{result, sys, DeviceRepr};
@@ -123,12 +123,18 @@ pub struct LaunchPlan {
     pub params: FwdParams,
     /// The maps after `FwdParams` (FA3 stages 2-5 and every FA4 stage: Q, K, V), else none.
     pub tensor_maps: TensorMaps,
+    /// The serving KV append kernel of the family's image (`append_kv_symbol`), not the forward.
+    pub append_kv: bool,
 }
 
 impl LaunchPlan {
-    /// `<family>_fwd_hd<D>_<dtype>`.
+    /// `<family>_fwd_hd<D>_<dtype>`, or `fa_append_kv_hd<D>_<dtype>` for an append launch.
     pub fn kernel(&self) -> String {
-        kernel_symbol(self.family.name, self.tile.head_dim, self.dtype)
+        if self.append_kv {
+            append_kv_symbol(self.tile.head_dim, self.dtype)
+        } else {
+            kernel_symbol(self.family.name, self.tile.head_dim, self.dtype)
+        }
     }
 }
 
@@ -160,6 +166,7 @@ pub(crate) fn plan_launch(
         smem_bytes: fam.smem_bytes(tile),
         params,
         tensor_maps: fam.host.tensor_maps(fam, dtype, &params)?,
+        append_kv: false,
     })
 }
 

@@ -36,8 +36,10 @@ mod select;
 pub mod table;
 
 pub use device::{device_count, driver_present, Device};
-pub use engine::{DeviceLse, DeviceLseRef, DeviceTensor, DeviceTensorMut, Engine, Fp8Codes};
+pub use engine::{
+    DeviceAppend, DeviceIndex, DeviceKv, DeviceLse, DeviceLseRef, DeviceTensor, DeviceTensorMut, Engine, Fp8Codes,
+};
 
 pub(crate) use device::why_unusable;
-pub(crate) use engine::{forward_host_into_typed, forward_host_typed};
+pub(crate) use engine::{forward_host_into_typed, forward_host_typed, serving_host_typed};
 pub(crate) use select::choose;
