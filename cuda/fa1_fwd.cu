@@ -253,10 +253,13 @@ __device__ __forceinline__ void forward(const FwdParams& p) {
 }  // namespace fa1
 
 // One kernel per (head_dim, dtype): fa1_fwd_hd<FA_HEAD_DIM>_<f16|bf16>.
+// __launch_bounds__(threads, 1): ptxas may use more than 128 registers (shared memory limits
+// the CTAs per SM to 2-3 anyway); left to its default it capped hd64 at 128 and spilled the
+// serving paths' per-sequence addressing.
 #define FA_CONCAT_(a, b, c, d) a##b##c##d
 #define FA_NAME(hd, dt) FA_CONCAT_(fa1_fwd_hd, hd, _, dt)
 #define FA_INSTANCE(DT)                                                                     \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS)                                \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)                             \
         FA_NAME(FA_HEAD_DIM, DT)(const __grid_constant__ FwdParams p) {                     \
         fa1::forward<fa_##DT>(p);                                                           \
     }
