@@ -305,18 +305,20 @@ pub fn splits_plan(
 
 /// The split count of a GPU split-KV launch: the CPU's heuristic ([`crate::cpu::inplace::num_splits`],
 /// FlashAttention's `num_splits_heuristic`), the one function for both, with `workers` = SMs ×
-/// CTAs of the forward kernel per SM and `items` = batch × heads_kv × query blocks (the CTAs of
-/// the unsplit launch); `keys` the longest sequence's.
+/// CTAs of the forward kernel per SM and `items` = batch × heads × query blocks, the CTAs of the
+/// unsplit launch (`heads`: the heads its grid spans, heads_q for FA1 and FA2, which run one CTA
+/// per query head; the CPU counts kv heads because its items are per kv head); `keys` the
+/// longest sequence's.
 pub fn gpu_num_splits(
     sm_count: u32,
     ctas_per_sm: u32,
     batch: usize,
-    heads_kv: usize,
+    heads: usize,
     query_blocks: usize,
     keys: usize,
 ) -> usize {
     let workers = (sm_count as usize).saturating_mul(ctas_per_sm.max(1) as usize);
-    let items = batch.saturating_mul(heads_kv).saturating_mul(query_blocks);
+    let items = batch.saturating_mul(heads).saturating_mul(query_blocks);
     crate::cpu::inplace::num_splits(items, workers, keys)
 }
 

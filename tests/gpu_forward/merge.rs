@@ -206,3 +206,53 @@ fn sharded_forward_merged_on_the_device_matches_one_shot() {
     // Two bf16 roundings (each shard's output, then the merge) instead of one.
     assert!(err <= 2.0 * c.bound, "sharded + device merge: err {err:.3e} > {:.3e}", 2.0 * c.bound);
 }
+
+/// Split-KV decode on the GPU (`Engine::launch_serving_raw` through `Backend::Cuda`: the
+/// splits' partial states in scratch, merged by the combine kernel) against the CPU backend's
+/// result of the same call, for 1 (forced), 2, 5 and the heuristic's split counts, paged (page
+/// 16) and dense caches. Compile-checked only.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn split_kv_decode_through_the_combine_matches_the_cpu() {
+    use flash_attn::serving::{forward_kvcache, BlockTable, KvCache};
+    use flash_attn::Backend;
+    let mut rng = Rng::new(47);
+    let (hq, hkv, d, page) = (8, 2, 128, 16);
+    let lens = [3000usize, 1, 0, 700];
+    let max_blocks = 3000usize.div_ceil(page);
+    let num_blocks = lens.iter().map(|l| l.div_ceil(page)).sum::<usize>();
+    let mut table = vec![-1i32; lens.len() * max_blocks];
+    let mut next = 0;
+    for (b, &l) in lens.iter().enumerate() {
+        for p in 0..l.div_ceil(page) {
+            // Blocks handed out in reverse order: a non-trivial table.
+            table[b * max_blocks + p] = (num_blocks - 1 - next) as i32;
+            next += 1;
+        }
+    }
+    let shape = [num_blocks, page, hkv, d];
+    let n = shape.iter().product::<usize>();
+    let kc = Tensor::from_f32(&(0..n).map(|_| rng.normal() as f32).collect::<Vec<_>>(), DType::BF16, shape).unwrap();
+    let vc = Tensor::from_f32(&(0..n).map(|_| rng.normal() as f32).collect::<Vec<_>>(), DType::BF16, shape).unwrap();
+    let seqlens: Vec<i32> = lens.iter().map(|&l| l as i32).collect();
+    let cache = KvCache::paged(kc.view(), vc.view(), &seqlens, BlockTable { ids: &table, max_blocks_per_seq: max_blocks });
+    let q = randn(&mut rng, DType::BF16, [lens.len(), 1, hq, d]);
+    let base = ForwardOptions::default().mask(Mask::Causal).return_lse(true);
+    let cpu = forward_kvcache(&q, &cache, &base.clone().backend(Backend::Cpu)).unwrap();
+    let (cpu_o, cpu_lse) = (cpu.o.to_f32_vec(), cpu.lse.unwrap());
+    for splits in [Some(1), Some(2), Some(5), None] {
+        let mut opts = base.clone().backend(Backend::Cuda(0));
+        if let Some(s) = splits {
+            opts = opts.num_splits(s);
+        }
+        let out = forward_kvcache(&q, &cache, &opts).unwrap();
+        assert!(out.dispatch.backend.starts_with("cuda"), "{:?}", out.dispatch);
+        let o = out.o.to_f32_vec();
+        let err = o.iter().zip(&cpu_o).map(|(a, b)| (a - b).abs() as f64).fold(0.0, f64::max);
+        // Both round once to bf16 from f32 work: two bf16 ulps at |o| <= 4.
+        assert!(err <= 2.0 * floor_for(DType::BF16), "splits {splits:?}: max |gpu - cpu| {err:.3e} ({})", out.dispatch.reason);
+        for (g, c) in out.lse.unwrap().iter().zip(&cpu_lse) {
+            assert!(if c.is_infinite() { g == c } else { (g - c).abs() <= 2e-3 }, "splits {splits:?}: lse {g} vs cpu {c}");
+        }
+    }
+}
