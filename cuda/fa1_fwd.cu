@@ -253,9 +253,9 @@ __device__ __forceinline__ void forward(const FwdParams& p) {
 }  // namespace fa1
 
 // One kernel per (head_dim, dtype): fa1_fwd_hd<FA_HEAD_DIM>_<f16|bf16>.
-// __launch_bounds__(threads, 1): ptxas may use more than 128 registers (shared memory limits
-// the CTAs per SM to 2-3 anyway); left to its default it capped hd64 at 128 and spilled the
-// serving paths' per-sequence addressing.
+// __launch_bounds__(threads, 1): ptxas may use more than 128 registers (on sm_80 shared memory
+// limits the CTAs per SM to 2-3 anyway); left to its default it capped hd64 at 128 and spilled
+// the serving paths' per-sequence addressing.
 #define FA_CONCAT_(a, b, c, d) a##b##c##d
 #define FA_NAME(hd, dt) FA_CONCAT_(fa1_fwd_hd, hd, _, dt)
 #define FA_INSTANCE(DT)                                                                     \
