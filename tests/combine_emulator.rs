@@ -513,3 +513,19 @@ fn combine_mutations_are_caught() {
     }
     assert!(missed.is_empty(), "mutations the combine checks did not catch: {missed:?}");
 }
+
+/// Every standalone kernel of the table (build/instances.rs `STANDALONE`) names a test under
+/// tests/ that runs it in the emulator (`cpu_emulation`).
+#[test]
+fn every_standalone_kernel_runs_in_the_emulator() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests");
+    let sources: String = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "rs"))
+        .map(|e| std::fs::read_to_string(e.path()).unwrap())
+        .collect();
+    for s in flash_attn::cuda::table::STANDALONE {
+        assert!(sources.contains(&format!("fn {}()", s.cpu_emulation)), "{}: cpu_emulation names {:?}, no test under tests/", s.name, s.cpu_emulation);
+    }
+}
