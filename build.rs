@@ -7,7 +7,8 @@
 //!   12.8) and warns about the rest. The compute_80 PTX is lowered to the oldest PTX ISA of the
 //!   toolkit's major version (8.0 for 12.x, 9.0 for 13.x) and re-assembled by ptxas to prove it
 //!   still is valid there, so it loads on every driver that version supports.
-//! - One compile unit per (family, head_dim, target). Compiled images are cached by content
+//! - One compile unit per (family, head_dim, target), and one per (standalone kernel, target)
+//!   (build/instances.rs `STANDALONE`: the combine). Compiled images are cached by content
 //!   (the unit, the sources and headers it includes, the nvcc flags, the toolchain's version
 //!   and binaries) in a directory shared by every profile and tool (`<target-dir>/
 //!   flash-attn-kernels/`, or `$FLASH_ATTN_KERNEL_CACHE`): a second profile, `cargo clippy` or
@@ -199,46 +200,56 @@ fn main() {
         .map(|v| format!("{v}={}\n", std::env::var(v).unwrap_or_default()))
         .collect();
     let mut jobs = Vec::new();
+    // (image name, head_dim, source, unit file name, unit text): every family's (family,
+    // head_dim) units as pruned by FLASH_ATTN_HDIMS, then the standalone kernels (no head dim).
+    let mut units: Vec<(&'static str, u32, &'static str, String, String)> = Vec::new();
     for fam in FAMILIES {
         for tile in fam.tiles {
             if hdims.as_ref().is_some_and(|h| !h.contains(&tile.head_dim.to_string())) {
                 continue;
             }
-            let unit = gen_dir.join(format!("{}_hd{}.cu", fam.name, tile.head_dim));
             let text = unit_source(fam, tile, &root.join(fam.source).display().to_string(), hang_check());
-            write_if_changed(&unit, &text);
-            // Everything the unit reads but the toolkit's own headers (covered by its version).
-            let mut deps = BTreeMap::new();
-            collect_includes(&root.join(fam.source), &include_dirs, &mut deps);
-            for &target in targets_for(fam.source) {
-                if !wanted(target) || skipped.contains(&target) {
-                    continue;
-                }
-                let mut key = Fnv128::new();
-                key.add(CACHE_FORMAT.as_bytes());
-                key.add(tc.fingerprint.as_bytes());
-                key.add(env_flags.as_bytes());
-                // OUT_DIR differs per profile; the generated header's content is keyed below.
-                let args = nvcc_args(target, &include_dirs).join(" ");
-                key.add(args.replace(&out.display().to_string(), "$OUT_DIR").as_bytes());
-                key.add(text.as_bytes());
-                for (path, content) in &deps {
-                    key.add(path.replace(&out.display().to_string(), "$OUT_DIR").as_bytes());
-                    key.add(content);
-                }
-                let stem = image_stem(fam.name, tile.head_dim, target);
-                let entry = format!("{stem}-{:032x}", key.finish());
-                jobs.push(Job {
-                    family: fam.name,
-                    head_dim: tile.head_dim,
-                    target,
-                    unit: unit.clone(),
-                    image: out.join(format!("{stem}.{}", target.ext())),
-                    report: out.join(format!("{stem}.ptxas.txt")),
-                    cached_image: cache.join(format!("{entry}.{}", target.ext())),
-                    cached_report: cache.join(format!("{entry}.ptxas.txt")),
-                });
+            units.push((fam.name, tile.head_dim, fam.source, format!("{}_hd{}.cu", fam.name, tile.head_dim), text));
+        }
+    }
+    for s in STANDALONE {
+        let text = standalone_unit_source(s, &root.join(s.source).display().to_string());
+        units.push((s.name, STANDALONE_HEAD_DIM, s.source, format!("{}.cu", s.name), text));
+    }
+    for (name, head_dim, source, unit_name, text) in units {
+        let unit = gen_dir.join(unit_name);
+        write_if_changed(&unit, &text);
+        // Everything the unit reads but the toolkit's own headers (covered by its version).
+        let mut deps = BTreeMap::new();
+        collect_includes(&root.join(source), &include_dirs, &mut deps);
+        for &target in targets_for(source) {
+            if !wanted(target) || skipped.contains(&target) {
+                continue;
             }
+            let mut key = Fnv128::new();
+            key.add(CACHE_FORMAT.as_bytes());
+            key.add(tc.fingerprint.as_bytes());
+            key.add(env_flags.as_bytes());
+            // OUT_DIR differs per profile; the generated header's content is keyed below.
+            let args = nvcc_args(target, &include_dirs).join(" ");
+            key.add(args.replace(&out.display().to_string(), "$OUT_DIR").as_bytes());
+            key.add(text.as_bytes());
+            for (path, content) in &deps {
+                key.add(path.replace(&out.display().to_string(), "$OUT_DIR").as_bytes());
+                key.add(content);
+            }
+            let stem = image_stem(name, head_dim, target);
+            let entry = format!("{stem}-{:032x}", key.finish());
+            jobs.push(Job {
+                family: name,
+                head_dim,
+                target,
+                unit: unit.clone(),
+                image: out.join(format!("{stem}.{}", target.ext())),
+                report: out.join(format!("{stem}.ptxas.txt")),
+                cached_image: cache.join(format!("{entry}.{}", target.ext())),
+                cached_report: cache.join(format!("{entry}.ptxas.txt")),
+            });
         }
     }
 

@@ -471,6 +471,45 @@ pub fn append_kv_symbol(head_dim: u32, dtype: &str) -> String {
 /// rows it copies (none of its family's tensor-core instructions).
 pub const APPEND_KV_SASS: &[&str] = &["LDG", "STG"];
 
+/// A standalone kernel: one source compiled once per target (`targets_for` its name), with no
+/// head-dim instances and no `FA_INSTANCE` (the source defines its own kernels, by name); its
+/// images carry head_dim [`STANDALONE_HEAD_DIM`]. The split-KV combine and the device
+/// `merge_states` are one (cuda/combine.cu, src/cuda/combine.rs).
+#[derive(Clone, Copy, Debug)]
+pub struct Standalone {
+    /// The image's name ("combine"), as `Family::name` for the families' images.
+    pub name: &'static str,
+    /// The source, relative to the crate root.
+    pub source: &'static str,
+    /// Every kernel symbol the image holds (checked by tests/sass.rs).
+    pub kernels: &'static [&'static str],
+    /// SASS opcodes every kernel of it claims (tests/sass.rs).
+    pub sass_expect: &'static [&'static str],
+    /// The test that runs its source, unchanged, in the CPU emulator.
+    pub cpu_emulation: &'static str,
+}
+
+/// The head_dim a standalone kernel's image is recorded with (it serves every head_dim).
+pub const STANDALONE_HEAD_DIM: u32 = 0;
+
+/// The compile unit of a standalone kernel: its source at `source_path`, nothing else.
+pub fn standalone_unit_source(s: &Standalone, source_path: &str) -> String {
+    format!("// Generated from build/instances.rs: standalone {}.\n#include \"{source_path}\"\n", s.name)
+}
+
+/// The standalone kernels.
+pub const STANDALONE: &[Standalone] = &[Standalone {
+    name: "combine",
+    source: "cuda/combine.cu",
+    // fa_combine_<input>_<output>: f32 partials into every output dtype, 16-bit states into
+    // their own (src/cuda/combine.rs picks one).
+    kernels: &["fa_combine_f32_f32", "fa_combine_f32_f16", "fa_combine_f32_bf16", "fa_combine_f16_f16", "fa_combine_bf16_bf16"],
+    // expf (MUFU.EX2 after its range reduction) and the weighted sum (FFMA); logf is a
+    // polynomial in FFMAs, no MUFU.LG2.
+    sass_expect: &["MUFU.EX2", "FFMA"],
+    cpu_emulation: "combine_matches_host_merge",
+}];
+
 /// The highest stage of the FA4 ladder built so far (docs/fa4.md).
 pub const FA4_MAX_STAGE: u8 = 3;
 
@@ -673,7 +712,7 @@ pub const FAMILIES: &[Family] = &[
         rank: 1,
         cpu_emulation: Some("fa1_all_instances"),
         smem: fa1_smem_bytes,
-        host: host!(family::Plain),
+        host: host!(fa1::Fa1),
     },
     Family {
         name: "fa2",

@@ -8,6 +8,14 @@
 // output rescaled by exp2((m_old - m_new) * c)) -> P to shared memory -> O += P·V (registers).
 // The end divides by l and writes O and the LSE; a row that saw no key is written as 0.
 //
+// Serving launches (docs/serving.md "GPU"): every address goes through the per-sequence view of
+// cuda/common/seqlen.cuh, so the same code runs dense, varlen (packed q/o, packed k/v), KV caches
+// and paged caches of any page size (K/V tiles are copied row by row, each row's address looked
+// up through the block table), with the mask, ALiBi and LSE on each sequence's own sq_b x sk_b.
+// Split-KV: grid z is b * splits + split; a split walks only its key tiles (fa_split_tiles) and
+// writes its normalised output and LSE (-inf, zeros: no key) to o_accum / lse_accum in f32, which
+// the combine kernel (cuda/combine.cu) merges.
+//
 // A V tile holding an infinity or NaN switches O += P·V to a form that skips P = 0, so a key's V
 // reaches only the rows that see it (0 * inf is NaN); the block learns it from the barrier that
 // publishes the tile (__syncthreads_or), so finite inputs pay nothing.
@@ -24,6 +32,7 @@
 #include "common/params.h"
 #include "sm80/launch.cuh"
 #include "common/mask.cuh"
+#include "common/seqlen.cuh"
 #include "common/softmax.cuh"
 
 #ifndef FA_HEAD_DIM
@@ -59,17 +68,18 @@ static_assert(kSmemFloats * 4 == FA_SMEM_BYTES, "build/instances.rs fa1_smem_byt
 extern __shared__ __align__(16) float smem[];
 
 // Copies rows [row0, row0 + kRows) of one head into shared memory as f32, zero-filling rows past
-// `seqlen` and dims past `head_dim`, so the tails contribute nothing to either product. Returns
-// whether every value this thread copied is finite.
-template <typename T, int kRows, int kStride>
-__device__ __forceinline__ bool load_rows(float* dst, const T* head_base, long long row_stride, int row0,
+// `seqlen` and dims past `head_dim`, so the tails contribute nothing to either product; row j
+// (< seqlen) is at head_base + row_offset(j) (a key row of a paged cache: through the block
+// table). Returns whether every value this thread copied is finite.
+template <typename T, int kRows, int kStride, class RowOffset>
+__device__ __forceinline__ bool load_rows(float* dst, const T* head_base, const RowOffset& row_offset, int row0,
                                           int seqlen, int head_dim) {
     bool finite = true;
     for (int idx = threadIdx.x; idx < kRows * kHeadDim; idx += kThreads) {
         const int r = idx / kHeadDim;  // consecutive threads take consecutive dims: coalesced
         const int d = idx % kHeadDim;
         float x = 0.f;
-        if (row0 + r < seqlen && d < head_dim) x = fa_to_float(head_base[(long long)(row0 + r) * row_stride + d]);
+        if (row0 + r < seqlen && d < head_dim) x = fa_to_float(head_base[row_offset(row0 + r) + d]);
         finite &= isfinite(x);
         dst[r * kStride + d] = x;
     }
@@ -117,7 +127,11 @@ __device__ __forceinline__ void forward(const FwdParams& p) {
 
     const int m0 = blockIdx.x * kBlockM;  // first query row of this block
     const int head = blockIdx.y;
-    const int batch = blockIdx.z;
+    const FaBatchSplit bsplit = fa_batch_split(p, blockIdx.z);
+    const FaSeq seq = fa_seq(p, bsplit.b);  // this sequence's rows, keys and addresses
+    if (m0 >= seq.sq) return;  // the whole block: past a shorter sequence's rows (no barrier yet)
+    const FaMaskDims md = fa_seq_mask(p, seq);
+    const int splits = fa_num_splits(p);
     const int head_kv = head / (p.heads_q / p.heads_kv);  // GQA: a group of q heads shares one kv head
     const int tid = threadIdx.x;
     const int rg = tid / kColGroups;  // row group: rows rg * kRowsPerThread + i
@@ -129,12 +143,14 @@ __device__ __forceinline__ void forward(const FwdParams& p) {
     float* sV = sK + kBlockN * kKStride;
     float* sP = sV + kBlockN * kVStride;
 
-    const T* q = reinterpret_cast<const T*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride;
-    const T* k = reinterpret_cast<const T*>(p.k) + batch * p.k_batch_stride + head_kv * p.k_head_stride;
-    const T* v = reinterpret_cast<const T*>(p.v) + batch * p.v_batch_stride + head_kv * p.v_head_stride;
-    T* o = reinterpret_cast<T*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride;
+    const T* q = reinterpret_cast<const T*>(p.q) + fa_q_offset(p, seq, head, 0);
+    const T* k = reinterpret_cast<const T*>(p.k) + head_kv * p.k_head_stride;
+    const T* v = reinterpret_cast<const T*>(p.v) + head_kv * p.v_head_stride;
+    const auto q_row = [&](int i) { return (long long)i * p.q_row_stride; };
+    const auto k_row = [&](int j) { return fa_kv_row_offset(p, seq, p.k_batch_stride, p.k_row_stride, j); };
+    const auto v_row = [&](int j) { return fa_kv_row_offset(p, seq, p.v_batch_stride, p.v_row_stride, j); };
 
-    load_rows<T, kBlockM, kQStride>(sQ, q, p.q_row_stride, m0, p.seqlen_q, p.head_dim);
+    load_rows<T, kBlockM, kQStride>(sQ, q, q_row, m0, seq.sq, p.head_dim);
 
     // Score units (softmax.cuh): raw q.k, or natural units with softcap / ALiBi. c is the
     // host's softmax_scale_log2 (scale * log2 e, or log2 e for natural units), read from the
@@ -149,13 +165,16 @@ __device__ __forceinline__ void forward(const FwdParams& p) {
 #pragma unroll
         for (int dd = 0; dd < kDimsPerThread; ++dd) acc[i][dd] = 0.f;
 
-    // Only the key tiles some row of this block can see.
-    const int row_end = min(m0 + kBlockM, p.seqlen_q);
-    const FaKeyTiles tiles = fa_key_tiles(p, m0, row_end, kBlockN);
-    for (int n0 = tiles.n_begin * kBlockN; n0 < tiles.n_end * kBlockN; n0 += kBlockN) {
+    // Only the key tiles some row of this block can see, within this CTA's split (whole tiles).
+    const int row_end = min(m0 + kBlockM, seq.sq);
+    const FaKeyTiles tiles = fa_key_tiles(md, m0, row_end, kBlockN);
+    const FaKeyTiles split_tiles = fa_split_tiles(seq.sk, splits, bsplit.split, kBlockN);
+    const int n_first = max(tiles.n_begin, split_tiles.n_begin) * kBlockN;
+    const int n_last = min(tiles.n_end, split_tiles.n_end) * kBlockN;
+    for (int n0 = n_first; n0 < n_last; n0 += kBlockN) {
         __syncthreads();  // the previous tile's readers of sK, sV, sP are done
-        load_rows<T, kBlockN, kKStride>(sK, k, p.k_row_stride, n0, p.seqlen_k, p.head_dim);
-        const bool v_ok = load_rows<T, kBlockN, kVStride>(sV, v, p.v_row_stride, n0, p.seqlen_k, p.head_dim);
+        load_rows<T, kBlockN, kKStride>(sK, k, k_row, n0, seq.sk, p.head_dim);
+        const bool v_ok = load_rows<T, kBlockN, kVStride>(sV, v, v_row, n0, seq.sk, p.head_dim);
         // sQ (first time), sK, sV visible to all; and whether any thread copied a non-finite V.
         const bool v_nonfinite = __syncthreads_or(!v_ok) != 0;
 
@@ -179,9 +198,9 @@ __device__ __forceinline__ void forward(const FwdParams& p) {
         }
 
         // Scores in score units, masked to -inf, then P = exp2((s - m) * c) in place.
-        if (fa_natural_scores(p)) fa_scores_to_natural<true, false>(s, frag, p, slope, m0, n0);
-        if (fa_tile_needs_mask(p, m0, row_end - 1, n0, (long long)n0 + kBlockN - 1))
-            fa_mask_fragment(s, frag, p, m0, n0);
+        if (fa_natural_scores(p)) fa_scores_to_natural<true, false>(s, frag, p, slope, m0, n0, seq.sk - seq.sq);
+        if (fa_tile_needs_mask(md, m0, row_end - 1, n0, (long long)n0 + kBlockN - 1))
+            fa_mask_fragment(s, frag, md, m0, n0);
         float corr[kRowsPerThread];
         softmax.update(s, p.softmax_scale_log2, corr);
         softmax.rescale(acc, corr);
@@ -198,35 +217,49 @@ __device__ __forceinline__ void forward(const FwdParams& p) {
             accumulate_pv<false>(acc, sP, sV, rg, cg);
     }
 
-    // Epilogue: O / l, LSE. Rows past seqlen_q and dims past head_dim are not written.
+    // Epilogue: O / l, LSE. Rows past the sequence's and dims past head_dim are not written.
+    // Split-KV: the normalised partial output and its LSE (always) in f32 to the accumulators.
     const bool write_lse = (p.flags & FA_FLAG_RETURN_LSE) != 0;
     const float u = fa_to_natural(p);  // score units -> natural (LSE)
+    const FaSeq out_seq = fa_seq(p, bsplit.b);  // read again: not held in registers across the loop
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
         const FaRowEnd end = softmax.finalize(i, u);  // every lane of the row takes part
         const int row = m0 + frag.row(i);
-        if (row >= p.seqlen_q) continue;
-        T* o_row = o + (long long)row * p.o_row_stride;
+        if (row >= out_seq.sq) continue;
+        const long long lse_at = fa_lse_index(out_seq, head, row);
+        if (splits > 1) {
+            const long long acc_row = (long long)bsplit.split * fa_lse_rows(p) + lse_at;
+            float* o_row = reinterpret_cast<float*>(p.o_accum) + acc_row * p.head_dim;
+#pragma unroll
+            for (int dd = 0; dd < kDimsPerThread; ++dd) {
+                const int d = frag.col(dd);
+                if (d < p.head_dim) o_row[d] = end.empty ? 0.f : acc[i][dd] * end.inv_l;
+            }
+            if (cg == 0) reinterpret_cast<float*>(p.lse_accum)[acc_row] = end.lse;
+            continue;
+        }
+        T* o_row = reinterpret_cast<T*>(p.o) + fa_o_offset(p, out_seq, head, row);
 #pragma unroll
         for (int dd = 0; dd < kDimsPerThread; ++dd) {
             const int d = frag.col(dd);
             // A row that saw no key: exactly 0, whatever reached acc.
             if (d < p.head_dim) o_row[d] = fa_from_float<T>(end.empty ? 0.f : acc[i][dd] * end.inv_l);
         }
-        if (write_lse && cg == 0) {
-            float* lse_out = reinterpret_cast<float*>(p.lse);
-            lse_out[((long long)batch * p.heads_q + head) * p.seqlen_q + row] = end.lse;
-        }
+        if (write_lse && cg == 0) reinterpret_cast<float*>(p.lse)[lse_at] = end.lse;
     }
 }
 
 }  // namespace fa1
 
 // One kernel per (head_dim, dtype): fa1_fwd_hd<FA_HEAD_DIM>_<f16|bf16>.
+// __launch_bounds__(threads, 1): ptxas may use more than 128 registers (on sm_80 shared memory
+// limits the CTAs per SM to 2-3 anyway); left to its default it capped hd64 at 128 and spilled
+// the serving paths' per-sequence addressing.
 #define FA_CONCAT_(a, b, c, d) a##b##c##d
 #define FA_NAME(hd, dt) FA_CONCAT_(fa1_fwd_hd, hd, _, dt)
 #define FA_INSTANCE(DT)                                                                     \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS)                                \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)                             \
         FA_NAME(FA_HEAD_DIM, DT)(const __grid_constant__ FwdParams p) {                     \
         fa1::forward<fa_##DT>(p);                                                           \
     }

@@ -14,15 +14,28 @@
 #![cfg(feature = "cuda")]
 
 use flash_attn::cuda::table::{
-    append_kv_symbol, fp8_prepass_symbol, image_kernel_symbols, APPEND_KV_SASS, kernel_symbol, targets_for, Family, Image, KernelVariant, Target,
-    ARCHS_FILTER, BUILD_SUMMARY, CUOBJDUMP, DTYPE_NAMES, FAMILIES, FP8_PREPASS_SASS, HDIMS_FILTER, IMAGES, NVCC_VERSION,
-    PTX_ISA, TARGETS_SKIPPED, WHY_NO_KERNELS,
+    append_kv_symbol, fp8_prepass_symbol, image_kernel_symbols, kernel_symbol, targets_for, Family, Image, KernelVariant, Target,
+    Standalone, APPEND_KV_SASS, ARCHS_FILTER, BUILD_SUMMARY, CUOBJDUMP, DTYPE_NAMES, FAMILIES, FP8_PREPASS_SASS, HDIMS_FILTER,
+    IMAGES, NVCC_VERSION, PTX_ISA, STANDALONE, STANDALONE_HEAD_DIM, TARGETS_SKIPPED, WHY_NO_KERNELS,
 };
 use std::process::Command;
 use std::sync::OnceLock;
 
 fn family(name: &str) -> &'static flash_attn::cuda::table::Family {
     FAMILIES.iter().find(|f| f.name == name).expect("image of a family in the table")
+}
+
+/// The standalone row of an image (the combine), if it is one.
+fn standalone(img: &Image) -> Option<&'static Standalone> {
+    STANDALONE.iter().find(|s| s.name == img.family && img.head_dim == STANDALONE_HEAD_DIM)
+}
+
+/// Every kernel symbol an image holds: a family's per dtype, or a standalone row's list.
+fn image_kernels(img: &Image) -> Vec<String> {
+    match standalone(img) {
+        Some(s) => s.kernels.iter().map(|k| k.to_string()).collect(),
+        None => DTYPE_NAMES.iter().flat_map(|dt| image_kernel_symbols(family(img.family), img.head_dim, dt)).collect(),
+    }
 }
 
 fn cubins() -> impl Iterator<Item = &'static Image> {
@@ -103,10 +116,8 @@ fn every_kernel_of_the_table_is_built() {
     assert!(!IMAGES.is_empty(), "{WHY_NO_KERNELS}");
     for img in cubins() {
         let names: Vec<String> = sass_by_kernel(img).into_iter().map(|(n, _)| n).collect();
-        for dt in DTYPE_NAMES {
-            for sym in image_kernel_symbols(family(img.family), img.head_dim, dt) {
-                assert!(names.contains(&sym), "{sym} missing from {}_hd{}.{}: {names:?}", img.family, img.head_dim, img.target.name());
-            }
+        for sym in image_kernels(img) {
+            assert!(names.contains(&sym), "{sym} missing from {}_hd{}.{}: {names:?}", img.family, img.head_dim, img.target.name());
         }
     }
     // Exactly the table's (family, head_dim, target) triples, as pruned by FLASH_ATTN_* and by
@@ -118,6 +129,12 @@ fn every_kernel_of_the_table_is_built() {
             for &t in targets_for(fam.source).iter().filter(|t| keep(ARCHS_FILTER, t.name()) && !TARGETS_SKIPPED.contains(t)) {
                 expected.push((fam.name, tile.head_dim, t));
             }
+        }
+    }
+    // The standalone kernels: no head dim, so FLASH_ATTN_HDIMS keeps them.
+    for st in STANDALONE {
+        for &t in targets_for(st.source).iter().filter(|t| keep(ARCHS_FILTER, t.name()) && !TARGETS_SKIPPED.contains(t)) {
+            expected.push((st.name, STANDALONE_HEAD_DIM, t));
         }
     }
     let mut built: Vec<(&str, u32, Target)> = IMAGES.iter().map(|i| (i.family, i.head_dim, i.target)).collect();
@@ -132,7 +149,7 @@ fn every_kernel_of_the_table_is_built() {
 fn no_kernel_spills() {
     for img in cubins() {
         let stats = report_stats(img.report);
-        let kernels: usize = DTYPE_NAMES.iter().map(|dt| image_kernel_symbols(family(img.family), img.head_dim, dt).len()).sum();
+        let kernels = image_kernels(img).len();
         assert_eq!(stats.len(), kernels, "{}_hd{}.{}: report {:?}", img.family, img.head_dim, img.target.name(), img.report);
         for (name, regs, stack, st, ld) in stats {
             println!("{name:28} {:>4}  {regs:3} registers, {stack} B stack, {st}/{ld} B spill st/ld", img.target.name());
@@ -149,26 +166,28 @@ fn no_kernel_spills() {
 #[cfg_attr(not(fa_kernels), ignore = "nvcc was not found at build time, so no kernel was built (run scripts/install-cuda-toolchain.sh)")]
 fn families_use_the_instructions_they_claim() {
     for img in cubins() {
-        let fam = family(img.family);
+        let (row, row_expect) = match standalone(img) {
+            Some(s) => (s.name, s.sass_expect),
+            None => (family(img.family).name, family(img.family).sass_expect),
+        };
         for (name, sass) in sass_by_kernel(img) {
             let ops = opcodes(&sass);
             // An FP8 family's image also holds its pre-pass, which claims its own instructions.
-            let prepass = DTYPE_NAMES.iter().any(|dt| name == fp8_prepass_symbol(img.head_dim, dt));
-            // The FA2 images also hold the serving KV append kernel (build/instances.rs).
-            let append = DTYPE_NAMES.iter().any(|dt| name == append_kv_symbol(img.head_dim, dt));
+            let prepass = standalone(img).is_none() && DTYPE_NAMES.iter().any(|dt| name == fp8_prepass_symbol(img.head_dim, dt));
+            // The FA2 images also hold the serving KV append kernel: a row copy (build/instances.rs).
+            let append = standalone(img).is_none() && DTYPE_NAMES.iter().any(|dt| name == append_kv_symbol(img.head_dim, dt));
             let expect = if prepass {
                 FP8_PREPASS_SASS
             } else if append {
                 APPEND_KV_SASS
             } else {
-                fam.sass_expect
+                row_expect
             };
             for want in expect {
                 assert!(
                     ops.iter().any(|op| op == want || op.starts_with(&format!("{want}."))),
-                    "{name} on {}: no {want} (family {} claims it)",
+                    "{name} on {}: no {want} (row {row} claims it)",
                     img.target.name(),
-                    fam.name
                 );
             }
         }
@@ -193,8 +212,11 @@ fn ptx_fallback_has_the_oldest_isa_of_its_cuda_version() {
         let text = std::str::from_utf8(img.bytes).expect("PTX is text");
         let line = format!(".version {want}");
         assert!(text.lines().any(|l| l.trim() == line), "{}_hd{}: not PTX ISA {want}", img.family, img.head_dim);
-        for dt in DTYPE_NAMES {
-            let sym = kernel_symbol(img.family, img.head_dim, dt);
+        let entries: Vec<String> = match standalone(img) {
+            Some(s) => s.kernels.iter().map(|k| k.to_string()).collect(),
+            None => DTYPE_NAMES.iter().map(|dt| kernel_symbol(img.family, img.head_dim, dt)).collect(),
+        };
+        for sym in entries {
             assert!(text.contains(&format!(".entry {sym}(")), "{sym} missing from the PTX");
         }
     }
@@ -223,7 +245,7 @@ fn fa3_warp_specialised_stages_enter_with_168_registers() {
     let mut checked = 0;
     // The FA3 ladder's rows and those that run FA4's softmax on its pipeline (variant Fa4).
     let ws_stage = |f: &Family| f.source.starts_with("cuda/fa3") && f.stage.is_some_and(|s| s >= 3);
-    for img in cubins().filter(|i| ws_stage(family(i.family))) {
+    for img in cubins().filter(|i| standalone(i).is_none() && ws_stage(family(i.family))) {
         // The forward kernels (not the FP8 pre-pass an FP8 family's image also holds).
         let forward: Vec<String> = DTYPE_NAMES.iter().map(|dt| kernel_symbol(img.family, img.head_dim, dt)).collect();
         for (name, regs, ..) in report_stats(img.report).into_iter().filter(|(n, ..)| forward.contains(n)) {

@@ -1,7 +1,7 @@
 //! CUDA devices: driver detection, contexts, compute capability, and a lazily loaded cache of
 //! the embedded kernel images per context. Every CUDA status becomes [`Error::Cuda`].
 
-use super::table::{Family, Image, Target, Tile, IMAGES, WHY_NO_KERNELS};
+use super::table::{Family, Image, Standalone, Target, Tile, IMAGES, STANDALONE_HEAD_DIM, WHY_NO_KERNELS};
 use crate::error::{Error, Result};
 use cudarc::driver::{result, sys, CudaContext, CudaStream, DriverError};
 use std::collections::HashMap;
@@ -90,7 +90,8 @@ impl Drop for Module {
     }
 }
 
-/// (family, head_dim, dtype, which kernel of the image).
+/// (family, head_dim, dtype, which kernel of the image); a standalone kernel's is (name,
+/// STANDALONE_HEAD_DIM, its symbol, Symbol::Standalone).
 type FunctionKey = (&'static str, u32, &'static str, Symbol);
 
 /// A function ready to launch: the kernel and its module (kept loaded).
@@ -252,47 +253,62 @@ impl Device {
         self.load(family, tile, dtype, Symbol::Fp8Prepass)
     }
 
+    /// A kernel of a standalone image (build/instances.rs `STANDALONE`: the combine), by symbol,
+    /// loading its module at first use. It takes no dynamic shared memory.
+    pub(crate) fn standalone_function(&self, row: &'static Standalone, symbol: &'static str) -> Result<Loaded> {
+        let key = (row.name, STANDALONE_HEAD_DIM, symbol, Symbol::Standalone);
+        let mut functions = self.functions.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(f) = functions.get(&key) {
+            return Ok(f.clone());
+        }
+        let module = self.module(row.name, STANDALONE_HEAD_DIM)?;
+        let func = get_function(&module, symbol.to_string())?;
+        let loaded = Loaded { func, _module: module };
+        functions.insert(key, loaded.clone());
+        Ok(loaded)
+    }
+
+    /// The loaded module of the image (name, head_dim), loaded at first use.
+    fn module(&self, name: &'static str, head_dim: u32) -> Result<Arc<Module>> {
+        let image = self.image_for(name, head_dim).ok_or_else(|| Error::BackendUnavailable {
+            backend: format!("cuda:{}", self.ordinal),
+            reason: if head_dim == STANDALONE_HEAD_DIM {
+                format!("no {name} image loads on sm_{}", self.sm())
+            } else {
+                format!("no {name} image for head_dim {head_dim} loads on sm_{}", self.sm())
+            },
+        })?;
+        let mut modules = self.modules.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(m) = modules.get(&(name, head_dim)) {
+            return Ok(m.clone());
+        }
+        let mut bytes = image.bytes.to_vec();
+        if image.target == Target::Ptx80 {
+            bytes.push(0); // cuModuleLoadData reads PTX as a NUL-terminated string
+        }
+        self.ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+        // SAFETY: `bytes` is a whole cubin, or PTX text with its NUL terminator, as nvcc wrote
+        // it (build.rs), alive for the call (the driver copies the image).
+        let raw = unsafe { result::module::load_data(bytes.as_ptr().cast()) }.map_err(cuda_err("cuModuleLoadData"))?;
+        let m = Arc::new(Module { raw, ctx: self.ctx.clone() });
+        modules.insert((name, head_dim), m.clone());
+        Ok(m)
+    }
+
     fn load(&self, family: &'static Family, tile: &'static Tile, dtype: &'static str, sym: Symbol) -> Result<Loaded> {
         let key = (family.name, tile.head_dim, dtype, sym);
         let mut functions = self.functions.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(f) = functions.get(&key) {
             return Ok(f.clone());
         }
-        let image = self.image_for(family.name, tile.head_dim).ok_or_else(|| Error::BackendUnavailable {
-            backend: format!("cuda:{}", self.ordinal),
-            reason: format!("no {} image for head_dim {} loads on sm_{}", family.name, tile.head_dim, self.sm()),
-        })?;
-        let module = {
-            let mut modules = self.modules.lock().unwrap_or_else(|e| e.into_inner());
-            match modules.get(&(family.name, tile.head_dim)) {
-                Some(m) => m.clone(),
-                None => {
-                    let mut bytes = image.bytes.to_vec();
-                    if image.target == Target::Ptx80 {
-                        bytes.push(0); // cuModuleLoadData reads PTX as a NUL-terminated string
-                    }
-                    self.ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
-                    // SAFETY: `bytes` is a whole cubin, or PTX text with its NUL terminator, as
-                    // nvcc wrote it (build.rs), alive for the call (the driver copies the image).
-                    let raw = unsafe { result::module::load_data(bytes.as_ptr().cast()) }
-                        .map_err(cuda_err("cuModuleLoadData"))?;
-                    let m = Arc::new(Module { raw, ctx: self.ctx.clone() });
-                    modules.insert((family.name, tile.head_dim), m.clone());
-                    m
-                }
-            }
-        };
+        let module = self.module(family.name, tile.head_dim)?;
         let symbol = match sym {
             Symbol::Forward => super::table::kernel_symbol(family.name, tile.head_dim, dtype),
             Symbol::Fp8Prepass => super::table::fp8_prepass_symbol(tile.head_dim, dtype),
             Symbol::AppendKv => super::table::append_kv_symbol(tile.head_dim, dtype),
+            Symbol::Standalone => unreachable!("standalone kernels load through standalone_function"),
         };
-        let c_symbol = CString::new(symbol).map_err(|e| Error::Cuda {
-            call: "cuModuleGetFunction".into(),
-            message: format!("kernel symbol with a NUL byte: {e}"),
-        })?;
-        // SAFETY: `module.raw` is loaded (the Arc keeps it so) in the current context.
-        let func = unsafe { result::module::get_function(module.raw, c_symbol) }.map_err(cuda_err("cuModuleGetFunction"))?;
+        let func = get_function(&module, symbol)?;
         // The pre-pass and the append take no dynamic shared memory.
         let smem_bytes = if sym == Symbol::Forward { family.smem_bytes(tile) } else { 0 };
         if smem_bytes > DEFAULT_SMEM_LIMIT {
@@ -312,10 +328,23 @@ impl Device {
     }
 }
 
-/// Which kernel of a (family, head dim) image: the forward, the FP8 pre-pass, the KV append.
+/// The function `symbol` of a loaded module; its context is current (the engine binds it before
+/// asking for a kernel, and `Device::module` did when it loaded the image).
+fn get_function(module: &Module, symbol: String) -> Result<sys::CUfunction> {
+    let c_symbol = CString::new(symbol).map_err(|e| Error::Cuda {
+        call: "cuModuleGetFunction".into(),
+        message: format!("kernel symbol with a NUL byte: {e}"),
+    })?;
+    // SAFETY: `module.raw` is loaded (the caller's Arc keeps it so) in the current context.
+    unsafe { result::module::get_function(module.raw, c_symbol) }.map_err(cuda_err("cuModuleGetFunction"))
+}
+
+/// Which kernel of an image: a family's forward, FP8 pre-pass or KV append, or a standalone
+/// kernel (by its symbol).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum Symbol {
     Forward,
     Fp8Prepass,
     AppendKv,
+    Standalone,
 }

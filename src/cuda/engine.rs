@@ -32,7 +32,8 @@
 
 use super::device::{cuda_err, Device};
 use super::fp8::{self, Fp8Scratch};
-use super::launch::{launch, launch_fp8_prepass, plan_launch};
+use super::combine;
+use super::launch::{launch, launch_combine, launch_fp8_prepass, plan_launch};
 use super::params::{FwdParams, Operands};
 use super::select::{self, Choice};
 use super::table::{kernel_symbol, KernelOptions};
@@ -189,6 +190,30 @@ impl<'a> DeviceLse<'a> {
     /// As [`DeviceTensorMut::from_raw`], for `len` f32 values.
     pub unsafe fn from_raw(ptr: u64, len: usize) -> Self {
         DeviceLse { b: Bound::raw(ptr, len, DType::F32, [1, 1, 1, len]), _borrow: PhantomData }
+    }
+}
+
+/// A borrowed f32 device buffer read as an LSE: a state's input of [`Engine::merge_states`],
+/// `[batch, heads, seqlen]` contiguous (a packed batch: `[heads, total_q]`), as the forward
+/// writes it.
+#[derive(Debug)]
+pub struct DeviceLseRef<'a> {
+    b: Bound<'a>,
+    _borrow: PhantomData<&'a ()>,
+}
+
+impl<'a> DeviceLseRef<'a> {
+    /// An LSE input over a cudarc f32 buffer, read on `stream` (see [`DeviceTensor::new`]).
+    pub fn new<S: DevicePtr<f32>>(data: &'a S, stream: &'a CudaStream) -> Self {
+        let len = data.len();
+        let b = Bound::cudarc(data.device_ptr(stream), len, DType::F32, [1, 1, 1, len], stream);
+        DeviceLseRef { b, _borrow: PhantomData }
+    }
+
+    /// # Safety
+    /// As [`DeviceTensor::from_raw`], for `len` f32 values.
+    pub unsafe fn from_raw(ptr: u64, len: usize) -> Self {
+        DeviceLseRef { b: Bound::raw(ptr, len, DType::F32, [1, 1, 1, len]), _borrow: PhantomData }
     }
 }
 
@@ -511,6 +536,100 @@ impl Engine {
         let f = self.dev.function(c.family, c.tile, c.dtype)?;
         launch(&f, stream, &plan)?;
         Ok(c)
+    }
+
+    /// Merges two attention states of the same queries over disjoint key sets on the device
+    /// (FlashInfer's `merge_state`; the device form of [`crate::serving::merge_states`], same
+    /// rules): `lse = log(exp(lse_a) + exp(lse_b))`, `o = exp(lse_a − lse)·o_a +
+    /// exp(lse_b − lse)·o_b`; a state with LSE −inf weighs nothing (its o is not read), all −inf
+    /// gives o = 0 and LSE −inf, NaN in an LSE makes the row NaN. `o_a`, `o_b` and `o` are
+    /// `[batch, seqlen, heads, head_dim]` (strides allowed) of one dtype (f32, f16 or bf16),
+    /// head_dim at most 256; the LSEs `[batch, heads, seqlen]` f32 (packed: `[1, total_q, ..]`
+    /// and `[heads, total_q]`), as the forward writes them; `lse` (optional) receives the
+    /// merged one. Computed in f32 (the host merges in f64; docs/serving.md gives the bound).
+    /// One launch of the combine kernel on `stream`, without waiting.
+    ///
+    /// # Errors
+    /// As the host `merge_states` ([`Error::ShapeMismatch`], [`Error::DTypeMismatch`],
+    /// [`Error::InvalidLayout`]), for the output too; [`Error::UnsupportedHeadDim`] above 256;
+    /// [`Error::StreamMismatch`]; [`Error::Cuda`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn merge_states(
+        &self,
+        stream: &CudaStream,
+        o_a: &DeviceTensor,
+        lse_a: &DeviceLseRef,
+        o_b: &DeviceTensor,
+        lse_b: &DeviceLseRef,
+        o: &mut DeviceTensorMut,
+        lse: Option<&mut DeviceLse>,
+    ) -> Result<()> {
+        self.merge_states_n(stream, &[(o_a, lse_a), (o_b, lse_b)], o, lse)
+    }
+
+    /// The n-way [`Engine::merge_states`] (FlashInfer's `merge_states`): one state per disjoint
+    /// key set, in any order, at most 64 per call (merging is associative: merge longer lists
+    /// in groups, keeping the groups' results in f32).
+    ///
+    /// # Errors
+    /// As [`Engine::merge_states`], [`Error::InvalidOption`] for an empty list or more than 64
+    /// states.
+    pub fn merge_states_n(
+        &self,
+        stream: &CudaStream,
+        states: &[(&DeviceTensor, &DeviceLseRef)],
+        o: &mut DeviceTensorMut,
+        lse: Option<&mut DeviceLse>,
+    ) -> Result<()> {
+        let raw = self.own_stream(stream)?;
+        let sid = stream_id(raw);
+        let rows = crate::serving::merge::check_states(
+            states.len(),
+            |i| (states[i].0.b.shape, states[i].0.b.dtype, states[i].1.b.len),
+            |i| check_extent(Operand::O, states[i].0.b.shape, states[i].0.b.strides, states[i].0.b.len),
+        )?;
+        combine::check_state_count(states.len())?;
+        let (shape, dtype) = (states[0].0.b.shape, states[0].0.b.dtype);
+        for (t, l) in states {
+            check_stream(Operand::O, t.b.stream, sid)?;
+            check_stream(Operand::O, l.b.stream, sid)?;
+        }
+        let (o, lse) = (&o.b, lse.map(|l| &l.b));
+        if o.shape != shape {
+            return Err(Error::ShapeMismatch {
+                what: "o".into(),
+                got: format!("{:?}", o.shape),
+                expected: format!("{shape:?} (the shape of state 0)"),
+            });
+        }
+        if o.dtype != dtype {
+            return Err(Error::DTypeMismatch { operand: Operand::O, got: o.dtype, expected: dtype });
+        }
+        check_stream(Operand::O, o.stream, sid)?;
+        if let Some(l) = lse {
+            if l.len != rows {
+                let [b, s, h, _] = shape;
+                return Err(Error::ShapeMismatch {
+                    what: "lse".into(),
+                    got: format!("{} values", l.len),
+                    expected: format!("{rows} = batch {b} x heads {h} x seqlen {s} ([batch, heads, seqlen])"),
+                });
+            }
+            check_stream(Operand::O, l.stream, sid)?;
+        }
+        if rows == 0 {
+            return Ok(()); // nothing to merge (as the host's empty result)
+        }
+        check_extent(Operand::O, o.shape, o.strides, o.len)?;
+        let mut list = [combine::StateRows::default(); combine::MAX_INPUTS];
+        for (dst, (t, l)) in list.iter_mut().zip(states) {
+            *dst = combine::StateRows { o: combine::Rows { ptr: t.b.ptr, strides: t.b.strides }, lse: l.b.ptr };
+        }
+        let out = combine::Rows { ptr: o.ptr, strides: o.strides };
+        let plan = combine::merge_plan(shape, dtype, dtype, &list[..states.len()], out, lse.map_or(0, |l| l.ptr))?;
+        self.dev.context().bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+        let f = self.dev.standalone_function(combine::row(), plan.kernel)?;
+        launch_combine(&f, raw, &plan)
     }
 
     /// The FP8 consumer on e4m3 codes the caller quantised itself (FlashAttention-3's FP8

@@ -5,6 +5,7 @@
 //! encoding): every `Engine` entry point (`forward`, `launch`, `launch_raw`) ends here.
 
 use super::device::{cuda_err, Loaded};
+use super::combine::{CombineLaunch, CombineParams};
 use super::fp8::{PrepassLaunch, PrepassParams};
 use super::params::FwdParams;
 use super::table::{append_kv_symbol, kernel_symbol, Family, Tile, DTYPE_NAMES};
@@ -199,13 +200,25 @@ pub(crate) fn launch_fp8_prepass(f: &Loaded, stream: sys::CUstream, plan: &Prepa
     launch_kernel(f, stream, ((plan.grid, 1, 1), (plan.block, 1, 1), 0), Params::Fp8Prepass(plan.params), &[])
 }
 
+/// Launches the combine `plan` (split-KV's second pass, or a device `merge_states`) with `f`
+/// (the plan's kernel of the standalone combine image) on `stream`.
+///
+/// # Errors
+/// [`Error::Cuda`] when the launch fails.
+pub(crate) fn launch_combine(f: &Loaded, stream: sys::CUstream, plan: &CombineLaunch) -> Result<()> {
+    launch_kernel(f, stream, ((plan.grid, 1, 1), (plan.block, 1, 1), 0), Params::Combine(&plan.params), &[])
+}
+
 /// The parameter struct a kernel takes first, by value.
 #[derive(Clone, Copy)]
-enum Params {
+enum Params<'a> {
     /// Every forward kernel: `const __grid_constant__ FwdParams`.
     Forward(FwdParams),
     /// The FP8 pre-pass: `const __grid_constant__ Fp8PrepassParams`.
     Fp8Prepass(PrepassParams),
+    /// The combine: `const __grid_constant__ CombineParams`.
+    /// (by reference: 2.7 KB, read by the driver during the call only)
+    Combine(&'a CombineParams),
 }
 
 /// Grid, block and dynamic shared memory of a launch.
@@ -216,7 +229,7 @@ fn launch_kernel(
     f: &Loaded,
     stream: sys::CUstream,
     (grid, block, smem_bytes): Shape3,
-    mut params: Params,
+    mut params: Params<'_>,
     tensor_maps: &[TensorMapArgs],
 ) -> Result<()> {
     let mut maps = [TensorMap([0; 16]); MAX_TENSOR_MAPS];
@@ -227,6 +240,8 @@ fn launch_kernel(
     args[0] = match &mut params {
         Params::Forward(p) => p as *mut FwdParams as *mut c_void,
         Params::Fp8Prepass(p) => p as *mut PrepassParams as *mut c_void,
+        // The driver only reads the argument values.
+        Params::Combine(p) => *p as *const CombineParams as *mut c_void,
     };
     for (arg, map) in args[1..].iter_mut().zip(maps.iter_mut()) {
         *arg = map as *mut TensorMap as *mut c_void;
@@ -235,9 +250,11 @@ fn launch_kernel(
     // SAFETY: every forward kernel takes `const __grid_constant__ FwdParams`, followed by one
     // `const __grid_constant__ CUtensorMap` per tensor map its family's host rules give (FA3
     // stages 2-5, FA4 and the FP8 consumer: Q, K, V); the FP8 pre-pass takes `const
-    // __grid_constant__ Fp8PrepassParams` alone. `args` points at exactly those values, alive
-    // for the call (cuLaunchKernel copies them). FwdParams mirrors cuda/common/params.h and
-    // PrepassParams cuda/common/fp8_prepass_params.h (size and offsets asserted on both sides),
+    // __grid_constant__ Fp8PrepassParams` alone, the combine `const __grid_constant__
+    // CombineParams` alone. `args` points at exactly those values, alive for the call
+    // (cuLaunchKernel copies them). FwdParams mirrors cuda/common/params.h, PrepassParams
+    // cuda/common/fp8_prepass_params.h and CombineParams cuda/common/combine_params.h (size and
+    // offsets asserted on both sides),
     // TensorMap is the 128-byte map. The engine checked that every address covers the elements
     // the shapes and strides reach (the FP8 scratch is sized by `Fp8Scratch`), and the family's
     // layout rules; block and dynamic shared memory are the table row's (the pre-pass: its own

@@ -7,16 +7,20 @@
 //! | `table` | the one table of instances (build/instances.rs) and the images build.rs embedded |
 //! | `select` | (SM, dtype, head_dim, options, variant, layout) -> kernel instance |
 //! | `family` | `FamilyHost`, the trait each family's module implements, and the rules families share |
-//! | `fa2`, `fa3`, `fa4` | the families' host rules (FA1 has none beyond its table row) |
+//! | `fa1`, `fa2`, `fa3`, `fa4` | the families' host rules (FA1: its serving paths) |
 //! | `params` | `FwdParams`, the FFI struct mirrored from `cuda/common/params.h` |
 //! | `launch` | one launch as data (`LaunchPlan`), and the one kernel launch |
 //! | `plan` | launch plans of a named family, for the CPU emulator |
 //! | `fp8` | the Hopper FP8 pre-pass and consumer launches as data |
+//! | `combine` | the combine kernel's launches as data (split-KV's second pass, device `merge_states`), the GPU split count |
 //! | `device` | driver detection, contexts, compute capability, lazily loaded module cache |
 //! | `engine` | the device-memory API: [`Engine`], [`DeviceTensor`], caller's stream (cudarc or raw) and output |
 
+#[doc(hidden)]
+pub mod combine;
 mod device;
 mod engine;
+mod fa1;
 mod fa2;
 mod fa3;
 mod fa4;
@@ -32,7 +36,9 @@ mod select;
 pub mod table;
 
 pub use device::{device_count, driver_present, Device};
-pub use engine::{DeviceAppend, DeviceIndex, DeviceKv, DeviceLse, DeviceTensor, DeviceTensorMut, Engine, Fp8Codes};
+pub use engine::{
+    DeviceAppend, DeviceIndex, DeviceKv, DeviceLse, DeviceLseRef, DeviceTensor, DeviceTensorMut, Engine, Fp8Codes,
+};
 
 pub(crate) use device::why_unusable;
 pub(crate) use engine::{forward_host_into_typed, forward_host_typed, serving_host_typed};

@@ -15,7 +15,7 @@
 //! The CPU split-KV combine calls [`merge_row`], the same arithmetic as the public operations.
 
 use crate::error::{Error, Operand, Result};
-use crate::tensor::{numel, AsTensorView, DType, Element, OwnedData, Tensor, TensorView};
+use crate::tensor::{numel, AsTensorView, DType, Element, OwnedData, Shape, Tensor, TensorView};
 
 /// Merges one row: `parts` are `(o_i, lse_i)` with every `o_i` of length `out.len()`. Writes the
 /// merged output and returns the merged LSE. Weights are formed in f64, the sum accumulated in
@@ -59,6 +59,55 @@ pub(crate) fn merge_row<'o>(parts: impl Iterator<Item = (&'o [f32], f32)> + Clon
     lse as f32
 }
 
+/// The checks of every `merge_states` form, host and device ([`merge_states_n`],
+/// `cuda::Engine::merge_states_n`), so their errors are the same: `n` states, state `i` with
+/// `state(i) = (o shape, o dtype, LSE length)` and `layout(i)` its o's extent check (run only
+/// when there are rows). Returns the rows `batch · seqlen · heads` every LSE must hold.
+///
+/// # Errors
+/// [`Error::InvalidOption`] for no state, [`Error::ShapeMismatch`] for another shape or LSE
+/// length than state 0's, [`Error::DTypeMismatch`] for another dtype, `layout`'s error.
+pub(crate) fn check_states(
+    n: usize,
+    state: impl Fn(usize) -> (Shape, DType, usize),
+    layout: impl Fn(usize) -> Result<()>,
+) -> Result<usize> {
+    if n == 0 {
+        return Err(Error::InvalidOption {
+            option: "merge_states_n states",
+            got: "an empty list".into(),
+            expected: "at least one (o, lse) state".into(),
+        });
+    }
+    let (shape, dtype, _) = state(0);
+    let [b, s, h, _] = shape;
+    let rows = numel([b, s, h, 1], "merged state")?;
+    for i in 0..n {
+        let (o_shape, o_dtype, lse_len) = state(i);
+        if o_shape != shape {
+            return Err(Error::ShapeMismatch {
+                what: format!("o of state {i}"),
+                got: format!("{o_shape:?}"),
+                expected: format!("{shape:?} (the shape of state 0)"),
+            });
+        }
+        if o_dtype != dtype {
+            return Err(Error::DTypeMismatch { operand: Operand::O, got: o_dtype, expected: dtype });
+        }
+        if rows > 0 {
+            layout(i)?;
+        }
+        if lse_len != rows {
+            return Err(Error::ShapeMismatch {
+                what: format!("lse of state {i}"),
+                got: format!("{lse_len} values"),
+                expected: format!("{rows} = batch {b} x heads {h} x seqlen {s} ([batch, heads, seqlen])"),
+            });
+        }
+    }
+    Ok(rows)
+}
+
 /// An attention state: output and LSE of attention over some set of keys.
 #[derive(Clone, Debug, PartialEq)]
 pub struct AttentionState {
@@ -95,43 +144,14 @@ pub fn merge_states(
 /// # Errors
 /// As [`merge_states`], and [`Error::InvalidOption`] for an empty list.
 pub fn merge_states_n(states: &[(TensorView<'_>, &[f32])]) -> Result<AttentionState> {
-    let Some((first, _)) = states.first() else {
-        return Err(Error::InvalidOption {
-            option: "merge_states_n states",
-            got: "an empty list".into(),
-            expected: "at least one (o, lse) state".into(),
-        });
-    };
-    let shape = first.shape();
-    let dtype = first.dtype();
+    let rows = check_states(
+        states.len(),
+        |i| (states[i].0.shape(), states[i].0.dtype(), states[i].1.len()),
+        |i| states[i].0.check_layout(Operand::O),
+    )?;
+    let shape = states[0].0.shape();
+    let dtype = states[0].0.dtype();
     let [b, s, h, d] = shape;
-    let rows = numel([b, s, h, 1], "merged state")?;
-    for (i, (o, lse)) in states.iter().enumerate() {
-        if o.shape() != shape {
-            return Err(Error::ShapeMismatch {
-                what: format!("o of state {i}"),
-                got: format!("{:?}", o.shape()),
-                expected: format!("{shape:?} (the shape of state 0)"),
-            });
-        }
-        if o.dtype() != dtype {
-            return Err(Error::DTypeMismatch {
-                operand: Operand::O,
-                got: o.dtype(),
-                expected: dtype,
-            });
-        }
-        if rows > 0 {
-            o.check_layout(Operand::O)?;
-        }
-        if lse.len() != rows {
-            return Err(Error::ShapeMismatch {
-                what: format!("lse of state {i}"),
-                got: format!("{} values", lse.len()),
-                expected: format!("{rows} = batch {b} x heads {h} x seqlen {s} ([batch, heads, seqlen])"),
-            });
-        }
-    }
     let mut o = Tensor::zeros(dtype, shape)?;
     let mut lse = vec![f32::NEG_INFINITY; rows];
     let mut parts: Vec<Vec<f32>> = vec![vec![0.0; d]; states.len()];

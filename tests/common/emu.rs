@@ -244,14 +244,26 @@ pub fn unit_exe(fam: &Family, tile: &Tile, mutation: Option<&Mutation>) -> Resul
 
 /// A standalone emulator program (self-tests): `src` under cuda/test/emu, with emu.h.
 pub fn tool_exe(src: &str) -> Result<PathBuf, String> {
+    tool_exe_with(src, None)
+}
+
+/// As [`tool_exe`], built from a copy of cuda/ with `mutation` applied when one is given (the
+/// standalone kernels' mutation tests: the driver includes its kernel source relatively).
+pub fn tool_exe_with(src: &str, mutation: Option<&Mutation>) -> Result<PathBuf, String> {
+    let cuda_root = match mutation {
+        Some(m) => mutated_tree(m)?,
+        None => root().join("cuda"),
+    };
+    let tag = mutation.map_or(format!("{:016x}", sources_hash()), |m| m.tag());
     let objs = runtime_objects()?;
-    let name = format!("{}-{:016x}", src.trim_end_matches(".cpp"), sources_hash());
+    let name = format!("{}-{tag}", src.trim_end_matches(".cpp"));
     cached(&name, |out| {
         let obj = out.with_extension("o");
         let mut a: Vec<String> = CXXFLAGS.iter().map(|s| s.to_string()).collect();
-        a.extend(["-include".into(), root().join("cuda/test/emu/emu.h").display().to_string()]);
-        a.extend(includes(&root().join("cuda")));
-        a.extend(["-c".into(), root().join("cuda/test/emu").join(src).display().to_string(), "-o".into(), obj.display().to_string()]);
+        // emu.h from the same tree as the driver, so the headers both include are one file.
+        a.extend(["-include".into(), cuda_root.join("test/emu/emu.h").display().to_string()]);
+        a.extend(includes(&cuda_root));
+        a.extend(["-c".into(), cuda_root.join("test/emu").join(src).display().to_string(), "-o".into(), obj.display().to_string()]);
         gxx(&a, src)?;
         let mut l = vec!["-no-pie".to_string(), obj.display().to_string()];
         // The self-tests have their own main: link the runtime only.

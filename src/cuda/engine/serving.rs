@@ -8,16 +8,18 @@
 //! (`BatchLayout::new`), with no device copy and no synchronisation.
 
 use super::{check_stream, cuda_err, stream_id, Engine, DeviceLse, DeviceTensor, DeviceTensorMut, MAX_GRID_YZ, MAX_SEQLEN};
-use crate::cuda::launch::{launch, plan_launch};
+use crate::cuda::combine;
+use crate::cuda::launch::{launch, launch_combine, plan_launch};
 use crate::cuda::params::{FwdParams, Operands, ServingOperands};
 use crate::cuda::plan::plan_append;
 use crate::cuda::select;
 use crate::error::{Error, Operand, Result};
 use crate::options::{ForwardOptions, Precision, Variant};
+use crate::problem::Problem;
 use crate::output::Dispatch;
 use crate::serving::layout::{BatchLayout, KvLayout, QueryLayout};
 use crate::tensor::check_extent;
-use cudarc::driver::sys;
+use cudarc::driver::{result, sys};
 
 /// An i32 index array of a serving call (`cu_seqlens`, `cache_seqlens`, `block_table`) as the
 /// kernels read it: its device address, with a host mirror of the same contents that the call
@@ -67,7 +69,9 @@ impl Engine {
     /// as [`crate::serving`]'s CPU functions, validated the same way from the host mirrors.
     ///
     /// Runs on the FA2 kernels (under `Variant::Auto` a family without a serving path is passed
-    /// over). Split-KV (`opts.num_splits > 1`) needs the combine kernel and is refused for now.
+    /// over; `Variant::Fa1` runs FA1's). Split-KV: `opts.num_splits`, or the split heuristic on
+    /// this GPU's SMs; the splits' partial states go to stream-ordered scratch, the combine
+    /// kernel merges them.
     ///
     /// # Safety
     /// As [`Engine::launch_raw`]; the index arrays as [`DeviceIndex::from_raw`] says; with
@@ -182,13 +186,6 @@ impl Engine {
             });
         }
         crate::serving::check_num_splits(opts)?;
-        if opts.num_splits.is_some_and(|n| n > 1) {
-            return Err(Error::InvalidOption {
-                option: "num_splits",
-                got: format!("{:?}", opts.num_splits),
-                expected: "1 on the GPU for now (split-KV on the GPU needs the combine kernel, docs/serving.md)".into(),
-            });
-        }
         if p.heads_q > MAX_GRID_YZ || b > MAX_GRID_YZ || msq.max(msk) > MAX_SEQLEN {
             return Err(Error::TooLarge {
                 what: format!("batch {b} / heads {hq} (at most {MAX_GRID_YZ}), seqlens {msq} / {msk} (at most 2^30)"),
@@ -243,24 +240,81 @@ impl Engine {
             Some(slopes) => self.alibi_on_device(slopes, stream)?,
             None => 0,
         };
-        let params = FwdParams::for_serving(&p, &layout, &ops, &sops, 1)?;
+        // Split-KV (flash-decoding): the caller's count, else the one heuristic on this GPU's
+        // SMs (combine::gpu_num_splits). The splits write f32 partial states into stream-ordered
+        // scratch; the combine kernel merges them into o and the LSE.
+        let splits = match opts.num_splits {
+            Some(n) => n,
+            None => {
+                let ctas_per_sm = (self.dev.max_smem_optin() / c.family.smem_bytes(c.tile).max(1)).max(1);
+                let q_tiles = msq.div_ceil(c.tile.block_m as usize);
+                combine::gpu_num_splits(self.dev.sm_count(), ctas_per_sm, b, hq, q_tiles, msk)
+            }
+        };
         if new > 0 {
             let pl = plan_append(&p, &layout, &ops, &sops)?;
             launch(&self.dev.plan_function(&pl)?, stream, &pl)?;
         }
-        let plan = plan_launch(c.family, c.tile, p.dtype, params, self.dev.sm_count())?;
-        // An empty batch (no query rows) launches nothing.
-        if plan.grid.0 > 0 && plan.grid.2 > 0 {
-            launch(&self.dev.plan_function(&plan)?, stream, &plan)?;
+        let rows = probe.lse_rows();
+        if splits <= 1 || rows == 0 {
+            let params = FwdParams::for_serving(&p, &layout, &ops, &sops, 1)?;
+            let plan = plan_launch(c.family, c.tile, p.dtype, params, self.dev.sm_count())?;
+            // An empty batch (no query rows) launches nothing.
+            if plan.grid.0 > 0 && plan.grid.2 > 0 {
+                launch(&self.dev.plan_function(&plan)?, stream, &plan)?;
+            }
+        } else {
+            self.split_kv(stream, (&p, &layout, &ops, sops), &c, splits, qb.shape)?;
         }
         let mut d = self.record(&c, opts);
         d.reason = format!(
-            "{}; serving: {} sequences{}",
+            "{}; serving: {} sequences{}{}",
             d.reason,
             b,
-            if new > 0 { format!(", {new} row(s) appended first (fa_append_kv)") } else { String::new() }
+            if new > 0 { format!(", {new} row(s) appended first (fa_append_kv)") } else { String::new() },
+            if splits > 1 { format!(", {splits} key splits merged by the combine kernel") } else { String::new() }
         );
         Ok(d)
+    }
+
+    /// The split-KV launches of a serving call: f32 scratch for `splits` partial states
+    /// (`o_accum [splits, lse rows, d]`, `lse_accum [splits, lse rows]`) allocated on `stream`
+    /// (stream-ordered, no synchronisation), the attention writing them, the combine kernel
+    /// merging them into `ops`' o and LSE (`shape`: q's), the scratch freed on `stream` after.
+    /// Validation, streams and the context are the caller's.
+    fn split_kv(
+        &self,
+        stream: sys::CUstream,
+        (p, layout, ops, mut sops): (&Problem, &BatchLayout<'_>, &Operands, ServingOperands),
+        c: &select::Choice,
+        splits: usize,
+        shape: crate::tensor::Shape,
+    ) -> Result<()> {
+        let rows = FwdParams::for_serving(p, layout, ops, &sops, 1)?.lse_rows();
+        let d = p.head_dim;
+        let o_bytes = splits.checked_mul(rows).and_then(|n| n.checked_mul(d * 4));
+        let Some(bytes) = o_bytes.and_then(|o| o.checked_add(splits * rows * 4)) else {
+            return Err(Error::TooLarge { what: format!("split-KV scratch of {splits} splits x {rows} rows x {d}") });
+        };
+        let o_bytes = o_bytes.unwrap_or(0);
+        // SAFETY: a stream-ordered allocation on a valid stream of the current context (the
+        // caller checked both); freed below on the same stream after the launches using it.
+        let scratch = unsafe { result::malloc_async(stream, bytes) }.map_err(cuda_err("cuMemAllocAsync(split-KV)"))?;
+        (sops.o_accum, sops.lse_accum) = (scratch, scratch + o_bytes as u64);
+        let run = || -> Result<()> {
+            let params = FwdParams::for_serving(p, layout, ops, &sops, splits)?;
+            let plan = plan_launch(c.family, c.tile, p.dtype, params, self.dev.sm_count())?;
+            launch(&self.dev.plan_function(&plan)?, stream, &plan)?;
+            let out = combine::Rows { ptr: ops.ptrs[3], strides: ops.strides[3] };
+            let merge = combine::splits_plan(shape, splits, sops.o_accum, sops.lse_accum, p.dtype, out, ops.lse)?;
+            let f = self.dev.standalone_function(combine::row(), merge.kernel)?;
+            launch_combine(&f, stream, &merge)
+        };
+        let ran = run();
+        // SAFETY: `scratch` came from cuMemAllocAsync on `stream` above; freeing it on the same
+        // stream orders the free after every launch enqueued there.
+        let freed = unsafe { result::free_async(scratch, stream) }.map_err(cuda_err("cuMemFreeAsync(split-KV)"));
+        ran.and(freed)
     }
 }
 

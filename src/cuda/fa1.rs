@@ -1,0 +1,20 @@
+//! The host side of the FA1 family (cuda/fa1_fwd.cu): no rules beyond its table row for dense
+//! launches; it runs every serving launch (docs/serving.md "GPU"): varlen q and k/v, dense and
+//! paged KV caches of any page size (its K/V tiles are copied row by row, each row's address
+//! looked up through the block table), and split-KV into `o_accum` / `lse_accum` (merged by the
+//! combine kernel, `cuda::combine::splits_plan`). The append (`knew`/`vnew`) is not the
+//! attention kernel's: the cache it reads holds the new rows already.
+
+use super::family::FamilyHost;
+use super::params::FwdParams;
+use super::table::{Family, Tile};
+
+/// The FA1 family's host rules.
+#[derive(Debug)]
+pub(crate) struct Fa1;
+
+impl FamilyHost for Fa1 {
+    fn serving_refusal(&self, _fam: &Family, _tile: &Tile, _params: &FwdParams) -> Option<&'static str> {
+        None
+    }
+}
