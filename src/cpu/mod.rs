@@ -12,6 +12,7 @@ mod gemm;
 pub(crate) mod inplace;
 mod parallel;
 mod pool;
+mod simd;
 pub mod softmax;
 
 use crate::error::{Error, Result};
