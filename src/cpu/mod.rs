@@ -49,6 +49,7 @@ pub(crate) struct CpuOutput {
 pub(crate) struct Native;
 
 impl Exp2Math for Native {
+    const NATIVE: bool = true;
     #[inline(always)]
     fn p_offset(&self) -> f32 {
         0.0
@@ -261,7 +262,7 @@ struct PanelAt {
 /// panel `op`.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn panel_softmax<M: Exp2Math, const FMA: bool>(
+fn panel_softmax<M: Exp2Math, const FMA: bool, const WIDE: bool>(
     p: &Problem,
     sm: ScoreMod,
     math: &M,
@@ -302,6 +303,13 @@ fn panel_softmax<M: Exp2Math, const FMA: bool>(
     }
     // Online softmax down each query column.
     let states = &mut states[..NR];
+    if WIDE && M::NATIVE {
+        // The same arithmetic in AVX-512 instructions (`simd::native_softmax`).
+        if let Some(scales) = simd::native_softmax(states, sp, sm.c) {
+            rescale_o(&mut op[..round_up(p.head_dim, MR) * NR], &scales);
+            return;
+        }
+    }
     let tile_max = softmax::panel_max(sp);
     let scales = softmax::panel_scales(states, &tile_max, sm.c, math);
     online_softmax::<M, FMA>(states, &scales, sp, sm.c, math);
@@ -414,9 +422,9 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
             let op1 = &mut o_hi[..if pair { dv * NR } else { 0 }];
             let (r_lo, r_hi) = scr.rows.split_at_mut((pn + 1) * NR);
             let panel = PanelAt { h, i0, nrows, k0, full_tile };
-            panel_softmax::<M, FMA>(p, sm, math, &panel, pn, &ranges, sp0, &mut r_lo[pn * NR..], op0);
+            panel_softmax::<M, FMA, PAIR>(p, sm, math, &panel, pn, &ranges, sp0, &mut r_lo[pn * NR..], op0);
             if pair {
-                panel_softmax::<M, FMA>(p, sm, math, &panel, pn + 1, &ranges, sp1, &mut r_hi[..NR], op1);
+                panel_softmax::<M, FMA, PAIR>(p, sm, math, &panel, pn + 1, &ranges, sp1, &mut r_hi[..NR], op1);
             }
             // Oᵀ += Vᵀ·Pᵀ, six columns of V at a time.
             let v_strip = |ds: usize| &kv.v[ds * sk_pad * MR + k0 * MR..ds * sk_pad * MR + k1 * MR];
