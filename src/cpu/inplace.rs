@@ -1045,7 +1045,9 @@ mod tests {
         if detect_isa() != Isa::Avx512 {
             eprintln!("this CPU has no AVX-512: the AVX-512 build is compiled but not run here");
         }
-        let cases: [(usize, usize, usize, usize, usize, usize, DType, ForwardOptions); 6] = [
+        // (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, options)
+        type Case = (usize, usize, usize, usize, usize, usize, DType, ForwardOptions);
+        let cases: [Case; 6] = [
             (1, 1, 700, 8, 8, 128, DType::F32, ForwardOptions::default()),
             (2, 1, 1100, 8, 2, 64, DType::F32, ForwardOptions::default().num_splits(3)),
             (1, 1, 333, 4, 4, 80, DType::BF16, ForwardOptions::default()),

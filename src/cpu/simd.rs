@@ -1,4 +1,9 @@
 //! The CPU backend's explicit instructions (`std::arch`), in one place.
+//!
+//! The AVX-512 intrinsics are stable since Rust 1.89, as are the `avx512f` target features the
+//! tiled path's AVX-512 build already enables (`cpu/mod.rs`): the crate needs 1.89 whatever
+//! `rust-version` says, hence the `incompatible_msrv` allowance below.
+#![allow(clippy::incompatible_msrv)]
 
 /// Asks for the cache line holding `p` to be brought into L1 (a hint: no memory is read
 /// architecturally, any address is allowed, nothing happens on other architectures).
