@@ -27,7 +27,7 @@ use super::gemm::NR;
 use super::parallel;
 use super::pool;
 use super::softmax::{finalize, online_softmax, panel_max, panel_scales, Exp2Math, RowState};
-use super::{ScoreMod, MAX_HEAD_DIM};
+use super::{detect_isa, isa, Isa, ScoreMod, MAX_HEAD_DIM};
 use crate::error::{Error, Result};
 use crate::problem::Problem;
 use crate::serving::layout::BatchLayout;
@@ -39,6 +39,11 @@ pub const RB: usize = 64;
 /// Keys per chunk: the K and V rows of a chunk stay in L1/L2 while every panel of the item uses
 /// them.
 pub const KC: usize = 64;
+/// Keys per chunk when the items of all kv heads sweep the keys together (decode): a chunk of
+/// every head then spans `KC_SWEEP` whole rows of all heads (`[.., seqlen, heads, head_dim]`),
+/// few enough concurrent streams for the hardware prefetchers, and each head's chunk is
+/// prefetched while the previous head's is computed.
+pub const KC_SWEEP: usize = 16;
 /// A split of the keys must hold at least this many: below it the split's fixed costs (loading
 /// the queries, the merge, a pool worker's wake-up) outweigh the
 /// parallelism it buys.
@@ -101,6 +106,8 @@ struct Ctx<'a, M> {
     sm: ScoreMod,
     math: M,
     group: usize,
+    /// The instruction set to run (the CPU's best unless a test asks for a lesser one).
+    isa: Isa,
 }
 
 /// One work item: rows `r0..r1` of the (sequence `b`, kv head `hk`) group, keys `k0..k1` (a
@@ -400,13 +407,22 @@ struct ItemSpan {
 fn attend<M: Exp2Math, const FMA: bool>(c: &Ctx<'_, M>, items: &mut [Item<'_>], scrs: &mut [Scratch]) {
     let spans: Vec<ItemSpan> = items.iter_mut().zip(scrs.iter_mut()).map(|(it, scr)| attend_begin(c, it, scr)).collect();
     let together = spans.windows(2).all(|w| (w[0].lo_all, w[0].hi_all) == (w[1].lo_all, w[1].hi_all));
-    if together {
+    if together && items.len() > 1 {
         let (lo_all, hi_all) = spans.first().map_or((0, 0), |s| (s.lo_all, s.hi_all));
+        let first_hk = items[0].hk;
         let mut j0 = lo_all;
         while j0 < hi_all {
-            let j1 = (j0 + KC).min(hi_all);
-            for ((it, scr), sp) in items.iter_mut().zip(scrs.iter_mut()).zip(&spans) {
-                attend_chunk::<M, FMA>(c, it, scr, &sp.ps, j0, j1);
+            let j1 = (j0 + KC_SWEEP).min(hi_all);
+            let n = items.len();
+            for i in 0..n {
+                // What this worker reads next: the same keys of the next head, or the next
+                // chunk of the first head.
+                let next = if i + 1 < n {
+                    Some((items[i + 1].hk, j0, j1))
+                } else {
+                    (j1 < hi_all).then(|| (first_hk, j1, (j1 + KC_SWEEP).min(hi_all)))
+                };
+                attend_chunk::<M, FMA>(c, &mut items[i], &mut scrs[i], &spans[i].ps, (j0, j1), next);
             }
             j0 = j1;
         }
@@ -415,7 +431,8 @@ fn attend<M: Exp2Math, const FMA: bool>(c: &Ctx<'_, M>, items: &mut [Item<'_>], 
             let mut j0 = sp.lo_all;
             while j0 < sp.hi_all {
                 let j1 = (j0 + KC).min(sp.hi_all);
-                attend_chunk::<M, FMA>(c, it, scr, &sp.ps, j0, j1);
+                let next = (j1 < sp.hi_all).then(|| (it.hk, j1, (j1 + KC).min(sp.hi_all)));
+                attend_chunk::<M, FMA>(c, it, scr, &sp.ps, (j0, j1), next);
                 j0 = j1;
             }
         }
@@ -468,15 +485,44 @@ fn attend_begin<M: Exp2Math>(c: &Ctx<'_, M>, it: &mut Item<'_>, scr: &mut Scratc
     ItemSpan { ps, lo_all, hi_all }
 }
 
-/// Keys `j0..j1` of an item.
+/// Asks the cache for the K and V rows of kv head `hk`, keys `j0..j1` of sequence `b`: the
+/// rows a worker reads next, fetched while it computes on the current ones.
+#[inline(always)]
+fn prefetch_rows<M>(c: &Ctx<'_, M>, b: usize, (hk, j0, j1): (usize, usize, usize)) {
+    let d = c.p.head_dim;
+    c.layout.for_kv_rows(b, j0, j1, |_, outer, row| {
+        prefetch_row(c.k.data(), c.k.offset(outer, row, hk), d);
+        prefetch_row(c.v.data(), c.v.offset(outer, row, hk), d);
+    });
+}
+
+/// Prefetches (into L1) the cache lines of `d` elements from element `ofs` of `data`.
+#[inline(always)]
+fn prefetch_row(data: Data<'_>, ofs: usize, d: usize) {
+    let (ptr, bytes) = match data {
+        Data::F32(x) => (x.as_ptr().wrapping_add(ofs) as *const i8, 4 * d),
+        Data::F16(x) => (x.as_ptr().wrapping_add(ofs) as *const i8, 2 * d),
+        Data::BF16(x) => (x.as_ptr().wrapping_add(ofs) as *const i8, 2 * d),
+    };
+    let mut at = 0;
+    while at < bytes {
+        super::simd::prefetch(ptr.wrapping_add(at));
+        at += 64;
+    }
+    // The row's last line (the row need not start on a line boundary).
+    super::simd::prefetch(ptr.wrapping_add(bytes - 1));
+}
+
+/// Keys `j0..j1` of an item; `next`: the (kv head, keys) this worker reads after these, to
+/// prefetch.
 #[inline(always)]
 fn attend_chunk<M: Exp2Math, const FMA: bool>(
     c: &Ctx<'_, M>,
     it: &mut Item<'_>,
     scr: &mut Scratch,
     ps: &Problem,
-    j0: usize,
-    j1: usize,
+    (j0, j1): (usize, usize),
+    next: Option<(usize, usize, usize)>,
 ) {
     let d = c.p.head_dim;
     let (b, hk) = (it.b, it.hk);
@@ -500,6 +546,9 @@ fn attend_chunk<M: Exp2Math, const FMA: bool>(
         kofs[jl] = c.k.offset(outer, row, hk);
         vofs[jl] = c.v.offset(outer, row, hk);
     });
+    if let Some(next) = next {
+        prefetch_rows(c, b, next);
+    }
     let krows = chunk_rows(c.k.data(), &kofs[..n], d, kbuf);
     let vrows = chunk_rows(c.v.data(), &vofs[..n], d, vbuf);
 
@@ -579,29 +628,48 @@ fn attend_end<M: Exp2Math>(c: &Ctx<'_, M>, it: &mut Item<'_>, scr: &mut Scratch)
 }
 
 #[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn attend_avx512<M: Exp2Math>(c: &Ctx<'_, M>, items: &mut [Item<'_>], scrs: &mut [Scratch]) {
+    attend::<M, true>(c, items, scrs)
+}
+
+#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 fn attend_avx2<M: Exp2Math>(c: &Ctx<'_, M>, items: &mut [Item<'_>], scrs: &mut [Scratch]) {
     attend::<M, true>(c, items, scrs)
 }
 
+/// [`attend`] compiled for `c.isa` (the tiled path's [`Isa`]), or the best lesser one this CPU has.
 fn attend_any<M: Exp2Math>(c: &Ctx<'_, M>, items: &mut [Item<'_>], scrs: &mut [Scratch]) {
+    let want = c.isa;
+    // Detected again here (a cached atomic load) so that each call's safety rests on this check.
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU was just checked to support AVX2 and FMA, the only requirement of a
-        // `#[target_feature]` function; the function itself is safe code.
-        unsafe { attend_avx2(c, items, scrs) };
-        return;
+    {
+        let has = detect_isa();
+        if want == Isa::Avx512 && has == Isa::Avx512 {
+            // SAFETY: `detect_isa()` found AVX-512F, AVX2 and FMA on this CPU, the only
+            // requirement of a `#[target_feature]` function; the function itself is safe code.
+            unsafe { attend_avx512(c, items, scrs) };
+            return;
+        }
+        if want != Isa::Portable && has != Isa::Portable {
+            // SAFETY: `detect_isa()` found AVX2 and FMA on this CPU, the only requirement of a
+            // `#[target_feature]` function; the function itself is safe code.
+            unsafe { attend_avx2(c, items, scrs) };
+            return;
+        }
     }
+    let _ = want;
     attend::<M, false>(c, items, scrs)
 }
 
 /// Name of the kernel this CPU runs on this path.
 pub(crate) fn path_name() -> &'static str {
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-        return "cpu-inplace-avx2-fma";
+    match isa() {
+        Isa::Avx512 => "cpu-inplace-avx512",
+        Isa::Avx2Fma => "cpu-inplace-avx2-fma",
+        Isa::Portable => "cpu-inplace-portable",
     }
-    "cpu-inplace-portable"
 }
 
 /// Work items of one sequence: `nrb` row blocks per kv head, `ns` splits each, starting at item
@@ -627,9 +695,21 @@ pub(crate) struct RunOpts<'a> {
 pub(crate) fn forward<M: Exp2Math>(
     p: &Problem,
     layout: &BatchLayout<'_>,
+    qkv: (&TensorView<'_>, &TensorView<'_>, &TensorView<'_>),
+    math: M,
+    run: RunOpts<'_>,
+) -> Result<InplaceOutput> {
+    forward_isa(p, layout, qkv, math, run, isa())
+}
+
+/// [`forward`] on the instruction set `want` (or the best lesser one this CPU has).
+fn forward_isa<M: Exp2Math>(
+    p: &Problem,
+    layout: &BatchLayout<'_>,
     (q, k, v): (&TensorView<'_>, &TensorView<'_>, &TensorView<'_>),
     math: M,
     run: RunOpts<'_>,
+    want: Isa,
 ) -> Result<InplaceOutput> {
     let RunOpts { threads, splits, skip } = run;
     let seqlen_q = |b: usize| {
@@ -778,6 +858,7 @@ pub(crate) fn forward<M: Exp2Math>(
             sm: ScoreMod::new(p),
             math,
             group: g,
+            isa: want,
         };
         let half = k.dtype() != crate::tensor::DType::F32;
         parallel::for_each(
@@ -950,5 +1031,64 @@ mod tests {
         // within 85 % of the best efficiency: 14 of 16).
         assert_eq!(num_splits(1, 16, 1 << 20), 14);
         assert!(num_splits(1, 1000, 1 << 20) <= MAX_SPLITS);
+    }
+
+    /// Every instruction set this CPU has (AVX-512 only where the CPU has it; elsewhere that
+    /// case runs the AVX2 build again, said on stderr) gives the float64 reference's output:
+    /// decode with all heads sweeping together (MHA and GQA, f32 and bf16, forced splits), a
+    /// few query rows with a causal mask and a window, and an infinite V behind the mask.
+    #[test]
+    fn every_isa_matches_the_reference() {
+        use crate::options::{ForwardOptions, Mask};
+        use crate::reference::{attention_f64, max_abs_diff};
+        use crate::tensor::DType;
+        if detect_isa() != Isa::Avx512 {
+            eprintln!("this CPU has no AVX-512: the AVX-512 build is compiled but not run here");
+        }
+        // (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, options)
+        type Case = (usize, usize, usize, usize, usize, usize, DType, ForwardOptions);
+        let cases: [Case; 6] = [
+            (1, 1, 700, 8, 8, 128, DType::F32, ForwardOptions::default()),
+            (2, 1, 1100, 8, 2, 64, DType::F32, ForwardOptions::default().num_splits(3)),
+            (1, 1, 333, 4, 4, 80, DType::BF16, ForwardOptions::default()),
+            (1, 5, 260, 4, 2, 40, DType::F32, ForwardOptions::default().causal(true)),
+            (1, 3, 150, 2, 1, 33, DType::F16, ForwardOptions::default().mask(Mask::window(20, 0))),
+            (1, 2, 90, 2, 2, 16, DType::F32, ForwardOptions::default().causal(true)),
+        ];
+        for (ci, (b, sq, sk, hq, hkv, d, dt, opts)) in cases.into_iter().enumerate() {
+            let val = |i: usize, m: usize| (((i * m) % 97) as f32 / 97.0 - 0.5) * 2.0;
+            let mk = |n: usize, s: usize, h: usize, m: usize, inf: bool| {
+                let mut x: Vec<f32> = (0..n).map(|i| val(i, m)).collect();
+                if inf {
+                    x[(s - 1) * h * d] = f32::INFINITY; // the last key: masked for all but the last row
+                }
+                Tensor::from_f32(&x, dt, [b, s, h, d]).unwrap()
+            };
+            let q = mk(b * sq * hq * d, sq, hq, 31, false);
+            let k = mk(b * sk * hkv * d, sk, hkv, 17, false);
+            let v = mk(b * sk * hkv * d, sk, hkv, 13, ci == 3);
+            let p = Problem::new(&q.view(), &k.view(), &v.view(), &opts).unwrap();
+            let r = attention_f64(&p, &q.view(), &k.view(), &v.view()).unwrap();
+            let layout = BatchLayout::dense(b, sq, sk);
+            let finite = |x: &[f64]| x.iter().map(|&y| if y.is_finite() { y } else { 0.0 }).collect::<Vec<_>>();
+            let mut outs = Vec::new();
+            for isa in [Isa::Avx512, Isa::Avx2Fma, Isa::Portable] {
+                let run = RunOpts { threads: 2, splits: opts.num_splits, skip: &[] };
+                let qkv = (&q.view(), &k.view(), &v.view());
+                let out = forward_isa(&p, &layout, qkv, super::super::Native, run, isa).unwrap();
+                let o: Vec<f64> = out.o.to_f32_vec().iter().map(|&x| x as f64).collect();
+                let same_inf = o.iter().zip(&r.o).all(|(a, b)| a.is_finite() == b.is_finite());
+                assert!(same_inf, "case {ci} {isa:?}: non-finite outputs differ from the reference");
+                let tol = if dt == DType::F32 { 2e-6 } else { 1e-2 };
+                let err = max_abs_diff(&finite(&o), &finite(&r.o));
+                assert!(err < tol, "case {ci} {isa:?}: max error {err}");
+                let lse: Vec<f64> = out.lse.iter().map(|&x| x as f64).collect();
+                assert!(max_abs_diff(&finite(&lse), &finite(&r.lse)) < 2e-5, "case {ci} {isa:?}: LSE");
+                outs.push(finite(&o));
+            }
+            for w in outs.windows(2) {
+                assert!(max_abs_diff(&w[0], &w[1]) < 1e-6, "case {ci}: paths disagree");
+            }
+        }
     }
 }

@@ -12,6 +12,7 @@ mod gemm;
 pub(crate) mod inplace;
 mod parallel;
 mod pool;
+mod simd;
 pub mod softmax;
 
 use crate::error::{Error, Result};
@@ -48,6 +49,7 @@ pub(crate) struct CpuOutput {
 pub(crate) struct Native;
 
 impl Exp2Math for Native {
+    const NATIVE: bool = true;
     #[inline(always)]
     fn p_offset(&self) -> f32 {
         0.0
@@ -202,21 +204,53 @@ impl Sizes {
 /// the probabilities are already in the B-operand layout of the second product.
 struct Scratch {
     /// Qᵀ panels `[BR / NR][head_dim][NR]`.
-    q: Vec<f32>,
+    q: LineAligned,
     /// Sᵀ (then Pᵀ) panels `[BR / NR][BC][NR]`.
-    s: Vec<f32>,
+    s: LineAligned,
     /// Oᵀ panels `[BR / NR][head_dim_pad][NR]`.
-    o: Vec<f32>,
+    o: LineAligned,
     rows: Vec<RowState>,
     q_row: Vec<f32>,
+}
+
+/// A zeroed f32 buffer whose first element starts a 64-byte cache line. The panels' rows are
+/// 16 f32 (64 bytes) from there, so every 512-bit load and store of Q, P and O in the products
+/// and the softmax touches one line; from the allocator's usual 16-byte alignment three rows in
+/// four would straddle two lines, and a split load takes two of the load ports' slots.
+struct LineAligned {
+    buf: Vec<f32>,
+    off: usize,
+    len: usize,
+}
+
+impl LineAligned {
+    fn new(len: usize) -> Self {
+        let buf = vec![0.0; len + 15];
+        // `align_offset` may in principle answer "cannot" (usize::MAX): then unaligned, still correct.
+        let off = buf.as_ptr().align_offset(64).min(15);
+        LineAligned { buf, off, len }
+    }
+}
+
+impl std::ops::Deref for LineAligned {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        &self.buf[self.off..self.off + self.len]
+    }
+}
+
+impl std::ops::DerefMut for LineAligned {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        &mut self.buf[self.off..self.off + self.len]
+    }
 }
 
 impl Scratch {
     fn new(d: usize) -> Self {
         Scratch {
-            q: vec![0.0; BR * d],
-            s: vec![0.0; BR * BC],
-            o: vec![0.0; BR * round_up(d, MR)],
+            q: LineAligned::new(BR * d),
+            s: LineAligned::new(BR * BC),
+            o: LineAligned::new(BR * round_up(d, MR)),
             rows: vec![RowState::EMPTY; BR],
             q_row: vec![0.0; d],
         }
@@ -260,7 +294,7 @@ struct PanelAt {
 /// panel `op`.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn panel_softmax<M: Exp2Math, const FMA: bool>(
+fn panel_softmax<M: Exp2Math, const FMA: bool, const WIDE: bool>(
     p: &Problem,
     sm: ScoreMod,
     math: &M,
@@ -301,6 +335,13 @@ fn panel_softmax<M: Exp2Math, const FMA: bool>(
     }
     // Online softmax down each query column.
     let states = &mut states[..NR];
+    if WIDE && M::NATIVE {
+        // The same arithmetic in AVX-512 instructions (`simd::native_softmax`).
+        if let Some(scales) = simd::native_softmax(states, sp, sm.c) {
+            rescale_o(&mut op[..round_up(p.head_dim, MR) * NR], &scales);
+            return;
+        }
+    }
     let tile_max = softmax::panel_max(sp);
     let scales = softmax::panel_scales(states, &tile_max, sm.c, math);
     online_softmax::<M, FMA>(states, &scales, sp, sm.c, math);
@@ -413,9 +454,9 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
             let op1 = &mut o_hi[..if pair { dv * NR } else { 0 }];
             let (r_lo, r_hi) = scr.rows.split_at_mut((pn + 1) * NR);
             let panel = PanelAt { h, i0, nrows, k0, full_tile };
-            panel_softmax::<M, FMA>(p, sm, math, &panel, pn, &ranges, sp0, &mut r_lo[pn * NR..], op0);
+            panel_softmax::<M, FMA, PAIR>(p, sm, math, &panel, pn, &ranges, sp0, &mut r_lo[pn * NR..], op0);
             if pair {
-                panel_softmax::<M, FMA>(p, sm, math, &panel, pn + 1, &ranges, sp1, &mut r_hi[..NR], op1);
+                panel_softmax::<M, FMA, PAIR>(p, sm, math, &panel, pn + 1, &ranges, sp1, &mut r_hi[..NR], op1);
             }
             // Oᵀ += Vᵀ·Pᵀ, six columns of V at a time.
             let v_strip = |ds: usize| &kv.v[ds * sk_pad * MR + k0 * MR..ds * sk_pad * MR + k1 * MR];
@@ -923,6 +964,19 @@ mod tests {
             let o2: Vec<f64> = o2.to_f32_vec().iter().map(|&x| x as f64).collect();
             assert!(o2.iter().all(|x| x.is_finite()), "{isa:?}");
             assert!(max_abs_diff(&o2, &r.o) < 2e-6, "{isa:?}");
+        }
+    }
+
+    #[test]
+    fn scratch_panels_start_on_cache_lines() {
+        for d in [1, 16, 64, 100, 128, 256] {
+            let mut scr = Scratch::new(d);
+            for buf in [&mut scr.q, &mut scr.s, &mut scr.o] {
+                assert_eq!(buf.as_ptr() as usize % 64, 0, "d {d}");
+                assert!(buf.iter().all(|&x| x == 0.0));
+                buf.fill(1.0);
+            }
+            assert_eq!((scr.q.len(), scr.s.len(), scr.o.len()), (BR * d, BR * BC, BR * round_up(d, MR)));
         }
     }
 

@@ -23,6 +23,9 @@ use super::gemm::NR;
 
 /// The score-to-probability arithmetic: which exp2, the P offset, and P's rounding.
 pub trait Exp2Math: Copy + Send + Sync {
+    /// The native arithmetic (`cpu::Native`: `exp2_fast`, no offset, no P rounding, eager
+    /// rescaling), which vector kernels (`cpu::simd::native_softmax`) reproduce bit for bit.
+    const NATIVE: bool = false;
     /// Probabilities are computed as `exp2(s - m + P_OFFSET)` (FA3's FP8 `Max_offset`); the
     /// offset cancels in `O / l` and is removed from the LSE.
     fn p_offset(&self) -> f32;
