@@ -58,13 +58,20 @@ __device__ __forceinline__ FaSeq seq_of(const FwdParams& p, int b) {
     return fa_seq_dense(p, b);
 }
 
-// p with sequence s's lengths: what the shared mask rule, the K/V tile range and the score
-// transform read (bottom-right alignment per sequence, as fa_seq_mask).
-__device__ __forceinline__ FwdParams seq_params(const FwdParams& p, const FaSeq& s) {
-    FwdParams ps = p;
-    ps.seqlen_q = s.sq;
-    ps.seqlen_k = s.sk;
-    return ps;
+// The parameters a tile's mask, K/V tile range and score transform read: with Serving, `own`
+// filled with p and sequence s's lengths (bottom-right alignment per sequence, as fa_seq_mask);
+// without, p itself: a dense-only instance keeps reading its lengths from the parameter bank (a
+// copy holds them in registers, which spilled stage 4's consumers at head_dim 256).
+template <bool Serving>
+__device__ __forceinline__ const FwdParams& seq_params(const FwdParams& p, const FaSeq& s, FwdParams& own) {
+    if constexpr (Serving) {
+        own = p;
+        own.seqlen_q = s.sq;
+        own.seqlen_k = s.sk;
+        return own;
+    } else {
+        return p;
+    }
 }
 
 // Whether K/V tile n (keys n * kBlockN ..) of sequence s is gathered rather than loaded by TMA

@@ -83,7 +83,8 @@ __device__ __forceinline__ void stage3_of(const FwdParams& p, const TmaDesc* tq,
     Barriers<Tr> bars(cta.smem);
     const BlockCoord bc = block_coord(p);
     const FaSeq seq = seq_of<kServing>(p, bc.batch);
-    const FwdParams ps = seq_params(p, seq);  // this sequence's lengths: mask and tile range
+    FwdParams own;
+    const FwdParams& ps = seq_params<kServing>(p, seq, own);  // this sequence's lengths: mask, tile range
     const OneTile<Tr> tile(ps, bc);
     // The grid covers the longest sequence (max_seqlen_q): tiles past a shorter one's end exit.
     if (tile.m0 >= seq.sq) return;
@@ -171,8 +172,9 @@ __device__ __forceinline__ void stage45(const FwdParams& p, const TmaDesc* tq, c
                 const BlockCoord bc = sched.coord(p, t);
                 const FaSeq seq = seq_of<kServing>(p, bc.batch);
                 if (bc.m_block * Tr::kBlockM >= seq.sq) continue;
+                FwdParams own;
                 produce_tile<Tr>(p, seq, tid, tq, tk, tv, cta.sq, cta.sk, cta.sv, bars, bc,
-                                 kv_range<Tr>(seq_params(p, seq), bc), pos);
+                                 kv_range<Tr>(seq_params<kServing>(p, seq, own), bc), pos);
             }
 #if defined(FA_HANG_CHECK)
             if (tid == 0) watch_release<Tr>(bars, pos);
@@ -189,7 +191,8 @@ __device__ __forceinline__ void stage45(const FwdParams& p, const TmaDesc* tq, c
         const BlockCoord bc = sched.coord(p, t);
         const FaSeq seq = seq_of<kServing>(p, bc.batch);
         if (bc.m_block * Tr::kBlockM >= seq.sq) continue;
-        const FwdParams ps = seq_params(p, seq);  // this sequence's lengths: mask and tile range
+        FwdParams own;
+        const FwdParams& ps = seq_params<kServing>(p, seq, own);  // this sequence's lengths: mask, tile range
         const int m_first = bc.m_block * Tr::kBlockM + cw * kMmaM;
         Acc<Tr> acc;
         acc.init();
