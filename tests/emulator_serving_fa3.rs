@@ -14,7 +14,7 @@
 
 mod common;
 mod serving_util;
-use common::emu::{run_launch, unit_exe, LaunchBuf, LSE_TOL};
+use common::emu::{run_launch, unit_exe, LaunchBuf, Mutation, LSE_TOL};
 use flash_attn::cuda::plan::{plan_serving, LaunchPlan, Operands, ServingOperands};
 use flash_attn::cuda::table::FAMILIES;
 use flash_attn::reference::{attention_f64, attention_naive, max_abs_diff};
@@ -127,6 +127,10 @@ fn cu(lens: &[usize]) -> Vec<i32> {
 /// Runs one case; Ok(worst err / bound over its sequences, the plan) or Err(why). With
 /// `execute` false only plans the launch (ratio 0).
 fn run(c: &Case, execute: bool) -> Result<(f64, LaunchPlan), String> {
+    run_mutated(c, execute, None)
+}
+
+fn run_mutated(c: &Case, execute: bool, mutation: Option<&Mutation>) -> Result<(f64, LaunchPlan), String> {
     let mut h = DefaultHasher::new();
     c.name().hash(&mut h);
     let mut rng = Rng::new(h.finish() | 1);
@@ -252,7 +256,7 @@ fn run(c: &Case, execute: bool) -> Result<(f64, LaunchPlan), String> {
         return Ok((0.0, pl));
     }
     let fam = FAMILIES.iter().find(|f| f.name == c.family).unwrap();
-    let exe = unit_exe(fam, pl.tile, None)?;
+    let exe = unit_exe(fam, pl.tile, mutation)?;
     let lse_rows = hq * q_rows;
     let mut bufs = vec![
         LaunchBuf::input("q", Q, bits(&q, dt)),
@@ -274,7 +278,7 @@ fn run(c: &Case, execute: bool) -> Result<(f64, LaunchPlan), String> {
             bufs.push(LaunchBuf::i32s("block_table", TABLE, &table));
         }
     }
-    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("emu/serving-fa3").join(format!("{:016x}", h.finish()));
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("emu/serving-fa3").join(format!("{:016x}{}", h.finish(), mutation.map_or("", |m| m.name)));
     let (log, outs) = run_launch(&exe, &dir, &pl, c.family, &[1, 2, 3], &bufs)?;
     let o = from_bits(&outs["o"], dt);
     let lse: Vec<f32> = outs.get("lse").map_or(Vec::new(), |b| {
@@ -457,5 +461,40 @@ fn load_path_follows_the_page_size() {
         let c = case("fa3s5", DType::BF16, (2, 2, 64), &[1], false, k(page));
         let note = run(&c, false).unwrap().1.note.unwrap_or("");
         assert!(note.contains(want), "page {page}: {note}");
+    }
+}
+
+/// Edits of the serving code that must fail a case of the subset: the gathered load reading
+/// past a sequence's last key (NaN cache slots), the paged TMA coordinates ignoring the block
+/// table (shuffled blocks), and (with FLASH_ATTN_EMU=full) the mask taking the longest
+/// sequence's lengths instead of each sequence's own.
+#[test]
+fn mutations_are_caught() {
+    use DType::{BF16, F16};
+    let cache = with(case("fa3s3", F16, (2, 1, 64), &[16, 16], false, Kv::Cache { lens: vec![140, 16], capacity: 300 }), |_| {});
+    let pages = case("fa3s5", BF16, (2, 2, 64), &[16, 40], true, Kv::Paged { lens: vec![300, 129], page: 128, spare: 2, shared: false });
+    let causal = with(case("fa3s4", F16, (2, 1, 64), &[16, 5], true, Kv::Packed(vec![40, 200])), |c| c.opts.mask = Mask::Causal);
+    let mut muts = vec![
+        (
+            Mutation { name: "gather_past_sk", file: "cuda/fa3/serving.cuh", from: "const bool live = j < s.sk;", to: "const bool live = j < s.sk + 8;", defines: &[] },
+            cache,
+        ),
+        (
+            Mutation { name: "tma_page_untranslated", file: "cuda/fa3/serving.cuh", from: "*batch = pg.block;", to: "*batch = n0 / p.page_size;", defines: &[] },
+            pages,
+        ),
+    ];
+    if full() {
+        muts.push((
+            Mutation { name: "mask_on_longest", file: "cuda/fa3/serving.cuh", from: "own.seqlen_k = s.sk;", to: "", defines: &[] },
+            causal,
+        ));
+    }
+    for (m, c) in &muts {
+        run(c, true).unwrap_or_else(|e| panic!("{}: the unmutated kernel fails: {e}", c.name()));
+        match run_mutated(c, true, Some(m)) {
+            Ok((ratio, _)) => panic!("mutation {} passed {} (err/bound {ratio:.3})", m.name, c.name()),
+            Err(e) => println!("caught {}: {}", m.name, e.lines().next().unwrap_or("")),
+        }
     }
 }
