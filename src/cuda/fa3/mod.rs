@@ -223,4 +223,54 @@ mod tests {
         assert_eq!(maps.iter().map(|m| m.global_address).collect::<Vec<_>>(), [0x1000, 0x2000, 0x3000]);
         assert_eq!(maps[1].spec, sk);
     }
+
+    /// Stages 3-5 at hd 64/128 take the serving layouts; the rest are refused with the rule.
+    #[test]
+    fn serving_refusals_name_the_rule() {
+        let row = |n: &str| FAMILIES.iter().find(|f| f.name == n).unwrap();
+        let t = |d: u32| Tile { head_dim: d, block_n: if d <= 128 { 128 } else { 64 }, ..T128 };
+        let varlen = FwdParams { cu_seqlens_q: 0x10, cu_seqlens_k: 0x20, ..params() };
+        for s in ["fa3s3", "fa3s4", "fa3s5"] {
+            assert_eq!(Fa3.serving_refusal(row(s), &t(64), &varlen), None, "{s}");
+            assert_eq!(Fa3.serving_refusal(row(s), &t(128), &varlen), None, "{s}");
+            assert!(Fa3.serving_refusal(row(s), &t(256), &varlen).unwrap().contains("64 and 128"));
+        }
+        for s in ["fa3s1", "fa3s2"] {
+            assert!(Fa3.serving_refusal(row(s), &T128, &varlen).unwrap().contains("stages 3-5"));
+        }
+        let split = FwdParams { num_splits: 2, ..varlen };
+        assert!(Fa3.serving_refusal(row("fa3s5"), &T128, &split).unwrap().contains("split-KV"));
+        let append = FwdParams { seqlen_new: 1, ..varlen };
+        assert!(Fa3.serving_refusal(row("fa3s5"), &T128, &append).unwrap().contains("append"));
+    }
+
+    /// Serving maps describe the whole tensors (packed q, paged k/v), and the plan's note names
+    /// the K/V load path by the page size.
+    #[test]
+    fn serving_maps_and_load_path() {
+        let paged = FwdParams {
+            cu_seqlens_q: 0x10,
+            total_q: 7,
+            seqused_k: 0x20,
+            block_table: 0x30,
+            page_size: 256,
+            block_table_batch_stride: 4,
+            kv_batches: 9,
+            kv_rows: 256,
+            ..params()
+        };
+        let [lq, lk, lv] = layouts(&paged);
+        assert_eq!((lq.batch, lq.seqlen), (1, 7));
+        assert_eq!((lk.batch, lk.seqlen), (9, 256));
+        assert_eq!(lk, lv);
+        assert!(load_path(&T128, &paged).unwrap().starts_with("K/V by TMA through the block table"));
+        let small = FwdParams { page_size: 16, kv_rows: 16, ..paged };
+        assert!(load_path(&T128, &small).unwrap().starts_with("K/V gathered"));
+        let packed = FwdParams { cu_seqlens_k: 0x40, kv_batches: 1, kv_rows: 300, ..params() };
+        assert!(load_path(&T128, &packed).unwrap().starts_with("K/V by TMA;"));
+        assert_eq!(load_path(&T128, &params()), None);
+        // An empty packed batch still encodes (extents of 1; no tile is loaded).
+        let empty = FwdParams { cu_seqlens_q: 0x10, total_q: 0, ..paged };
+        assert_eq!(layouts(&empty)[0].seqlen, 1);
+    }
 }
