@@ -116,6 +116,9 @@ fn from_bits(b: &[u8], dtype: DType) -> Vec<f32> {
         .collect()
 }
 
+/// Row of the k/v storage that holds key j of sequence b.
+type KeyRow = Box<dyn Fn(usize, usize) -> usize>;
+
 fn cu(lens: &[usize]) -> Vec<i32> {
     let mut v = vec![0i32];
     for &l in lens {
@@ -151,7 +154,7 @@ fn run_mutated(c: &Case, execute: bool, mutation: Option<&Mutation>) -> Result<(
     }
 
     // k/v storage and each sequence's key rows in it.
-    let (k_shape, key_row): ([usize; 4], Box<dyn Fn(usize, usize) -> usize>);
+    let (k_shape, key_row): ([usize; 4], KeyRow);
     let mut table: Vec<i32> = Vec::new();
     let mut max_blocks = 0;
     let cu_k = cu(&k_lens);
@@ -278,12 +281,16 @@ fn run_mutated(c: &Case, execute: bool, mutation: Option<&Mutation>) -> Result<(
             bufs.push(LaunchBuf::i32s("block_table", TABLE, &table));
         }
     }
-    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("emu/serving-fa3").join(format!("{:016x}{}", h.finish(), mutation.map_or("", |m| m.name)));
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("emu/serving-fa3").join(format!(
+        "{:016x}{}",
+        h.finish(),
+        mutation.map_or("", |m| m.name)
+    ));
     let (log, outs) = run_launch(&exe, &dir, &pl, c.family, &[1, 2, 3], &bufs)?;
     let o = from_bits(&outs["o"], dt);
-    let lse: Vec<f32> = outs.get("lse").map_or(Vec::new(), |b| {
-        b.chunks_exact(4).map(|x| f32::from_le_bytes([x[0], x[1], x[2], x[3]])).collect()
-    });
+    let lse: Vec<f32> = outs
+        .get("lse")
+        .map_or(Vec::new(), |b| b.chunks_exact(4).map(|x| f32::from_le_bytes([x[0], x[1], x[2], x[3]])).collect());
 
     // Each sequence against the float64 reference on that sequence alone.
     let mut worst = 0.0f64;
@@ -295,7 +302,8 @@ fn run_mutated(c: &Case, execute: bool, mutation: Option<&Mutation>) -> Result<(
         let q0 = cu_q[b] as usize;
         let ob = &o[q0 * hq * d..(q0 + sq) * hq * d];
         // LSE: packed [hq, total_q]; dense [batch, hq, sq].
-        let lse_at = |h: usize, i: usize| if c.q_packed { lse[h * q_rows + q0 + i] } else { lse[(b * hq + h) * sq + i] };
+        let lse_at =
+            |h: usize, i: usize| if c.q_packed { lse[h * q_rows + q0 + i] } else { lse[(b * hq + h) * sq + i] };
         let fail = |why: String| Err(format!("sequence {b} (sq {sq}, sk {sk}): {why}\n{log}"));
         if sk == 0 {
             if let Some(x) = ob.iter().find(|&&x| x != 0.0) {
@@ -361,7 +369,14 @@ fn check(cases: &[Case]) {
     assert!(failed.is_empty(), "{} of {} failed: {failed:#?}", failed.len(), cases.len());
 }
 
-fn case(family: &'static str, dtype: DType, (hq, hkv, d): (usize, usize, usize), q_lens: &[usize], q_packed: bool, kv: Kv) -> Case {
+fn case(
+    family: &'static str,
+    dtype: DType,
+    (hq, hkv, d): (usize, usize, usize),
+    q_lens: &[usize],
+    q_packed: bool,
+    kv: Kv,
+) -> Case {
     Case {
         family,
         dtype,
@@ -400,9 +415,12 @@ fn subset() -> Vec<Case> {
             c.opts.softcap = Some(30.0);
         }),
         // A dense cache with cache_seqlens (TMA, gathered tail; NaN past each length), stage 4.
-        with(case("fa3s4", F16, (2, 1, 128), &[16, 16], false, Kv::Cache { lens: vec![140, 16], capacity: 300 }), |c| {
-            c.opts.mask = Mask::Causal;
-        }),
+        with(
+            case("fa3s4", F16, (2, 1, 128), &[16, 16], false, Kv::Cache { lens: vec![140, 16], capacity: 300 }),
+            |c| {
+                c.opts.mask = Mask::Causal;
+            },
+        ),
     ]
 }
 
@@ -419,7 +437,7 @@ fn fa3_serving_matrix() {
         println!("the FA3 serving matrix runs with FLASH_ATTN_EMU=full (the subset runs always)");
         return;
     }
-    let mut rng = Rng::new(0x5e41_f3);
+    let mut rng = Rng::new(0x005e_41f3);
     let mut cases = Vec::new();
     let masks = [Mask::None, Mask::Causal, Mask::window(33, 5)];
     for (si, family) in ["fa3s3", "fa3s4", "fa3s5"].into_iter().enumerate() {
@@ -471,22 +489,51 @@ fn load_path_follows_the_page_size() {
 #[test]
 fn mutations_are_caught() {
     use DType::{BF16, F16};
-    let cache = with(case("fa3s3", F16, (2, 1, 64), &[16, 16], false, Kv::Cache { lens: vec![140, 16], capacity: 300 }), |_| {});
-    let pages = case("fa3s5", BF16, (2, 2, 64), &[16, 40], true, Kv::Paged { lens: vec![300, 129], page: 128, spare: 2, shared: false });
-    let causal = with(case("fa3s4", F16, (2, 1, 64), &[16, 5], true, Kv::Packed(vec![40, 200])), |c| c.opts.mask = Mask::Causal);
+    let cache = with(
+        case("fa3s3", F16, (2, 1, 64), &[16, 16], false, Kv::Cache { lens: vec![140, 16], capacity: 300 }),
+        |_| {},
+    );
+    let pages = case(
+        "fa3s5",
+        BF16,
+        (2, 2, 64),
+        &[16, 40],
+        true,
+        Kv::Paged { lens: vec![300, 129], page: 128, spare: 2, shared: false },
+    );
+    let causal =
+        with(case("fa3s4", F16, (2, 1, 64), &[16, 5], true, Kv::Packed(vec![40, 200])), |c| c.opts.mask = Mask::Causal);
     let mut muts = vec![
         (
-            Mutation { name: "gather_past_sk", file: "cuda/fa3/serving.cuh", from: "const bool live = j < s.sk;", to: "const bool live = j < s.sk + 8;", defines: &[] },
+            Mutation {
+                name: "gather_past_sk",
+                file: "cuda/fa3/serving.cuh",
+                from: "const bool live = j < s.sk;",
+                to: "const bool live = j < s.sk + 8;",
+                defines: &[],
+            },
             cache,
         ),
         (
-            Mutation { name: "tma_page_untranslated", file: "cuda/fa3/serving.cuh", from: "*batch = pg.block;", to: "*batch = n0 / p.page_size;", defines: &[] },
+            Mutation {
+                name: "tma_page_untranslated",
+                file: "cuda/fa3/serving.cuh",
+                from: "*batch = pg.block;",
+                to: "*batch = n0 / p.page_size;",
+                defines: &[],
+            },
             pages,
         ),
     ];
     if full() {
         muts.push((
-            Mutation { name: "mask_on_longest", file: "cuda/fa3/serving.cuh", from: "own.seqlen_k = s.sk;", to: "", defines: &[] },
+            Mutation {
+                name: "mask_on_longest",
+                file: "cuda/fa3/serving.cuh",
+                from: "own.seqlen_k = s.sk;",
+                to: "",
+                defines: &[],
+            },
             causal,
         ));
     }

@@ -52,7 +52,10 @@ impl FamilyHost for Fa3 {
             return Some("stages 1-2 have no varlen / KV-cache path (stages 3-5 have: docs/fa3.md)");
         }
         if tile.head_dim > SERVING_MAX_HEAD_DIM {
-            return Some("runs varlen / KV caches at head_dim 64 and 128 only (at 256 its consumers have no registers to spare)");
+            return Some(concat!(
+                "runs varlen / KV caches at head_dim 64 and 128 only ",
+                "(at 256 its consumers have no registers to spare)"
+            ));
         }
         if params.num_splits > 1 {
             return Some("has no split-KV (num_splits > 1)");
@@ -98,7 +101,10 @@ pub(crate) fn load_path(tile: &Tile, p: &FwdParams) -> Option<&'static str> {
         return None;
     }
     Some(if p.page_size > 0 && p.page_size as u32 % tile.block_n == 0 {
-        "K/V by TMA through the block table (page size a multiple of the key tile); each sequence's partial last tile gathered with cp.async"
+        concat!(
+            "K/V by TMA through the block table (page size a multiple of the key tile); ",
+            "each sequence's partial last tile gathered with cp.async"
+        )
     } else if p.page_size > 0 {
         "K/V gathered with cp.async through the block table (page size not a multiple of the key tile)"
     } else {
