@@ -396,8 +396,26 @@ pub fn image_kernel_symbols(fam: &Family, head_dim: u32, dtype: &str) -> Vec<Str
     if fam.options.contains(KernelOptions::FP8) {
         v.push(fp8_prepass_symbol(head_dim, dtype));
     }
+    if fam.name == APPEND_KV_FAMILY {
+        v.push(append_kv_symbol(head_dim, dtype));
+    }
     v
 }
+
+/// The family whose images carry the serving KV append kernel (cuda/common/append_kv.cuh): FA2,
+/// whose sm_80 SASS and compute_80 PTX load on every GPU the crate runs on, so every family's
+/// append runs this one.
+pub const APPEND_KV_FAMILY: &str = "fa2";
+
+/// The KV append kernel of (head_dim unit, dtype) in the `APPEND_KV_FAMILY` images. It copies
+/// `FwdParams::head_dim` elements per row, so any unit serves any head dim.
+pub fn append_kv_symbol(head_dim: u32, dtype: &str) -> String {
+    format!("fa_append_kv_hd{head_dim}_{dtype}")
+}
+
+/// What the append kernel's SASS must contain (tests/sass.rs): global loads and stores of the
+/// rows it copies (none of its family's tensor-core instructions).
+pub const APPEND_KV_SASS: &[&str] = &["LDG", "STG"];
 
 /// The highest stage of the FA4 ladder built so far (docs/fa4.md).
 pub const FA4_MAX_STAGE: u8 = 3;

@@ -35,6 +35,8 @@
 #include "common/params.h"
 #include "common/dtype.cuh"
 #include "common/mask.cuh"
+#include "common/seqlen.cuh"
+#include "common/append_kv.cuh"
 #include "sm80/mma.cuh"
 #include "common/softmax.cuh"
 
@@ -73,25 +75,59 @@ __device__ __forceinline__ void load_tile(Elem* smem, const Elem* gbase, int64_t
     }
 }
 
-// Issues the K and V tiles of keys [n0, n0 + kBlockN) into one ring stage (caller commits).
-template <typename T, typename Elem>
-__device__ __forceinline__ void load_kv(Elem* sK_stage, Elem* sV_stage, const FwdParams& p, int n0, int tid);
-
-// Start of this CTA's (batch, head) slice of a [batch, seqlen, heads, dim] tensor; for K and V the
-// head is the shared GQA/MQA head h / (heads_q / heads_kv), so K/V are never copied.
-template <typename Elem>
-__device__ __forceinline__ Elem* head_ptr(uint64_t base, int64_t batch_stride, int64_t head_stride, int head) {
-    return reinterpret_cast<Elem*>(base) + cta_batch() * batch_stride + head * head_stride;
+// load_tile for a paged cache: the same thread layout, but each row's address goes through the
+// block table (cuda/common/seqlen.cuh fa_kv_row_offset), so any page size works, blocks in any
+// order. `ghead`: the tensor's base plus the kv head's offset. Rows at or past `row_end` (the
+// sequence's keys) are zeros and never looked up (table entries past its pages are not read).
+template <typename T, int kRows, typename Elem>
+__device__ __forceinline__ void load_tile_paged(Elem* smem, const Elem* ghead, const FwdParams& p, const FaSeq& seq,
+                                                int64_t batch_stride, int64_t row_stride, int row0, int row_end,
+                                                int tid) {
+    constexpr int kChunks = T::kChunksPerRow;
+    constexpr int kRowsPerPass = T::kNThreads / kChunks;
+    constexpr int kPasses = (kRows + kRowsPerPass - 1) / kRowsPerPass;
+    const int r = tid / kChunks;
+    const int col = (tid % kChunks) * 8;
+    if (r >= kRowsPerPass) return;
+    uint32_t dst = smem_u32(smem + r * T::kStride + col);
+#pragma unroll 1
+    for (int pass = 0; pass < kPasses; ++pass) {
+        const int rr = r + pass * kRowsPerPass;
+        if (kRows % kRowsPerPass == 0 || rr < kRows) {
+            const int j = row0 + rr;
+            const bool in = j < row_end;
+            const Elem* src = in ? ghead + fa_kv_row_offset(p, seq, batch_stride, row_stride, j) + col : ghead;
+            cp_async_16(dst, src, in ? 16 : 0);
+        }
+        dst += kRowsPerPass * T::kStride * 2;
+    }
 }
+
 __device__ __forceinline__ int kv_head(const FwdParams& p) { return cta_head() / (p.heads_q / p.heads_kv); }
 
+// This CTA's sequence, re-derived from %ctaid.z (volatile, see cta_batch) and the index arrays
+// wherever it is needed, rather than kept live across the register-bound main loop (keeping
+// it cost hdim 96 a spill).
+__device__ __forceinline__ FaSeq cta_seq(const FwdParams& p) { return fa_seq(p, fa_batch_split(p, cta_batch()).b); }
+
+// Issues the K and V tiles of keys [n0, n0 + kBlockN) of this CTA's sequence into one ring stage
+// (caller commits). The kv head is the shared GQA/MQA head h / (heads_q / heads_kv), so K/V are
+// never copied; it is re-read from %ctaid.y per tile (see cta_head) rather than kept live.
 template <typename T, typename Elem>
 __device__ __forceinline__ void load_kv(Elem* sK_stage, Elem* sV_stage, const FwdParams& p, int n0, int tid) {
+    const FaSeq seq = cta_seq(p);
     const int hk = kv_head(p);
-    load_tile<T, T::kBlockN>(sK_stage, head_ptr<const Elem>(p.k, p.k_batch_stride, p.k_head_stride, hk),
-                             p.k_row_stride, n0, p.seqlen_k, tid);
-    load_tile<T, T::kBlockN>(sV_stage, head_ptr<const Elem>(p.v, p.v_batch_stride, p.v_head_stride, hk),
-                             p.v_row_stride, n0, p.seqlen_k, tid);
+    const Elem* k = reinterpret_cast<const Elem*>(p.k) + hk * p.k_head_stride;
+    const Elem* v = reinterpret_cast<const Elem*>(p.v) + hk * p.v_head_stride;
+    if (p.page_size > 0) {
+        load_tile_paged<T, T::kBlockN>(sK_stage, k, p, seq, p.k_batch_stride, p.k_row_stride, n0, seq.sk, tid);
+        load_tile_paged<T, T::kBlockN>(sV_stage, v, p, seq, p.v_batch_stride, p.v_row_stride, n0, seq.sk, tid);
+    } else {
+        load_tile<T, T::kBlockN>(sK_stage, k + fa_kv_row_offset(p, seq, p.k_batch_stride, p.k_row_stride, 0),
+                                 p.k_row_stride, n0, seq.sk, tid);
+        load_tile<T, T::kBlockN>(sV_stage, v + fa_kv_row_offset(p, seq, p.v_batch_stride, p.v_row_stride, 0),
+                                 p.v_row_stride, n0, seq.sk, tid);
+    }
 }
 
 template <typename Elem, int kHeadDim>
@@ -107,23 +143,33 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
     Elem* sV = sK + T::kStages * kBlockN * kStride;  // [kStages][kBlockN][kStride]
     constexpr uint32_t kStageBytes = kBlockN * kStride * 2;  // one K (or V) stage
 
-    const int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+    const int m_block = blockIdx.x, head = blockIdx.y;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const int seqlen_q = p.seqlen_q;
+    // This CTA's sequence and key split (cuda/common/seqlen.cuh; a dense launch: batch z, one
+    // split, seqlen_q x seqlen_k). The grid covers the longest sequence: CTAs past this one's
+    // rows have nothing to do (uniform over the CTA, before any barrier).
+    const FaBatchSplit bs = fa_batch_split(p, blockIdx.z);
+    const FaSeq seq = fa_seq(p, bs.b);  // the prologue's; the loop and epilogue re-derive it
+    const int seqlen_q = seq.sq, seqlen_k = seq.sk;
     const int m0 = m_block * kBlockM;                  // first query row of this CTA
+    if (m0 >= seqlen_q) return;
     const int m_last = min(m0 + kBlockM, seqlen_q) - 1;  // last real query row
+    const FaMaskDims mask{p.window_left, p.window_right, seqlen_q, seqlen_k};  // fa_seq_mask
 
     const float slope = fa_alibi_slope(p, head);
 
-    // The key tiles any row of this CTA can see: [n_min, n_max).
-    const FaKeyTiles tiles = fa_key_tiles(p, m0, m_last + 1, kBlockN);
-    const int n_min = tiles.n_begin, n_max = tiles.n_end;
+    // The key tiles any row of this CTA can see, within this split's keys: [n_min, n_max).
+    const FaKeyTiles tiles = fa_key_tiles(mask, m0, m_last + 1, kBlockN);
+    const int splits = fa_num_splits(p);
+    const FaKeyTiles split_tiles = fa_split_tiles(seq.sk, splits, bs.split, kBlockN);
+    const int n_min = max(tiles.n_begin, split_tiles.n_begin);
+    const int n_max = max(n_min, min(tiles.n_end, split_tiles.n_end));
 
     // Prologue: Q and the first K/V tile in flight, as one cp.async group. Key tiles are visited
     // from the last one down, so the diagonal/boundary tiles that need the mask come first and set
     // a sane row max early.
-    load_tile<T, kBlockM>(sQ, head_ptr<const Elem>(p.q, p.q_batch_stride, p.q_head_stride, head),
-                          p.q_row_stride, m0, seqlen_q, tid);
+    load_tile<T, kBlockM>(sQ, reinterpret_cast<const Elem*>(p.q) + fa_q_offset(p, seq, head, 0), p.q_row_stride, m0,
+                          seqlen_q, tid);
     if (n_max > n_min) load_kv<T>(sK, sV, p, (n_max - 1) * kBlockN, tid);
     cp_async_commit();
 
@@ -191,9 +237,10 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
         // ---- scores: raw q.k, or natural units with softcap / ALiBi; mask only tiles that
         // cross a boundary (some (row, key) of the CTA's real rows hidden); then the online
         // softmax in score units (softmax.cuh), S becoming P in place ----
-        if (fa_natural_scores(p)) fa_scores_to_natural<true, false>(acc_s, frag, p, slope, m0 + wrow, n0);
-        if (fa_tile_needs_mask(p, m0, m_last, n0, (long long)n0 + kBlockN - 1))
-            fa_mask_fragment(acc_s, frag, p, m0 + wrow, n0);
+        if (fa_natural_scores(p))
+            fa_scores_to_natural<true, false>(acc_s, frag, p, slope, m0 + wrow, n0, seqlen_k - seqlen_q);
+        if (fa_tile_needs_mask(mask, m0, m_last, n0, (long long)n0 + kBlockN - 1))
+            fa_mask_fragment(acc_s, frag, mask, m0 + wrow, n0);
         float corr[Frag::kRows];
         softmax.update(acc_s, p.softmax_scale_log2, corr);
         softmax.rescale(acc_o, corr);
@@ -226,13 +273,38 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
     cp_async_wait<0>();
     __syncthreads();  // every warp is done with sQ (and no cp.async is left in flight)
     const bool write_lse = (p.flags & FA_FLAG_RETURN_LSE) != 0u;
-    // lse is [batch, heads_q, seqlen_q] f32 (natural log); only touched when requested.
-    float* gLse = write_lse ? reinterpret_cast<float*>(p.lse) +
-                                  (static_cast<int64_t>(batch) * p.heads_q + head) * seqlen_q
-                            : nullptr;
-    Elem* sO = sQ;
-    Elem* gO = head_ptr<Elem>(p.o, p.o_batch_stride, p.o_head_stride, head);
+    // The LSE index of row 0 of this (sequence, head): [batch, heads_q, seqlen_q] dense,
+    // [heads_q, total_q] packed (seqlen.cuh); the split-KV accumulators use the same rows.
+    const FaSeq seq_out = cta_seq(p);
+    const int64_t lse_row0 = fa_lse_index(seq_out, head, 0);
     const float to_natural = fa_to_natural(p);  // the max's units -> natural
+    if (splits > 1) {
+        // Split-KV: this split's normalised partial state in f32, straight from the fragments
+        // (o_accum [splits, lse rows, head_dim], lse_accum [splits, lse rows]); the combine
+        // kernel merges the splits into o and lse.
+        const int64_t acc_row0 = static_cast<int64_t>(fa_batch_split(p, cta_batch()).split) * fa_lse_rows(p) + lse_row0;
+        float* gLseAcc = reinterpret_cast<float*>(p.lse_accum) + acc_row0;
+        float* gOAcc = reinterpret_cast<float*>(p.o_accum) + acc_row0 * kHeadDim;
+#pragma unroll
+        for (int r = 0; r < Frag::kRows; ++r) {
+            const FaRowEnd end = softmax.finalize(r, to_natural);
+            const int row = m0 + wrow + frag.row(r);
+            if (row >= seqlen_q) continue;
+            if ((lane & 3) == 0) gLseAcc[row] = end.lse;
+#pragma unroll
+            for (int j = 0; j < Frag::kOCols; j += 2) {
+                const float o0 = end.empty ? 0.f : Frag::o(acc_o, r, j) * end.inv_l;
+                const float o1 = end.empty ? 0.f : Frag::o(acc_o, r, j + 1) * end.inv_l;
+                float* dst = gOAcc + static_cast<int64_t>(row) * kHeadDim + frag.col(j);
+                dst[0] = o0;
+                dst[1] = o1;
+            }
+        }
+        return;
+    }
+    float* gLse = write_lse ? reinterpret_cast<float*>(p.lse) + lse_row0 : nullptr;
+    Elem* sO = sQ;
+    Elem* gO = reinterpret_cast<Elem*>(p.o) + fa_o_offset(p, seq_out, head, 0);
 #pragma unroll
     for (int r = 0; r < Frag::kRows; ++r) {
         const FaRowEnd end = softmax.finalize(r, to_natural);
@@ -264,11 +336,15 @@ namespace fa2 {
 using elem_f16 = __half;
 using elem_bf16 = __nv_bfloat16;
 }  // namespace fa2
+// Each unit also carries the serving KV append kernel (cuda/common/append_kv.cuh),
+// fa_append_kv_hd<D>_<dtype>: FA2's images load on every GPU the crate runs on (sm_80 SASS and
+// compute_80 PTX), so every family's append runs this one.
 #define FA2_KERNEL(HDIM, DT)                                                                        \
     extern "C" __global__ void __launch_bounds__(fa2::Fa2Traits<HDIM>::kNThreads, 1)               \
         fa2_fwd_hd##HDIM##_##DT(const __grid_constant__ FwdParams p) {                              \
         fa2::fwd_kernel<fa2::elem_##DT, HDIM>(p);                                                   \
-    }
+    }                                                                                               \
+    FA_APPEND_KV_KERNEL(fa_append_kv_hd##HDIM##_##DT, fa2::elem_##DT)
 #define FA2_KERNEL_(HDIM, DT) FA2_KERNEL(HDIM, DT)  // expands FA_HEAD_DIM before pasting
 
 #ifndef FA_HEAD_DIM

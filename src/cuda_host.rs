@@ -119,3 +119,45 @@ pub(crate) fn forward_host(
         reason: "the crate was built without the `cuda` feature".into(),
     })
 }
+
+/// Runs a serving call (varlen / KV cache, host memory) on CUDA device `dev`: upload, the FA2
+/// serving launch, download (`cuda::Engine::launch_serving_raw`). Compile-checked only.
+#[cfg(feature = "cuda")]
+pub(crate) fn serving_host(
+    views: (&TensorView, &TensorView, &TensorView),
+    ql: crate::serving::QueryLayout<'_>,
+    kl: crate::serving::KvLayout<'_>,
+    opts: &ForwardOptions,
+    dev: usize,
+) -> Result<crate::Output> {
+    use crate::tensor::Data;
+    let engine = crate::cuda::Engine::new(dev)?;
+    let (q, k, v) = views;
+    match (q.data(), k.data(), v.data()) {
+        (Data::F16(a), Data::F16(b), Data::F16(c)) => {
+            crate::cuda::serving_host_typed(&engine, views, [a, b, c], ql, kl, opts)
+        }
+        (Data::BF16(a), Data::BF16(b), Data::BF16(c)) => {
+            crate::cuda::serving_host_typed(&engine, views, [a, b, c], ql, kl, opts)
+        }
+        _ => Err(Error::UnsupportedDType {
+            dtype: q.dtype(),
+            backend: format!("cuda:{dev}"),
+            supported: "F16, BF16 (convert f32 inputs, or use Backend::Cpu)".into(),
+        }),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+pub(crate) fn serving_host(
+    _views: (&TensorView, &TensorView, &TensorView),
+    _ql: crate::serving::QueryLayout<'_>,
+    _kl: crate::serving::KvLayout<'_>,
+    _opts: &ForwardOptions,
+    dev: usize,
+) -> Result<crate::Output> {
+    Err(Error::BackendUnavailable {
+        backend: format!("cuda:{dev}"),
+        reason: "the crate was built without the `cuda` feature".into(),
+    })
+}

@@ -62,6 +62,9 @@ struct Case {
     kv: Kv,
     opts: ForwardOptions,
     sm_count: u32,
+    /// Cache layouts: the last `appended` keys of each sequence are this call's new rows
+    /// (`seqlen_new`), already in the cache as the append kernel leaves it before the attention.
+    appended: usize,
 }
 
 impl Case {
@@ -80,7 +83,7 @@ impl Case {
             self.opts.softcap.map_or(String::new(), |c| format!(" softcap{c}")),
             if self.opts.return_lse { " lse" } else { "" },
             self.sm_count
-        )
+        ) + &if self.appended > 0 { format!(" appended{}", self.appended) } else { String::new() }
     }
 }
 
@@ -94,6 +97,8 @@ const CU_Q: u64 = 0x60_0000_0000;
 const CU_K: u64 = 0x61_0000_0000;
 const SEQUSED: u64 = 0x62_0000_0000;
 const TABLE: u64 = 0x63_0000_0000;
+const K_NEW: u64 = 0x64_0000_0000;
+const V_NEW: u64 = 0x65_0000_0000;
 
 fn bits(x: &[f32], dtype: DType) -> Vec<u8> {
     let t = Tensor::from_f32(x, dtype, [1, 1, 1, x.len()]).unwrap();
@@ -222,7 +227,8 @@ fn run_mutated(c: &Case, execute: bool, mutation: Option<&Mutation>) -> Result<(
 
     // The launch: the layout the serving API would validate, the problem it would build, the plan.
     let q_shape = if c.q_packed { [1, q_rows, hq, d] } else { [batch, sq_dense, hq, d] };
-    let seqlens: Vec<i32> = k_lens.iter().map(|&l| l as i32).collect();
+    // cache_seqlens count the keys before this call's appended rows.
+    let seqlens: Vec<i32> = k_lens.iter().map(|&l| (l - c.appended) as i32).collect();
     let ql = if c.q_packed {
         QueryLayout::Varlen { cu_seqlens: &cu_q, max_seqlen: c.q_lens.iter().copied().max().unwrap_or(0) }
     } else {
@@ -230,9 +236,9 @@ fn run_mutated(c: &Case, execute: bool, mutation: Option<&Mutation>) -> Result<(
     };
     let kl = match &c.kv {
         Kv::Packed(lens) => KvLayout::Varlen { cu_seqlens: &cu_k, max_seqlen: lens.iter().copied().max().unwrap_or(0) },
-        Kv::Cache { .. } => KvLayout::Cache { seqlens: &seqlens, new: 0 },
+        Kv::Cache { .. } => KvLayout::Cache { seqlens: &seqlens, new: c.appended },
         Kv::Paged { .. } => {
-            KvLayout::Paged { block_table: &table, max_blocks_per_seq: max_blocks, seqlens: &seqlens, new: 0 }
+            KvLayout::Paged { block_table: &table, max_blocks_per_seq: max_blocks, seqlens: &seqlens, new: c.appended }
         }
     };
     let layout = BatchLayout::new(ql, q_shape, kl, k_shape).map_err(|e| format!("layout: {e}"))?;
@@ -252,6 +258,9 @@ fn run_mutated(c: &Case, execute: bool, mutation: Option<&Mutation>) -> Result<(
         cu_seqlens_k: if matches!(c.kv, Kv::Packed(_)) { CU_K } else { 0 },
         seqused_k: if matches!(c.kv, Kv::Packed(_)) { 0 } else { SEQUSED },
         block_table: if matches!(c.kv, Kv::Paged { .. }) { TABLE } else { 0 },
+        knew: if c.appended > 0 { K_NEW } else { 0 },
+        vnew: if c.appended > 0 { V_NEW } else { 0 },
+        new_strides: [[c.appended * row, row, d]; 2],
         ..ServingOperands::default()
     };
     let pl = plan_serving(c.family, &p, &layout, &ops, &sops, 1, c.sm_count).map_err(|e| format!("plan: {e}"))?;
@@ -272,6 +281,12 @@ fn run_mutated(c: &Case, execute: bool, mutation: Option<&Mutation>) -> Result<(
     }
     if c.q_packed {
         bufs.push(LaunchBuf::i32s("cu_seqlens_q", CU_Q, &cu_q));
+    }
+    if c.appended > 0 {
+        // The rows the append kernel already copied into the cache; the attention never reads them.
+        let n = batch * c.appended * row * 2;
+        bufs.push(LaunchBuf::input("k_new", K_NEW, vec![0; n]));
+        bufs.push(LaunchBuf::input("v_new", V_NEW, vec![0; n]));
     }
     match &c.kv {
         Kv::Packed(_) => bufs.push(LaunchBuf::i32s("cu_seqlens_k", CU_K, &cu_k)),
@@ -388,6 +403,7 @@ fn case(
         kv,
         opts: ForwardOptions::default().return_lse(true),
         sm_count: 1,
+        appended: 0,
     }
 }
 fn with(mut c: Case, f: impl FnOnce(&mut Case)) -> Case {
@@ -413,6 +429,11 @@ fn subset() -> Vec<Case> {
         with(case("fa3s5", BF16, (2, 2, 64), &[16, 40], true, paged(&[300, 129], 128, true)), |c| {
             c.opts.mask = Mask::window(40, 7);
             c.opts.softcap = Some(30.0);
+        }),
+        // Decode after the append kernel (seqlen_new 2: sk_b = cache_seqlens + 2), 16-key pages.
+        with(case("fa3s5", F16, (4, 2, 128), &[2, 2], false, paged(&[130, 2], 16, false)), |c| {
+            c.appended = 2;
+            c.opts.mask = Mask::Causal;
         }),
         // A dense cache with cache_seqlens (TMA, gathered tail; NaN past each length), stage 4.
         with(

@@ -14,7 +14,7 @@
 #![cfg(feature = "cuda")]
 
 use flash_attn::cuda::table::{
-    fp8_prepass_symbol, image_kernel_symbols, kernel_symbol, targets_for, Family, Image, KernelVariant, Target,
+    append_kv_symbol, fp8_prepass_symbol, image_kernel_symbols, APPEND_KV_SASS, kernel_symbol, targets_for, Family, Image, KernelVariant, Target,
     ARCHS_FILTER, BUILD_SUMMARY, CUOBJDUMP, DTYPE_NAMES, FAMILIES, FP8_PREPASS_SASS, HDIMS_FILTER, IMAGES, NVCC_VERSION,
     PTX_ISA, TARGETS_SKIPPED, WHY_NO_KERNELS,
 };
@@ -154,7 +154,15 @@ fn families_use_the_instructions_they_claim() {
             let ops = opcodes(&sass);
             // An FP8 family's image also holds its pre-pass, which claims its own instructions.
             let prepass = DTYPE_NAMES.iter().any(|dt| name == fp8_prepass_symbol(img.head_dim, dt));
-            let expect = if prepass { FP8_PREPASS_SASS } else { fam.sass_expect };
+            // The FA2 images also hold the serving KV append kernel (build/instances.rs).
+            let append = DTYPE_NAMES.iter().any(|dt| name == append_kv_symbol(img.head_dim, dt));
+            let expect = if prepass {
+                FP8_PREPASS_SASS
+            } else if append {
+                APPEND_KV_SASS
+            } else {
+                fam.sass_expect
+            };
             for want in expect {
                 assert!(
                     ops.iter().any(|op| op == want || op.starts_with(&format!("{want}."))),

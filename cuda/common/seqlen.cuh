@@ -12,7 +12,7 @@
 //          cache (seqused_k): (b, j), sk_b = seqused_k[b] + seqlen_new;
 //          paged (page_size > 0, block_table): slot j % page_size of block
 //          block_table[b * block_table_batch_stride + j / page_size], sk_b as a cache's.
-//   split-KV (num_splits > 1): split s of a sequence takes the key tiles fa_split_keys gives and
+//   split-KV (num_splits > 1): split s of a sequence takes the key tiles fa_split_tiles gives and
 //          writes its normalised output and LSE to o_accum [splits, lse rows, head_dim] and
 //          lse_accum [splits, lse rows] (lse rows indexed as the LSE above), never to o / lse;
 //          the combine kernel merges them. The grid's z is b * splits + s.
@@ -137,15 +137,14 @@ FA_SEQ_FN FaBatchSplit fa_batch_split(const FwdParams& p, int z) {
     return FaBatchSplit{z / n, z % n};
 }
 
-// The keys [begin, end) split `split` of `splits` takes from sk keys: whole tiles of block_n,
-// ceil(tiles / splits) per split (so later splits may be empty). With one split: [0, sk).
-struct FaKeyRange {
-    int begin, end;
-};
-FA_SEQ_FN FaKeyRange fa_split_keys(int sk, int splits, int split, int block_n) {
-    if (splits <= 1) return FaKeyRange{0, sk};
+// The key tiles (of block_n keys) [n_begin, n_end) split `split` of `splits` takes from the
+// ceil(sk / block_n) tiles of a sequence: ceil(tiles / splits) each, so trailing splits may be
+// empty (n_begin == n_end). With one split: every tile. Kernels intersect it with the mask's
+// fa_key_tiles.
+FA_SEQ_FN FaKeyTiles fa_split_tiles(int sk, int splits, int split, int block_n) {
     const int tiles = (sk + block_n - 1) / block_n;
-    const int per = (tiles + splits - 1) / splits;  // tiles per split
-    const long long b = static_cast<long long>(split) * per * block_n, e = b + static_cast<long long>(per) * block_n;
-    return FaKeyRange{static_cast<int>(b < sk ? b : sk), static_cast<int>(e < sk ? e : sk)};
+    if (splits <= 1) return FaKeyTiles{0, tiles};
+    const int per = (tiles + splits - 1) / splits;
+    const long long b = static_cast<long long>(split) * per, e = b + per;
+    return FaKeyTiles{static_cast<int>(b < tiles ? b : tiles), static_cast<int>(e < tiles ? e : tiles)};
 }

@@ -90,8 +90,8 @@ impl Drop for Module {
     }
 }
 
-/// (family, head_dim, dtype, the FP8 pre-pass rather than the forward kernel).
-type FunctionKey = (&'static str, u32, &'static str, bool);
+/// (family, head_dim, dtype, which kernel of the image).
+type FunctionKey = (&'static str, u32, &'static str, Symbol);
 
 /// A function ready to launch: the kernel and its module (kept loaded).
 #[derive(Clone, Debug)]
@@ -236,17 +236,24 @@ impl Device {
     /// The kernel of (family, tile, dtype), loading its module at first use and opting in to
     /// its dynamic shared memory. Later calls are a hash lookup.
     pub(crate) fn function(&self, family: &'static Family, tile: &'static Tile, dtype: &'static str) -> Result<Loaded> {
-        self.load(family, tile, dtype, false)
+        self.load(family, tile, dtype, Symbol::Forward)
+    }
+
+    /// The kernel a launch plan names: the forward, or the serving KV append kernel the
+    /// `APPEND_KV_FAMILY` images hold beside it (build/instances.rs `append_kv_symbol`).
+    pub(crate) fn plan_function(&self, plan: &super::launch::LaunchPlan) -> Result<Loaded> {
+        let sym = if plan.append_kv { Symbol::AppendKv } else { Symbol::Forward };
+        self.load(plan.family, plan.tile, plan.dtype, sym)
     }
 
     /// The FP8 pre-pass an FP8 family's image holds beside its forward kernel (build/instances.rs,
     /// `image_kernel_symbols`), from the same module.
     pub(crate) fn fp8_prepass_function(&self, family: &'static Family, tile: &'static Tile, dtype: &'static str) -> Result<Loaded> {
-        self.load(family, tile, dtype, true)
+        self.load(family, tile, dtype, Symbol::Fp8Prepass)
     }
 
-    fn load(&self, family: &'static Family, tile: &'static Tile, dtype: &'static str, prepass: bool) -> Result<Loaded> {
-        let key = (family.name, tile.head_dim, dtype, prepass);
+    fn load(&self, family: &'static Family, tile: &'static Tile, dtype: &'static str, sym: Symbol) -> Result<Loaded> {
+        let key = (family.name, tile.head_dim, dtype, sym);
         let mut functions = self.functions.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(f) = functions.get(&key) {
             return Ok(f.clone());
@@ -275,10 +282,10 @@ impl Device {
                 }
             }
         };
-        let symbol = if prepass {
-            super::table::fp8_prepass_symbol(tile.head_dim, dtype)
-        } else {
-            super::table::kernel_symbol(family.name, tile.head_dim, dtype)
+        let symbol = match sym {
+            Symbol::Forward => super::table::kernel_symbol(family.name, tile.head_dim, dtype),
+            Symbol::Fp8Prepass => super::table::fp8_prepass_symbol(tile.head_dim, dtype),
+            Symbol::AppendKv => super::table::append_kv_symbol(tile.head_dim, dtype),
         };
         let c_symbol = CString::new(symbol).map_err(|e| Error::Cuda {
             call: "cuModuleGetFunction".into(),
@@ -286,8 +293,8 @@ impl Device {
         })?;
         // SAFETY: `module.raw` is loaded (the Arc keeps it so) in the current context.
         let func = unsafe { result::module::get_function(module.raw, c_symbol) }.map_err(cuda_err("cuModuleGetFunction"))?;
-        // The pre-pass takes no dynamic shared memory.
-        let smem_bytes = if prepass { 0 } else { family.smem_bytes(tile) };
+        // The pre-pass and the append take no dynamic shared memory.
+        let smem_bytes = if sym == Symbol::Forward { family.smem_bytes(tile) } else { 0 };
         if smem_bytes > DEFAULT_SMEM_LIMIT {
             // SAFETY: `func` is a function of the loaded module above.
             unsafe {
@@ -303,4 +310,12 @@ impl Device {
         functions.insert(key, loaded.clone());
         Ok(loaded)
     }
+}
+
+/// Which kernel of a (family, head dim) image: the forward, the FP8 pre-pass, the KV append.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Symbol {
+    Forward,
+    Fp8Prepass,
+    AppendKv,
 }

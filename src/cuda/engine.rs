@@ -45,6 +45,10 @@ use cudarc::driver::{result, sys, CudaContext, CudaStream, DevicePtr, DevicePtrM
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 
+mod serving;
+pub use serving::{DeviceAppend, DeviceIndex, DeviceKv};
+pub(crate) use serving::serving_host_typed;
+
 /// A `CUstream` handle kept as an address, so the tensors that remember theirs are `Send`
 /// (only compared, never dereferenced).
 type StreamId = usize;

@@ -18,7 +18,7 @@
 //! `Variant::Fa2` (src/cuda/family.rs).
 
 use super::family::{chunked_rows_refusal, FamilyHost, LayoutRefusal};
-use super::params::Operands;
+use super::params::{FwdParams, Operands};
 use super::table::{Family, Tile};
 use crate::problem::Problem;
 
@@ -30,6 +30,14 @@ impl FamilyHost for Fa2 {
     fn refusal(&self, _fam: &Family, tile: &Tile, p: &Problem) -> Option<&'static str> {
         (p.head_dim != tile.head_dim as usize)
             .then_some("runs only its exact head dims (32, 64, 96, 128, 192, 256: no tail masking)")
+    }
+
+    /// Every serving layout runs (cuda/common/seqlen.cuh): packed q and k/v, a dense cache with
+    /// `cache_seqlens`, a paged cache of any page size (each K/V row's address goes through the
+    /// block table), and split-KV into `o_accum`/`lse_accum`. The rows an append writes are the
+    /// append kernel's (it runs first); the attention only reads the cache.
+    fn serving_refusal(&self, _fam: &Family, _tile: &Tile, _params: &FwdParams) -> Option<&'static str> {
+        None
     }
 
     fn layout_refusal(&self, ops: &Operands) -> Option<LayoutRefusal> {

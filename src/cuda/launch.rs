@@ -7,7 +7,7 @@
 use super::device::{cuda_err, Loaded};
 use super::fp8::{PrepassLaunch, PrepassParams};
 use super::params::FwdParams;
-use super::table::{kernel_symbol, Family, Tile, DTYPE_NAMES};
+use super::table::{append_kv_symbol, kernel_symbol, Family, Tile, DTYPE_NAMES};
 use crate::error::{Error, Operand, Result};
 use crate::tensor::DType;
 use cudarc::driver::{result, sys, DeviceRepr};
@@ -125,12 +125,18 @@ pub struct LaunchPlan {
     /// What the launch does beyond its family's name (`FamilyHost::launch_note`: FA3's K/V load
     /// path on a serving layout), else `None`.
     pub note: Option<&'static str>,
+    /// The serving KV append kernel of the family's image (`append_kv_symbol`), not the forward.
+    pub append_kv: bool,
 }
 
 impl LaunchPlan {
-    /// `<family>_fwd_hd<D>_<dtype>`.
+    /// `<family>_fwd_hd<D>_<dtype>`, or `fa_append_kv_hd<D>_<dtype>` for an append launch.
     pub fn kernel(&self) -> String {
-        kernel_symbol(self.family.name, self.tile.head_dim, self.dtype)
+        if self.append_kv {
+            append_kv_symbol(self.tile.head_dim, self.dtype)
+        } else {
+            kernel_symbol(self.family.name, self.tile.head_dim, self.dtype)
+        }
     }
 }
 
@@ -163,6 +169,7 @@ pub(crate) fn plan_launch(
         params,
         tensor_maps: fam.host.tensor_maps(fam, dtype, &params)?,
         note: fam.host.launch_note(fam, tile, &params),
+        append_kv: false,
     })
 }
 

@@ -32,8 +32,8 @@ mod select;
 pub mod table;
 
 pub use device::{device_count, driver_present, Device};
-pub use engine::{DeviceLse, DeviceTensor, DeviceTensorMut, Engine, Fp8Codes};
+pub use engine::{DeviceAppend, DeviceIndex, DeviceKv, DeviceLse, DeviceTensor, DeviceTensorMut, Engine, Fp8Codes};
 
 pub(crate) use device::why_unusable;
-pub(crate) use engine::{forward_host_into_typed, forward_host_typed};
+pub(crate) use engine::{forward_host_into_typed, forward_host_typed, serving_host_typed};
 pub(crate) use select::choose;

@@ -44,6 +44,45 @@ pub fn plan_serving(
     plan_params(family, p, ops, params, sm_count)
 }
 
+/// The launch of the serving KV append kernel (cuda/common/append_kv.cuh) for a layout with new
+/// rows: grid (seqlen_new, heads_kv, batch), `kFaAppendThreads` threads, no shared memory, in the
+/// `APPEND_KV_FAMILY` (FA2) image of the smallest head dim unit that holds `p.head_dim` (the
+/// kernel copies `head_dim` elements per row, element by element: any head dim, any alignment).
+/// It runs before the attention launch on the same stream.
+///
+/// # Errors
+/// `for_serving`'s errors; `Error::InvalidSeqLayout` when the layout appends nothing or is not a
+/// cache; `Error::UnsupportedDType` for dtypes other than f16/bf16.
+pub fn plan_append(p: &Problem, layout: &BatchLayout<'_>, ops: &Operands, s: &ServingOperands) -> Result<LaunchPlan> {
+    use crate::serving::layout::KvLayout;
+    let new = match layout.kv_layout() {
+        KvLayout::Cache { new, .. } | KvLayout::Paged { new, .. } => new,
+        _ => 0,
+    };
+    if new == 0 {
+        return Err(Error::InvalidSeqLayout {
+            what: "append".into(),
+            got: "a layout with no new rows".into(),
+            expected: "a dense or paged cache with seqlen_new >= 1 rows to append".into(),
+        });
+    }
+    let params = FwdParams::for_serving(p, layout, ops, s, 1)?;
+    let fam = FAMILIES.iter().find(|f| f.name == super::table::APPEND_KV_FAMILY).expect("the append family is in the table");
+    let tile = fam.tiles.iter().filter(|t| t.head_dim as usize >= p.head_dim).min_by_key(|t| t.head_dim).ok_or_else(|| {
+        Error::VariantUnavailable { variant: Variant::Auto, reason: format!("no append kernel unit holds head_dim {}", p.head_dim) }
+    })?;
+    let mut pl = super::launch::plan_launch(fam, tile, p.dtype, params, 1)?;
+    pl.grid = (new as u32, p.heads_kv as u32, p.batch as u32);
+    pl.block = (APPEND_KV_THREADS, 1, 1);
+    pl.smem_bytes = 0;
+    pl.tensor_maps = Default::default();
+    pl.append_kv = true;
+    Ok(pl)
+}
+
+/// Threads of the append kernel (`kFaAppendThreads`, cuda/common/append_kv.cuh).
+pub const APPEND_KV_THREADS: u32 = 128;
+
 fn plan_params(family: &str, p: &Problem, ops: &Operands, params: FwdParams, sm_count: u32) -> Result<LaunchPlan> {
     let Some(fam) = FAMILIES.iter().find(|f| f.name == family) else {
         let reason = format!("no family {family:?} in the table");

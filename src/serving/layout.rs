@@ -291,6 +291,31 @@ impl<'a> BatchLayout<'a> {
         }
     }
 
+    /// The problem a launch over this layout is validated and parameterised with (the one
+    /// place: the CPU API, `Engine::launch_serving_raw` and the emulator tests): the layout's
+    /// batch and longest sequences, q's heads and head_dim, k's heads. Lengths may be 0 (an
+    /// empty batch, or no keys anywhere).
+    ///
+    /// # Errors
+    /// As [`crate::forward`]'s option validation.
+    pub fn launch_problem(
+        &self,
+        heads_q: usize,
+        heads_kv: usize,
+        head_dim: usize,
+        dtype: crate::tensor::DType,
+        opts: &crate::options::ForwardOptions,
+    ) -> Result<crate::problem::Problem> {
+        let (b, msq, msk) = (self.batch, self.max_seqlen_q, self.max_seqlen_k);
+        crate::problem::Problem::from_shapes(
+            [b, msq, heads_q, head_dim],
+            [b, msk, heads_kv, head_dim],
+            [b, msk, heads_kv, head_dim],
+            dtype,
+            opts,
+        )
+    }
+
     /// Number of sequences.
     pub fn batch(&self) -> usize {
         self.batch

@@ -473,8 +473,7 @@ fn prepare<'a>(
         });
     }
     let layout = BatchLayout::new(ql, q.shape(), kl, k.shape())?;
-    let (b, msq, msk) = (layout.batch(), layout.max_seqlen_q(), layout.max_seqlen_k());
-    let p = Problem::from_shapes([b, msq, hq, d], [b, msk, hkv, d], [b, msk, hkv, d], dtype, opts)?;
+    let p = layout.launch_problem(hq, hkv, d, dtype, opts)?;
     if let Precision::Fp8 { .. } = p.precision {
         return Err(Error::InvalidOption {
             option: "precision",
@@ -484,18 +483,11 @@ fn prepare<'a>(
         });
     }
     check_num_splits(opts)?;
-    if opts.variant != Variant::Auto {
+    if opts.variant != Variant::Auto && !matches!(opts.backend, Backend::Cuda(_)) {
         return Err(Error::VariantUnavailable {
             variant: opts.variant,
-            reason: "GPU kernel families run only on a CUDA backend; the varlen / KV-cache paths run on the CPU (use Variant::Auto)"
-                .into(),
-        });
-    }
-    if let Backend::Cuda(dev) = opts.backend {
-        return Err(Error::BackendUnavailable {
-            backend: format!("cuda:{dev}"),
-            reason: "varlen, paged and KV-cache attention run on the CPU backend only for now; the GPU kernels are \
-                     planned (docs/serving.md)"
+            reason: "GPU kernel families run only on a CUDA backend (Backend::Cuda); under Backend::Auto / Cpu the \
+                     varlen / KV-cache paths run on the CPU (use Variant::Auto)"
                 .into(),
         });
     }
@@ -512,6 +504,10 @@ fn run(
     what: &str,
 ) -> Result<Output> {
     let (p, layout) = prepare(q, k, v, ql, kl, opts)?;
+    if let Backend::Cuda(dev) = opts.backend {
+        // The FA2 serving kernels (docs/serving.md "GPU"; this path is compile-checked only).
+        return crate::cuda_host::serving_host((q, k, v), ql, kl, opts, dev);
+    }
     let threads = cpu::threads(opts.cpu_threads);
     // Long query sequences whose keys lie in one contiguous run (packed k/v or a dense cache)
     // go to the tiled path one by one: with many rows its packing pays off. The rest, and every
@@ -529,7 +525,9 @@ fn run(
     }
     let reason = match opts.backend {
         Backend::Cpu => "Backend::Cpu requested".to_string(),
-        _ => "varlen / KV-cache attention runs on the CPU backend (no GPU kernels for it yet)".to_string(),
+        _ => "Backend::Auto runs varlen / KV-cache attention on the CPU (the GPU serving kernels ran in the emulator \
+              only; ask for Backend::Cuda to use them)"
+            .to_string(),
     };
     let (kernel, tiled_note) = if n_tiled > 0 {
         (

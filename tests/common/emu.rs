@@ -8,7 +8,7 @@
 use super::{floor_for, randn, Rng};
 use flash_attn::cuda::plan::{plan, LaunchPlan, Operands, TensorMapArgs};
 use flash_attn::cuda::table::{
-    kernel_symbol, targets_for, unit_source, Family, KernelVariant, Tile, DTYPE_NAMES, FAMILIES, IMAGES,
+    append_kv_symbol, kernel_symbol, APPEND_KV_FAMILY, targets_for, unit_source, Family, KernelVariant, Tile, DTYPE_NAMES, FAMILIES, IMAGES,
 };
 use flash_attn::reference::{attention_f64, attention_naive, max_abs_diff};
 use flash_attn::{DType, Data, ForwardOptions, Problem, Tensor, TensorView, Variant};
@@ -231,6 +231,9 @@ pub fn unit_exe(fam: &Family, tile: &Tile, mutation: Option<&Mutation>) -> Resul
         let mut unit = unit_source(fam, tile, &source.display().to_string(), false);
         for dt in DTYPE_NAMES {
             writeln!(unit, "EMU_KERNEL({})", kernel_symbol(fam.name, tile.head_dim, dt)).unwrap();
+            if fam.name == APPEND_KV_FAMILY {
+                writeln!(unit, "EMU_KERNEL({})", append_kv_symbol(tile.head_dim, dt)).unwrap();
+            }
         }
         let src = out.with_extension("cpp");
         std::fs::write(&src, unit).unwrap();

@@ -14,6 +14,7 @@
 //! | `edges` | the edges of the input domain (huge bounds, scores near f32::MAX, infinite V) |
 //! | `streams` | engines' own streams and contexts, CUDA graph capture |
 //! | `fp8` | the Hopper FP8 forward (fa3fp8s3) against the CPU FP8 path and float64 |
+//! | `serving` | varlen and paged KV caches through `Backend::Cuda` (the FA2 serving kernels), per sequence |
 //! | here | the sanitizer subsets and the FA3 and FA4 ladders, which scripts/gpu-check-run.sh runs by exact name |
 
 #[path = "../common/mod.rs"]
@@ -21,6 +22,9 @@ mod common;
 mod edges;
 mod fp8;
 mod matrix;
+mod serving;
+#[path = "../serving_util/mod.rs"]
+mod serving_util;
 mod streams;
 mod util;
 

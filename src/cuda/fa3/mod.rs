@@ -46,7 +46,7 @@ impl FamilyHost for Fa3 {
     }
 
     /// Stages 3-5 at head_dim 64 and 128 run packed batches, dense caches with cache_seqlens and
-    /// paged caches of any page size (`cuda/fa3/serving.cuh`); not split-KV, not the append.
+    /// paged caches of any page size (`cuda/fa3/serving.cuh`), after an append; not split-KV.
     fn serving_refusal(&self, fam: &Family, tile: &Tile, params: &FwdParams) -> Option<&'static str> {
         if stage(fam) < SERVING_STAGE {
             return Some("stages 1-2 have no varlen / KV-cache path (stages 3-5 have: docs/fa3.md)");
@@ -57,13 +57,9 @@ impl FamilyHost for Fa3 {
                 "(at 256 its consumers have no registers to spare)"
             ));
         }
-        if params.num_splits > 1 {
-            return Some("has no split-KV (num_splits > 1)");
-        }
-        if params.seqlen_new > 0 {
-            return Some("does not append k_new / v_new to the cache");
-        }
-        None
+        // An append (seqlen_new > 0) is its own kernel, launched first (fa_append_kv): the
+        // attention then reads cache_seqlens + seqlen_new keys, as fa_seq counts them.
+        (params.num_splits > 1).then_some("has no split-KV (num_splits > 1)")
     }
 
     /// 16-byte aligned base addresses and strides of 8 elements: stage 1's 16-byte vector
@@ -246,8 +242,8 @@ mod tests {
         }
         let split = FwdParams { num_splits: 2, ..varlen };
         assert!(Fa3.serving_refusal(row("fa3s5"), &T128, &split).unwrap().contains("split-KV"));
-        let append = FwdParams { seqlen_new: 1, ..varlen };
-        assert!(Fa3.serving_refusal(row("fa3s5"), &T128, &append).unwrap().contains("append"));
+        let append = FwdParams { seqlen_new: 1, seqused_k: 0x30, ..varlen };
+        assert_eq!(Fa3.serving_refusal(row("fa3s5"), &T128, &append), None);
     }
 
     /// Serving maps describe the whole tensors (packed q, paged k/v), and the plan's note names

@@ -1,0 +1,370 @@
+//! The serving entry point of [`Engine`] on device memory (docs/serving.md "Device API"):
+//! varlen, dense or paged KV caches, the KV append. Compile-checked only: the kernels it
+//! launches ran in the emulator (tests/emulator_serving.rs), this launch path has not run on a
+//! GPU.
+//!
+//! Index arrays come as [`DeviceIndex`]: the device address a kernel reads and a host mirror of
+//! the same contents, from which the call is validated exactly as the CPU API validates it
+//! (`BatchLayout::new`), with no device copy and no synchronisation.
+
+use super::{check_stream, cuda_err, stream_id, Engine, DeviceLse, DeviceTensor, DeviceTensorMut, MAX_GRID_YZ, MAX_SEQLEN};
+use crate::cuda::launch::{launch, plan_launch};
+use crate::cuda::params::{FwdParams, Operands, ServingOperands};
+use crate::cuda::plan::plan_append;
+use crate::cuda::select;
+use crate::error::{Error, Operand, Result};
+use crate::options::{ForwardOptions, Precision, Variant};
+use crate::output::Dispatch;
+use crate::serving::layout::{BatchLayout, KvLayout, QueryLayout};
+use crate::tensor::check_extent;
+use cudarc::driver::sys;
+
+/// An i32 index array of a serving call (`cu_seqlens`, `cache_seqlens`, `block_table`) as the
+/// kernels read it: its device address, with a host mirror of the same contents that the call
+/// is validated against.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceIndex<'a> {
+    host: &'a [i32],
+    ptr: u64,
+}
+
+impl<'a> DeviceIndex<'a> {
+    /// # Safety
+    /// `ptr` is a device address of the engine's context holding `host.len()` i32 equal to
+    /// `host`, alive and unchanged until the launches that read it have run.
+    pub unsafe fn from_raw(host: &'a [i32], ptr: u64) -> Self {
+        DeviceIndex { host, ptr }
+    }
+}
+
+/// Where each sequence's keys are, for [`Engine::launch_serving_raw`] (the device form of
+/// [`KvLayout`]).
+#[derive(Clone, Copy, Debug)]
+pub enum DeviceKv<'a> {
+    /// k, v packed `[1, total_k, heads_kv, head_dim]`.
+    Varlen { cu_seqlens: DeviceIndex<'a>, max_seqlen: usize },
+    /// k, v caches `[batch, capacity, heads_kv, head_dim]` holding `seqlens[b]` keys.
+    Cache { seqlens: DeviceIndex<'a> },
+    /// k, v paged `[num_blocks, page_size, heads_kv, head_dim]` through `block_table`
+    /// `[batch, max_blocks_per_seq]`.
+    Paged { seqlens: DeviceIndex<'a>, block_table: DeviceIndex<'a>, max_blocks_per_seq: usize },
+}
+
+/// The rows a call appends to a cache before attending (the write half of
+/// `flash_attn_with_kvcache(k=, v=)`): `[batch, seqlen_new, heads_kv, head_dim]` each.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceAppend<'t, 'a> {
+    pub k_new: &'t DeviceTensor<'a>,
+    pub v_new: &'t DeviceTensor<'a>,
+}
+
+impl Engine {
+    /// Serving attention on device memory, enqueued on `stream` without waiting: a packed q
+    /// (`cu_seqlens_q` with `max_seqlen_q`) or a dense one, over packed k/v or a dense or paged
+    /// cache (`kv`), optionally appending `append`'s rows to the cache first (the append kernel,
+    /// then the attention, on the same stream). `o` has q's shape; `lse` holds
+    /// `[batch, heads_q, seqlen_q]` (dense q) or `[heads_q, total_q]` (packed) f32. Semantics
+    /// as [`crate::serving`]'s CPU functions, validated the same way from the host mirrors.
+    ///
+    /// Runs on the FA2 kernels (under `Variant::Auto` a family without a serving path is passed
+    /// over). Split-KV (`opts.num_splits > 1`) needs the combine kernel and is refused for now.
+    ///
+    /// # Safety
+    /// As [`Engine::launch_raw`]; the index arrays as [`DeviceIndex::from_raw`] says; with
+    /// `append`, `k` and `v` are written (the caller holds them exclusively until the launches
+    /// have run).
+    ///
+    /// # Errors
+    /// The CPU API's validation errors (`Error::InvalidSeqLayout`, `ShapeMismatch`, ...),
+    /// device-tensor dtype/extent/stream errors, `Error::VariantUnavailable` /
+    /// `Error::InvalidOption` for what the kernels do not take, `Error::Cuda`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn launch_serving_raw(
+        &self,
+        stream: sys::CUstream,
+        q: &DeviceTensor,
+        cu_seqlens_q: Option<(DeviceIndex, usize)>,
+        k: &DeviceTensor,
+        v: &DeviceTensor,
+        kv: DeviceKv,
+        append: Option<DeviceAppend>,
+        o: &mut DeviceTensorMut,
+        lse: Option<&mut DeviceLse>,
+        opts: &ForwardOptions,
+    ) -> Result<Dispatch> {
+        self.dev.context().bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: `stream` is a valid handle (the caller's contract); `ctx` is a valid out pointer.
+        unsafe { sys::cuStreamGetCtx(stream, &mut ctx) }.result().map_err(cuda_err("cuStreamGetCtx"))?;
+        if ctx != self.dev.context().cu_ctx() {
+            return Err(Error::StreamMismatch {
+                what: "raw stream".into(),
+                got: format!("a stream of context {:#x}", ctx as usize),
+                expected: format!("a stream of the engine's context (device {})", self.dev.ordinal()),
+            });
+        }
+        let sid = stream_id(stream);
+        let (qb, kb, vb, ob) = (&q.b, &k.b, &v.b, &o.b);
+        for (op, t) in [(Operand::Q, qb), (Operand::K, kb), (Operand::V, vb), (Operand::O, ob)] {
+            check_extent(op, t.shape, t.strides, t.len)?;
+            check_stream(op, t.stream, sid)?;
+            if t.dtype != qb.dtype {
+                return Err(Error::DTypeMismatch { operand: op, got: t.dtype, expected: qb.dtype });
+            }
+        }
+        if ob.shape != qb.shape || vb.shape != kb.shape {
+            return Err(Error::ShapeMismatch {
+                what: "o / v".into(),
+                got: format!("o {:?}, v {:?}", ob.shape, vb.shape),
+                expected: format!("o {:?} (q's shape), v {:?} (k's shape)", qb.shape, kb.shape),
+            });
+        }
+        let new = match &append {
+            Some(a) => {
+                for (op, t) in [(Operand::K, &a.k_new.b), (Operand::V, &a.v_new.b)] {
+                    check_extent(op, t.shape, t.strides, t.len)?;
+                    check_stream(op, t.stream, sid)?;
+                }
+                let [b, n, hkv, d] = a.k_new.b.shape;
+                if a.v_new.b.shape != a.k_new.b.shape || hkv != kb.shape[2] || d != kb.shape[3] {
+                    return Err(Error::ShapeMismatch {
+                        what: "k_new / v_new".into(),
+                        got: format!("{:?} / {:?}", a.k_new.b.shape, a.v_new.b.shape),
+                        expected: format!("[{b}, seqlen_new, {}, {}] both", kb.shape[2], kb.shape[3]),
+                    });
+                }
+                if matches!(kv, DeviceKv::Varlen { .. }) {
+                    return Err(Error::InvalidSeqLayout {
+                        what: "append".into(),
+                        got: "packed k/v".into(),
+                        expected: "a dense or paged cache to append into".into(),
+                    });
+                }
+                n
+            }
+            None => 0,
+        };
+        let ql = match &cu_seqlens_q {
+            Some((cu, max_seqlen)) => QueryLayout::Varlen { cu_seqlens: cu.host, max_seqlen: *max_seqlen },
+            None => QueryLayout::Dense,
+        };
+        let kl = match &kv {
+            DeviceKv::Varlen { cu_seqlens, max_seqlen } => {
+                KvLayout::Varlen { cu_seqlens: cu_seqlens.host, max_seqlen: *max_seqlen }
+            }
+            DeviceKv::Cache { seqlens } => KvLayout::Cache { seqlens: seqlens.host, new },
+            DeviceKv::Paged { seqlens, block_table, max_blocks_per_seq } => KvLayout::Paged {
+                block_table: block_table.host,
+                max_blocks_per_seq: *max_blocks_per_seq,
+                seqlens: seqlens.host,
+                new,
+            },
+        };
+        let layout = BatchLayout::new(ql, qb.shape, kl, kb.shape)?;
+        if let Some(a) = &append {
+            if a.k_new.b.shape[0] != layout.batch() {
+                return Err(Error::ShapeMismatch {
+                    what: "k_new".into(),
+                    got: format!("{:?}", a.k_new.b.shape),
+                    expected: format!("batch {} (one row block per sequence)", layout.batch()),
+                });
+            }
+        }
+        let [_, _, hq, d] = qb.shape;
+        let [_, _, hkv, _] = kb.shape;
+        let (b, msq, msk) = (layout.batch(), layout.max_seqlen_q(), layout.max_seqlen_k());
+        let p = layout.launch_problem(hq, hkv, d, qb.dtype, opts)?;
+        if let Precision::Fp8 { .. } = p.precision {
+            return Err(Error::InvalidOption {
+                option: "precision",
+                got: "Precision::Fp8".into(),
+                expected: "Precision::Native on the varlen / KV-cache paths".into(),
+            });
+        }
+        crate::serving::check_num_splits(opts)?;
+        if opts.num_splits.is_some_and(|n| n > 1) {
+            return Err(Error::InvalidOption {
+                option: "num_splits",
+                got: format!("{:?}", opts.num_splits),
+                expected: "1 on the GPU for now (split-KV on the GPU needs the combine kernel, docs/serving.md)".into(),
+            });
+        }
+        if p.heads_q > MAX_GRID_YZ || b > MAX_GRID_YZ || msq.max(msk) > MAX_SEQLEN {
+            return Err(Error::TooLarge {
+                what: format!("batch {b} / heads {hq} (at most {MAX_GRID_YZ}), seqlens {msq} / {msk} (at most 2^30)"),
+            });
+        }
+        let idx = |i: Option<&DeviceIndex>| i.map_or(0, |i| i.ptr);
+        let (cu_k, seqused, table) = match &kv {
+            DeviceKv::Varlen { cu_seqlens, .. } => (Some(cu_seqlens), None, None),
+            DeviceKv::Cache { seqlens } => (None, Some(seqlens), None),
+            DeviceKv::Paged { seqlens, block_table, .. } => (None, Some(seqlens), Some(block_table)),
+        };
+        let new_ptrs = append.as_ref().map_or([0, 0], |a| [a.k_new.b.ptr, a.v_new.b.ptr]);
+        let new_strides = append.as_ref().map_or([[0; 3]; 2], |a| [a.k_new.b.strides, a.v_new.b.strides]);
+        let sops = ServingOperands {
+            cu_seqlens_q: idx(cu_seqlens_q.as_ref().map(|c| &c.0)),
+            cu_seqlens_k: idx(cu_k),
+            seqused_k: idx(seqused),
+            block_table: idx(table),
+            knew: new_ptrs[0],
+            vnew: new_ptrs[1],
+            new_strides,
+            ..ServingOperands::default()
+        };
+        let mut ops = Operands {
+            ptrs: [qb.ptr, kb.ptr, vb.ptr, ob.ptr],
+            strides: [qb.strides, kb.strides, vb.strides, ob.strides],
+            lse: 0,
+            alibi: 0,
+        };
+        // A family with a serving path: under Auto, FA2 when the fastest one has none.
+        let mut c = select::choose_for(&*self.dev, &p, opts.variant, &ops)?;
+        let probe = FwdParams::for_serving(&p, &layout, &ops, &sops, 1)?;
+        if let Some(why) = c.family.host.serving_refusal(c.family, c.tile, &probe) {
+            if opts.variant != Variant::Auto {
+                return Err(Error::VariantUnavailable { variant: opts.variant, reason: format!("{} {why}", c.family.name) });
+            }
+            c = select::choose_for(&*self.dev, &p, Variant::Fa2, &ops)?;
+        }
+        if let Some(l) = lse {
+            let need = probe.lse_rows();
+            if l.b.len < need {
+                return Err(Error::ShapeMismatch {
+                    what: "lse buffer".into(),
+                    got: format!("{} f32", l.b.len),
+                    expected: format!("at least {need} f32 (the serving LSE layout, docs/serving.md)"),
+                });
+            }
+            check_stream(Operand::O, l.b.stream, sid)?;
+            ops.lse = l.b.ptr;
+        }
+        ops.alibi = match &p.alibi {
+            Some(slopes) => self.alibi_on_device(slopes, stream)?,
+            None => 0,
+        };
+        let params = FwdParams::for_serving(&p, &layout, &ops, &sops, 1)?;
+        if new > 0 {
+            let pl = plan_append(&p, &layout, &ops, &sops)?;
+            launch(&self.dev.plan_function(&pl)?, stream, &pl)?;
+        }
+        let plan = plan_launch(c.family, c.tile, p.dtype, params, self.dev.sm_count())?;
+        // An empty batch (no query rows) launches nothing.
+        if plan.grid.0 > 0 && plan.grid.2 > 0 {
+            launch(&self.dev.plan_function(&plan)?, stream, &plan)?;
+        }
+        let mut d = self.record(&c, opts);
+        d.reason = format!(
+            "{}; serving: {} sequences{}{}",
+            d.reason,
+            b,
+            if new > 0 { format!(", {new} row(s) appended first (fa_append_kv)") } else { String::new() },
+            plan.note.map_or(String::new(), |n| format!("; {n}"))
+        );
+        Ok(d)
+    }
+}
+
+/// Runs a host-memory serving call on the GPU (the CPU API with `Backend::Cuda`): uploads q,
+/// k, v (each view's whole buffer, its strides kept) and the index arrays, launches
+/// [`Engine::launch_serving_raw`], downloads o and the LSE. Compile-checked only.
+pub(crate) fn serving_host_typed<T>(
+    engine: &Engine,
+    views: (&crate::tensor::TensorView, &crate::tensor::TensorView, &crate::tensor::TensorView),
+    data: [&[T]; 3],
+    ql: QueryLayout<'_>,
+    kl: KvLayout<'_>,
+    opts: &ForwardOptions,
+) -> Result<crate::output::Output>
+where
+    T: crate::tensor::Element + cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits,
+{
+    use cudarc::driver::DevicePtr;
+    let (q, k, v) = views;
+    if matches!(kl, KvLayout::Dense) {
+        return Err(Error::InvalidSeqLayout {
+            what: "kv layout".into(),
+            got: "dense k/v".into(),
+            expected: "packed k/v or a cache (dense attention is `forward`)".into(),
+        });
+    }
+    let stream = engine.device().default_stream();
+    let up = |s: &[T]| stream.clone_htod(s).map_err(cuda_err("cuMemcpyHtoDAsync"));
+    let up_i32 = |s: &[i32]| stream.clone_htod(s).map_err(cuda_err("cuMemcpyHtoDAsync(index)"));
+    let (dq, dk, dv) = (up(data[0])?, up(data[1])?, up(data[2])?);
+    let o_len = crate::tensor::numel(q.shape(), "output")?;
+    let mut d_o = stream.alloc_zeros::<T>(o_len).map_err(cuda_err("cuMemAllocAsync(o)"))?;
+    // The index arrays, uploaded; their host slices stay the mirrors the call is validated on.
+    let (cu_q_host, max_q): (&[i32], usize) = match ql {
+        QueryLayout::Varlen { cu_seqlens, max_seqlen } => (cu_seqlens, max_seqlen),
+        _ => (&[], 0),
+    };
+    let (a_host, b_host): (&[i32], &[i32]) = match kl {
+        KvLayout::Varlen { cu_seqlens, .. } => (cu_seqlens, &[]),
+        KvLayout::Cache { seqlens, .. } => (seqlens, &[]),
+        KvLayout::Paged { seqlens, block_table, .. } => (seqlens, block_table),
+        _ => (&[], &[]),
+    };
+    let keep = |s: &[i32]| -> Result<Option<cudarc::driver::CudaSlice<i32>>> {
+        if s.is_empty() {
+            Ok(None)
+        } else {
+            up_i32(s).map(Some)
+        }
+    };
+    let (d_cu_q, d_a, d_b) = (keep(cu_q_host)?, keep(a_host)?, keep(b_host)?);
+    let ptr = |s: &Option<cudarc::driver::CudaSlice<i32>>| s.as_ref().map_or(0, |s| s.device_ptr(&stream).0);
+    // Probe the layout for the LSE size (the same validation the launch repeats).
+    let layout = BatchLayout::new(ql, q.shape(), kl, k.shape())?;
+    let lse_rows = match ql {
+        QueryLayout::Varlen { .. } => q.shape()[2] * layout.q_rows(),
+        _ => layout.batch() * q.shape()[2] * layout.q_rows(),
+    };
+    let mut d_lse = match opts.return_lse {
+        true => Some(stream.alloc_zeros::<f32>(lse_rows.max(1)).map_err(cuda_err("cuMemAllocAsync(lse)"))?),
+        false => None,
+    };
+    let dispatch = {
+        let tq = DeviceTensor::new(&dq, &stream, q.shape()).with_strides(q.strides());
+        let tk = DeviceTensor::new(&dk, &stream, k.shape()).with_strides(k.strides());
+        let tv = DeviceTensor::new(&dv, &stream, v.shape()).with_strides(v.strides());
+        let mut to = DeviceTensorMut::new(&mut d_o, &stream, q.shape());
+        let mut tl = d_lse.as_mut().map(|l| DeviceLse::new(l, &stream));
+        // SAFETY: every address below is a buffer just uploaded on `stream` from the very host
+        // slices given as mirrors, alive until after the synchronize below; `stream` is the
+        // engine's own default stream.
+        let (cu_q, kv) = unsafe {
+            let cu_q = (!cu_q_host.is_empty()).then(|| (DeviceIndex::from_raw(cu_q_host, ptr(&d_cu_q)), max_q));
+            let a = DeviceIndex::from_raw(a_host, ptr(&d_a));
+            let kv = match kl {
+                KvLayout::Varlen { max_seqlen, .. } => DeviceKv::Varlen { cu_seqlens: a, max_seqlen },
+                KvLayout::Paged { max_blocks_per_seq, .. } => DeviceKv::Paged {
+                    seqlens: a,
+                    block_table: DeviceIndex::from_raw(b_host, ptr(&d_b)),
+                    max_blocks_per_seq,
+                },
+                _ => DeviceKv::Cache { seqlens: a },
+            };
+            (cu_q, kv)
+        };
+        // SAFETY: as above; nothing is appended (k and v are only read).
+        unsafe {
+            engine.launch_serving_raw(stream.cu_stream(), &tq, cu_q, &tk, &tv, kv, None, &mut to, tl.as_mut(), opts)?
+        }
+    };
+    let mut o_host = vec![T::default(); o_len];
+    stream.memcpy_dtoh(&d_o, &mut o_host).map_err(cuda_err("cuMemcpyDtoHAsync(o)"))?;
+    let mut lse_host = vec![0f32; lse_rows];
+    if let Some(l) = &d_lse {
+        if lse_rows > 0 {
+            stream.memcpy_dtoh(&l.slice(0..lse_rows), &mut lse_host).map_err(cuda_err("cuMemcpyDtoHAsync(lse)"))?;
+        }
+    }
+    // Kernel faults surface here, as an error of the synchronize.
+    stream.synchronize().map_err(cuda_err("cuStreamSynchronize"))?;
+    Ok(crate::output::Output {
+        o: crate::tensor::Tensor::from_vec(o_host, q.shape())?,
+        lse: opts.return_lse.then_some(lse_host),
+        dispatch,
+    })
+}
