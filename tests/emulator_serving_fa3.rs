@@ -242,10 +242,7 @@ fn run_mutated(c: &Case, execute: bool, mutation: Option<&Mutation>) -> Result<(
         }
     };
     let layout = BatchLayout::new(ql, q_shape, kl, k_shape).map_err(|e| format!("layout: {e}"))?;
-    let (msq, msk) = (layout.max_seqlen_q(), layout.max_seqlen_k());
-    let zq = Tensor::zeros(dt, [batch, msq, hq, d]).unwrap();
-    let zk = Tensor::zeros(dt, [batch, msk, hkv, d]).unwrap();
-    let p = Problem::new(&zq.view(), &zk.view(), &zk.view(), &c.opts).map_err(|e| format!("problem: {e}"))?;
+    let p = layout.launch_problem(hq, hkv, d, dt, &c.opts).map_err(|e| format!("problem: {e}"))?;
     let st = |s: [usize; 4]| [s[1] * s[2] * s[3], s[2] * s[3], s[3]];
     let ops = Operands {
         ptrs: [Q, K, V, O],
