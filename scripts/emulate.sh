@@ -11,4 +11,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export FLASH_ATTN_EMU=full
 export FLASH_ATTN_EMU_THREADS="${FLASH_ATTN_EMU_THREADS:-2}"
-cargo test --release --test emulator "$@" -- --nocapture
+cargo test --release --test emulator --test emulator_serving_fa3 "$@" -- --nocapture

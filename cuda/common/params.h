@@ -55,6 +55,11 @@ typedef struct FwdParams {
     int32_t num_splits;                // key splits (split-KV); 0 or 1 = none
     int32_t seqlen_new;                // rows appended per sequence by this call (0: none)
     int32_t total_q;                   // rows of a packed q (the packed LSE's head stride); 0 when dense
+    // k/v's two outer extents [kv_batches, kv_rows, heads_kv, dim] as BatchLayout holds them:
+    // (1, total_k) packed, (batch, capacity) a cache, (num_blocks, page_size) paged; 0 on a dense
+    // launch (batch, seqlen_k). Host-side only: the TMA maps of FA3/FA4 need the tensor's extent.
+    int32_t kv_rows;
+    int32_t kv_batches;
     uint32_t reserved2;                // keeps the size a multiple of 8
 } FwdParams;
 
@@ -64,7 +69,7 @@ typedef struct FwdParams {
 
 #ifdef __cplusplus
 #include <cstddef>
-static_assert(sizeof(FwdParams) == 360, "FwdParams size: update src/cuda/params.rs too");
+static_assert(sizeof(FwdParams) == 368, "FwdParams size: update src/cuda/params.rs too");
 static_assert(offsetof(FwdParams, q_batch_stride) == 72, "FwdParams layout");
 static_assert(offsetof(FwdParams, batch) == 168, "FwdParams layout");
 static_assert(offsetof(FwdParams, window_left) == 192, "FwdParams layout");
@@ -78,4 +83,6 @@ static_assert(offsetof(FwdParams, vnew_head_stride) == 328, "FwdParams layout");
 static_assert(offsetof(FwdParams, block_table_batch_stride) == 336, "FwdParams layout");
 static_assert(offsetof(FwdParams, num_splits) == 344, "FwdParams layout");
 static_assert(offsetof(FwdParams, total_q) == 352, "FwdParams layout");
+static_assert(offsetof(FwdParams, kv_rows) == 356, "FwdParams layout");
+static_assert(offsetof(FwdParams, kv_batches) == 360, "FwdParams layout");
 #endif

@@ -40,9 +40,24 @@ struct FaSeq {
     int64_t lse_head_stride;  // LSE index step per head (rows step 1)
 };
 
-FA_SEQ_FN FaSeq fa_seq(const FwdParams& p, int b) {
+// Batch entry b of a dense launch (the serving fields ignored): seqlen_q x seqlen_k, rows (b, i).
+// fa_seq starts from it; a kernel instance that has no serving path reads only this.
+FA_SEQ_FN FaSeq fa_seq_dense(const FwdParams& p, int b) {
     FaSeq s;
     s.b = b;
+    s.sq = p.seqlen_q;
+    s.q_batch = b;
+    s.q_row0 = 0;
+    s.lse0 = static_cast<int64_t>(b) * p.heads_q * p.seqlen_q;
+    s.lse_head_stride = p.seqlen_q;
+    s.sk = p.seqlen_k;
+    s.kv_batch = b;
+    s.kv_row0 = 0;
+    return s;
+}
+
+FA_SEQ_FN FaSeq fa_seq(const FwdParams& p, int b) {
+    FaSeq s = fa_seq_dense(p, b);
     if (p.cu_seqlens_q != 0) {
         const int32_t* cu = reinterpret_cast<const int32_t*>(p.cu_seqlens_q);
         const int start = cu[b];
@@ -51,15 +66,7 @@ FA_SEQ_FN FaSeq fa_seq(const FwdParams& p, int b) {
         s.q_row0 = start;
         s.lse0 = start;
         s.lse_head_stride = p.total_q;
-    } else {
-        s.sq = p.seqlen_q;
-        s.q_batch = b;
-        s.q_row0 = 0;
-        s.lse0 = static_cast<int64_t>(b) * p.heads_q * p.seqlen_q;
-        s.lse_head_stride = p.seqlen_q;
     }
-    s.kv_batch = b;
-    s.kv_row0 = 0;
     if (p.seqused_k != 0) {
         s.sk = reinterpret_cast<const int32_t*>(p.seqused_k)[b] + p.seqlen_new;
     } else if (p.cu_seqlens_k != 0) {
@@ -67,8 +74,6 @@ FA_SEQ_FN FaSeq fa_seq(const FwdParams& p, int b) {
         s.kv_batch = 0;
         s.kv_row0 = cu[b];
         s.sk = cu[b + 1] - cu[b];
-    } else {
-        s.sk = p.seqlen_k;
     }
     return s;
 }
@@ -97,16 +102,25 @@ FA_SEQ_FN int64_t fa_lse_rows(const FwdParams& p) {
                                : static_cast<int64_t>(p.batch) * p.heads_q * p.seqlen_q;
 }
 
+// Where key j of sequence s lies in a paged cache: slot `slot` of block `block` (the block the
+// table names). Only for j < s.sk (table entries past a sequence's pages are not read).
+struct FaPage {
+    int block, slot;
+};
+FA_SEQ_FN FaPage fa_kv_page(const FwdParams& p, const FaSeq& s, int j) {
+    const int32_t* row =
+        reinterpret_cast<const int32_t*>(p.block_table) + static_cast<int64_t>(s.b) * p.block_table_batch_stride;
+    return FaPage{row[j / p.page_size], j % p.page_size};
+}
+
 // Element offset of key row j (head 0) of sequence s in a k- or v-shaped tensor with these batch
 // and row strides (k's for K, v's for V; add kv_head * head_stride). Paged: the block the table
 // names (batch_stride steps blocks, row_stride slots). Only for j < s.sk.
 FA_SEQ_FN int64_t fa_kv_row_offset(const FwdParams& p, const FaSeq& s, int64_t batch_stride, int64_t row_stride,
                                    int j) {
     if (p.page_size > 0) {
-        const int32_t* row =
-            reinterpret_cast<const int32_t*>(p.block_table) + static_cast<int64_t>(s.b) * p.block_table_batch_stride;
-        return static_cast<int64_t>(row[j / p.page_size]) * batch_stride +
-               static_cast<int64_t>(j % p.page_size) * row_stride;
+        const FaPage pg = fa_kv_page(p, s, j);
+        return static_cast<int64_t>(pg.block) * batch_stride + static_cast<int64_t>(pg.slot) * row_stride;
     }
     return static_cast<int64_t>(s.kv_batch) * batch_stride + static_cast<int64_t>(s.kv_row0 + j) * row_stride;
 }

@@ -5,6 +5,7 @@
 #pragma once
 #include "fa3/preamble.cuh"
 #include "fa3/scheduler.cuh"
+#include "fa3/serving.cuh"
 #include "fa3/traits.cuh"
 #include "sm90/mbarrier.cuh"
 #include "sm90/tma.cuh"
@@ -24,11 +25,13 @@ __device__ __forceinline__ void consumer_wait(uint64_t* bar, uint32_t parity) {
 // start at or past seqlen_q are skipped (and not counted in expect_tx) rather than relying on
 // TMA's behaviour for a box lying entirely out of bounds; their smem rows keep stale data, which
 // only feeds query rows >= seqlen_q (row-wise softmax, never written back).
+// Serving layouts (fa3/serving.cuh) give the tile's first row as a TMA row coordinate `row0`
+// (packed q: the sequence's offset + m0) and `rows_left` = sq_b - m0.
 template <class Tr>
-__device__ __forceinline__ void issue_q(const TmaDesc* tq, uint8_t* sq, uint64_t* bar, int m0,
-                                        int seqlen_q, int head, int batch) {
+__device__ __forceinline__ void issue_q_rows(const TmaDesc* tq, uint8_t* sq, uint64_t* bar, int row0,
+                                             int rows_left, int head, int batch) {
     constexpr int kBoxes = Tr::kBlockM / Tr::kTmaBoxRowsQ;
-    const int live = min(kBoxes, (seqlen_q - m0 + Tr::kTmaBoxRowsQ - 1) / Tr::kTmaBoxRowsQ);
+    const int live = min(kBoxes, (rows_left + Tr::kTmaBoxRowsQ - 1) / Tr::kTmaBoxRowsQ);
     mbar_arrive_expect_tx(bar, live * (Tr::kTmaQBytes / kBoxes));
 #pragma unroll
     for (int slab = 0; slab < Tr::kSlabs; ++slab)
@@ -36,18 +39,30 @@ __device__ __forceinline__ void issue_q(const TmaDesc* tq, uint8_t* sq, uint64_t
         for (int rb = 0; rb < kBoxes; ++rb)
             if (rb < live)
                 tma_load_4d(sq + Tr::q_box_offset(slab, rb), tq, bar, slab * Tr::kTmaBoxCols, head,
-                            m0 + rb * Tr::kTmaBoxRowsQ, batch);
+                            row0 + rb * Tr::kTmaBoxRowsQ, batch);
+}
+template <class Tr>
+__device__ __forceinline__ void issue_q(const TmaDesc* tq, uint8_t* sq, uint64_t* bar, int m0,
+                                        int seqlen_q, int head, int batch) {
+    issue_q_rows<Tr>(tq, sq, bar, m0, seqlen_q - m0, head, batch);
 }
 
 // The TMA copies of K (or V) tile n, every slab, into ring slot `slot`, completing on `bar`
 // (the caller has announced the bytes with expect_tx).
+// load_kv_rows: the same from TMA row coordinate `row` of map batch `batch` (serving layouts:
+// a packed tensor's row, or a page's slot with the block index as the batch coordinate).
 template <class Tr>
-__device__ __forceinline__ void load_kv_tile(const TmaDesc* map, uint8_t* ring, uint64_t* bar, int slot, int n,
+__device__ __forceinline__ void load_kv_rows(const TmaDesc* map, uint8_t* ring, uint64_t* bar, int slot, int row,
                                              int kv_head, int batch) {
     uint8_t* dst = ring + slot * Tr::kKvTileBytes;
 #pragma unroll
     for (int slab = 0; slab < Tr::kSlabs; ++slab)
-        tma_load_4d(dst + Tr::kv_box_offset(slab), map, bar, slab * Tr::kTmaBoxCols, kv_head, n * Tr::kBlockN, batch);
+        tma_load_4d(dst + Tr::kv_box_offset(slab), map, bar, slab * Tr::kTmaBoxCols, kv_head, row, batch);
+}
+template <class Tr>
+__device__ __forceinline__ void load_kv_tile(const TmaDesc* map, uint8_t* ring, uint64_t* bar, int slot, int n,
+                                             int kv_head, int batch) {
+    load_kv_rows<Tr>(map, ring, bar, slot, n * Tr::kBlockN, kv_head, batch);
 }
 
 // V tile n into ring slot `slot`: as K, or, when Tr::kVTransposed (the FP8 consumer: 8-bit wgmma
@@ -60,6 +75,62 @@ __device__ __forceinline__ void load_v_tile(const TmaDesc* map, uint8_t* ring, u
         tma_load_4d(ring + slot * Tr::kKvTileBytes, map, bar, n * Tr::kBlockN, 0, kv_head, batch);
     else
         load_kv_tile<Tr>(map, ring, bar, slot, n, kv_head, batch);
+}
+
+// The gathered copy of K (is_v false) or V tile n of sequence s into ring slot `slot`, by the
+// 128 producer threads (ptid 0..127); published by gather_commit.
+template <class Tr>
+__device__ __forceinline__ void gather_kv(const FwdParams& p, const FaSeq& s, int ptid, uint8_t* ring, int slot, int n,
+                                          int kv_head, bool is_v) {
+    const uint16_t* base = reinterpret_cast<const uint16_t*>(is_v ? p.v : p.k);
+    const int64_t bs = is_v ? p.v_batch_stride : p.k_batch_stride;
+    const int64_t rs = is_v ? p.v_row_stride : p.k_row_stride;
+    const int64_t hs = is_v ? p.v_head_stride : p.k_head_stride;
+    gather_tile<Tr>(ring + slot * Tr::kKvTileBytes, p, s, base, bs, rs, kv_head * hs, n, ptid);
+}
+
+// Stages 4-5: the producer's copy of one K or V tile n of sequence s into ring slot `slot`,
+// completing on `full` (count 1): TMA by thread 0 (expect_tx of the tile's bytes), or gathered
+// by all 128 producer threads when gathered_tile says so. Dense launches only ever take the TMA
+// branch (and only thread 0 runs the producer then).
+template <class Tr>
+__device__ __forceinline__ void produce_kv(const FwdParams& p, const FaSeq& s, int ptid, const TmaDesc* map,
+                                           uint8_t* ring, uint64_t* full, int slot, int n, int kv_head, bool is_v) {
+    if constexpr (ServesLayouts<Tr>::value) {
+        if (gathered_tile<Tr>(p, s, n)) {
+            gather_kv<Tr>(p, s, ptid, ring, slot, n, kv_head, is_v);
+            gather_commit(full, ptid);
+            return;
+        }
+    }
+    if (ptid == 0) {
+        int row, batch;
+        kv_tma_coords<Tr>(p, s, n, &row, &batch);
+        mbar_arrive_expect_tx(full, Tr::kKvTileBytes);
+        // The FP8 consumer's Vᵀ (dense launches only: its traits do not serve the layouts).
+        if (Tr::kVTransposed && is_v)
+            load_v_tile<Tr>(map, ring, full, slot, n, kv_head, batch);
+        else
+            load_kv_rows<Tr>(map, ring, full, slot, row, kv_head, batch);
+    }
+}
+
+// Stages 2-3 on the serving layouts: K and V tile n into slot `slot`, both on kv_full[slot].
+template <class Tr>
+__device__ __forceinline__ void produce_kv_pair(const FwdParams& p, const FaSeq& s, int ptid, const TmaDesc* tk,
+                                                const TmaDesc* tv, uint8_t* sk, uint8_t* sv, uint64_t* full,
+                                                int slot, int n, int kv_head) {
+    if (gathered_tile<Tr>(p, s, n)) {
+        gather_kv<Tr>(p, s, ptid, sk, slot, n, kv_head, false);
+        gather_kv<Tr>(p, s, ptid, sv, slot, n, kv_head, true);
+        gather_commit(full, ptid);
+    } else if (ptid == 0) {
+        int row, batch;
+        kv_tma_coords<Tr>(p, s, n, &row, &batch);
+        mbar_arrive_expect_tx(full, Tr::kTmaKvBytes);
+        load_kv_rows<Tr>(tk, sk, full, slot, row, kv_head, batch);
+        load_kv_rows<Tr>(tv, sv, full, slot, row, kv_head, batch);
+    }
 }
 
 // Stages 2-3: K and V tile n into ring slot `slot`, both counted on kv_full[slot].
@@ -164,18 +235,6 @@ struct SplitBarriers {
     }
 };
 
-// Stages 4-5: one K or one V tile (kV: through load_v_tile) into ring slot `slot`, counted on its
-// own barrier `bar`.
-template <class Tr, bool kV = false>
-__device__ __forceinline__ void issue_tile(const TmaDesc* map, uint8_t* ring, uint64_t* bar,
-                                           int slot, int n, int kv_head, int batch) {
-    mbar_arrive_expect_tx(bar, Tr::kKvTileBytes);
-    if constexpr (kV)
-        load_v_tile<Tr>(map, ring, bar, slot, n, kv_head, batch);
-    else
-        load_kv_tile<Tr>(map, ring, bar, slot, n, kv_head, batch);
-}
-
 // Ping-pong token between the two consumer warpgroups: a warpgroup may issue its GEMMs only
 // while it holds the token and passes it on right after issuing, so one warpgroup's softmax
 // runs under the other's GEMMs (FA3 paper, section 3.1). Consumer 0 waits on barrier kBar0,
@@ -218,27 +277,31 @@ struct RingPos {
     int q_use = 0;
 };
 
-// One query tile of one (head, batch) seen by the producer thread: Q (after the previous Q was
-// released), then K_j and V_j for every visible K/V tile j.
+// One query tile of one (head, sequence) seen by the producer: Q (after the previous Q was
+// released), then K_j and V_j for every visible K/V tile j, each by TMA (thread ptid 0) or
+// gathered (all 128 producer threads, serving launches: produce_kv). seq: the tile's sequence
+// (fa3/serving.cuh; a dense launch's batch entry).
 template <class Tr>
-__device__ __forceinline__ void produce_tile(int seqlen_q, const TmaDesc* tq, const TmaDesc* tk,
-                                             const TmaDesc* tv, uint8_t* sq, uint8_t* sk,
-                                             uint8_t* sv, SplitBarriers<Tr>& bars,
-                                             const BlockCoord& bc, const KvRange& kv,
-                                             RingPos& pos) {
+__device__ __forceinline__ void produce_tile(const FwdParams& p, const FaSeq& seq, int ptid, const TmaDesc* tq,
+                                             const TmaDesc* tk, const TmaDesc* tv, uint8_t* sq, uint8_t* sk,
+                                             uint8_t* sv, SplitBarriers<Tr>& bars, const BlockCoord& bc,
+                                             const KvRange& kv, RingPos& pos) {
     constexpr int S = Tr::kKvStages;
     const int n_tiles = kv.n_end - kv.n_begin;
     if (n_tiles <= 0) return;
-    if (pos.q_use > 0) mbar_wait(bars.q_empty, (pos.q_use - 1) & 1);
-    issue_q<Tr>(tq, sq, bars.q_full, bc.m_block * Tr::kBlockM, seqlen_q, bc.head, bc.batch);
+    if (ptid == 0) {
+        if (pos.q_use > 0) mbar_wait(bars.q_empty, (pos.q_use - 1) & 1);
+        const int m0 = bc.m_block * Tr::kBlockM;
+        issue_q_rows<Tr>(tq, sq, bars.q_full, seq.q_row0 + m0, seq.sq - m0, bc.head, seq.q_batch);
+    }
     ++pos.q_use;
     for (int j = 0; j < n_tiles; ++j, ++pos.kv_it) {
         const int slot = pos.kv_it % S;
         const uint32_t prev_use_parity = ((pos.kv_it / S) - 1) & 1;  // use kv_it/S - 1 released
         if (pos.kv_it >= S) mbar_wait(&bars.k_empty[slot], prev_use_parity);
-        issue_tile<Tr>(tk, sk, &bars.k_full[slot], slot, kv.n_begin + j, bc.kv_head, bc.batch);
+        produce_kv<Tr>(p, seq, ptid, tk, sk, &bars.k_full[slot], slot, kv.n_begin + j, bc.kv_head, false);
         if (pos.kv_it >= S) mbar_wait(&bars.v_empty[slot], prev_use_parity);
-        issue_tile<Tr, true>(tv, sv, &bars.v_full[slot], slot, kv.n_begin + j, bc.kv_head, bc.batch);
+        produce_kv<Tr>(p, seq, ptid, tv, sv, &bars.v_full[slot], slot, kv.n_begin + j, bc.kv_head, true);
     }
 }
 

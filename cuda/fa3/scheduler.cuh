@@ -45,6 +45,9 @@ struct OneTile {
     int n_tiles;
     __device__ __forceinline__ explicit OneTile(const FwdParams& p)
         : bc(block_coord(p)), m0(bc.m_block * Tr::kBlockM), kv(kv_range<Tr>(p, bc)), n_tiles(kv.n_end - kv.n_begin) {}
+    // Tile bc of one sequence: ps holds that sequence's lengths (fa3/serving.cuh seq_params).
+    __device__ __forceinline__ OneTile(const FwdParams& ps, const BlockCoord& c)
+        : bc(c), m0(bc.m_block * Tr::kBlockM), kv(kv_range<Tr>(ps, bc)), n_tiles(kv.n_end - kv.n_begin) {}
 };
 
 // Where stage 1's plain loads read from: the one tile's first Q row, and K and V (the FP8

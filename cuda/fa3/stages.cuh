@@ -72,27 +72,45 @@ __device__ __forceinline__ void stage2_of(const FwdParams& p, const TmaDesc* tq,
 
 // Stage 3: + warp specialisation. Warpgroup 0 produces (setmaxnreg.dec, thread 0 issues TMA
 // after each slot's release); warpgroups 1-2 consume 64 query rows each (setmaxnreg.inc) and
-// release a slot through its "empty" mbarrier.
+// release a slot through its "empty" mbarrier. With traits that serve the batch layouts
+// (fa3/serving.cuh), the CTA's (query tile, head, sequence) comes from the per-sequence view,
+// and on a serving launch the whole producer warpgroup runs the loop (gathered tiles).
 template <class Tr, class T, template <class, class> class Op>
 __device__ __forceinline__ void stage3_of(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk,
                                           const TmaDesc* tv) {
+    constexpr bool kServing = ServesLayouts<Tr>::value;
     const Cta<Tr> cta;
     Barriers<Tr> bars(cta.smem);
-    const OneTile<Tr> tile(p);
+    const BlockCoord bc = block_coord(p);
+    const FaSeq seq = seq_of<kServing>(p, bc.batch);
+    FwdParams own;
+    const FwdParams& ps = seq_params<kServing>(p, seq, own);  // this sequence's lengths: mask, tile range
+    const OneTile<Tr> tile(ps, bc);
+    // The grid covers the longest sequence (max_seqlen_q): tiles past a shorter one's end exit.
+    if (tile.m0 >= seq.sq) return;
     const int warpgroup = threadIdx.x / kWarpgroupThreads;
 
     if (threadIdx.x == 0) bars.init(Tr::kConsumerThreads);
     __syncthreads();  // the last CTA-wide barrier: roles diverge below
     if (warpgroup < Tr::kProducerWarpgroups) {
         setmaxnreg_dec<Tr::kProducerRegs>();
-        if (threadIdx.x == 0 && tile.n_tiles > 0) {
-            const RingIssuer<Tr> issue{tq, tk, tv, cta.sq, cta.sk, cta.sv, bars, tile};
-            issue.start(p.seqlen_q);
+        const int ptid = threadIdx.x;  // the producer is warpgroup 0
+        if ((ptid == 0 || (kServing && launch_is_serving(p))) && tile.n_tiles > 0) {
+            if (ptid == 0) {
+                prefetch_maps(tq, tk, tv);
+                issue_q_rows<Tr>(tq, cta.sq, bars.q_full, seq.q_row0 + tile.m0, seq.sq - tile.m0, bc.head,
+                                 seq.q_batch);
+            }
             for (int it = 0; it < tile.n_tiles; ++it) {
+                const int slot = it % Tr::kKvStages;
                 // Use u = it / S of a slot needs use u - 1 released (its phase u - 1 done).
-                if (it >= Tr::kKvStages)
-                    mbar_wait(&bars.kv_empty[it % Tr::kKvStages], ((it / Tr::kKvStages) - 1) & 1);
-                issue.kv(it);
+                if (it >= Tr::kKvStages) mbar_wait(&bars.kv_empty[slot], ((it / Tr::kKvStages) - 1) & 1);
+                if constexpr (kServing)
+                    produce_kv_pair<Tr>(p, seq, ptid, tk, tv, cta.sk, cta.sv, &bars.kv_full[slot], slot,
+                                        tile.kv.n_begin + it, bc.kv_head);
+                else
+                    issue_kv<Tr>(tk, tv, cta.sk, cta.sv, &bars.kv_full[slot], slot, tile.kv.n_begin + it, bc.kv_head,
+                                 bc.batch);
             }
         }
         return;
@@ -103,9 +121,9 @@ __device__ __forceinline__ void stage3_of(const FwdParams& p, const TmaDesc* tq,
     const typename Acc<Tr>::Frag frag(threadIdx.x % kWarpgroupThreads);
     Acc<Tr> acc;
     acc.init();
-    mainloop_ring<Tr, T, Op>(p, cta, bars, acc, frag, smem_u32(cta.sq) + Tr::q_warpgroup_offset(cw), m_first, tile,
+    mainloop_ring<Tr, T, Op>(ps, cta, bars, acc, frag, smem_u32(cta.sq) + Tr::q_warpgroup_offset(cw), m_first, tile,
                              [&](int, int slot) { mbar_arrive(&bars.kv_empty[slot]); });
-    write_output<Tr, T>(p, acc, frag, m_first, tile.bc.batch, tile.bc.head);
+    write_output<Tr, T>(ps, acc, frag, m_first, seq_of<kServing>(p, bc.batch), bc.head);  // re-read: as stage45
 }
 
 // The 16-bit stages 1-3.
@@ -127,10 +145,11 @@ __device__ __forceinline__ void stage3(const FwdParams& p, const TmaDesc* tq, co
 // Stage 4: + ping-pong and intra-warpgroup overlap, one query tile per CTA (grid as in stages
 // 1-3). Stage 5: + persistent scheduling: gridDim.x CTAs (ideally the SM count) walk the tiles
 // heaviest first; the K/V ring and the Q buffer carry across tiles.
-// Tr, Op: as stage1_of.
+// Tr, Op: as stage1_of; with traits that serve the batch layouts, as stage3_of.
 template <class Tr, class T, template <class, class> class Op>
 __device__ __forceinline__ void stage45_of(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk,
                                            const TmaDesc* tv) {
+    constexpr bool kServing = ServesLayouts<Tr>::value;
     const Cta<Tr> cta;
     SplitBarriers<Tr> bars(cta.smem);
     const int tid = threadIdx.x;
@@ -140,17 +159,25 @@ __device__ __forceinline__ void stage45_of(const FwdParams& p, const TmaDesc* tq
     if (tid == 0) bars.init();
     __syncthreads();  // the last CTA-wide barrier: roles diverge below
 
+    // Tiles are numbered over max_seqlen_q blocks of every sequence; producer and consumers skip
+    // the same ones (past a shorter sequence's end), so their ring positions stay in step.
     RingPos pos;
     if (warpgroup < Tr::kProducerWarpgroups) {
         setmaxnreg_dec<Tr::kProducerRegs>();
-        if (tid == 0) {
-            prefetch_maps(tq, tk, tv);
+        // Dense launches: thread 0 issues every copy. Serving launches: the whole warpgroup walks
+        // the tiles (gathered K/V tiles take all 128 threads; TMA stays with thread 0).
+        if (tid == 0 || (kServing && launch_is_serving(p))) {
+            if (tid == 0) prefetch_maps(tq, tk, tv);
             for (int t = sched.begin; t < sched.num_tiles; t += sched.step) {
                 const BlockCoord bc = sched.coord(p, t);
-                produce_tile<Tr>(p.seqlen_q, tq, tk, tv, cta.sq, cta.sk, cta.sv, bars, bc, kv_range<Tr>(p, bc), pos);
+                const FaSeq seq = seq_of<kServing>(p, bc.batch);
+                if (bc.m_block * Tr::kBlockM >= seq.sq) continue;
+                FwdParams own;
+                produce_tile<Tr>(p, seq, tid, tq, tk, tv, cta.sq, cta.sk, cta.sv, bars, bc,
+                                 kv_range<Tr>(seq_params<kServing>(p, seq, own), bc), pos);
             }
 #if defined(FA_HANG_CHECK)
-            watch_release<Tr>(bars, pos);
+            if (tid == 0) watch_release<Tr>(bars, pos);
 #endif
         }
         return;
@@ -162,11 +189,17 @@ __device__ __forceinline__ void stage45_of(const FwdParams& p, const TmaDesc* tq
     turn.start();
     for (int t = sched.begin; t < sched.num_tiles; t += sched.step) {
         const BlockCoord bc = sched.coord(p, t);
+        const FaSeq seq = seq_of<kServing>(p, bc.batch);
+        if (bc.m_block * Tr::kBlockM >= seq.sq) continue;
+        FwdParams own;
+        const FwdParams& ps = seq_params<kServing>(p, seq, own);  // this sequence's lengths: mask, tile range
         const int m_first = bc.m_block * Tr::kBlockM + cw * kMmaM;
         Acc<Tr> acc;
         acc.init();
-        mainloop_overlapped<Tr, T, Op>(p, cta, bars, acc, frag, m_first, bc, kv_range<Tr>(p, bc), pos, cw, turn);
-        write_output<Tr, T>(p, acc, frag, m_first, bc.batch, bc.head);
+        mainloop_overlapped<Tr, T, Op>(ps, cta, bars, acc, frag, m_first, bc, kv_range<Tr>(ps, bc), pos, cw, turn);
+        // The sequence's view again, read after the mainloop rather than kept through it (its
+        // offsets would take registers the consumers do not have to spare: stage 4 spilled).
+        write_output<Tr, T>(ps, acc, frag, m_first, seq_of<kServing>(p, bc.batch), bc.head);
     }
     turn.finish();
 }

@@ -65,14 +65,24 @@ struct Fa3Traits {
     // 128 registers) and the extra branch made ptxas spill there.
     static constexpr bool kSkipUnmaskedTiles = !(Stage >= 5 && HeadDim > 128);
 
+    // Runs the serving layouts (varlen, caches, pages: fa3/serving.cuh) from stage 3 on, at
+    // head_dim <= 128: at 256 the consumers already sit at the 240-register ceiling. The host
+    // refuses the rest (src/cuda/fa3/mod.rs).
+    static constexpr bool kServing = Stage >= 3 && HeadDim <= 128;
+
     // K/V ring depth: stage 1 loads synchronously into one buffer.
     static constexpr int kKvStages = Stage >= 2 ? 2 : 1;
 
     // Register split for the warp-specialised stage (3 warpgroups = 384 threads share 64K regs:
     // 128 * (24 + 2 * 240) = 64512 <= 65536). The kernel is compiled with
-    // __launch_bounds__(384, 1), i.e. at most 168 registers at entry.
-    static constexpr int kProducerRegs = 24;
-    static constexpr int kConsumerRegs = 240;
+    // __launch_bounds__(384, 1), i.e. at most 168 registers at entry. Instances that serve the
+    // batch layouts move registers to the producer (its per-sequence view and gathered loads):
+    // stage 5, with its tile walk, 56 (24 to 48 spilled) and the consumers 216 (hd 128 reaches
+    // R203); stages 3-4 32 and 232 (stage 4 hd 128 reaches R229; 224 spilled). Totals
+    // 128 * (56 + 2 * 216) = 62464 and 128 * (32 + 2 * 232) = 63488, within the 64512 of the
+    // CTA's launch allocation (ptxas at CUDA 13.0, no spills: tests/sass.rs).
+    static constexpr int kProducerRegs = kServing ? (Stage >= 5 ? 56 : 32) : 24;
+    static constexpr int kConsumerRegs = kServing ? (Stage >= 5 ? 216 : 232) : 240;
 
     // Shared-memory plan (bytes). Every tile is a whole number of 1024-byte swizzle atoms, so
     // each one starts 1024-aligned once the base is.

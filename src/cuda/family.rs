@@ -43,6 +43,12 @@ pub(crate) trait FamilyHost: Sync + fmt::Debug {
         Some("has no varlen / KV-cache / split-KV path (cuda/common/seqlen.cuh) yet")
     }
 
+    /// What a launch of `tile` with `params` does that its family name does not say (FA3 on a
+    /// serving layout: which K/V load path), for the launch plan's `note` and `Dispatch::reason`.
+    fn launch_note(&self, _fam: &Family, _tile: &Tile, _params: &FwdParams) -> Option<&'static str> {
+        None
+    }
+
     /// Why the kernels cannot run on these device addresses and element strides, or `None`.
     fn layout_refusal(&self, _ops: &Operands) -> Option<LayoutRefusal> {
         None

@@ -123,6 +123,9 @@ pub struct LaunchPlan {
     pub params: FwdParams,
     /// The maps after `FwdParams` (FA3 stages 2-5 and every FA4 stage: Q, K, V), else none.
     pub tensor_maps: TensorMaps,
+    /// What the launch does beyond its family's name (`FamilyHost::launch_note`: FA3's K/V load
+    /// path on a serving layout), else `None`.
+    pub note: Option<&'static str>,
     /// The serving KV append kernel of the family's image (`append_kv_symbol`), not the forward.
     pub append_kv: bool,
 }
@@ -166,6 +169,7 @@ pub(crate) fn plan_launch(
         smem_bytes: fam.smem_bytes(tile),
         params,
         tensor_maps: fam.host.tensor_maps(fam, dtype, &params)?,
+        note: fam.host.launch_note(fam, tile, &params),
         append_kv: false,
     })
 }

@@ -127,12 +127,17 @@ pub struct FwdParams {
     pub seqlen_new: i32,
     /// Rows of a packed q (the packed LSE's head stride); 0 when dense.
     pub total_q: i32,
+    /// k/v's outer extents `[kv_batches, kv_rows, hkv, d]` ([`BatchLayout::k_dims`]): `(1,
+    /// total_k)` packed, `(batch, capacity)` a cache, `(num_blocks, page_size)` paged; 0 on a
+    /// dense launch. Host-side (the TMA maps of FA3 need the tensor's extent).
+    pub kv_rows: i32,
+    pub kv_batches: i32,
     pub reserved2: u32,
 }
 
 // The same numbers as the static_asserts in cuda/common/params.h, plus every other offset.
 const _: () = {
-    assert!(size_of::<FwdParams>() == 360);
+    assert!(size_of::<FwdParams>() == 368);
     assert!(offset_of!(FwdParams, q) == 0);
     assert!(offset_of!(FwdParams, lse) == 32);
     assert!(offset_of!(FwdParams, alibi_slopes) == 40);
@@ -168,7 +173,9 @@ const _: () = {
     assert!(offset_of!(FwdParams, num_splits) == 344);
     assert!(offset_of!(FwdParams, seqlen_new) == 348);
     assert!(offset_of!(FwdParams, total_q) == 352);
-    assert!(offset_of!(FwdParams, reserved2) == 356);
+    assert!(offset_of!(FwdParams, kv_rows) == 356);
+    assert!(offset_of!(FwdParams, kv_batches) == 360);
+    assert!(offset_of!(FwdParams, reserved2) == 364);
 };
 
 impl FwdParams {
@@ -271,6 +278,10 @@ impl FwdParams {
         if let QueryLayout::Varlen { .. } = layout.query_layout() {
             f.cu_seqlens_q = need(s.cu_seqlens_q, "cu_seqlens_q")?;
             f.total_q = i32_of(layout.q_rows(), "total_q")?;
+        }
+        if !matches!(layout.kv_layout(), KvLayout::Dense) {
+            let [kb, kr] = layout.k_dims();
+            (f.kv_batches, f.kv_rows) = (i32_of(kb, "k/v blocks or batch")?, i32_of(kr, "k/v rows")?);
         }
         let new = match layout.kv_layout() {
             KvLayout::Varlen { .. } => {
@@ -394,7 +405,15 @@ impl FwdParams {
         ] {
             put(&x.to_ne_bytes());
         }
-        for x in [self.block_table_batch_stride, self.page_size, self.num_splits, self.seqlen_new, self.total_q] {
+        for x in [
+            self.block_table_batch_stride,
+            self.page_size,
+            self.num_splits,
+            self.seqlen_new,
+            self.total_q,
+            self.kv_rows,
+            self.kv_batches,
+        ] {
             put(&x.to_ne_bytes());
         }
         put(&self.reserved2.to_ne_bytes());
@@ -460,6 +479,8 @@ mod tests {
             num_splits: 19,
             seqlen_new: 20,
             total_q: 21,
+            kv_rows: 23,
+            kv_batches: 24,
             reserved2: 22,
             ..FwdParams::default()
         };
@@ -481,6 +502,8 @@ mod tests {
         assert_eq!(i32_at(offset_of!(FwdParams, num_splits)), 19);
         assert_eq!(i32_at(offset_of!(FwdParams, seqlen_new)), 20);
         assert_eq!(i32_at(offset_of!(FwdParams, total_q)), 21);
+        assert_eq!(i32_at(offset_of!(FwdParams, kv_rows)), 23);
+        assert_eq!(i32_at(offset_of!(FwdParams, kv_batches)), 24);
         assert_eq!(i32_at(offset_of!(FwdParams, reserved2)), 22);
         assert!(p.is_serving() && !FwdParams::default().is_serving());
     }
@@ -513,6 +536,7 @@ mod tests {
         let f = FwdParams::for_serving(&p, &l, &ops, &s, 3).unwrap();
         assert_eq!((f.cu_seqlens_q, f.total_q, f.cu_seqlens_k), (0x600, 5, 0));
         assert_eq!((f.seqused_k, f.block_table, f.block_table_batch_stride, f.page_size), (0x700, 0x800, 4, 3));
+        assert_eq!((f.kv_batches, f.kv_rows), (3, 3)); // [num_blocks, page_size]
         assert_eq!((f.seqlen_new, f.knew, f.vnew, f.knew_row_stride), (1, 0x900, 0xA00, 16));
         assert_eq!((f.num_splits, f.o_accum, f.lse_accum), (3, 0xB00, 0xC00));
         assert_eq!((f.batch, f.seqlen_q, f.seqlen_k, f.lse_rows()), (2, 3, 8, 20));

@@ -339,6 +339,12 @@ impl<'a> BatchLayout<'a> {
         self.q_rows
     }
 
+    /// k's first two dimensions: `(batch, seqlen_k)`, `(1, total_k)`, `(batch, capacity)` or
+    /// `(num_blocks, page_size)`.
+    pub fn k_dims(&self) -> [usize; 2] {
+        self.k_dims
+    }
+
     /// Keys per block of a paged cache (1 for any other layout).
     pub fn page_size(&self) -> usize {
         match self.kv {

@@ -6,10 +6,10 @@
 #![allow(dead_code)]
 
 use super::{floor_for, randn, Rng};
+use flash_attn::cuda::plan::{plan, LaunchPlan, Operands, TensorMapArgs};
 use flash_attn::cuda::table::{
     append_kv_symbol, kernel_symbol, APPEND_KV_FAMILY, targets_for, unit_source, Family, KernelVariant, Tile, DTYPE_NAMES, FAMILIES, IMAGES,
 };
-use flash_attn::cuda::plan::{plan, LaunchPlan, Operands, TensorMapArgs};
 use flash_attn::reference::{attention_f64, attention_naive, max_abs_diff};
 use flash_attn::{DType, Data, ForwardOptions, Problem, Tensor, TensorView, Variant};
 use std::collections::hash_map::DefaultHasher;
@@ -63,8 +63,16 @@ fn sources_hash() -> u64 {
     })
 }
 
-const CXXFLAGS: &[&str] =
-    &["-std=c++20", "-O2", "-g", "-fno-omit-frame-pointer", "-fno-strict-aliasing", "-Wall", "-Wextra", "-Wno-unknown-pragmas"];
+const CXXFLAGS: &[&str] = &[
+    "-std=c++20",
+    "-O2",
+    "-g",
+    "-fno-omit-frame-pointer",
+    "-fno-strict-aliasing",
+    "-Wall",
+    "-Wextra",
+    "-Wno-unknown-pragmas",
+];
 
 const UBSAN: &[&str] = &["-fsanitize=signed-integer-overflow,shift", "-fno-sanitize-recover=all"];
 
@@ -148,7 +156,12 @@ fn runtime_objects() -> Result<Vec<PathBuf>, String> {
         objs.push(cached(&key, |out| {
             let mut a: Vec<String> = CXXFLAGS.iter().map(|s| s.to_string()).collect();
             a.extend(includes(&root().join("cuda")));
-            a.extend(["-c".into(), root().join("cuda/test/emu").join(src).display().to_string(), "-o".into(), out.display().to_string()]);
+            a.extend([
+                "-c".into(),
+                root().join("cuda/test/emu").join(src).display().to_string(),
+                "-o".into(),
+                out.display().to_string(),
+            ]);
             gxx(&a, src)
         })?);
     }
@@ -192,7 +205,10 @@ fn mutated_tree(m: &Mutation) -> Result<PathBuf, String> {
             let text = std::fs::read_to_string(&p).map_err(|e| format!("{}: {e}", m.file))?;
             let n = text.matches(m.from).count();
             if n != 1 {
-                return Err(format!("mutation {}: {:?} occurs {n} times in {} (expected once)", m.name, m.from, m.file));
+                return Err(format!(
+                    "mutation {}: {:?} occurs {n} times in {} (expected once)",
+                    m.name, m.from, m.file
+                ));
             }
             std::fs::write(&p, text.replacen(m.from, m.to, 1)).unwrap();
         }

@@ -78,11 +78,7 @@ pub fn check_seq(
                 for h in 0..hq {
                     for i in 0..sq {
                         let (got, want) = (l(h, i) as f64, r.lse[h * sq + i]);
-                        let e = if got == want {
-                            0.0
-                        } else {
-                            (got - want).abs() / want.abs().max(1.0)
-                        };
+                        let e = if got == want { 0.0 } else { (got - want).abs() / want.abs().max(1.0) };
                         worst = worst.max(if e.is_nan() { f64::INFINITY } else { e });
                     }
                 }

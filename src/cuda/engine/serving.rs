@@ -268,11 +268,12 @@ impl Engine {
         }
         let mut d = self.record(&c, opts);
         d.reason = format!(
-            "{}; serving: {} sequences{}{}",
+            "{}; serving: {} sequences{}{}{}",
             d.reason,
             b,
             if new > 0 { format!(", {new} row(s) appended first (fa_append_kv)") } else { String::new() },
-            if splits > 1 { format!(", {splits} key splits merged by the combine kernel") } else { String::new() }
+            if splits > 1 { format!(", {splits} key splits merged by the combine kernel") } else { String::new() },
+            plan.note.map_or(String::new(), |n| format!("; {n}"))
         );
         Ok(d)
     }

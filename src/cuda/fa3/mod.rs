@@ -18,6 +18,12 @@ use tma::OperandLayout;
 
 /// The first stage on a persistent grid.
 const PERSISTENT_STAGE: u8 = 5;
+/// The first stage that runs the serving layouts (warp-specialised: the producer warpgroup's
+/// threads gather what TMA cannot load; `Fa3Traits::kServing`).
+const SERVING_STAGE: u8 = 3;
+/// The largest head dim with a serving path (`Fa3Traits::kServing`: at 256 the consumers have
+/// no registers to spare).
+const SERVING_MAX_HEAD_DIM: u32 = 128;
 /// The first stage that loads through TMA (and takes the tensor maps).
 const TMA_STAGE: u8 = 2;
 
@@ -39,6 +45,23 @@ impl FamilyHost for Fa3 {
         (p.head_dim != tile.head_dim as usize).then_some("runs head_dim 64, 128 or 256 exactly (no masked tail)")
     }
 
+    /// Stages 3-5 at head_dim 64 and 128 run packed batches, dense caches with cache_seqlens and
+    /// paged caches of any page size (`cuda/fa3/serving.cuh`), after an append; not split-KV.
+    fn serving_refusal(&self, fam: &Family, tile: &Tile, params: &FwdParams) -> Option<&'static str> {
+        if stage(fam) < SERVING_STAGE {
+            return Some("stages 1-2 have no varlen / KV-cache path (stages 3-5 have: docs/fa3.md)");
+        }
+        if tile.head_dim > SERVING_MAX_HEAD_DIM {
+            return Some(concat!(
+                "runs varlen / KV caches at head_dim 64 and 128 only ",
+                "(at 256 its consumers have no registers to spare)"
+            ));
+        }
+        // An append (seqlen_new > 0) is its own kernel, launched first (fa_append_kv): the
+        // attention then reads cache_seqlens + seqlen_new keys, as fa_seq counts them.
+        (params.num_splits > 1).then_some("has no split-KV (num_splits > 1)")
+    }
+
     /// 16-byte aligned base addresses and strides of 8 elements: stage 1's 16-byte vector
     /// loads, and TMA's stride rule from stage 2 on.
     fn layout_refusal(&self, ops: &Operands) -> Option<LayoutRefusal> {
@@ -53,6 +76,10 @@ impl FamilyHost for Fa3 {
         }
     }
 
+    fn launch_note(&self, _fam: &Family, tile: &Tile, params: &FwdParams) -> Option<&'static str> {
+        load_path(tile, params)
+    }
+
     fn tensor_maps(&self, fam: &Family, dtype: DType, params: &FwdParams) -> Result<TensorMaps> {
         if stage(fam) < TMA_STAGE {
             return Ok(TensorMaps::default());
@@ -63,10 +90,33 @@ impl FamilyHost for Fa3 {
     }
 }
 
-/// Operand layouts as the tensor maps need them, from the launch parameters (FA3 and FA4).
+/// Which K/V load path a launch of `tile` takes (`Dispatch::reason` and the launch plan's note
+/// say it; `cuda/fa3/serving.cuh` has the rule), or `None` for a dense launch (TMA only).
+pub(crate) fn load_path(tile: &Tile, p: &FwdParams) -> Option<&'static str> {
+    if !p.is_serving() {
+        return None;
+    }
+    Some(if p.page_size > 0 && p.page_size as u32 % tile.block_n == 0 {
+        concat!(
+            "K/V by TMA through the block table (page size a multiple of the key tile); ",
+            "each sequence's partial last tile gathered with cp.async"
+        )
+    } else if p.page_size > 0 {
+        "K/V gathered with cp.async through the block table (page size not a multiple of the key tile)"
+    } else {
+        "K/V by TMA; each sequence's partial last tile gathered with cp.async"
+    })
+}
+
+/// Operand layouts as the tensor maps need them, from the launch parameters (FA3 and FA4). A
+/// serving launch's maps describe the whole tensors: a packed q `[1, total_q, ..]`, and k/v by
+/// their extents (`kv_batches`, `kv_rows`: packed, cache or pages); extents of 0 (an empty
+/// batch) become 1, as TMA needs, since no tile is loaded then.
 pub(crate) fn layouts(p: &FwdParams) -> [OperandLayout; 3] {
-    let l = |seqlen: i32, heads: i32, st: [i64; 3]| OperandLayout {
-        batch: p.batch as usize,
+    let (q_batch, q_rows) = if p.cu_seqlens_q != 0 { (1, p.total_q.max(1)) } else { (p.batch, p.seqlen_q) };
+    let (kv_batch, kv_rows) = if p.kv_batches > 0 { (p.kv_batches, p.kv_rows.max(1)) } else { (p.batch, p.seqlen_k) };
+    let l = |batch: i32, seqlen: i32, heads: i32, st: [i64; 3]| OperandLayout {
+        batch: batch as usize,
         seqlen: seqlen as usize,
         heads: heads as usize,
         head_dim: p.head_dim as usize,
@@ -75,9 +125,9 @@ pub(crate) fn layouts(p: &FwdParams) -> [OperandLayout; 3] {
         head_stride: st[2] as usize,
     };
     [
-        l(p.seqlen_q, p.heads_q, [p.q_batch_stride, p.q_row_stride, p.q_head_stride]),
-        l(p.seqlen_k, p.heads_kv, [p.k_batch_stride, p.k_row_stride, p.k_head_stride]),
-        l(p.seqlen_k, p.heads_kv, [p.v_batch_stride, p.v_row_stride, p.v_head_stride]),
+        l(q_batch, q_rows, p.heads_q, [p.q_batch_stride, p.q_row_stride, p.q_head_stride]),
+        l(kv_batch, kv_rows, p.heads_kv, [p.k_batch_stride, p.k_row_stride, p.k_head_stride]),
+        l(kv_batch, kv_rows, p.heads_kv, [p.v_batch_stride, p.v_row_stride, p.v_head_stride]),
     ]
 }
 
@@ -174,5 +224,55 @@ mod tests {
         let maps = Fa3.tensor_maps(s4, DType::BF16, &p).unwrap();
         assert_eq!(maps.iter().map(|m| m.global_address).collect::<Vec<_>>(), [0x1000, 0x2000, 0x3000]);
         assert_eq!(maps[1].spec, sk);
+    }
+
+    /// Stages 3-5 at hd 64/128 take the serving layouts; the rest are refused with the rule.
+    #[test]
+    fn serving_refusals_name_the_rule() {
+        let row = |n: &str| FAMILIES.iter().find(|f| f.name == n).unwrap();
+        let t = |d: u32| Tile { head_dim: d, block_n: if d <= 128 { 128 } else { 64 }, ..T128 };
+        let varlen = FwdParams { cu_seqlens_q: 0x10, cu_seqlens_k: 0x20, ..params() };
+        for s in ["fa3s3", "fa3s4", "fa3s5"] {
+            assert_eq!(Fa3.serving_refusal(row(s), &t(64), &varlen), None, "{s}");
+            assert_eq!(Fa3.serving_refusal(row(s), &t(128), &varlen), None, "{s}");
+            assert!(Fa3.serving_refusal(row(s), &t(256), &varlen).unwrap().contains("64 and 128"));
+        }
+        for s in ["fa3s1", "fa3s2"] {
+            assert!(Fa3.serving_refusal(row(s), &T128, &varlen).unwrap().contains("stages 3-5"));
+        }
+        let split = FwdParams { num_splits: 2, ..varlen };
+        assert!(Fa3.serving_refusal(row("fa3s5"), &T128, &split).unwrap().contains("split-KV"));
+        let append = FwdParams { seqlen_new: 1, seqused_k: 0x30, ..varlen };
+        assert_eq!(Fa3.serving_refusal(row("fa3s5"), &T128, &append), None);
+    }
+
+    /// Serving maps describe the whole tensors (packed q, paged k/v), and the plan's note names
+    /// the K/V load path by the page size.
+    #[test]
+    fn serving_maps_and_load_path() {
+        let paged = FwdParams {
+            cu_seqlens_q: 0x10,
+            total_q: 7,
+            seqused_k: 0x20,
+            block_table: 0x30,
+            page_size: 256,
+            block_table_batch_stride: 4,
+            kv_batches: 9,
+            kv_rows: 256,
+            ..params()
+        };
+        let [lq, lk, lv] = layouts(&paged);
+        assert_eq!((lq.batch, lq.seqlen), (1, 7));
+        assert_eq!((lk.batch, lk.seqlen), (9, 256));
+        assert_eq!(lk, lv);
+        assert!(load_path(&T128, &paged).unwrap().starts_with("K/V by TMA through the block table"));
+        let small = FwdParams { page_size: 16, kv_rows: 16, ..paged };
+        assert!(load_path(&T128, &small).unwrap().starts_with("K/V gathered"));
+        let packed = FwdParams { cu_seqlens_k: 0x40, kv_batches: 1, kv_rows: 300, ..params() };
+        assert!(load_path(&T128, &packed).unwrap().starts_with("K/V by TMA;"));
+        assert_eq!(load_path(&T128, &params()), None);
+        // An empty packed batch still encodes (extents of 1; no tile is loaded).
+        let empty = FwdParams { cu_seqlens_q: 0x10, total_q: 0, ..paged };
+        assert_eq!(layouts(&empty)[0].seqlen, 1);
     }
 }
