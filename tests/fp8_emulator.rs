@@ -850,7 +850,12 @@ fn fp8_consumer_accuracy_table_hd64_hd256() {
         for &(ek, ec) in &rows {
             assert!((ek / ec - 1.0).abs() <= 0.03, "hd{d}: kernel RMSE {ek:.3e} vs the CPU FP8 path {ec:.3e}");
         }
-        assert!(rows[0].0 < rows[1].0, "hd{d}: per-block + Hadamard {:.3e} not below per-tensor {:.3e}", rows[0].0, rows[1].0);
+        assert!(
+            rows[0].0 < rows[1].0,
+            "hd{d}: per-block + Hadamard {:.3e} not below per-tensor {:.3e}",
+            rows[0].0,
+            rows[1].0
+        );
         assert!(rows[0].0 < naive, "hd{d}: no gain over the naive baseline");
     }
 }
@@ -880,7 +885,8 @@ fn accuracy_rows(d: usize, runs: &[(&str, Fp8Scaling, Option<u64>, u32)]) -> (f6
         let (cpu, _) = cpu_fp8(&q, &k, &v, Precision::Fp8 { scaling, hadamard }, false);
         let (ek, ec) = (err(&got.o), err(&cpu));
         println!(
-            "hd{d} {label}: kernel RMSE {ek:.3e} (CPU FP8 path {ec:.3e}), gain over the naive FP8 baseline ({naive:.3e}) {:.2}x ({:.1} s)",
+            "hd{d} {label}: kernel RMSE {ek:.3e} (CPU FP8 path {ec:.3e}), gain over the naive FP8 baseline \
+             ({naive:.3e}) {:.2}x ({:.1} s)",
             naive / ek,
             got.secs
         );
@@ -1027,11 +1033,24 @@ fn fp8_plans_refuse_what_the_kernels_do_not_run() {
     let fp8 = |scaling| Precision::Fp8 { scaling, hadamard: None };
     let ok = consumer_plan(&problem(128, fp8(block)), &ops(128), 1, 1).unwrap();
     assert_eq!((ok.kernel.as_str(), ok.grid, ok.params.descale_block), ("fa3fp8s1_fwd_hd128_bf16", (1, 2, 1), 64));
-    assert_eq!(consumer_plan(&problem(128, fp8(Fp8Scaling::PerTensor)), &ops(128), 1, 1).unwrap().params.descale_block, 0);
+    assert_eq!(
+        consumer_plan(&problem(128, fp8(Fp8Scaling::PerTensor)), &ops(128), 1, 1).unwrap().params.descale_block,
+        0
+    );
     assert!(matches!(
-        consumer_plan(&problem(64, fp8(block)), &ops(64), 2, 1),
-        Err(Error::UnsupportedHeadDim { head_dim: 64, .. })
+        consumer_plan(&problem(96, fp8(block)), &ops(96), 2, 1),
+        Err(Error::UnsupportedHeadDim { head_dim: 96, .. })
     ));
+    // Head dims 64 and 256: operands with 64-byte rows get 64-byte boxes and SWIZZLE_64B maps
+    // (cuTensorMapEncodeTiled's value 2; 3 is 128B): Q and K at hd 64, Vᵀ of the 64-key tiles at hd 256.
+    let swizzles = |d: usize| {
+        let plan = consumer_plan(&problem(d, fp8(block)), &ops(d), 5, 132).unwrap();
+        assert_eq!(plan.kernel, format!("fa3fp8s5_fwd_hd{d}_bf16"));
+        plan.tensor_maps.iter().map(|m| (m.spec.box_dims, m.spec.swizzle)).collect::<Vec<_>>()
+    };
+    assert_eq!(swizzles(64), [([64, 1, 64, 1], 2), ([64, 1, 128, 1], 2), ([128, 64, 1, 1], 3)]);
+    assert_eq!(swizzles(128), [([128, 1, 64, 1], 3), ([128, 1, 128, 1], 3), ([128, 128, 1, 1], 3)]);
+    assert_eq!(swizzles(256), [([128, 1, 64, 1], 3), ([128, 1, 64, 1], 3), ([64, 256, 1, 1], 2)]);
     assert!(matches!(
         consumer_plan(&problem(128, fp8(Fp8Scaling::PerBlock { rows: 32 })), &ops(128), 1, 1),
         Err(Error::InvalidOption { .. })

@@ -2,8 +2,9 @@
 //! (`cuda/fp8_prepass.cu`: bf16/f16 -> e4m3 codes + per-block scales, Q and K rotated) and the FP8
 //! consumer (`cuda/fa3_fp8_fwd_sm90.cu`). The CPU emulator runs exactly these launches
 //! (tests/fp8_emulator.rs). The stage 3-5 consumers at head_dim 64, 128 and 256, each with the
-//! pre-pass of its head_dim in its image, are the table rows "fa3fp8s3".."fa3fp8s5" (build/instances.rs), whose host rules are
-//! `Fp8` here: `select` picks them for `Precision::Fp8` problems on sm_90a.
+//! pre-pass of its head_dim in its image, are the table rows "fa3fp8s3".."fa3fp8s5"
+//! (build/instances.rs), whose host rules are `Fp8` here: `select` picks them for `Precision::Fp8`
+//! problems on sm_90a.
 
 use super::fa3::tma::persistent_grid;
 use super::family::{chunked_rows_refusal, tile_grid, FamilyHost, Grid, LayoutRefusal};
@@ -612,7 +613,8 @@ pub(crate) fn problem_refusal(p: &Problem) -> Option<&'static str> {
     if p.alibi.is_some() {
         return Some("has no ALiBi (as the 16-bit FA3 kernels)");
     }
-    (!CONSUMER_HEAD_DIMS.contains(&p.head_dim)).then_some("runs head_dim 64, 128 or 256 only (the FP8 consumer's instances)")
+    (!CONSUMER_HEAD_DIMS.contains(&p.head_dim))
+        .then_some("runs head_dim 64, 128 or 256 only (the FP8 consumer's instances)")
 }
 
 impl FamilyHost for Fp8 {
