@@ -390,9 +390,14 @@ const FA3_S345_TILES: &[Tile] = &[fa3_tile(3, 64), fa3_tile(3, 128), fa3_tile(3,
 /// SASS of the warp-specialised stages: wgmma, TMA, mbarriers, setmaxnreg.
 const FA3_WS_SASS: &[&str] = &["HGMMA", "UTMALDG", "SYNCS", "USETMAXREG"];
 
-/// The FP8 consumer's tile at stages 3-5 (cuda/fa3_fp8_fwd_sm90.cu, `Fp8Traits<S, D>`): two
-/// consumer warpgroups of 64 query rows and a producer, 128 keys per K/Vᵀ tile, head_dim 128 only.
-const FA3_FP8_TILES: &[Tile] = &[Tile { head_dim: 128, block_m: 128, block_n: 128, threads: 384 }];
+/// The FP8 consumer's tiles at stages 3-5 (cuda/fa3_fp8_fwd_sm90.cu, `Fp8Traits<S, D>`): two
+/// consumer warpgroups of 64 query rows and a producer; 128 keys per K/Vᵀ tile, 64 at head_dim
+/// 256 (128-key tiles spill there: O alone is 128 f32 registers).
+const FA3_FP8_TILES: &[Tile] = &[
+    Tile { head_dim: 64, block_m: 128, block_n: 128, threads: 384 },
+    Tile { head_dim: 128, block_m: 128, block_n: 128, threads: 384 },
+    Tile { head_dim: 256, block_m: 128, block_n: 64, threads: 384 },
+];
 
 /// The FP8 consumer's shared memory (stages 3-5): e4m3 (1-byte) Q of the CTA's rows, a 2-slot
 /// K / Vᵀ ring, the mbarriers (stage 3: q_full, kv_full and kv_empty per slot; stages 4-5: q_full,

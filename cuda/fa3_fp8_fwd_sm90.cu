@@ -25,7 +25,7 @@
 // e4m3(P · 2^8) into P V; V's descale and the 2^8 are applied to O, not to P: O is kept in units
 // of the current V block's scale (O' = O / dv; a new block multiplies O' by dv_old / dv_new before
 // its P V), and the epilogue multiplies by dv · 2^-8 before the normalisation.
-// Host requirements: head_dim == 128; q/k row strides and base addresses multiples of 16 bytes;
+// Host requirements: head_dim 64, 128 or 256; q/k row strides and base addresses multiples of 16 bytes;
 // v_row_stride a multiple of 16.
 #include "common/numerics.cuh"
 #include "fa3/stages.cuh"
@@ -33,17 +33,19 @@
 
 namespace fa3 {
 
-// Tile shapes, roles and shared-memory plan of FP8 stage `Stage` (1-5), with the members the FA3
-// pieces read (Cta, Barriers / SplitBarriers, OneTile, RingIssuer, TileScheduler, PingPong, Acc,
-// scores_to_p, the stage skeletons).
-// K [128 keys x D] and Vᵀ [D x 128 keys] tiles are the same bytes (D = kBlockN = 128).
+// Tile shapes, roles and shared-memory plan of FP8 stage `Stage` (1-5) at head_dim D (64, 128,
+// 256), with the members the FA3 pieces read (Cta, Barriers / SplitBarriers, OneTile,
+// RingIssuer, TileScheduler, PingPong, Acc, scores_to_p, the stage skeletons).
+// Keys per K/Vᵀ tile: 128, or 64 at head_dim 256 (with 128 keys O's 128 f32 registers next to S
+// and P spill at 240 registers, docs/fp8.md). Every e4m3 operand is K-major with swizzle rows of
+// min(K extent, 128) bytes: Q and K [rows × D] SW128 slabs, or one SW64 slab at head_dim 64; Vᵀ
+// [D × kBlockN keys] one SW128 slab, or one SW64 slab with 64-key tiles (head_dim 256).
 template <int Stage, int D>
 struct Fp8Traits {
-    static_assert(D == 128, "the FP8 consumer is instantiated for head_dim 128");
+    static_assert(D == 64 || D == 128 || D == 256, "the FP8 consumer is instantiated for head_dim 64, 128, 256");
     static_assert(Stage >= 1 && Stage <= 5, "FP8 stages 1-5");
     static constexpr int kStage = Stage;
     static constexpr int kHeadDim = D;
-    static constexpr int kSlabs = D / kSlabCols8;  // 128-column e4m3 slabs of Q and K
     static constexpr int kConsumerWarpgroups = Stage >= 3 ? 2 : 1;
     static constexpr int kProducerWarpgroups = Stage >= 3 ? 1 : 0;
     static constexpr int kThreads = kWarpgroupThreads * (kConsumerWarpgroups + kProducerWarpgroups);
@@ -51,14 +53,19 @@ struct Fp8Traits {
     static constexpr int kProducerRegs = 24;
     static constexpr int kConsumerRegs = 240;
     static constexpr int kBlockM = kMmaM * kConsumerWarpgroups;  // query rows per CTA
-    static constexpr int kBlockN = 128;
+    static constexpr int kBlockN = D == 256 ? 64 : 128;
+    static constexpr int kSwQk = D < kSlabCols8 ? D : kSlabCols8;                // Q, K swizzle row bytes
+    static constexpr int kSwV = kBlockN < kSlabCols8 ? kBlockN : kSlabCols8;     // Vᵀ swizzle row bytes
+    static constexpr int kStepsQk = kSwQk / kMmaK8Bytes;  // k32 steps per Q/K swizzle row
+    static constexpr int kStepsV = kSwV / kMmaK8Bytes;    // ... per Vᵀ swizzle row
+    static constexpr int kSlabs = D / kSwQk;              // Q / K slabs (TMA boxes per tile)
+    static_assert(kBlockN == kSwV, "Vᵀ is one slab: one TMA box per tile (pipeline.cuh load_v_tile)");
     static constexpr bool kSkipUnmaskedTiles = true;
     static constexpr int kKvStages = Stage >= 2 ? 2 : 1;
     static constexpr int kQBytes = kBlockM * D;       // e4m3
     static constexpr int kKvTileBytes = kBlockN * D;  // one K or one Vᵀ tile
-    static_assert(kKvTileBytes == D * kBlockN, "Vᵀ tile = K tile bytes");
-    static constexpr int kQSlabStride = kBlockM * kSwizzleBytes;
-    static constexpr int kKvSlabStride = kBlockN * kSwizzleBytes;
+    static constexpr int kQSlabStride = kBlockM * kSwQk;
+    static constexpr int kKvSlabStride = kBlockN * kSwQk;
     static constexpr int kOffQ = 0;
     static constexpr int kOffK = kQBytes;
     static constexpr int kOffV = kOffK + kKvStages * kKvTileBytes;
@@ -73,26 +80,28 @@ struct Fp8Traits {
     static constexpr int kSmemUsed = kOffBarriers + 8 * kNumBarriers;
     static constexpr int kSmemBytes = kSmemUsed + kSwizzleAtomBytes;
     static_assert(kSmemBytes <= 227 * 1024, "sm_90 opt-in shared memory");
-    // TMA (stages 2-3; UINT8 maps, SWIZZLE_128B, box inner extent 128 bytes): Q and K as {d,
-    // heads, seqlen, batch} with boxes {128, 1, 64 | 128, 1}; Vᵀ as {keys, d, heads, batch} with
-    // box {128, D, 1, 1} (pipeline.cuh load_v_tile), keys past seqlen_k zero-filled.
-    static constexpr int kTmaBoxCols = kSlabCols8;
+    // TMA (stages 2-5; UINT8 maps, swizzle = box inner extent: SWIZZLE_128B, or SWIZZLE_64B for
+    // 64-byte rows): Q and K as {d, heads, seqlen, batch} with boxes {kSwQk, 1, 64 | kBlockN, 1};
+    // Vᵀ as {keys, d, heads, batch} with box {kBlockN, D, 1, 1} (pipeline.cuh load_v_tile), keys
+    // past seqlen_k zero-filled. src/cuda/fp8.rs consumer_maps builds them.
+    static constexpr int kTmaBoxCols = kSwQk;
     static constexpr int kTmaBoxRowsQ = kMmaM;
     static constexpr int kTmaQBytes = kQBytes;
     static constexpr int kTmaKvBytes = 2 * kKvTileBytes;
     static constexpr bool kVTransposed = true;
-    // S = Q Kᵀ, k32 step kk: Q slab kk / 4 at +32 (kk % 4); K likewise, keys 64nh.. 64 rows further.
+    // S = Q Kᵀ, k32 step kk: Q slab kk / kStepsQk at +32 (kk % kStepsQk); K likewise, keys 64nh..
+    // 64 rows further.
     __host__ __device__ static constexpr int qk_a_offset(int kk) {
-        return (kk / 4) * kQSlabStride + (kk % 4) * kMmaK8Bytes;
+        return (kk / kStepsQk) * kQSlabStride + (kk % kStepsQk) * kMmaK8Bytes;
     }
     __host__ __device__ static constexpr int qk_b_offset(int kk, int nh) {
-        return (kk / 4) * kKvSlabStride + nh * kMmaN * kSwizzleBytes + (kk % 4) * kMmaK8Bytes;
+        return (kk / kStepsQk) * kKvSlabStride + nh * kMmaN * kSwQk + (kk % kStepsQk) * kMmaK8Bytes;
     }
-    // O += P V, keys 32kk.. (kk = 0..3), output columns 64nh..: Vᵀ rows 64nh.., +32 kk bytes.
+    // O += P V, keys 32kk.. (kk < kBlockN / 32), output columns 64nh..: Vᵀ rows 64nh.., +32 kk bytes.
     __host__ __device__ static constexpr int pv_b_offset(int kk, int nh) {
-        return nh * kMmaN * kSwizzleBytes + kk * kMmaK8Bytes;
+        return nh * kMmaN * kSwV + kk * kMmaK8Bytes;
     }
-    __host__ __device__ static constexpr int q_warpgroup_offset(int cw) { return cw * kMmaM * kSwizzleBytes; }
+    __host__ __device__ static constexpr int q_warpgroup_offset(int cw) { return cw * kMmaM * kSwQk; }
     __host__ __device__ static constexpr int q_box_offset(int slab, int rb) {
         return slab * kQSlabStride + q_warpgroup_offset(rb);
     }
@@ -103,8 +112,8 @@ struct Fp8Traits {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 // Copies a [ROWS x COLS] e4m3 tile (rows [0, rows_valid), columns [0, cols_valid) of the source;
-// the rest zero) into SW128 slabs with 16-byte loads (stage 1).
-template <int ROWS, int COLS>
+// the rest zero) into slabs of W-byte swizzle rows (swz_offset8) with 16-byte loads (stage 1).
+template <int ROWS, int COLS, int W>
 __device__ __forceinline__ void load_tile8(uint8_t* dst, const uint8_t* src, int64_t row_stride, int rows_valid,
                                            int cols_valid, int tid) {
     constexpr int kChunks = COLS / 16;
@@ -121,7 +130,7 @@ __device__ __forceinline__ void load_tile8(uint8_t* dst, const uint8_t* src, int
                 memcpy(&v, b, 16);
             }
         }
-        *reinterpret_cast<uint4*>(dst + sw128_offset8(r, 16 * c, ROWS)) = v;
+        *reinterpret_cast<uint4*>(dst + swz_offset8<W>(r, 16 * c, ROWS)) = v;
     }
 }
 
@@ -156,12 +165,12 @@ struct Fp8Tile {
     // Stage 1's plain loads: Q once; K tile n0.. and the Vᵀ columns (keys) n0.. .
     __device__ __forceinline__ static void load_q(const FwdParams& p, const Cta<Tr>& cta, const OneTile<Tr>& tile,
                                                   const TileSources<Elem>& src, int tid) {
-        load_tile8<Tr::kBlockM, D>(cta.sq, src.q, p.q_row_stride, p.seqlen_q - tile.m0, D, tid);
+        load_tile8<Tr::kBlockM, D, Tr::kSwQk>(cta.sq, src.q, p.q_row_stride, p.seqlen_q - tile.m0, D, tid);
     }
     __device__ __forceinline__ static void load_kv(const FwdParams& p, const Cta<Tr>& cta, const TileSources<Elem>& src,
                                                    int n0, int tid) {
-        load_tile8<Tr::kBlockN, D>(cta.sk, src.k + n0 * p.k_row_stride, p.k_row_stride, p.seqlen_k - n0, D, tid);
-        load_tile8<D, Tr::kBlockN>(cta.sv, src.v + n0, p.v_row_stride, D, p.seqlen_k - n0, tid);
+        load_tile8<Tr::kBlockN, D, Tr::kSwQk>(cta.sk, src.k + n0 * p.k_row_stride, p.k_row_stride, p.seqlen_k - n0, D, tid);
+        load_tile8<D, Tr::kBlockN, Tr::kSwV>(cta.sv, src.v + n0, p.v_row_stride, D, p.seqlen_k - n0, tid);
     }
 
     // The pieces (as SyncTile's; the overlapped loop of stages 4-5 interleaves them, operator()
@@ -171,11 +180,11 @@ struct Fp8Tile {
         wgmma_fence();  // s was read by the previous tile's softmax
 #pragma unroll
         for (int kk = 0; kk < D / kMmaK8; ++kk) {
-            const uint64_t da = desc_kmajor_sw128(q_addr + Tr::qk_a_offset(kk));
+            const uint64_t da = desc_kmajor8<Tr::kSwQk>(q_addr + Tr::qk_a_offset(kk));
 #pragma unroll
             for (int nh = 0; nh < Tr::kBlockN / kMmaN; ++nh)
                 wgmma_m64n64k32_ss_e4m3(&s[acc_index(nh * kMmaN / 8, 0, 0)], da,
-                                        desc_kmajor_sw128(k_addr + Tr::qk_b_offset(kk, nh)), kk > 0 ? 1 : 0);
+                                        desc_kmajor8<Tr::kSwQk>(k_addr + Tr::qk_b_offset(kk, nh)), kk > 0 ? 1 : 0);
         }
         wgmma_commit();
     }
@@ -252,7 +261,7 @@ struct Fp8Tile {
 #pragma unroll
             for (int nh = 0; nh < D / kMmaN; ++nh)
                 wgmma_m64n64k32_rs_e4m3(&acc.o[acc_index(nh * kMmaN / 8, 0, 0)], a[kk],
-                                        desc_kmajor_sw128(v_addr + Tr::pv_b_offset(kk, nh)));
+                                        desc_kmajor8<Tr::kSwV>(v_addr + Tr::pv_b_offset(kk, nh)));
         wgmma_commit();
     }
 
@@ -330,8 +339,15 @@ __device__ __forceinline__ void fp8_stage_with_maps(const FwdParams&, const TmaD
 #define FA_FP8_PREPASS_NO_INSTANCES 1
 #include "fp8_prepass.cu"
 static_assert(FA_STAGE >= 3 && FA_STAGE <= 5, "fa3fp8s<3..5>: the warp-specialised consumers");
-#define FA3_FP8_PREPASS_E (FA_HEAD_DIM <= 32 ? 1 : FA_HEAD_DIM <= 64 ? 2 : FA_HEAD_DIM <= 128 ? 4 : 8)
-static_assert(FA3_FP8_PREPASS_E == 4, "the instance below is written for head_dim 128");
+#if FA_HEAD_DIM == 64
+#define FA3_FP8_PREPASS_E 2
+#elif FA_HEAD_DIM == 128
+#define FA3_FP8_PREPASS_E 4
+#elif FA_HEAD_DIM == 256
+#define FA3_FP8_PREPASS_E 8
+#else
+#error "fa3fp8s<3..5>: head_dim 64, 128 or 256"
+#endif
 // The table and the traits must agree on the launch shape.
 static_assert(FA_THREADS == fa3::Fp8Traits<FA_STAGE, FA_HEAD_DIM>::kThreads, "table: threads");
 static_assert(FA_BLOCK_M == fa3::Fp8Traits<FA_STAGE, FA_HEAD_DIM>::kBlockM, "table: block_m");
@@ -340,18 +356,23 @@ static_assert(FA_SMEM_BYTES == fa3::Fp8Traits<FA_STAGE, FA_HEAD_DIM>::kSmemBytes
               "table: dynamic shared memory (fa3_fp8_smem_bytes in build/instances.rs)");
 #define FA3_FP8_TYPE_bf16 __nv_bfloat16
 #define FA3_FP8_TYPE_f16 __half
-#define FA3_FP8_UNIT_(S, DT, D) FA3_FP8_SN(S, DT, FA3_FP8_TYPE_##DT, D) FA_FP8_PREPASS_INSTANCE(DT, 4)
-#define FA3_FP8_UNIT(S, DT, D) FA3_FP8_UNIT_(S, DT, D)
-#define FA_INSTANCE(DT) FA3_FP8_UNIT(FA_STAGE, DT, FA_HEAD_DIM)
+#define FA3_FP8_UNIT_(S, DT, D, E) FA3_FP8_SN(S, DT, FA3_FP8_TYPE_##DT, D) FA_FP8_PREPASS_INSTANCE(DT, E)
+#define FA3_FP8_UNIT(S, DT, D, E) FA3_FP8_UNIT_(S, DT, D, E)
+#define FA_INSTANCE(DT) FA3_FP8_UNIT(FA_STAGE, DT, FA_HEAD_DIM, FA3_FP8_PREPASS_E)
 #else
-FA3_FP8_S1(bf16, __nv_bfloat16, 128)
-FA3_FP8_S1(f16, __half, 128)
-FA3_FP8_SN(2, bf16, __nv_bfloat16, 128)
-FA3_FP8_SN(2, f16, __half, 128)
-FA3_FP8_SN(3, bf16, __nv_bfloat16, 128)
-FA3_FP8_SN(3, f16, __half, 128)
-FA3_FP8_SN(4, bf16, __nv_bfloat16, 128)
-FA3_FP8_SN(4, f16, __half, 128)
-FA3_FP8_SN(5, bf16, __nv_bfloat16, 128)
-FA3_FP8_SN(5, f16, __half, 128)
+// Standalone (the emulator's unit, the private SASS check): every stage at head_dim 64, 128, 256.
+#define FA3_FP8_ALL_STAGES(D)                        \
+    FA3_FP8_S1(bf16, __nv_bfloat16, D)               \
+    FA3_FP8_S1(f16, __half, D)                       \
+    FA3_FP8_SN(2, bf16, __nv_bfloat16, D)            \
+    FA3_FP8_SN(2, f16, __half, D)                    \
+    FA3_FP8_SN(3, bf16, __nv_bfloat16, D)            \
+    FA3_FP8_SN(3, f16, __half, D)                    \
+    FA3_FP8_SN(4, bf16, __nv_bfloat16, D)            \
+    FA3_FP8_SN(4, f16, __half, D)                    \
+    FA3_FP8_SN(5, bf16, __nv_bfloat16, D)            \
+    FA3_FP8_SN(5, f16, __half, D)
+FA3_FP8_ALL_STAGES(64)
+FA3_FP8_ALL_STAGES(128)
+FA3_FP8_ALL_STAGES(256)
 #endif  // FA_FAMILY

@@ -49,8 +49,9 @@ done
 # end (scratch, pre-pass of Q+K and of V into Vᵀ, the top FP8 consumer stage), beside the bf16
 # lines above and the torch SDPA peers below; head dims 64/128/256 at seqlen 4K (short) or
 # 4K-16K (--full), causal and not. Per-block (64) scales + Hadamard (the accuracy table's
-# setting); --full adds per-tensor scales without rotation (FA3's released granularity). A head
-# dim the FP8 rows lack prints the dispatch's refusal and no line. Never ran on a GPU yet.
+# setting); --full adds per-tensor scales without rotation (FA3's released granularity). The FP8
+# rows cover head dims 64, 128 and 256 (a head dim they lacked would print the dispatch's
+# refusal and no line). Never ran on a GPU yet.
 if [[ $quick == 1 ]]; then fp8_seqlens="4096"; fp8_modes="block:64"; else fp8_seqlens="4096 8192 16384"; fp8_modes="block:64 tensor"; fi
 : > "$out/fp8.jsonl"
 for d in 64 128 256; do

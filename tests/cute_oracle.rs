@@ -147,7 +147,7 @@ fn our_layouts_equal_cute() {
         "cute-oracle sm90: canonical atoms = swizzle(linear offset)".into(),
         "cute-oracle sm90: MN-major LBO with N = 128, 256 instructions".into(),
         "cute-oracle sm90: wgmma accumulator and P->A register fragments".into(),
-        "cute-oracle sm90: e4m3 K-major SW128 descriptors".into(),
+        "cute-oracle sm90: e4m3 K-major SW128 / SW64 descriptors".into(),
         "cute-oracle sm90: mutations (SBO, swizzle mode, k step, V key step, A registers, C halves): 6 of 6 detected"
             .into(),
         "cute-oracle sm80: mma.m16n8k16 A/B/C fragments".into(),

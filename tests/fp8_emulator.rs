@@ -16,7 +16,7 @@ mod common;
 use common::cutlass_include;
 use common::emu::{tmap_directive, tool_exe};
 use common::Rng;
-use flash_attn::cuda::fp8::{consumer_plan, prepass_plan, ConsumerOperands, PrepassInput};
+use flash_attn::cuda::fp8::{consumer_block_n, consumer_plan, prepass_plan, ConsumerOperands, PrepassInput};
 use flash_attn::numerics::fp8::{e4m3_from_f32, e4m3_to_f32};
 use flash_attn::numerics::hadamard::Rotation;
 use flash_attn::numerics::quant::quantize_e4m3;
@@ -480,7 +480,8 @@ struct KernelOut {
     model: Vec<f64>,
 }
 
-/// The consumer's algorithm on the host, from the same codes and scales: 128-key tiles, the
+/// The consumer's algorithm on the host, from the same codes and scales: key tiles of
+/// `consumer_block_n(head_dim)` (128; 64 at head_dim 256), the
 /// running max of descaled raw scores, P = exp2((s - m) · scale · log2 e) in f32 into the row sum,
 /// e4m3(P · 2^8) times V's dequantised values into O (f64), O / (l · 2^8) at the end. What the
 /// kernel computes up to f32 accumulation order (the CPU FP8 path differs more: it tiles keys by
@@ -503,6 +504,7 @@ fn kernel_model(
         z.codes[at..at + d].iter().map(|&c| e4m3_to_f32(c)).collect()
     };
     let mut out = vec![0.0f64; b_n * sq * hq * d];
+    let bn = consumer_block_n(d);
     let sl2 = scale * std::f32::consts::LOG2_E;
     for b in 0..b_n {
         for h in 0..hq {
@@ -520,8 +522,8 @@ fn kernel_model(
                 };
                 let (mut m, mut l) = (f32::NEG_INFINITY, 0.0f32);
                 let mut o = vec![0.0f64; d];
-                for n0 in (0..hi).step_by(128) {
-                    let keys = n0..(n0 + 128).min(hi);
+                for n0 in (0..hi).step_by(bn) {
+                    let keys = n0..(n0 + bn).min(hi);
                     let s: Vec<f32> = keys
                         .clone()
                         .map(|j| {
@@ -559,7 +561,7 @@ fn kernel_model(
 
 /// Quantises q, k, v as the pre-pass does (the CPU oracle, bit-identical to it: the pre-pass
 /// tests above), transposes V's codes to [b, h_kv, d, s_pad], and runs the FP8 consumer
-/// `fa3fp8s1_fwd_hd128_<dtype>` in the emulator with the driver's launch file (seeds given).
+/// `fa3fp8s<stage>_fwd_hd<d>_<dtype>` in the emulator with the driver's launch file (seeds given).
 #[allow(clippy::too_many_arguments)]
 fn run_fp8_kernel(
     name: &str,
@@ -575,7 +577,7 @@ fn run_fp8_kernel(
 ) -> Result<KernelOut, String> {
     let [b_n, sq, hq, d] = q.shape();
     let [_, sk, hk, _] = k.shape();
-    assert_eq!(d, 128, "the FP8 consumer is instantiated for head_dim 128");
+    assert!([64, 128, 256].contains(&d), "the FP8 consumer is instantiated for head_dim 64, 128, 256");
     let codes = |t: &Tensor, rotate: bool| {
         let mut buf = t.to_f32_vec();
         if let (true, Some(seed)) = (rotate, hadamard) {
@@ -698,14 +700,27 @@ fn cpu_fp8(q: &Tensor, k: &Tensor, v: &Tensor, precision: Precision, causal: boo
 /// Stages 1-3 here, stages 4-5 in `fp8_consumer_stages_4_5`.
 #[test]
 fn fp8_consumer_matches_cpu_fp8_path() {
-    consumer_matrix(&[1, 2, 3]);
+    consumer_matrix(&[1, 2, 3], 128);
 }
 
 /// As `fp8_consumer_matches_cpu_fp8_path`, at stage 4 (ping-pong, intra-warpgroup overlap) and
 /// stage 5 (persistent: 1-3 CTAs, so each walks several query tiles through the carried ring).
 #[test]
 fn fp8_consumer_stages_4_5() {
-    consumer_matrix(&[4, 5]);
+    consumer_matrix(&[4, 5], 128);
+}
+
+/// The same matrix at head_dim 64 (Q and K tiles with 64-byte swizzle rows: SW64 descriptors and
+/// SWIZZLE_64B maps), stages 1 (plain loads), 3 (TMA, warp specialisation) and 5 (the top row).
+#[test]
+fn fp8_consumer_hd64() {
+    consumer_matrix(&[1, 3, 5], 64);
+}
+
+/// The same matrix at head_dim 256 (64-key tiles, so Vᵀ rows are 64 bytes: SW64), stages 1, 3, 5.
+#[test]
+fn fp8_consumer_hd256() {
+    consumer_matrix(&[1, 3, 5], 256);
 }
 
 /// Stage 5's CTAs for case `i`: fewer than the tiles, so the carried ring and Q buffer are used.
@@ -717,13 +732,13 @@ fn sm_count(stage: u32, i: usize) -> u32 {
     }
 }
 
-fn consumer_matrix(stages: &[u32]) {
+fn consumer_matrix(stages: &[u32], d: usize) {
     let cases = [
         (
             "bf16_block64_had_gqa",
             DType::BF16,
-            [2, 130, 4, 128],
-            [2, 257, 2, 128],
+            [2, 130, 4, d],
+            [2, 257, 2, d],
             Fp8Scaling::PerBlock { rows: 64 },
             Some(0x5EED),
             false,
@@ -731,8 +746,8 @@ fn consumer_matrix(stages: &[u32]) {
         (
             "f16_block64_had_causal",
             DType::F16,
-            [1, 200, 2, 128],
-            [1, 300, 2, 128],
+            [1, 200, 2, d],
+            [1, 300, 2, d],
             Fp8Scaling::PerBlock { rows: 64 },
             Some(7),
             true,
@@ -740,13 +755,13 @@ fn consumer_matrix(stages: &[u32]) {
         (
             "bf16_block128_causal_rows_without_keys",
             DType::BF16,
-            [1, 190, 2, 128],
-            [1, 70, 1, 128],
+            [1, 190, 2, d],
+            [1, 70, 1, d],
             Fp8Scaling::PerBlock { rows: 128 },
             Some(1),
             true,
         ),
-        ("f16_per_tensor_no_had", DType::F16, [1, 65, 2, 128], [1, 129, 2, 128], Fp8Scaling::PerTensor, None, false),
+        ("f16_per_tensor_no_had", DType::F16, [1, 65, 2, d], [1, 129, 2, d], Fp8Scaling::PerTensor, None, false),
     ];
     let mut failed = Vec::new();
     for ((i, (name, dtype, qs, ks, scaling, hadamard, causal)), &stage) in
@@ -754,7 +769,7 @@ fn consumer_matrix(stages: &[u32]) {
     {
         let (q, k, v) = fa3_inputs(dtype, qs, ks, 100 + i as u64);
         let sms = sm_count(stage, i);
-        let name = format!("s{stage}_{name}");
+        let name = format!("s{stage}_hd{d}_{name}");
         let got = run_fp8_kernel(&name, &q, &k, &v, scaling, hadamard, causal, "1 2 3", stage, sms)
             .unwrap_or_else(|e| panic!("{name}: {e}"));
         let (o, lse) = cpu_fp8(&q, &k, &v, Precision::Fp8 { scaling, hadamard }, causal);
@@ -802,7 +817,55 @@ fn consumer_matrix(stages: &[u32]) {
 /// kernel without Hadamard is reported.
 #[test]
 fn fp8_consumer_accuracy_table() {
-    let shape = [1, 1024, 4, 128];
+    let (naive, rows) = accuracy_rows(
+        128,
+        &[
+            ("per-block (64) + Hadamard, stage 5", Fp8Scaling::PerBlock { rows: 64 }, Some(0x5EED), 5),
+            ("per-tensor, no Hadamard, stage 5", Fp8Scaling::PerTensor, None, 5),
+            ("per-block (64) + Hadamard, stage 3", Fp8Scaling::PerBlock { rows: 64 }, Some(0x5EED), 3),
+            ("per-block (64) + Hadamard, stage 1", Fp8Scaling::PerBlock { rows: 64 }, Some(0x5EED), 1),
+        ],
+    );
+    let rows: Vec<f64> = rows.iter().map(|r| r.0).collect();
+    assert!(rows[0] <= 9.1e-3, "per-block + Hadamard RMSE {:.3e} > 9.1e-3", rows[0]);
+    assert_eq!(rows[0], rows[2], "stages 5 and 3 compute the same tiles in the same order");
+    assert_eq!(rows[2], rows[3], "stages 3 and 1 compute the same tiles in the same order");
+    assert!(naive / rows[0] >= 2.0, "gain over the naive per-tensor baseline only {:.2}x", naive / rows[0]);
+}
+
+/// The accuracy table's two stage-5 rows at head_dim 64 and 256 (ran in the emulator), shape
+/// [1, 1024, 4, d], seed 0, FA3's inputs. The issue's targets are stated at head_dim 128; here the
+/// kernel must match the CPU FP8 path's RMSE within 3 % (the same method), per-block + Hadamard
+/// must beat per-tensor without it, and its gain over the naive baseline is reported.
+#[test]
+fn fp8_consumer_accuracy_table_hd64_hd256() {
+    for d in [64, 256] {
+        let (naive, rows) = accuracy_rows(
+            d,
+            &[
+                ("per-block (64) + Hadamard, stage 5", Fp8Scaling::PerBlock { rows: 64 }, Some(0x5EED), 5),
+                ("per-tensor, no Hadamard, stage 5", Fp8Scaling::PerTensor, None, 5),
+            ],
+        );
+        for &(ek, ec) in &rows {
+            assert!((ek / ec - 1.0).abs() <= 0.03, "hd{d}: kernel RMSE {ek:.3e} vs the CPU FP8 path {ec:.3e}");
+        }
+        assert!(
+            rows[0].0 < rows[1].0,
+            "hd{d}: per-block + Hadamard {:.3e} not below per-tensor {:.3e}",
+            rows[0].0,
+            rows[1].0
+        );
+        assert!(rows[0].0 < naive, "hd{d}: no gain over the naive baseline");
+    }
+}
+
+/// Runs the FP8 consumer on the accuracy table's inputs at head_dim `d` (the example's draw: q,
+/// k, v from one stream, seed 0, f16, [1, 1024, 4, d]) for each (label, scaling, hadamard,
+/// stage); returns the naive per-tensor FP8 baseline's RMSE vs float64 and, per run, the
+/// kernel's and the CPU FP8 path's.
+fn accuracy_rows(d: usize, runs: &[(&str, Fp8Scaling, Option<u64>, u32)]) -> (f64, Vec<(f64, f64)>) {
+    let shape = [1, 1024, 4, d];
     let (q, k, v) = fa3_inputs(DType::F16, shape, shape, 0);
     // The example's draw: q, k, v from one stream in that order.
     let n: usize = shape.iter().product();
@@ -815,28 +878,21 @@ fn fp8_consumer_accuracy_table() {
     let err = |o: &[f32]| rmse(&o.iter().map(|&x| x as f64).collect::<Vec<_>>(), &exact);
     let naive = rmse(&attention_naive_fp8(&p, &q.view(), &k.view(), &v.view(), Fp8Scaling::PerTensor).unwrap(), &exact);
     let mut rows = Vec::new();
-    for (label, scaling, hadamard, stage) in [
-        ("per-block (64) + Hadamard, stage 5", Fp8Scaling::PerBlock { rows: 64 }, Some(0x5EED), 5),
-        ("per-tensor, no Hadamard, stage 5", Fp8Scaling::PerTensor, None, 5),
-        ("per-block (64) + Hadamard, stage 3", Fp8Scaling::PerBlock { rows: 64 }, Some(0x5EED), 3),
-        ("per-block (64) + Hadamard, stage 1", Fp8Scaling::PerBlock { rows: 64 }, Some(0x5EED), 1),
-    ] {
-        let name = format!("table_{}", rows.len());
+    for &(label, scaling, hadamard, stage) in runs {
+        let name = format!("table_hd{d}_{}", rows.len());
         let got = run_fp8_kernel(&name, &q, &k, &v, scaling, hadamard, false, "1", stage, 7)
-            .unwrap_or_else(|e| panic!("{label}: {e}"));
+            .unwrap_or_else(|e| panic!("hd{d} {label}: {e}"));
         let (cpu, _) = cpu_fp8(&q, &k, &v, Precision::Fp8 { scaling, hadamard }, false);
         let (ek, ec) = (err(&got.o), err(&cpu));
         println!(
-            "{label}: kernel RMSE {ek:.3e} (CPU FP8 path {ec:.3e}), gain over the naive FP8 baseline ({naive:.3e}) {:.2}x ({:.1} s)",
+            "hd{d} {label}: kernel RMSE {ek:.3e} (CPU FP8 path {ec:.3e}), gain over the naive FP8 baseline \
+             ({naive:.3e}) {:.2}x ({:.1} s)",
             naive / ek,
             got.secs
         );
-        rows.push(ek);
+        rows.push((ek, ec));
     }
-    assert!(rows[0] <= 9.1e-3, "per-block + Hadamard RMSE {:.3e} > 9.1e-3", rows[0]);
-    assert_eq!(rows[0], rows[2], "stages 5 and 3 compute the same tiles in the same order");
-    assert_eq!(rows[2], rows[3], "stages 3 and 1 compute the same tiles in the same order");
-    assert!(naive / rows[0] >= 2.0, "gain over the naive per-tensor baseline only {:.2}x", naive / rows[0]);
+    (naive, rows)
 }
 
 // ---------------------------------------------------------------- SASS (compile-only)
@@ -977,11 +1033,24 @@ fn fp8_plans_refuse_what_the_kernels_do_not_run() {
     let fp8 = |scaling| Precision::Fp8 { scaling, hadamard: None };
     let ok = consumer_plan(&problem(128, fp8(block)), &ops(128), 1, 1).unwrap();
     assert_eq!((ok.kernel.as_str(), ok.grid, ok.params.descale_block), ("fa3fp8s1_fwd_hd128_bf16", (1, 2, 1), 64));
-    assert_eq!(consumer_plan(&problem(128, fp8(Fp8Scaling::PerTensor)), &ops(128), 1, 1).unwrap().params.descale_block, 0);
+    assert_eq!(
+        consumer_plan(&problem(128, fp8(Fp8Scaling::PerTensor)), &ops(128), 1, 1).unwrap().params.descale_block,
+        0
+    );
     assert!(matches!(
-        consumer_plan(&problem(64, fp8(block)), &ops(64), 2, 1),
-        Err(Error::UnsupportedHeadDim { head_dim: 64, .. })
+        consumer_plan(&problem(96, fp8(block)), &ops(96), 2, 1),
+        Err(Error::UnsupportedHeadDim { head_dim: 96, .. })
     ));
+    // Head dims 64 and 256: operands with 64-byte rows get 64-byte boxes and SWIZZLE_64B maps
+    // (cuTensorMapEncodeTiled's value 2; 3 is 128B): Q and K at hd 64, Vᵀ of the 64-key tiles at hd 256.
+    let swizzles = |d: usize| {
+        let plan = consumer_plan(&problem(d, fp8(block)), &ops(d), 5, 132).unwrap();
+        assert_eq!(plan.kernel, format!("fa3fp8s5_fwd_hd{d}_bf16"));
+        plan.tensor_maps.iter().map(|m| (m.spec.box_dims, m.spec.swizzle)).collect::<Vec<_>>()
+    };
+    assert_eq!(swizzles(64), [([64, 1, 64, 1], 2), ([64, 1, 128, 1], 2), ([128, 64, 1, 1], 3)]);
+    assert_eq!(swizzles(128), [([128, 1, 64, 1], 3), ([128, 1, 128, 1], 3), ([128, 128, 1, 1], 3)]);
+    assert_eq!(swizzles(256), [([128, 1, 64, 1], 3), ([128, 1, 64, 1], 3), ([64, 256, 1, 1], 2)]);
     assert!(matches!(
         consumer_plan(&problem(128, fp8(Fp8Scaling::PerBlock { rows: 32 })), &ops(128), 1, 1),
         Err(Error::InvalidOption { .. })

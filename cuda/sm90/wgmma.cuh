@@ -67,8 +67,9 @@ constexpr int kMmaKBytes = kMmaK * 2;               // 32: K-major step inside a
 constexpr int kMmaM = 64;                           // rows per warpgroup MMA
 constexpr int kMmaN = 64;                           // N of the one instruction shape we use
 
-// Swizzle-mode field value for 128B swizzle.
+// Swizzle-mode field values for 128B and 64B swizzle.
 constexpr uint64_t kDescSwizzle128B = 1;
+constexpr uint64_t kDescSwizzle64B = 2;
 
 // The descriptor and offset helpers are __host__ too: cuda/test/fa3_layout_sim.cpp runs them
 // against a software model of wgmma's operand fetch.
@@ -81,6 +82,13 @@ __host__ __device__ constexpr uint64_t desc_field(uint32_t bytes) {
 __host__ __device__ constexpr uint64_t desc_kmajor_sw128(uint32_t addr) {
     return desc_field(addr) | (desc_field(16) << 16) |  // LBO: unused for swizzled K-major
            (desc_field(kSwizzleAtomBytes) << 32) | (kDescSwizzle128B << 62);
+}
+
+// Descriptor for a K-major SW64 operand (8-bit tiles whose K extent is 64 bytes: rows of 64
+// bytes, 8-row atoms of 512 bytes = SBO; the 16-byte chunk index is XORed with address bits
+// [7:9), i.e. (row / 2) % 4). `addr`: a 512-aligned slab plus a 32-byte multiple for the k step.
+__host__ __device__ constexpr uint64_t desc_kmajor_sw64(uint32_t addr) {
+    return desc_field(addr) | (desc_field(16) << 16) | (desc_field(8 * 64) << 32) | (kDescSwizzle64B << 62);
 }
 
 // Descriptor for an MN-major SW128 operand (use with imm-trans-b = 1). `slab_stride` is the

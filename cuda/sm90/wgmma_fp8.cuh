@@ -36,6 +36,28 @@ __host__ __device__ constexpr int sw128_offset8(int row, int col, int rows) {
            ((((col % kSlabCols8) / 16) ^ (row % kSwizzleAtomRows)) * 16) + (col % 16);
 }
 
+// The same for a K-major e4m3 tile whose swizzle rows are W bytes (128 or 64): slabs of W
+// columns, rows W bytes apart, the 16-byte chunk XORed with address bits [7, 7 + log2(W / 16))
+// of the row's offset, i.e. row % 8 (SW128) or (row / 2) % 4 (SW64). Tiles whose K extent is 64
+// bytes (Q and K at head_dim 64, Vᵀ with 64-key tiles) need W = 64: TMA's box inner extent must
+// equal the swizzle row. Slabs start on W · 8-byte boundaries (rows a multiple of 8).
+template <int W>
+__host__ __device__ constexpr int swz_offset8(int row, int col, int rows) {
+    static_assert(W == 128 || W == 64, "e4m3 tiles use 128- or 64-byte swizzle rows");
+    return (col / W) * rows * W + row * W + ((((col % W) / 16) ^ ((row * W / 128) % (W / 16))) * 16) + (col % 16);
+}
+
+// The K-major descriptor of an e4m3 operand with W-byte swizzle rows (the k32 step is 32 bytes in
+// either: a 64-byte row holds two, a 128-byte row four).
+template <int W>
+__host__ __device__ constexpr uint64_t desc_kmajor8(uint32_t addr) {
+    static_assert(W == 128 || W == 64, "e4m3 tiles use 128- or 64-byte swizzle rows");
+    if constexpr (W == 128)
+        return desc_kmajor_sw128(addr);
+    else
+        return desc_kmajor_sw64(addr);
+}
+
 // Source lanes and byte selection of acc_to_a8 for a lane (pure, tested on the host against the
 // fragment maps: cuda/test/emu/layouts_test.cpp). Byte b of A register r of lane 4g + q is key
 // 16 (r / 2) + 4q + b, held by lane 4g + 2 (q % 2) + b / 2 as element b % 2 of its accumulator

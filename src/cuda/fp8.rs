@@ -1,16 +1,17 @@
 //! The Hopper FP8 forward's launches as data (docs/fp8.md, "On Hopper"): the pre-pass
 //! (`cuda/fp8_prepass.cu`: bf16/f16 -> e4m3 codes + per-block scales, Q and K rotated) and the FP8
 //! consumer (`cuda/fa3_fp8_fwd_sm90.cu`). The CPU emulator runs exactly these launches
-//! (tests/fp8_emulator.rs). The stage 3-5 consumers, each with the pre-pass of head_dim 128 in
-//! its image, are the table rows "fa3fp8s3".."fa3fp8s5" (build/instances.rs), whose host rules are
-//! `Fp8` here: `select` picks them for `Precision::Fp8` problems on sm_90a.
+//! (tests/fp8_emulator.rs). The stage 3-5 consumers at head_dim 64, 128 and 256, each with the
+//! pre-pass of its head_dim in its image, are the table rows "fa3fp8s3".."fa3fp8s5"
+//! (build/instances.rs), whose host rules are `Fp8` here: `select` picks them for `Precision::Fp8`
+//! problems on sm_90a.
 
 use super::fa3::tma::persistent_grid;
 use super::family::{chunked_rows_refusal, tile_grid, FamilyHost, Grid, LayoutRefusal};
 use super::launch::TensorMaps;
 use super::launch::{
     TensorMapArgs, TmaSpec, TMA_DTYPE_UINT8, TMA_INTERLEAVE_NONE, TMA_L2_PROMOTION_256B, TMA_OOB_FILL_NONE, TMA_RANK,
-    TMA_SWIZZLE_128B,
+    TMA_SWIZZLE_128B, TMA_SWIZZLE_64B,
 };
 use super::params::{FwdParams, Operands};
 use super::table::{Family, Tile};
@@ -28,25 +29,52 @@ pub const PREPASS_MAX_OPS: usize = 2;
 /// `PrepassOperand::flags`: rotate rows by the seeded Hadamard transform (FA_FP8_ROTATE).
 pub const PREPASS_ROTATE: u32 = 1;
 
-/// The consumer's instance: head_dim 128, 64 query rows x 128 keys per tile, one warpgroup.
-pub const CONSUMER_HEAD_DIM: usize = 128;
+/// The head dims the consumer is instantiated for (`Fp8Traits<S, D>`, cuda/fa3_fp8_fwd_sm90.cu).
+pub const CONSUMER_HEAD_DIMS: [usize; 3] = [64, 128, 256];
+/// Stages 1-2: one warpgroup of 64 query rows per CTA.
 pub const CONSUMER_BLOCK_M: usize = 64;
-pub const CONSUMER_BLOCK_N: usize = 128;
 pub const CONSUMER_THREADS: u32 = 128;
-/// Fp8Traits<1, 128>::kSmemBytes (stage 1): Q 64x128 + K 128x128 + Vᵀ 128x128 e4m3, plus one
-/// 1024-byte swizzle atom of alignment slack.
-pub const CONSUMER_SMEM_BYTES: u32 = (64 * 128 + 128 * 128 + 128 * 128 + 1024) as u32;
-/// Fp8Traits<2, 128>::kSmemBytes (stage 2): Q, a 2-slot K/Vᵀ ring, 5 mbarriers, the slack.
-pub const CONSUMER_S2_SMEM_BYTES: u32 = (64 * 128 + 2 * 128 * 128 + 2 * 128 * 128 + 8 * 5 + 1024) as u32;
-/// Fp8Traits<3, 128>::kSmemBytes (stage 3): Q of the CTA's 128 rows, the 2-slot ring, 5 mbarriers,
-/// the slack.
-pub const CONSUMER_S3_SMEM_BYTES: u32 = (128 * 128 + 2 * 128 * 128 + 2 * 128 * 128 + 8 * 5 + 1024) as u32;
-/// Fp8Traits<4 or 5, 128>::kSmemBytes (stages 4-5): as stage 3 with 10 mbarriers (q_full, then
-/// k_full, v_full, k_empty, v_empty per slot, then q_empty).
-pub const CONSUMER_S45_SMEM_BYTES: u32 = (128 * 128 + 2 * 128 * 128 + 2 * 128 * 128 + 8 * 10 + 1024) as u32;
 /// Stages 3-5: a producer warpgroup and two consumer warpgroups, 128 query rows per CTA.
 pub const CONSUMER_S3_THREADS: u32 = 384;
 pub const CONSUMER_S3_BLOCK_M: usize = 128;
+
+/// Keys per K/Vᵀ tile at `head_dim` (`Fp8Traits::kBlockN`): 128, or 64 at head_dim 256, where
+/// O's 128 f32 registers beside a 128-key S spill at 240 registers (docs/fp8.md).
+pub const fn consumer_block_n(head_dim: usize) -> usize {
+    if head_dim == 256 {
+        64
+    } else {
+        128
+    }
+}
+
+/// Bytes of a swizzle row of an e4m3 K-major operand whose reduction extent is `k_bytes`: 128,
+/// or 64 for 64-byte rows (Q and K at head_dim 64, Vᵀ with 64-key tiles); the TMA box's inner
+/// extent is one swizzle row.
+pub const fn consumer_swizzle_bytes(k_bytes: usize) -> usize {
+    if k_bytes < 128 {
+        k_bytes
+    } else {
+        128
+    }
+}
+
+/// `Fp8Traits<stage, head_dim>::kSmemBytes`: e4m3 Q of the CTA's rows, the K / Vᵀ ring (one slot
+/// at stage 1, two from stage 2), the mbarriers (stages 2-3: q_full, kv_full and kv_empty per
+/// slot; stages 4-5: q_full, k_full, v_full, k_empty, v_empty per slot, q_empty) and one
+/// 1024-byte swizzle atom of alignment slack.
+pub const fn consumer_smem_bytes(stage: u32, head_dim: usize) -> u32 {
+    let block_m = if stage >= 3 { CONSUMER_S3_BLOCK_M } else { CONSUMER_BLOCK_M };
+    let slots = if stage >= 2 { 2 } else { 1 };
+    let barriers = if stage >= 4 {
+        2 + 4 * slots
+    } else if stage >= 2 {
+        1 + 2 * slots
+    } else {
+        0
+    };
+    (block_m * head_dim + 2 * slots * consumer_block_n(head_dim) * head_dim + 8 * barriers + 1024) as u32
+}
 /// The highest stage of the FP8 consumer (docs/fp8.md): the top row of the FP8 ladder.
 pub const CONSUMER_MAX_STAGE: u32 = 5;
 
@@ -298,7 +326,7 @@ pub struct ConsumerOperands {
 /// One launch of the FP8 consumer.
 #[derive(Clone, Debug)]
 pub struct ConsumerLaunch {
-    /// `fa3fp8s<stage>_fwd_hd128_<output dtype>`.
+    /// `fa3fp8s<stage>_fwd_hd<head_dim>_<output dtype>`.
     pub kernel: String,
     pub grid: (u32, u32, u32),
     pub block: u32,
@@ -308,8 +336,10 @@ pub struct ConsumerLaunch {
     pub tensor_maps: Vec<TensorMapArgs>,
 }
 
-/// A UINT8, 128B-swizzled 4-D map of `dims` (innermost first) with byte strides of dims 1..4.
+/// A UINT8 4-D map of `dims` (innermost first) with byte strides of dims 1..4, swizzled by the
+/// box's inner extent (128 or 64 bytes: one swizzle row).
 fn u8_map(global_address: u64, dims: [usize; 4], strides: [usize; 3], box_dims: [u32; 4]) -> TensorMapArgs {
+    let swizzle = if box_dims[0] == 64 { TMA_SWIZZLE_64B } else { TMA_SWIZZLE_128B };
     TensorMapArgs {
         global_address,
         spec: TmaSpec {
@@ -320,7 +350,7 @@ fn u8_map(global_address: u64, dims: [usize; 4], strides: [usize; 3], box_dims: 
             box_dims,
             elem_strides: [1; 4],
             interleave: TMA_INTERLEAVE_NONE,
-            swizzle: TMA_SWIZZLE_128B,
+            swizzle,
             l2_promotion: TMA_L2_PROMOTION_256B,
             oob_fill: TMA_OOB_FILL_NONE,
         },
@@ -336,7 +366,7 @@ fn u8_map(global_address: u64, dims: [usize; 4], strides: [usize; 3], box_dims: 
 /// [`Error::InvalidOption`] for a stage other than 1 to 5, when `p` is not an FP8 problem, asks
 /// for ALiBi, or has a block size
 /// that is not a multiple of 64 rows; [`Error::UnsupportedHeadDim`] for head dims other than
-/// 128; [`Error::UnsupportedDType`]; [`Error::InvalidLayout`] for strides or addresses that are
+/// 64, 128, 256; [`Error::UnsupportedDType`]; [`Error::InvalidLayout`] for strides or addresses that are
 /// not multiples of 16 bytes (the consumer's 16-byte loads); [`Error::TooLarge`].
 pub fn consumer_plan(p: &Problem, ops: &ConsumerOperands, stage: u32, sm_count: u32) -> Result<ConsumerLaunch> {
     if !(1..=CONSUMER_MAX_STAGE).contains(&stage) {
@@ -359,11 +389,11 @@ pub fn consumer_plan(p: &Problem, ops: &ConsumerOperands, stage: u32, sm_count: 
     if p.alibi.is_some() {
         return Err(option_error("alibi", "slopes".into(), "none with the FP8 consumer"));
     }
-    if p.head_dim != CONSUMER_HEAD_DIM {
+    if !CONSUMER_HEAD_DIMS.contains(&p.head_dim) {
         return Err(Error::UnsupportedHeadDim {
             head_dim: p.head_dim,
             backend: "the FP8 consumer".into(),
-            supported: CONSUMER_HEAD_DIM.to_string(),
+            supported: "64, 128, 256".into(),
         });
     }
     let suffix = dtype_suffix(p.dtype)?;
@@ -400,16 +430,10 @@ pub fn consumer_plan(p: &Problem, ops: &ConsumerOperands, stage: u32, sm_count: 
     };
     let tensor_maps = if stage >= 2 { consumer_maps(&params).to_vec() } else { Vec::new() };
     Ok(ConsumerLaunch {
-        kernel: format!("fa3fp8s{stage}_fwd_hd{CONSUMER_HEAD_DIM}_{suffix}"),
+        kernel: format!("fa3fp8s{stage}_fwd_hd{}_{suffix}", p.head_dim),
         grid,
         block: if stage >= 3 { CONSUMER_S3_THREADS } else { CONSUMER_THREADS },
-        smem_bytes: [
-            CONSUMER_SMEM_BYTES,
-            CONSUMER_S2_SMEM_BYTES,
-            CONSUMER_S3_SMEM_BYTES,
-            CONSUMER_S45_SMEM_BYTES,
-            CONSUMER_S45_SMEM_BYTES,
-        ][stage as usize - 1],
+        smem_bytes: consumer_smem_bytes(stage, p.head_dim),
         params,
         tensor_maps,
     })
@@ -533,19 +557,21 @@ pub fn forward_plans(
 fn consumer_maps(p: &FwdParams) -> [TensorMapArgs; 3] {
     let u = |x: i32| x as usize;
     let s = |x: i64| x as usize;
-    let (d, bn) = (u(p.head_dim), CONSUMER_BLOCK_N as u32);
+    let d = u(p.head_dim);
+    let bn = consumer_block_n(d) as u32;
+    let qk_box = consumer_swizzle_bytes(d) as u32;
     [
         u8_map(
             p.q,
             [d, u(p.heads_q), u(p.seqlen_q), u(p.batch)],
             [s(p.q_head_stride), s(p.q_row_stride), s(p.q_batch_stride)],
-            [128, 1, CONSUMER_BLOCK_M as u32, 1],
+            [qk_box, 1, CONSUMER_BLOCK_M as u32, 1],
         ),
         u8_map(
             p.k,
             [d, u(p.heads_kv), u(p.seqlen_k), u(p.batch)],
             [s(p.k_head_stride), s(p.k_row_stride), s(p.k_batch_stride)],
-            [128, 1, bn, 1],
+            [qk_box, 1, bn, 1],
         ),
         // Vᵀ: keys innermost (seqlen_k of them: the box's keys past it are zero-filled).
         u8_map(
@@ -587,7 +613,8 @@ pub(crate) fn problem_refusal(p: &Problem) -> Option<&'static str> {
     if p.alibi.is_some() {
         return Some("has no ALiBi (as the 16-bit FA3 kernels)");
     }
-    (p.head_dim != CONSUMER_HEAD_DIM).then_some("runs head_dim 128 only (the one FP8 consumer instance)")
+    (!CONSUMER_HEAD_DIMS.contains(&p.head_dim))
+        .then_some("runs head_dim 64, 128 or 256 only (the FP8 consumer's instances)")
 }
 
 impl FamilyHost for Fp8 {
@@ -630,7 +657,7 @@ mod tests {
         FAMILIES.iter().filter(|f| f.options.contains(KernelOptions::FP8)).collect()
     }
 
-    /// The table rows and the launch plans' constants (the consumer's `Fp8Traits<S, 128>`) agree.
+    /// The table rows and the launch plans' constants (the consumer's `Fp8Traits<S, D>`) agree.
     #[test]
     fn table_rows_match_the_consumer() {
         let rows = rows();
@@ -643,19 +670,21 @@ mod tests {
         for f in rows {
             assert_eq!((f.source, f.min_sm), ("cuda/fa3_fp8_fwd_sm90.cu", 90));
             assert!(!f.auto && !f.gpu_verified, "never ran on a GPU");
-            let t = &f.tiles[0];
-            assert_eq!(f.tiles.len(), 1);
+            assert_eq!(f.tiles.iter().map(|t| t.head_dim as usize).collect::<Vec<_>>(), CONSUMER_HEAD_DIMS);
             let stage = f.stage.unwrap() as u32;
-            let plan_smem = if stage >= 4 { CONSUMER_S45_SMEM_BYTES } else { CONSUMER_S3_SMEM_BYTES };
-            assert_eq!(
-                (t.head_dim as usize, t.block_m as usize, t.block_n as usize, t.threads, f.smem_bytes(t)),
-                (CONSUMER_HEAD_DIM, CONSUMER_S3_BLOCK_M, CONSUMER_BLOCK_N, CONSUMER_S3_THREADS, plan_smem)
-            );
+            for t in f.tiles {
+                let d = t.head_dim as usize;
+                assert_eq!(
+                    (t.block_m as usize, t.block_n as usize, t.threads, f.smem_bytes(t)),
+                    (CONSUMER_S3_BLOCK_M, consumer_block_n(d), CONSUMER_S3_THREADS, consumer_smem_bytes(stage, d))
+                );
+                assert_eq!(
+                    image_kernel_symbols(f, t.head_dim, "bf16"),
+                    [format!("{}_fwd_hd{d}_bf16", f.name), fp8_prepass_symbol(t.head_dim, "bf16")]
+                );
+            }
             assert!(f.sass_expect.contains(&"QGMMA"));
-            assert_eq!(
-                image_kernel_symbols(f, 128, "bf16"),
-                [format!("{}_fwd_hd128_bf16", f.name), "fa_fp8_prepass_e4_bf16".to_string()]
-            );
+            assert_eq!(image_kernel_symbols(f, 128, "bf16")[1], "fa_fp8_prepass_e4_bf16");
         }
         for d in [1, 32, 33, 64, 96, 128, 256] {
             let p = |x: u64| PrepassInput {
@@ -684,7 +713,11 @@ mod tests {
         assert_eq!(problem_refusal(&problem(128, &fp8(block))), None);
         assert_eq!(problem_refusal(&problem(128, &fp8(Fp8Scaling::PerTensor))), None);
         assert!(problem_refusal(&problem(128, &ForwardOptions::default())).unwrap().contains("Precision::Fp8"));
-        assert!(problem_refusal(&problem(64, &fp8(block))).unwrap().contains("head_dim 128"));
+        for d in [64, 256] {
+            assert_eq!(problem_refusal(&problem(d, &fp8(block))), None, "head_dim {d}");
+        }
+        let unrotated = ForwardOptions::default().precision(Precision::Fp8 { scaling: block, hadamard: None });
+        assert!(problem_refusal(&problem(96, &unrotated)).unwrap().contains("head_dim 64, 128 or 256"));
         assert!(problem_refusal(&problem(128, &fp8(Fp8Scaling::PerBlock { rows: 32 }))).unwrap().contains("64 rows"));
         let alibi = fp8(block).alibi_slopes(vec![0.5; 4]);
         assert!(problem_refusal(&problem(128, &alibi)).unwrap().contains("ALiBi"));

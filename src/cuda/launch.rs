@@ -37,6 +37,9 @@ pub(crate) const TMA_DTYPE_UINT8: u32 = 0;
 pub(crate) const TMA_INTERLEAVE_NONE: u32 = 0;
 /// `CU_TENSOR_MAP_SWIZZLE_128B`: the 128-byte swizzle wgmma's SW128 descriptors un-do.
 pub(crate) const TMA_SWIZZLE_128B: u32 = 3;
+/// `CU_TENSOR_MAP_SWIZZLE_64B`: for 64-byte box rows (the FP8 consumer's e4m3 tiles whose K
+/// extent is 64 bytes), un-done by wgmma's SW64 descriptors.
+pub(crate) const TMA_SWIZZLE_64B: u32 = 2;
 /// `CU_TENSOR_MAP_L2_PROMOTION_L2_256B`.
 pub(crate) const TMA_L2_PROMOTION_256B: u32 = 3;
 /// `CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE`: out-of-bounds elements are zeros.
@@ -326,6 +329,7 @@ fn cu_enums(
     };
     let swizzle = match s.swizzle {
         TMA_SWIZZLE_128B => CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+        TMA_SWIZZLE_64B => CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B,
         _ => return Err("swizzle"),
     };
     let l2 = match s.l2_promotion {
@@ -354,6 +358,7 @@ mod tests {
         assert_eq!(CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8 as u32, TMA_DTYPE_UINT8);
         assert_eq!(CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE as u32, TMA_INTERLEAVE_NONE);
         assert_eq!(CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B as u32, TMA_SWIZZLE_128B);
+        assert_eq!(CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B as u32, TMA_SWIZZLE_64B);
         assert_eq!(CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B as u32, TMA_L2_PROMOTION_256B);
         assert_eq!(CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE as u32, TMA_OOB_FILL_NONE);
         let q = OperandLayout {

@@ -3,6 +3,16 @@
 // for bit). Built by tests/fp8_emulator.rs through tool_exe (with emu.h force-included).
 #include "../../fa3_fp8_fwd_sm90.cu"
 
+EMU_KERNEL(fa3fp8s1_fwd_hd64_bf16)
+EMU_KERNEL(fa3fp8s1_fwd_hd64_f16)
+EMU_KERNEL(fa3fp8s2_fwd_hd64_bf16)
+EMU_KERNEL(fa3fp8s2_fwd_hd64_f16)
+EMU_KERNEL(fa3fp8s3_fwd_hd64_bf16)
+EMU_KERNEL(fa3fp8s3_fwd_hd64_f16)
+EMU_KERNEL(fa3fp8s4_fwd_hd64_bf16)
+EMU_KERNEL(fa3fp8s4_fwd_hd64_f16)
+EMU_KERNEL(fa3fp8s5_fwd_hd64_bf16)
+EMU_KERNEL(fa3fp8s5_fwd_hd64_f16)
 EMU_KERNEL(fa3fp8s1_fwd_hd128_bf16)
 EMU_KERNEL(fa3fp8s1_fwd_hd128_f16)
 EMU_KERNEL(fa3fp8s2_fwd_hd128_bf16)
@@ -13,5 +23,15 @@ EMU_KERNEL(fa3fp8s4_fwd_hd128_bf16)
 EMU_KERNEL(fa3fp8s4_fwd_hd128_f16)
 EMU_KERNEL(fa3fp8s5_fwd_hd128_bf16)
 EMU_KERNEL(fa3fp8s5_fwd_hd128_f16)
+EMU_KERNEL(fa3fp8s1_fwd_hd256_bf16)
+EMU_KERNEL(fa3fp8s1_fwd_hd256_f16)
+EMU_KERNEL(fa3fp8s2_fwd_hd256_bf16)
+EMU_KERNEL(fa3fp8s2_fwd_hd256_f16)
+EMU_KERNEL(fa3fp8s3_fwd_hd256_bf16)
+EMU_KERNEL(fa3fp8s3_fwd_hd256_f16)
+EMU_KERNEL(fa3fp8s4_fwd_hd256_bf16)
+EMU_KERNEL(fa3fp8s4_fwd_hd256_f16)
+EMU_KERNEL(fa3fp8s5_fwd_hd256_bf16)
+EMU_KERNEL(fa3fp8s5_fwd_hd256_f16)
 
 #include "driver.cpp"

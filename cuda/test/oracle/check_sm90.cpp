@@ -18,8 +18,8 @@
 //  6. fragments: the accumulator map (acc_index + the documented thread position == the model's
 //     frag_rc) and the P -> A reuse (acc_to_a_index) equal CuTe's CLayout / ALayout;
 //  7. e4m3 (FP8, K-major, K = 32): desc_kmajor_sw128 at the 16-bit byte offsets equals CuTe's
-//     descriptors for the SW128 e4m3 tiles, and the RS A fragment of 8-bit inputs is NOT the
-//     accumulator fragment (reported: an FP8 P needs a register permutation).
+//     descriptors for the SW128 e4m3 tiles, desc_kmajor_sw64 for the SW64 ones, and the RS A
+//     fragment of 8-bit inputs is NOT the accumulator fragment (reported: an FP8 P needs a register permutation).
 #include <cstdint>
 #include <cstdio>
 #include <set>
@@ -239,28 +239,33 @@ void check_fragments() {
 }
 
 // FP8 e4m3, K-major SW128: a 128-element row is 128 bytes, so the byte geometry is the 16-bit one
-// with 128-element slabs; desc_kmajor_sw128 applies unchanged at these offsets.
+// with 128-element slabs; desc_kmajor_sw128 applies unchanged at these offsets. SW64 (the FP8
+// consumer's tiles whose K extent is 64 bytes: Q and K at head_dim 64, Vᵀ of 64-key tiles):
+// 64-element slabs, rows 64 bytes apart, two k32 steps per row, desc_kmajor_sw64.
 void check_e4m3() {
     const long c0 = g_sm90.cases;
     const int b0 = g_sm90.bad;
     int n = 0;
     const co::GmmaTile* all = co::gmma_tiles(&n);
-    int tiles = 0;
+    int tiles = 0, tiles64 = 0;
     for (int i = 0; i < n; ++i) {
         const co::GmmaTile& t = all[i];
-        if (t.elem_bits != 8 || t.swizzle_bytes != 128) continue;
-        ++tiles;
-        const int slab_stride = t.mn * 128, steps_per_slab = 128 / 32;
+        if (t.elem_bits != 8 || (t.swizzle_bytes != 128 && t.swizzle_bytes != 64)) continue;
+        const int w = t.swizzle_bytes;
+        ++(w == 128 ? tiles : tiles64);
+        const int slab_stride = t.mn * w, steps_per_slab = w / 32;
         for (int mb = 0; mb < t.mn / t.inst_mn; ++mb)
             for (int kb = 0; kb < t.k / 32; ++kb) {
-                const uint32_t off = mb * t.inst_mn * 128 + (kb / steps_per_slab) * slab_stride + (kb % steps_per_slab) * 32;
+                const uint32_t off = mb * t.inst_mn * w + (kb / steps_per_slab) * slab_stride + (kb % steps_per_slab) * 32;
                 const co::GmmaDesc cute = cute_desc(t, mb, kb);
-                EXPECT(desc_kmajor_sw128(off) == cute.raw, "e4m3 %s mn %d k %d block %d %d",
-                       t.operand == co::Operand::A ? "A" : "B", t.mn, t.k, mb, kb);
+                EXPECT((w == 128 ? desc_kmajor_sw128(off) : desc_kmajor_sw64(off)) == cute.raw,
+                       "e4m3 SW%d %s mn %d k %d block %d %d", w, t.operand == co::Operand::A ? "A" : "B", t.mn, t.k,
+                       mb, kb);
             }
     }
     EXPECT(tiles >= 6, "e4m3 SW128 tiles instantiated: %d", tiles);
-    g_sm90.section("e4m3 K-major SW128 descriptors (desc_kmajor_sw128 at 32-byte k steps)", c0, b0);
+    EXPECT(tiles64 >= 4, "e4m3 SW64 tiles instantiated: %d", tiles64);
+    g_sm90.section("e4m3 K-major SW128 / SW64 descriptors (desc_kmajor_sw128 / _sw64 at 32-byte k steps)", c0, b0);
 
     // The 8-bit RS A fragment against the accumulator: count threads whose A elements of key step
     // 0 (k 0..31) are not all among their own accumulator elements of columns 0..31.

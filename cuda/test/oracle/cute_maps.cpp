@@ -180,6 +180,8 @@ const Entry kEntries[] = {
     entry<Ss8, E4, K, false, 128, 128, 128, 64>(),
     entry<Ss8, E4, K, false, 128, 128, 256, 64>(),
     entry<Ss8, E4, K, false, 128, 64, 256, 64>(),
+    // Vᵀ of the FP8 consumer at head_dim 256: [256 x 64 keys], B, K-major, 64-byte rows.
+    entry<Ss8, E4, K, false, 64, 256, 64, 64>(),
     // The other swizzle modes, 16-bit 64 x 64 tiles.
     entry<Ss16, Bf, K, true, 64, 64, 64, 64>(),
     entry<Ss16, Bf, K, true, 32, 64, 64, 64>(),

@@ -527,12 +527,15 @@ fn fp8_problems_choose_the_fp8_family_on_hopper() {
                 && !reason.contains("fa3fp8s3 runs")),
         "{e:?}"
     );
-    // Where no FP8 row runs the problem (head_dim 64), no such hint.
-    let e = choose_in(FAMILIES, h200, &problem(DType::BF16, 64, &block), Variant::Auto).unwrap_err();
+    // Where no FP8 row runs the problem (head_dim 96: not a power of two, so no Hadamard), no
+    // such hint.
+    let unrotated = ForwardOptions::default()
+        .precision(crate::options::Precision::Fp8 { scaling: Fp8Scaling::PerBlock { rows: 128 }, hadamard: None });
+    let e = choose_in(FAMILIES, h200, &problem(DType::BF16, 96, &unrotated), Variant::Auto).unwrap_err();
     assert!(matches!(&e, Error::BackendUnavailable { reason, .. } if !reason.contains("not picked by Auto")), "{e:?}");
     // Typed refusals of what the consumer does not run.
     for (d, opts, why) in [
-        (64, block.clone(), "head_dim 128"),
+        (96, unrotated.clone(), "head_dim 64, 128 or 256"),
         (128, fp8_opts(Fp8Scaling::PerBlock { rows: 32 }), "64 rows"),
         (128, block.clone().alibi_slopes(vec![0.5; 4]), "ALiBi"),
     ] {
@@ -542,8 +545,18 @@ fn fp8_problems_choose_the_fp8_family_on_hopper() {
             "hd{d}: {e:?}"
         );
     }
-    // head_dim past the instance, and an Ampere GPU: the table's own refusals.
-    let e = choose_in(FAMILIES, h200, &problem(DType::BF16, 256, &block), Variant::Fa3).unwrap_err();
+    // head_dim 64 and 256 (SW64 e4m3 tiles; 64-key tiles at 256) run on their own tiles, every rung.
+    for d in [64, 256] {
+        let c = choose_in(FAMILIES, h200, &problem(DType::BF16, d, &block), Variant::Fa3).unwrap();
+        assert_eq!((c.family.name, c.tile.head_dim as usize), ("fa3fp8s5", d));
+        for (stage, name) in [(3, "fa3fp8s3"), (4, "fa3fp8s4")] {
+            let o = fp8_opts(Fp8Scaling::PerTensor).variant(Variant::Fa3).fa3_stage(stage);
+            let c = choose_in(FAMILIES, h200, &problem(DType::BF16, d, &o), Variant::Fa3).unwrap();
+            assert_eq!((c.family.name, c.tile.head_dim as usize), (name, d));
+        }
+    }
+    // head_dim past the instances, and an Ampere GPU: the table's own refusals.
+    let e = choose_in(FAMILIES, h200, &problem(DType::BF16, 512, &block), Variant::Fa3).unwrap_err();
     assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("head_dim up to")), "{e:?}");
     let a100 = &FA2_GPUS[0].0;
     let e = choose_in(FAMILIES, a100, &problem(DType::BF16, 128, &block), Variant::Fa3).unwrap_err();
