@@ -256,16 +256,19 @@ impl Engine {
             launch(&self.dev.plan_function(&pl)?, stream, &pl)?;
         }
         let rows = probe.lse_rows();
-        if splits <= 1 || rows == 0 {
+        // What the launch did that the family's name does not say (FA3: the K/V load path).
+        let note = if splits <= 1 || rows == 0 {
             let params = FwdParams::for_serving(&p, &layout, &ops, &sops, 1)?;
             let plan = plan_launch(c.family, c.tile, p.dtype, params, self.dev.sm_count())?;
             // An empty batch (no query rows) launches nothing.
             if plan.grid.0 > 0 && plan.grid.2 > 0 {
                 launch(&self.dev.plan_function(&plan)?, stream, &plan)?;
             }
+            plan.note
         } else {
             self.split_kv(stream, (&p, &layout, &ops, sops), &c, splits, qb.shape)?;
-        }
+            None
+        };
         let mut d = self.record(&c, opts);
         d.reason = format!(
             "{}; serving: {} sequences{}{}{}",
@@ -273,7 +276,7 @@ impl Engine {
             b,
             if new > 0 { format!(", {new} row(s) appended first (fa_append_kv)") } else { String::new() },
             if splits > 1 { format!(", {splits} key splits merged by the combine kernel") } else { String::new() },
-            plan.note.map_or(String::new(), |n| format!("; {n}"))
+            note.map_or(String::new(), |n| format!("; {n}"))
         );
         Ok(d)
     }
