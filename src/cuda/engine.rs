@@ -428,6 +428,17 @@ impl Engine {
         lse: Option<&mut DeviceLse>,
         opts: &ForwardOptions,
     ) -> Result<()> {
+        // SAFETY: `stream` is a valid handle (this function's contract).
+        unsafe { self.bind_raw_stream(stream) }?;
+        self.forward_inner(stream, q, k, v, o, lse, opts).map(|_| ())
+    }
+
+    /// Makes the engine's context current and checks that a caller's raw `stream` belongs to it
+    /// (`cuStreamGetCtx`): the first step of every `*_raw` entry point.
+    ///
+    /// # Safety
+    /// `stream` is a valid stream handle (or null, the context's legacy default stream).
+    pub(crate) unsafe fn bind_raw_stream(&self, stream: sys::CUstream) -> Result<()> {
         self.dev.context().bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
         let mut ctx: sys::CUcontext = std::ptr::null_mut();
         // SAFETY: `stream` is a valid handle (the caller's contract); `ctx` is a valid out pointer.
@@ -440,7 +451,7 @@ impl Engine {
                 expected: format!("a stream of the engine's context {:#x} (device {})", want as usize, self.dev.ordinal()),
             });
         }
-        self.forward_inner(stream, q, k, v, o, lse, opts).map(|_| ())
+        Ok(())
     }
 
     /// Uploads an ALiBi slope set (one per query head) on `stream` without synchronizing, so
@@ -667,17 +678,8 @@ impl Engine {
                 expected: "Precision::Fp8 with Fp8Scaling::PerTensor (one descale per (batch, head))".into(),
             });
         }
-        self.dev.context().bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
-        let mut ctx: sys::CUcontext = std::ptr::null_mut();
-        // SAFETY: `stream` is a valid handle (the caller's contract); `ctx` is a valid out pointer.
-        unsafe { sys::cuStreamGetCtx(stream, &mut ctx) }.result().map_err(cuda_err("cuStreamGetCtx"))?;
-        if ctx != self.dev.context().cu_ctx() {
-            return Err(Error::StreamMismatch {
-                what: "raw stream".into(),
-                got: format!("a stream of context {:#x}", ctx as usize),
-                expected: format!("a stream of the engine's context (device {})", self.dev.ordinal()),
-            });
-        }
+        // SAFETY: `stream` is a valid handle (this function's contract).
+        unsafe { self.bind_raw_stream(stream) }?;
         let (o, sid) = (&o.b, stream_id(stream));
         check_extent(Operand::O, o.shape, o.strides, o.len)?;
         check_stream(Operand::O, o.stream, sid)?;

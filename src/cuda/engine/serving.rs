@@ -96,17 +96,8 @@ impl Engine {
         lse: Option<&mut DeviceLse>,
         opts: &ForwardOptions,
     ) -> Result<Dispatch> {
-        self.dev.context().bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
-        let mut ctx: sys::CUcontext = std::ptr::null_mut();
-        // SAFETY: `stream` is a valid handle (the caller's contract); `ctx` is a valid out pointer.
-        unsafe { sys::cuStreamGetCtx(stream, &mut ctx) }.result().map_err(cuda_err("cuStreamGetCtx"))?;
-        if ctx != self.dev.context().cu_ctx() {
-            return Err(Error::StreamMismatch {
-                what: "raw stream".into(),
-                got: format!("a stream of context {:#x}", ctx as usize),
-                expected: format!("a stream of the engine's context (device {})", self.dev.ordinal()),
-            });
-        }
+        // SAFETY: `stream` is a valid handle (this function's contract).
+        unsafe { self.bind_raw_stream(stream) }?;
         let sid = stream_id(stream);
         let (qb, kb, vb, ob) = (&q.b, &k.b, &v.b, &o.b);
         for (op, t) in [(Operand::Q, qb), (Operand::K, kb), (Operand::V, vb), (Operand::O, ob)] {
