@@ -953,7 +953,7 @@ fn fp8_kernels_sass() {
         ("cuda/fp8_prepass.cu", 8, &["F2FP.SATFINITE.E4M3.F32", "SHFL.BFLY"][..]),
         (
             "cuda/fa3_fp8_fwd_sm90.cu",
-            10,
+            30, // stages 1-5 x head_dim 64 / 128 / 256 x f16 / bf16
             &[
                 "QGMMA.64x64x32.F32.E4M3.E4M3",
                 "F2FP.SATFINITE.E4M3.F32",
