@@ -15,6 +15,7 @@ mod common;
 mod serving_util;
 
 use common::emu::{run_launch, unit_exe, LaunchBuf, Mutation, LSE_TOL};
+use common::emu::addr::{ALIBI, CU_K, CU_Q, K, KNEW, LSE, LSE_ACC, O, O_ACC, Q, SEQUSED, TABLE, V, VNEW};
 use flash_attn::cuda::plan::{plan_append, plan_serving, FwdParams, LaunchPlan, Operands, ServingOperands};
 use flash_attn::cuda::table::FAMILIES;
 use flash_attn::reference::{attention_f64, attention_naive, max_abs_diff};
@@ -100,22 +101,6 @@ impl SCase {
         o
     }
 }
-
-// Device addresses of the emulated buffers (16-byte aligned, far apart).
-const Q: u64 = 0x10_0000_0000;
-const K: u64 = 0x20_0000_0000;
-const V: u64 = 0x30_0000_0000;
-const O: u64 = 0x40_0000_0000;
-const LSE: u64 = 0x50_0000_0000;
-const ALIBI: u64 = 0x60_0000_0000;
-const CU_Q: u64 = 0x70_0000_0000;
-const CU_K: u64 = 0x71_0000_0000;
-const SEQUSED: u64 = 0x72_0000_0000;
-const TABLE: u64 = 0x73_0000_0000;
-const O_ACC: u64 = 0x74_0000_0000;
-const LSE_ACC: u64 = 0x75_0000_0000;
-const KNEW: u64 = 0x76_0000_0000;
-const VNEW: u64 = 0x77_0000_0000;
 
 fn bits(x: &[f32], dtype: DType) -> Vec<u8> {
     x.iter()

@@ -15,6 +15,7 @@
 mod common;
 mod serving_util;
 use common::emu::{run_launch, unit_exe, LaunchBuf, Mutation, LSE_TOL};
+use common::emu::addr::{CU_K, CU_Q, K, KNEW, LSE, O, Q, SEQUSED, TABLE, V, VNEW};
 use flash_attn::cuda::plan::{plan_serving, LaunchPlan, Operands, ServingOperands};
 use flash_attn::cuda::table::FAMILIES;
 use flash_attn::reference::{attention_f64, attention_naive, max_abs_diff};
@@ -86,19 +87,6 @@ impl Case {
         ) + &if self.appended > 0 { format!(" appended{}", self.appended) } else { String::new() }
     }
 }
-
-// Device addresses of the emulated buffers.
-const Q: u64 = 0x10_0000_0000;
-const K: u64 = 0x20_0000_0000;
-const V: u64 = 0x30_0000_0000;
-const O: u64 = 0x40_0000_0000;
-const LSE: u64 = 0x50_0000_0000;
-const CU_Q: u64 = 0x60_0000_0000;
-const CU_K: u64 = 0x61_0000_0000;
-const SEQUSED: u64 = 0x62_0000_0000;
-const TABLE: u64 = 0x63_0000_0000;
-const K_NEW: u64 = 0x64_0000_0000;
-const V_NEW: u64 = 0x65_0000_0000;
 
 fn bits(x: &[f32], dtype: DType) -> Vec<u8> {
     let t = Tensor::from_f32(x, dtype, [1, 1, 1, x.len()]).unwrap();
@@ -255,8 +243,8 @@ fn run_mutated(c: &Case, execute: bool, mutation: Option<&Mutation>) -> Result<(
         cu_seqlens_k: if matches!(c.kv, Kv::Packed(_)) { CU_K } else { 0 },
         seqused_k: if matches!(c.kv, Kv::Packed(_)) { 0 } else { SEQUSED },
         block_table: if matches!(c.kv, Kv::Paged { .. }) { TABLE } else { 0 },
-        knew: if c.appended > 0 { K_NEW } else { 0 },
-        vnew: if c.appended > 0 { V_NEW } else { 0 },
+        knew: if c.appended > 0 { KNEW } else { 0 },
+        vnew: if c.appended > 0 { VNEW } else { 0 },
         new_strides: [[c.appended * row, row, d]; 2],
         ..ServingOperands::default()
     };
@@ -282,8 +270,8 @@ fn run_mutated(c: &Case, execute: bool, mutation: Option<&Mutation>) -> Result<(
     if c.appended > 0 {
         // The rows the append kernel already copied into the cache; the attention never reads them.
         let n = batch * c.appended * row * 2;
-        bufs.push(LaunchBuf::input("k_new", K_NEW, vec![0; n]));
-        bufs.push(LaunchBuf::input("v_new", V_NEW, vec![0; n]));
+        bufs.push(LaunchBuf::input("k_new", KNEW, vec![0; n]));
+        bufs.push(LaunchBuf::input("v_new", VNEW, vec![0; n]));
     }
     match &c.kv {
         Kv::Packed(_) => bufs.push(LaunchBuf::i32s("cu_seqlens_k", CU_K, &cu_k)),

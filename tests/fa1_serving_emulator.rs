@@ -12,6 +12,7 @@
 
 mod common;
 use common::emu::{run_launch, tool_exe, unit_exe, LaunchBuf, LSE_TOL};
+use common::emu::addr::{CU_K, CU_Q, K, LSE, LSE_ACC, O, O_ACC, Q, SEQUSED, TABLE, V};
 use common::{floor_for, Rng};
 use flash_attn::cuda::combine::{splits_plan, Rows};
 use flash_attn::cuda::plan::{plan_serving, Operands, ServingOperands};
@@ -22,18 +23,6 @@ use flash_attn::{DType, ForwardOptions, Mask, Problem, Tensor};
 use half::{bf16, f16};
 use std::fmt::Write as _;
 use std::path::PathBuf;
-
-const Q: u64 = 0x10_0000_0000;
-const K: u64 = 0x20_0000_0000;
-const V: u64 = 0x30_0000_0000;
-const O: u64 = 0x40_0000_0000;
-const LSE: u64 = 0x50_0000_0000;
-const CU_Q: u64 = 0x60_0000_0000;
-const CU_K: u64 = 0x61_0000_0000;
-const SEQUSED: u64 = 0x62_0000_0000;
-const TABLE: u64 = 0x63_0000_0000;
-const O_ACC: u64 = 0x70_0000_0000;
-const LSE_ACC: u64 = 0x78_0000_0000;
 
 fn full() -> bool {
     std::env::var("FLASH_ATTN_EMU").is_ok_and(|v| v == "full")

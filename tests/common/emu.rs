@@ -537,13 +537,7 @@ pub fn run_case(c: &Case, mutation: Option<&Mutation>) -> Outcome {
     }
     let (qv, kv, vv) = (view(&q, c.q, c.bhsd), view(&k, c.k, c.bhsd), view(&v, c.k, c.bhsd));
     let p = Problem::new(&qv, &kv, &vv, &opts).map_err(|e| format!("problem: {e}"))?;
-    // Device addresses of the emulated buffers (16-byte aligned, far apart).
-    const Q: u64 = 0x10_0000_0000;
-    const K: u64 = 0x20_0000_0000;
-    const V: u64 = 0x30_0000_0000;
-    const O: u64 = 0x40_0000_0000;
-    const LSE: u64 = 0x50_0000_0000;
-    const ALIBI: u64 = 0x60_0000_0000;
+    use addr::{ALIBI, K, LSE, O, Q, V};
     let ops = Operands {
         ptrs: [Q, K, V, O],
         strides: [qv.strides(), kv.strides(), vv.strides(), qv.strides()],
@@ -791,4 +785,23 @@ pub fn run_all(cases: &[Case], mutation: Option<&Mutation>, threads: usize) -> V
     let mut v = results.into_inner().unwrap();
     v.sort_by_key(|x| x.0);
     v.into_iter().map(|(_, n, r)| (n, r)).collect()
+}
+
+/// Device addresses of the emulated buffers of a launch (16-byte aligned, 4 GiB apart): the
+/// dense launches above and the serving tests use the same map.
+pub mod addr {
+    pub const Q: u64 = 0x10_0000_0000;
+    pub const K: u64 = 0x20_0000_0000;
+    pub const V: u64 = 0x30_0000_0000;
+    pub const O: u64 = 0x40_0000_0000;
+    pub const LSE: u64 = 0x50_0000_0000;
+    pub const ALIBI: u64 = 0x60_0000_0000;
+    pub const CU_Q: u64 = 0x70_0000_0000;
+    pub const CU_K: u64 = 0x71_0000_0000;
+    pub const SEQUSED: u64 = 0x72_0000_0000;
+    pub const TABLE: u64 = 0x73_0000_0000;
+    pub const O_ACC: u64 = 0x74_0000_0000;
+    pub const LSE_ACC: u64 = 0x75_0000_0000;
+    pub const KNEW: u64 = 0x76_0000_0000;
+    pub const VNEW: u64 = 0x77_0000_0000;
 }
