@@ -373,23 +373,7 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
     let nrows = i1 - i0;
     let panels = nrows.div_ceil(NR);
 
-    // Qᵀ panels (queries past i1 are zero and their results are dropped).
-    for pn in 0..panels {
-        let dst = &mut scr.q[pn * d * NR..(pn + 1) * d * NR];
-        for lane in 0..NR {
-            let r = pn * NR + lane;
-            if r < nrows {
-                q.read_row(b, i0 + r, h, &mut scr.q_row);
-                for (x, &val) in scr.q_row.iter().enumerate() {
-                    dst[x * NR + lane] = val;
-                }
-            } else {
-                for x in 0..d {
-                    dst[x * NR + lane] = 0.0;
-                }
-            }
-        }
-    }
+    fill_q_panels(q, (b, h, i0, i1), d, &mut scr.q, &mut scr.q_row);
     scr.o[..panels * NR * dv].iter_mut().for_each(|x| *x = 0.0);
     scr.rows[..panels * NR].iter_mut().for_each(|r| *r = RowState::EMPTY);
 
@@ -490,13 +474,46 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
         j0 = j1;
     }
 
-    for r in 0..nrows {
+    write_rows(&scr.o, &scr.rows[..nrows], d, sm.u, math, (o_out, lse_out));
+}
+
+/// The Qᵀ panels of query rows `i0..i1` of head `h`: `[panel][head_dim][NR]`, the lanes past
+/// `i1` zero (their results are dropped).
+#[inline(always)]
+fn fill_q_panels(q: &TensorView, at: (usize, usize, usize, usize), d: usize, dst: &mut [f32], row: &mut [f32]) {
+    let (b, h, i0, i1) = at;
+    let nrows = i1 - i0;
+    for pn in 0..nrows.div_ceil(NR) {
+        let dst = &mut dst[pn * d * NR..(pn + 1) * d * NR];
+        for lane in 0..NR {
+            let r = pn * NR + lane;
+            if r < nrows {
+                q.read_row(b, i0 + r, h, row);
+                for (x, &val) in row.iter().enumerate() {
+                    dst[x * NR + lane] = val;
+                }
+            } else {
+                for x in 0..d {
+                    dst[x * NR + lane] = 0.0;
+                }
+            }
+        }
+    }
+}
+
+/// A block's normalised output rows (`o_out`, `rows.len() × d`) out of its Oᵀ panels
+/// (`o`: `[panel][head_dim_pad][NR]`), and its LSEs.
+#[inline(always)]
+fn write_rows<M: Exp2Math>(o: &[f32], rows: &[RowState], d: usize, u: f32, math: &M, out: (&mut [f32], &mut [f32])) {
+    let (o_out, lse_out) = out;
+    let dv = round_up(d, MR);
+    for (r, state) in rows.iter().enumerate() {
         let (pn, lane) = (r / NR, r % NR);
-        let (inv, lse) = finalize(&scr.rows[r], sm.u, math);
+        let (inv, lse) = finalize(state, u, math);
         lse_out[r] = lse;
-        let op = &scr.o[pn * dv * NR..];
+        let op = &o[pn * dv * NR..];
         let out = &mut o_out[r * d..(r + 1) * d];
-        if scr.rows[r].l == 0.0 {
+        if state.l == 0.0 {
             out.fill(0.0); // saw no key: exactly 0, whatever reached O
         } else {
             for (x, dst) in out.iter_mut().enumerate() {
