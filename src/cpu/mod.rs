@@ -290,8 +290,8 @@ struct PanelAt {
 }
 
 /// Panel `pn`'s scores `sp` (`[keys][NR]`, keys from `at.k0`) to probabilities: softcap and
-/// ALiBi, the mask, the online softmax down each query column, and the rescale of its output
-/// panel `op`.
+/// ALiBi, the mask and the online softmax down each query column. Returns the factors its output
+/// panel must be rescaled by (`rescale_o`, fused into the second product's accumulator load).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn panel_softmax<M: Exp2Math, const FMA: bool, const WIDE: bool>(
@@ -303,8 +303,7 @@ fn panel_softmax<M: Exp2Math, const FMA: bool, const WIDE: bool>(
     ranges: &[(usize, usize)],
     sp: &mut [f32],
     states: &mut [RowState],
-    op: &mut [f32],
-) {
+) -> [f32; NR] {
     // Softcap and ALiBi, in natural units (as a straightforward implementation computes them:
     // each step is finite wherever its f32 counterpart there is).
     if sm.natural {
@@ -338,14 +337,13 @@ fn panel_softmax<M: Exp2Math, const FMA: bool, const WIDE: bool>(
     if WIDE && M::NATIVE {
         // The same arithmetic in AVX-512 instructions (`simd::native_softmax`).
         if let Some(scales) = simd::native_softmax(states, sp, sm.c) {
-            rescale_o(&mut op[..round_up(p.head_dim, MR) * NR], &scales);
-            return;
+            return scales;
         }
     }
     let tile_max = softmax::panel_max(sp);
     let scales = softmax::panel_scales(states, &tile_max, sm.c, math);
     online_softmax::<M, FMA>(states, &scales, sp, sm.c, math);
-    rescale_o(&mut op[..round_up(p.head_dim, MR) * NR], &scales);
+    scales
 }
 
 /// One work item: query rows `i0..i1` of head `h` against the packed K/V of its kv head.
@@ -438,33 +436,56 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
             let op1 = &mut o_hi[..if pair { dv * NR } else { 0 }];
             let (r_lo, r_hi) = scr.rows.split_at_mut((pn + 1) * NR);
             let panel = PanelAt { h, i0, nrows, k0, full_tile };
-            panel_softmax::<M, FMA, PAIR>(p, sm, math, &panel, pn, &ranges, sp0, &mut r_lo[pn * NR..], op0);
-            if pair {
-                panel_softmax::<M, FMA, PAIR>(p, sm, math, &panel, pn + 1, &ranges, sp1, &mut r_hi[..NR], op1);
-            }
-            // Oᵀ += Vᵀ·Pᵀ, six columns of V at a time.
+            let sc0 = panel_softmax::<M, FMA, PAIR>(p, sm, math, &panel, pn, &ranges, sp0, &mut r_lo[pn * NR..]);
+            let sc1 = if pair {
+                panel_softmax::<M, FMA, PAIR>(p, sm, math, &panel, pn + 1, &ranges, sp1, &mut r_hi[..NR])
+            } else {
+                [1.0; NR]
+            };
+            // Oᵀ = Oᵀ·diag(scale) + Vᵀ·Pᵀ, six columns of V at a time.
             let v_strip = |ds: usize| &kv.v[ds * sk_pad * MR + k0 * MR..ds * sk_pad * MR + k1 * MR];
+            let finite = kv.v_finite;
             if pair {
                 for (ds, (o6a, o6b)) in op0.chunks_exact_mut(MR * NR).zip(op1.chunks_exact_mut(MR * NR)).enumerate() {
+                    let (a, b) = (v_strip(ds), [&*sp0, &*sp1]);
+                    let wide = PAIR
+                        && if finite {
+                            simd::scaled_product::<2, false>(a, b, [&mut *o6a, &mut *o6b], [&sc0, &sc1])
+                        } else {
+                            simd::scaled_product::<2, true>(a, b, [&mut *o6a, &mut *o6b], [&sc0, &sc1])
+                        };
+                    if wide {
+                        continue;
+                    }
                     let mut acc: [Acc; 2] = [[[0.0; NR]; MR]; 2];
-                    acc[0].as_flattened_mut().copy_from_slice(o6a);
-                    acc[1].as_flattened_mut().copy_from_slice(o6b);
-                    if kv.v_finite {
-                        micro_kernel_x2::<FMA, false>(v_strip(ds), [sp0, sp1], &mut acc);
+                    rescale_o(o6a, &sc0, &mut acc[0]);
+                    rescale_o(o6b, &sc1, &mut acc[1]);
+                    if finite {
+                        micro_kernel_x2::<FMA, false>(a, b, &mut acc);
                     } else {
-                        micro_kernel_x2::<FMA, true>(v_strip(ds), [sp0, sp1], &mut acc);
+                        micro_kernel_x2::<FMA, true>(a, b, &mut acc);
                     }
                     o6a.copy_from_slice(acc[0].as_flattened());
                     o6b.copy_from_slice(acc[1].as_flattened());
                 }
             } else {
                 for (ds, o6) in op0[..dv * NR].chunks_exact_mut(MR * NR).enumerate() {
+                    let a = v_strip(ds);
+                    let wide = PAIR
+                        && if finite {
+                            simd::scaled_product::<1, false>(a, [&*sp0], [&mut *o6], [&sc0])
+                        } else {
+                            simd::scaled_product::<1, true>(a, [&*sp0], [&mut *o6], [&sc0])
+                        };
+                    if wide {
+                        continue;
+                    }
                     let mut acc: Acc = [[0.0; NR]; MR];
-                    acc.as_flattened_mut().copy_from_slice(o6);
-                    if kv.v_finite {
-                        micro_kernel::<FMA>(v_strip(ds), sp0, &mut acc);
+                    rescale_o(o6, &sc0, &mut acc);
+                    if finite {
+                        micro_kernel::<FMA>(a, sp0, &mut acc);
                     } else {
-                        micro_kernel_skip_zero_b::<FMA>(v_strip(ds), sp0, &mut acc);
+                        micro_kernel_skip_zero_b::<FMA>(a, sp0, &mut acc);
                     }
                     o6.copy_from_slice(acc.as_flattened());
                 }
@@ -474,7 +495,7 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
         j0 = j1;
     }
 
-    write_rows(&scr.o, &scr.rows[..nrows], d, sm.u, math, (o_out, lse_out));
+    write_rows::<M, PAIR>(&scr.o, &scr.rows[..nrows], d, sm.u, math, (o_out, lse_out));
 }
 
 /// The Qᵀ panels of query rows `i0..i1` of head `h`: `[panel][head_dim][NR]`, the lanes past
@@ -502,22 +523,39 @@ fn fill_q_panels(q: &TensorView, at: (usize, usize, usize, usize), d: usize, dst
 }
 
 /// A block's normalised output rows (`o_out`, `rows.len() × d`) out of its Oᵀ panels
-/// (`o`: `[panel][head_dim_pad][NR]`), and its LSEs.
+/// (`o`: `[panel][head_dim_pad][NR]`), and its LSEs. `WIDE`: AVX-512 transposes 16×16 blocks
+/// in registers (`simd::write_panel_rows`) where the scalar loop reads with a 16-float stride.
 #[inline(always)]
-fn write_rows<M: Exp2Math>(o: &[f32], rows: &[RowState], d: usize, u: f32, math: &M, out: (&mut [f32], &mut [f32])) {
-    let (o_out, lse_out) = out;
+fn write_rows<M: Exp2Math, const WIDE: bool>(
+    o: &[f32],
+    rows: &[RowState],
+    d: usize,
+    u: f32,
+    math: &M,
+    (o_out, lse_out): (&mut [f32], &mut [f32]),
+) {
     let dv = round_up(d, MR);
-    for (r, state) in rows.iter().enumerate() {
-        let (pn, lane) = (r / NR, r % NR);
-        let (inv, lse) = finalize(state, u, math);
-        lse_out[r] = lse;
-        let op = &o[pn * dv * NR..];
-        let out = &mut o_out[r * d..(r + 1) * d];
-        if state.l == 0.0 {
-            out.fill(0.0); // saw no key: exactly 0, whatever reached O
-        } else {
-            for (x, dst) in out.iter_mut().enumerate() {
-                *dst = op[x * NR + lane] * inv;
+    for (pn, states) in rows.chunks(NR).enumerate() {
+        let r0 = pn * NR;
+        let op = &o[pn * dv * NR..(pn + 1) * dv * NR];
+        let out = &mut o_out[r0 * d..(r0 + states.len()) * d];
+        // A query that saw no key is written as exactly 0, whatever reached O (`finalize`).
+        let (mut inv, mut live) = ([0.0f32; NR], 0u16);
+        for (lane, st) in states.iter().enumerate() {
+            let (i, lse) = finalize(st, u, math);
+            (inv[lane], lse_out[r0 + lane]) = (i, lse);
+            live |= u16::from(st.l != 0.0) << lane;
+        }
+        if WIDE && simd::write_panel_rows(op, &inv, live, d, out) {
+            continue;
+        }
+        for (lane, row) in out.chunks_exact_mut(d.max(1)).enumerate() {
+            if live >> lane & 1 == 0 {
+                row.fill(0.0);
+            } else {
+                for (x, dst) in row.iter_mut().enumerate() {
+                    *dst = op[x * NR + lane] * inv[lane];
+                }
             }
         }
     }

@@ -19,7 +19,7 @@ pub(crate) fn prefetch(p: *const i8) {
     let _ = p;
 }
 
-use super::gemm::NR;
+use super::gemm::{MR, NR};
 use super::softmax::RowState;
 
 /// The online softmax of one `[keys][NR]` score panel with the native arithmetic (`cpu::Native`:
@@ -119,6 +119,180 @@ fn native_softmax_avx512(states: &mut [RowState], panel: &mut [f32], c: f32) -> 
     sc
 }
 
+/// The second product with the rescale fused into its accumulator load, for `N` (1 or 2) query
+/// panels: `o[t] = o[t]·diag(sc[t]) + a·b[t]`, `o[t]` a `[MR][NR]` block of an Oᵀ panel, `a`
+/// a strip of `kc` steps of `MR` values (6 columns of V), `b[t]` `kc` rows of `NR` (Pᵀ). The
+/// accumulators are loaded from and stored to the panel directly, in registers in between:
+/// exactly `rescale_o` then `gemm::micro_kernel` (`_x2`, `SKIP`: `_skip_zero_b`) element by
+/// element, the same FMAs in the same order.
+///
+/// `false` when this CPU lacks AVX-512F (the caller then runs those).
+#[inline(always)]
+pub(crate) fn scaled_product<const N: usize, const SKIP: bool>(
+    a: &[f32],
+    b: [&[f32]; N],
+    o: [&mut [f32]; N],
+    sc: [&[f32; NR]; N],
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx512f") {
+        // SAFETY: AVX-512F was just detected on this CPU, the only requirement of
+        // `scaled_product_avx512` (its slice lengths it checks itself).
+        unsafe { scaled_product_avx512::<N, SKIP>(a, b, o, sc) };
+        return true;
+    }
+    let _ = (a, b, o, sc);
+    false
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn scaled_product_avx512<const N: usize, const SKIP: bool>(
+    a: &[f32],
+    b: [&[f32]; N],
+    o: [&mut [f32]; N],
+    sc: [&[f32; NR]; N],
+) {
+    use std::arch::x86_64::*;
+    let kc = a.len() / MR;
+    for t in 0..N {
+        assert!(b[t].len() >= kc * NR && o[t].len() >= MR * NR);
+    }
+    let mut acc = [[_mm512_setzero_ps(); MR]; N];
+    for t in 0..N {
+        // SAFETY: `sc[t]` is 16 f32, and `o[t]` holds MR rows of 16 (checked above).
+        unsafe {
+            let s = _mm512_loadu_ps(sc[t].as_ptr());
+            for (i, acc) in acc[t].iter_mut().enumerate() {
+                *acc = _mm512_mul_ps(_mm512_loadu_ps(o[t].as_ptr().add(i * NR)), s);
+            }
+        }
+    }
+    let bp: [*const f32; N] = std::array::from_fn(|t| b[t].as_ptr());
+    for (k, ak) in a.chunks_exact(MR).enumerate() {
+        let mut bv = [_mm512_setzero_ps(); N];
+        for t in 0..N {
+            // SAFETY: `k < kc` and `b[t]` holds `kc` rows of 16 (checked above).
+            bv[t] = unsafe { _mm512_loadu_ps(bp[t].add(k * NR)) };
+        }
+        for (i, &ai) in ak.iter().enumerate() {
+            let ai = _mm512_set1_ps(ai);
+            for t in 0..N {
+                acc[t][i] = if SKIP {
+                    // Only where P is not 0 (NaN included, as `b != 0` is in the generic kernel).
+                    let nz = _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(bv[t], _mm512_setzero_ps());
+                    _mm512_mask3_fmadd_ps(ai, bv[t], acc[t][i], nz)
+                } else {
+                    _mm512_fmadd_ps(ai, bv[t], acc[t][i])
+                };
+            }
+        }
+    }
+    for (t, o) in o.into_iter().enumerate() {
+        for (i, acc) in acc[t].iter().enumerate() {
+            // SAFETY: `o` holds MR rows of 16 (checked above).
+            unsafe { _mm512_storeu_ps(o.as_mut_ptr().add(i * NR), *acc) };
+        }
+    }
+}
+
+/// Rows `0..n` of one Oᵀ panel (`op`: `[head_dim_pad >= d][NR]`, query `r` in lane `r`) as the
+/// `n = out.len() / d` rows of `out` (`n × d`, n <= 16), each multiplied by `inv[r]`, or 0 where
+/// bit `r` of `live` is clear: exactly `op[x·16 + r] · inv[r]` per element, in 16×16 blocks
+/// transposed in registers rather than read with a 16-float stride.
+///
+/// `false` when this CPU lacks AVX-512F (the caller then writes the rows itself).
+#[inline]
+pub(crate) fn write_panel_rows(op: &[f32], inv: &[f32; NR], live: u16, d: usize, out: &mut [f32]) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx512f") {
+        // SAFETY: AVX-512F was just detected on this CPU, the only requirement of
+        // `write_panel_rows_avx512` (its slice lengths it checks itself).
+        unsafe { write_panel_rows_avx512(op, inv, live, d, out) };
+        return true;
+    }
+    let _ = (op, inv, live, d, out);
+    false
+}
+
+/// The transpose of 16 vectors of 16 lanes: lane `k` of result `r` is lane `r` of input `k`
+/// (pairs of lanes interleaved, then pairs of pairs, then the 128-bit quarters twice).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn transpose16(m: [std::arch::x86_64::__m512; NR]) -> [std::arch::x86_64::__m512; NR] {
+    use std::arch::x86_64::*;
+    // Plain loops over arrays (constant bounds: unrolled, the arrays kept in registers), not
+    // `array::from_fn`, whose closure may be compiled out of line.
+    let z = _mm512_setzero_ps();
+    // t[2i], t[2i+1]: rows 2i and 2i+1 interleaved lane by lane.
+    let mut t = [z; NR];
+    for i in 0..NR / 2 {
+        t[2 * i] = _mm512_unpacklo_ps(m[2 * i], m[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(m[2 * i], m[2 * i + 1]);
+    }
+    // u[4i + j], quarter L: column 4L + j of rows 4i..4i+4.
+    let mut u = [z; NR];
+    for i in 0..NR / 4 {
+        for h in 0..2 {
+            let (a, b) = (_mm512_castps_pd(t[4 * i + h]), _mm512_castps_pd(t[4 * i + 2 + h]));
+            u[4 * i + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+            u[4 * i + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        }
+    }
+    // w[8h + j] = quarters (0, 2) of u[8h + j] then of u[8h + 4 + j]; w[8h + 4 + j] quarters (1, 3).
+    let mut w = [z; NR];
+    for h in 0..2 {
+        for j in 0..4 {
+            let (a, b) = (u[8 * h + j], u[8 * h + 4 + j]);
+            w[8 * h + j] = _mm512_shuffle_f32x4::<0x88>(a, b);
+            w[8 * h + 4 + j] = _mm512_shuffle_f32x4::<0xDD>(a, b);
+        }
+    }
+    // Column 4L + j: quarter L of u[j], u[4 + j], u[8 + j], u[12 + j].
+    let mut c = [z; NR];
+    for odd in 0..2 {
+        for j in 0..4 {
+            let (a, b) = (w[4 * odd + j], w[8 + 4 * odd + j]);
+            c[4 * odd + j] = _mm512_shuffle_f32x4::<0x88>(a, b);
+            c[8 + 4 * odd + j] = _mm512_shuffle_f32x4::<0xDD>(a, b);
+        }
+    }
+    c
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn write_panel_rows_avx512(op: &[f32], inv: &[f32; NR], live: u16, d: usize, out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    if d == 0 {
+        return;
+    }
+    let n = out.len() / d;
+    assert!(n <= NR && out.len() == n * d && op.len() >= d * NR);
+    // SAFETY: `inv` is 16 f32.
+    let invv = unsafe { _mm512_loadu_ps(inv.as_ptr()) };
+    let mut x0 = 0;
+    while x0 < d {
+        let w = (d - x0).min(NR);
+        // Vector k: column x0 + k of the 16 queries, scaled (0 past the head dim, or not live).
+        let mut m = [_mm512_setzero_ps(); NR];
+        for (k, mk) in m.iter_mut().enumerate().take(w) {
+            let src = &op[(x0 + k) * NR..(x0 + k + 1) * NR];
+            // SAFETY: `src` is 16 f32.
+            *mk = _mm512_maskz_mul_ps(live, unsafe { _mm512_loadu_ps(src.as_ptr()) }, invv);
+        }
+        let rows = transpose16(m);
+        let mask: __mmask16 = if w == NR { !0 } else { (1u16 << w) - 1 };
+        for (r, row) in rows.iter().enumerate().take(n) {
+            let dst = &mut out[r * d + x0..r * d + x0 + w];
+            // SAFETY: `dst` holds `w` f32 and the mask enables only the first `w` lanes (masked
+            // lanes are neither read nor written).
+            unsafe { _mm512_mask_storeu_ps(dst.as_mut_ptr(), mask, *row) };
+        }
+        x0 += NR;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -172,4 +346,41 @@ mod tests {
         }
         assert_eq!(checked, 400);
     }
+
+    /// `write_panel_rows` is the strided scalar loop, bit for bit, for head dims that do and do
+    /// not fill whole 16-column blocks, partial panels and rows that saw no key (written as 0
+    /// even where O holds an infinity or a NaN).
+    #[test]
+    fn write_panel_rows_is_the_strided_loop() {
+        for d in [1usize, 5, 16, 24, 40, 64, 72, 128, 130] {
+            let dv = d.next_multiple_of(6);
+            let op: Vec<f32> = (0..dv * NR).map(|i| ((i * 37) % 101) as f32 * 0.37 - 17.0).collect();
+            let mut op = op;
+            op[3 * NR + 2] = f32::INFINITY;
+            op[NR + 5] = f32::NAN;
+            let inv: [f32; NR] = std::array::from_fn(|r| 1.0 / (r as f32 + 1.7));
+            for n in [1usize, 7, 15, 16] {
+                for live in [0xffffu16, 0xb5db, 0x0004] {
+                    let mut a = vec![-1.0f32; n * d];
+                    if !write_panel_rows(&op, &inv, live, d, &mut a) {
+                        eprintln!("this CPU has no AVX-512F: write_panel_rows is compiled but not run here");
+                        return;
+                    }
+                    let b: Vec<f32> = (0..n * d)
+                        .map(|i| {
+                            let (r, x) = (i / d, i % d);
+                            if live >> r & 1 == 0 {
+                                0.0
+                            } else {
+                                op[x * NR + r] * inv[r]
+                            }
+                        })
+                        .collect();
+                    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&a), bits(&b), "d {d} n {n} live {live:#x}");
+                }
+            }
+        }
+    }
 }
+

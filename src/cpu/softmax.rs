@@ -159,16 +159,15 @@ pub fn online_softmax<M: Exp2Math, const FMA: bool>(
     }
 }
 
-/// Multiplies each query column of a `[rows][NR]` output panel by its scale (skipped when all
-/// are 1).
+/// Multiplies each query column of `MR` rows of an output panel (`[MR][NR]`, from `o_rows`) by
+/// its scale, into the accumulator `acc` of the second product: the rescale is fused into the
+/// load of the accumulator, so O is read and written once per key tile. (Multiplying by 1 is
+/// exact, so nothing is skipped when no scale moved.)
 #[inline(always)]
-pub fn rescale_o(o_panel: &mut [f32], scales: &[f32; NR]) {
-    if scales.iter().all(|&s| s == 1.0) {
-        return;
-    }
-    for row in o_panel.chunks_exact_mut(NR) {
+pub fn rescale_o<const MR: usize>(o_rows: &[f32], scales: &[f32; NR], acc: &mut [[f32; NR]; MR]) {
+    for (a, row) in acc.iter_mut().zip(o_rows.chunks_exact(NR)) {
         for q in 0..NR {
-            row[q] *= scales[q];
+            a[q] = row[q] * scales[q];
         }
     }
 }
