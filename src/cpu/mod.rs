@@ -321,12 +321,19 @@ fn panel_softmax<M: Exp2Math, const FMA: bool, const WIDE: bool>(
             }
         }
     }
-    // The mask, branch-free per lane so it vectorises (padded lanes see everything).
+    // The mask, branch-free per lane (padded lanes see everything), on the keys that some lane
+    // of the panel does not see: below the largest `lo`, and from the smallest `hi` on. Every
+    // lane sees the keys in between (on a causal diagonal or at the padded end of the keys most
+    // of the tile), so those rows are left alone.
     if !at.full_tile {
         let lo: [i64; NR] = std::array::from_fn(|l| ranges.get(pn * NR + l).map_or(0, |r| r.0 as i64));
         let hi: [i64; NR] = std::array::from_fn(|l| ranges.get(pn * NR + l).map_or(i64::MAX, |r| r.1 as i64));
-        for (jl, row) in sp.chunks_exact_mut(NR).enumerate() {
-            let j = (at.k0 + jl) as i64;
+        let keys = sp.len() / NR;
+        let local = |j: i64| (j.max(at.k0 as i64) - at.k0 as i64).min(keys as i64) as usize;
+        let below = local(lo.iter().copied().max().unwrap_or(0));
+        let from = local(hi.iter().copied().min().unwrap_or(i64::MAX)).max(below);
+        for jl in (0..below).chain(from..keys) {
+            let (j, row) = ((at.k0 + jl) as i64, &mut sp[jl * NR..(jl + 1) * NR]);
             for q in 0..NR {
                 row[q] = if j < lo[q] || j >= hi[q] { f32::NEG_INFINITY } else { row[q] };
             }
