@@ -290,7 +290,8 @@ struct PanelAt {
 }
 
 /// Panel `pn`'s scores `sp` (`[keys][NR]`, keys from `at.k0`) to probabilities: softcap and
-/// ALiBi, the mask and the online softmax down each query column. Returns the factors its output
+/// ALiBi, the mask and the online softmax down each query column (`tile_max`: the scores'
+/// `panel_max`, when the product took it). Returns the factors its output
 /// panel must be rescaled by (`rescale_o`, fused into the second product's accumulator load).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
@@ -299,7 +300,7 @@ fn panel_softmax<M: Exp2Math, const FMA: bool, const WIDE: bool>(
     sm: ScoreMod,
     math: &M,
     at: &PanelAt,
-    pn: usize,
+    (pn, tile_max): (usize, Option<&[f32; NR]>),
     ranges: &[(usize, usize)],
     sp: &mut [f32],
     states: &mut [RowState],
@@ -343,7 +344,7 @@ fn panel_softmax<M: Exp2Math, const FMA: bool, const WIDE: bool>(
     let states = &mut states[..NR];
     if WIDE && M::NATIVE {
         // The same arithmetic in AVX-512 instructions (`simd::native_softmax`).
-        if let Some(scales) = simd::native_softmax(states, sp, sm.c) {
+        if let Some(scales) = simd::native_softmax(states, sp, sm.c, tile_max) {
             return scales;
         }
     }
@@ -421,10 +422,17 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
             let sp1: &mut [f32] = if pair { &mut s_hi[c0 * NR..c1 * NR] } else { &mut [] };
             let q0 = &scr.q[pn * d * NR..(pn + 1) * d * NR];
             let k_strip = |ks: usize| &kv.k[(k0 / MR + ks) * d * MR..(k0 / MR + ks + 1) * d * MR];
-            // Sᵀ = K·Qᵀ, six keys at a time.
+            // Sᵀ = K·Qᵀ, six keys at a time (AVX-512: with the softmax's max pass fused in).
+            let mut tile_max = [[f32::NEG_INFINITY; NR]; 2];
+            let mut fused = false;
             if pair {
                 let q1 = &scr.q[(pn + 1) * d * NR..(pn + 2) * d * NR];
                 for (ks, (s6a, s6b)) in sp0.chunks_exact_mut(MR * NR).zip(sp1.chunks_exact_mut(MR * NR)).enumerate() {
+                    let [m0, m1] = &mut tile_max;
+                    fused = PAIR && simd::product_max::<2>(k_strip(ks), [q0, q1], [&mut *s6a, &mut *s6b], [m0, m1]);
+                    if fused {
+                        continue;
+                    }
                     let mut acc: [Acc; 2] = [[[0.0; NR]; MR]; 2];
                     micro_kernel_x2::<FMA, false>(k_strip(ks), [q0, q1], &mut acc);
                     for (s6, a) in [s6a, s6b].into_iter().zip(&acc) {
@@ -433,19 +441,37 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
                 }
             } else {
                 for (ks, s6) in sp0.chunks_exact_mut(MR * NR).enumerate() {
+                    fused = PAIR && simd::product_max::<1>(k_strip(ks), [q0], [&mut *s6], [&mut tile_max[0]]);
+                    if fused {
+                        continue;
+                    }
                     let mut acc: Acc = [[0.0; NR]; MR];
                     micro_kernel::<FMA>(k_strip(ks), q0, &mut acc);
                     s6.copy_from_slice(acc.as_flattened());
                 }
             }
+            // The max taken in the product is the softmax's only while nothing changes the
+            // scores in between (no softcap, ALiBi or mask).
+            let fused = fused && full_tile && !sm.natural;
             let (o_lo, o_hi) = scr.o.split_at_mut((pn + 1) * dv * NR);
             let op0 = &mut o_lo[pn * dv * NR..];
             let op1 = &mut o_hi[..if pair { dv * NR } else { 0 }];
             let (r_lo, r_hi) = scr.rows.split_at_mut((pn + 1) * NR);
             let panel = PanelAt { h, i0, nrows, k0, full_tile };
-            let sc0 = panel_softmax::<M, FMA, PAIR>(p, sm, math, &panel, pn, &ranges, sp0, &mut r_lo[pn * NR..]);
+            let [m0, m1] = &tile_max;
+            let sc0 = panel_softmax::<M, FMA, PAIR>(
+                p,
+                sm,
+                math,
+                &panel,
+                (pn, fused.then_some(m0)),
+                &ranges,
+                sp0,
+                &mut r_lo[pn * NR..],
+            );
             let sc1 = if pair {
-                panel_softmax::<M, FMA, PAIR>(p, sm, math, &panel, pn + 1, &ranges, sp1, &mut r_hi[..NR])
+                let at = (pn + 1, fused.then_some(m1));
+                panel_softmax::<M, FMA, PAIR>(p, sm, math, &panel, at, &ranges, sp1, &mut r_hi[..NR])
             } else {
                 [1.0; NR]
             };

@@ -31,16 +31,24 @@ use super::softmax::RowState;
 /// `2^floor(x)` and a mask zeroes what is below `2^-126`, as `exp2_fast`'s clamp does). With 512-bit vectors every vector operation shares the two FMA
 /// ports with the products, so at head_dim 64 the softmax was more than half of them.
 ///
+/// `tile_max`: the panel's `panel_max`, when the product already took it (`product_max`); it is
+/// then not taken again.
+///
 /// `None` when this CPU lacks AVX-512F (the caller then runs the generic verbs).
 #[inline]
-pub(crate) fn native_softmax(states: &mut [RowState], panel: &mut [f32], c: f32) -> Option<[f32; NR]> {
+pub(crate) fn native_softmax(
+    states: &mut [RowState],
+    panel: &mut [f32],
+    c: f32,
+    tile_max: Option<&[f32; NR]>,
+) -> Option<[f32; NR]> {
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx512f") {
         // SAFETY: AVX-512F was just detected on this CPU, the only requirement of
         // `native_softmax_avx512` (its slice lengths it checks itself).
-        return Some(unsafe { native_softmax_avx512(states, panel, c) });
+        return Some(unsafe { native_softmax_avx512(states, panel, c, tile_max) });
     }
-    let _ = (states, panel, c);
+    let _ = (states, panel, c, tile_max);
     None
 }
 
@@ -68,18 +76,17 @@ fn exp2_neg_avx512(a: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-fn native_softmax_avx512(states: &mut [RowState], panel: &mut [f32], c: f32) -> [f32; NR] {
+fn native_softmax_avx512(states: &mut [RowState], panel: &mut [f32], c: f32, tile_max: Option<&[f32; NR]>) -> [f32; NR] {
     use std::arch::x86_64::*;
     assert!(states.len() >= NR && panel.len() % NR == 0);
     let load = |x: &[f32]| {
         // SAFETY: `x` holds at least 16 f32 (every caller passes a 16-lane panel row).
         unsafe { _mm512_loadu_ps(x[..NR].as_ptr()) }
     };
-    // The tile max; `max_ps(row, acc)` returns `acc` when `row` is NaN, as `panel_max` skips it.
-    let mut tile_max = _mm512_set1_ps(f32::NEG_INFINITY);
-    for row in panel.chunks_exact(NR) {
-        tile_max = _mm512_max_ps(load(row), tile_max);
-    }
+    let tile_max = match tile_max {
+        Some(m) => load(m),
+        None => running_max(_mm512_set1_ps(f32::NEG_INFINITY), panel.chunks_exact(NR).map(load)),
+    };
     let m_old: [f32; NR] = std::array::from_fn(|q| states[q].m);
     let l_old: [f32; NR] = std::array::from_fn(|q| states[q].l);
     let (m_old, l_old) = (load(&m_old), load(&l_old));
@@ -117,6 +124,83 @@ fn native_softmax_avx512(states: &mut [RowState], panel: &mut [f32], c: f32) -> 
         *st = RowState { m: m_out[q], l: l_out[q] };
     }
     sc
+}
+
+/// `panel_max` folded over more rows, in their order: `max_ps(row, acc)` returns `acc` when
+/// `row` is NaN (`panel_max` skips it) and when both are zeros (`panel_max` keeps the first), so
+/// the result is `panel_max`'s bit for bit, sign of a zero included.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn running_max(
+    mut acc: std::arch::x86_64::__m512,
+    rows: impl Iterator<Item = std::arch::x86_64::__m512>,
+) -> std::arch::x86_64::__m512 {
+    for row in rows {
+        acc = std::arch::x86_64::_mm512_max_ps(row, acc);
+    }
+    acc
+}
+
+/// The first product for `N` (1 or 2) query panels with the softmax's max pass fused in:
+/// `s[t] = a·b[t]` (`a` a strip of `kc` steps of `MR` keys of K, `b[t]` `kc` rows of `NR` of
+/// Qᵀ, `s[t]` the `[MR][NR]` scores), exactly `gemm::micro_kernel` (`_x2`) from zero, and
+/// `tile_max[t]` folded over the six new score rows in key order, as `panel_max` would over the
+/// panel: taken while the scores are still in registers, where the softmax would read them back
+/// in a chain of dependent maxes.
+///
+/// `false` when this CPU lacks AVX-512F (the caller then runs those).
+#[inline(always)]
+pub(crate) fn product_max<const N: usize>(
+    a: &[f32],
+    b: [&[f32]; N],
+    s: [&mut [f32]; N],
+    tile_max: [&mut [f32; NR]; N],
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx512f") {
+        // SAFETY: AVX-512F was just detected on this CPU, the only requirement of
+        // `product_max_avx512` (its slice lengths it checks itself).
+        unsafe { product_max_avx512::<N>(a, b, s, tile_max) };
+        return true;
+    }
+    let _ = (a, b, s, tile_max);
+    false
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn product_max_avx512<const N: usize>(a: &[f32], b: [&[f32]; N], s: [&mut [f32]; N], tile_max: [&mut [f32; NR]; N]) {
+    use std::arch::x86_64::*;
+    let kc = a.len() / MR;
+    for t in 0..N {
+        assert!(b[t].len() >= kc * NR && s[t].len() >= MR * NR);
+    }
+    let mut acc = [[_mm512_setzero_ps(); MR]; N];
+    let bp: [*const f32; N] = std::array::from_fn(|t| b[t].as_ptr());
+    for (k, ak) in a.chunks_exact(MR).enumerate() {
+        let mut bv = [_mm512_setzero_ps(); N];
+        for t in 0..N {
+            // SAFETY: `k < kc` and `b[t]` holds `kc` rows of 16 (checked above).
+            bv[t] = unsafe { _mm512_loadu_ps(bp[t].add(k * NR)) };
+        }
+        for (i, &ai) in ak.iter().enumerate() {
+            let ai = _mm512_set1_ps(ai);
+            for t in 0..N {
+                acc[t][i] = _mm512_fmadd_ps(ai, bv[t], acc[t][i]);
+            }
+        }
+    }
+    // Indexed loops with constant bounds (unrolled, `acc` stays in registers).
+    for t in 0..N {
+        for i in 0..MR {
+            // SAFETY: `s[t]` holds MR rows of 16 (checked above).
+            unsafe { _mm512_storeu_ps(s[t].as_mut_ptr().add(i * NR), acc[t][i]) };
+        }
+        let m = &mut *tile_max[t];
+        // SAFETY: `m` is 16 f32.
+        unsafe { _mm512_storeu_ps(m.as_mut_ptr(), running_max(_mm512_loadu_ps(m.as_ptr()), acc[t].into_iter())) };
+    }
 }
 
 /// The second product with the rescale fused into its accumulator load, for `N` (1 or 2) query
@@ -188,10 +272,10 @@ fn scaled_product_avx512<const N: usize, const SKIP: bool>(
             }
         }
     }
-    for (t, o) in o.into_iter().enumerate() {
-        for (i, acc) in acc[t].iter().enumerate() {
-            // SAFETY: `o` holds MR rows of 16 (checked above).
-            unsafe { _mm512_storeu_ps(o.as_mut_ptr().add(i * NR), *acc) };
+    for t in 0..N {
+        for i in 0..MR {
+            // SAFETY: `o[t]` holds MR rows of 16 (checked above).
+            unsafe { _mm512_storeu_ps(o[t].as_mut_ptr().add(i * NR), acc[t][i]) };
         }
     }
 }
@@ -329,7 +413,9 @@ mod tests {
                 })
                 .collect();
             let (mut st_a, mut p_a) = (states.clone(), panel.clone());
-            let Some(sc_a) = native_softmax(&mut st_a, &mut p_a, c) else {
+            // Every other case with the max taken beforehand (as `product_max` does).
+            let pre = panel_max(&panel);
+            let Some(sc_a) = native_softmax(&mut st_a, &mut p_a, c, (case % 2 == 1).then_some(&pre)) else {
                 eprintln!("this CPU has no AVX-512F: native_softmax is compiled but not run here");
                 return;
             };
@@ -382,5 +468,75 @@ mod tests {
             }
         }
     }
+
+    /// `product_max` and `scaled_product` are the generic micro-kernels (and `panel_max`, and
+    /// the rescale) bit for bit: scores with NaNs and zeros for the max, P with zeros and V with
+    /// an infinity for the skipping product.
+    #[test]
+    fn fused_products_are_the_generic_kernels() {
+        use crate::cpu::gemm::{micro_kernel_x2, Acc};
+        use crate::cpu::softmax::panel_max;
+        let kc = 11;
+        let mut a: Vec<f32> = (0..kc * MR).map(|i| ((i * 7) % 11) as f32 * 0.5 - 2.5).collect();
+        let b0: Vec<f32> = (0..kc * NR).map(|i| ((i * 5) % 13) as f32 * 0.25 - 1.5).collect();
+        let mut b1: Vec<f32> = (0..kc * NR).map(|i| ((i * 3) % 7) as f32 - 3.0).collect();
+        let bits = |x: &[f32]| x.iter().map(|v| if v.is_nan() { u32::MAX } else { v.to_bits() }).collect::<Vec<_>>();
+        // Scores: a row of NaNs (a NaN in K), a lane of zeros in panel 1 (a Q column of zeros).
+        a[2] = f32::NAN;
+        for k in 0..kc {
+            b1[k * NR + 3] = 0.0;
+        }
+        let init_max: [f32; NR] = std::array::from_fn(|q| if q % 4 == 0 { f32::NEG_INFINITY } else { -1.0 });
+        let mut s = [vec![0.0f32; MR * NR], vec![0.0f32; MR * NR]];
+        let mut m = [init_max, init_max];
+        let [s0, s1] = &mut s;
+        let [m0, m1] = &mut m;
+        if !product_max::<2>(&a, [&b0, &b1], [s0, s1], [m0, m1]) {
+            eprintln!("this CPU has no AVX-512F: the fused products are compiled but not run here");
+            return;
+        }
+        let mut acc: [Acc; 2] = [[[0.0; NR]; MR]; 2];
+        micro_kernel_x2::<true, false>(&a, [&b0, &b1], &mut acc);
+        for t in 0..2 {
+            assert_eq!(bits(&s[t]), bits(acc[t].as_flattened()), "panel {t}: scores");
+            let mut rows = init_max.to_vec();
+            rows.extend_from_slice(acc[t].as_flattened());
+            assert_eq!(bits(&m[t]), bits(&panel_max(&rows)), "panel {t}: max");
+        }
+        // The second product: o·diag(sc) + a·b, with and without skipping P's zeros.
+        let sc: [f32; NR] = std::array::from_fn(|q| if q % 3 == 0 { 1.0 } else { 0.375 * q as f32 });
+        let o0: Vec<f32> = (0..MR * NR).map(|i| ((i * 13) % 17) as f32 - 8.0).collect();
+        let mut a_inf = a.clone();
+        a_inf[2] = f32::INFINITY;
+        for (a, skip) in [(&a, false), (&a_inf, true)] {
+            let (mut x0, mut x1) = (o0.clone(), o0.clone());
+            let ok = if skip {
+                scaled_product::<2, true>(a, [&b0, &b1], [&mut x0, &mut x1], [&sc, &sc])
+            } else {
+                scaled_product::<2, false>(a, [&b0, &b1], [&mut x0, &mut x1], [&sc, &sc])
+            };
+            assert!(ok);
+            let mut acc: [Acc; 2] = [[[0.0; NR]; MR]; 2];
+            for t in 0..2 {
+                crate::cpu::softmax::rescale_o(&o0, &sc, &mut acc[t]);
+            }
+            if skip {
+                micro_kernel_x2::<true, true>(a, [&b0, &b1], &mut acc);
+            } else {
+                micro_kernel_x2::<true, false>(a, [&b0, &b1], &mut acc);
+            }
+            assert_eq!(bits(&x0), bits(acc[0].as_flattened()), "skip {skip}: panel 0");
+            assert_eq!(bits(&x1), bits(acc[1].as_flattened()), "skip {skip}: panel 1");
+            let mut y = o0.clone();
+            let ok = if skip {
+                scaled_product::<1, true>(a, [&b1], [&mut y], [&sc])
+            } else {
+                scaled_product::<1, false>(a, [&b1], [&mut y], [&sc])
+            };
+            assert!(ok);
+            assert_eq!(bits(&y), bits(acc[1].as_flattened()), "skip {skip}: single panel");
+        }
+    }
 }
+
 
