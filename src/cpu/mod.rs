@@ -424,32 +424,32 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
             let k_strip = |ks: usize| &kv.k[(k0 / MR + ks) * d * MR..(k0 / MR + ks + 1) * d * MR];
             // Sᵀ = K·Qᵀ, six keys at a time (AVX-512: with the softmax's max pass fused in).
             let mut tile_max = [[f32::NEG_INFINITY; NR]; 2];
-            let mut fused = false;
-            if pair {
+            let k_tile = &kv.k[k0 * d..k1 * d];
+            let fused = if pair {
                 let q1 = &scr.q[(pn + 1) * d * NR..(pn + 2) * d * NR];
-                for (ks, (s6a, s6b)) in sp0.chunks_exact_mut(MR * NR).zip(sp1.chunks_exact_mut(MR * NR)).enumerate() {
-                    let [m0, m1] = &mut tile_max;
-                    fused = PAIR && simd::product_max::<2>(k_strip(ks), [q0, q1], [&mut *s6a, &mut *s6b], [m0, m1]);
-                    if fused {
-                        continue;
-                    }
-                    let mut acc: [Acc; 2] = [[[0.0; NR]; MR]; 2];
-                    micro_kernel_x2::<FMA, false>(k_strip(ks), [q0, q1], &mut acc);
-                    for (s6, a) in [s6a, s6b].into_iter().zip(&acc) {
-                        s6.copy_from_slice(a.as_flattened());
+                let [m0, m1] = &mut tile_max;
+                let fused = PAIR && simd::product_max::<2>(k_tile, [q0, q1], [&mut *sp0, &mut *sp1], [m0, m1]);
+                if !fused {
+                    for (ks, (s6a, s6b)) in sp0.chunks_exact_mut(MR * NR).zip(sp1.chunks_exact_mut(MR * NR)).enumerate() {
+                        let mut acc: [Acc; 2] = [[[0.0; NR]; MR]; 2];
+                        micro_kernel_x2::<FMA, false>(k_strip(ks), [q0, q1], &mut acc);
+                        for (s6, a) in [s6a, s6b].into_iter().zip(&acc) {
+                            s6.copy_from_slice(a.as_flattened());
+                        }
                     }
                 }
+                fused
             } else {
-                for (ks, s6) in sp0.chunks_exact_mut(MR * NR).enumerate() {
-                    fused = PAIR && simd::product_max::<1>(k_strip(ks), [q0], [&mut *s6], [&mut tile_max[0]]);
-                    if fused {
-                        continue;
+                let fused = PAIR && simd::product_max::<1>(k_tile, [q0], [&mut *sp0], [&mut tile_max[0]]);
+                if !fused {
+                    for (ks, s6) in sp0.chunks_exact_mut(MR * NR).enumerate() {
+                        let mut acc: Acc = [[0.0; NR]; MR];
+                        micro_kernel::<FMA>(k_strip(ks), q0, &mut acc);
+                        s6.copy_from_slice(acc.as_flattened());
                     }
-                    let mut acc: Acc = [[0.0; NR]; MR];
-                    micro_kernel::<FMA>(k_strip(ks), q0, &mut acc);
-                    s6.copy_from_slice(acc.as_flattened());
                 }
-            }
+                fused
+            };
             // The max taken in the product is the softmax's only while nothing changes the
             // scores in between (no softcap, ALiBi or mask).
             let fused = fused && full_tile && !sm.natural;
@@ -478,49 +478,49 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
             // Oᵀ = Oᵀ·diag(scale) + Vᵀ·Pᵀ, six columns of V at a time.
             let v_strip = |ds: usize| &kv.v[ds * sk_pad * MR + k0 * MR..ds * sk_pad * MR + k1 * MR];
             let finite = kv.v_finite;
+            let v_tile = (&kv.v[k0 * MR..], sk_pad * MR);
             if pair {
-                for (ds, (o6a, o6b)) in op0.chunks_exact_mut(MR * NR).zip(op1.chunks_exact_mut(MR * NR)).enumerate() {
-                    let (a, b) = (v_strip(ds), [&*sp0, &*sp1]);
-                    let wide = PAIR
-                        && if finite {
-                            simd::scaled_product::<2, false>(a, b, [&mut *o6a, &mut *o6b], [&sc0, &sc1])
-                        } else {
-                            simd::scaled_product::<2, true>(a, b, [&mut *o6a, &mut *o6b], [&sc0, &sc1])
-                        };
-                    if wide {
-                        continue;
-                    }
-                    let mut acc: [Acc; 2] = [[[0.0; NR]; MR]; 2];
-                    rescale_o(o6a, &sc0, &mut acc[0]);
-                    rescale_o(o6b, &sc1, &mut acc[1]);
-                    if finite {
-                        micro_kernel_x2::<FMA, false>(a, b, &mut acc);
+                let wide = PAIR
+                    && if finite {
+                        simd::scaled_product::<2, false>(v_tile, [sp0, sp1], [&mut *op0, &mut *op1], [&sc0, &sc1])
                     } else {
-                        micro_kernel_x2::<FMA, true>(a, b, &mut acc);
+                        simd::scaled_product::<2, true>(v_tile, [sp0, sp1], [&mut *op0, &mut *op1], [&sc0, &sc1])
+                    };
+                if !wide {
+                    for (ds, (o6a, o6b)) in op0.chunks_exact_mut(MR * NR).zip(op1.chunks_exact_mut(MR * NR)).enumerate() {
+                        let (a, b) = (v_strip(ds), [&*sp0, &*sp1]);
+                        let mut acc: [Acc; 2] = [[[0.0; NR]; MR]; 2];
+                        rescale_o(o6a, &sc0, &mut acc[0]);
+                        rescale_o(o6b, &sc1, &mut acc[1]);
+                        if finite {
+                            micro_kernel_x2::<FMA, false>(a, b, &mut acc);
+                        } else {
+                            micro_kernel_x2::<FMA, true>(a, b, &mut acc);
+                        }
+                        o6a.copy_from_slice(acc[0].as_flattened());
+                        o6b.copy_from_slice(acc[1].as_flattened());
                     }
-                    o6a.copy_from_slice(acc[0].as_flattened());
-                    o6b.copy_from_slice(acc[1].as_flattened());
                 }
             } else {
-                for (ds, o6) in op0[..dv * NR].chunks_exact_mut(MR * NR).enumerate() {
-                    let a = v_strip(ds);
-                    let wide = PAIR
-                        && if finite {
-                            simd::scaled_product::<1, false>(a, [&*sp0], [&mut *o6], [&sc0])
-                        } else {
-                            simd::scaled_product::<1, true>(a, [&*sp0], [&mut *o6], [&sc0])
-                        };
-                    if wide {
-                        continue;
-                    }
-                    let mut acc: Acc = [[0.0; NR]; MR];
-                    rescale_o(o6, &sc0, &mut acc);
-                    if finite {
-                        micro_kernel::<FMA>(a, sp0, &mut acc);
+                let op0 = &mut op0[..dv * NR];
+                let wide = PAIR
+                    && if finite {
+                        simd::scaled_product::<1, false>(v_tile, [sp0], [&mut *op0], [&sc0])
                     } else {
-                        micro_kernel_skip_zero_b::<FMA>(a, sp0, &mut acc);
+                        simd::scaled_product::<1, true>(v_tile, [sp0], [&mut *op0], [&sc0])
+                    };
+                if !wide {
+                    for (ds, o6) in op0.chunks_exact_mut(MR * NR).enumerate() {
+                        let a = v_strip(ds);
+                        let mut acc: Acc = [[0.0; NR]; MR];
+                        rescale_o(o6, &sc0, &mut acc);
+                        if finite {
+                            micro_kernel::<FMA>(a, sp0, &mut acc);
+                        } else {
+                            micro_kernel_skip_zero_b::<FMA>(a, sp0, &mut acc);
+                        }
+                        o6.copy_from_slice(acc.as_flattened());
                     }
-                    o6.copy_from_slice(acc.as_flattened());
                 }
             }
             pn += if pair { 2 } else { 1 };

@@ -142,17 +142,18 @@ fn running_max(
     acc
 }
 
-/// The first product for `N` (1 or 2) query panels with the softmax's max pass fused in:
-/// `s[t] = a·b[t]` (`a` a strip of `kc` steps of `MR` keys of K, `b[t]` `kc` rows of `NR` of
-/// Qᵀ, `s[t]` the `[MR][NR]` scores), exactly `gemm::micro_kernel` (`_x2`) from zero, and
-/// `tile_max[t]` folded over the six new score rows in key order, as `panel_max` would over the
-/// panel: taken while the scores are still in registers, where the softmax would read them back
-/// in a chain of dependent maxes.
+/// The first product for `N` (1 or 2) query panels over one key tile, with the softmax's max
+/// pass fused in: `s[t] = k·b[t]`, where `k` holds the tile's strips of `MR` keys of K (`kc`
+/// steps of `MR` each, `kc` = head_dim), `b[t]` is a Qᵀ panel (`kc` rows of `NR`) and `s[t]` the
+/// `[keys][NR]` scores, each strip exactly `gemm::micro_kernel` (`_x2`) from zero; and
+/// `tile_max[t]` folded over the score rows in key order, as `panel_max` over the panel: taken
+/// while the scores are still in registers, where the softmax would read them back in a chain
+/// of dependent maxes. One call per tile (not per strip): the strips' loop is in here.
 ///
 /// `false` when this CPU lacks AVX-512F (the caller then runs those).
 #[inline(always)]
 pub(crate) fn product_max<const N: usize>(
-    a: &[f32],
+    k: &[f32],
     b: [&[f32]; N],
     s: [&mut [f32]; N],
     tile_max: [&mut [f32; NR]; N],
@@ -161,59 +162,73 @@ pub(crate) fn product_max<const N: usize>(
     if std::is_x86_feature_detected!("avx512f") {
         // SAFETY: AVX-512F was just detected on this CPU, the only requirement of
         // `product_max_avx512` (its slice lengths it checks itself).
-        unsafe { product_max_avx512::<N>(a, b, s, tile_max) };
+        unsafe { product_max_avx512::<N>(k, b, s, tile_max) };
         return true;
     }
-    let _ = (a, b, s, tile_max);
+    let _ = (k, b, s, tile_max);
     false
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-fn product_max_avx512<const N: usize>(a: &[f32], b: [&[f32]; N], s: [&mut [f32]; N], tile_max: [&mut [f32; NR]; N]) {
+fn product_max_avx512<const N: usize>(k: &[f32], b: [&[f32]; N], s: [&mut [f32]; N], tile_max: [&mut [f32; NR]; N]) {
     use std::arch::x86_64::*;
-    let kc = a.len() / MR;
+    let kc = b[0].len() / NR;
+    let strips = s[0].len() / (MR * NR);
     for t in 0..N {
-        assert!(b[t].len() >= kc * NR && s[t].len() >= MR * NR);
+        assert!(b[t].len() >= kc * NR && s[t].len() >= strips * MR * NR);
     }
-    let mut acc = [[_mm512_setzero_ps(); MR]; N];
+    assert!(k.len() >= strips * kc * MR);
     let bp: [*const f32; N] = std::array::from_fn(|t| b[t].as_ptr());
-    for (k, ak) in a.chunks_exact(MR).enumerate() {
-        let mut bv = [_mm512_setzero_ps(); N];
-        for t in 0..N {
-            // SAFETY: `k < kc` and `b[t]` holds `kc` rows of 16 (checked above).
-            bv[t] = unsafe { _mm512_loadu_ps(bp[t].add(k * NR)) };
-        }
-        for (i, &ai) in ak.iter().enumerate() {
-            let ai = _mm512_set1_ps(ai);
+    let mut mx = [_mm512_setzero_ps(); N];
+    for t in 0..N {
+        // SAFETY: `tile_max[t]` is 16 f32.
+        mx[t] = unsafe { _mm512_loadu_ps(tile_max[t].as_ptr()) };
+    }
+    for st in 0..strips {
+        let a = &k[st * kc * MR..(st + 1) * kc * MR];
+        let mut acc = [[_mm512_setzero_ps(); MR]; N];
+        for (step, ak) in a.chunks_exact(MR).enumerate() {
+            let mut bv = [_mm512_setzero_ps(); N];
             for t in 0..N {
-                acc[t][i] = _mm512_fmadd_ps(ai, bv[t], acc[t][i]);
+                // SAFETY: `step < kc` and `b[t]` holds `kc` rows of 16 (checked above).
+                bv[t] = unsafe { _mm512_loadu_ps(bp[t].add(step * NR)) };
+            }
+            for (i, &ai) in ak.iter().enumerate() {
+                let ai = _mm512_set1_ps(ai);
+                for t in 0..N {
+                    acc[t][i] = _mm512_fmadd_ps(ai, bv[t], acc[t][i]);
+                }
             }
         }
-    }
-    // Indexed loops with constant bounds (unrolled, `acc` stays in registers).
-    for t in 0..N {
-        for i in 0..MR {
-            // SAFETY: `s[t]` holds MR rows of 16 (checked above).
-            unsafe { _mm512_storeu_ps(s[t].as_mut_ptr().add(i * NR), acc[t][i]) };
+        // Indexed loops with constant bounds (unrolled, `acc` stays in registers).
+        for t in 0..N {
+            for i in 0..MR {
+                // SAFETY: `s[t]` holds `strips` blocks of MR rows of 16 (checked above).
+                unsafe { _mm512_storeu_ps(s[t].as_mut_ptr().add((st * MR + i) * NR), acc[t][i]) };
+            }
+            mx[t] = running_max(mx[t], acc[t].into_iter());
         }
+    }
+    for t in 0..N {
         let m = &mut *tile_max[t];
         // SAFETY: `m` is 16 f32.
-        unsafe { _mm512_storeu_ps(m.as_mut_ptr(), running_max(_mm512_loadu_ps(m.as_ptr()), acc[t].into_iter())) };
+        unsafe { _mm512_storeu_ps(m.as_mut_ptr(), mx[t]) };
     }
 }
 
-/// The second product with the rescale fused into its accumulator load, for `N` (1 or 2) query
-/// panels: `o[t] = o[t]·diag(sc[t]) + a·b[t]`, `o[t]` a `[MR][NR]` block of an Oᵀ panel, `a`
-/// a strip of `kc` steps of `MR` values (6 columns of V), `b[t]` `kc` rows of `NR` (Pᵀ). The
-/// accumulators are loaded from and stored to the panel directly, in registers in between:
-/// exactly `rescale_o` then `gemm::micro_kernel` (`_x2`, `SKIP`: `_skip_zero_b`) element by
-/// element, the same FMAs in the same order.
+/// The second product over one key tile with the rescale fused into its accumulator loads, for
+/// `N` (1 or 2) query panels: `o[t] = o[t]·diag(sc[t]) + Vᵀ·b[t]`, `o[t]` an Oᵀ panel (blocks
+/// of `[MR][NR]`), `b[t]` the tile's Pᵀ (`kc` rows of `NR`), and strip `ds` of `v` (6 columns
+/// of V, `kc` steps of `MR`) starting at `ds · stride`. The accumulators are loaded from and
+/// stored to the panel directly, in registers in between: exactly `rescale_o` then
+/// `gemm::micro_kernel` (`_x2`, `SKIP`: `_skip_zero_b`) element by element, the same FMAs in
+/// the same order. One call per tile: the strips' loop is in here.
 ///
 /// `false` when this CPU lacks AVX-512F (the caller then runs those).
 #[inline(always)]
 pub(crate) fn scaled_product<const N: usize, const SKIP: bool>(
-    a: &[f32],
+    (v, stride): (&[f32], usize),
     b: [&[f32]; N],
     o: [&mut [f32]; N],
     sc: [&[f32; NR]; N],
@@ -222,60 +237,68 @@ pub(crate) fn scaled_product<const N: usize, const SKIP: bool>(
     if std::is_x86_feature_detected!("avx512f") {
         // SAFETY: AVX-512F was just detected on this CPU, the only requirement of
         // `scaled_product_avx512` (its slice lengths it checks itself).
-        unsafe { scaled_product_avx512::<N, SKIP>(a, b, o, sc) };
+        unsafe { scaled_product_avx512::<N, SKIP>((v, stride), b, o, sc) };
         return true;
     }
-    let _ = (a, b, o, sc);
+    let _ = (v, stride, b, o, sc);
     false
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 fn scaled_product_avx512<const N: usize, const SKIP: bool>(
-    a: &[f32],
+    (v, stride): (&[f32], usize),
     b: [&[f32]; N],
     o: [&mut [f32]; N],
     sc: [&[f32; NR]; N],
 ) {
     use std::arch::x86_64::*;
-    let kc = a.len() / MR;
+    let kc = b[0].len() / NR;
+    let strips = o[0].len() / (MR * NR);
     for t in 0..N {
-        assert!(b[t].len() >= kc * NR && o[t].len() >= MR * NR);
+        assert!(b[t].len() >= kc * NR && o[t].len() >= strips * MR * NR);
     }
-    let mut acc = [[_mm512_setzero_ps(); MR]; N];
-    for t in 0..N {
-        // SAFETY: `sc[t]` is 16 f32, and `o[t]` holds MR rows of 16 (checked above).
-        unsafe {
-            let s = _mm512_loadu_ps(sc[t].as_ptr());
-            for (i, acc) in acc[t].iter_mut().enumerate() {
-                *acc = _mm512_mul_ps(_mm512_loadu_ps(o[t].as_ptr().add(i * NR)), s);
-            }
-        }
-    }
+    assert!(strips == 0 || (strips - 1) * stride + kc * MR <= v.len());
     let bp: [*const f32; N] = std::array::from_fn(|t| b[t].as_ptr());
-    for (k, ak) in a.chunks_exact(MR).enumerate() {
-        let mut bv = [_mm512_setzero_ps(); N];
+    let mut scv = [_mm512_setzero_ps(); N];
+    for t in 0..N {
+        // SAFETY: `sc[t]` is 16 f32.
+        scv[t] = unsafe { _mm512_loadu_ps(sc[t].as_ptr()) };
+    }
+    for ds in 0..strips {
+        let a = &v[ds * stride..ds * stride + kc * MR];
+        let mut acc = [[_mm512_setzero_ps(); MR]; N];
         for t in 0..N {
-            // SAFETY: `k < kc` and `b[t]` holds `kc` rows of 16 (checked above).
-            bv[t] = unsafe { _mm512_loadu_ps(bp[t].add(k * NR)) };
-        }
-        for (i, &ai) in ak.iter().enumerate() {
-            let ai = _mm512_set1_ps(ai);
-            for t in 0..N {
-                acc[t][i] = if SKIP {
-                    // Only where P is not 0 (NaN included, as `b != 0` is in the generic kernel).
-                    let nz = _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(bv[t], _mm512_setzero_ps());
-                    _mm512_mask3_fmadd_ps(ai, bv[t], acc[t][i], nz)
-                } else {
-                    _mm512_fmadd_ps(ai, bv[t], acc[t][i])
-                };
+            for i in 0..MR {
+                // SAFETY: `o[t]` holds `strips` blocks of MR rows of 16 (checked above).
+                let x = unsafe { _mm512_loadu_ps(o[t].as_ptr().add((ds * MR + i) * NR)) };
+                acc[t][i] = _mm512_mul_ps(x, scv[t]);
             }
         }
-    }
-    for t in 0..N {
-        for i in 0..MR {
-            // SAFETY: `o[t]` holds MR rows of 16 (checked above).
-            unsafe { _mm512_storeu_ps(o[t].as_mut_ptr().add(i * NR), acc[t][i]) };
+        for (step, ak) in a.chunks_exact(MR).enumerate() {
+            let mut bv = [_mm512_setzero_ps(); N];
+            for t in 0..N {
+                // SAFETY: `step < kc` and `b[t]` holds `kc` rows of 16 (checked above).
+                bv[t] = unsafe { _mm512_loadu_ps(bp[t].add(step * NR)) };
+            }
+            for (i, &ai) in ak.iter().enumerate() {
+                let ai = _mm512_set1_ps(ai);
+                for t in 0..N {
+                    acc[t][i] = if SKIP {
+                        // Only where P is not 0 (NaN included, as `b != 0` in the generic kernel).
+                        let nz = _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(bv[t], _mm512_setzero_ps());
+                        _mm512_mask3_fmadd_ps(ai, bv[t], acc[t][i], nz)
+                    } else {
+                        _mm512_fmadd_ps(ai, bv[t], acc[t][i])
+                    };
+                }
+            }
+        }
+        for t in 0..N {
+            for i in 0..MR {
+                // SAFETY: `o[t]` holds `strips` blocks of MR rows of 16 (checked above).
+                unsafe { _mm512_storeu_ps(o[t].as_mut_ptr().add((ds * MR + i) * NR), acc[t][i]) };
+            }
         }
     }
 }
@@ -469,74 +492,90 @@ mod tests {
         }
     }
 
-    /// `product_max` and `scaled_product` are the generic micro-kernels (and `panel_max`, and
-    /// the rescale) bit for bit: scores with NaNs and zeros for the max, P with zeros and V with
-    /// an infinity for the skipping product.
+    /// `product_max` and `scaled_product` are the generic micro-kernels strip by strip (and
+    /// `panel_max`, and the rescale) bit for bit, over tiles of several strips: scores with NaNs
+    /// and zeros for the max, P with zeros and V with an infinity for the skipping product.
     #[test]
     fn fused_products_are_the_generic_kernels() {
-        use crate::cpu::gemm::{micro_kernel_x2, Acc};
-        use crate::cpu::softmax::panel_max;
-        let kc = 11;
-        let mut a: Vec<f32> = (0..kc * MR).map(|i| ((i * 7) % 11) as f32 * 0.5 - 2.5).collect();
-        let b0: Vec<f32> = (0..kc * NR).map(|i| ((i * 5) % 13) as f32 * 0.25 - 1.5).collect();
-        let mut b1: Vec<f32> = (0..kc * NR).map(|i| ((i * 3) % 7) as f32 - 3.0).collect();
+        use crate::cpu::gemm::{micro_kernel, micro_kernel_skip_zero_b, micro_kernel_x2, Acc};
+        use crate::cpu::softmax::{panel_max, rescale_o};
         let bits = |x: &[f32]| x.iter().map(|v| if v.is_nan() { u32::MAX } else { v.to_bits() }).collect::<Vec<_>>();
-        // Scores: a row of NaNs (a NaN in K), a lane of zeros in panel 1 (a Q column of zeros).
-        a[2] = f32::NAN;
-        for k in 0..kc {
-            b1[k * NR + 3] = 0.0;
+        // First product: 3 strips of 6 keys, head_dim 11. A NaN key row; a Q column of zeros.
+        let (d, strips) = (11, 3);
+        let mut k: Vec<f32> = (0..strips * d * MR).map(|i| ((i * 7) % 11) as f32 * 0.5 - 2.5).collect();
+        k[d * MR + 2] = f32::NAN;
+        let q0: Vec<f32> = (0..d * NR).map(|i| ((i * 5) % 13) as f32 * 0.25 - 1.5).collect();
+        let mut q1: Vec<f32> = (0..d * NR).map(|i| ((i * 3) % 7) as f32 - 3.0).collect();
+        for x in 0..d {
+            q1[x * NR + 3] = 0.0;
         }
-        let init_max: [f32; NR] = std::array::from_fn(|q| if q % 4 == 0 { f32::NEG_INFINITY } else { -1.0 });
-        let mut s = [vec![0.0f32; MR * NR], vec![0.0f32; MR * NR]];
-        let mut m = [init_max, init_max];
+        let init: [f32; NR] = std::array::from_fn(|q| if q % 4 == 0 { f32::NEG_INFINITY } else { -1.0 });
+        let mut s = [vec![0.0f32; strips * MR * NR], vec![0.0f32; strips * MR * NR]];
+        let mut m = [init, init];
         let [s0, s1] = &mut s;
         let [m0, m1] = &mut m;
-        if !product_max::<2>(&a, [&b0, &b1], [s0, s1], [m0, m1]) {
+        if !product_max::<2>(&k, [&q0, &q1], [s0, s1], [m0, m1]) {
             eprintln!("this CPU has no AVX-512F: the fused products are compiled but not run here");
             return;
         }
-        let mut acc: [Acc; 2] = [[[0.0; NR]; MR]; 2];
-        micro_kernel_x2::<true, false>(&a, [&b0, &b1], &mut acc);
+        let mut want = [vec![], vec![]];
+        for st in 0..strips {
+            let mut acc: [Acc; 2] = [[[0.0; NR]; MR]; 2];
+            micro_kernel_x2::<true, false>(&k[st * d * MR..(st + 1) * d * MR], [&q0, &q1], &mut acc);
+            want[0].extend_from_slice(acc[0].as_flattened());
+            want[1].extend_from_slice(acc[1].as_flattened());
+        }
         for t in 0..2 {
-            assert_eq!(bits(&s[t]), bits(acc[t].as_flattened()), "panel {t}: scores");
-            let mut rows = init_max.to_vec();
-            rows.extend_from_slice(acc[t].as_flattened());
+            assert_eq!(bits(&s[t]), bits(&want[t]), "panel {t}: scores");
+            let rows = [init.as_slice(), &want[t]].concat();
             assert_eq!(bits(&m[t]), bits(&panel_max(&rows)), "panel {t}: max");
         }
-        // The second product: o·diag(sc) + a·b, with and without skipping P's zeros.
+        let (mut s1only, mut m1only) = (vec![0.0f32; strips * MR * NR], init);
+        assert!(product_max::<1>(&k, [&q1], [&mut s1only], [&mut m1only]));
+        assert_eq!(bits(&s1only), bits(&want[1]), "single panel: scores");
+        assert_eq!(bits(&m1only), bits(&m[1]), "single panel: max");
+
+        // Second product: 2 strips of 6 columns of V, 13 keys, strips `stride` apart.
+        let (keys, strips, stride) = (13, 2, 13 * MR + 7);
+        let mut v: Vec<f32> = (0..stride * strips).map(|i| ((i * 7) % 11) as f32 * 0.5 - 2.5).collect();
+        let p0: Vec<f32> = (0..keys * NR).map(|i| ((i * 5) % 13) as f32 * 0.125).collect();
+        let p1: Vec<f32> = (0..keys * NR).map(|i| if i % 5 == 0 { 0.0 } else { ((i * 3) % 7) as f32 * 0.25 }).collect();
         let sc: [f32; NR] = std::array::from_fn(|q| if q % 3 == 0 { 1.0 } else { 0.375 * q as f32 });
-        let o0: Vec<f32> = (0..MR * NR).map(|i| ((i * 13) % 17) as f32 - 8.0).collect();
-        let mut a_inf = a.clone();
-        a_inf[2] = f32::INFINITY;
-        for (a, skip) in [(&a, false), (&a_inf, true)] {
-            let (mut x0, mut x1) = (o0.clone(), o0.clone());
-            let ok = if skip {
-                scaled_product::<2, true>(a, [&b0, &b1], [&mut x0, &mut x1], [&sc, &sc])
-            } else {
-                scaled_product::<2, false>(a, [&b0, &b1], [&mut x0, &mut x1], [&sc, &sc])
-            };
-            assert!(ok);
-            let mut acc: [Acc; 2] = [[[0.0; NR]; MR]; 2];
-            for t in 0..2 {
-                crate::cpu::softmax::rescale_o(&o0, &sc, &mut acc[t]);
-            }
+        let o: Vec<f32> = (0..strips * MR * NR).map(|i| ((i * 13) % 17) as f32 - 8.0).collect();
+        for skip in [false, true] {
             if skip {
-                micro_kernel_x2::<true, true>(a, [&b0, &b1], &mut acc);
-            } else {
-                micro_kernel_x2::<true, false>(a, [&b0, &b1], &mut acc);
+                v[stride + 2] = f32::INFINITY;
             }
-            assert_eq!(bits(&x0), bits(acc[0].as_flattened()), "skip {skip}: panel 0");
-            assert_eq!(bits(&x1), bits(acc[1].as_flattened()), "skip {skip}: panel 1");
-            let mut y = o0.clone();
-            let ok = if skip {
-                scaled_product::<1, true>(a, [&b1], [&mut y], [&sc])
+            let (mut x0, mut x1, mut y) = (o.clone(), o.clone(), o.clone());
+            let vt = (&v[..], stride);
+            if skip {
+                assert!(scaled_product::<2, true>(vt, [&p0, &p1], [&mut x0, &mut x1], [&sc, &sc]));
+                assert!(scaled_product::<1, true>(vt, [&p1], [&mut y], [&sc]));
             } else {
-                scaled_product::<1, false>(a, [&b1], [&mut y], [&sc])
-            };
-            assert!(ok);
-            assert_eq!(bits(&y), bits(acc[1].as_flattened()), "skip {skip}: single panel");
+                assert!(scaled_product::<2, false>(vt, [&p0, &p1], [&mut x0, &mut x1], [&sc, &sc]));
+                assert!(scaled_product::<1, false>(vt, [&p1], [&mut y], [&sc]));
+            }
+            for ds in 0..strips {
+                let a = &v[ds * stride..ds * stride + keys * MR];
+                let blk = ds * MR * NR..(ds + 1) * MR * NR;
+                let mut acc: [Acc; 2] = [[[0.0; NR]; MR]; 2];
+                rescale_o(&o[blk.clone()], &sc, &mut acc[0]);
+                rescale_o(&o[blk.clone()], &sc, &mut acc[1]);
+                let mut one = acc[1];
+                if skip {
+                    micro_kernel_x2::<true, true>(a, [&p0, &p1], &mut acc);
+                    micro_kernel_skip_zero_b::<true>(a, &p1, &mut one);
+                } else {
+                    micro_kernel_x2::<true, false>(a, [&p0, &p1], &mut acc);
+                    micro_kernel::<true>(a, &p1, &mut one);
+                }
+                assert_eq!(bits(&x0[blk.clone()]), bits(acc[0].as_flattened()), "skip {skip} strip {ds}: panel 0");
+                assert_eq!(bits(&x1[blk.clone()]), bits(acc[1].as_flattened()), "skip {skip} strip {ds}: panel 1");
+                assert_eq!(bits(&y[blk]), bits(one.as_flattened()), "skip {skip} strip {ds}: single panel");
+            }
         }
     }
 }
+
 
 
