@@ -430,7 +430,8 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
                 let [m0, m1] = &mut tile_max;
                 let fused = PAIR && simd::product_max::<2>(k_tile, [q0, q1], [&mut *sp0, &mut *sp1], [m0, m1]);
                 if !fused {
-                    for (ks, (s6a, s6b)) in sp0.chunks_exact_mut(MR * NR).zip(sp1.chunks_exact_mut(MR * NR)).enumerate() {
+                    let strips = sp0.chunks_exact_mut(MR * NR).zip(sp1.chunks_exact_mut(MR * NR));
+                    for (ks, (s6a, s6b)) in strips.enumerate() {
                         let mut acc: [Acc; 2] = [[[0.0; NR]; MR]; 2];
                         micro_kernel_x2::<FMA, false>(k_strip(ks), [q0, q1], &mut acc);
                         for (s6, a) in [s6a, s6b].into_iter().zip(&acc) {
@@ -487,7 +488,8 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
                         simd::scaled_product::<2, true>(v_tile, [sp0, sp1], [&mut *op0, &mut *op1], [&sc0, &sc1])
                     };
                 if !wide {
-                    for (ds, (o6a, o6b)) in op0.chunks_exact_mut(MR * NR).zip(op1.chunks_exact_mut(MR * NR)).enumerate() {
+                    let strips = op0.chunks_exact_mut(MR * NR).zip(op1.chunks_exact_mut(MR * NR));
+                    for (ds, (o6a, o6b)) in strips.enumerate() {
                         let (a, b) = (v_strip(ds), [&*sp0, &*sp1]);
                         let mut acc: [Acc; 2] = [[[0.0; NR]; MR]; 2];
                         rescale_o(o6a, &sc0, &mut acc[0]);

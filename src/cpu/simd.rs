@@ -76,7 +76,12 @@ fn exp2_neg_avx512(a: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-fn native_softmax_avx512(states: &mut [RowState], panel: &mut [f32], c: f32, tile_max: Option<&[f32; NR]>) -> [f32; NR] {
+fn native_softmax_avx512(
+    states: &mut [RowState],
+    panel: &mut [f32],
+    c: f32,
+    tile_max: Option<&[f32; NR]>,
+) -> [f32; NR] {
     use std::arch::x86_64::*;
     assert!(states.len() >= NR && panel.len() % NR == 0);
     let load = |x: &[f32]| {
@@ -169,6 +174,8 @@ pub(crate) fn product_max<const N: usize>(
     false
 }
 
+// Indexed loops with constant bounds over the accumulators: unrolled, the arrays kept in registers.
+#[allow(clippy::needless_range_loop)]
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 fn product_max_avx512<const N: usize>(k: &[f32], b: [&[f32]; N], s: [&mut [f32]; N], tile_max: [&mut [f32; NR]; N]) {
@@ -201,7 +208,6 @@ fn product_max_avx512<const N: usize>(k: &[f32], b: [&[f32]; N], s: [&mut [f32];
                 }
             }
         }
-        // Indexed loops with constant bounds (unrolled, `acc` stays in registers).
         for t in 0..N {
             for i in 0..MR {
                 // SAFETY: `s[t]` holds `strips` blocks of MR rows of 16 (checked above).
@@ -244,6 +250,8 @@ pub(crate) fn scaled_product<const N: usize, const SKIP: bool>(
     false
 }
 
+// Indexed loops with constant bounds over the accumulators: unrolled, the arrays kept in registers.
+#[allow(clippy::needless_range_loop)]
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 fn scaled_product_avx512<const N: usize, const SKIP: bool>(
