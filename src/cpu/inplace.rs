@@ -504,7 +504,7 @@ pub(super) fn prefetch_row(data: Data<'_>, ofs: usize, d: usize) {
 
 /// As [`prefetch_row`], with the given prefetch instruction (`simd::prefetch` or `prefetch_l2`).
 #[inline(always)]
-pub(super) fn prefetch_row_with(data: Data<'_>, ofs: usize, d: usize, fetch: fn(*const i8)) {
+pub(super) fn prefetch_row_with(data: Data<'_>, ofs: usize, d: usize, fetch: impl Fn(*const i8)) {
     let (ptr, bytes) = match data {
         Data::F32(x) => (x.as_ptr().wrapping_add(ofs) as *const i8, 4 * d),
         Data::F16(x) => (x.as_ptr().wrapping_add(ofs) as *const i8, 2 * d),

@@ -24,6 +24,7 @@ use crate::numerics::quant::fake_quantize;
 use crate::options::Precision;
 use crate::problem::Problem;
 use crate::tensor::{try_filled, Data, DataMut, Element, Tensor, TensorView};
+use std::ops::Range;
 use gemm::{micro_kernel, micro_kernel_skip_zero_b, micro_kernel_x2, Acc, MR, NR};
 use softmax::{finalize, online_softmax, rescale_o, Exp2Math, RowState};
 
@@ -108,11 +109,18 @@ struct PackedKv {
     v_finite: bool,
 }
 
-/// Strips of K/V rows `pack_kv` prefetches ahead of the one it packs: with the
-/// `[batch, seqlen, heads, head_dim]` layout consecutive keys of one head are a row of all heads
-/// apart, each row a separate run of cache misses the hardware prefetchers do not follow; asked
-/// for this far ahead they arrive while the strips before them are scattered.
+/// Strips of K/V rows `pack_heads` prefetches ahead of the one it packs when it packs some of
+/// the kv heads only: then each key's rows are a run of a few head_dim elements out of a row of
+/// all heads, a separate run of cache misses the hardware prefetchers do not follow; asked for
+/// this far ahead they arrive while the strips before them are scattered. (Whole rows of all kv
+/// heads are one sequential stream that the hardware prefetches: there software prefetches only
+/// cost, measured.)
 const PACK_PREFETCH_STRIPS: usize = 4;
+
+/// Bytes of packed K/V one head-major work item holds at most (several kv heads packed in one
+/// pass over the keys; see `tiled`): a few times a core's L2, so that each head's packed data
+/// is still in a cache when its blocks run.
+const PACK_ITEM_BYTES: usize = 8 << 20;
 
 /// Row `(b, s, h)` of `t` as f32: the input's own elements where it holds f32 (no copy), else
 /// widened into `buf` (length head_dim).
@@ -130,30 +138,33 @@ fn row_f32<'r, 'a: 'r>(t: &TensorView<'a>, (b, s, h): (usize, usize, usize), buf
     }
 }
 
-/// `rows` rows of `t` from `(b, s0, h)` on, asked for ahead of use (`fetch`: into L1 or L2).
+/// Rows `s0..s0 + rows` of heads `heads` of `t`, asked for ahead of use (into L2 if `l2`, else L1).
 #[inline(always)]
-fn prefetch_rows(t: &TensorView, (b, s0, h): (usize, usize, usize), rows: usize, fetch: fn(*const i8)) {
+fn prefetch_rows(t: &TensorView, (b, s0, heads): (usize, usize, Range<usize>), rows: usize, l2: bool) {
     for s in s0..(s0 + rows).min(t.seqlen()) {
-        inplace::prefetch_row_with(t.data(), t.offset(b, s, h), t.head_dim(), fetch);
+        for h in heads.clone() {
+            let (data, at, d) = (t.data(), t.offset(b, s, h), t.head_dim());
+            if l2 {
+                inplace::prefetch_row_with(data, at, d, simd::prefetch_l2);
+            } else {
+                inplace::prefetch_row_with(data, at, d, simd::prefetch);
+            }
+        }
     }
 }
 
-/// `buf`: head_dim f32 of scratch (the row of an f16/bf16 input widened).
-fn pack_kv(
-    p: &Problem,
-    sz: &Sizes,
-    (k, v): (&TensorView, &TensorView),
-    b: usize,
-    hk: usize,
-    buf: &mut [f32],
-) -> Result<PackedKv> {
+/// A row of zeros: the keys past seqlen_k of the last K strip.
+static ZEROS: [f32; MAX_HEAD_DIM] = [0.0; MAX_HEAD_DIM];
+
+/// One head's packed K and V buffers (reused ones keep old contents), their padding zeroed:
+/// keys past seqlen_k, and columns past head_dim of the last column strip of V. The scatter of
+/// `pack_heads` writes every other element.
+fn packed_buffers(p: &Problem, sz: &Sizes) -> Result<(Vec<f32>, Vec<f32>)> {
     let d = p.head_dim;
     let sk_pad = sz.sk_pad;
-    // Every element is written below: the keys and columns of the inputs by the scatter, the
-    // padding (keys past seqlen_k, columns past head_dim) with zeros.
     let mut kp = pool::take_dirty(sz.k_pack, "packed K of one head")?;
     let mut vp = pool::take_dirty(sz.v_pack, "packed V of one head")?;
-    kp[p.seqlen_k / MR * d * MR..].fill(0.0); // the last, partial strip (rewritten below)
+    kp[p.seqlen_k / MR * d * MR..].fill(0.0); // the last, partial strip (rewritten by the scatter)
     let dv = sz.v_pack / sk_pad;
     for strip in vp.chunks_exact_mut(sk_pad * MR) {
         strip[p.seqlen_k * MR..].fill(0.0);
@@ -165,46 +176,76 @@ fn pack_kv(
             key[d % MR..].fill(0.0);
         }
     }
-    let buf = &mut buf[..d];
+    Ok((kp, vp))
+}
+
+/// Packs K and V of kv heads `heads` of batch `b` in one pass over the keys, in address order:
+/// in the `[batch, seqlen, heads, head_dim]` layout the rows of one key's heads lie side by side,
+/// so each key is one contiguous run (a whole row when `heads` is every kv head), which the
+/// hardware prefetchers stream, where a pass per head reads head_dim elements out of every row
+/// of all heads, each a separate miss. `buf`: `MR × head_dim` f32 of scratch (the widened rows
+/// of an f16/bf16 input).
+fn pack_heads(
+    p: &Problem,
+    sz: &Sizes,
+    (k, v): (&TensorView, &TensorView),
+    b: usize,
+    heads: Range<usize>,
+    buf: &mut [f32],
+) -> Result<Vec<PackedKv>> {
+    let d = p.head_dim;
+    let sk_pad = sz.sk_pad;
+    let mut bufs: Vec<(Vec<f32>, Vec<f32>)> = Vec::with_capacity(heads.len());
+    for _ in heads.clone() {
+        bufs.push(packed_buffers(p, sz)?);
+    }
+    let buf = &mut buf[..MR * d];
     let fetch_strip = |strip: usize| {
-        prefetch_rows(k, (b, strip * MR, hk), MR, simd::prefetch);
-        prefetch_rows(v, (b, strip * MR, hk), MR, simd::prefetch);
+        prefetch_rows(k, (b, strip * MR, heads.clone()), MR, false);
+        prefetch_rows(v, (b, strip * MR, heads.clone()), MR, false);
     };
     let nstrips = p.seqlen_k.div_ceil(MR);
-    (0..PACK_PREFETCH_STRIPS.min(nstrips)).for_each(fetch_strip);
+    let dist = if heads.len() < p.heads_kv { PACK_PREFETCH_STRIPS } else { 0 };
+    (0..dist.min(nstrips)).for_each(fetch_strip);
     for strip in 0..nstrips {
-        if strip + PACK_PREFETCH_STRIPS < nstrips {
-            fetch_strip(strip + PACK_PREFETCH_STRIPS);
+        if dist > 0 && strip + dist < nstrips {
+            fetch_strip(strip + dist);
         }
         let n = MR.min(p.seqlen_k - strip * MR);
-        let kdst = &mut kp[strip * d * MR..(strip + 1) * d * MR];
-        for lane in 0..n {
-            let row = row_f32(k, (b, strip * MR + lane, hk), buf);
-            for (dst, &val) in kdst.iter_mut().skip(lane).step_by(MR).zip(row) {
-                *dst = val;
+        for (h, (kp, _)) in heads.clone().zip(bufs.iter_mut()) {
+            // The strip's six rows (zeros past seqlen_k), interleaved column by column: each
+            // column's six values are one contiguous store.
+            let mut rows: [&[f32]; MR] = [&ZEROS[..d]; MR];
+            for (lane, (row, lane_buf)) in rows.iter_mut().zip(buf.chunks_exact_mut(d)).take(n).enumerate() {
+                *row = row_f32(k, (b, strip * MR + lane, h), lane_buf);
             }
-        }
-        for lane in 0..n {
-            let j = strip * MR + lane;
-            let row = row_f32(v, (b, j, hk), buf);
-            // Six columns at a time into consecutive column strips (fixed-size copies: a
-            // slice copy of run-time length is a call to memmove), the last one partial.
-            let mut col_strips = vp.chunks_exact_mut(sk_pad * MR);
-            let mut cols = row.chunks_exact(MR);
-            for (strip, six) in col_strips.by_ref().zip(cols.by_ref()) {
-                for (dst, &x) in strip[j * MR..(j + 1) * MR].iter_mut().zip(six) {
-                    *dst = x;
+            let kdst = &mut kp[strip * d * MR..(strip + 1) * d * MR];
+            for (x, col) in kdst.chunks_exact_mut(MR).enumerate() {
+                for (dst, row) in col.iter_mut().zip(rows) {
+                    *dst = row[x];
                 }
             }
-            if let Some(strip) = col_strips.next() {
-                for (dst, &x) in strip[j * MR..].iter_mut().zip(cols.remainder()) {
-                    *dst = x;
+        }
+        for (h, (_, vp)) in heads.clone().zip(bufs.iter_mut()) {
+            let mut rows: [&[f32]; MR] = [&ZEROS[..d]; MR];
+            for (lane, (row, lane_buf)) in rows.iter_mut().zip(buf.chunks_exact_mut(d)).take(n).enumerate() {
+                *row = row_f32(v, (b, strip * MR + lane, h), lane_buf);
+            }
+            // Per column strip, the strip's six keys are 36 consecutive f32: six columns of
+            // each key (fixed-size copies; the last column strip holds d % 6 columns).
+            for (c, col_strip) in vp.chunks_exact_mut(sk_pad * MR).enumerate() {
+                let dst = &mut col_strip[strip * MR * MR..(strip + 1) * MR * MR];
+                for (key, row) in dst.chunks_exact_mut(MR).zip(rows) {
+                    match row.get(c * MR..(c + 1) * MR) {
+                        Some(six) => key.copy_from_slice(six),
+                        // Not a slice copy: one of run-time length is a call to memmove.
+                        None => key.iter_mut().zip(&row[c * MR..]).for_each(|(k, &x)| *k = x),
+                    }
                 }
             }
         }
     }
-    let v_finite = all_finite(&vp);
-    Ok(PackedKv { k: kp, v: vp, v_finite })
+    Ok(bufs.into_iter().map(|(k, v)| PackedKv { v_finite: all_finite(&v), k, v }).collect())
 }
 
 /// Whether every element is finite: `x * 0` is 0 for a finite x and NaN for ±inf or NaN, summed
@@ -554,7 +595,7 @@ fn fill_q_panels(q: &TensorView, at: (usize, usize, usize, usize), d: usize, dst
             }
         }
     }
-    prefetch_rows(q, (b, i1, h), Q_PREFETCH_ROWS, simd::prefetch_l2);
+    prefetch_rows(q, (b, i1, h..h + 1), Q_PREFETCH_ROWS, true);
 }
 
 /// A block's normalised output rows (`o_out`, `rows.len() × d`) out of its Oᵀ panels
@@ -579,15 +620,15 @@ fn write_rows<M: Exp2Math>(o: &[f32], rows: &[RowState], d: usize, u: f32, math:
     }
 }
 
-/// Head-major work item: (b, kv head), with the output rows and LSEs of all its query heads.
-type HeadItem<'r, 'o, T> = ((usize, usize), &'r mut [&'o mut [T]], &'r mut [f32]);
+/// Head-major work item: (b, kv heads), with the output rows and LSEs of all their query heads.
+type HeadItem<'r, 'o, T> = ((usize, Range<usize>), &'r mut [&'o mut [T]], &'r mut [f32]);
 
 /// Work item: (b, kv head, q head, row range), with its output rows and LSEs.
 type Item<'r, 'o, T> = ((usize, usize, usize, usize, usize), &'r mut [&'o mut [T]], &'r mut [f32]);
 
 /// A worker's scratch: the tiled path's panels, a block's normalised f32 output rows
-/// (`BR × head_dim`, converted into the caller's rows as soon as the block is done), and a row
-/// of head_dim f32 for widening f16/bf16 K/V.
+/// (`BR × head_dim`, converted into the caller's rows as soon as the block is done), and
+/// `MR × head_dim` f32 for widening a strip of f16/bf16 K/V.
 type Worker = (Scratch, Vec<f32>, Vec<f32>);
 
 /// One work item, compiled for `isa` (AVX-512: the paired 6×32 kernel) when the CPU has it.
@@ -792,7 +833,7 @@ fn tiled<M: Exp2Math, T: Element>(
     let sz = Sizes::new(p)?;
     let mut rows = rows_by_head(p, dst)?;
     let mut lse = try_filled(sz.n_lse, f32::NEG_INFINITY, || "LSE".into())?;
-    let worker = || -> Worker { (Scratch::new(d), vec![0.0; BR * d], vec![0.0; d]) };
+    let worker = || -> Worker { (Scratch::new(d), vec![0.0; BR * d], vec![0.0; MR * d]) };
 
     let kv_bytes = 4 * (sz.k_pack + sz.v_pack);
     let chunk = (PACK_BUDGET_BYTES / kv_bytes.max(1)).clamp(1, p.batch * p.heads_kv);
@@ -802,41 +843,56 @@ fn tiled<M: Exp2Math, T: Element>(
 
     let kv_heads: Vec<(usize, usize)> =
         (0..p.batch).flat_map(|b| (0..p.heads_kv).map(move |hk| (b, hk))).collect();
-    // Enough kv heads to share out whole: one work item per (batch, kv head) packs that head's
-    // K/V (into the buffers the worker's previous item gave back) and runs all its query
-    // blocks at once, while the packed data is still in this core's cache. Otherwise (few kv
-    // heads: long sequences, or many threads) all heads are packed first and the items are
-    // (kv head, query head, query block), so that every worker has work.
+    // Enough kv heads to share out whole: one work item per (batch, run of kv heads) packs
+    // those heads' K/V in one pass over the keys (into the buffers the worker's previous item
+    // gave back) and runs all their query blocks, while the packed data is still in this
+    // core's cache. Otherwise (few kv heads: long sequences, or many threads) all heads are
+    // packed first and the items are (kv head, query head, query block), so that every worker
+    // has work.
     let head_major = kv_heads.len() >= 2 * nthreads;
+    // kv heads per item: whole rows of K/V (all kv heads of a batch) where that leaves two
+    // items per worker (one thread: one item per batch), fewer otherwise, and at most the
+    // packing budget's share of a worker.
+    let groups = if nthreads == 1 { 1 } else { (2 * nthreads).div_ceil(p.batch) }.clamp(1, p.heads_kv);
+    let per_item = p.heads_kv.div_ceil(groups).min((PACK_ITEM_BYTES / kv_bytes.max(1)).max(1));
     let failed: std::sync::Mutex<Option<Error>> = std::sync::Mutex::new(None);
     let rows_per_kv = p.group() * p.seqlen_q;
-    let mut head_items: Vec<HeadItem<'_, '_, T>> = if head_major {
-        let o_chunks = std::mem::take(&mut o_rest).chunks_mut(rows_per_kv);
-        let l_chunks = std::mem::take(&mut lse_rest).chunks_mut(rows_per_kv);
-        kv_heads.iter().copied().zip(o_chunks.zip(l_chunks)).map(|(bh, (o, l))| (bh, o, l)).collect()
-    } else {
-        Vec::new()
-    };
-    parallel::for_each(&mut head_items, nthreads, worker, |(scr, o_blk, buf), ((b, hk), o, l)| {
-        let kv = match pack_kv(p, &sz, (k, v), *b, *hk, buf) {
+    let mut head_items: Vec<HeadItem<'_, '_, T>> = Vec::new();
+    if head_major {
+        for b in 0..p.batch {
+            for hk0 in (0..p.heads_kv).step_by(per_item) {
+                let hk1 = (hk0 + per_item).min(p.heads_kv);
+                let (o_item, o_tail) = std::mem::take(&mut o_rest).split_at_mut((hk1 - hk0) * rows_per_kv);
+                let (l_item, l_tail) = std::mem::take(&mut lse_rest).split_at_mut((hk1 - hk0) * rows_per_kv);
+                (o_rest, lse_rest) = (o_tail, l_tail);
+                head_items.push(((b, hk0..hk1), o_item, l_item));
+            }
+        }
+    }
+    parallel::for_each(&mut head_items, nthreads, worker, |(scr, o_blk, buf), ((b, heads), o, l)| {
+        let packed = match pack_heads(p, &sz, (k, v), *b, heads.clone(), buf) {
             Ok(kv) => kv,
             Err(e) => {
                 failed.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e);
                 return;
             }
         };
-        for gi in 0..p.group() {
-            let h = *hk * p.group() + gi;
-            for blk in 0..nblocks {
-                let (i0, i1) = (blk * BR, ((blk + 1) * BR).min(p.seqlen_q));
-                let r0 = gi * p.seqlen_q + i0;
-                let o_blk = &mut o_blk[..(i1 - i0) * d];
-                attend_any(p, q, &kv, (*b, h, i0, i1), sm, &math, scr, (o_blk, &mut l[r0..r0 + i1 - i0]), isa);
-                store_rows(o_blk, &mut o[r0..r0 + i1 - i0], d);
+        for (hi, kv) in packed.iter().enumerate() {
+            for gi in 0..p.group() {
+                let h = (heads.start + hi) * p.group() + gi;
+                for blk in 0..nblocks {
+                    let (i0, i1) = (blk * BR, ((blk + 1) * BR).min(p.seqlen_q));
+                    let r0 = (hi * p.group() + gi) * p.seqlen_q + i0;
+                    let o_blk = &mut o_blk[..(i1 - i0) * d];
+                    attend_any(p, q, kv, (*b, h, i0, i1), sm, &math, scr, (o_blk, &mut l[r0..r0 + i1 - i0]), isa);
+                    store_rows(o_blk, &mut o[r0..r0 + i1 - i0], d);
+                }
             }
         }
-        pool::give(kv.k);
-        pool::give(kv.v);
+        for kv in packed {
+            pool::give(kv.k);
+            pool::give(kv.v);
+        }
     });
     drop(head_items);
     if let Some(e) = failed.into_inner().unwrap_or_else(|e| e.into_inner()) {
@@ -850,8 +906,10 @@ fn tiled<M: Exp2Math, T: Element>(
             parallel::for_each(
                 &mut jobs,
                 nthreads,
-                || vec![0.0; d],
-                |buf, j| j.2 = Some(pack_kv(p, &sz, (k, v), j.0, j.1, buf)),
+                || vec![0.0; MR * d],
+                |buf, j| {
+                    j.2 = pack_heads(p, &sz, (k, v), j.0, j.1..j.1 + 1, buf).map(|h| h.into_iter().next()).transpose()
+                },
             );
             let mut packed = Vec::with_capacity(jobs.len());
             for (_, hk, pk) in jobs {
