@@ -118,9 +118,10 @@ struct PackedKv {
 const PACK_PREFETCH_STRIPS: usize = 4;
 
 /// Bytes of packed K/V one head-major work item holds at most (several kv heads packed in one
-/// pass over the keys; see `tiled`): a few times a core's L2, so that each head's packed data
-/// is still in a cache when its blocks run.
-const PACK_ITEM_BYTES: usize = 8 << 20;
+/// pass over the keys; see `tiled`): a core's L2, so that each head's packed data is still
+/// there when its blocks run. Longer sequences pack one head per item (at 2048×128 one head
+/// alone is 2 MiB), their rows strided but prefetched.
+const PACK_ITEM_BYTES: usize = 2 << 20;
 
 /// Row `(b, s, h)` of `t` as f32: the input's own elements where it holds f32 (no copy), else
 /// widened into `buf` (length head_dim).
@@ -301,6 +302,7 @@ struct Scratch {
     /// Oᵀ panels `[BR / NR][head_dim_pad][NR]`.
     o: LineAligned,
     rows: Vec<RowState>,
+    /// `NR × head_dim`: a panel's Q rows widened from f16/bf16.
     q_row: Vec<f32>,
 }
 
@@ -343,7 +345,7 @@ impl Scratch {
             s: LineAligned::new(BR * BC),
             o: LineAligned::new(BR * round_up(d, MR)),
             rows: vec![RowState::EMPTY; BR],
-            q_row: vec![0.0; d],
+            q_row: vec![0.0; NR * d],
         }
     }
 }
@@ -572,26 +574,26 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
 const Q_PREFETCH_ROWS: usize = BR;
 
 /// The Qᵀ panels of query rows `i0..i1` of head `h`: `[panel][head_dim][NR]`, the lanes past
-/// `i1` zero (their results are dropped). Rows are read straight from an f32 input (`row`: the
-/// widened row of an f16/bf16 one). The rows of the head's next block are then asked for into
-/// L2: the next work item of this worker is usually that block, and its strided rows would each
-/// miss the cache.
+/// `i1` zero (their results are dropped). Rows are read straight from an f32 input (`row`:
+/// `NR × head_dim` f32 for the widened rows of an f16/bf16 one). The rows of the head's next
+/// block are then asked for into L2: the next block this worker runs is usually that one, and
+/// its strided rows would each miss the cache.
 #[inline(always)]
 fn fill_q_panels(q: &TensorView, at: (usize, usize, usize, usize), d: usize, dst: &mut [f32], row: &mut [f32]) {
     let (b, h, i0, i1) = at;
     let nrows = i1 - i0;
-    let row = &mut row[..d];
     for pn in 0..nrows.div_ceil(NR) {
+        // The panel's sixteen rows (zeros past i1), interleaved column by column: each
+        // column's sixteen values are one contiguous (vector) store.
+        let mut rows: [&[f32]; NR] = [&ZEROS[..d]; NR];
+        let n = NR.min(nrows - pn * NR);
+        for (lane, (r, buf)) in rows.iter_mut().zip(row.chunks_exact_mut(d)).take(n).enumerate() {
+            *r = row_f32(q, (b, i0 + pn * NR + lane, h), buf);
+        }
         let dst = &mut dst[pn * d * NR..(pn + 1) * d * NR];
-        for lane in 0..NR {
-            let r = pn * NR + lane;
-            let lane_dst = dst.iter_mut().skip(lane).step_by(NR);
-            if r < nrows {
-                for (x, &val) in lane_dst.zip(row_f32(q, (b, i0 + r, h), row)) {
-                    *x = val;
-                }
-            } else {
-                lane_dst.for_each(|x| *x = 0.0);
+        for (x, col) in dst.chunks_exact_mut(NR).enumerate() {
+            for (v, r) in col.iter_mut().zip(rows) {
+                *v = r[x];
             }
         }
     }
@@ -850,10 +852,11 @@ fn tiled<M: Exp2Math, T: Element>(
     // packed first and the items are (kv head, query head, query block), so that every worker
     // has work.
     let head_major = kv_heads.len() >= 2 * nthreads;
-    // kv heads per item: whole rows of K/V (all kv heads of a batch) where that leaves two
-    // items per worker (one thread: one item per batch), fewer otherwise, and at most the
-    // packing budget's share of a worker.
-    let groups = if nthreads == 1 { 1 } else { (2 * nthreads).div_ceil(p.batch) }.clamp(1, p.heads_kv);
+    // kv heads per item: whole rows of K/V (all kv heads of a batch) where that leaves four
+    // items per worker (a worker slowed by the host then delays the end by a quarter of its
+    // share at most; one thread: one item per batch), fewer heads otherwise, and at most
+    // PACK_ITEM_BYTES of packed K/V.
+    let groups = if nthreads == 1 { 1 } else { (4 * nthreads).div_ceil(p.batch) }.clamp(1, p.heads_kv);
     let per_item = p.heads_kv.div_ceil(groups).min((PACK_ITEM_BYTES / kv_bytes.max(1)).max(1));
     let failed: std::sync::Mutex<Option<Error>> = std::sync::Mutex::new(None);
     let rows_per_kv = p.group() * p.seqlen_q;
