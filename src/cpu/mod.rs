@@ -118,10 +118,11 @@ struct PackedKv {
 const PACK_PREFETCH_STRIPS: usize = 4;
 
 /// Bytes of packed K/V one head-major work item holds at most (several kv heads packed in one
-/// pass over the keys; see `tiled`): a core's L2, so that each head's packed data is still
-/// there when its blocks run. Longer sequences pack one head per item (at 2048×128 one head
-/// alone is 2 MiB), their rows strided but prefetched.
-const PACK_ITEM_BYTES: usize = 2 << 20;
+/// pass over the keys; see `tiled`): about a core's L2, so that each head's packed data is
+/// still in a cache when its blocks run (the eight kv heads of 512×64 hold 2.1 MB). Longer
+/// sequences pack one head per item (one head of 2048×128 holds 2.1 MB), their rows strided but
+/// prefetched.
+const PACK_ITEM_BYTES: usize = 4 << 20;
 
 /// Row `(b, s, h)` of `t` as f32: the input's own elements where it holds f32 (no copy), else
 /// widened into `buf` (length head_dim).
@@ -858,6 +859,7 @@ fn tiled<M: Exp2Math, T: Element>(
     // PACK_ITEM_BYTES of packed K/V.
     let groups = if nthreads == 1 { 1 } else { (4 * nthreads).div_ceil(p.batch) }.clamp(1, p.heads_kv);
     let per_item = p.heads_kv.div_ceil(groups).min((PACK_ITEM_BYTES / kv_bytes.max(1)).max(1));
+    let per_item = p.heads_kv.div_ceil(p.heads_kv.div_ceil(per_item)); // runs of equal length
     let failed: std::sync::Mutex<Option<Error>> = std::sync::Mutex::new(None);
     let rows_per_kv = p.group() * p.seqlen_q;
     let mut head_items: Vec<HeadItem<'_, '_, T>> = Vec::new();
