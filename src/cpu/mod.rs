@@ -216,7 +216,7 @@ fn pack_heads(
         let n = MR.min(p.seqlen_k - strip * MR);
         for (h, (kp, _)) in heads.clone().zip(bufs.iter_mut()) {
             // The strip's six rows (zeros past seqlen_k), interleaved column by column: each
-            // column's six values are one contiguous store.
+            // column's six values are written contiguously.
             let mut rows: [&[f32]; MR] = [&ZEROS[..d]; MR];
             for (lane, (row, lane_buf)) in rows.iter_mut().zip(buf.chunks_exact_mut(d)).take(n).enumerate() {
                 *row = row_f32(k, (b, strip * MR + lane, h), lane_buf);
@@ -585,7 +585,7 @@ fn fill_q_panels(q: &TensorView, at: (usize, usize, usize, usize), d: usize, dst
     let nrows = i1 - i0;
     for pn in 0..nrows.div_ceil(NR) {
         // The panel's sixteen rows (zeros past i1), interleaved column by column: each
-        // column's sixteen values are one contiguous (vector) store.
+        // column's sixteen values are written contiguously (not sixteen stores a line apart).
         let mut rows: [&[f32]; NR] = [&ZEROS[..d]; NR];
         let n = NR.min(nrows - pn * NR);
         for (lane, (r, buf)) in rows.iter_mut().zip(row.chunks_exact_mut(d)).take(n).enumerate() {
