@@ -498,7 +498,13 @@ fn prefetch_rows<M>(c: &Ctx<'_, M>, b: usize, (hk, j0, j1): (usize, usize, usize
 
 /// Prefetches (into L1) the cache lines of `d` elements from element `ofs` of `data`.
 #[inline(always)]
-fn prefetch_row(data: Data<'_>, ofs: usize, d: usize) {
+pub(super) fn prefetch_row(data: Data<'_>, ofs: usize, d: usize) {
+    prefetch_row_with(data, ofs, d, super::simd::prefetch);
+}
+
+/// As [`prefetch_row`], with the given prefetch instruction (`simd::prefetch` or `prefetch_l2`).
+#[inline(always)]
+pub(super) fn prefetch_row_with(data: Data<'_>, ofs: usize, d: usize, fetch: impl Fn(*const i8)) {
     let (ptr, bytes) = match data {
         Data::F32(x) => (x.as_ptr().wrapping_add(ofs) as *const i8, 4 * d),
         Data::F16(x) => (x.as_ptr().wrapping_add(ofs) as *const i8, 2 * d),
@@ -506,11 +512,11 @@ fn prefetch_row(data: Data<'_>, ofs: usize, d: usize) {
     };
     let mut at = 0;
     while at < bytes {
-        super::simd::prefetch(ptr.wrapping_add(at));
+        fetch(ptr.wrapping_add(at));
         at += 64;
     }
     // The row's last line (the row need not start on a line boundary).
-    super::simd::prefetch(ptr.wrapping_add(bytes - 1));
+    fetch(ptr.wrapping_add(bytes - 1));
 }
 
 /// Keys `j0..j1` of an item; `next`: the (kv head, keys) this worker reads after these, to

@@ -6,7 +6,8 @@
 //! query (exp2 of `(x − m)·scale·log2e`, −inf guard; `softmax` explains the units),
 //! `Oᵀ = Oᵀ·diag(scale) + Vᵀ·Pᵀ`, and one normalisation at the end. Work items (kv head, group
 //! head, query block) are handed out heaviest first to the persistent worker pool (`parallel`);
-//! each writes its own disjoint slice of the output.
+//! each owns its own output rows (disjoint `&mut` row slices of the caller's buffer) and writes
+//! them once, in the final layout and type.
 
 mod gemm;
 pub(crate) mod inplace;
@@ -22,7 +23,8 @@ use crate::numerics::hadamard::Rotation;
 use crate::numerics::quant::fake_quantize;
 use crate::options::Precision;
 use crate::problem::Problem;
-use crate::tensor::{try_filled, DataMut, Element, Tensor, TensorView};
+use crate::tensor::{try_filled, Data, DataMut, Element, Tensor, TensorView};
+use std::ops::Range;
 use gemm::{micro_kernel, micro_kernel_skip_zero_b, micro_kernel_x2, Acc, MR, NR};
 use softmax::{finalize, online_softmax, rescale_o, Exp2Math, RowState};
 
@@ -107,14 +109,64 @@ struct PackedKv {
     v_finite: bool,
 }
 
-fn pack_kv(p: &Problem, sz: &Sizes, k: &TensorView, v: &TensorView, b: usize, hk: usize) -> Result<PackedKv> {
+/// Strips of K/V rows `pack_heads` prefetches ahead of the one it packs when it packs some of
+/// the kv heads only: then each key's rows are a run of a few head_dim elements out of a row of
+/// all heads, a separate run of cache misses the hardware prefetchers do not follow; asked for
+/// this far ahead they arrive while the strips before them are scattered. (Whole rows of all kv
+/// heads are one sequential stream that the hardware prefetches: there software prefetches only
+/// cost, measured.)
+const PACK_PREFETCH_STRIPS: usize = 4;
+
+/// Bytes of packed K/V one head-major work item holds at most (several kv heads packed in one
+/// pass over the keys; see `tiled`): about a core's L2, so that each head's packed data is
+/// still in a cache when its blocks run (the eight kv heads of 512×64 hold 2.1 MB). Longer
+/// sequences pack one head per item (one head of 2048×128 holds 2.1 MB), their rows strided but
+/// prefetched.
+const PACK_ITEM_BYTES: usize = 4 << 20;
+
+/// Row `(b, s, h)` of `t` as f32: the input's own elements where it holds f32 (no copy), else
+/// widened into `buf` (length head_dim).
+#[inline(always)]
+fn row_f32<'r, 'a: 'r>(t: &TensorView<'a>, (b, s, h): (usize, usize, usize), buf: &'r mut [f32]) -> &'r [f32] {
+    match t.data() {
+        Data::F32(x) => {
+            let at = t.offset(b, s, h);
+            &x[at..at + buf.len()]
+        }
+        _ => {
+            t.read_row(b, s, h, buf);
+            buf
+        }
+    }
+}
+
+/// Rows `s0..s0 + rows` of heads `heads` of `t`, asked for ahead of use (into L2 if `l2`, else L1).
+#[inline(always)]
+fn prefetch_rows(t: &TensorView, (b, s0, heads): (usize, usize, Range<usize>), rows: usize, l2: bool) {
+    for s in s0..(s0 + rows).min(t.seqlen()) {
+        for h in heads.clone() {
+            let (data, at, d) = (t.data(), t.offset(b, s, h), t.head_dim());
+            if l2 {
+                inplace::prefetch_row_with(data, at, d, simd::prefetch_l2);
+            } else {
+                inplace::prefetch_row_with(data, at, d, simd::prefetch);
+            }
+        }
+    }
+}
+
+/// A row of zeros: the keys past seqlen_k of the last K strip.
+static ZEROS: [f32; MAX_HEAD_DIM] = [0.0; MAX_HEAD_DIM];
+
+/// One head's packed K and V buffers (reused ones keep old contents), their padding zeroed:
+/// keys past seqlen_k, and columns past head_dim of the last column strip of V. The scatter of
+/// `pack_heads` writes every other element.
+fn packed_buffers(p: &Problem, sz: &Sizes) -> Result<(Vec<f32>, Vec<f32>)> {
     let d = p.head_dim;
     let sk_pad = sz.sk_pad;
-    // Every element is written below: the keys and columns of the inputs by the scatter, the
-    // padding (keys past seqlen_k, columns past head_dim) with zeros.
     let mut kp = pool::take_dirty(sz.k_pack, "packed K of one head")?;
     let mut vp = pool::take_dirty(sz.v_pack, "packed V of one head")?;
-    kp[p.seqlen_k / MR * d * MR..].fill(0.0); // the last, partial strip (rewritten below)
+    kp[p.seqlen_k / MR * d * MR..].fill(0.0); // the last, partial strip (rewritten by the scatter)
     let dv = sz.v_pack / sk_pad;
     for strip in vp.chunks_exact_mut(sk_pad * MR) {
         strip[p.seqlen_k * MR..].fill(0.0);
@@ -126,33 +178,76 @@ fn pack_kv(p: &Problem, sz: &Sizes, k: &TensorView, v: &TensorView, b: usize, hk
             key[d % MR..].fill(0.0);
         }
     }
-    // A strip's six K rows and six V rows are read first, back to back, then scattered: with
-    // the [batch, seqlen, heads, head_dim] layout consecutive keys of one head are a row of all
-    // heads apart, so each row is a separate cache miss; twelve independent reads overlap where
-    // a read followed by its scatter would wait for each miss in turn.
-    let mut rows = vec![0.0f32; 2 * MR * d];
-    for strip in 0..p.seqlen_k.div_ceil(MR) {
-        let n = MR.min(p.seqlen_k - strip * MR);
-        let (kr, vr) = rows.split_at_mut(MR * d);
-        for lane in 0..n {
-            k.read_row(b, strip * MR + lane, hk, &mut kr[lane * d..(lane + 1) * d]);
-            v.read_row(b, strip * MR + lane, hk, &mut vr[lane * d..(lane + 1) * d]);
+    Ok((kp, vp))
+}
+
+/// Packs K and V of kv heads `heads` of batch `b` in one pass over the keys, in address order:
+/// in the `[batch, seqlen, heads, head_dim]` layout the rows of one key's heads lie side by side,
+/// so each key is one contiguous run (a whole row when `heads` is every kv head), which the
+/// hardware prefetchers stream, where a pass per head reads head_dim elements out of every row
+/// of all heads, each a separate miss. `buf`: `MR × head_dim` f32 of scratch (the widened rows
+/// of an f16/bf16 input).
+fn pack_heads(
+    p: &Problem,
+    sz: &Sizes,
+    (k, v): (&TensorView, &TensorView),
+    b: usize,
+    heads: Range<usize>,
+    buf: &mut [f32],
+) -> Result<Vec<PackedKv>> {
+    let d = p.head_dim;
+    let sk_pad = sz.sk_pad;
+    let mut bufs: Vec<(Vec<f32>, Vec<f32>)> = Vec::with_capacity(heads.len());
+    for _ in heads.clone() {
+        bufs.push(packed_buffers(p, sz)?);
+    }
+    let buf = &mut buf[..MR * d];
+    let fetch_strip = |strip: usize| {
+        prefetch_rows(k, (b, strip * MR, heads.clone()), MR, false);
+        prefetch_rows(v, (b, strip * MR, heads.clone()), MR, false);
+    };
+    let nstrips = p.seqlen_k.div_ceil(MR);
+    let dist = if heads.len() < p.heads_kv { PACK_PREFETCH_STRIPS } else { 0 };
+    (0..dist.min(nstrips)).for_each(fetch_strip);
+    for strip in 0..nstrips {
+        if dist > 0 && strip + dist < nstrips {
+            fetch_strip(strip + dist);
         }
-        let kdst = &mut kp[strip * d * MR..(strip + 1) * d * MR];
-        for lane in 0..n {
-            for (x, &val) in kr[lane * d..(lane + 1) * d].iter().enumerate() {
-                kdst[x * MR + lane] = val;
+        let n = MR.min(p.seqlen_k - strip * MR);
+        for (h, (kp, _)) in heads.clone().zip(bufs.iter_mut()) {
+            // The strip's six rows (zeros past seqlen_k), interleaved column by column: each
+            // column's six values are written contiguously.
+            let mut rows: [&[f32]; MR] = [&ZEROS[..d]; MR];
+            for (lane, (row, lane_buf)) in rows.iter_mut().zip(buf.chunks_exact_mut(d)).take(n).enumerate() {
+                *row = row_f32(k, (b, strip * MR + lane, h), lane_buf);
+            }
+            let kdst = &mut kp[strip * d * MR..(strip + 1) * d * MR];
+            for (x, col) in kdst.chunks_exact_mut(MR).enumerate() {
+                for (dst, row) in col.iter_mut().zip(rows) {
+                    *dst = row[x];
+                }
             }
         }
-        for lane in 0..n {
-            let j = strip * MR + lane;
-            for (x, &val) in vr[lane * d..(lane + 1) * d].iter().enumerate() {
-                vp[(x / MR) * sk_pad * MR + j * MR + x % MR] = val;
+        for (h, (_, vp)) in heads.clone().zip(bufs.iter_mut()) {
+            let mut rows: [&[f32]; MR] = [&ZEROS[..d]; MR];
+            for (lane, (row, lane_buf)) in rows.iter_mut().zip(buf.chunks_exact_mut(d)).take(n).enumerate() {
+                *row = row_f32(v, (b, strip * MR + lane, h), lane_buf);
+            }
+            // Per column strip, the strip's six keys are 36 consecutive f32: six columns of
+            // each key (fixed-size copies; the last column strip holds d % 6 columns).
+            for (c, col_strip) in vp.chunks_exact_mut(sk_pad * MR).enumerate() {
+                let dst = &mut col_strip[strip * MR * MR..(strip + 1) * MR * MR];
+                for (key, row) in dst.chunks_exact_mut(MR).zip(rows) {
+                    match row.get(c * MR..(c + 1) * MR) {
+                        Some(six) => key.copy_from_slice(six),
+                        // Not a slice copy: one of run-time length is a call to memmove.
+                        None => key.iter_mut().zip(&row[c * MR..]).for_each(|(k, &x)| *k = x),
+                    }
+                }
             }
         }
     }
-    let v_finite = all_finite(&vp);
-    Ok(PackedKv { k: kp, v: vp, v_finite })
+    Ok(bufs.into_iter().map(|(k, v)| PackedKv { v_finite: all_finite(&v), k, v }).collect())
 }
 
 /// Whether every element is finite: `x * 0` is 0 for a finite x and NaN for ±inf or NaN, summed
@@ -177,8 +272,7 @@ struct Sizes {
     /// f32 elements of one head's packed K, and of its packed V.
     k_pack: usize,
     v_pack: usize,
-    /// Output elements `[batch, heads_q, seqlen_q, head_dim]` and LSEs `[batch, heads_q, seqlen_q]`.
-    n_o: usize,
+    /// LSEs `[batch, heads_q, seqlen_q]`.
     n_lse: usize,
 }
 
@@ -194,8 +288,7 @@ impl Sizes {
         let k_pack = f32s(sk_pad.checked_mul(d), "packed K")?;
         let v_pack = f32s(sk_pad.checked_mul(dv), "packed V")?;
         let n_lse = f32s(p.batch.checked_mul(p.heads_q).and_then(|x| x.checked_mul(p.seqlen_q)), "LSE")?;
-        let n_o = f32s(n_lse.checked_mul(d), "output")?;
-        Ok(Sizes { sk_pad, k_pack, v_pack, n_o, n_lse })
+        Ok(Sizes { sk_pad, k_pack, v_pack, n_lse })
     }
 }
 
@@ -210,6 +303,7 @@ struct Scratch {
     /// Oᵀ panels `[BR / NR][head_dim_pad][NR]`.
     o: LineAligned,
     rows: Vec<RowState>,
+    /// `NR × head_dim`: a panel's Q rows widened from f16/bf16.
     q_row: Vec<f32>,
 }
 
@@ -252,7 +346,7 @@ impl Scratch {
             s: LineAligned::new(BR * BC),
             o: LineAligned::new(BR * round_up(d, MR)),
             rows: vec![RowState::EMPTY; BR],
-            q_row: vec![0.0; d],
+            q_row: vec![0.0; NR * d],
         }
     }
 }
@@ -533,28 +627,34 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
     write_rows::<M, PAIR>(&scr.o, &scr.rows[..nrows], d, sm.u, math, (o_out, lse_out));
 }
 
+/// Query rows per block `fill_q_panels` asks the cache for ahead: the next block of the head.
+const Q_PREFETCH_ROWS: usize = BR;
+
 /// The Qᵀ panels of query rows `i0..i1` of head `h`: `[panel][head_dim][NR]`, the lanes past
-/// `i1` zero (their results are dropped).
+/// `i1` zero (their results are dropped). Rows are read straight from an f32 input (`row`:
+/// `NR × head_dim` f32 for the widened rows of an f16/bf16 one). The rows of the head's next
+/// block are then asked for into L2: the next block this worker runs is usually that one, and
+/// its strided rows would each miss the cache.
 #[inline(always)]
 fn fill_q_panels(q: &TensorView, at: (usize, usize, usize, usize), d: usize, dst: &mut [f32], row: &mut [f32]) {
     let (b, h, i0, i1) = at;
     let nrows = i1 - i0;
     for pn in 0..nrows.div_ceil(NR) {
+        // The panel's sixteen rows (zeros past i1), interleaved column by column: each
+        // column's sixteen values are written contiguously (not sixteen stores a line apart).
+        let mut rows: [&[f32]; NR] = [&ZEROS[..d]; NR];
+        let n = NR.min(nrows - pn * NR);
+        for (lane, (r, buf)) in rows.iter_mut().zip(row.chunks_exact_mut(d)).take(n).enumerate() {
+            *r = row_f32(q, (b, i0 + pn * NR + lane, h), buf);
+        }
         let dst = &mut dst[pn * d * NR..(pn + 1) * d * NR];
-        for lane in 0..NR {
-            let r = pn * NR + lane;
-            if r < nrows {
-                q.read_row(b, i0 + r, h, row);
-                for (x, &val) in row.iter().enumerate() {
-                    dst[x * NR + lane] = val;
-                }
-            } else {
-                for x in 0..d {
-                    dst[x * NR + lane] = 0.0;
-                }
+        for (x, col) in dst.chunks_exact_mut(NR).enumerate() {
+            for (v, r) in col.iter_mut().zip(rows) {
+                *v = r[x];
             }
         }
     }
+    prefetch_rows(q, (b, i1, h..h + 1), Q_PREFETCH_ROWS, true);
 }
 
 /// A block's normalised output rows (`o_out`, `rows.len() × d`) out of its Oᵀ panels
@@ -596,11 +696,16 @@ fn write_rows<M: Exp2Math, const WIDE: bool>(
     }
 }
 
-/// Head-major work item: (b, kv head), with the outputs and LSEs of all its query heads.
-type HeadItem<'o> = ((usize, usize), &'o mut [f32], &'o mut [f32]);
+/// Head-major work item: (b, kv heads), with the output rows and LSEs of all their query heads.
+type HeadItem<'r, 'o, T> = ((usize, Range<usize>), &'r mut [&'o mut [T]], &'r mut [f32]);
 
-/// Work item: (b, kv head, q head, row range), with its output slices.
-type Item<'o> = ((usize, usize, usize, usize, usize), &'o mut [f32], &'o mut [f32]);
+/// Work item: (b, kv head, q head, row range), with its output rows and LSEs.
+type Item<'r, 'o, T> = ((usize, usize, usize, usize, usize), &'r mut [&'o mut [T]], &'r mut [f32]);
+
+/// A worker's scratch: the tiled path's panels, a block's normalised f32 output rows
+/// (`BR × head_dim`, converted into the caller's rows as soon as the block is done), and
+/// `MR × head_dim` f32 for widening a strip of f16/bf16 K/V.
+type Worker = (Scratch, Vec<f32>, Vec<f32>);
 
 /// One work item, compiled for `isa` (AVX-512: the paired 6×32 kernel) when the CPU has it.
 #[allow(clippy::too_many_arguments)]
@@ -750,64 +855,123 @@ fn forward_with_into<M: Exp2Math>(
     dst: DataMut<'_>,
     isa: Isa,
 ) -> Result<Vec<f32>> {
+    match dst {
+        DataMut::F32(o) => tiled(p, (q, k, v), math, nthreads, o, isa),
+        DataMut::F16(o) => tiled(p, (q, k, v), math, nthreads, o, isa),
+        DataMut::BF16(o) => tiled(p, (q, k, v), math, nthreads, o, isa),
+    }
+}
+
+/// The rows of `dst` (`[batch, seqlen_q, heads_q, head_dim]`, one `&mut` slice of head_dim
+/// elements per (batch, query, head)) in the order `[batch, heads_q, seqlen_q]`, so that the
+/// work items can own consecutive runs of them: each item writes its output once, in the final
+/// layout and type, where an item's part of the output is not contiguous. Allocated fallibly.
+fn rows_by_head<'o, T>(p: &Problem, dst: &'o mut [T]) -> Result<Vec<&'o mut [T]>> {
+    let (hq, sq, d) = (p.heads_q, p.seqlen_q, p.head_dim);
+    let n = p.batch * sq * hq; // dst holds n * d elements (checked by the caller)
+    let too_large = || Error::TooLarge { what: format!("the CPU backend's {n} output row references") };
+    let mut seq_major: Vec<Option<&mut [T]>> = Vec::new();
+    seq_major.try_reserve_exact(n).map_err(|_| too_large())?;
+    seq_major.extend(dst.chunks_exact_mut(d).map(Some));
+    let mut rows = Vec::new();
+    rows.try_reserve_exact(n).map_err(|_| too_large())?;
+    for b in 0..p.batch {
+        for h in 0..hq {
+            rows.extend((0..sq).filter_map(|i| seq_major[(b * sq + i) * hq + h].take()));
+        }
+    }
+    Ok(rows)
+}
+
+/// A block's normalised f32 rows (`src`, `dst.len() × d`) into its output rows, converted to
+/// the output type.
+fn store_rows<T: Element>(src: &[f32], dst: &mut [&mut [T]], d: usize) {
+    for (row, from) in dst.iter_mut().zip(src.chunks_exact(d)) {
+        for (o, &x) in row.iter_mut().zip(from) {
+            *o = T::from_f32(x);
+        }
+    }
+}
+
+/// [`forward_with_into`] for the output element type `T`.
+fn tiled<M: Exp2Math, T: Element>(
+    p: &Problem,
+    (q, k, v): (&TensorView, &TensorView, &TensorView),
+    math: M,
+    nthreads: usize,
+    dst: &mut [T],
+    isa: Isa,
+) -> Result<Vec<f32>> {
     check_head_dim(p)?;
     let d = p.head_dim;
     let sm = ScoreMod::new(p);
     // Every size first: a problem too large for this machine fails here, before any work.
     let sz = Sizes::new(p)?;
-    // Internal layout [batch, heads_q, seqlen_q, d] so each work item owns a contiguous slice.
-    // Every element is written by the work item that owns its rows.
-    let mut o_hm = pool::take_dirty(sz.n_o, "output")?;
+    let mut rows = rows_by_head(p, dst)?;
     let mut lse = try_filled(sz.n_lse, f32::NEG_INFINITY, || "LSE".into())?;
+    let worker = || -> Worker { (Scratch::new(d), vec![0.0; BR * d], vec![0.0; MR * d]) };
 
     let kv_bytes = 4 * (sz.k_pack + sz.v_pack);
     let chunk = (PACK_BUDGET_BYTES / kv_bytes.max(1)).clamp(1, p.batch * p.heads_kv);
     let nblocks = p.seqlen_q.div_ceil(BR);
     let per_kv = p.group() * nblocks; // work items per kv head
-    let (mut o_rest, mut lse_rest) = (&mut o_hm[..], &mut lse[..]);
+    let (mut o_rest, mut lse_rest) = (&mut rows[..], &mut lse[..]);
 
     let kv_heads: Vec<(usize, usize)> =
         (0..p.batch).flat_map(|b| (0..p.heads_kv).map(move |hk| (b, hk))).collect();
-    // Enough kv heads to share out whole: one work item per (batch, kv head) packs that head's
-    // K/V (into the buffers the worker's previous item gave back) and runs all its query
-    // blocks at once, while the packed data is still in this core's cache. Otherwise (few kv
-    // heads: long sequences, or many threads) all heads are packed first and the items are
-    // (kv head, query head, query block), so that every worker has work.
+    // Enough kv heads to share out whole: one work item per (batch, run of kv heads) packs
+    // those heads' K/V in one pass over the keys (into the buffers the worker's previous item
+    // gave back) and runs all their query blocks, while the packed data is still in this
+    // core's cache. Otherwise (few kv heads: long sequences, or many threads) all heads are
+    // packed first and the items are (kv head, query head, query block), so that every worker
+    // has work.
     let head_major = kv_heads.len() >= 2 * nthreads;
+    // kv heads per item: whole rows of K/V (all kv heads of a batch) where that leaves four
+    // items per worker (a worker slowed by the host then delays the end by a quarter of its
+    // share at most; one thread: one item per batch), fewer heads otherwise, and at most
+    // PACK_ITEM_BYTES of packed K/V.
+    let groups = if nthreads == 1 { 1 } else { (4 * nthreads).div_ceil(p.batch) }.clamp(1, p.heads_kv);
+    let per_item = p.heads_kv.div_ceil(groups).min((PACK_ITEM_BYTES / kv_bytes.max(1)).max(1));
+    let per_item = p.heads_kv.div_ceil(p.heads_kv.div_ceil(per_item)); // runs of equal length
     let failed: std::sync::Mutex<Option<Error>> = std::sync::Mutex::new(None);
     let rows_per_kv = p.group() * p.seqlen_q;
-    let mut head_items: Vec<HeadItem> = if head_major {
-        let o_chunks = std::mem::take(&mut o_rest).chunks_mut(rows_per_kv * d);
-        let l_chunks = std::mem::take(&mut lse_rest).chunks_mut(rows_per_kv);
-        kv_heads.iter().copied().zip(o_chunks.zip(l_chunks)).map(|(bh, (o, l))| (bh, o, l)).collect()
-    } else {
-        Vec::new()
-    };
-    parallel::for_each(
-        &mut head_items,
-        nthreads,
-        || Scratch::new(d),
-        |scr, ((b, hk), o, l)| {
-            let kv = match pack_kv(p, &sz, k, v, *b, *hk) {
-                Ok(kv) => kv,
-                Err(e) => {
-                    failed.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e);
-                    return;
-                }
-            };
+    let mut head_items: Vec<HeadItem<'_, '_, T>> = Vec::new();
+    if head_major {
+        for b in 0..p.batch {
+            for hk0 in (0..p.heads_kv).step_by(per_item) {
+                let hk1 = (hk0 + per_item).min(p.heads_kv);
+                let (o_item, o_tail) = std::mem::take(&mut o_rest).split_at_mut((hk1 - hk0) * rows_per_kv);
+                let (l_item, l_tail) = std::mem::take(&mut lse_rest).split_at_mut((hk1 - hk0) * rows_per_kv);
+                (o_rest, lse_rest) = (o_tail, l_tail);
+                head_items.push(((b, hk0..hk1), o_item, l_item));
+            }
+        }
+    }
+    parallel::for_each(&mut head_items, nthreads, worker, |(scr, o_blk, buf), ((b, heads), o, l)| {
+        let packed = match pack_heads(p, &sz, (k, v), *b, heads.clone(), buf) {
+            Ok(kv) => kv,
+            Err(e) => {
+                failed.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e);
+                return;
+            }
+        };
+        for (hi, kv) in packed.iter().enumerate() {
             for gi in 0..p.group() {
-                let h = *hk * p.group() + gi;
+                let h = (heads.start + hi) * p.group() + gi;
                 for blk in 0..nblocks {
                     let (i0, i1) = (blk * BR, ((blk + 1) * BR).min(p.seqlen_q));
-                    let r0 = gi * p.seqlen_q + i0;
-                    let out = (&mut o[r0 * d..(r0 + i1 - i0) * d], &mut l[r0..r0 + i1 - i0]);
-                    attend_any(p, q, &kv, (*b, h, i0, i1), sm, &math, scr, out, isa);
+                    let r0 = (hi * p.group() + gi) * p.seqlen_q + i0;
+                    let o_blk = &mut o_blk[..(i1 - i0) * d];
+                    attend_any(p, q, kv, (*b, h, i0, i1), sm, &math, scr, (o_blk, &mut l[r0..r0 + i1 - i0]), isa);
+                    store_rows(o_blk, &mut o[r0..r0 + i1 - i0], d);
                 }
             }
+        }
+        for kv in packed {
             pool::give(kv.k);
             pool::give(kv.v);
-        },
-    );
+        }
+    });
     drop(head_items);
     if let Some(e) = failed.into_inner().unwrap_or_else(|e| e.into_inner()) {
         return Err(e);
@@ -817,7 +981,14 @@ fn forward_with_into<M: Exp2Math>(
         let packed: Vec<(usize, PackedKv)> = {
             let mut jobs: Vec<(usize, usize, Option<Result<PackedKv>>)> =
                 heads.iter().map(|&(b, hk)| (b, hk, None)).collect();
-            parallel::for_each(&mut jobs, nthreads, || (), |_, j| j.2 = Some(pack_kv(p, &sz, k, v, j.0, j.1)));
+            parallel::for_each(
+                &mut jobs,
+                nthreads,
+                || vec![0.0; MR * d],
+                |buf, j| {
+                    j.2 = pack_heads(p, &sz, (k, v), j.0, j.1..j.1 + 1, buf).map(|h| h.into_iter().next()).transpose()
+                },
+            );
             let mut packed = Vec::with_capacity(jobs.len());
             for (_, hk, pk) in jobs {
                 // Every job ran (for_each returns when all are done).
@@ -826,14 +997,14 @@ fn forward_with_into<M: Exp2Math>(
             }
             packed
         };
-        // Split this chunk's output into one slice per work item, in memory order.
-        let mut items: Vec<(u64, Item)> = Vec::with_capacity(heads.len() * per_kv);
+        // Split this chunk's output into one run of rows per work item, in memory order.
+        let mut items: Vec<(u64, Item<'_, '_, T>)> = Vec::with_capacity(heads.len() * per_kv);
         for (kvi, &(b, hk)) in heads.iter().enumerate() {
             for g in 0..p.group() {
                 let h = hk * p.group() + g;
                 for blk in 0..nblocks {
                     let (i0, i1) = (blk * BR, ((blk + 1) * BR).min(p.seqlen_q));
-                    let (o_item, o_tail) = std::mem::take(&mut o_rest).split_at_mut((i1 - i0) * d);
+                    let (o_item, o_tail) = std::mem::take(&mut o_rest).split_at_mut(i1 - i0);
                     let (l_item, l_tail) = std::mem::take(&mut lse_rest).split_at_mut(i1 - i0);
                     o_rest = o_tail;
                     lse_rest = l_tail;
@@ -849,50 +1020,19 @@ fn forward_with_into<M: Exp2Math>(
         }
         // Heaviest first: causal blocks near the bottom go out early.
         items.sort_by_key(|x| std::cmp::Reverse(x.0));
-        let mut items: Vec<Item> = items.into_iter().map(|x| x.1).collect();
-        parallel::for_each(
-            &mut items,
-            nthreads,
-            || Scratch::new(d),
-            |scr, ((b, kvi, h, i0, i1), o_out, lse_out)| {
-                let kv = &packed[*kvi].1;
-                attend_any(p, q, kv, (*b, *h, *i0, *i1), sm, &math, scr, (o_out, lse_out), isa);
-            },
-        );
+        let mut items: Vec<Item<'_, '_, T>> = items.into_iter().map(|x| x.1).collect();
+        parallel::for_each(&mut items, nthreads, worker, |(scr, o_blk, _), ((b, kvi, h, i0, i1), o_out, lse_out)| {
+            let kv = &packed[*kvi].1;
+            let o_blk = &mut o_blk[..(*i1 - *i0) * d];
+            attend_any(p, q, kv, (*b, *h, *i0, *i1), sm, &math, scr, (o_blk, lse_out), isa);
+            store_rows(o_blk, o_out, d);
+        });
         for (_, pk) in packed {
             pool::give(pk.k);
             pool::give(pk.v);
         }
     }
-
-    match dst {
-        DataMut::F32(v) => to_seq_major(p, &o_hm, v, nthreads),
-        DataMut::F16(v) => to_seq_major(p, &o_hm, v, nthreads),
-        DataMut::BF16(v) => to_seq_major(p, &o_hm, v, nthreads),
-    }
-    pool::give(o_hm);
     Ok(lse)
-}
-
-/// `[b, h, s, d]` f32 → `[b, s, h, d]` in the output type, split over threads by blocks of rows
-/// (each block of all heads is contiguous in the output).
-fn to_seq_major<T: Element>(p: &Problem, src: &[f32], dst: &mut [T], nthreads: usize) {
-    let (hq, sq, d) = (p.heads_q, p.seqlen_q, p.head_dim);
-    let rows = p.batch * sq;
-    let per = rows.div_ceil(nthreads.max(1)).max(1);
-    let convert = |c: usize, chunk: &mut [T]| {
-        for (r, row) in chunk.chunks_mut(hq * d).enumerate() {
-            let (b, i) = ((c * per + r) / sq, (c * per + r) % sq);
-            for (h, out) in row.chunks_mut(d).enumerate() {
-                let from = &src[((b * hq + h) * sq + i) * d..][..d];
-                for (o, &x) in out.iter_mut().zip(from) {
-                    *o = T::from_f32(x);
-                }
-            }
-        }
-    };
-    let mut chunks: Vec<(usize, &mut [T])> = dst.chunks_mut(per * hq * d).enumerate().collect();
-    parallel::for_each(&mut chunks, nthreads, || (), |_, (c, chunk)| convert(*c, chunk));
 }
 
 /// The CPU forward pass with the problem's arithmetic. Returns the output and the name of the
@@ -1028,9 +1168,9 @@ mod tests {
         }
     }
 
-    /// Packed K/V and the head-major output reuse buffers without zeroing them: a call whose
-    /// inputs are all NaN and infinities leaves such values behind, and the next call (smaller,
-    /// so its padding lies where the old data was) must not see them.
+    /// Packed K/V reuse buffers without zeroing them: a call whose inputs are all NaN and
+    /// infinities leaves such values behind, and the next call (smaller, so its padding lies
+    /// where the old data was) must not see them.
     #[test]
     fn reused_buffers_never_leak_into_results() {
         use crate::options::ForwardOptions;

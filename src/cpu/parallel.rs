@@ -1,5 +1,5 @@
-//! The one place the CPU backend hands work to threads: the tiled forward (packing, attention,
-//! output conversion), varlen, paged, decode and the split-KV combine all call [`for_each`].
+//! The one place the CPU backend hands work to threads: the tiled forward (packing, attention),
+//! varlen, paged, decode and the split-KV combine all call [`for_each`].
 //!
 //! Workers come from a persistent pool, rayon's global pool (`rayon-core`), created on first
 //! use and sized once (`RAYON_NUM_THREADS`, else the available parallelism), and shared with

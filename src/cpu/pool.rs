@@ -1,4 +1,4 @@
-//! Reuse of the large f32 scratch buffers (packed K/V, the head-major output) across calls.
+//! Reuse of the large f32 scratch buffers (packed K/V) across calls.
 //!
 //! A fresh multi-megabyte `Vec` is a fresh `mmap`: every page faults in, zeroed by the kernel,
 //! on first touch, which cost the CPU backend about 5-10 % of a 1×8×2048×128 call. Buffers

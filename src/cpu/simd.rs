@@ -19,6 +19,19 @@ pub(crate) fn prefetch(p: *const i8) {
     let _ = p;
 }
 
+/// As [`prefetch`], into L2 only: for data read a whole work item later, which would only
+/// crowd the L1 that the current item's panels live in.
+#[inline(always)]
+pub(crate) fn prefetch_l2(p: *const i8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: as `prefetch`: SSE is part of the x86_64 baseline, and a prefetch never faults.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(p)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 use super::gemm::{MR, NR};
 use super::softmax::RowState;
 
