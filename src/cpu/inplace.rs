@@ -26,7 +26,7 @@
 use super::gemm::NR;
 use super::parallel;
 use super::pool;
-use super::softmax::{finalize, online_softmax, panel_max, panel_scales, Exp2Math, RowState};
+use super::softmax::{finalize, max_get_scale, online_softmax, panel_max, panel_scales, Exp2Math, RowState};
 use super::{detect_isa, isa, Isa, ScoreMod, MAX_HEAD_DIM};
 use crate::error::{Error, Result};
 use crate::problem::Problem;
@@ -583,17 +583,28 @@ fn attend_chunk<M: Exp2Math, const FMA: bool>(
                     *x = f32::NEG_INFINITY;
                 }
             }
-            row[nl..].iter_mut().for_each(|x| *x = f32::NEG_INFINITY);
+            if nl > 1 {
+                row[nl..].iter_mut().for_each(|x| *x = f32::NEG_INFINITY);
+            }
         }
-        // The online softmax, the verbs of the tiled path.
-        let states = &mut rows[l0..l0 + NR];
-        let tile_max = panel_max(sp.as_flattened());
-        let scales = panel_scales(states, &tile_max, c.sm.c, &c.math);
-        online_softmax::<M, FMA>(states, &scales, sp.as_flattened_mut(), c.sm.c, &c.math);
         let op = &mut o[l0 * d..(l0 + NR) * d];
-        for (l, &sc) in scales.iter().enumerate().take(nl) {
+        if nl == 1 {
+            // One real row (group-1 decode): its softmax alone, vectorised over the keys, not
+            // over 16 lanes of which 15 are padding.
+            let sc = softmax_one_row::<M, FMA>(&mut rows[l0], sp, c.sm.c, &c.math);
             if sc != 1.0 {
-                op[l * d..(l + 1) * d].iter_mut().for_each(|x| *x *= sc);
+                op[..d].iter_mut().for_each(|x| *x *= sc);
+            }
+        } else {
+            // The online softmax, the verbs of the tiled path.
+            let states = &mut rows[l0..l0 + NR];
+            let tile_max = panel_max(sp.as_flattened());
+            let scales = panel_scales(states, &tile_max, c.sm.c, &c.math);
+            online_softmax::<M, FMA>(states, &scales, sp.as_flattened_mut(), c.sm.c, &c.math);
+            for (l, &sc) in scales.iter().enumerate().take(nl) {
+                if sc != 1.0 {
+                    op[l * d..(l + 1) * d].iter_mut().for_each(|x| *x *= sc);
+                }
             }
         }
         // O += P·V; where some row does not see some key of the chunk, zeros of P are
@@ -605,6 +616,37 @@ fn attend_chunk<M: Exp2Math, const FMA: bool>(
             pv_panel::<FMA, true>(op, d, nl, sp, vr);
         }
     }
+}
+
+/// The online softmax of lane 0 of a `[keys][NR]` panel (a panel holding one query row): the
+/// same operations as `panel_max`, `max_get_scale` and `online_softmax` on that lane, in the same
+/// order (so the same bits), with the exponentials computed on the keys side by side instead of
+/// on 16 lanes of which 15 are padding. Lanes 1.. are left as they are (nothing reads them).
+/// Returns the factor the row's output must be multiplied by.
+#[inline(always)]
+fn softmax_one_row<M: Exp2Math, const FMA: bool>(st: &mut RowState, panel: &mut [[f32; NR]], c: f32, math: &M) -> f32 {
+    let mut x = [0.0f32; KC];
+    let n = panel.len().min(KC);
+    for (xt, row) in x.iter_mut().zip(&panel[..n]) {
+        *xt = row[0];
+    }
+    // `panel_max`: NaN scores are skipped here and propagated by `exp2`.
+    let tile_max = x[..n].iter().fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+    let scale = max_get_scale(st, tile_max, c, math);
+    let shift = if st.m == f32::NEG_INFINITY { 0.0 } else { st.m };
+    let off = math.p_offset();
+    let mut p = [0.0f32; KC];
+    for (pt, &xt) in p[..n].iter_mut().zip(&x[..n]) {
+        let dx = xt - shift;
+        *pt = math.exp2(if FMA { dx.mul_add(c, off) } else { dx * c + off });
+    }
+    let mut sum = 0.0f32;
+    for (row, &pt) in panel[..n].iter_mut().zip(&p[..n]) {
+        sum += pt;
+        row[0] = math.round_p(pt);
+    }
+    st.l = st.l * scale + sum;
+    scale
 }
 
 /// An item's normalised outputs and LSEs.
