@@ -44,6 +44,9 @@ pub const KC: usize = 64;
 /// few enough concurrent streams for the hardware prefetchers, and each head's chunk is
 /// prefetched while the previous head's is computed.
 pub const KC_SWEEP: usize = 16;
+/// Group-1 decode (`sweep_rows`): K/V rows of this many keys ahead (all heads) are prefetched
+/// into L1 besides what the hardware prefetchers fetch (0: none).
+const SWEEP_AHEAD: usize = 1;
 /// A split of the keys must hold at least this many: below it the split's fixed costs (loading
 /// the queries, the merge, a pool worker's wake-up) outweigh the
 /// parallelism it buys.
@@ -173,18 +176,51 @@ impl Scratch {
 /// f16 subnormals into the right normal f32), infinities and NaNs given f32's all-ones exponent,
 /// the sign put back.
 #[inline(always)]
-fn widen_f16(src: &[half::f16], dst: &mut [f32]) {
+fn f16_to_f32(h: half::f16) -> f32 {
     const SCALE: f32 = f32::from_bits((127 + 112) << 23); // 2^112
-    for (a, h) in dst.iter_mut().zip(src) {
-        let h = u32::from(h.to_bits());
-        let em = (h & 0x7fff) << 13;
-        let finite = f32::from_bits(em) * SCALE;
-        let v = if em >= 0x7c00 << 13 {
-            f32::from_bits(em | 0x7f80_0000)
-        } else {
-            finite
-        };
-        *a = f32::from_bits(v.to_bits() | ((h & 0x8000) << 16));
+    let h = u32::from(h.to_bits());
+    let em = (h & 0x7fff) << 13;
+    let finite = f32::from_bits(em) * SCALE;
+    let v = if em >= 0x7c00 << 13 {
+        f32::from_bits(em | 0x7f80_0000)
+    } else {
+        finite
+    };
+    f32::from_bits(v.to_bits() | ((h & 0x8000) << 16))
+}
+
+/// [`f16_to_f32`] over a row.
+#[inline(always)]
+fn widen_f16(src: &[half::f16], dst: &mut [f32]) {
+    for (a, &h) in dst.iter_mut().zip(src) {
+        *a = f16_to_f32(h);
+    }
+}
+
+/// An element type K/V rows are stored in, widened to f32 exactly where it is used.
+trait Widen: Copy {
+    fn widen(self) -> f32;
+}
+
+impl Widen for f32 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
+    }
+}
+
+impl Widen for half::bf16 {
+    /// bf16 is the high half of an f32: exact (a NaN stays a NaN).
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        f32::from_bits(u32::from(self.to_bits()) << 16)
+    }
+}
+
+impl Widen for half::f16 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        f16_to_f32(self)
     }
 }
 
@@ -204,9 +240,8 @@ fn chunk_rows<'r>(data: Data<'r>, ofs: &[usize], d: usize, buf: &'r mut [f32]) -
         }
         Data::BF16(x) => {
             for (dst, &o) in buf.chunks_exact_mut(d).zip(ofs) {
-                // bf16 is the high half of an f32: exact widening (a NaN stays a NaN).
                 for (a, b) in dst.iter_mut().zip(&x[o..o + d]) {
-                    *a = f32::from_bits(u32::from(b.to_bits()) << 16);
+                    *a = b.widen();
                 }
             }
             let mut it = buf.chunks_exact(d);
@@ -407,7 +442,18 @@ struct ItemSpan {
 fn attend<M: Exp2Math, const FMA: bool>(c: &Ctx<'_, M>, items: &mut [Item<'_>], scrs: &mut [Scratch]) {
     let spans: Vec<ItemSpan> = items.iter_mut().zip(scrs.iter_mut()).map(|(it, scr)| attend_begin(c, it, scr)).collect();
     let together = spans.windows(2).all(|w| (w[0].lo_all, w[0].hi_all) == (w[1].lo_all, w[1].hi_all));
-    if together && items.len() > 1 {
+    let one_row = items.iter().all(|it| it.r1 - it.r0 == 1);
+    let span = spans.first().map_or((0, 0), |s| (s.lo_all, s.hi_all));
+    let swept = together
+        && one_row
+        && match (c.k.data(), c.v.data()) {
+            (Data::F32(k), Data::F32(v)) => sweep_rows::<M, FMA, f32>(c, items, scrs, &spans, span, (k, v)),
+            (Data::BF16(k), Data::BF16(v)) => sweep_rows::<M, FMA, half::bf16>(c, items, scrs, &spans, span, (k, v)),
+            (Data::F16(k), Data::F16(v)) => sweep_rows::<M, FMA, half::f16>(c, items, scrs, &spans, span, (k, v)),
+            _ => false,
+        };
+    if swept {
+    } else if together && items.len() > 1 {
         let (lo_all, hi_all) = spans.first().map_or((0, 0), |s| (s.lo_all, s.hi_all));
         let first_hk = items[0].hk;
         let mut j0 = lo_all;
@@ -440,6 +486,109 @@ fn attend<M: Exp2Math, const FMA: bool>(c: &Ctx<'_, M>, items: &mut [Item<'_>], 
     for (it, scr) in items.iter_mut().zip(scrs.iter_mut()) {
         attend_end(c, it, scr);
     }
+}
+
+/// Dot product of an f32 query row with a K row stored as `T`, widened on the fly: 16 lanes
+/// along head_dim, one horizontal sum, a scalar tail for `d % 16`.
+#[inline(always)]
+fn dot_widen<const FMA: bool, T: Widen>(q: &[f32], k: &[T]) -> f32 {
+    let mut acc = [0.0f32; 16];
+    for (x, y) in q.chunks_exact(16).zip(k.chunks_exact(16)) {
+        for l in 0..16 {
+            acc[l] = fma::<FMA>(x[l], y[l].widen(), acc[l]);
+        }
+    }
+    let n16 = q.len() / 16 * 16;
+    let tail = q[n16..].iter().zip(&k[n16..]).fold(0.0, |a, (x, y)| fma::<FMA>(*x, y.widen(), a));
+    let h: [f32; 8] = std::array::from_fn(|l| acc[l] + acc[l + 8]);
+    hsum8(h) + tail
+}
+
+/// Group-1 decode, key-major: every item is one query row (of its own kv head) that sees every
+/// key of `lo..hi`, and K/V are read strictly in address order: for each key, the rows of all
+/// the items' heads (side by side in memory for `[.., seqlen, heads, head_dim]`), each folded
+/// into its row at once (score, online softmax of one key, `o += p·v`), 16-bit rows widened in
+/// the products. The loads of a step form two forward streams (K and V), which the hardware
+/// prefetchers follow; the rows [`SWEEP_AHEAD`] keys ahead are also prefetched. Returns `false`
+/// (nothing done) when a row does not see the whole span (the chunked path then runs).
+///
+/// Per key the softmax is `max_get_scale` and `online_softmax` on a one-key tile: the same
+/// arithmetic as the chunked path, with the max and the rescale taken per key instead of per
+/// chunk (rounding differs, within the tests' tolerance of the float64 reference).
+#[inline(always)]
+fn sweep_rows<M: Exp2Math, const FMA: bool, T: Widen>(
+    c: &Ctx<'_, M>,
+    items: &mut [Item<'_>],
+    scrs: &mut [Scratch],
+    spans: &[ItemSpan],
+    (lo, hi): (usize, usize),
+    (k, v): (&[T], &[T]),
+) -> bool {
+    if scrs.iter().any(|scr| scr.lo[0] != lo || scr.hi[0] != hi) {
+        return false;
+    }
+    let Some(b) = items.first().map(|it| it.b) else {
+        return true;
+    };
+    let d = c.p.head_dim;
+    let (cc, off) = (c.sm.c, c.math.p_offset());
+    // Key positions `(outer, row)` of the current and the next chunk of keys.
+    let fill = |pos: &mut [(usize, usize); KC_SWEEP], j0: usize| {
+        let j1 = (j0 + KC_SWEEP).min(hi);
+        c.layout.for_kv_rows(b, j0, j1, |jl, outer, row| pos[jl] = (outer, row));
+        j1 - j0
+    };
+    let (mut cur, mut next) = ([(0, 0); KC_SWEEP], [(0, 0); KC_SWEEP]);
+    let mut j0 = lo;
+    let mut nc = if lo < hi { fill(&mut cur, lo) } else { 0 };
+    while nc > 0 {
+        let nn = if j0 + nc < hi { fill(&mut next, j0 + nc) } else { 0 };
+        for (t, &(outer, row)) in cur[..nc].iter().enumerate() {
+            let a = t + SWEEP_AHEAD;
+            let ahead = if a < nc {
+                Some(cur[a])
+            } else {
+                next[..nn].get(a - nc).copied()
+            };
+            for ((it, scr), sp) in items.iter().zip(scrs.iter_mut()).zip(spans) {
+                let hk = it.hk;
+                if let Some((po, pr)) = ahead.filter(|_| SWEEP_AHEAD > 0) {
+                    prefetch_row(c.k.data(), c.k.offset(po, pr, hk), d);
+                    prefetch_row(c.v.data(), c.v.offset(po, pr, hk), d);
+                }
+                let (ko, vo) = (c.k.offset(outer, row, hk), c.v.offset(outer, row, hk));
+                let mut x = dot_widen::<FMA, T>(&scr.q[..d], &k[ko..ko + d]);
+                if c.sm.natural {
+                    // Softcap and ALiBi in natural units, as in `attend_chunk`.
+                    let s = x * c.sm.scale;
+                    let s = match c.sm.softcap {
+                        Some(cap) => cap * (s / cap).tanh(),
+                        None => s,
+                    };
+                    x = s + sp.ps.alibi_bias(scr.head[0], scr.qi[0], j0 + t);
+                }
+                let st = &mut scr.rows[0];
+                let scale = max_get_scale(st, x, cc, &c.math);
+                // The −inf guard of `online_softmax`.
+                let shift = if st.m == f32::NEG_INFINITY { 0.0 } else { st.m };
+                let dx = x - shift;
+                let p = c.math.exp2(if FMA { dx.mul_add(cc, off) } else { dx * cc + off });
+                st.l = st.l * scale + p;
+                let p = c.math.round_p(p);
+                let o = &mut scr.o[..d];
+                if scale != 1.0 {
+                    o.iter_mut().for_each(|y| *y *= scale);
+                }
+                for (y, w) in o.iter_mut().zip(&v[vo..vo + d]) {
+                    *y = fma::<FMA>(p, w.widen(), *y);
+                }
+            }
+        }
+        j0 += nc;
+        std::mem::swap(&mut cur, &mut next);
+        nc = nn;
+    }
+    true
 }
 
 /// An item's queries, key ranges and cleared state.
@@ -504,13 +653,14 @@ fn prefetch_row(data: Data<'_>, ofs: usize, d: usize) {
         Data::F16(x) => (x.as_ptr().wrapping_add(ofs) as *const i8, 2 * d),
         Data::BF16(x) => (x.as_ptr().wrapping_add(ofs) as *const i8, 2 * d),
     };
+    // Each line the row touches, once: from the line of its first byte (the row need not start
+    // on a line boundary) to the line of its last.
+    let lead = ptr as usize % 64;
     let mut at = 0;
-    while at < bytes {
-        super::simd::prefetch(ptr.wrapping_add(at));
+    while at < bytes + lead {
+        super::simd::prefetch(ptr.wrapping_add(at).wrapping_sub(lead));
         at += 64;
     }
-    // The row's last line (the row need not start on a line boundary).
-    super::simd::prefetch(ptr.wrapping_add(bytes - 1));
 }
 
 /// Keys `j0..j1` of an item; `next`: the (kv head, keys) this worker reads after these, to
