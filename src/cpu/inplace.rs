@@ -650,14 +650,13 @@ fn prefetch_row(data: Data<'_>, ofs: usize, d: usize) {
         Data::F16(x) => (x.as_ptr().wrapping_add(ofs) as *const i8, 2 * d),
         Data::BF16(x) => (x.as_ptr().wrapping_add(ofs) as *const i8, 2 * d),
     };
-    // Each line the row touches, once: from the line of its first byte (the row need not start
-    // on a line boundary) to the line of its last.
-    let lead = ptr as usize % 64;
     let mut at = 0;
-    while at < bytes + lead {
-        super::simd::prefetch(ptr.wrapping_add(at).wrapping_sub(lead));
+    while at < bytes {
+        super::simd::prefetch(ptr.wrapping_add(at));
         at += 64;
     }
+    // The row's last line (the row need not start on a line boundary).
+    super::simd::prefetch(ptr.wrapping_add(bytes - 1));
 }
 
 /// Keys `j0..j1` of an item; `next`: the (kv head, keys) this worker reads after these, to
