@@ -6,7 +6,7 @@
 #   scripts/cpu-peers.sh --quick    # 1 short round: a smoke run (under a minute)
 #   scripts/cpu-peers.sh --rounds 5 --out /tmp/table.md
 #   scripts/cpu-peers.sh --sweep    # also head_dim 256, 16x128, 8192 causal, GQA, bf16/f16 rows:
-#                                   # about 6-9 minutes at --rounds 1 on 2 cores
+#                                   # about 6-9 minutes at --rounds 1 on 2 cores (estimated)
 #   scripts/cpu-peers.sh --quick --only decode,gqa-decode   # a smoke run of named rows
 #
 # Needs: the peers' venv (PEERS_PYTHON, default /tmp/peers-venv/bin/python; set it up as
