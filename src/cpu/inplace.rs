@@ -26,7 +26,7 @@
 use super::gemm::NR;
 use super::parallel;
 use super::pool;
-use super::softmax::{finalize, online_softmax, panel_max, panel_scales, Exp2Math, RowState};
+use super::softmax::{finalize, max_get_scale, online_softmax, panel_max, panel_scales, Exp2Math, RowState};
 use super::{detect_isa, isa, Isa, ScoreMod, MAX_HEAD_DIM};
 use crate::error::{Error, Result};
 use crate::problem::Problem;
@@ -44,6 +44,9 @@ pub const KC: usize = 64;
 /// few enough concurrent streams for the hardware prefetchers, and each head's chunk is
 /// prefetched while the previous head's is computed.
 pub const KC_SWEEP: usize = 16;
+/// Group-1 decode (`sweep_rows`): K/V rows of this many keys ahead (all heads) are prefetched
+/// into L1 besides what the hardware prefetchers fetch (0: none).
+const SWEEP_AHEAD: usize = 1;
 /// A split of the keys must hold at least this many: below it the split's fixed costs (loading
 /// the queries, the merge, a pool worker's wake-up) outweigh the
 /// parallelism it buys.
@@ -173,18 +176,44 @@ impl Scratch {
 /// f16 subnormals into the right normal f32), infinities and NaNs given f32's all-ones exponent,
 /// the sign put back.
 #[inline(always)]
-fn widen_f16(src: &[half::f16], dst: &mut [f32]) {
+fn f16_to_f32(h: half::f16) -> f32 {
     const SCALE: f32 = f32::from_bits((127 + 112) << 23); // 2^112
-    for (a, h) in dst.iter_mut().zip(src) {
-        let h = u32::from(h.to_bits());
-        let em = (h & 0x7fff) << 13;
-        let finite = f32::from_bits(em) * SCALE;
-        let v = if em >= 0x7c00 << 13 {
-            f32::from_bits(em | 0x7f80_0000)
-        } else {
-            finite
-        };
-        *a = f32::from_bits(v.to_bits() | ((h & 0x8000) << 16));
+    let h = u32::from(h.to_bits());
+    let em = (h & 0x7fff) << 13;
+    let finite = f32::from_bits(em) * SCALE;
+    let v = if em >= 0x7c00 << 13 {
+        f32::from_bits(em | 0x7f80_0000)
+    } else {
+        finite
+    };
+    f32::from_bits(v.to_bits() | ((h & 0x8000) << 16))
+}
+
+/// [`f16_to_f32`] over a row.
+#[inline(always)]
+fn widen_f16(src: &[half::f16], dst: &mut [f32]) {
+    for (a, &h) in dst.iter_mut().zip(src) {
+        *a = f16_to_f32(h);
+    }
+}
+
+/// An element type K/V rows are stored in, widened to f32 exactly where it is used.
+trait Widen: Copy {
+    fn widen(self) -> f32;
+}
+
+impl Widen for half::bf16 {
+    /// bf16 is the high half of an f32: exact (a NaN stays a NaN).
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        f32::from_bits(u32::from(self.to_bits()) << 16)
+    }
+}
+
+impl Widen for half::f16 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        f16_to_f32(self)
     }
 }
 
@@ -204,9 +233,8 @@ fn chunk_rows<'r>(data: Data<'r>, ofs: &[usize], d: usize, buf: &'r mut [f32]) -
         }
         Data::BF16(x) => {
             for (dst, &o) in buf.chunks_exact_mut(d).zip(ofs) {
-                // bf16 is the high half of an f32: exact widening (a NaN stays a NaN).
                 for (a, b) in dst.iter_mut().zip(&x[o..o + d]) {
-                    *a = f32::from_bits(u32::from(b.to_bits()) << 16);
+                    *a = b.widen();
                 }
             }
             let mut it = buf.chunks_exact(d);
@@ -407,7 +435,19 @@ struct ItemSpan {
 fn attend<M: Exp2Math, const FMA: bool>(c: &Ctx<'_, M>, items: &mut [Item<'_>], scrs: &mut [Scratch]) {
     let spans: Vec<ItemSpan> = items.iter_mut().zip(scrs.iter_mut()).map(|(it, scr)| attend_begin(c, it, scr)).collect();
     let together = spans.windows(2).all(|w| (w[0].lo_all, w[0].hi_all) == (w[1].lo_all, w[1].hi_all));
-    if together && items.len() > 1 {
+    let one_row = items.iter().all(|it| it.r1 - it.r0 == 1);
+    let span = spans.first().map_or((0, 0), |s| (s.lo_all, s.hi_all));
+    // 16-bit K/V only: with f32 rows the chunked path below measured faster (alternating runs,
+    // docs/benchmarks.md), with bf16 rows this one (the widening fused into the products).
+    let swept = together
+        && one_row
+        && match (c.k.data(), c.v.data()) {
+            (Data::BF16(k), Data::BF16(v)) => sweep_rows::<M, FMA, half::bf16>(c, items, scrs, &spans, span, (k, v)),
+            (Data::F16(k), Data::F16(v)) => sweep_rows::<M, FMA, half::f16>(c, items, scrs, &spans, span, (k, v)),
+            _ => false,
+        };
+    if swept {
+    } else if together && items.len() > 1 {
         let (lo_all, hi_all) = spans.first().map_or((0, 0), |s| (s.lo_all, s.hi_all));
         let first_hk = items[0].hk;
         let mut j0 = lo_all;
@@ -440,6 +480,112 @@ fn attend<M: Exp2Math, const FMA: bool>(c: &Ctx<'_, M>, items: &mut [Item<'_>], 
     for (it, scr) in items.iter_mut().zip(scrs.iter_mut()) {
         attend_end(c, it, scr);
     }
+}
+
+/// Dot product of an f32 query row with a K row stored as `T`, widened on the fly: 16 lanes
+/// along head_dim, one horizontal sum, a scalar tail for `d % 16`.
+#[inline(always)]
+fn dot_widen<const FMA: bool, T: Widen>(q: &[f32], k: &[T]) -> f32 {
+    let mut acc = [0.0f32; 16];
+    for (x, y) in q.chunks_exact(16).zip(k.chunks_exact(16)) {
+        for l in 0..16 {
+            acc[l] = fma::<FMA>(x[l], y[l].widen(), acc[l]);
+        }
+    }
+    // As in `dot_row4`: without the `black_box` LLVM rebuilds the loop around the horizontal
+    // sum, in 2-lane pieces (seen in the assembly: `vmovsd` loads, one `xmm` FMA per 2 lanes).
+    let acc = std::hint::black_box(acc);
+    let n16 = q.len() / 16 * 16;
+    let tail = q[n16..].iter().zip(&k[n16..]).fold(0.0, |a, (x, y)| fma::<FMA>(*x, y.widen(), a));
+    let h: [f32; 8] = std::array::from_fn(|l| acc[l] + acc[l + 8]);
+    hsum8(h) + tail
+}
+
+/// Group-1 decode of 16-bit K/V, key-major: every item is one query row (of its own kv head)
+/// that sees every key of `lo..hi`, and K/V are read strictly in address order: for each key, the rows of all
+/// the items' heads (side by side in memory for `[.., seqlen, heads, head_dim]`), each folded
+/// into its row at once (score, online softmax of one key, `o += p·v`), 16-bit rows widened in
+/// the products. The loads of a step form two forward streams (K and V), which the hardware
+/// prefetchers follow; the rows [`SWEEP_AHEAD`] keys ahead are also prefetched. Returns `false`
+/// (nothing done) when a row does not see the whole span (the chunked path then runs).
+///
+/// Per key the softmax is `max_get_scale` and `online_softmax` on a one-key tile: the same
+/// arithmetic as the chunked path, with the max and the rescale taken per key instead of per
+/// chunk (rounding differs, within the tests' tolerance of the float64 reference).
+#[inline(always)]
+fn sweep_rows<M: Exp2Math, const FMA: bool, T: Widen>(
+    c: &Ctx<'_, M>,
+    items: &mut [Item<'_>],
+    scrs: &mut [Scratch],
+    spans: &[ItemSpan],
+    (lo, hi): (usize, usize),
+    (k, v): (&[T], &[T]),
+) -> bool {
+    if scrs.iter().any(|scr| scr.lo[0] != lo || scr.hi[0] != hi) {
+        return false;
+    }
+    let Some(b) = items.first().map(|it| it.b) else {
+        return true;
+    };
+    let d = c.p.head_dim;
+    let (cc, off) = (c.sm.c, c.math.p_offset());
+    // Key positions `(outer, row)` of the current and the next chunk of keys.
+    let fill = |pos: &mut [(usize, usize); KC_SWEEP], j0: usize| {
+        let j1 = (j0 + KC_SWEEP).min(hi);
+        c.layout.for_kv_rows(b, j0, j1, |jl, outer, row| pos[jl] = (outer, row));
+        j1 - j0
+    };
+    let (mut cur, mut next) = ([(0, 0); KC_SWEEP], [(0, 0); KC_SWEEP]);
+    let mut j0 = lo;
+    let mut nc = if lo < hi { fill(&mut cur, lo) } else { 0 };
+    while nc > 0 {
+        let nn = if j0 + nc < hi { fill(&mut next, j0 + nc) } else { 0 };
+        for (t, &(outer, row)) in cur[..nc].iter().enumerate() {
+            let a = t + SWEEP_AHEAD;
+            let ahead = if a < nc {
+                Some(cur[a])
+            } else {
+                next[..nn].get(a - nc).copied()
+            };
+            for ((it, scr), sp) in items.iter().zip(scrs.iter_mut()).zip(spans) {
+                let hk = it.hk;
+                if let Some((po, pr)) = ahead.filter(|_| SWEEP_AHEAD > 0) {
+                    prefetch_row(c.k.data(), c.k.offset(po, pr, hk), d);
+                    prefetch_row(c.v.data(), c.v.offset(po, pr, hk), d);
+                }
+                let (ko, vo) = (c.k.offset(outer, row, hk), c.v.offset(outer, row, hk));
+                let mut x = dot_widen::<FMA, T>(&scr.q[..d], &k[ko..ko + d]);
+                if c.sm.natural {
+                    // Softcap and ALiBi in natural units, as in `attend_chunk`.
+                    let s = x * c.sm.scale;
+                    let s = match c.sm.softcap {
+                        Some(cap) => cap * (s / cap).tanh(),
+                        None => s,
+                    };
+                    x = s + sp.ps.alibi_bias(scr.head[0], scr.qi[0], j0 + t);
+                }
+                let st = &mut scr.rows[0];
+                let scale = max_get_scale(st, x, cc, &c.math);
+                // The −inf guard of `online_softmax`.
+                let shift = if st.m == f32::NEG_INFINITY { 0.0 } else { st.m };
+                let dx = x - shift;
+                let p = c.math.exp2(if FMA { dx.mul_add(cc, off) } else { dx * cc + off });
+                st.l = st.l * scale + p;
+                let p = c.math.round_p(p);
+                let o = &mut scr.o[..d];
+                if scale != 1.0 {
+                    o.iter_mut().for_each(|y| *y *= scale);
+                }
+                for (y, w) in o.iter_mut().zip(&v[vo..vo + d]) {
+                    *y = fma::<FMA>(p, w.widen(), *y);
+                }
+            }
+        }
+        j0 += nc;
+        std::mem::swap(&mut cur, &mut next);
+        nc = nn;
+    }
+    true
 }
 
 /// An item's queries, key ranges and cleared state.
@@ -589,17 +735,28 @@ fn attend_chunk<M: Exp2Math, const FMA: bool>(
                     *x = f32::NEG_INFINITY;
                 }
             }
-            row[nl..].iter_mut().for_each(|x| *x = f32::NEG_INFINITY);
+            if nl > 1 {
+                row[nl..].iter_mut().for_each(|x| *x = f32::NEG_INFINITY);
+            }
         }
-        // The online softmax, the verbs of the tiled path.
-        let states = &mut rows[l0..l0 + NR];
-        let tile_max = panel_max(sp.as_flattened());
-        let scales = panel_scales(states, &tile_max, c.sm.c, &c.math);
-        online_softmax::<M, FMA>(states, &scales, sp.as_flattened_mut(), c.sm.c, &c.math);
         let op = &mut o[l0 * d..(l0 + NR) * d];
-        for (l, &sc) in scales.iter().enumerate().take(nl) {
+        if nl == 1 {
+            // One real row (group-1 decode): its softmax alone, vectorised over the keys, not
+            // over 16 lanes of which 15 are padding.
+            let sc = softmax_one_row::<M, FMA>(&mut rows[l0], sp, c.sm.c, &c.math);
             if sc != 1.0 {
-                op[l * d..(l + 1) * d].iter_mut().for_each(|x| *x *= sc);
+                op[..d].iter_mut().for_each(|x| *x *= sc);
+            }
+        } else {
+            // The online softmax, the verbs of the tiled path.
+            let states = &mut rows[l0..l0 + NR];
+            let tile_max = panel_max(sp.as_flattened());
+            let scales = panel_scales(states, &tile_max, c.sm.c, &c.math);
+            online_softmax::<M, FMA>(states, &scales, sp.as_flattened_mut(), c.sm.c, &c.math);
+            for (l, &sc) in scales.iter().enumerate().take(nl) {
+                if sc != 1.0 {
+                    op[l * d..(l + 1) * d].iter_mut().for_each(|x| *x *= sc);
+                }
             }
         }
         // O += P·V; where some row does not see some key of the chunk, zeros of P are
@@ -611,6 +768,37 @@ fn attend_chunk<M: Exp2Math, const FMA: bool>(
             pv_panel::<FMA, true>(op, d, nl, sp, vr);
         }
     }
+}
+
+/// The online softmax of lane 0 of a `[keys][NR]` panel (a panel holding one query row): the
+/// same operations as `panel_max`, `max_get_scale` and `online_softmax` on that lane, in the same
+/// order (so the same bits), with the exponentials computed on the keys side by side instead of
+/// on 16 lanes of which 15 are padding. Lanes 1.. are left as they are (nothing reads them).
+/// Returns the factor the row's output must be multiplied by.
+#[inline(always)]
+fn softmax_one_row<M: Exp2Math, const FMA: bool>(st: &mut RowState, panel: &mut [[f32; NR]], c: f32, math: &M) -> f32 {
+    let mut x = [0.0f32; KC];
+    let n = panel.len().min(KC);
+    for (xt, row) in x.iter_mut().zip(&panel[..n]) {
+        *xt = row[0];
+    }
+    // `panel_max`: NaN scores are skipped here and propagated by `exp2`.
+    let tile_max = x[..n].iter().fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+    let scale = max_get_scale(st, tile_max, c, math);
+    let shift = if st.m == f32::NEG_INFINITY { 0.0 } else { st.m };
+    let off = math.p_offset();
+    let mut p = [0.0f32; KC];
+    for (pt, &xt) in p[..n].iter_mut().zip(&x[..n]) {
+        let dx = xt - shift;
+        *pt = math.exp2(if FMA { dx.mul_add(c, off) } else { dx * c + off });
+    }
+    let mut sum = 0.0f32;
+    for (row, &pt) in panel[..n].iter_mut().zip(&p[..n]) {
+        sum += pt;
+        row[0] = math.round_p(pt);
+    }
+    st.l = st.l * scale + sum;
+    scale
 }
 
 /// An item's normalised outputs and LSEs.
@@ -1053,8 +1241,11 @@ mod tests {
         }
         // (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, options)
         type Case = (usize, usize, usize, usize, usize, usize, DType, ForwardOptions);
-        let cases: [Case; 6] = [
+        let cases: [Case; 8] = [
             (1, 1, 700, 8, 8, 128, DType::F32, ForwardOptions::default()),
+            // Group-1 decode of 16-bit K/V (`sweep_rows`), with softcap and ALiBi (natural units).
+            (1, 1, 530, 4, 4, 72, DType::F16, ForwardOptions::default().softcap(5.0)),
+            (2, 1, 300, 3, 3, 64, DType::BF16, ForwardOptions::default().alibi_slopes(vec![0.5, 0.25, 0.125])),
             (2, 1, 1100, 8, 2, 64, DType::F32, ForwardOptions::default().num_splits(3)),
             (1, 1, 333, 4, 4, 80, DType::BF16, ForwardOptions::default()),
             (1, 5, 260, 4, 2, 40, DType::F32, ForwardOptions::default().causal(true)),
@@ -1072,7 +1263,7 @@ mod tests {
             };
             let q = mk(b * sq * hq * d, sq, hq, 31, false);
             let k = mk(b * sk * hkv * d, sk, hkv, 17, false);
-            let v = mk(b * sk * hkv * d, sk, hkv, 13, ci == 3);
+            let v = mk(b * sk * hkv * d, sk, hkv, 13, ci == 5);
             let p = Problem::new(&q.view(), &k.view(), &v.view(), &opts).unwrap();
             let r = attention_f64(&p, &q.view(), &k.view(), &v.view()).unwrap();
             let layout = BatchLayout::dense(b, sq, sk);
