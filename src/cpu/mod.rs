@@ -473,7 +473,7 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
     let nrows = i1 - i0;
     let panels = nrows.div_ceil(NR);
 
-    fill_q_panels(q, (b, h, i0, i1), d, &mut scr.q, &mut scr.q_row);
+    fill_q_panels::<PAIR>(q, (b, h, i0, i1), d, &mut scr.q, &mut scr.q_row);
     scr.o[..panels * NR * dv].iter_mut().for_each(|x| *x = 0.0);
     scr.rows[..panels * NR].iter_mut().for_each(|r| *r = RowState::EMPTY);
 
@@ -633,10 +633,16 @@ const Q_PREFETCH_ROWS: usize = BR;
 /// The Qᵀ panels of query rows `i0..i1` of head `h`: `[panel][head_dim][NR]`, the lanes past
 /// `i1` zero (their results are dropped). Rows are read straight from an f32 input (`row`:
 /// `NR × head_dim` f32 for the widened rows of an f16/bf16 one). The rows of the head's next
-/// block are then asked for into L2: the next block this worker runs is usually that one, and
-/// its strided rows would each miss the cache.
+/// block (the next head's first, after a head's last) are then asked for into L2: the next block
+/// this worker runs is usually that one, and its strided rows would each miss the cache.
 #[inline(always)]
-fn fill_q_panels(q: &TensorView, at: (usize, usize, usize, usize), d: usize, dst: &mut [f32], row: &mut [f32]) {
+fn fill_q_panels<const WIDE: bool>(
+    q: &TensorView,
+    at: (usize, usize, usize, usize),
+    d: usize,
+    dst: &mut [f32],
+    row: &mut [f32],
+) {
     let (b, h, i0, i1) = at;
     let nrows = i1 - i0;
     for pn in 0..nrows.div_ceil(NR) {
@@ -648,13 +654,21 @@ fn fill_q_panels(q: &TensorView, at: (usize, usize, usize, usize), d: usize, dst
             *r = row_f32(q, (b, i0 + pn * NR + lane, h), buf);
         }
         let dst = &mut dst[pn * d * NR..(pn + 1) * d * NR];
+        if WIDE && simd::fill_panel(&rows, d, dst) {
+            continue;
+        }
         for (x, col) in dst.chunks_exact_mut(NR).enumerate() {
             for (v, r) in col.iter_mut().zip(rows) {
                 *v = r[x];
             }
         }
     }
-    prefetch_rows(q, (b, i1, h..h + 1), Q_PREFETCH_ROWS, true);
+    if i1 < q.seqlen() {
+        prefetch_rows(q, (b, i1, h..h + 1), Q_PREFETCH_ROWS, true);
+    } else if h + 1 < q.heads() {
+        // The head is done: its next block is the next head's first (head-major items).
+        prefetch_rows(q, (b, 0, h + 1..h + 2), Q_PREFETCH_ROWS, true);
+    }
 }
 
 /// A block's normalised output rows (`o_out`, `rows.len() × d`) out of its Oᵀ panels

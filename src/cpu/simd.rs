@@ -421,6 +421,48 @@ fn write_panel_rows_avx512(op: &[f32], inv: &[f32; NR], live: u16, d: usize, out
     }
 }
 
+/// The Qᵀ panel of up to 16 query rows (`rows`, each `d` f32; the missing ones `ZEROS`):
+/// `dst[x * NR + lane] = rows[lane][x]`, 16×16 blocks transposed in registers (`transpose16`)
+/// where the scalar loop moves one float per load and store. `false` when this CPU lacks
+/// AVX-512F (the caller then runs its scalar loop).
+#[inline]
+pub(crate) fn fill_panel(rows: &[&[f32]; NR], d: usize, dst: &mut [f32]) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx512f") {
+        // SAFETY: AVX-512F was just detected on this CPU, the only requirement of
+        // `fill_panel_avx512` (its slice lengths it checks itself).
+        unsafe { fill_panel_avx512(rows, d, dst) };
+        return true;
+    }
+    let _ = (rows, d, dst);
+    false
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn fill_panel_avx512(rows: &[&[f32]; NR], d: usize, dst: &mut [f32]) {
+    use std::arch::x86_64::*;
+    assert!(dst.len() >= d * NR && rows.iter().all(|r| r.len() >= d));
+    let mut x0 = 0;
+    while x0 < d {
+        let w = (d - x0).min(NR);
+        let mask: __mmask16 = if w == NR { !0 } else { (1u16 << w) - 1 };
+        let mut m = [_mm512_setzero_ps(); NR];
+        for (mk, row) in m.iter_mut().zip(rows) {
+            // SAFETY: `row` holds at least `x0 + w` f32 (asserted: `d` of them) and the mask
+            // enables only the first `w` lanes (masked lanes are not read).
+            *mk = unsafe { _mm512_maskz_loadu_ps(mask, row.as_ptr().add(x0)) };
+        }
+        let cols = transpose16(m);
+        for (k, col) in cols.iter().enumerate().take(w) {
+            let out = &mut dst[(x0 + k) * NR..(x0 + k + 1) * NR];
+            // SAFETY: `out` is 16 f32.
+            unsafe { _mm512_storeu_ps(out.as_mut_ptr(), *col) };
+        }
+        x0 += NR;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
