@@ -469,6 +469,32 @@ mod tests {
     use crate::cpu::softmax::{online_softmax, panel_max, panel_scales};
     use crate::cpu::Native;
 
+    /// The register transpose places every element where the scalar loop does: every head_dim
+    /// remainder mod 16, fewer rows than a panel (zero rows).
+    #[test]
+    fn panel_transpose_matches_the_scalar_layout() {
+        if !std::is_x86_feature_detected!("avx512f") {
+            eprintln!("this CPU has no AVX-512: nothing to compare");
+            return;
+        }
+        let zeros = [0.0f32; 80];
+        for d in [1usize, 5, 15, 16, 17, 24, 40, 64, 72, 80] {
+            let data: Vec<f32> = (0..NR * d).map(|i| i as f32 + 0.5).collect();
+            for n in [1usize, 4, 6, 11, 16] {
+                let rows: [&[f32]; NR] =
+                    std::array::from_fn(|r| if r < n { &data[r * d..(r + 1) * d] } else { &zeros[..d] });
+                let mut q = vec![-1.0f32; d * NR + 3];
+                assert!(fill_panel(&rows, d, &mut q));
+                for x in 0..d {
+                    for (r, row) in rows.iter().enumerate() {
+                        assert_eq!(q[x * NR + r], row[x], "d {d} n {n} x {x} lane {r}");
+                    }
+                }
+                assert!(q[d * NR..].iter().all(|&v| v == -1.0), "d {d}: wrote past the panel");
+            }
+        }
+    }
+
     /// `native_softmax` is the generic verbs with `Native`, bit for bit: scores spread over the
     /// whole exponent range the softmax meets (differences down to −200 in log2 units), masked
     /// keys (−inf), NaN scores, rows that have seen nothing, rows whose max grows by any amount
