@@ -46,7 +46,7 @@ pub const KC: usize = 64;
 pub const KC_SWEEP: usize = 16;
 /// Group-1 decode (`sweep_rows`): keys per block (one max and one rescale per block and head;
 /// at most [`KC`], the size of `softmax_keys`'s buffer).
-const SWEEP_KB: usize = 8;
+const SWEEP_KB: usize = 32;
 /// A split of the keys must hold at least this many: below it the split's fixed costs (loading
 /// the queries, the merge, a pool worker's wake-up) outweigh the
 /// parallelism it buys.
@@ -576,27 +576,13 @@ fn sweep_rows<M: Exp2Math, const FMA: bool, T: Widen>(
     let n_items = items.len();
     // Scores, then probabilities, of the block: `[item][key]`.
     let mut sc = vec![[0.0f32; SWEEP_KB]; n_items];
-    // Key positions `(outer, row)` of the block and of the next one.
-    let fill = |pos: &mut [(usize, usize); SWEEP_KB], j0: usize| {
-        let j1 = (j0 + SWEEP_KB).min(hi);
-        c.layout.for_kv_rows(b, j0, j1, |jl, outer, row| pos[jl] = (outer, row));
-        j1 - j0
-    };
-    // A key's rows of every item's head, asked for into L2 (see below).
-    let fetch = |data: Data<'_>, kv: &TensorView<'_>, (outer, row): (usize, usize)| {
-        for it in items.iter() {
-            prefetch_row_with(data, kv.offset(outer, row, it.hk), d, super::simd::prefetch_l2);
-        }
-    };
-    let (mut pos, mut next) = ([(0, 0); SWEEP_KB], [(0, 0); SWEEP_KB]);
+    let mut pos = [(0, 0); SWEEP_KB];
     let mut j0 = lo;
-    let mut nc = if lo < hi { fill(&mut pos, lo) } else { 0 };
-    while nc > 0 {
-        let j1 = j0 + nc;
-        let nn = if j1 < hi { fill(&mut next, j1) } else { 0 };
+    while j0 < hi {
+        let j1 = (j0 + SWEEP_KB).min(hi);
+        let nc = j1 - j0;
+        c.layout.for_kv_rows(b, j0, j1, |jl, outer, row| pos[jl] = (outer, row));
         for (t, &(outer, row)) in pos[..nc].iter().enumerate() {
-            // While K is read: this block's V rows of the same key, for the third step.
-            fetch(c.v.data(), &c.v, (outer, row));
             let krow = |i: usize| {
                 let ko = c.k.offset(outer, row, items[i].hk);
                 &k[ko..ko + d]
@@ -634,18 +620,12 @@ fn sweep_rows<M: Exp2Math, const FMA: bool, T: Widen>(
             }
         }
         for (t, &(outer, row)) in pos[..nc].iter().enumerate() {
-            // While V is read: the next block's K rows, for its first step.
-            if let Some(&at) = next[..nn].get(t) {
-                fetch(c.k.data(), &c.k, at);
-            }
             for ((it, scr), x) in items.iter().zip(scrs.iter_mut()).zip(&sc) {
                 let vo = c.v.offset(outer, row, it.hk);
                 axpy_widen::<FMA, T>(&mut scr.o[..d], x[t], &v[vo..vo + d]);
             }
         }
         j0 = j1;
-        std::mem::swap(&mut pos, &mut next);
-        nc = nn;
     }
     true
 }
