@@ -501,22 +501,18 @@ fn dot_widen<const FMA: bool, T: Widen>(q: &[f32], k: &[T]) -> f32 {
     hsum8(h) + tail
 }
 
-/// Elements `16·i .. 16·i + 16` of `x` as an array: the length known to the compiler, a loop
-/// over it stays 16 lanes wide (iterating an array of four chunk iterators came out scalar).
-#[inline(always)]
-fn chunk16<T>(x: &[T], i: usize) -> &[T; 16] {
-    x[16 * i..16 * i + 16].try_into().expect("a range of 16 elements")
-}
-
 /// [`dot_widen`] for four (query row, key row) pairs at once: four independent accumulator
 /// chains, each pair's sums in the same order as [`dot_widen`] (same bits).
 #[inline(always)]
 fn dot_widen4<const FMA: bool, T: Widen>(q: [&[f32]; 4], k: [&[T]; 4]) -> [f32; 4] {
     let mut acc = [[0.0f32; 16]; 4];
-    let n = (0..4).map(|t| q[t].len().min(k[t].len())).min().unwrap_or(0) / 16;
+    // Whole 16-element chunks as arrays: their lengths known, the loop stays 16 lanes wide.
+    let qc: [&[[f32; 16]]; 4] = [q[0].as_chunks().0, q[1].as_chunks().0, q[2].as_chunks().0, q[3].as_chunks().0];
+    let kc: [&[[T; 16]]; 4] = [k[0].as_chunks().0, k[1].as_chunks().0, k[2].as_chunks().0, k[3].as_chunks().0];
+    let n = (0..4).map(|t| qc[t].len().min(kc[t].len())).min().unwrap_or(0);
     for i in 0..n {
         for t in 0..4 {
-            let (x, y) = (chunk16(q[t], i), chunk16(k[t], i));
+            let (x, y) = (&qc[t][i], &kc[t][i]);
             for l in 0..16 {
                 acc[t][l] = fma::<FMA>(x[l], y[l].widen(), acc[t][l]);
             }
