@@ -44,9 +44,9 @@ pub const KC: usize = 64;
 /// few enough concurrent streams for the hardware prefetchers, and each head's chunk is
 /// prefetched while the previous head's is computed.
 pub const KC_SWEEP: usize = 16;
-/// Group-1 decode (`sweep_rows`): keys per block (one max and one rescale per block and head;
-/// at most [`KC`], the size of `softmax_keys`'s buffer).
-const SWEEP_KB: usize = 32;
+/// Group-1 decode (`sweep_rows`): K/V rows of this many keys ahead (all heads) are prefetched
+/// into L1 besides what the hardware prefetchers fetch (0: none).
+const SWEEP_AHEAD: usize = 1;
 /// A split of the keys must hold at least this many: below it the split's fixed costs (loading
 /// the queries, the merge, a pool worker's wake-up) outweigh the
 /// parallelism it buys.
@@ -501,57 +501,17 @@ fn dot_widen<const FMA: bool, T: Widen>(q: &[f32], k: &[T]) -> f32 {
     hsum8(h) + tail
 }
 
-/// [`dot_widen`] for four (query row, key row) pairs at once: four independent accumulator
-/// chains, each pair's sums in the same order as [`dot_widen`] (same bits).
-#[inline(always)]
-fn dot_widen4<const FMA: bool, T: Widen>(q: [&[f32]; 4], k: [&[T]; 4]) -> [f32; 4] {
-    let mut acc = [[0.0f32; 16]; 4];
-    // Whole 16-element chunks as arrays: their lengths known, the loop stays 16 lanes wide.
-    let qc: [&[[f32; 16]]; 4] = [q[0].as_chunks().0, q[1].as_chunks().0, q[2].as_chunks().0, q[3].as_chunks().0];
-    let kc: [&[[T; 16]]; 4] = [k[0].as_chunks().0, k[1].as_chunks().0, k[2].as_chunks().0, k[3].as_chunks().0];
-    let n = (0..4).map(|t| qc[t].len().min(kc[t].len())).min().unwrap_or(0);
-    for i in 0..n {
-        for t in 0..4 {
-            let (x, y) = (&qc[t][i], &kc[t][i]);
-            for l in 0..16 {
-                acc[t][l] = fma::<FMA>(x[l], y[l].widen(), acc[t][l]);
-            }
-        }
-    }
-    // As in `dot_row4`: keeps the horizontal sums from being vectorised across the keys.
-    let acc = std::hint::black_box(acc);
-    let mut out = [0.0f32; 4];
-    for (t, o) in out.iter_mut().enumerate() {
-        let n16 = q[t].len() / 16 * 16;
-        let tail = q[t][n16..].iter().zip(&k[t][n16..]).fold(0.0, |a, (x, y)| fma::<FMA>(*x, y.widen(), a));
-        let mut h = [0.0f32; 8];
-        for (l, hl) in h.iter_mut().enumerate() {
-            *hl = acc[t][l] + acc[t][l + 8];
-        }
-        *o = hsum8(h) + tail;
-    }
-    out
-}
-
-/// `o += p · v`, the row `v` widened in the product (a plain zip, which LLVM vectorises; a
-/// loop over 16-element chunks came out scalar here).
-#[inline(always)]
-fn axpy_widen<const FMA: bool, T: Widen>(o: &mut [f32], p: f32, v: &[T]) {
-    for (y, w) in o.iter_mut().zip(v) {
-        *y = fma::<FMA>(p, w.widen(), *y);
-    }
-}
-
-/// Group-1 decode of 16-bit K/V: every item is one query row (of its own kv head) that sees
-/// every key of `lo..hi`. The keys go in blocks of [`SWEEP_KB`], and each block in three
-/// steps: the scores of every (key, item), key-major, so that K is read in address order (a
-/// key's rows of all heads lie side by side for `[.., seqlen, heads, head_dim]`), four items at
-/// a time (independent chains); then each item's online softmax over the block in one step
-/// ([`softmax_keys`], the chunked path's one-row softmax) and its rescale; then `o += p·v`,
-/// key-major again, so V too is read in address order. K and V are thus two forward streams,
-/// which the hardware prefetchers follow; 16-bit rows are widened inside the products, never
-/// copied. Returns `false` (nothing done) when a row does not see the whole span (the chunked
-/// path then runs).
+/// Group-1 decode of 16-bit K/V, key-major: every item is one query row (of its own kv head)
+/// that sees every key of `lo..hi`, and K/V are read strictly in address order: for each key, the rows of all
+/// the items' heads (side by side in memory for `[.., seqlen, heads, head_dim]`), each folded
+/// into its row at once (score, online softmax of one key, `o += p·v`), 16-bit rows widened in
+/// the products. The loads of a step form two forward streams (K and V), which the hardware
+/// prefetchers follow; the rows [`SWEEP_AHEAD`] keys ahead are also prefetched. Returns `false`
+/// (nothing done) when a row does not see the whole span (the chunked path then runs).
+///
+/// Per key the softmax is `max_get_scale` and `online_softmax` on a one-key tile: the same
+/// arithmetic as the chunked path, with the max and the rescale taken per key instead of per
+/// chunk (rounding differs, within the tests' tolerance of the float64 reference).
 #[inline(always)]
 fn sweep_rows<M: Exp2Math, const FMA: bool, T: Widen>(
     c: &Ctx<'_, M>,
@@ -568,60 +528,62 @@ fn sweep_rows<M: Exp2Math, const FMA: bool, T: Widen>(
         return true;
     };
     let d = c.p.head_dim;
-    let cc = c.sm.c;
-    let n_items = items.len();
-    // Scores, then probabilities, of the block: `[item][key]`.
-    let mut sc = vec![[0.0f32; SWEEP_KB]; n_items];
-    let mut pos = [(0, 0); SWEEP_KB];
-    let mut j0 = lo;
-    while j0 < hi {
-        let j1 = (j0 + SWEEP_KB).min(hi);
-        let nc = j1 - j0;
+    let (cc, off) = (c.sm.c, c.math.p_offset());
+    // Key positions `(outer, row)` of the current and the next chunk of keys.
+    let fill = |pos: &mut [(usize, usize); KC_SWEEP], j0: usize| {
+        let j1 = (j0 + KC_SWEEP).min(hi);
         c.layout.for_kv_rows(b, j0, j1, |jl, outer, row| pos[jl] = (outer, row));
-        for (t, &(outer, row)) in pos[..nc].iter().enumerate() {
-            let krow = |i: usize| {
-                let ko = c.k.offset(outer, row, items[i].hk);
-                &k[ko..ko + d]
+        j1 - j0
+    };
+    let (mut cur, mut next) = ([(0, 0); KC_SWEEP], [(0, 0); KC_SWEEP]);
+    let mut j0 = lo;
+    let mut nc = if lo < hi { fill(&mut cur, lo) } else { 0 };
+    while nc > 0 {
+        let nn = if j0 + nc < hi { fill(&mut next, j0 + nc) } else { 0 };
+        for (t, &(outer, row)) in cur[..nc].iter().enumerate() {
+            let a = t + SWEEP_AHEAD;
+            let ahead = if a < nc {
+                Some(cur[a])
+            } else {
+                next[..nn].get(a - nc).copied()
             };
-            let mut i = 0;
-            while i + 4 <= n_items {
-                let qs: [&[f32]; 4] = [&scrs[i].q[..d], &scrs[i + 1].q[..d], &scrs[i + 2].q[..d], &scrs[i + 3].q[..d]];
-                let s4 = dot_widen4::<FMA, T>(qs, [krow(i), krow(i + 1), krow(i + 2), krow(i + 3)]);
-                for (u, &x) in s4.iter().enumerate() {
-                    sc[i + u][t] = x;
+            for ((it, scr), sp) in items.iter().zip(scrs.iter_mut()).zip(spans) {
+                let hk = it.hk;
+                if let Some((po, pr)) = ahead.filter(|_| SWEEP_AHEAD > 0) {
+                    prefetch_row(c.k.data(), c.k.offset(po, pr, hk), d);
+                    prefetch_row(c.v.data(), c.v.offset(po, pr, hk), d);
                 }
-                i += 4;
-            }
-            while i < n_items {
-                sc[i][t] = dot_widen::<FMA, T>(&scrs[i].q[..d], krow(i));
-                i += 1;
-            }
-        }
-        for ((scr, sp), x) in scrs.iter_mut().zip(spans).zip(sc.iter_mut()) {
-            let x = &mut x[..nc];
-            if c.sm.natural {
-                // Softcap and ALiBi in natural units, as in `attend_chunk`.
-                for (t, xt) in x.iter_mut().enumerate() {
-                    let s = *xt * c.sm.scale;
+                let (ko, vo) = (c.k.offset(outer, row, hk), c.v.offset(outer, row, hk));
+                let mut x = dot_widen::<FMA, T>(&scr.q[..d], &k[ko..ko + d]);
+                if c.sm.natural {
+                    // Softcap and ALiBi in natural units, as in `attend_chunk`.
+                    let s = x * c.sm.scale;
                     let s = match c.sm.softcap {
                         Some(cap) => cap * (s / cap).tanh(),
                         None => s,
                     };
-                    *xt = s + sp.ps.alibi_bias(scr.head[0], scr.qi[0], j0 + t);
+                    x = s + sp.ps.alibi_bias(scr.head[0], scr.qi[0], j0 + t);
+                }
+                let st = &mut scr.rows[0];
+                let scale = max_get_scale(st, x, cc, &c.math);
+                // The −inf guard of `online_softmax`.
+                let shift = if st.m == f32::NEG_INFINITY { 0.0 } else { st.m };
+                let dx = x - shift;
+                let p = c.math.exp2(if FMA { dx.mul_add(cc, off) } else { dx * cc + off });
+                st.l = st.l * scale + p;
+                let p = c.math.round_p(p);
+                let o = &mut scr.o[..d];
+                if scale != 1.0 {
+                    o.iter_mut().for_each(|y| *y *= scale);
+                }
+                for (y, w) in o.iter_mut().zip(&v[vo..vo + d]) {
+                    *y = fma::<FMA>(p, w.widen(), *y);
                 }
             }
-            let scale = softmax_keys::<M, FMA>(&mut scr.rows[0], x, cc, &c.math);
-            if scale != 1.0 {
-                scr.o[..d].iter_mut().for_each(|y| *y *= scale);
-            }
         }
-        for (t, &(outer, row)) in pos[..nc].iter().enumerate() {
-            for ((it, scr), x) in items.iter().zip(scrs.iter_mut()).zip(&sc) {
-                let vo = c.v.offset(outer, row, it.hk);
-                axpy_widen::<FMA, T>(&mut scr.o[..d], x[t], &v[vo..vo + d]);
-            }
-        }
-        j0 = j1;
+        j0 += nc;
+        std::mem::swap(&mut cur, &mut next);
+        nc = nn;
     }
     true
 }
@@ -808,9 +770,11 @@ fn attend_chunk<M: Exp2Math, const FMA: bool>(
     }
 }
 
-/// The online softmax of lane 0 of a `[keys][NR]` panel (a panel holding one query row):
-/// [`softmax_keys`] on that lane's scores, written back as probabilities. Lanes 1.. are left as
-/// they are (nothing reads them). Returns the factor the row's output must be multiplied by.
+/// The online softmax of lane 0 of a `[keys][NR]` panel (a panel holding one query row): the
+/// same operations as `panel_max`, `max_get_scale` and `online_softmax` on that lane, in the same
+/// order (so the same bits), with the exponentials computed on the keys side by side instead of
+/// on 16 lanes of which 15 are padding. Lanes 1.. are left as they are (nothing reads them).
+/// Returns the factor the row's output must be multiplied by.
 #[inline(always)]
 fn softmax_one_row<M: Exp2Math, const FMA: bool>(st: &mut RowState, panel: &mut [[f32; NR]], c: f32, math: &M) -> f32 {
     let mut x = [0.0f32; KC];
@@ -818,35 +782,20 @@ fn softmax_one_row<M: Exp2Math, const FMA: bool>(st: &mut RowState, panel: &mut 
     for (xt, row) in x.iter_mut().zip(&panel[..n]) {
         *xt = row[0];
     }
-    let scale = softmax_keys::<M, FMA>(st, &mut x[..n], c, math);
-    for (row, &pt) in panel[..n].iter_mut().zip(&x[..n]) {
-        row[0] = pt;
-    }
-    scale
-}
-
-/// The online softmax of one query row over a block of keys whose scores `x` lie side by side:
-/// the same operations as `panel_max`, `max_get_scale` and `online_softmax` on one lane, in the
-/// same order (so the same bits), with the exponentials vectorised over the keys. `x` becomes
-/// the probabilities (after `round_p`); returns the factor the row's output must be multiplied
-/// by.
-#[inline(always)]
-fn softmax_keys<M: Exp2Math, const FMA: bool>(st: &mut RowState, x: &mut [f32], c: f32, math: &M) -> f32 {
     // `panel_max`: NaN scores are skipped here and propagated by `exp2`.
-    let tile_max = x.iter().fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+    let tile_max = x[..n].iter().fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
     let scale = max_get_scale(st, tile_max, c, math);
     let shift = if st.m == f32::NEG_INFINITY { 0.0 } else { st.m };
     let off = math.p_offset();
     let mut p = [0.0f32; KC];
-    let n = x.len().min(KC);
     for (pt, &xt) in p[..n].iter_mut().zip(&x[..n]) {
         let dx = xt - shift;
         *pt = math.exp2(if FMA { dx.mul_add(c, off) } else { dx * c + off });
     }
     let mut sum = 0.0f32;
-    for (xt, &pt) in x[..n].iter_mut().zip(&p[..n]) {
+    for (row, &pt) in panel[..n].iter_mut().zip(&p[..n]) {
         sum += pt;
-        *xt = math.round_p(pt);
+        row[0] = math.round_p(pt);
     }
     st.l = st.l * scale + sum;
     scale
