@@ -9,25 +9,31 @@
 /// architecturally, any address is allowed, nothing happens on other architectures).
 #[inline(always)]
 pub(crate) fn prefetch(p: *const i8) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: `_mm_prefetch` needs SSE, which every x86_64 CPU has (it is part of the
-    // x86_64 baseline the crate is compiled for); a prefetch never faults, whatever the address.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p)
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
+    prefetch_hint::<true>(p)
 }
 
 /// As [`prefetch`], into L2 only: for data read a whole work item later, which would only
 /// crowd the L1 that the current item's panels live in.
 #[inline(always)]
 pub(crate) fn prefetch_l2(p: *const i8) {
+    prefetch_hint::<false>(p)
+}
+
+#[inline(always)]
+fn prefetch_hint<const L1: bool>(p: *const i8) {
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: as `prefetch`: SSE is part of the x86_64 baseline, and a prefetch never faults.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(p)
-    };
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
+        // SAFETY: `_mm_prefetch` needs SSE, which every x86_64 CPU has (it is part of the
+        // x86_64 baseline the crate is compiled for); a prefetch never faults, whatever the address.
+        unsafe {
+            if L1 {
+                _mm_prefetch::<_MM_HINT_T0>(p)
+            } else {
+                _mm_prefetch::<_MM_HINT_T1>(p)
+            }
+        };
+    }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = p;
 }
@@ -208,19 +214,8 @@ fn product_max_avx512<const N: usize>(k: &[f32], b: [&[f32]; N], s: [&mut [f32];
     for st in 0..strips {
         let a = &k[st * kc * MR..(st + 1) * kc * MR];
         let mut acc = [[_mm512_setzero_ps(); MR]; N];
-        for (step, ak) in a.chunks_exact(MR).enumerate() {
-            let mut bv = [_mm512_setzero_ps(); N];
-            for t in 0..N {
-                // SAFETY: `step < kc` and `b[t]` holds `kc` rows of 16 (checked above).
-                bv[t] = unsafe { _mm512_loadu_ps(bp[t].add(step * NR)) };
-            }
-            for (i, &ai) in ak.iter().enumerate() {
-                let ai = _mm512_set1_ps(ai);
-                for t in 0..N {
-                    acc[t][i] = _mm512_fmadd_ps(ai, bv[t], acc[t][i]);
-                }
-            }
-        }
+        // SAFETY: `a` is `kc` steps of MR and every `b[t]` holds `kc` rows of 16 (checked above).
+        unsafe { strip_fma::<N, false>(a, bp, &mut acc) };
         for t in 0..N {
             for i in 0..MR {
                 // SAFETY: `s[t]` holds `strips` blocks of MR rows of 16 (checked above).
@@ -233,6 +228,44 @@ fn product_max_avx512<const N: usize>(k: &[f32], b: [&[f32]; N], s: [&mut [f32];
         let m = &mut *tile_max[t];
         // SAFETY: `m` is 16 f32.
         unsafe { _mm512_storeu_ps(m.as_mut_ptr(), mx[t]) };
+    }
+}
+
+/// One strip of the micro-kernel in AVX-512 registers: `acc[t][i] += a[step·MR + i] · b[t][step]`
+/// over the `a.len() / MR` steps, `b[t]` a panel of 16-float rows at `bp[t]` (`SKIP`: only where
+/// that element of `b[t]` is not 0, NaN included, as `b != 0` in `gemm::micro_kernel_skip_zero_b`):
+/// `gemm::micro_kernel` (`_x2`), the same FMAs in the same order. Inlined into both products.
+///
+/// # Safety
+/// Every `bp[t]` points to at least `a.len() / MR` rows of 16 readable f32.
+// Indexed loops with constant bounds over the accumulators: unrolled, the arrays kept in registers.
+#[allow(clippy::needless_range_loop)]
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn strip_fma<const N: usize, const SKIP: bool>(
+    a: &[f32],
+    bp: [*const f32; N],
+    acc: &mut [[std::arch::x86_64::__m512; MR]; N],
+) {
+    use std::arch::x86_64::*;
+    for (step, ak) in a.chunks_exact(MR).enumerate() {
+        let mut bv = [_mm512_setzero_ps(); N];
+        for t in 0..N {
+            // SAFETY: `step < a.len() / MR`, within the rows the caller vouches for.
+            bv[t] = unsafe { _mm512_loadu_ps(bp[t].add(step * NR)) };
+        }
+        for (i, &ai) in ak.iter().enumerate() {
+            let ai = _mm512_set1_ps(ai);
+            for t in 0..N {
+                acc[t][i] = if SKIP {
+                    let nz = _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(bv[t], _mm512_setzero_ps());
+                    _mm512_mask3_fmadd_ps(ai, bv[t], acc[t][i], nz)
+                } else {
+                    _mm512_fmadd_ps(ai, bv[t], acc[t][i])
+                };
+            }
+        }
     }
 }
 
@@ -296,25 +329,8 @@ fn scaled_product_avx512<const N: usize, const SKIP: bool>(
                 acc[t][i] = _mm512_mul_ps(x, scv[t]);
             }
         }
-        for (step, ak) in a.chunks_exact(MR).enumerate() {
-            let mut bv = [_mm512_setzero_ps(); N];
-            for t in 0..N {
-                // SAFETY: `step < kc` and `b[t]` holds `kc` rows of 16 (checked above).
-                bv[t] = unsafe { _mm512_loadu_ps(bp[t].add(step * NR)) };
-            }
-            for (i, &ai) in ak.iter().enumerate() {
-                let ai = _mm512_set1_ps(ai);
-                for t in 0..N {
-                    acc[t][i] = if SKIP {
-                        // Only where P is not 0 (NaN included, as `b != 0` in the generic kernel).
-                        let nz = _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(bv[t], _mm512_setzero_ps());
-                        _mm512_mask3_fmadd_ps(ai, bv[t], acc[t][i], nz)
-                    } else {
-                        _mm512_fmadd_ps(ai, bv[t], acc[t][i])
-                    };
-                }
-            }
-        }
+        // SAFETY: `a` is `kc` steps of MR and every `b[t]` holds `kc` rows of 16 (checked above).
+        unsafe { strip_fma::<N, SKIP>(a, bp, &mut acc) };
         for t in 0..N {
             for i in 0..MR {
                 // SAFETY: `o[t]` holds `strips` blocks of MR rows of 16 (checked above).
