@@ -377,23 +377,7 @@ fn run_with(c: &Case, mutation: Option<&Mutation>) -> Result<String, String> {
 }
 
 fn check(cases: &[Case]) {
-    let mut failed = Vec::new();
-    for c in cases {
-        let t0 = std::time::Instant::now();
-        match run(c) {
-            Ok(s) => println!("ok    {} ({:.1} s): {s}", c.name, t0.elapsed().as_secs_f64()),
-            Err(e) => {
-                println!("FAIL  {}: {e}", c.name);
-                failed.push(c.name.clone());
-            }
-        }
-    }
-    assert!(
-        failed.is_empty(),
-        "{} of {} combine launches differ from the host merge: {failed:#?}",
-        failed.len(),
-        cases.len()
-    );
+    common::check_each("combine launches (against the host merge)", cases, |c| c.name.clone(), run);
 }
 
 fn case(n: usize, shape: [usize; 4], input: DType, output: DType, form: Form, seed: u64) -> Case {

@@ -485,18 +485,7 @@ fn merge_splits(
 }
 
 fn check(cases: &[SCase]) {
-    let mut failed = Vec::new();
-    for c in cases {
-        let t0 = std::time::Instant::now();
-        match run(c) {
-            Ok(r) => eprintln!("ok   {:.3} {} ({:.1} s)", r, c.name(), t0.elapsed().as_secs_f64()),
-            Err(e) => {
-                eprintln!("FAIL {}: {e}", c.name());
-                failed.push(c.name());
-            }
-        }
-    }
-    assert!(failed.is_empty(), "{} of {} serving cases failed: {failed:#?}", failed.len(), cases.len());
+    common::check_each("serving cases", cases, SCase::name, |c| run(c).map(|r| format!("err/bound {r:.3}")));
 }
 
 fn base(dtype: DType, d: usize, hq: usize, hkv: usize, q: Result<Vec<usize>, usize>, kv: Kv) -> SCase {

@@ -350,23 +350,9 @@ fn run_mutated(c: &Case, execute: bool, mutation: Option<&Mutation>) -> Result<(
 }
 
 fn check(cases: &[Case]) {
-    let mut failed = Vec::new();
-    for c in cases {
-        let t0 = std::time::Instant::now();
-        match run(c, true) {
-            Ok((ratio, pl)) => println!(
-                "ok    {} ({:.1} s): err/bound {ratio:.3}; {}",
-                c.name(),
-                t0.elapsed().as_secs_f64(),
-                pl.note.unwrap_or("")
-            ),
-            Err(e) => {
-                println!("FAIL  {}:\n{e}", c.name());
-                failed.push(c.name());
-            }
-        }
-    }
-    assert!(failed.is_empty(), "{} of {} failed: {failed:#?}", failed.len(), cases.len());
+    common::check_each("FA3 serving cases", cases, Case::name, |c| {
+        run(c, true).map(|(ratio, pl)| format!("err/bound {ratio:.3}; {}", pl.note.unwrap_or("")))
+    });
 }
 
 fn case(

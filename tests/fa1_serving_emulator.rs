@@ -321,18 +321,7 @@ fn run(c: &Case) -> Result<String, String> {
 }
 
 fn check(cases: &[Case]) {
-    let mut failed = Vec::new();
-    for c in cases {
-        let t0 = std::time::Instant::now();
-        match run(c) {
-            Ok(s) => println!("ok    {} ({:.1} s): {s}", c.name, t0.elapsed().as_secs_f64()),
-            Err(e) => {
-                println!("FAIL  {}: {e}", c.name);
-                failed.push(c.name.clone());
-            }
-        }
-    }
-    assert!(failed.is_empty(), "{} of {} FA1 serving launches failed: {failed:#?}", failed.len(), cases.len());
+    common::check_each("FA1 serving launches", cases, |c| c.name.clone(), run);
 }
 
 #[allow(clippy::too_many_arguments)]

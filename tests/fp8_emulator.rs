@@ -305,23 +305,7 @@ fn run(l: &Launch) -> Result<String, String> {
 }
 
 fn check(launches: &[Launch]) {
-    let mut failed = Vec::new();
-    for l in launches {
-        let t0 = std::time::Instant::now();
-        match run(l) {
-            Ok(s) => println!("ok    {} ({:.1} s): {s}", l.name, t0.elapsed().as_secs_f64()),
-            Err(e) => {
-                println!("FAIL  {}: {e}", l.name);
-                failed.push(l.name.clone());
-            }
-        }
-    }
-    assert!(
-        failed.is_empty(),
-        "{} of {} pre-pass launches differ from the CPU oracle: {failed:#?}",
-        failed.len(),
-        launches.len()
-    );
+    common::check_each("pre-pass launches (against the CPU oracle)", launches, |l| l.name.clone(), run);
 }
 
 /// Q and K in one launch (rotated), as the forward runs them: every dtype and head dim, several

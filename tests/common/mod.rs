@@ -80,3 +80,26 @@ pub fn cutlass_include() -> std::path::PathBuf {
             )
         })
 }
+
+/// Runs every case in turn, printing `ok    NAME (SECS s): SUMMARY` or `FAIL  NAME: ERROR`, then
+/// fails naming every case that failed (`what`: what the cases are, for that message). The
+/// emulator tests' one loop over their cases.
+pub fn check_each<C>(
+    what: &str,
+    cases: &[C],
+    name: impl Fn(&C) -> String,
+    run: impl Fn(&C) -> Result<String, String>,
+) {
+    let mut failed = Vec::new();
+    for c in cases {
+        let t0 = std::time::Instant::now();
+        match run(c) {
+            Ok(s) => println!("ok    {} ({:.1} s): {s}", name(c), t0.elapsed().as_secs_f64()),
+            Err(e) => {
+                println!("FAIL  {}: {e}", name(c));
+                failed.push(name(c));
+            }
+        }
+    }
+    assert!(failed.is_empty(), "{} of {} {what} failed: {failed:#?}", failed.len(), cases.len());
+}
