@@ -17,6 +17,7 @@ use half::{bf16, f16};
 
 /// The instruction set a conversion runs on, best first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // elsewhere only `Portable` is detected
 enum Path {
     /// AVX-512F: 16 elements per instruction.
     Avx512,
