@@ -239,10 +239,10 @@ mod x86 {
     }
 
     /// The bits of f32 +infinity in every lane: above it (as unsigned, sign cleared) lie the NaNs.
-    #[inline(always)]
+    #[inline]
+    #[target_feature(enable = "avx512f")]
     fn inf() -> __m512i {
-        // SAFETY: only called from functions with AVX-512F enabled (a broadcast, no memory access).
-        unsafe { _mm512_set1_epi32(0x7f80_0000) }
+        _mm512_set1_epi32(0x7f80_0000)
     }
 }
 
