@@ -178,16 +178,9 @@ impl Data<'_> {
         let n = dst.len();
         match self {
             Data::F32(s) => dst.copy_from_slice(&s[start..start + n]),
-            Data::F16(s) => {
-                for (d, x) in dst.iter_mut().zip(&s[start..start + n]) {
-                    *d = x.to_f32();
-                }
-            }
-            Data::BF16(s) => {
-                for (d, x) in dst.iter_mut().zip(&s[start..start + n]) {
-                    *d = x.to_f32();
-                }
-            }
+            // A whole row at a time, in vector instructions where the CPU has them.
+            Data::F16(s) => crate::cpu::convert::widen_f16(&s[start..start + n], dst),
+            Data::BF16(s) => crate::cpu::convert::widen_bf16(&s[start..start + n], dst),
         }
     }
 }

@@ -9,6 +9,7 @@
 //! each owns its own output rows (disjoint `&mut` row slices of the caller's buffer) and writes
 //! them once, in the final layout and type.
 
+pub(crate) mod convert;
 mod gemm;
 pub(crate) mod inplace;
 mod parallel;
@@ -898,12 +899,10 @@ fn rows_by_head<'o, T>(p: &Problem, dst: &'o mut [T]) -> Result<Vec<&'o mut [T]>
 }
 
 /// A block's normalised f32 rows (`src`, `dst.len() × d`) into its output rows, converted to
-/// the output type.
+/// the output type (a whole row at a time: `convert`).
 fn store_rows<T: Element>(src: &[f32], dst: &mut [&mut [T]], d: usize) {
     for (row, from) in dst.iter_mut().zip(src.chunks_exact(d)) {
-        for (o, &x) in row.iter_mut().zip(from) {
-            *o = T::from_f32(x);
-        }
+        convert::narrow_row(from, T::wrap_mut(row));
     }
 }
 
