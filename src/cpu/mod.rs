@@ -449,7 +449,7 @@ fn panel_softmax<M: Exp2Math, const FMA: bool, const WIDE: bool>(
 }
 
 /// One work item: query rows `i0..i1` of head `h` against the packed K/V of its kv head.
-/// Writes `(i1 - i0) × d` normalised outputs to `o_out` and the LSEs to `lse_out`.
+/// Writes the `i1 - i0` normalised output rows to `o_out` and the LSEs to `lse_out`.
 ///
 /// Transposed formulation: `Sᵀ = K·Qᵀ` (A = 6 keys, B = 16 queries), softmax down each query
 /// column, `Oᵀ += Vᵀ·Pᵀ` (A = 6 columns of V, B = the Pᵀ panel as it lies): no per-tile packing.
@@ -464,7 +464,7 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
     sm: ScoreMod,
     math: &M,
     scr: &mut Scratch,
-    o_out: &mut [f32],
+    o_out: BlockOut<'_, '_>,
     lse_out: &mut [f32],
 ) {
     let d = p.head_dim;
@@ -671,7 +671,16 @@ fn fill_q_panels<const WIDE: bool>(
     }
 }
 
-/// A block's normalised output rows (`o_out`, `rows.len() × d`) out of its Oᵀ panels
+/// Where a block's normalised output rows go.
+enum BlockOut<'a, 'o> {
+    /// `rows × head_dim` contiguous f32, converted into the output type afterwards (`store_rows`).
+    Staged(&'a mut [f32]),
+    /// The caller's own f32 output rows (`rows_by_head`), written straight from the Oᵀ panels:
+    /// one pass over the output instead of a block then a copy.
+    Rows(&'a mut [&'o mut [f32]]),
+}
+
+/// A block's normalised output rows (`o_out`, `rows.len()` rows of `d`) out of its Oᵀ panels
 /// (`o`: `[panel][head_dim_pad][NR]`), and its LSEs. `WIDE`: AVX-512 transposes 16×16 blocks
 /// in registers (`simd::write_panel_rows`) where the scalar loop reads with a 16-float stride.
 #[inline(always)]
@@ -681,31 +690,101 @@ fn write_rows<M: Exp2Math, const WIDE: bool>(
     d: usize,
     u: f32,
     math: &M,
-    (o_out, lse_out): (&mut [f32], &mut [f32]),
+    (mut o_out, lse_out): (BlockOut<'_, '_>, &mut [f32]),
 ) {
     let dv = round_up(d, MR);
     for (pn, states) in rows.chunks(NR).enumerate() {
         let r0 = pn * NR;
         let op = &o[pn * dv * NR..(pn + 1) * dv * NR];
-        let out = &mut o_out[r0 * d..(r0 + states.len()) * d];
-        // A query that saw no key is written as exactly 0, whatever reached O (`finalize`).
-        let (mut inv, mut live) = ([0.0f32; NR], 0u16);
-        for (lane, st) in states.iter().enumerate() {
-            let (i, lse) = finalize(st, u, math);
-            (inv[lane], lse_out[r0 + lane]) = (i, lse);
-            live |= u16::from(st.l != 0.0) << lane;
-        }
-        if WIDE && simd::write_panel_rows(op, &inv, live, d, out) {
-            continue;
-        }
-        for (lane, row) in out.chunks_exact_mut(d.max(1)).enumerate() {
-            if live >> lane & 1 == 0 {
-                row.fill(0.0);
-            } else {
-                for (x, dst) in row.iter_mut().enumerate() {
-                    *dst = op[x * NR + lane] * inv[lane];
-                }
+        let lse = &mut lse_out[r0..r0 + states.len()];
+        match &mut o_out {
+            BlockOut::Staged(buf) => {
+                // The panel's rows of the block as row slices (no allocation).
+                let mut chunks = buf[r0 * d..(r0 + states.len()) * d].chunks_exact_mut(d.max(1));
+                let mut staged: [&mut [f32]; NR] = std::array::from_fn(|_| chunks.next().unwrap_or(&mut []));
+                write_panel::<M, WIDE>(op, states, d, (u, math), (&mut staged[..states.len()], lse));
             }
+            BlockOut::Rows(rs) => write_panel::<M, WIDE>(op, states, d, (u, math), (&mut rs[r0..r0 + states.len()], lse)),
+        }
+    }
+}
+
+/// One Oᵀ panel's normalised rows (`out`: `states.len()` rows of `d`) and LSEs.
+#[inline(always)]
+fn write_panel<M: Exp2Math, const WIDE: bool>(
+    op: &[f32],
+    states: &[RowState],
+    d: usize,
+    (u, math): (f32, &M),
+    (out, lse): (&mut [&mut [f32]], &mut [f32]),
+) {
+    // A query that saw no key is written as exactly 0, whatever reached O (`finalize`).
+    let (mut inv, mut live) = ([0.0f32; NR], 0u16);
+    for (lane, st) in states.iter().enumerate() {
+        let (i, l) = finalize(st, u, math);
+        (inv[lane], lse[lane]) = (i, l);
+        live |= u16::from(st.l != 0.0) << lane;
+    }
+    if WIDE && simd::write_panel_rows(op, &inv, live, d, out) {
+        return;
+    }
+    for (lane, row) in out.iter_mut().enumerate() {
+        if live >> lane & 1 == 0 {
+            row.fill(0.0);
+        } else {
+            for (x, dst) in row.iter_mut().enumerate() {
+                *dst = op[x * NR + lane] * inv[lane];
+            }
+        }
+    }
+}
+
+/// The output element types: f32 rows are written straight from the Oᵀ panels
+/// ([`BlockOut::Rows`]), f16/bf16 ones through a staged f32 block.
+trait OutElem: Element {
+    /// `rows` as f32 rows, where `Self` is f32.
+    fn as_f32_rows<'a, 'o>(rows: &'a mut [&'o mut [Self]]) -> Option<&'a mut [&'o mut [f32]]>;
+}
+
+impl OutElem for f32 {
+    fn as_f32_rows<'a, 'o>(rows: &'a mut [&'o mut [f32]]) -> Option<&'a mut [&'o mut [f32]]> {
+        Some(rows)
+    }
+}
+
+impl OutElem for half::f16 {
+    fn as_f32_rows<'a, 'o>(_: &'a mut [&'o mut [Self]]) -> Option<&'a mut [&'o mut [f32]]> {
+        None
+    }
+}
+
+impl OutElem for half::bf16 {
+    fn as_f32_rows<'a, 'o>(_: &'a mut [&'o mut [Self]]) -> Option<&'a mut [&'o mut [f32]]> {
+        None
+    }
+}
+
+/// A block's output: straight into the caller's rows `o` (f32), else staged in `blk` (the
+/// worker's `BR × head_dim` f32) and converted.
+#[allow(clippy::too_many_arguments)]
+fn attend_into<M: Exp2Math, T: OutElem>(
+    p: &Problem,
+    q: &TensorView,
+    kv: &PackedKv,
+    at: (usize, usize, usize, usize),
+    sm: ScoreMod,
+    math: &M,
+    scr: &mut Scratch,
+    (o, blk, lse): (&mut [&mut [T]], &mut [f32], &mut [f32]),
+    isa: Isa,
+) {
+    let d = p.head_dim;
+    match T::as_f32_rows(o) {
+        Some(rows) => attend_any(p, q, kv, at, sm, math, scr, (BlockOut::Rows(rows), lse), isa),
+        None => {
+            let blk = &mut blk[..o.len() * d];
+            attend_any(p, q, kv, at, sm, math, scr, (BlockOut::Staged(&mut *blk), lse), isa);
+            store_rows(blk, o, d);
         }
     }
 }
@@ -716,8 +795,9 @@ type HeadItem<'r, 'o, T> = ((usize, Range<usize>), &'r mut [&'o mut [T]], &'r mu
 /// Work item: (b, kv head, q head, row range), with its output rows and LSEs.
 type Item<'r, 'o, T> = ((usize, usize, usize, usize, usize), &'r mut [&'o mut [T]], &'r mut [f32]);
 
-/// A worker's scratch: the tiled path's panels, a block's normalised f32 output rows
-/// (`BR × head_dim`, converted into the caller's rows as soon as the block is done), and
+/// A worker's scratch: the tiled path's panels, a block's normalised f32 output rows for an
+/// f16/bf16 output (`BR × head_dim`, converted into the caller's rows as soon as the block is
+/// done; f32 rows are written in place), and
 /// `MR × head_dim` f32 for widening a strip of f16/bf16 K/V.
 type Worker = (Scratch, Vec<f32>, Vec<f32>);
 
@@ -731,7 +811,7 @@ fn attend_any<M: Exp2Math>(
     sm: ScoreMod,
     math: &M,
     scr: &mut Scratch,
-    out: (&mut [f32], &mut [f32]),
+    out: (BlockOut<'_, '_>, &mut [f32]),
     isa: Isa,
 ) {
     // The detection is repeated (a cached atomic load) so that the safety of each call below
@@ -751,7 +831,7 @@ fn attend_any<M: Exp2Math>(
                 sm: ScoreMod,
                 math: &M,
                 scr: &mut Scratch,
-                (o, lse): (&mut [f32], &mut [f32]),
+                (o, lse): (BlockOut<'_, '_>, &mut [f32]),
             ) {
                 attend_block::<M, $simd, $wide>(p, q, kv, at, sm, math, scr, o, lse)
             }
@@ -908,7 +988,7 @@ fn store_rows<T: Element>(src: &[f32], dst: &mut [&mut [T]], d: usize) {
 }
 
 /// [`forward_with_into`] for the output element type `T`.
-fn tiled<M: Exp2Math, T: Element>(
+fn tiled<M: Exp2Math, T: OutElem>(
     p: &Problem,
     (q, k, v): (&TensorView, &TensorView, &TensorView),
     math: M,
@@ -976,9 +1056,8 @@ fn tiled<M: Exp2Math, T: Element>(
                 for blk in 0..nblocks {
                     let (i0, i1) = (blk * BR, ((blk + 1) * BR).min(p.seqlen_q));
                     let r0 = (hi * p.group() + gi) * p.seqlen_q + i0;
-                    let o_blk = &mut o_blk[..(i1 - i0) * d];
-                    attend_any(p, q, kv, (*b, h, i0, i1), sm, &math, scr, (o_blk, &mut l[r0..r0 + i1 - i0]), isa);
-                    store_rows(o_blk, &mut o[r0..r0 + i1 - i0], d);
+                    let out = (&mut o[r0..r0 + i1 - i0], &mut o_blk[..], &mut l[r0..r0 + i1 - i0]);
+                    attend_into(p, q, kv, (*b, h, i0, i1), sm, &math, scr, out, isa);
                 }
             }
         }
@@ -1038,9 +1117,7 @@ fn tiled<M: Exp2Math, T: Element>(
         let mut items: Vec<Item<'_, '_, T>> = items.into_iter().map(|x| x.1).collect();
         parallel::for_each(&mut items, nthreads, worker, |(scr, o_blk, _), ((b, kvi, h, i0, i1), o_out, lse_out)| {
             let kv = &packed[*kvi].1;
-            let o_blk = &mut o_blk[..(*i1 - *i0) * d];
-            attend_any(p, q, kv, (*b, *h, *i0, *i1), sm, &math, scr, (o_blk, lse_out), isa);
-            store_rows(o_blk, o_out, d);
+            attend_into(p, q, kv, (*b, *h, *i0, *i1), sm, &math, scr, (o_out, o_blk, lse_out), isa);
         });
         for (_, pk) in packed {
             pool::give(pk.k);

@@ -341,13 +341,14 @@ fn scaled_product_avx512<const N: usize, const SKIP: bool>(
 }
 
 /// Rows `0..n` of one Oᵀ panel (`op`: `[head_dim_pad >= d][NR]`, query `r` in lane `r`) as the
-/// `n = out.len() / d` rows of `out` (`n × d`, n <= 16), each multiplied by `inv[r]`, or 0 where
-/// bit `r` of `live` is clear: exactly `op[x·16 + r] · inv[r]` per element, in 16×16 blocks
-/// transposed in registers rather than read with a 16-float stride.
+/// `n = out.len()` rows `out[r]` (each `d` f32, n <= 16; anywhere: the caller's own output rows,
+/// a row stride apart), each multiplied by `inv[r]`, or 0 where bit `r` of `live` is clear:
+/// exactly `op[x·16 + r] · inv[r]` per element, in 16×16 blocks transposed in registers rather
+/// than read with a 16-float stride.
 ///
 /// `false` when this CPU lacks AVX-512F (the caller then writes the rows itself).
 #[inline]
-pub(crate) fn write_panel_rows(op: &[f32], inv: &[f32; NR], live: u16, d: usize, out: &mut [f32]) -> bool {
+pub(crate) fn write_panel_rows(op: &[f32], inv: &[f32; NR], live: u16, d: usize, out: &mut [&mut [f32]]) -> bool {
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx512f") {
         // SAFETY: AVX-512F was just detected on this CPU, the only requirement of
@@ -406,13 +407,9 @@ fn transpose16(m: [std::arch::x86_64::__m512; NR]) -> [std::arch::x86_64::__m512
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-fn write_panel_rows_avx512(op: &[f32], inv: &[f32; NR], live: u16, d: usize, out: &mut [f32]) {
+fn write_panel_rows_avx512(op: &[f32], inv: &[f32; NR], live: u16, d: usize, out: &mut [&mut [f32]]) {
     use std::arch::x86_64::*;
-    if d == 0 {
-        return;
-    }
-    let n = out.len() / d;
-    assert!(n <= NR && out.len() == n * d && op.len() >= d * NR);
+    assert!(out.len() <= NR && out.iter().all(|r| r.len() == d) && op.len() >= d * NR);
     // SAFETY: `inv` is 16 f32.
     let invv = unsafe { _mm512_loadu_ps(inv.as_ptr()) };
     let mut x0 = 0;
@@ -427,8 +424,8 @@ fn write_panel_rows_avx512(op: &[f32], inv: &[f32; NR], live: u16, d: usize, out
         }
         let rows = transpose16(m);
         let mask: __mmask16 = if w == NR { !0 } else { (1u16 << w) - 1 };
-        for (r, row) in rows.iter().enumerate().take(n) {
-            let dst = &mut out[r * d + x0..r * d + x0 + w];
+        for (row, dst) in rows.iter().zip(out.iter_mut()) {
+            let dst = &mut dst[x0..x0 + w];
             // SAFETY: `dst` holds `w` f32 and the mask enables only the first `w` lanes (masked
             // lanes are neither read nor written).
             unsafe { _mm512_mask_storeu_ps(dst.as_mut_ptr(), mask, *row) };
@@ -563,7 +560,8 @@ mod tests {
 
     /// `write_panel_rows` is the strided scalar loop, bit for bit, for head dims that do and do
     /// not fill whole 16-column blocks, partial panels and rows that saw no key (written as 0
-    /// even where O holds an infinity or a NaN).
+    /// even where O holds an infinity or a NaN), into rows a stride apart (as the caller's
+    /// `[batch, seqlen, heads, head_dim]` rows lie) whose gaps it leaves alone.
     #[test]
     fn write_panel_rows_is_the_strided_loop() {
         for d in [1usize, 5, 16, 24, 40, 64, 72, 128, 130] {
@@ -575,11 +573,15 @@ mod tests {
             let inv: [f32; NR] = std::array::from_fn(|r| 1.0 / (r as f32 + 1.7));
             for n in [1usize, 7, 15, 16] {
                 for live in [0xffffu16, 0xb5db, 0x0004] {
-                    let mut a = vec![-1.0f32; n * d];
-                    if !write_panel_rows(&op, &inv, live, d, &mut a) {
+                    let stride = d + 3;
+                    let mut buf = vec![-1.0f32; n * stride];
+                    let mut rows: Vec<&mut [f32]> = buf.chunks_exact_mut(stride).map(|r| &mut r[..d]).collect();
+                    if !write_panel_rows(&op, &inv, live, d, &mut rows) {
                         eprintln!("this CPU has no AVX-512F: write_panel_rows is compiled but not run here");
                         return;
                     }
+                    assert!(buf.chunks_exact(stride).all(|r| r[d..] == [-1.0; 3]), "d {d}: wrote into a gap");
+                    let a: Vec<f32> = buf.chunks_exact(stride).flat_map(|r| r[..d].to_vec()).collect();
                     let b: Vec<f32> = (0..n * d)
                         .map(|i| {
                             let (r, x) = (i / d, i % d);
