@@ -704,7 +704,9 @@ fn write_rows<M: Exp2Math, const WIDE: bool>(
                 let mut staged: [&mut [f32]; NR] = std::array::from_fn(|_| chunks.next().unwrap_or(&mut []));
                 write_panel::<M, WIDE>(op, states, d, (u, math), (&mut staged[..states.len()], lse));
             }
-            BlockOut::Rows(rs) => write_panel::<M, WIDE>(op, states, d, (u, math), (&mut rs[r0..r0 + states.len()], lse)),
+            BlockOut::Rows(rs) => {
+                write_panel::<M, WIDE>(op, states, d, (u, math), (&mut rs[r0..r0 + states.len()], lse))
+            }
         }
     }
 }
