@@ -26,7 +26,7 @@ use crate::problem::Problem;
 use crate::tensor::{try_filled, Data, DataMut, Element, Tensor, TensorView};
 use std::ops::Range;
 use gemm::{micro_kernel, micro_kernel_skip_zero_b, micro_kernel_x2, Acc, MR, NR};
-use softmax::{finalize, online_softmax, rescale_o, Exp2Math, RowState};
+use softmax::{finalize_panel, online_softmax, rescale_o, Exp2Math, RowState};
 
 /// Query rows per work item (a multiple of the 16-query panels).
 pub const BR: usize = 96;
@@ -222,6 +222,9 @@ fn pack_heads(
                 *row = row_f32(k, (b, strip * MR + lane, h), lane_buf);
             }
             let kdst = &mut kp[strip * d * MR..(strip + 1) * d * MR];
+            if simd::pack_strip(&rows, d, kdst) {
+                continue;
+            }
             for (x, col) in kdst.chunks_exact_mut(MR).enumerate() {
                 for (dst, row) in col.iter_mut().zip(rows) {
                     *dst = row[x];
@@ -721,12 +724,8 @@ fn write_panel<M: Exp2Math, const WIDE: bool>(
     (out, lse): (&mut [&mut [f32]], &mut [f32]),
 ) {
     // A query that saw no key is written as exactly 0, whatever reached O (`finalize`).
-    let (mut inv, mut live) = ([0.0f32; NR], 0u16);
-    for (lane, st) in states.iter().enumerate() {
-        let (i, l) = finalize(st, u, math);
-        (inv[lane], lse[lane]) = (i, l);
-        live |= u16::from(st.l != 0.0) << lane;
-    }
+    let mut inv = [0.0f32; NR];
+    let live = finalize_panel(states, u, math, &mut inv, lse);
     if WIDE && simd::write_panel_rows(op, &inv, live, d, out) {
         return;
     }
@@ -1302,6 +1301,37 @@ mod tests {
             }
             assert_eq!((scr.q.len(), scr.s.len(), scr.o.len()), (BR * d, BR * BC, BR * round_up(d, MR)));
         }
+    }
+
+    /// `finalize_panel` is `finalize` lane by lane, bit for bit: rows that saw no key, NaN and
+    /// infinite states, tiny and huge sums, partial panels, both arithmetics' LSE offsets.
+    #[test]
+    fn finalize_panel_is_finalize_per_lane() {
+        use crate::numerics::softmax_math::SoftmaxMath;
+        use softmax::finalize;
+        let specials = [0.0f32, 1.0, 1.0e-38, 3.0e38, f32::NAN, f32::INFINITY, 0.75, 123.456];
+        let states: Vec<RowState> = (0..NR * 5)
+            .map(|i| RowState { m: [-1.0e30, 0.0, 7.5, f32::NEG_INFINITY, f32::NAN][i % 5], l: specials[i % 8] })
+            .collect();
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        fn check<M: Exp2Math>(states: &[RowState], math: &M, bits: &dyn Fn(&[f32]) -> Vec<u32>) {
+            for u in [1.0f32, 0.125, 0.088] {
+                for chunk in states.windows(NR).step_by(3).chain(states.chunks(7)) {
+                    let mut inv = [f32::NAN; NR];
+                    let mut lse = vec![f32::NAN; chunk.len()];
+                    let live = finalize_panel(chunk, u, math, &mut inv, &mut lse);
+                    for (lane, st) in chunk.iter().enumerate() {
+                        let (i, l) = finalize(st, u, math);
+                        assert_eq!(bits(&[inv[lane], lse[lane]]), bits(&[i, l]), "{st:?} u {u}");
+                        assert_eq!(live >> lane & 1 == 1, st.l != 0.0, "{st:?}");
+                    }
+                    assert!(chunk.len() == NR || live >> chunk.len() == 0, "lanes past the panel are not live");
+                }
+            }
+        }
+        check(&states, &Native, &bits);
+        // FP8's arithmetic: P carries a scale, taken out of the LSE.
+        check(&states, &SoftmaxMath { degree: 5, lazy: None, fp8_p: true }, &bits);
     }
 
     #[test]

@@ -434,6 +434,85 @@ fn write_panel_rows_avx512(op: &[f32], inv: &[f32; NR], live: u16, d: usize, out
     }
 }
 
+/// Where lane `l` of output vector `j` of [`pack_strip`] comes from: float `f = 16j + l` of
+/// the 96 a 16-column block of six rows packs to is column `x = f / 6` of row `i = f % 6`, taken
+/// from the pair of rows `i / 2` as index `x + 16·(i % 2)` (the second of the pair's rows).
+const PACK_IDX: [[i32; NR]; MR] = {
+    let mut idx = [[0; NR]; MR];
+    let mut f = 0;
+    while f < NR * MR {
+        idx[f / NR][f % NR] = ((f / MR) + NR * (f % MR % 2)) as i32;
+        f += 1;
+    }
+    idx
+};
+
+/// The lanes of output vector `j` of [`pack_strip`] that come from the pair of rows `p`.
+const PACK_PAIR: [[u16; MR / 2]; MR] = {
+    let mut m = [[0; MR / 2]; MR];
+    let mut f = 0;
+    while f < NR * MR {
+        m[f / NR][f % MR / 2] |= 1 << (f % NR);
+        f += 1;
+    }
+    m
+};
+
+/// A strip of six key rows (`rows`, each at least `d` f32; the missing ones `ZEROS`) packed
+/// column by column, the micro-kernel's A operand: `dst[x·6 + i] = rows[i][x]` for `x < d`, 16
+/// columns (96 floats, six vectors) at a time from three two-source permutes per vector where
+/// the scalar loop moves one float per load and store. `false` when this CPU lacks AVX-512F
+/// (the caller then runs its scalar loop).
+#[inline]
+pub(crate) fn pack_strip(rows: &[&[f32]; MR], d: usize, dst: &mut [f32]) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx512f") {
+        // SAFETY: AVX-512F was just detected on this CPU, the only requirement of
+        // `pack_strip_avx512` (its slice lengths it checks itself).
+        unsafe { pack_strip_avx512(rows, d, dst) };
+        return true;
+    }
+    let _ = (rows, d, dst);
+    false
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn pack_strip_avx512(rows: &[&[f32]; MR], d: usize, dst: &mut [f32]) {
+    use std::arch::x86_64::*;
+    assert!(dst.len() >= d * MR && rows.iter().all(|r| r.len() >= d));
+    // SAFETY (both): each array is 16 i32.
+    let idx: [__m512i; MR] = std::array::from_fn(|j| unsafe { _mm512_loadu_si512(PACK_IDX[j].as_ptr().cast()) });
+    let mut x0 = 0;
+    while x0 < d {
+        let w = (d - x0).min(NR);
+        let mask: __mmask16 = if w == NR { !0 } else { (1u16 << w) - 1 };
+        let mut r = [_mm512_setzero_ps(); MR];
+        for (ri, row) in r.iter_mut().zip(rows) {
+            // SAFETY: `row` holds at least `x0 + w` f32 (asserted: `d` of them) and the mask
+            // enables only the first `w` lanes (masked lanes are not read).
+            *ri = unsafe { _mm512_maskz_loadu_ps(mask, row.as_ptr().add(x0)) };
+        }
+        let out = &mut dst[x0 * MR..(x0 + w) * MR];
+        for (j, ix) in idx.iter().enumerate() {
+            let (lo, n) = (j * NR, (w * MR).saturating_sub(j * NR).min(NR));
+            if n == 0 {
+                break;
+            }
+            let [p0, p1, p2] = PACK_PAIR[j];
+            let v = _mm512_maskz_permutex2var_ps(p0, r[0], *ix, r[1]);
+            let v = _mm512_mask_blend_ps(p1, v, _mm512_permutex2var_ps(r[2], *ix, r[3]));
+            let v = _mm512_mask_blend_ps(p2, v, _mm512_permutex2var_ps(r[4], *ix, r[5]));
+            let keep: __mmask16 = if n == NR { !0 } else { (1u16 << n) - 1 };
+            let o = &mut out[lo..lo + n];
+            // SAFETY: `o` holds `n` f32 and the mask enables only the first `n` lanes (masked
+            // lanes are neither read nor written).
+            unsafe { _mm512_mask_storeu_ps(o.as_mut_ptr(), keep, v) };
+        }
+        x0 += NR;
+    }
+}
+
 /// The Qᵀ panel of up to 16 query rows (`rows`, each `d` f32; the missing ones `ZEROS`):
 /// `dst[x * NR + lane] = rows[lane][x]`, 16×16 blocks transposed in registers (`transpose16`)
 /// where the scalar loop moves one float per load and store. `false` when this CPU lacks
@@ -504,6 +583,37 @@ mod tests {
                     }
                 }
                 assert!(q[d * NR..].iter().all(|&v| v == -1.0), "d {d}: wrote past the panel");
+            }
+        }
+    }
+
+    /// `pack_strip` places every element where the scalar loop of `pack_heads` does: every
+    /// head_dim remainder mod 16 (partial output vectors), up to MAX_HEAD_DIM, fewer rows than a
+    /// strip (zero rows), rows a stride apart, NaN and infinities moved as they are.
+    #[test]
+    fn pack_strip_matches_the_scalar_layout() {
+        if !std::is_x86_feature_detected!("avx512f") {
+            eprintln!("this CPU has no AVX-512: nothing to compare");
+            return;
+        }
+        let max = crate::cpu::MAX_HEAD_DIM;
+        let zeros = vec![0.0f32; max];
+        for d in (1..=40).chain([47, 48, 63, 64, 65, 72, 96, 100, 128, 200, 256, max]) {
+            let stride = d + 5;
+            let mut data: Vec<f32> = (0..MR * stride).map(|i| i as f32 * 0.75 - 3.0).collect();
+            data[stride + d - 1] = f32::NAN;
+            data[2] = f32::INFINITY;
+            for n in 1..=MR {
+                let rows: [&[f32]; MR] =
+                    std::array::from_fn(|r| if r < n { &data[r * stride..r * stride + d] } else { &zeros[..d] });
+                let mut k = vec![-1.0f32; d * MR + 7];
+                assert!(pack_strip(&rows, d, &mut k));
+                for x in 0..d {
+                    for (i, row) in rows.iter().enumerate() {
+                        assert_eq!(k[x * MR + i].to_bits(), row[x].to_bits(), "d {d} n {n} x {x} row {i}");
+                    }
+                }
+                assert!(k[d * MR..].iter().all(|&v| v == -1.0), "d {d}: wrote past the strip");
             }
         }
     }

@@ -183,3 +183,42 @@ pub fn finalize<M: Exp2Math>(st: &RowState, u: f32, math: &M) -> (f32, f32) {
     }
     (1.0 / st.l, st.m * u + (st.l.log2() - math.p_offset()) * std::f32::consts::LN_2)
 }
+
+/// [`finalize`] for a panel of up to `NR` queries, bit for bit: `(1 / l, lse)` into `inv` and
+/// `lse` (`states.len()` of each), and the mask of queries that saw a key. The `log2` calls
+/// (libm's) run in a loop of their own and the rest in lane-wise loops that vectorise: with the
+/// arithmetic between them, each call was preceded by a scalar division and stack spills around
+/// it, about a tenth of a short-sequence call's time.
+#[inline(always)]
+pub fn finalize_panel<M: Exp2Math>(
+    states: &[RowState],
+    u: f32,
+    math: &M,
+    inv: &mut [f32; NR],
+    lse: &mut [f32],
+) -> u16 {
+    let n = states.len().min(NR);
+    let mut l = [1.0f32; NR];
+    let mut m = [0.0f32; NR];
+    for (lane, st) in states[..n].iter().enumerate() {
+        (l[lane], m[lane]) = (st.l, st.m);
+    }
+    let mut log = [0.0f32; NR];
+    for lane in 0..n {
+        log[lane] = l[lane].log2();
+    }
+    let mut live = 0u16;
+    for lane in 0..NR {
+        let seen = l[lane] != 0.0;
+        inv[lane] = if seen { 1.0 / l[lane] } else { 0.0 };
+        live |= u16::from(seen && lane < n) << lane;
+    }
+    for (lane, x) in lse[..n].iter_mut().enumerate() {
+        *x = if l[lane] != 0.0 {
+            m[lane] * u + (log[lane] - math.p_offset()) * std::f32::consts::LN_2
+        } else {
+            f32::NEG_INFINITY
+        };
+    }
+    live
+}
