@@ -238,6 +238,9 @@ fn pack_heads(
             }
             // Per column strip, the strip's six keys are 36 consecutive f32: six columns of
             // each key (fixed-size copies; the last column strip holds d % 6 columns).
+            if simd::pack_v_strip(&rows, d, &mut vp[strip * MR * MR..], sk_pad * MR) {
+                continue;
+            }
             for (c, col_strip) in vp.chunks_exact_mut(sk_pad * MR).enumerate() {
                 let dst = &mut col_strip[strip * MR * MR..(strip + 1) * MR * MR];
                 for (key, row) in dst.chunks_exact_mut(MR).zip(rows) {

@@ -513,6 +513,49 @@ fn pack_strip_avx512(rows: &[&[f32]; MR], d: usize, dst: &mut [f32]) {
     }
 }
 
+/// A strip of six rows of V (`rows`, each at least `d` f32; the missing ones `ZEROS`) into
+/// the micro-kernel's A operand of the second product: column strip `c` (columns `6c..6c + 6`)
+/// of key `i` at `dst[c·stride + 6i..][..6]`, the columns past `d` of the last column strip
+/// written as 0. One masked load and one masked store per six floats, where the scalar copy
+/// branched on each strip's width. `false` when this CPU lacks AVX-512F (the caller then runs
+/// its scalar loop).
+#[inline]
+pub(crate) fn pack_v_strip(rows: &[&[f32]; MR], d: usize, dst: &mut [f32], stride: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx512f") {
+        // SAFETY: AVX-512F was just detected on this CPU, the only requirement of
+        // `pack_v_strip_avx512` (its slice lengths it checks itself).
+        unsafe { pack_v_strip_avx512(rows, d, dst, stride) };
+        return true;
+    }
+    let _ = (rows, d, dst, stride);
+    false
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn pack_v_strip_avx512(rows: &[&[f32]; MR], d: usize, dst: &mut [f32], stride: usize) {
+    use std::arch::x86_64::*;
+    let strips = d.div_ceil(MR);
+    assert!(rows.iter().all(|r| r.len() >= d) && stride >= MR * MR);
+    assert!(strips == 0 || dst.len() >= (strips - 1) * stride + MR * MR);
+    const SIX: __mmask16 = (1 << MR) - 1;
+    for c in 0..strips {
+        let w = (d - c * MR).min(MR);
+        let load: __mmask16 = (1 << w) - 1;
+        let out = &mut dst[c * stride..c * stride + MR * MR];
+        for (row, key) in rows.iter().zip(out.chunks_exact_mut(MR)) {
+            // SAFETY: `row` holds at least `c·6 + w` f32 (`d` of them) and the mask enables only
+            // the first `w` lanes (masked lanes are not read); `key` holds 6 f32 and the store
+            // writes the first 6 lanes only.
+            unsafe {
+                let x = _mm512_maskz_loadu_ps(load, row.as_ptr().add(c * MR));
+                _mm512_mask_storeu_ps(key.as_mut_ptr(), SIX, x);
+            }
+        }
+    }
+}
+
 /// The Qᵀ panel of up to 16 query rows (`rows`, each `d` f32; the missing ones `ZEROS`):
 /// `dst[x * NR + lane] = rows[lane][x]`, 16×16 blocks transposed in registers (`transpose16`)
 /// where the scalar loop moves one float per load and store. `false` when this CPU lacks
@@ -614,6 +657,43 @@ mod tests {
                     }
                 }
                 assert!(k[d * MR..].iter().all(|&v| v == -1.0), "d {d}: wrote past the strip");
+            }
+        }
+    }
+
+    /// `pack_v_strip` writes what the scalar copy of `pack_heads` and the padding of
+    /// `packed_buffers` leave: every head_dim remainder mod 6, up to MAX_HEAD_DIM, fewer rows
+    /// than a strip (zero rows), NaN and infinities moved as they are, nothing between strips.
+    #[test]
+    fn pack_v_strip_matches_the_scalar_layout() {
+        if !std::is_x86_feature_detected!("avx512f") {
+            eprintln!("this CPU has no AVX-512: nothing to compare");
+            return;
+        }
+        let max = crate::cpu::MAX_HEAD_DIM;
+        let zeros = vec![0.0f32; max];
+        for d in (1..=40).chain([63, 64, 65, 72, 100, 128, 256, max]) {
+            let rs = d + 3;
+            let mut data: Vec<f32> = (0..MR * rs).map(|i| i as f32 * 0.5 - 7.0).collect();
+            data[rs + d - 1] = f32::NAN;
+            data[1] = f32::NEG_INFINITY;
+            let stride = MR * MR + 12;
+            let strips = d.div_ceil(MR);
+            for n in 1..=MR {
+                let rows: [&[f32]; MR] =
+                    std::array::from_fn(|r| if r < n { &data[r * rs..r * rs + d] } else { &zeros[..d] });
+                let mut v = vec![-1.0f32; strips * stride];
+                assert!(pack_v_strip(&rows, d, &mut v, stride));
+                for c in 0..strips {
+                    for (i, row) in rows.iter().enumerate() {
+                        for col in 0..MR {
+                            let want = row.get(c * MR + col).copied().unwrap_or(0.0);
+                            let got = v[c * stride + i * MR + col];
+                            assert_eq!(got.to_bits(), want.to_bits(), "d {d} n {n} strip {c} key {i} col {col}");
+                        }
+                    }
+                    assert!(v[c * stride + MR * MR..(c + 1) * stride].iter().all(|&x| x == -1.0), "d {d}");
+                }
             }
         }
     }
