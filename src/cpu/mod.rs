@@ -480,6 +480,16 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
     let panels = nrows.div_ceil(NR);
 
     fill_q_panels::<PAIR>(q, (b, h, i0, i1), d, &mut scr.q, &mut scr.q_row);
+    // The caller's output rows, asked for into L2 while the products run: written straight
+    // from the panels at the end, their lines would otherwise each miss then (a store buffer
+    // full of misses stalls the next panel's stores).
+    if let BlockOut::Rows(rows) = &o_out {
+        for row in rows.iter() {
+            for line in row.chunks(16) {
+                simd::prefetch_l2(line.as_ptr().cast());
+            }
+        }
+    }
     scr.o[..panels * NR * dv].iter_mut().for_each(|x| *x = 0.0);
     scr.rows[..panels * NR].iter_mut().for_each(|r| *r = RowState::EMPTY);
 
