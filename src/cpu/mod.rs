@@ -803,16 +803,8 @@ fn attend_into<M: Exp2Math, T: OutElem>(
     }
 }
 
-/// Head-major work item: (b, kv heads, the K/V rows to prefetch meanwhile), with the output rows
-/// and LSEs of all their query heads.
-type HeadItem<'r, 'o, T> = ((usize, Range<usize>, Option<(usize, Range<usize>)>), &'r mut [&'o mut [T]], &'r mut [f32]);
-
-/// Raw K/V bytes (both) of the item `nthreads` places on in the head-major order that an item
-/// asks for into L2 while it computes, at most: that is likely the next item of this worker,
-/// and its `pack_heads` then reads L2 instead of waiting on memory (on short sequences the pack
-/// was a sixth of the time, most of it the misses of its loads). Half of a 2 MB L2, with the
-/// item's own packed K/V (as large) beside it; larger items are left to the hardware.
-const NEXT_ITEM_PREFETCH_BYTES: usize = 1 << 20;
+/// Head-major work item: (b, kv heads), with the output rows and LSEs of all their query heads.
+type HeadItem<'r, 'o, T> = ((usize, Range<usize>), &'r mut [&'o mut [T]], &'r mut [f32]);
 
 /// Work item: (b, kv head, q head, row range), with its output rows and LSEs.
 type Item<'r, 'o, T> = ((usize, usize, usize, usize, usize), &'r mut [&'o mut [T]], &'r mut [f32]);
@@ -1060,34 +1052,16 @@ fn tiled<M: Exp2Math, T: OutElem>(
                 let (o_item, o_tail) = std::mem::take(&mut o_rest).split_at_mut((hk1 - hk0) * rows_per_kv);
                 let (l_item, l_tail) = std::mem::take(&mut lse_rest).split_at_mut((hk1 - hk0) * rows_per_kv);
                 (o_rest, lse_rest) = (o_tail, l_tail);
-                head_items.push(((b, hk0..hk1, None), o_item, l_item));
-            }
-        }
-        let raw_bytes = per_item * p.seqlen_k * d * (k.dtype().size() + v.dtype().size());
-        if raw_bytes <= NEXT_ITEM_PREFETCH_BYTES {
-            for i in nthreads..head_items.len() {
-                let (b, heads, _) = head_items[i].0.clone();
-                head_items[i - nthreads].0.2 = Some((b, heads));
+                head_items.push(((b, hk0..hk1), o_item, l_item));
             }
         }
     }
-    parallel::for_each(&mut head_items, nthreads, worker, |(scr, o_blk, buf), ((b, heads, next), o, l)| {
+    parallel::for_each(&mut head_items, nthreads, worker, |(scr, o_blk, buf), ((b, heads), o, l)| {
         let packed = match pack_heads(p, &sz, (k, v), *b, heads.clone(), buf) {
             Ok(kv) => kv,
             Err(e) => {
                 failed.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e);
                 return;
-            }
-        };
-        // The next item's keys, a share after each block (into L2, spread over the item).
-        let units = packed.len() * p.group() * nblocks;
-        let mut unit = 0;
-        let mut prefetch_next = || {
-            if let Some((nb, nheads)) = next {
-                let (s0, s1) = (unit * p.seqlen_k / units, (unit + 1) * p.seqlen_k / units);
-                prefetch_rows(k, (*nb, s0, nheads.clone()), s1 - s0, true);
-                prefetch_rows(v, (*nb, s0, nheads.clone()), s1 - s0, true);
-                unit += 1;
             }
         };
         for (hi, kv) in packed.iter().enumerate() {
@@ -1098,7 +1072,6 @@ fn tiled<M: Exp2Math, T: OutElem>(
                     let r0 = (hi * p.group() + gi) * p.seqlen_q + i0;
                     let out = (&mut o[r0..r0 + i1 - i0], &mut o_blk[..], &mut l[r0..r0 + i1 - i0]);
                     attend_into(p, q, kv, (*b, h, i0, i1), sm, &math, scr, out, isa);
-                    prefetch_next();
                 }
             }
         }
