@@ -198,27 +198,26 @@ pub fn finalize_panel<M: Exp2Math>(
     lse: &mut [f32],
 ) -> u16 {
     let n = states.len().min(NR);
-    let mut l = [1.0f32; NR];
-    let mut m = [0.0f32; NR];
+    // Every lane computed (the padding as l = 1), the `n` wanted ones kept: whole-array loops.
+    let (mut l, mut m) = ([1.0f32; NR], [0.0f32; NR]);
     for (lane, st) in states[..n].iter().enumerate() {
         (l[lane], m[lane]) = (st.l, st.m);
     }
     let mut log = [0.0f32; NR];
-    for lane in 0..n {
+    for lane in 0..NR {
         log[lane] = l[lane].log2();
     }
-    let mut live = 0u16;
+    let (mut out, mut live) = ([0.0f32; NR], 0u16);
     for lane in 0..NR {
         let seen = l[lane] != 0.0;
         inv[lane] = if seen { 1.0 / l[lane] } else { 0.0 };
-        live |= u16::from(seen && lane < n) << lane;
+        let x = m[lane] * u + (log[lane] - math.p_offset()) * std::f32::consts::LN_2;
+        out[lane] = if seen { x } else { f32::NEG_INFINITY };
+        live |= u16::from(seen) << lane;
     }
-    for (lane, x) in lse[..n].iter_mut().enumerate() {
-        *x = if l[lane] != 0.0 {
-            m[lane] * u + (log[lane] - math.p_offset()) * std::f32::consts::LN_2
-        } else {
-            f32::NEG_INFINITY
-        };
+    lse[..n].copy_from_slice(&out[..n]);
+    if n < NR {
+        live &= (1 << n) - 1;
     }
     live
 }
