@@ -511,6 +511,10 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
         let j1 = (j0 + BC).min(round_up(hi_all, MR)).min(sk_pad);
         let cols = j1 - j0;
         let full_tile = j0 >= inner_lo && j1 <= inner_hi;
+        // Every row sees every key of the tile short of seqlen_k: the mask sets only the last
+        // strip's padding keys to −inf (every row's range ends at seqlen_k), so a max over the
+        // keys before them is the softmax's.
+        let pad_only = j0 >= inner_lo && j1.min(p.seqlen_k) <= inner_hi;
         // This panel's part of the tile: local keys c0..c1 (multiples of MR), if any.
         let part = |pn: usize| {
             let (plo, phi) = panel_keys[pn];
@@ -535,10 +539,11 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
             // Sᵀ = K·Qᵀ, six keys at a time (AVX-512: with the softmax's max pass fused in).
             let mut tile_max = [[f32::NEG_INFINITY; NR]; 2];
             let k_tile = &kv.k[k0 * d..k1 * d];
+            let keys = k1.min(p.seqlen_k).saturating_sub(k0);
             let fused = if pair {
                 let q1 = &scr.q[(pn + 1) * d * NR..(pn + 2) * d * NR];
                 let [m0, m1] = &mut tile_max;
-                let fused = PAIR && simd::product_max::<2>(k_tile, [q0, q1], [&mut *sp0, &mut *sp1], [m0, m1]);
+                let fused = PAIR && simd::product_max::<2>(k_tile, [q0, q1], [&mut *sp0, &mut *sp1], ([m0, m1], keys));
                 if !fused {
                     let strips = sp0.chunks_exact_mut(MR * NR).zip(sp1.chunks_exact_mut(MR * NR));
                     for (ks, (s6a, s6b)) in strips.enumerate() {
@@ -551,7 +556,7 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
                 }
                 fused
             } else {
-                let fused = PAIR && simd::product_max::<1>(k_tile, [q0], [&mut *sp0], [&mut tile_max[0]]);
+                let fused = PAIR && simd::product_max::<1>(k_tile, [q0], [&mut *sp0], ([&mut tile_max[0]], keys));
                 if !fused {
                     for (ks, s6) in sp0.chunks_exact_mut(MR * NR).enumerate() {
                         let mut acc: Acc = [[0.0; NR]; MR];
@@ -562,8 +567,8 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
                 fused
             };
             // The max taken in the product is the softmax's only while nothing changes the
-            // scores in between (no softcap, ALiBi or mask).
-            let fused = fused && full_tile && !sm.natural;
+            // scores in between (no softcap, ALiBi, or mask short of the padding keys).
+            let fused = fused && pad_only && !sm.natural;
             let (o_lo, o_hi) = scr.o.split_at_mut((pn + 1) * dv * NR);
             let op0 = &mut o_lo[pn * dv * NR..];
             let op1 = &mut o_hi[..if pair { dv * NR } else { 0 }];

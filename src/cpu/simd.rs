@@ -170,9 +170,11 @@ fn running_max(
 /// pass fused in: `s[t] = k·b[t]`, where `k` holds the tile's strips of `MR` keys of K (`kc`
 /// steps of `MR` each, `kc` = head_dim), `b[t]` is a Qᵀ panel (`kc` rows of `NR`) and `s[t]` the
 /// `[keys][NR]` scores, each strip exactly `gemm::micro_kernel` (`_x2`) from zero; and
-/// `tile_max[t]` folded over the score rows in key order, as `panel_max` over the panel: taken
-/// while the scores are still in registers, where the softmax would read them back in a chain
-/// of dependent maxes. One call per tile (not per strip): the strips' loop is in here.
+/// `tile_max[t]` folded over the first `keys` score rows in key order, as `panel_max` over them:
+/// taken while the scores are still in registers, where the softmax would read them back in a
+/// chain of dependent maxes (`keys` short of the tile: the padding keys of the last strip, which
+/// the mask then sets to −inf, no-ops of the max). One call per tile (not per strip): the
+/// strips' loop is in here.
 ///
 /// `false` when this CPU lacks AVX-512F (the caller then runs those).
 #[inline(always)]
@@ -180,16 +182,16 @@ pub(crate) fn product_max<const N: usize>(
     k: &[f32],
     b: [&[f32]; N],
     s: [&mut [f32]; N],
-    tile_max: [&mut [f32; NR]; N],
+    (tile_max, keys): ([&mut [f32; NR]; N], usize),
 ) -> bool {
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx512f") {
         // SAFETY: AVX-512F was just detected on this CPU, the only requirement of
         // `product_max_avx512` (its slice lengths it checks itself).
-        unsafe { product_max_avx512::<N>(k, b, s, tile_max) };
+        unsafe { product_max_avx512::<N>(k, b, s, (tile_max, keys)) };
         return true;
     }
-    let _ = (k, b, s, tile_max);
+    let _ = (k, b, s, tile_max, keys);
     false
 }
 
@@ -197,7 +199,12 @@ pub(crate) fn product_max<const N: usize>(
 #[allow(clippy::needless_range_loop)]
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-fn product_max_avx512<const N: usize>(k: &[f32], b: [&[f32]; N], s: [&mut [f32]; N], tile_max: [&mut [f32; NR]; N]) {
+fn product_max_avx512<const N: usize>(
+    k: &[f32],
+    b: [&[f32]; N],
+    s: [&mut [f32]; N],
+    (tile_max, keys): ([&mut [f32; NR]; N], usize),
+) {
     use std::arch::x86_64::*;
     let kc = b[0].len() / NR;
     let strips = s[0].len() / (MR * NR);
@@ -221,7 +228,9 @@ fn product_max_avx512<const N: usize>(k: &[f32], b: [&[f32]; N], s: [&mut [f32];
                 // SAFETY: `s[t]` holds `strips` blocks of MR rows of 16 (checked above).
                 unsafe { _mm512_storeu_ps(s[t].as_mut_ptr().add((st * MR + i) * NR), acc[t][i]) };
             }
-            mx[t] = running_max(mx[t], acc[t].into_iter());
+            // Rows past `keys` (the last strip's padding only) are left out.
+            let rows = keys.saturating_sub(st * MR).min(MR);
+            mx[t] = running_max(mx[t], acc[t].into_iter().take(rows));
         }
     }
     for t in 0..N {
@@ -811,7 +820,7 @@ mod tests {
         let mut m = [init, init];
         let [s0, s1] = &mut s;
         let [m0, m1] = &mut m;
-        if !product_max::<2>(&k, [&q0, &q1], [s0, s1], [m0, m1]) {
+        if !product_max::<2>(&k, [&q0, &q1], [s0, s1], ([m0, m1], strips * MR)) {
             eprintln!("this CPU has no AVX-512F: the fused products are compiled but not run here");
             return;
         }
@@ -828,9 +837,22 @@ mod tests {
             assert_eq!(bits(&m[t]), bits(&panel_max(&rows)), "panel {t}: max");
         }
         let (mut s1only, mut m1only) = (vec![0.0f32; strips * MR * NR], init);
-        assert!(product_max::<1>(&k, [&q1], [&mut s1only], [&mut m1only]));
+        assert!(product_max::<1>(&k, [&q1], [&mut s1only], ([&mut m1only], strips * MR)));
         assert_eq!(bits(&s1only), bits(&want[1]), "single panel: scores");
         assert_eq!(bits(&m1only), bits(&m[1]), "single panel: max");
+        // The max over the first `keys` rows only (the scores all the same).
+        for keys in 0..strips * MR {
+            let mut m2 = [init, init];
+            let [m20, m21] = &mut m2;
+            let mut s2 = [vec![0.0f32; strips * MR * NR], vec![0.0f32; strips * MR * NR]];
+            let [s20, s21] = &mut s2;
+            assert!(product_max::<2>(&k, [&q0, &q1], [s20, s21], ([m20, m21], keys)));
+            for t in 0..2 {
+                assert_eq!(bits(&s2[t]), bits(&want[t]), "keys {keys}: scores");
+                let rows = [init.as_slice(), &want[t][..keys * NR]].concat();
+                assert_eq!(bits(&m2[t]), bits(&panel_max(&rows)), "keys {keys} panel {t}: max");
+            }
+        }
 
         // Second product: 2 strips of 6 columns of V, 13 keys, strips `stride` apart.
         let (keys, strips, stride) = (13, 2, 13 * MR + 7);
