@@ -198,14 +198,16 @@ pub fn finalize_panel<M: Exp2Math>(
     lse: &mut [f32],
 ) -> u16 {
     let n = states.len().min(NR);
+    // The calls first, each reading its argument from `states` (every vector register is
+    // caller-saved: values computed before the calls would be spilled around each of them).
+    let mut log = [0.0f32; NR];
+    for (x, st) in log.iter_mut().zip(&states[..n]) {
+        *x = st.l.log2();
+    }
     // Every lane computed (the padding as l = 1), the `n` wanted ones kept: whole-array loops.
     let (mut l, mut m) = ([1.0f32; NR], [0.0f32; NR]);
     for (lane, st) in states[..n].iter().enumerate() {
         (l[lane], m[lane]) = (st.l, st.m);
-    }
-    let mut log = [0.0f32; NR];
-    for lane in 0..NR {
-        log[lane] = l[lane].log2();
     }
     let (mut out, mut live) = ([0.0f32; NR], 0u16);
     for lane in 0..NR {
