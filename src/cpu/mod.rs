@@ -816,8 +816,8 @@ type Item<'r, 'o, T> = ((usize, usize, usize, usize, usize), &'r mut [&'o mut [T
 
 /// A worker's scratch: the tiled path's panels, a block's normalised f32 output rows for an
 /// f16/bf16 output (`BR × head_dim`, converted into the caller's rows as soon as the block is
-/// done; f32 rows are written in place), and
-/// `MR × head_dim` f32 for widening a strip of f16/bf16 K/V.
+/// done; f32 rows are written in place), and `MR × head_dim` f32 for widening a strip of
+/// f16/bf16 K/V.
 type Worker = (Scratch, Vec<f32>, Vec<f32>);
 
 /// One work item, compiled for `isa` (AVX-512: the paired 6×32 kernel) when the CPU has it.
