@@ -27,7 +27,7 @@ use crate::problem::Problem;
 use crate::tensor::{try_filled, Data, DataMut, Element, Tensor, TensorView};
 use std::ops::Range;
 use gemm::{micro_kernel, micro_kernel_skip_zero_b, micro_kernel_x2, Acc, MR, NR};
-use softmax::{finalize, online_softmax, rescale_o, Exp2Math, RowState};
+use softmax::{finalize_panel, online_softmax, rescale_o, Exp2Math, RowState};
 
 /// Query rows per work item (a multiple of the 16-query panels).
 pub const BR: usize = 96;
@@ -223,6 +223,9 @@ fn pack_heads(
                 *row = row_f32(k, (b, strip * MR + lane, h), lane_buf);
             }
             let kdst = &mut kp[strip * d * MR..(strip + 1) * d * MR];
+            if simd::pack_strip(&rows, d, kdst) {
+                continue;
+            }
             for (x, col) in kdst.chunks_exact_mut(MR).enumerate() {
                 for (dst, row) in col.iter_mut().zip(rows) {
                     *dst = row[x];
@@ -236,6 +239,9 @@ fn pack_heads(
             }
             // Per column strip, the strip's six keys are 36 consecutive f32: six columns of
             // each key (fixed-size copies; the last column strip holds d % 6 columns).
+            if simd::pack_v_strip(&rows, d, &mut vp[strip * MR * MR..], sk_pad * MR) {
+                continue;
+            }
             for (c, col_strip) in vp.chunks_exact_mut(sk_pad * MR).enumerate() {
                 let dst = &mut col_strip[strip * MR * MR..(strip + 1) * MR * MR];
                 for (key, row) in dst.chunks_exact_mut(MR).zip(rows) {
@@ -450,7 +456,7 @@ fn panel_softmax<M: Exp2Math, const FMA: bool, const WIDE: bool>(
 }
 
 /// One work item: query rows `i0..i1` of head `h` against the packed K/V of its kv head.
-/// Writes `(i1 - i0) × d` normalised outputs to `o_out` and the LSEs to `lse_out`.
+/// Writes the `i1 - i0` normalised output rows to `o_out` and the LSEs to `lse_out`.
 ///
 /// Transposed formulation: `Sᵀ = K·Qᵀ` (A = 6 keys, B = 16 queries), softmax down each query
 /// column, `Oᵀ += Vᵀ·Pᵀ` (A = 6 columns of V, B = the Pᵀ panel as it lies): no per-tile packing.
@@ -465,7 +471,7 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
     sm: ScoreMod,
     math: &M,
     scr: &mut Scratch,
-    o_out: &mut [f32],
+    o_out: BlockOut<'_, '_>,
     lse_out: &mut [f32],
 ) {
     let d = p.head_dim;
@@ -475,6 +481,16 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
     let panels = nrows.div_ceil(NR);
 
     fill_q_panels::<PAIR>(q, (b, h, i0, i1), d, &mut scr.q, &mut scr.q_row);
+    // The caller's output rows, asked for into L2 while the products run: written straight
+    // from the panels at the end, their lines would otherwise each miss then (a store buffer
+    // full of misses stalls the next panel's stores).
+    if let BlockOut::Rows(rows) = &o_out {
+        for row in rows.iter() {
+            for line in row.chunks(16) {
+                simd::prefetch_l2(line.as_ptr().cast());
+            }
+        }
+    }
     scr.o[..panels * NR * dv].iter_mut().for_each(|x| *x = 0.0);
     scr.rows[..panels * NR].iter_mut().for_each(|r| *r = RowState::EMPTY);
 
@@ -496,6 +512,10 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
         let j1 = (j0 + BC).min(round_up(hi_all, MR)).min(sk_pad);
         let cols = j1 - j0;
         let full_tile = j0 >= inner_lo && j1 <= inner_hi;
+        // Every row sees every key of the tile short of seqlen_k: the mask sets only the last
+        // strip's padding keys to −inf (every row's range ends at seqlen_k), so a max over the
+        // keys before them is the softmax's.
+        let pad_only = j0 >= inner_lo && j1.min(p.seqlen_k) <= inner_hi;
         // This panel's part of the tile: local keys c0..c1 (multiples of MR), if any.
         let part = |pn: usize| {
             let (plo, phi) = panel_keys[pn];
@@ -520,10 +540,11 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
             // Sᵀ = K·Qᵀ, six keys at a time (AVX-512: with the softmax's max pass fused in).
             let mut tile_max = [[f32::NEG_INFINITY; NR]; 2];
             let k_tile = &kv.k[k0 * d..k1 * d];
+            let keys = k1.min(p.seqlen_k).saturating_sub(k0);
             let fused = if pair {
                 let q1 = &scr.q[(pn + 1) * d * NR..(pn + 2) * d * NR];
                 let [m0, m1] = &mut tile_max;
-                let fused = PAIR && simd::product_max::<2>(k_tile, [q0, q1], [&mut *sp0, &mut *sp1], [m0, m1]);
+                let fused = PAIR && simd::product_max::<2>(k_tile, [q0, q1], [&mut *sp0, &mut *sp1], ([m0, m1], keys));
                 if !fused {
                     let strips = sp0.chunks_exact_mut(MR * NR).zip(sp1.chunks_exact_mut(MR * NR));
                     for (ks, (s6a, s6b)) in strips.enumerate() {
@@ -536,7 +557,7 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
                 }
                 fused
             } else {
-                let fused = PAIR && simd::product_max::<1>(k_tile, [q0], [&mut *sp0], [&mut tile_max[0]]);
+                let fused = PAIR && simd::product_max::<1>(k_tile, [q0], [&mut *sp0], ([&mut tile_max[0]], keys));
                 if !fused {
                     for (ks, s6) in sp0.chunks_exact_mut(MR * NR).enumerate() {
                         let mut acc: Acc = [[0.0; NR]; MR];
@@ -547,8 +568,8 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
                 fused
             };
             // The max taken in the product is the softmax's only while nothing changes the
-            // scores in between (no softcap, ALiBi or mask).
-            let fused = fused && full_tile && !sm.natural;
+            // scores in between (no softcap, ALiBi, or mask short of the padding keys).
+            let fused = fused && pad_only && !sm.natural;
             let (o_lo, o_hi) = scr.o.split_at_mut((pn + 1) * dv * NR);
             let op0 = &mut o_lo[pn * dv * NR..];
             let op1 = &mut o_hi[..if pair { dv * NR } else { 0 }];
@@ -672,7 +693,16 @@ fn fill_q_panels<const WIDE: bool>(
     }
 }
 
-/// A block's normalised output rows (`o_out`, `rows.len() × d`) out of its Oᵀ panels
+/// Where a block's normalised output rows go.
+enum BlockOut<'a, 'o> {
+    /// `rows × head_dim` contiguous f32, converted into the output type afterwards (`store_rows`).
+    Staged(&'a mut [f32]),
+    /// The caller's own f32 output rows (`rows_by_head`), written straight from the Oᵀ panels:
+    /// one pass over the output instead of a block then a copy.
+    Rows(&'a mut [&'o mut [f32]]),
+}
+
+/// A block's normalised output rows (`o_out`, `rows.len()` rows of `d`) out of its Oᵀ panels
 /// (`o`: `[panel][head_dim_pad][NR]`), and its LSEs. `WIDE`: AVX-512 transposes 16×16 blocks
 /// in registers (`simd::write_panel_rows`) where the scalar loop reads with a 16-float stride.
 #[inline(always)]
@@ -682,31 +712,99 @@ fn write_rows<M: Exp2Math, const WIDE: bool>(
     d: usize,
     u: f32,
     math: &M,
-    (o_out, lse_out): (&mut [f32], &mut [f32]),
+    (mut o_out, lse_out): (BlockOut<'_, '_>, &mut [f32]),
 ) {
     let dv = round_up(d, MR);
     for (pn, states) in rows.chunks(NR).enumerate() {
         let r0 = pn * NR;
         let op = &o[pn * dv * NR..(pn + 1) * dv * NR];
-        let out = &mut o_out[r0 * d..(r0 + states.len()) * d];
-        // A query that saw no key is written as exactly 0, whatever reached O (`finalize`).
-        let (mut inv, mut live) = ([0.0f32; NR], 0u16);
-        for (lane, st) in states.iter().enumerate() {
-            let (i, lse) = finalize(st, u, math);
-            (inv[lane], lse_out[r0 + lane]) = (i, lse);
-            live |= u16::from(st.l != 0.0) << lane;
-        }
-        if WIDE && simd::write_panel_rows(op, &inv, live, d, out) {
-            continue;
-        }
-        for (lane, row) in out.chunks_exact_mut(d.max(1)).enumerate() {
-            if live >> lane & 1 == 0 {
-                row.fill(0.0);
-            } else {
-                for (x, dst) in row.iter_mut().enumerate() {
-                    *dst = op[x * NR + lane] * inv[lane];
-                }
+        let lse = &mut lse_out[r0..r0 + states.len()];
+        match &mut o_out {
+            BlockOut::Staged(buf) => {
+                // The panel's rows of the block as row slices (no allocation).
+                let mut chunks = buf[r0 * d..(r0 + states.len()) * d].chunks_exact_mut(d.max(1));
+                let mut staged: [&mut [f32]; NR] = std::array::from_fn(|_| chunks.next().unwrap_or(&mut []));
+                write_panel::<M, WIDE>(op, states, d, (u, math), (&mut staged[..states.len()], lse));
             }
+            BlockOut::Rows(rs) => {
+                write_panel::<M, WIDE>(op, states, d, (u, math), (&mut rs[r0..r0 + states.len()], lse))
+            }
+        }
+    }
+}
+
+/// One Oᵀ panel's normalised rows (`out`: `states.len()` rows of `d`) and LSEs.
+#[inline(always)]
+fn write_panel<M: Exp2Math, const WIDE: bool>(
+    op: &[f32],
+    states: &[RowState],
+    d: usize,
+    (u, math): (f32, &M),
+    (out, lse): (&mut [&mut [f32]], &mut [f32]),
+) {
+    // A query that saw no key is written as exactly 0, whatever reached O (`finalize`).
+    let mut inv = [0.0f32; NR];
+    let live = finalize_panel(states, u, math, &mut inv, lse);
+    if WIDE && simd::write_panel_rows(op, &inv, live, d, out) {
+        return;
+    }
+    for (lane, row) in out.iter_mut().enumerate() {
+        if live >> lane & 1 == 0 {
+            row.fill(0.0);
+        } else {
+            for (x, dst) in row.iter_mut().enumerate() {
+                *dst = op[x * NR + lane] * inv[lane];
+            }
+        }
+    }
+}
+
+/// The output element types: f32 rows are written straight from the Oᵀ panels
+/// ([`BlockOut::Rows`]), f16/bf16 ones through a staged f32 block.
+trait OutElem: Element {
+    /// `rows` as f32 rows, where `Self` is f32.
+    fn as_f32_rows<'a, 'o>(rows: &'a mut [&'o mut [Self]]) -> Option<&'a mut [&'o mut [f32]]>;
+}
+
+impl OutElem for f32 {
+    fn as_f32_rows<'a, 'o>(rows: &'a mut [&'o mut [f32]]) -> Option<&'a mut [&'o mut [f32]]> {
+        Some(rows)
+    }
+}
+
+impl OutElem for half::f16 {
+    fn as_f32_rows<'a, 'o>(_: &'a mut [&'o mut [Self]]) -> Option<&'a mut [&'o mut [f32]]> {
+        None
+    }
+}
+
+impl OutElem for half::bf16 {
+    fn as_f32_rows<'a, 'o>(_: &'a mut [&'o mut [Self]]) -> Option<&'a mut [&'o mut [f32]]> {
+        None
+    }
+}
+
+/// A block's output: straight into the caller's rows `o` (f32), else staged in `blk` (the
+/// worker's `BR × head_dim` f32) and converted.
+#[allow(clippy::too_many_arguments)]
+fn attend_into<M: Exp2Math, T: OutElem>(
+    p: &Problem,
+    q: &TensorView,
+    kv: &PackedKv,
+    at: (usize, usize, usize, usize),
+    sm: ScoreMod,
+    math: &M,
+    scr: &mut Scratch,
+    (o, blk, lse): (&mut [&mut [T]], &mut [f32], &mut [f32]),
+    isa: Isa,
+) {
+    let d = p.head_dim;
+    match T::as_f32_rows(o) {
+        Some(rows) => attend_any(p, q, kv, at, sm, math, scr, (BlockOut::Rows(rows), lse), isa),
+        None => {
+            let blk = &mut blk[..o.len() * d];
+            attend_any(p, q, kv, at, sm, math, scr, (BlockOut::Staged(&mut *blk), lse), isa);
+            store_rows(blk, o, d);
         }
     }
 }
@@ -717,9 +815,10 @@ type HeadItem<'r, 'o, T> = ((usize, Range<usize>), &'r mut [&'o mut [T]], &'r mu
 /// Work item: (b, kv head, q head, row range), with its output rows and LSEs.
 type Item<'r, 'o, T> = ((usize, usize, usize, usize, usize), &'r mut [&'o mut [T]], &'r mut [f32]);
 
-/// A worker's scratch: the tiled path's panels, a block's normalised f32 output rows
-/// (`BR × head_dim`, converted into the caller's rows as soon as the block is done), and
-/// `MR × head_dim` f32 for widening a strip of f16/bf16 K/V.
+/// A worker's scratch: the tiled path's panels, a block's normalised f32 output rows for an
+/// f16/bf16 output (`BR × head_dim`, converted into the caller's rows as soon as the block is
+/// done; f32 rows are written in place), and `MR × head_dim` f32 for widening a strip of
+/// f16/bf16 K/V.
 type Worker = (Scratch, Vec<f32>, Vec<f32>);
 
 /// One work item, compiled for `isa` (AVX-512: the paired 6×32 kernel) when the CPU has it.
@@ -732,7 +831,7 @@ fn attend_any<M: Exp2Math>(
     sm: ScoreMod,
     math: &M,
     scr: &mut Scratch,
-    out: (&mut [f32], &mut [f32]),
+    out: (BlockOut<'_, '_>, &mut [f32]),
     isa: Isa,
 ) {
     // The detection is repeated (a cached atomic load) so that the safety of each call below
@@ -752,7 +851,7 @@ fn attend_any<M: Exp2Math>(
                 sm: ScoreMod,
                 math: &M,
                 scr: &mut Scratch,
-                (o, lse): (&mut [f32], &mut [f32]),
+                (o, lse): (BlockOut<'_, '_>, &mut [f32]),
             ) {
                 attend_block::<M, $simd, $wide>(p, q, kv, at, sm, math, scr, o, lse)
             }
@@ -907,7 +1006,7 @@ fn store_rows<T: Element>(src: &[f32], dst: &mut [&mut [T]], d: usize) {
 }
 
 /// [`forward_with_into`] for the output element type `T`.
-fn tiled<M: Exp2Math, T: Element>(
+fn tiled<M: Exp2Math, T: OutElem>(
     p: &Problem,
     (q, k, v): (&TensorView, &TensorView, &TensorView),
     math: M,
@@ -975,9 +1074,8 @@ fn tiled<M: Exp2Math, T: Element>(
                 for blk in 0..nblocks {
                     let (i0, i1) = (blk * BR, ((blk + 1) * BR).min(p.seqlen_q));
                     let r0 = (hi * p.group() + gi) * p.seqlen_q + i0;
-                    let o_blk = &mut o_blk[..(i1 - i0) * d];
-                    attend_any(p, q, kv, (*b, h, i0, i1), sm, &math, scr, (o_blk, &mut l[r0..r0 + i1 - i0]), isa);
-                    store_rows(o_blk, &mut o[r0..r0 + i1 - i0], d);
+                    let out = (&mut o[r0..r0 + i1 - i0], &mut o_blk[..], &mut l[r0..r0 + i1 - i0]);
+                    attend_into(p, q, kv, (*b, h, i0, i1), sm, &math, scr, out, isa);
                 }
             }
         }
@@ -1037,9 +1135,7 @@ fn tiled<M: Exp2Math, T: Element>(
         let mut items: Vec<Item<'_, '_, T>> = items.into_iter().map(|x| x.1).collect();
         parallel::for_each(&mut items, nthreads, worker, |(scr, o_blk, _), ((b, kvi, h, i0, i1), o_out, lse_out)| {
             let kv = &packed[*kvi].1;
-            let o_blk = &mut o_blk[..(*i1 - *i0) * d];
-            attend_any(p, q, kv, (*b, *h, *i0, *i1), sm, &math, scr, (o_blk, lse_out), isa);
-            store_rows(o_blk, o_out, d);
+            attend_into(p, q, kv, (*b, *h, *i0, *i1), sm, &math, scr, (o_out, o_blk, lse_out), isa);
         });
         for (_, pk) in packed {
             pool::give(pk.k);
@@ -1222,6 +1318,37 @@ mod tests {
             }
             assert_eq!((scr.q.len(), scr.s.len(), scr.o.len()), (BR * d, BR * BC, BR * round_up(d, MR)));
         }
+    }
+
+    /// `finalize_panel` is `finalize` lane by lane, bit for bit: rows that saw no key, NaN and
+    /// infinite states, tiny and huge sums, partial panels, both arithmetics' LSE offsets.
+    #[test]
+    fn finalize_panel_is_finalize_per_lane() {
+        use crate::numerics::softmax_math::SoftmaxMath;
+        use softmax::finalize;
+        let specials = [0.0f32, 1.0, 1.0e-38, 3.0e38, f32::NAN, f32::INFINITY, 0.75, 123.456];
+        let states: Vec<RowState> = (0..NR * 5)
+            .map(|i| RowState { m: [-1.0e30, 0.0, 7.5, f32::NEG_INFINITY, f32::NAN][i % 5], l: specials[i % 8] })
+            .collect();
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        fn check<M: Exp2Math>(states: &[RowState], math: &M, bits: &dyn Fn(&[f32]) -> Vec<u32>) {
+            for u in [1.0f32, 0.125, 0.088] {
+                for chunk in states.windows(NR).step_by(3).chain(states.chunks(7)) {
+                    let mut inv = [f32::NAN; NR];
+                    let mut lse = vec![f32::NAN; chunk.len()];
+                    let live = finalize_panel(chunk, u, math, &mut inv, &mut lse);
+                    for (lane, st) in chunk.iter().enumerate() {
+                        let (i, l) = finalize(st, u, math);
+                        assert_eq!(bits(&[inv[lane], lse[lane]]), bits(&[i, l]), "{st:?} u {u}");
+                        assert_eq!(live >> lane & 1 == 1, st.l != 0.0, "{st:?}");
+                    }
+                    assert!(chunk.len() == NR || live >> chunk.len() == 0, "lanes past the panel are not live");
+                }
+            }
+        }
+        check(&states, &Native, &bits);
+        // FP8's arithmetic: P carries a scale, taken out of the LSE.
+        check(&states, &SoftmaxMath { degree: 5, lazy: None, fp8_p: true }, &bits);
     }
 
     #[test]

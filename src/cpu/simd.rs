@@ -170,9 +170,11 @@ fn running_max(
 /// pass fused in: `s[t] = k·b[t]`, where `k` holds the tile's strips of `MR` keys of K (`kc`
 /// steps of `MR` each, `kc` = head_dim), `b[t]` is a Qᵀ panel (`kc` rows of `NR`) and `s[t]` the
 /// `[keys][NR]` scores, each strip exactly `gemm::micro_kernel` (`_x2`) from zero; and
-/// `tile_max[t]` folded over the score rows in key order, as `panel_max` over the panel: taken
-/// while the scores are still in registers, where the softmax would read them back in a chain
-/// of dependent maxes. One call per tile (not per strip): the strips' loop is in here.
+/// `tile_max[t]` folded over the first `keys` score rows in key order, as `panel_max` over them:
+/// taken while the scores are still in registers, where the softmax would read them back in a
+/// chain of dependent maxes (`keys` short of the tile: the padding keys of the last strip, which
+/// the mask then sets to −inf, no-ops of the max). One call per tile (not per strip): the
+/// strips' loop is in here.
 ///
 /// `false` when this CPU lacks AVX-512F (the caller then runs those).
 #[inline(always)]
@@ -180,16 +182,16 @@ pub(crate) fn product_max<const N: usize>(
     k: &[f32],
     b: [&[f32]; N],
     s: [&mut [f32]; N],
-    tile_max: [&mut [f32; NR]; N],
+    (tile_max, keys): ([&mut [f32; NR]; N], usize),
 ) -> bool {
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx512f") {
         // SAFETY: AVX-512F was just detected on this CPU, the only requirement of
         // `product_max_avx512` (its slice lengths it checks itself).
-        unsafe { product_max_avx512::<N>(k, b, s, tile_max) };
+        unsafe { product_max_avx512::<N>(k, b, s, (tile_max, keys)) };
         return true;
     }
-    let _ = (k, b, s, tile_max);
+    let _ = (k, b, s, tile_max, keys);
     false
 }
 
@@ -197,7 +199,12 @@ pub(crate) fn product_max<const N: usize>(
 #[allow(clippy::needless_range_loop)]
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-fn product_max_avx512<const N: usize>(k: &[f32], b: [&[f32]; N], s: [&mut [f32]; N], tile_max: [&mut [f32; NR]; N]) {
+fn product_max_avx512<const N: usize>(
+    k: &[f32],
+    b: [&[f32]; N],
+    s: [&mut [f32]; N],
+    (tile_max, keys): ([&mut [f32; NR]; N], usize),
+) {
     use std::arch::x86_64::*;
     let kc = b[0].len() / NR;
     let strips = s[0].len() / (MR * NR);
@@ -221,7 +228,9 @@ fn product_max_avx512<const N: usize>(k: &[f32], b: [&[f32]; N], s: [&mut [f32];
                 // SAFETY: `s[t]` holds `strips` blocks of MR rows of 16 (checked above).
                 unsafe { _mm512_storeu_ps(s[t].as_mut_ptr().add((st * MR + i) * NR), acc[t][i]) };
             }
-            mx[t] = running_max(mx[t], acc[t].into_iter());
+            // Rows past `keys` (the last strip's padding only) are left out.
+            let rows = keys.saturating_sub(st * MR).min(MR);
+            mx[t] = running_max(mx[t], acc[t].into_iter().take(rows));
         }
     }
     for t in 0..N {
@@ -341,13 +350,14 @@ fn scaled_product_avx512<const N: usize, const SKIP: bool>(
 }
 
 /// Rows `0..n` of one Oᵀ panel (`op`: `[head_dim_pad >= d][NR]`, query `r` in lane `r`) as the
-/// `n = out.len() / d` rows of `out` (`n × d`, n <= 16), each multiplied by `inv[r]`, or 0 where
-/// bit `r` of `live` is clear: exactly `op[x·16 + r] · inv[r]` per element, in 16×16 blocks
-/// transposed in registers rather than read with a 16-float stride.
+/// `n = out.len()` rows `out[r]` (each `d` f32, n <= 16; anywhere: the caller's own output rows,
+/// a row stride apart), each multiplied by `inv[r]`, or 0 where bit `r` of `live` is clear:
+/// exactly `op[x·16 + r] · inv[r]` per element, in 16×16 blocks transposed in registers rather
+/// than read with a 16-float stride.
 ///
 /// `false` when this CPU lacks AVX-512F (the caller then writes the rows itself).
 #[inline]
-pub(crate) fn write_panel_rows(op: &[f32], inv: &[f32; NR], live: u16, d: usize, out: &mut [f32]) -> bool {
+pub(crate) fn write_panel_rows(op: &[f32], inv: &[f32; NR], live: u16, d: usize, out: &mut [&mut [f32]]) -> bool {
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx512f") {
         // SAFETY: AVX-512F was just detected on this CPU, the only requirement of
@@ -406,13 +416,9 @@ fn transpose16(m: [std::arch::x86_64::__m512; NR]) -> [std::arch::x86_64::__m512
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-fn write_panel_rows_avx512(op: &[f32], inv: &[f32; NR], live: u16, d: usize, out: &mut [f32]) {
+fn write_panel_rows_avx512(op: &[f32], inv: &[f32; NR], live: u16, d: usize, out: &mut [&mut [f32]]) {
     use std::arch::x86_64::*;
-    if d == 0 {
-        return;
-    }
-    let n = out.len() / d;
-    assert!(n <= NR && out.len() == n * d && op.len() >= d * NR);
+    assert!(out.len() <= NR && out.iter().all(|r| r.len() == d) && op.len() >= d * NR);
     // SAFETY: `inv` is 16 f32.
     let invv = unsafe { _mm512_loadu_ps(inv.as_ptr()) };
     let mut x0 = 0;
@@ -427,13 +433,135 @@ fn write_panel_rows_avx512(op: &[f32], inv: &[f32; NR], live: u16, d: usize, out
         }
         let rows = transpose16(m);
         let mask: __mmask16 = if w == NR { !0 } else { (1u16 << w) - 1 };
-        for (r, row) in rows.iter().enumerate().take(n) {
-            let dst = &mut out[r * d + x0..r * d + x0 + w];
+        for (row, dst) in rows.iter().zip(out.iter_mut()) {
+            let dst = &mut dst[x0..x0 + w];
             // SAFETY: `dst` holds `w` f32 and the mask enables only the first `w` lanes (masked
             // lanes are neither read nor written).
             unsafe { _mm512_mask_storeu_ps(dst.as_mut_ptr(), mask, *row) };
         }
         x0 += NR;
+    }
+}
+
+/// Where lane `l` of output vector `j` of [`pack_strip`] comes from: float `f = 16j + l` of
+/// the 96 a 16-column block of six rows packs to is column `x = f / 6` of row `i = f % 6`, taken
+/// from the pair of rows `i / 2` as index `x + 16·(i % 2)` (the second of the pair's rows).
+const PACK_IDX: [[i32; NR]; MR] = {
+    let mut idx = [[0; NR]; MR];
+    let mut f = 0;
+    while f < NR * MR {
+        idx[f / NR][f % NR] = ((f / MR) + NR * (f % MR % 2)) as i32;
+        f += 1;
+    }
+    idx
+};
+
+/// The lanes of output vector `j` of [`pack_strip`] that come from the pair of rows `p`.
+const PACK_PAIR: [[u16; MR / 2]; MR] = {
+    let mut m = [[0; MR / 2]; MR];
+    let mut f = 0;
+    while f < NR * MR {
+        m[f / NR][f % MR / 2] |= 1 << (f % NR);
+        f += 1;
+    }
+    m
+};
+
+/// A strip of six key rows (`rows`, each at least `d` f32; the missing ones `ZEROS`) packed
+/// column by column, the micro-kernel's A operand: `dst[x·6 + i] = rows[i][x]` for `x < d`, 16
+/// columns (96 floats, six vectors) at a time from three two-source permutes per vector where
+/// the scalar loop moves one float per load and store. `false` when this CPU lacks AVX-512F
+/// (the caller then runs its scalar loop).
+#[inline]
+pub(crate) fn pack_strip(rows: &[&[f32]; MR], d: usize, dst: &mut [f32]) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx512f") {
+        // SAFETY: AVX-512F was just detected on this CPU, the only requirement of
+        // `pack_strip_avx512` (its slice lengths it checks itself).
+        unsafe { pack_strip_avx512(rows, d, dst) };
+        return true;
+    }
+    let _ = (rows, d, dst);
+    false
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn pack_strip_avx512(rows: &[&[f32]; MR], d: usize, dst: &mut [f32]) {
+    use std::arch::x86_64::*;
+    assert!(dst.len() >= d * MR && rows.iter().all(|r| r.len() >= d));
+    // SAFETY (both): each array is 16 i32.
+    let idx: [__m512i; MR] = std::array::from_fn(|j| unsafe { _mm512_loadu_si512(PACK_IDX[j].as_ptr().cast()) });
+    let mut x0 = 0;
+    while x0 < d {
+        let w = (d - x0).min(NR);
+        let mask: __mmask16 = if w == NR { !0 } else { (1u16 << w) - 1 };
+        let mut r = [_mm512_setzero_ps(); MR];
+        for (ri, row) in r.iter_mut().zip(rows) {
+            // SAFETY: `row` holds at least `x0 + w` f32 (asserted: `d` of them) and the mask
+            // enables only the first `w` lanes (masked lanes are not read).
+            *ri = unsafe { _mm512_maskz_loadu_ps(mask, row.as_ptr().add(x0)) };
+        }
+        let out = &mut dst[x0 * MR..(x0 + w) * MR];
+        for (j, ix) in idx.iter().enumerate() {
+            let (lo, n) = (j * NR, (w * MR).saturating_sub(j * NR).min(NR));
+            if n == 0 {
+                break;
+            }
+            let [p0, p1, p2] = PACK_PAIR[j];
+            let v = _mm512_maskz_permutex2var_ps(p0, r[0], *ix, r[1]);
+            let v = _mm512_mask_blend_ps(p1, v, _mm512_permutex2var_ps(r[2], *ix, r[3]));
+            let v = _mm512_mask_blend_ps(p2, v, _mm512_permutex2var_ps(r[4], *ix, r[5]));
+            let keep: __mmask16 = if n == NR { !0 } else { (1u16 << n) - 1 };
+            let o = &mut out[lo..lo + n];
+            // SAFETY: `o` holds `n` f32 and the mask enables only the first `n` lanes (masked
+            // lanes are neither read nor written).
+            unsafe { _mm512_mask_storeu_ps(o.as_mut_ptr(), keep, v) };
+        }
+        x0 += NR;
+    }
+}
+
+/// A strip of six rows of V (`rows`, each at least `d` f32; the missing ones `ZEROS`) into
+/// the micro-kernel's A operand of the second product: column strip `c` (columns `6c..6c + 6`)
+/// of key `i` at `dst[c·stride + 6i..][..6]`, the columns past `d` of the last column strip
+/// written as 0. One masked load and one masked store per six floats, where the scalar copy
+/// branched on each strip's width. `false` when this CPU lacks AVX-512F (the caller then runs
+/// its scalar loop).
+#[inline]
+pub(crate) fn pack_v_strip(rows: &[&[f32]; MR], d: usize, dst: &mut [f32], stride: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx512f") {
+        // SAFETY: AVX-512F was just detected on this CPU, the only requirement of
+        // `pack_v_strip_avx512` (its slice lengths it checks itself).
+        unsafe { pack_v_strip_avx512(rows, d, dst, stride) };
+        return true;
+    }
+    let _ = (rows, d, dst, stride);
+    false
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn pack_v_strip_avx512(rows: &[&[f32]; MR], d: usize, dst: &mut [f32], stride: usize) {
+    use std::arch::x86_64::*;
+    let strips = d.div_ceil(MR);
+    assert!(rows.iter().all(|r| r.len() >= d) && stride >= MR * MR);
+    assert!(strips == 0 || dst.len() >= (strips - 1) * stride + MR * MR);
+    const SIX: __mmask16 = (1 << MR) - 1;
+    for c in 0..strips {
+        let w = (d - c * MR).min(MR);
+        let load: __mmask16 = (1 << w) - 1;
+        let out = &mut dst[c * stride..c * stride + MR * MR];
+        for (row, key) in rows.iter().zip(out.chunks_exact_mut(MR)) {
+            // SAFETY: `row` holds at least `c·6 + w` f32 (`d` of them) and the mask enables only
+            // the first `w` lanes (masked lanes are not read); `key` holds 6 f32 and the store
+            // writes the first 6 lanes only.
+            unsafe {
+                let x = _mm512_maskz_loadu_ps(load, row.as_ptr().add(c * MR));
+                _mm512_mask_storeu_ps(key.as_mut_ptr(), SIX, x);
+            }
+        }
     }
 }
 
@@ -511,6 +639,74 @@ mod tests {
         }
     }
 
+    /// `pack_strip` places every element where the scalar loop of `pack_heads` does: every
+    /// head_dim remainder mod 16 (partial output vectors), up to MAX_HEAD_DIM, fewer rows than a
+    /// strip (zero rows), rows a stride apart, NaN and infinities moved as they are.
+    #[test]
+    fn pack_strip_matches_the_scalar_layout() {
+        if !std::is_x86_feature_detected!("avx512f") {
+            eprintln!("this CPU has no AVX-512: nothing to compare");
+            return;
+        }
+        let max = crate::cpu::MAX_HEAD_DIM;
+        let zeros = vec![0.0f32; max];
+        for d in (1..=40).chain([47, 48, 63, 64, 65, 72, 96, 100, 128, 200, 256, max]) {
+            let stride = d + 5;
+            let mut data: Vec<f32> = (0..MR * stride).map(|i| i as f32 * 0.75 - 3.0).collect();
+            data[stride + d - 1] = f32::NAN;
+            data[2] = f32::INFINITY;
+            for n in 1..=MR {
+                let rows: [&[f32]; MR] =
+                    std::array::from_fn(|r| if r < n { &data[r * stride..r * stride + d] } else { &zeros[..d] });
+                let mut k = vec![-1.0f32; d * MR + 7];
+                assert!(pack_strip(&rows, d, &mut k));
+                for x in 0..d {
+                    for (i, row) in rows.iter().enumerate() {
+                        assert_eq!(k[x * MR + i].to_bits(), row[x].to_bits(), "d {d} n {n} x {x} row {i}");
+                    }
+                }
+                assert!(k[d * MR..].iter().all(|&v| v == -1.0), "d {d}: wrote past the strip");
+            }
+        }
+    }
+
+    /// `pack_v_strip` writes what the scalar copy of `pack_heads` and the padding of
+    /// `packed_buffers` leave: every head_dim remainder mod 6, up to MAX_HEAD_DIM, fewer rows
+    /// than a strip (zero rows), NaN and infinities moved as they are, nothing between strips.
+    #[test]
+    fn pack_v_strip_matches_the_scalar_layout() {
+        if !std::is_x86_feature_detected!("avx512f") {
+            eprintln!("this CPU has no AVX-512: nothing to compare");
+            return;
+        }
+        let max = crate::cpu::MAX_HEAD_DIM;
+        let zeros = vec![0.0f32; max];
+        for d in (1..=40).chain([63, 64, 65, 72, 100, 128, 256, max]) {
+            let rs = d + 3;
+            let mut data: Vec<f32> = (0..MR * rs).map(|i| i as f32 * 0.5 - 7.0).collect();
+            data[rs + d - 1] = f32::NAN;
+            data[1] = f32::NEG_INFINITY;
+            let stride = MR * MR + 12;
+            let strips = d.div_ceil(MR);
+            for n in 1..=MR {
+                let rows: [&[f32]; MR] =
+                    std::array::from_fn(|r| if r < n { &data[r * rs..r * rs + d] } else { &zeros[..d] });
+                let mut v = vec![-1.0f32; strips * stride];
+                assert!(pack_v_strip(&rows, d, &mut v, stride));
+                for c in 0..strips {
+                    for (i, row) in rows.iter().enumerate() {
+                        for col in 0..MR {
+                            let want = row.get(c * MR + col).copied().unwrap_or(0.0);
+                            let got = v[c * stride + i * MR + col];
+                            assert_eq!(got.to_bits(), want.to_bits(), "d {d} n {n} strip {c} key {i} col {col}");
+                        }
+                    }
+                    assert!(v[c * stride + MR * MR..(c + 1) * stride].iter().all(|&x| x == -1.0), "d {d}");
+                }
+            }
+        }
+    }
+
     /// `native_softmax` is the generic verbs with `Native`, bit for bit: scores spread over the
     /// whole exponent range the softmax meets (differences down to −200 in log2 units), masked
     /// keys (−inf), NaN scores, rows that have seen nothing, rows whose max grows by any amount
@@ -563,7 +759,8 @@ mod tests {
 
     /// `write_panel_rows` is the strided scalar loop, bit for bit, for head dims that do and do
     /// not fill whole 16-column blocks, partial panels and rows that saw no key (written as 0
-    /// even where O holds an infinity or a NaN).
+    /// even where O holds an infinity or a NaN), into rows a stride apart (as the caller's
+    /// `[batch, seqlen, heads, head_dim]` rows lie) whose gaps it leaves alone.
     #[test]
     fn write_panel_rows_is_the_strided_loop() {
         for d in [1usize, 5, 16, 24, 40, 64, 72, 128, 130] {
@@ -575,11 +772,15 @@ mod tests {
             let inv: [f32; NR] = std::array::from_fn(|r| 1.0 / (r as f32 + 1.7));
             for n in [1usize, 7, 15, 16] {
                 for live in [0xffffu16, 0xb5db, 0x0004] {
-                    let mut a = vec![-1.0f32; n * d];
-                    if !write_panel_rows(&op, &inv, live, d, &mut a) {
+                    let stride = d + 3;
+                    let mut buf = vec![-1.0f32; n * stride];
+                    let mut rows: Vec<&mut [f32]> = buf.chunks_exact_mut(stride).map(|r| &mut r[..d]).collect();
+                    if !write_panel_rows(&op, &inv, live, d, &mut rows) {
                         eprintln!("this CPU has no AVX-512F: write_panel_rows is compiled but not run here");
                         return;
                     }
+                    assert!(buf.chunks_exact(stride).all(|r| r[d..] == [-1.0; 3]), "d {d}: wrote into a gap");
+                    let a: Vec<f32> = buf.chunks_exact(stride).flat_map(|r| r[..d].to_vec()).collect();
                     let b: Vec<f32> = (0..n * d)
                         .map(|i| {
                             let (r, x) = (i / d, i % d);
@@ -619,7 +820,7 @@ mod tests {
         let mut m = [init, init];
         let [s0, s1] = &mut s;
         let [m0, m1] = &mut m;
-        if !product_max::<2>(&k, [&q0, &q1], [s0, s1], [m0, m1]) {
+        if !product_max::<2>(&k, [&q0, &q1], [s0, s1], ([m0, m1], strips * MR)) {
             eprintln!("this CPU has no AVX-512F: the fused products are compiled but not run here");
             return;
         }
@@ -636,9 +837,22 @@ mod tests {
             assert_eq!(bits(&m[t]), bits(&panel_max(&rows)), "panel {t}: max");
         }
         let (mut s1only, mut m1only) = (vec![0.0f32; strips * MR * NR], init);
-        assert!(product_max::<1>(&k, [&q1], [&mut s1only], [&mut m1only]));
+        assert!(product_max::<1>(&k, [&q1], [&mut s1only], ([&mut m1only], strips * MR)));
         assert_eq!(bits(&s1only), bits(&want[1]), "single panel: scores");
         assert_eq!(bits(&m1only), bits(&m[1]), "single panel: max");
+        // The max over the first `keys` rows only (the scores all the same).
+        for keys in 0..strips * MR {
+            let mut m2 = [init, init];
+            let [m20, m21] = &mut m2;
+            let mut s2 = [vec![0.0f32; strips * MR * NR], vec![0.0f32; strips * MR * NR]];
+            let [s20, s21] = &mut s2;
+            assert!(product_max::<2>(&k, [&q0, &q1], [s20, s21], ([m20, m21], keys)));
+            for t in 0..2 {
+                assert_eq!(bits(&s2[t]), bits(&want[t]), "keys {keys}: scores");
+                let rows = [init.as_slice(), &want[t][..keys * NR]].concat();
+                assert_eq!(bits(&m2[t]), bits(&panel_max(&rows)), "keys {keys} panel {t}: max");
+            }
+        }
 
         // Second product: 2 strips of 6 columns of V, 13 keys, strips `stride` apart.
         let (keys, strips, stride) = (13, 2, 13 * MR + 7);

@@ -183,3 +183,43 @@ pub fn finalize<M: Exp2Math>(st: &RowState, u: f32, math: &M) -> (f32, f32) {
     }
     (1.0 / st.l, st.m * u + (st.l.log2() - math.p_offset()) * std::f32::consts::LN_2)
 }
+
+/// [`finalize`] for a panel of up to `NR` queries, bit for bit: `(1 / l, lse)` into `inv` and
+/// `lse` (`states.len()` of each), and the mask of queries that saw a key. The `log2` calls
+/// (libm's) run in a loop of their own and the rest in lane-wise loops that vectorise: with the
+/// arithmetic between them, each call was preceded by a scalar division and stack spills around
+/// it, about a tenth of a short-sequence call's time.
+#[inline(always)]
+pub fn finalize_panel<M: Exp2Math>(
+    states: &[RowState],
+    u: f32,
+    math: &M,
+    inv: &mut [f32; NR],
+    lse: &mut [f32],
+) -> u16 {
+    let n = states.len().min(NR);
+    // The calls first, each reading its argument from `states` (every vector register is
+    // caller-saved: values computed before the calls would be spilled around each of them).
+    let mut log = [0.0f32; NR];
+    for (x, st) in log.iter_mut().zip(&states[..n]) {
+        *x = st.l.log2();
+    }
+    // Every lane computed (the padding as l = 1), the `n` wanted ones kept: whole-array loops.
+    let (mut l, mut m) = ([1.0f32; NR], [0.0f32; NR]);
+    for (lane, st) in states[..n].iter().enumerate() {
+        (l[lane], m[lane]) = (st.l, st.m);
+    }
+    let (mut out, mut live) = ([0.0f32; NR], 0u16);
+    for lane in 0..NR {
+        let seen = l[lane] != 0.0;
+        inv[lane] = if seen { 1.0 / l[lane] } else { 0.0 };
+        let x = m[lane] * u + (log[lane] - math.p_offset()) * std::f32::consts::LN_2;
+        out[lane] = if seen { x } else { f32::NEG_INFINITY };
+        live |= u16::from(seen) << lane;
+    }
+    lse[..n].copy_from_slice(&out[..n]);
+    if n < NR {
+        live &= (1 << n) - 1;
+    }
+    live
+}
