@@ -181,7 +181,14 @@ pub fn finalize<M: Exp2Math>(st: &RowState, u: f32, math: &M) -> (f32, f32) {
     if st.l == 0.0 {
         return (0.0, f32::NEG_INFINITY);
     }
-    (1.0 / st.l, st.m * u + (st.l.log2() - math.p_offset()) * std::f32::consts::LN_2)
+    (1.0 / st.l, lse_of(st.m, st.l.log2(), u, math))
+}
+
+/// The LSE (natural log) of a query whose running max is `m` and whose sum's log2 is `log2_l`
+/// (the one formula of [`finalize`] and [`finalize_panel`]).
+#[inline(always)]
+fn lse_of<M: Exp2Math>(m: f32, log2_l: f32, u: f32, math: &M) -> f32 {
+    m * u + (log2_l - math.p_offset()) * std::f32::consts::LN_2
 }
 
 /// [`finalize`] for a panel of up to `NR` queries, bit for bit: `(1 / l, lse)` into `inv` and
@@ -213,7 +220,7 @@ pub fn finalize_panel<M: Exp2Math>(
     for lane in 0..NR {
         let seen = l[lane] != 0.0;
         inv[lane] = if seen { 1.0 / l[lane] } else { 0.0 };
-        let x = m[lane] * u + (log[lane] - math.p_offset()) * std::f32::consts::LN_2;
+        let x = lse_of(m[lane], log[lane], u, math);
         out[lane] = if seen { x } else { f32::NEG_INFINITY };
         live |= u16::from(seen) << lane;
     }
