@@ -25,6 +25,7 @@
 
 use super::gemm::NR;
 use super::parallel;
+mod decode512;
 use super::pool;
 use super::softmax::{finalize, max_get_scale, online_softmax, panel_max, panel_scales, Exp2Math, RowState};
 use super::{detect_isa, isa, Isa, ScoreMod, MAX_HEAD_DIM};
@@ -147,6 +148,10 @@ struct Scratch {
     /// Element offsets of the chunk's K and V rows.
     kofs: Vec<usize>,
     vofs: Vec<usize>,
+    /// The query row and its unnormalised output in the blocked decode's lane order
+    /// (`sweep_blocks`): `[d]` each.
+    qp: Vec<f32>,
+    op: Vec<f32>,
 }
 
 impl Scratch {
@@ -167,6 +172,8 @@ impl Scratch {
             vbuf: vec![0.0; hb],
             kofs: vec![0; KC],
             vofs: vec![0; KC],
+            qp: vec![0.0; d],
+            op: vec![0.0; d],
         }
     }
 }
@@ -442,8 +449,15 @@ fn attend<M: Exp2Math, const FMA: bool>(c: &Ctx<'_, M>, items: &mut [Item<'_>], 
     let swept = together
         && one_row
         && match (c.k.data(), c.v.data()) {
-            (Data::BF16(k), Data::BF16(v)) => sweep_rows::<M, FMA, half::bf16>(c, items, scrs, &spans, span, (k, v)),
-            (Data::F16(k), Data::F16(v)) => sweep_rows::<M, FMA, half::f16>(c, items, scrs, &spans, span, (k, v)),
+            (Data::BF16(k), Data::BF16(v)) => {
+                sweep_fast(c, items, scrs, &spans, span, (k, v))
+                    || sweep_rows::<M, FMA, half::bf16>(c, items, scrs, &spans, span, (k, v))
+            }
+            (Data::F16(k), Data::F16(v)) => {
+                sweep_fast(c, items, scrs, &spans, span, (k, v))
+                    || sweep_rows::<M, FMA, half::f16>(c, items, scrs, &spans, span, (k, v))
+            }
+            (Data::F32(k), Data::F32(v)) => sweep_fast(c, items, scrs, &spans, span, (k, v)),
             _ => false,
         };
     if swept {
@@ -588,6 +602,155 @@ fn sweep_rows<M: Exp2Math, const FMA: bool, T: Widen>(
     true
 }
 
+/// Group-1 decode in blocks of [`decode512::KB`] keys with the AVX-512 products
+/// ([`sweep_blocks`]), when this call runs the AVX-512 build, head_dim is a multiple of 32 up to
+/// `32 · decode512::MAX_W`, and every row sees the whole span (`sweep_rows`' condition); `false`
+/// (nothing done) otherwise.
+#[inline(always)]
+fn sweep_fast<M: Exp2Math, T: decode512::Elem>(
+    c: &Ctx<'_, M>,
+    items: &mut [Item<'_>],
+    scrs: &mut [Scratch],
+    spans: &[ItemSpan],
+    span: (usize, usize),
+    kv: (&[T], &[T]),
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let d = c.p.head_dim;
+        let fits = d % 32 == 0 && (1..=decode512::MAX_W).contains(&(d / 32));
+        let whole = scrs.iter().all(|scr| (scr.lo[0], scr.hi[0]) == span);
+        if c.isa == Isa::Avx512 && detect_isa() == Isa::Avx512 && fits && whole {
+            // SAFETY: `detect_isa()` found AVX-512F, AVX2 and FMA on this CPU, the only
+            // requirement of the `#[target_feature]` function `sweep_blocks`; it is safe code.
+            unsafe {
+                match d / 32 {
+                    1 => sweep_blocks::<M, T, 1>(c, items, scrs, spans, span, kv),
+                    2 => sweep_blocks::<M, T, 2>(c, items, scrs, spans, span, kv),
+                    3 => sweep_blocks::<M, T, 3>(c, items, scrs, spans, span, kv),
+                    4 => sweep_blocks::<M, T, 4>(c, items, scrs, spans, span, kv),
+                    5 => sweep_blocks::<M, T, 5>(c, items, scrs, spans, span, kv),
+                    6 => sweep_blocks::<M, T, 6>(c, items, scrs, spans, span, kv),
+                    7 => sweep_blocks::<M, T, 7>(c, items, scrs, spans, span, kv),
+                    _ => sweep_blocks::<M, T, 8>(c, items, scrs, spans, span, kv),
+                }
+            }
+            return true;
+        }
+    }
+    let _ = (c, items, scrs, spans, span, kv);
+    false
+}
+
+/// Group-1 decode (every item one query row of its own kv head, seeing every key of
+/// `lo..hi`) in blocks of [`decode512::KB`] keys: per block and item, the block's scores
+/// (`decode512::scores`), one online-softmax step for the block (the chunked path's rule: one
+/// max and one rescale per block), and `o = o · scale + P·V` with O in registers
+/// (`decode512::scale_add_pv`). The items take the block in turn, so a block's K/V rows of all
+/// heads (`[.., seqlen, heads, head_dim]`: side by side) are read within a short window.
+/// head_dim is `32 · W`; the query and O are held in the element type's lane order.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn sweep_blocks<M: Exp2Math, T: decode512::Elem, const W: usize>(
+    c: &Ctx<'_, M>,
+    items: &mut [Item<'_>],
+    scrs: &mut [Scratch],
+    spans: &[ItemSpan],
+    (lo, hi): (usize, usize),
+    (k, v): (&[T], &[T]),
+) {
+    use decode512::{lane_order, scale_add_pv, scores, KB};
+    let Some(b) = items.first().map(|it| it.b) else {
+        return;
+    };
+    let d = 32 * W;
+    let ord = lane_order(T::KIND);
+    let (cc, off) = (c.sm.c, c.math.p_offset());
+    for scr in scrs.iter_mut() {
+        for (i, x) in scr.qp[..d].iter_mut().enumerate() {
+            *x = scr.q[i / 32 * 32 + ord[i % 32]];
+        }
+        scr.op[..d].fill(0.0);
+    }
+    let (mut kb, mut vb) = ([0usize; KB], [0usize; KB]);
+    let (mut kofs, mut vofs) = ([0usize; KB], [0usize; KB]);
+    let mut j0 = lo;
+    while j0 < hi {
+        let n = KB.min(hi - j0);
+        c.layout.for_kv_rows(b, j0, j0 + n, |t, outer, row| {
+            kb[t] = c.k.offset(outer, row, 0);
+            vb[t] = c.v.offset(outer, row, 0);
+        });
+        for ((it, scr), sp) in items.iter().zip(scrs.iter_mut()).zip(spans) {
+            let (kh, vh) = (c.k.offset(0, 0, it.hk), c.v.offset(0, 0, it.hk));
+            for t in 0..n {
+                kofs[t] = kb[t] + kh;
+                vofs[t] = vb[t] + vh;
+            }
+            let mut x = scores::<T, W>(&scr.qp[..d], k, &kofs[..n]);
+            if c.sm.natural {
+                // Softcap and ALiBi in natural units, as in `attend_chunk`.
+                for (t, s) in x.iter_mut().enumerate().take(n) {
+                    let y = *s * c.sm.scale;
+                    let y = match c.sm.softcap {
+                        Some(cap) => cap * (y / cap).tanh(),
+                        None => y,
+                    };
+                    *s = y + sp.ps.alibi_bias(scr.head[0], scr.qi[0], j0 + t);
+                }
+            }
+            let st = &mut scr.rows[0];
+            let scale = max_get_scale(st, block_max(&x, n), cc, &c.math);
+            // The −inf guard of `online_softmax`.
+            let shift = if st.m == f32::NEG_INFINITY { 0.0 } else { st.m };
+            let mut p = [0.0f32; KB];
+            for (t, (pt, &xt)) in p.iter_mut().zip(&x).enumerate() {
+                let e = c.math.exp2((xt - shift).mul_add(cc, off));
+                *pt = if t < n { e } else { 0.0 };
+            }
+            st.l = st.l * scale + tree_sum(p);
+            for pt in p.iter_mut() {
+                *pt = c.math.round_p(*pt);
+            }
+            scale_add_pv::<T, W>(&mut scr.op[..d], scale, &p, v, &vofs[..n]);
+        }
+        j0 += n;
+    }
+    for scr in scrs.iter_mut() {
+        for (i, &x) in scr.op[..d].iter().enumerate() {
+            scr.o[i / 32 * 32 + ord[i % 32]] = x;
+        }
+    }
+}
+
+/// The max of `x[..n]` as `panel_max` takes it (NaN scores skipped; −inf when there is none),
+/// as a tree so that it vectorises.
+#[inline(always)]
+fn block_max<const N: usize>(x: &[f32; N], n: usize) -> f32 {
+    let mut a: [f32; N] = std::array::from_fn(|t| if t < n && x[t] > f32::NEG_INFINITY { x[t] } else { f32::NEG_INFINITY });
+    let mut w = N / 2;
+    while w > 0 {
+        for i in 0..w {
+            a[i] = if a[i + w] > a[i] { a[i + w] } else { a[i] };
+        }
+        w /= 2;
+    }
+    a[0]
+}
+
+/// The sum of `N` (a power of two) values as a tree of halves.
+#[inline(always)]
+fn tree_sum<const N: usize>(mut a: [f32; N]) -> f32 {
+    let mut w = N / 2;
+    while w > 0 {
+        for i in 0..w {
+            a[i] += a[i + w];
+        }
+        w /= 2;
+    }
+    a[0]
+}
+
 /// An item's queries, key ranges and cleared state.
 #[inline(always)]
 fn attend_begin<M: Exp2Math>(c: &Ctx<'_, M>, it: &mut Item<'_>, scr: &mut Scratch) -> ItemSpan {
@@ -692,6 +855,7 @@ fn attend_chunk<M: Exp2Math, const FMA: bool>(
         vbuf,
         kofs,
         vofs,
+        ..
     } = scr;
     let n = j1 - j0;
     c.layout.for_kv_rows(b, j0, j1, |jl, outer, row| {
@@ -1210,6 +1374,33 @@ mod tests {
         }
     }
 
+    /// The blocked decode's max skips NaN scores and the keys past `n` as `panel_max` does, and
+    /// is −inf when there is no other score; its sum is the tree of halves.
+    #[test]
+    fn block_max_and_sum() {
+        let nan = f32::NAN;
+        let mut x = [0.5f32; 16];
+        x[3] = nan;
+        x[7] = 2.0;
+        x[12] = 9.0;
+        assert_eq!(block_max(&x, 12), 2.0);
+        assert_eq!(block_max(&x, 16), 9.0);
+        let all_nan = [nan; 16];
+        assert_eq!(block_max(&all_nan, 16), f32::NEG_INFINITY);
+        let ninf = [f32::NEG_INFINITY; 16];
+        assert_eq!(block_max(&ninf, 5), f32::NEG_INFINITY);
+        for n in 0..=16 {
+            let y: [f32; 16] = std::array::from_fn(|t| if t < n { (t * t) as f32 - 7.5 } else { f32::NEG_INFINITY });
+            let want = y[..n].iter().fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+            assert_eq!(block_max(&y, n), want);
+        }
+        let p: [f32; 16] = std::array::from_fn(|t| t as f32);
+        assert_eq!(tree_sum(p), 120.0);
+        let mut q = [0.0f32; 16];
+        q[5] = f32::INFINITY;
+        assert_eq!(tree_sum(q), f32::INFINITY);
+    }
+
     #[test]
     fn split_heuristic() {
         // Enough items for the workers: never split.
@@ -1241,7 +1432,7 @@ mod tests {
         }
         // (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, options)
         type Case = (usize, usize, usize, usize, usize, usize, DType, ForwardOptions);
-        let cases: [Case; 8] = [
+        let cases: [Case; 12] = [
             (1, 1, 700, 8, 8, 128, DType::F32, ForwardOptions::default()),
             // Group-1 decode of 16-bit K/V (`sweep_rows`), with softcap and ALiBi (natural units).
             (1, 1, 530, 4, 4, 72, DType::F16, ForwardOptions::default().softcap(5.0)),
@@ -1251,6 +1442,14 @@ mod tests {
             (1, 5, 260, 4, 2, 40, DType::F32, ForwardOptions::default().causal(true)),
             (1, 3, 150, 2, 1, 33, DType::F16, ForwardOptions::default().mask(Mask::window(20, 0))),
             (1, 2, 90, 2, 2, 16, DType::F32, ForwardOptions::default().causal(true)),
+            // The blocked AVX-512 decode (`sweep_blocks`, head_dim a multiple of 32): f16 with
+            // softcap; bf16 with ALiBi and an infinite V in the last key (seen by every row: the
+            // outputs are infinite where the reference's are); a window (keys 30.. of 50: the
+            // span starts inside a block, the last block is partial); f32 at head_dim 256.
+            (1, 1, 200, 4, 4, 128, DType::F16, ForwardOptions::default().softcap(5.0)),
+            (1, 1, 77, 2, 2, 96, DType::BF16, ForwardOptions::default().alibi_slopes(vec![0.5, 0.25])),
+            (3, 1, 50, 2, 2, 32, DType::BF16, ForwardOptions::default().mask(Mask::window(20, 0))),
+            (1, 1, 40, 2, 2, 256, DType::F32, ForwardOptions::default()),
         ];
         for (ci, (b, sq, sk, hq, hkv, d, dt, opts)) in cases.into_iter().enumerate() {
             let val = |i: usize, m: usize| (((i * m) % 97) as f32 / 97.0 - 0.5) * 2.0;
@@ -1263,7 +1462,7 @@ mod tests {
             };
             let q = mk(b * sq * hq * d, sq, hq, 31, false);
             let k = mk(b * sk * hkv * d, sk, hkv, 17, false);
-            let v = mk(b * sk * hkv * d, sk, hkv, 13, ci == 5);
+            let v = mk(b * sk * hkv * d, sk, hkv, 13, ci == 5 || ci == 9);
             let p = Problem::new(&q.view(), &k.view(), &v.view(), &opts).unwrap();
             let r = attention_f64(&p, &q.view(), &k.view(), &v.view()).unwrap();
             let layout = BatchLayout::dense(b, sq, sk);
