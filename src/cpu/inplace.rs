@@ -142,7 +142,9 @@ struct Scratch {
     hi: Vec<usize>,
     qi: Vec<usize>,
     head: Vec<usize>,
-    /// Widened K and V rows of one chunk (16-bit inputs only): `[KC][d]`.
+    /// Widened K and V rows of one chunk (16-bit inputs only): `[KC][d]`, sized on first use
+    /// (the group-1 sweeps never use them, and a decode unit holds one scratch per kv head:
+    /// zeroing 2 × 32 KiB for each on every call was half the time of a short decode call).
     kbuf: Vec<f32>,
     vbuf: Vec<f32>,
     /// Element offsets of the chunk's K and V rows.
@@ -156,8 +158,7 @@ struct Scratch {
 
 impl Scratch {
     /// For items of up to `rows` query rows (at most [`RB`]).
-    fn new(d: usize, half: bool, rows: usize) -> Self {
-        let hb = if half { KC * d } else { 0 };
+    fn new(d: usize, rows: usize) -> Self {
         let rb = rows.div_ceil(NR).max(1) * NR;
         Scratch {
             q: vec![0.0; rb * d],
@@ -168,8 +169,8 @@ impl Scratch {
             hi: vec![0; rb],
             qi: vec![0; rb],
             head: vec![0; rb],
-            kbuf: vec![0.0; hb],
-            vbuf: vec![0.0; hb],
+            kbuf: Vec::new(),
+            vbuf: Vec::new(),
             kofs: vec![0; KC],
             vofs: vec![0; KC],
             qp: vec![0.0; d],
@@ -865,6 +866,11 @@ fn attend_chunk<M: Exp2Math, const FMA: bool>(
     if let Some(next) = next {
         prefetch_rows(c, b, next);
     }
+    let half = !matches!(c.k.data(), Data::F32(_)) || !matches!(c.v.data(), Data::F32(_));
+    if half && kbuf.len() < KC * d {
+        kbuf.resize(KC * d, 0.0);
+        vbuf.resize(KC * d, 0.0);
+    }
     let krows = chunk_rows(c.k.data(), &kofs[..n], d, kbuf);
     let vrows = chunk_rows(c.v.data(), &vofs[..n], d, vbuf);
 
@@ -1218,14 +1224,13 @@ fn forward_isa<M: Exp2Math>(
             group: g,
             isa: want,
         };
-        let half = k.dtype() != crate::tensor::DType::F32;
         parallel::for_each(
             &mut units,
             threads,
             Vec::<Scratch>::new,
             |scrs, (_, unit)| {
                 while scrs.len() < unit.len() {
-                    scrs.push(Scratch::new(d, half, max_rows));
+                    scrs.push(Scratch::new(d, max_rows));
                 }
                 let n = unit.len();
                 attend_any(&ctx, unit, &mut scrs[..n]);
