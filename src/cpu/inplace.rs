@@ -185,6 +185,60 @@ struct Scratch {
     op: Vec<f32>,
 }
 
+/// A worker's scratches for one call, kept by its thread for the next call (a decode unit
+/// holds one per kv head: allocating and zeroing them on every call was a visible part of a
+/// short decode call's time). Only scratches for the same head_dim and row count are reused.
+struct Scratches {
+    d: usize,
+    rows: usize,
+    v: Vec<Scratch>,
+}
+
+/// Most bytes of scratch a thread keeps between calls.
+const SCRATCH_KEEP_BYTES: usize = 4 << 20;
+
+thread_local! {
+    static KEPT: std::cell::RefCell<Option<(usize, usize, Vec<Scratch>)>> = const { std::cell::RefCell::new(None) };
+}
+
+impl Scratches {
+    fn take(d: usize, rows: usize) -> Self {
+        let kept = KEPT.try_with(|k| k.try_borrow_mut().ok().and_then(|mut s| s.take())).ok().flatten();
+        match kept {
+            Some((kd, kr, v)) if (kd, kr) == (d, rows) => Scratches { d, rows, v },
+            _ => Scratches { d, rows, v: Vec::new() },
+        }
+    }
+
+    /// The first `n` scratches, made as needed.
+    fn at_least(&mut self, n: usize) -> &mut [Scratch] {
+        while self.v.len() < n {
+            self.v.push(Scratch::new(self.d, self.rows));
+        }
+        &mut self.v[..n]
+    }
+}
+
+impl Drop for Scratches {
+    fn drop(&mut self) {
+        let rb = self.rows.div_ceil(NR).max(1) * NR;
+        let each = 4 * (2 * rb * self.d + KC * NR + 2 * self.d) + 2 * 4 * KC * self.d;
+        if self.v.is_empty() || self.v.len().saturating_mul(each) > SCRATCH_KEEP_BYTES {
+            return;
+        }
+        let v = std::mem::take(&mut self.v);
+        // Kept only in an empty slot of a live thread (a nested call on this thread may have
+        // filled it, or hold it borrowed); otherwise freed here.
+        let _ = KEPT.try_with(|k| {
+            if let Ok(mut slot) = k.try_borrow_mut() {
+                if slot.is_none() {
+                    *slot = Some((self.d, self.rows, v));
+                }
+            }
+        });
+    }
+}
+
 impl Scratch {
     /// For items of up to `rows` query rows (at most [`RB`]).
     fn new(d: usize, rows: usize) -> Self {
@@ -1264,13 +1318,10 @@ fn forward_isa<M: Exp2Math>(
         parallel::for_each(
             &mut units,
             threads,
-            Vec::<Scratch>::new,
+            || Scratches::take(d, max_rows),
             |scrs, (_, unit)| {
-                while scrs.len() < unit.len() {
-                    scrs.push(Scratch::new(d, max_rows));
-                }
-                let n = unit.len();
-                attend_any(&ctx, unit, &mut scrs[..n]);
+                let scrs = scrs.at_least(unit.len());
+                attend_any(&ctx, unit, scrs);
             },
         );
     }
