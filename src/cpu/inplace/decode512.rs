@@ -297,13 +297,13 @@ mod tests {
                             _ => scores::<f32, W>(&qp, &kf, &ofs),
                         }
                     };
-                    for t in 0..KB {
+                    for (t, &st) in s.iter().enumerate() {
                         let want: f64 = if t < n {
                             row(t).iter().zip(&q).map(|(&a, &b)| a as f64 * b as f64).sum()
                         } else {
                             0.0
                         };
-                        assert!((s[t] as f64 - want).abs() < 1e-4, "W {W} n {n} {kind:?} key {t}: {} vs {want}", s[t]);
+                        assert!((st as f64 - want).abs() < 1e-4, "W {W} n {n} {kind:?} key {t}: {st} vs {want}");
                     }
                     let o0: Vec<f32> = (0..d).map(|i| val(i + 50)).collect();
                     let mut o = perm(&o0);
