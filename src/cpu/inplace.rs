@@ -866,11 +866,14 @@ fn attend_begin<M: Exp2Math>(c: &Ctx<'_, M>, it: &mut Item<'_>, scr: &mut Scratc
         qi[rl] = i;
         head[rl] = h;
     }
-    // Padding rows of the last panel: zero queries, no keys.
-    let padded = nrows.div_ceil(NR) * NR;
+    // Padding rows of the last panel: zero queries, no keys. A one-row item's panel is never
+    // read past its row (`softmax_one_row`, the products over `nl` rows, the sweeps), so its 15
+    // padding rows are left as they are: zeroing them cost 16 KiB per item, and a group-1
+    // decode call has heads × splits items.
+    let padded = if nrows == 1 { 1 } else { nrows.div_ceil(NR) * NR };
     q[nrows * d..padded * d].iter_mut().for_each(|x| *x = 0.0);
     o[..padded * d].iter_mut().for_each(|x| *x = 0.0);
-    rows[..padded].iter_mut().for_each(|r| *r = RowState::EMPTY);
+    rows[..nrows.div_ceil(NR) * NR].iter_mut().for_each(|r| *r = RowState::EMPTY);
 
     let lo_all = lo[..nrows].iter().copied().min().unwrap_or(0);
     let hi_all = hi[..nrows].iter().copied().max().unwrap_or(0);
