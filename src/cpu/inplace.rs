@@ -86,35 +86,6 @@ pub fn num_splits(items: usize, workers: usize, keys: usize) -> usize {
     (1..=max_s).find(|&s| eff(s) >= SPLIT_EFFICIENCY * best).unwrap_or(1)
 }
 
-/// Pieces per worker a decode call is cut into (see [`decode_splits`]).
-const DECODE_PIECES: usize = 4;
-
-/// The fewest keys a split of a decode unit (all `hkv` kv heads of a sequence sweeping
-/// together) keeps: [`MIN_SPLIT_KEYS`] for 8 kv heads or fewer, down to 128 keys with more heads
-/// (the unit's work is keys × heads: 32 heads × 128 keys is as much as 8 × 512).
-fn decode_min_split_keys(hkv: usize) -> usize {
-    (MIN_SPLIT_KEYS * 8 / hkv.max(1)).clamp(128, MIN_SPLIT_KEYS)
-}
-
-/// The split count of decode units: [`num_splits`]'s `ns`, raised towards [`DECODE_PIECES`]
-/// pieces per worker (at most `max_s` splits, [`MAX_SPLITS`]) as long as the pieces stay as
-/// evenly dealt to the workers as `ns`'s. With one piece per worker, a pool thread that wakes
-/// late (on this 2-vCPU host, while the other vCPU runs another process) found its piece taken
-/// by the calling thread, which then ran both: 2-thread bf16 decode profiles showed the calling
-/// thread with three quarters of the samples. Smaller pieces let a late worker still share the
-/// rest; the cost is the merge of more partial rows (`heads × splits` rows of head_dim floats).
-fn decode_splits(ns: usize, units: usize, workers: usize, max_s: usize) -> usize {
-    if workers <= 1 || units == 0 {
-        return ns;
-    }
-    let eff = |s: usize| {
-        let pieces = units * s;
-        pieces as f64 / (pieces.div_ceil(workers) * workers) as f64
-    };
-    let cap = (workers * DECODE_PIECES).div_ceil(units).min(max_s).min(MAX_SPLITS);
-    (ns..=cap).rev().find(|&s| eff(s) >= eff(ns)).unwrap_or(ns)
-}
-
 /// Whether the dense forward should take the in-place path.
 pub(crate) fn prefers_dense(p: &Problem) -> bool {
     p.seqlen_q <= DENSE_MAX_SEQLEN_Q && matches!(p.precision, crate::options::Precision::Native)
@@ -1226,19 +1197,7 @@ fn forward_isa<M: Exp2Math>(
     let max_rows = (0..batch).map(|b| (seqlen_q(b) * g).min(RB)).max().unwrap_or(0);
     let by_heads = max_rows <= NR;
     let units = if by_heads { base_items / hkv.max(1) } else { base_items };
-    // Group-1 decode (one query row per kv head: the blocked sweep) is cut finer; GQA decode
-    // (the chunked path) measured 2-5 % slower at 2 threads with 8 splits than with 2 (two
-    // rounds under load), so it keeps the heuristic's count.
-    let fine = by_heads && g == 1;
-    let min_keys = if fine { decode_min_split_keys(hkv) } else { MIN_SPLIT_KEYS };
-    let ns_all = splits.unwrap_or_else(|| {
-        let ns = num_splits(units, threads, max_span);
-        if fine {
-            decode_splits(ns, units, threads, max_span / min_keys)
-        } else {
-            ns
-        }
-    });
+    let ns_all = splits.unwrap_or_else(|| num_splits(units, threads, max_span));
 
     // Items (ordered by sequence, kv head, row block, split) and their output buffers.
     let mut plans = Vec::with_capacity(batch);
@@ -1249,7 +1208,7 @@ fn forward_isa<M: Exp2Math>(
         let span = blocks.iter().map(|s| s.1 - s.0).max().unwrap_or(0);
         let ns = match splits {
             Some(_) => ns_all.min(span).max(1),
-            None => ns_all.min(span / min_keys).max(1),
+            None => ns_all.min(span / MIN_SPLIT_KEYS).max(1),
         };
         max_ns = max_ns.max(ns);
         plans.push(SeqPlan {
@@ -1516,16 +1475,6 @@ mod tests {
         // within 85 % of the best efficiency: 14 of 16).
         assert_eq!(num_splits(1, 16, 1 << 20), 14);
         assert!(num_splits(1, 1000, 1 << 20) <= MAX_SPLITS);
-        // Decode units: up to 4 pieces per worker, as evenly dealt as the heuristic's count.
-        assert_eq!(decode_splits(2, 1, 2, 32), 8);
-        assert_eq!(decode_splits(2, 1, 2, 5), 4);
-        assert_eq!(decode_splits(2, 1, 2, 2), 2);
-        assert_eq!(decode_splits(1, 8, 2, 32), 1);
-        assert_eq!(decode_splits(1, 3, 2, 32), 3);
-        assert_eq!(decode_splits(1, 1, 1, 32), 1);
-        assert_eq!(decode_min_split_keys(32), 128);
-        assert_eq!(decode_min_split_keys(8), MIN_SPLIT_KEYS);
-        assert_eq!(decode_min_split_keys(1), MIN_SPLIT_KEYS);
     }
 
     /// Every instruction set this CPU has (AVX-512 only where the CPU has it; elsewhere that
