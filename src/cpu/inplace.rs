@@ -16,6 +16,11 @@
 //! head_dim]`), so memory is swept in order instead of one head's rows a whole row of all heads
 //! apart, which left a decode step waiting on scattered cache misses.
 //!
+//! Group-1 decode (one query row per kv head, every key visible) on the AVX-512 build, at head
+//! dims that are multiples of 32 up to 256, runs in blocks of 16 keys instead (`sweep_blocks`,
+//! the products in `inplace/decode512.rs`): a block's 16 scores at once, one softmax step per
+//! block, O held in registers over the block's V rows.
+//!
 //! Split-KV (flash-decoding): when there are too few items to occupy the workers, each item's
 //! key range is split; each split writes its normalised output and LSE, and a second pass merges
 //! them with `serving::merge::merge_row` (the arithmetic of the public `merge_states`). The
@@ -25,7 +30,6 @@
 
 use super::gemm::NR;
 use super::parallel;
-mod decode512;
 use super::pool;
 use super::softmax::{finalize, max_get_scale, online_softmax, panel_max, panel_scales, Exp2Math, RowState};
 use super::{detect_isa, isa, Isa, ScoreMod, MAX_HEAD_DIM};
@@ -34,6 +38,8 @@ use crate::problem::Problem;
 use crate::serving::layout::BatchLayout;
 use crate::serving::merge::merge_row;
 use crate::tensor::{numel, try_filled, Data, Element, OwnedData, Tensor, TensorView};
+
+mod decode512;
 
 /// Query rows per work item (4 panels of 16).
 pub const RB: usize = 64;
@@ -499,8 +505,10 @@ fn attend<M: Exp2Math, const FMA: bool>(c: &Ctx<'_, M>, items: &mut [Item<'_>], 
     let together = spans.windows(2).all(|w| (w[0].lo_all, w[0].hi_all) == (w[1].lo_all, w[1].hi_all));
     let one_row = items.iter().all(|it| it.r1 - it.r0 == 1);
     let span = spans.first().map_or((0, 0), |s| (s.lo_all, s.hi_all));
-    // 16-bit K/V only: with f32 rows the chunked path below measured faster (alternating runs,
-    // docs/benchmarks.md), with bf16 rows this one (the widening fused into the products).
+    // Group-1 decode: the blocked AVX-512 sweep (`sweep_fast`) where it applies, else for 16-bit
+    // K/V the one-key sweep (the widening fused into the products); f32 rows otherwise take the
+    // chunked path below, which measured faster than the one-key sweep for them
+    // (docs/benchmarks.md).
     let swept = together
         && one_row
         && match (c.k.data(), c.v.data()) {
