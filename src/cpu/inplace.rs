@@ -16,6 +16,11 @@
 //! head_dim]`), so memory is swept in order instead of one head's rows a whole row of all heads
 //! apart, which left a decode step waiting on scattered cache misses.
 //!
+//! Group-1 decode (one query row per kv head, every key visible) on the AVX-512 build, at head
+//! dims that are multiples of 32 up to 256, runs in blocks of 16 keys instead (`sweep_blocks`,
+//! the products in `inplace/decode512.rs`): a block's 16 scores at once, one softmax step per
+//! block, O held in registers over the block's V rows.
+//!
 //! Split-KV (flash-decoding): when there are too few items to occupy the workers, each item's
 //! key range is split; each split writes its normalised output and LSE, and a second pass merges
 //! them with `serving::merge::merge_row` (the arithmetic of the public `merge_states`). The
@@ -33,6 +38,8 @@ use crate::problem::Problem;
 use crate::serving::layout::BatchLayout;
 use crate::serving::merge::merge_row;
 use crate::tensor::{numel, try_filled, Data, Element, OwnedData, Tensor, TensorView};
+
+mod decode512;
 
 /// Query rows per work item (4 panels of 16).
 pub const RB: usize = 64;
@@ -141,18 +148,77 @@ struct Scratch {
     hi: Vec<usize>,
     qi: Vec<usize>,
     head: Vec<usize>,
-    /// Widened K and V rows of one chunk (16-bit inputs only): `[KC][d]`.
+    /// Widened K and V rows of one chunk (16-bit inputs only): `[KC][d]`, sized on first use
+    /// (the group-1 sweeps never use them, and a decode unit holds one scratch per kv head:
+    /// zeroing 2 × 32 KiB for each on every call was half the time of a short decode call).
     kbuf: Vec<f32>,
     vbuf: Vec<f32>,
     /// Element offsets of the chunk's K and V rows.
     kofs: Vec<usize>,
     vofs: Vec<usize>,
+    /// The query row and its unnormalised output in the blocked decode's lane order
+    /// (`sweep_blocks`): `[d]` each.
+    qp: Vec<f32>,
+    op: Vec<f32>,
+}
+
+/// A worker's scratches for one call, kept by its thread for the next call (a decode unit
+/// holds one per kv head: allocating and zeroing them on every call was a visible part of a
+/// short decode call's time). Only scratches for the same head_dim and row count are reused.
+struct Scratches {
+    d: usize,
+    rows: usize,
+    v: Vec<Scratch>,
+}
+
+/// Most bytes of scratch a thread keeps between calls.
+const SCRATCH_KEEP_BYTES: usize = 4 << 20;
+
+thread_local! {
+    static KEPT: std::cell::RefCell<Option<(usize, usize, Vec<Scratch>)>> = const { std::cell::RefCell::new(None) };
+}
+
+impl Scratches {
+    fn take(d: usize, rows: usize) -> Self {
+        let kept = KEPT.try_with(|k| k.try_borrow_mut().ok().and_then(|mut s| s.take())).ok().flatten();
+        match kept {
+            Some((kd, kr, v)) if (kd, kr) == (d, rows) => Scratches { d, rows, v },
+            _ => Scratches { d, rows, v: Vec::new() },
+        }
+    }
+
+    /// The first `n` scratches, made as needed.
+    fn at_least(&mut self, n: usize) -> &mut [Scratch] {
+        while self.v.len() < n {
+            self.v.push(Scratch::new(self.d, self.rows));
+        }
+        &mut self.v[..n]
+    }
+}
+
+impl Drop for Scratches {
+    fn drop(&mut self) {
+        let rb = self.rows.div_ceil(NR).max(1) * NR;
+        let each = 4 * (2 * rb * self.d + KC * NR + 2 * self.d) + 2 * 4 * KC * self.d;
+        if self.v.is_empty() || self.v.len().saturating_mul(each) > SCRATCH_KEEP_BYTES {
+            return;
+        }
+        let v = std::mem::take(&mut self.v);
+        // Kept only in an empty slot of a live thread (a nested call on this thread may have
+        // filled it, or hold it borrowed); otherwise freed here.
+        let _ = KEPT.try_with(|k| {
+            if let Ok(mut slot) = k.try_borrow_mut() {
+                if slot.is_none() {
+                    *slot = Some((self.d, self.rows, v));
+                }
+            }
+        });
+    }
 }
 
 impl Scratch {
     /// For items of up to `rows` query rows (at most [`RB`]).
-    fn new(d: usize, half: bool, rows: usize) -> Self {
-        let hb = if half { KC * d } else { 0 };
+    fn new(d: usize, rows: usize) -> Self {
         let rb = rows.div_ceil(NR).max(1) * NR;
         Scratch {
             q: vec![0.0; rb * d],
@@ -163,10 +229,12 @@ impl Scratch {
             hi: vec![0; rb],
             qi: vec![0; rb],
             head: vec![0; rb],
-            kbuf: vec![0.0; hb],
-            vbuf: vec![0.0; hb],
+            kbuf: Vec::new(),
+            vbuf: Vec::new(),
             kofs: vec![0; KC],
             vofs: vec![0; KC],
+            qp: vec![0.0; d],
+            op: vec![0.0; d],
         }
     }
 }
@@ -437,13 +505,22 @@ fn attend<M: Exp2Math, const FMA: bool>(c: &Ctx<'_, M>, items: &mut [Item<'_>], 
     let together = spans.windows(2).all(|w| (w[0].lo_all, w[0].hi_all) == (w[1].lo_all, w[1].hi_all));
     let one_row = items.iter().all(|it| it.r1 - it.r0 == 1);
     let span = spans.first().map_or((0, 0), |s| (s.lo_all, s.hi_all));
-    // 16-bit K/V only: with f32 rows the chunked path below measured faster (alternating runs,
-    // docs/benchmarks.md), with bf16 rows this one (the widening fused into the products).
+    // Group-1 decode: the blocked AVX-512 sweep (`sweep_fast`) where it applies, else for 16-bit
+    // K/V the one-key sweep (the widening fused into the products); f32 rows otherwise take the
+    // chunked path below, which measured faster than the one-key sweep for them
+    // (docs/benchmarks.md).
     let swept = together
         && one_row
         && match (c.k.data(), c.v.data()) {
-            (Data::BF16(k), Data::BF16(v)) => sweep_rows::<M, FMA, half::bf16>(c, items, scrs, &spans, span, (k, v)),
-            (Data::F16(k), Data::F16(v)) => sweep_rows::<M, FMA, half::f16>(c, items, scrs, &spans, span, (k, v)),
+            (Data::BF16(k), Data::BF16(v)) => {
+                sweep_fast(c, items, scrs, &spans, span, (k, v))
+                    || sweep_rows::<M, FMA, half::bf16>(c, items, scrs, &spans, span, (k, v))
+            }
+            (Data::F16(k), Data::F16(v)) => {
+                sweep_fast(c, items, scrs, &spans, span, (k, v))
+                    || sweep_rows::<M, FMA, half::f16>(c, items, scrs, &spans, span, (k, v))
+            }
+            (Data::F32(k), Data::F32(v)) => sweep_fast(c, items, scrs, &spans, span, (k, v)),
             _ => false,
         };
     if swept {
@@ -588,6 +665,155 @@ fn sweep_rows<M: Exp2Math, const FMA: bool, T: Widen>(
     true
 }
 
+/// Group-1 decode in blocks of [`decode512::KB`] keys with the AVX-512 products
+/// ([`sweep_blocks`]), when this call runs the AVX-512 build, head_dim is a multiple of 32 up to
+/// `32 · decode512::MAX_W`, and every row sees the whole span (`sweep_rows`' condition); `false`
+/// (nothing done) otherwise.
+#[inline(always)]
+fn sweep_fast<M: Exp2Math, T: decode512::Elem>(
+    c: &Ctx<'_, M>,
+    items: &mut [Item<'_>],
+    scrs: &mut [Scratch],
+    spans: &[ItemSpan],
+    span: (usize, usize),
+    kv: (&[T], &[T]),
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let d = c.p.head_dim;
+        let fits = d % 32 == 0 && (1..=decode512::MAX_W).contains(&(d / 32));
+        let whole = scrs.iter().all(|scr| (scr.lo[0], scr.hi[0]) == span);
+        if c.isa == Isa::Avx512 && detect_isa() == Isa::Avx512 && fits && whole {
+            // SAFETY: `detect_isa()` found AVX-512F, AVX2 and FMA on this CPU, the only
+            // requirement of the `#[target_feature]` function `sweep_blocks`; it is safe code.
+            unsafe {
+                match d / 32 {
+                    1 => sweep_blocks::<M, T, 1>(c, items, scrs, spans, span, kv),
+                    2 => sweep_blocks::<M, T, 2>(c, items, scrs, spans, span, kv),
+                    3 => sweep_blocks::<M, T, 3>(c, items, scrs, spans, span, kv),
+                    4 => sweep_blocks::<M, T, 4>(c, items, scrs, spans, span, kv),
+                    5 => sweep_blocks::<M, T, 5>(c, items, scrs, spans, span, kv),
+                    6 => sweep_blocks::<M, T, 6>(c, items, scrs, spans, span, kv),
+                    7 => sweep_blocks::<M, T, 7>(c, items, scrs, spans, span, kv),
+                    _ => sweep_blocks::<M, T, 8>(c, items, scrs, spans, span, kv),
+                }
+            }
+            return true;
+        }
+    }
+    let _ = (c, items, scrs, spans, span, kv);
+    false
+}
+
+/// Group-1 decode (every item one query row of its own kv head, seeing every key of
+/// `lo..hi`) in blocks of [`decode512::KB`] keys: per block and item, the block's scores
+/// (`decode512::scores`), one online-softmax step for the block (the chunked path's rule: one
+/// max and one rescale per block), and `o = o · scale + P·V` with O in registers
+/// (`decode512::scale_add_pv`). The items take the block in turn, so a block's K/V rows of all
+/// heads (`[.., seqlen, heads, head_dim]`: side by side) are read within a short window.
+/// head_dim is `32 · W`; the query and O are held in the element type's lane order.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn sweep_blocks<M: Exp2Math, T: decode512::Elem, const W: usize>(
+    c: &Ctx<'_, M>,
+    items: &mut [Item<'_>],
+    scrs: &mut [Scratch],
+    spans: &[ItemSpan],
+    (lo, hi): (usize, usize),
+    (k, v): (&[T], &[T]),
+) {
+    use decode512::{lane_order, scale_add_pv, scores, KB};
+    let Some(b) = items.first().map(|it| it.b) else {
+        return;
+    };
+    let d = 32 * W;
+    let ord = lane_order(T::KIND);
+    let (cc, off) = (c.sm.c, c.math.p_offset());
+    for scr in scrs.iter_mut() {
+        for (i, x) in scr.qp[..d].iter_mut().enumerate() {
+            *x = scr.q[i / 32 * 32 + ord[i % 32]];
+        }
+        scr.op[..d].fill(0.0);
+    }
+    let (mut kb, mut vb) = ([0usize; KB], [0usize; KB]);
+    let (mut kofs, mut vofs) = ([0usize; KB], [0usize; KB]);
+    let mut j0 = lo;
+    while j0 < hi {
+        let n = KB.min(hi - j0);
+        c.layout.for_kv_rows(b, j0, j0 + n, |t, outer, row| {
+            kb[t] = c.k.offset(outer, row, 0);
+            vb[t] = c.v.offset(outer, row, 0);
+        });
+        for ((it, scr), sp) in items.iter().zip(scrs.iter_mut()).zip(spans) {
+            let (kh, vh) = (c.k.offset(0, 0, it.hk), c.v.offset(0, 0, it.hk));
+            for t in 0..n {
+                kofs[t] = kb[t] + kh;
+                vofs[t] = vb[t] + vh;
+            }
+            let mut x = scores::<T, W>(&scr.qp[..d], k, &kofs[..n]);
+            if c.sm.natural {
+                // Softcap and ALiBi in natural units, as in `attend_chunk`.
+                for (t, s) in x.iter_mut().enumerate().take(n) {
+                    let y = *s * c.sm.scale;
+                    let y = match c.sm.softcap {
+                        Some(cap) => cap * (y / cap).tanh(),
+                        None => y,
+                    };
+                    *s = y + sp.ps.alibi_bias(scr.head[0], scr.qi[0], j0 + t);
+                }
+            }
+            let st = &mut scr.rows[0];
+            let scale = max_get_scale(st, block_max(&x, n), cc, &c.math);
+            // The −inf guard of `online_softmax`.
+            let shift = if st.m == f32::NEG_INFINITY { 0.0 } else { st.m };
+            let mut p = [0.0f32; KB];
+            for (t, (pt, &xt)) in p.iter_mut().zip(&x).enumerate() {
+                let e = c.math.exp2((xt - shift).mul_add(cc, off));
+                *pt = if t < n { e } else { 0.0 };
+            }
+            st.l = st.l * scale + tree_sum(p);
+            for pt in p.iter_mut() {
+                *pt = c.math.round_p(*pt);
+            }
+            scale_add_pv::<T, W>(&mut scr.op[..d], scale, &p, v, &vofs[..n]);
+        }
+        j0 += n;
+    }
+    for scr in scrs.iter_mut() {
+        for (i, &x) in scr.op[..d].iter().enumerate() {
+            scr.o[i / 32 * 32 + ord[i % 32]] = x;
+        }
+    }
+}
+
+/// The max of `x[..n]` as `panel_max` takes it (NaN scores skipped; −inf when there is none),
+/// as a tree so that it vectorises.
+#[inline(always)]
+fn block_max<const N: usize>(x: &[f32; N], n: usize) -> f32 {
+    let mut a: [f32; N] = std::array::from_fn(|t| if t < n && x[t] > f32::NEG_INFINITY { x[t] } else { f32::NEG_INFINITY });
+    let mut w = N / 2;
+    while w > 0 {
+        for i in 0..w {
+            a[i] = if a[i + w] > a[i] { a[i + w] } else { a[i] };
+        }
+        w /= 2;
+    }
+    a[0]
+}
+
+/// The sum of `N` (a power of two) values as a tree of halves.
+#[inline(always)]
+fn tree_sum<const N: usize>(mut a: [f32; N]) -> f32 {
+    let mut w = N / 2;
+    while w > 0 {
+        for i in 0..w {
+            a[i] += a[i + w];
+        }
+        w /= 2;
+    }
+    a[0]
+}
+
 /// An item's queries, key ranges and cleared state.
 #[inline(always)]
 fn attend_begin<M: Exp2Math>(c: &Ctx<'_, M>, it: &mut Item<'_>, scr: &mut Scratch) -> ItemSpan {
@@ -619,11 +845,14 @@ fn attend_begin<M: Exp2Math>(c: &Ctx<'_, M>, it: &mut Item<'_>, scr: &mut Scratc
         qi[rl] = i;
         head[rl] = h;
     }
-    // Padding rows of the last panel: zero queries, no keys.
-    let padded = nrows.div_ceil(NR) * NR;
+    // Padding rows of the last panel: zero queries, no keys. A one-row item's panel is never
+    // read past its row (`softmax_one_row`, the products over `nl` rows, the sweeps), so its 15
+    // padding rows are left as they are: zeroing them cost 16 KiB per item, and a group-1
+    // decode call has heads × splits items.
+    let padded = if nrows == 1 { 1 } else { nrows.div_ceil(NR) * NR };
     q[nrows * d..padded * d].iter_mut().for_each(|x| *x = 0.0);
     o[..padded * d].iter_mut().for_each(|x| *x = 0.0);
-    rows[..padded].iter_mut().for_each(|r| *r = RowState::EMPTY);
+    rows[..nrows.div_ceil(NR) * NR].iter_mut().for_each(|r| *r = RowState::EMPTY);
 
     let lo_all = lo[..nrows].iter().copied().min().unwrap_or(0);
     let hi_all = hi[..nrows].iter().copied().max().unwrap_or(0);
@@ -692,6 +921,7 @@ fn attend_chunk<M: Exp2Math, const FMA: bool>(
         vbuf,
         kofs,
         vofs,
+        ..
     } = scr;
     let n = j1 - j0;
     c.layout.for_kv_rows(b, j0, j1, |jl, outer, row| {
@@ -700,6 +930,11 @@ fn attend_chunk<M: Exp2Math, const FMA: bool>(
     });
     if let Some(next) = next {
         prefetch_rows(c, b, next);
+    }
+    let half = !matches!(c.k.data(), Data::F32(_)) || !matches!(c.v.data(), Data::F32(_));
+    if half && kbuf.len() < KC * d {
+        kbuf.resize(KC * d, 0.0);
+        vbuf.resize(KC * d, 0.0);
     }
     let krows = chunk_rows(c.k.data(), &kofs[..n], d, kbuf);
     let vrows = chunk_rows(c.v.data(), &vofs[..n], d, vbuf);
@@ -1054,17 +1289,13 @@ fn forward_isa<M: Exp2Math>(
             group: g,
             isa: want,
         };
-        let half = k.dtype() != crate::tensor::DType::F32;
         parallel::for_each(
             &mut units,
             threads,
-            Vec::<Scratch>::new,
+            || Scratches::take(d, max_rows),
             |scrs, (_, unit)| {
-                while scrs.len() < unit.len() {
-                    scrs.push(Scratch::new(d, half, max_rows));
-                }
-                let n = unit.len();
-                attend_any(&ctx, unit, &mut scrs[..n]);
+                let scrs = scrs.at_least(unit.len());
+                attend_any(&ctx, unit, scrs);
             },
         );
     }
@@ -1210,6 +1441,33 @@ mod tests {
         }
     }
 
+    /// The blocked decode's max skips NaN scores and the keys past `n` as `panel_max` does, and
+    /// is −inf when there is no other score; its sum is the tree of halves.
+    #[test]
+    fn block_max_and_sum() {
+        let nan = f32::NAN;
+        let mut x = [0.5f32; 16];
+        x[3] = nan;
+        x[7] = 2.0;
+        x[12] = 9.0;
+        assert_eq!(block_max(&x, 12), 2.0);
+        assert_eq!(block_max(&x, 16), 9.0);
+        let all_nan = [nan; 16];
+        assert_eq!(block_max(&all_nan, 16), f32::NEG_INFINITY);
+        let ninf = [f32::NEG_INFINITY; 16];
+        assert_eq!(block_max(&ninf, 5), f32::NEG_INFINITY);
+        for n in 0..=16 {
+            let y: [f32; 16] = std::array::from_fn(|t| if t < n { (t * t) as f32 - 7.5 } else { f32::NEG_INFINITY });
+            let want = y[..n].iter().fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+            assert_eq!(block_max(&y, n), want);
+        }
+        let p: [f32; 16] = std::array::from_fn(|t| t as f32);
+        assert_eq!(tree_sum(p), 120.0);
+        let mut q = [0.0f32; 16];
+        q[5] = f32::INFINITY;
+        assert_eq!(tree_sum(q), f32::INFINITY);
+    }
+
     #[test]
     fn split_heuristic() {
         // Enough items for the workers: never split.
@@ -1241,7 +1499,7 @@ mod tests {
         }
         // (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, options)
         type Case = (usize, usize, usize, usize, usize, usize, DType, ForwardOptions);
-        let cases: [Case; 8] = [
+        let cases: [Case; 12] = [
             (1, 1, 700, 8, 8, 128, DType::F32, ForwardOptions::default()),
             // Group-1 decode of 16-bit K/V (`sweep_rows`), with softcap and ALiBi (natural units).
             (1, 1, 530, 4, 4, 72, DType::F16, ForwardOptions::default().softcap(5.0)),
@@ -1251,6 +1509,14 @@ mod tests {
             (1, 5, 260, 4, 2, 40, DType::F32, ForwardOptions::default().causal(true)),
             (1, 3, 150, 2, 1, 33, DType::F16, ForwardOptions::default().mask(Mask::window(20, 0))),
             (1, 2, 90, 2, 2, 16, DType::F32, ForwardOptions::default().causal(true)),
+            // The blocked AVX-512 decode (`sweep_blocks`, head_dim a multiple of 32): f16 with
+            // softcap; bf16 with ALiBi and an infinite V in the last key (seen by every row: the
+            // outputs are infinite where the reference's are); a window (keys 30.. of 50: the
+            // span starts inside a block, the last block is partial); f32 at head_dim 256.
+            (1, 1, 200, 4, 4, 128, DType::F16, ForwardOptions::default().softcap(5.0)),
+            (1, 1, 77, 2, 2, 96, DType::BF16, ForwardOptions::default().alibi_slopes(vec![0.5, 0.25])),
+            (3, 1, 50, 2, 2, 32, DType::BF16, ForwardOptions::default().mask(Mask::window(20, 0))),
+            (1, 1, 40, 2, 2, 256, DType::F32, ForwardOptions::default()),
         ];
         for (ci, (b, sq, sk, hq, hkv, d, dt, opts)) in cases.into_iter().enumerate() {
             let val = |i: usize, m: usize| (((i * m) % 97) as f32 / 97.0 - 0.5) * 2.0;
@@ -1263,7 +1529,7 @@ mod tests {
             };
             let q = mk(b * sq * hq * d, sq, hq, 31, false);
             let k = mk(b * sk * hkv * d, sk, hkv, 17, false);
-            let v = mk(b * sk * hkv * d, sk, hkv, 13, ci == 5);
+            let v = mk(b * sk * hkv * d, sk, hkv, 13, ci == 5 || ci == 9);
             let p = Problem::new(&q.view(), &k.view(), &v.view(), &opts).unwrap();
             let r = attention_f64(&p, &q.view(), &k.view(), &v.view()).unwrap();
             let layout = BatchLayout::dense(b, sq, sk);
