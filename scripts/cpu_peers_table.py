@@ -234,6 +234,7 @@ def main():
                                                                        "ours K/V GB/s (% of read)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     verdicts = []
+    decode_gbs = []  # (implementation, GB/s) of every decode row, for the note on cache-served reads
     for row in rows:
         rate, gbs, errs, runner = {}, {}, [], {}
         for impl in ["ours"] + row_peers(row, peers):
@@ -248,6 +249,8 @@ def main():
         best = max((rate[p] for p in peers if p in rate), default=None)
         ratio = rate["ours"] / best if best and "ours" in rate else None
         decode = row.sq == 1
+        if decode:
+            decode_gbs += list(gbs.items())
         cells = [shape_name(row) + (" (decode)" if decode else ""), row.dtype, "yes" if row.causal else "no"]
         for impl in ["ours"] + peers:
             if impl != "ours" and impl not in row_peers(row, peers):
@@ -294,8 +297,15 @@ def main():
             f"The {GOAL_GBS:.0f} GB/s decode goal was set for an AMD machine that reads about 35 GB/s "
             f"({100 * GOAL_READ_FRACTION:.0f} % of its read rate); it is {where} this machine's measured read "
             f"rate of {read_rate:.1f} GB/s"
-            + (" and cannot be reached here by any implementation that reads K/V once" if where == "above" else "")
+            + (" and cannot be reached here by an implementation whose K/V come from DRAM" if where == "above" else "")
             + f"; the same {100 * GOAL_READ_FRACTION:.0f} % here is {GOAL_READ_FRACTION * read_rate:.1f} GB/s.")
+        fast = sorted({impl for impl, g in decode_gbs if g > read_rate})
+        if fast:
+            note.append(
+                "Decode figures above 100 % of the read rate (" + ", ".join(fast) + "): every implementation "
+                "reads the same K/V on every call of its timing loop, and part of it is then served from the "
+                "host's caches rather than DRAM; an engine's decode step, with other layers' K/V read in "
+                "between, would see less of that.")
     else:
         note.append("Read rate: not measured (" + "; ".join(r.get("error", "") for r in reads)[:300] + ").")
     for name, ok, errs in verdicts:
