@@ -983,15 +983,21 @@ fn forward_with_into<M: Exp2Math>(
 fn rows_by_head<'o, T>(p: &Problem, dst: &'o mut [T]) -> Result<Vec<&'o mut [T]>> {
     let (hq, sq, d) = (p.heads_q, p.seqlen_q, p.head_dim);
     let n = p.batch * sq * hq; // dst holds n * d elements (checked by the caller)
-    let too_large = || Error::TooLarge { what: format!("the CPU backend's {n} output row references") };
-    let mut seq_major: Vec<Option<&mut [T]>> = Vec::new();
-    seq_major.try_reserve_exact(n).map_err(|_| too_large())?;
-    seq_major.extend(dst.chunks_exact_mut(d).map(Some));
     let mut rows = Vec::new();
+    if n == 0 {
+        return Ok(rows);
+    }
+    let too_large = || Error::TooLarge { what: format!("the CPU backend's {n} output row references") };
     rows.try_reserve_exact(n).map_err(|_| too_large())?;
-    for b in 0..p.batch {
-        for h in 0..hq {
-            rows.extend((0..sq).filter_map(|i| seq_major[(b * sq + i) * hq + h].take()));
+    // One pass over the rows in their memory order: per batch, one iterator over each query's
+    // heads, and head by head the next row of every query (no table of every row first).
+    let mut queries: Vec<std::slice::ChunksExactMut<'o, T>> = Vec::new();
+    queries.try_reserve_exact(sq).map_err(|_| too_large())?;
+    for batch in dst.chunks_exact_mut(sq * hq * d) {
+        queries.clear();
+        queries.extend(batch.chunks_exact_mut(hq * d).map(|q| q.chunks_exact_mut(d)));
+        for _ in 0..hq {
+            rows.extend(queries.iter_mut().filter_map(|q| q.next()));
         }
     }
     Ok(rows)
