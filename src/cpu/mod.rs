@@ -1044,12 +1044,15 @@ fn tiled<M: Exp2Math, T: OutElem>(
     // packed first and the items are (kv head, query head, query block), so that every worker
     // has work.
     let head_major = kv_heads.len() >= 2 * nthreads;
-    // kv heads per item: whole rows of K/V (all kv heads of a batch) where that leaves sixteen
-    // items per worker (a worker slowed by the host then delays the end by a sixteenth of its
-    // share at most: at 4×8×512×512×64 and 2 threads, 32 one-head items ran 7 % faster than 8
-    // four-head items in 5 alternating rounds; one thread: one item per batch), fewer heads
-    // otherwise, and at most PACK_ITEM_BYTES of packed K/V.
-    let groups = if nthreads == 1 { 1 } else { (16 * nthreads).div_ceil(p.batch) }.clamp(1, p.heads_kv);
+    // kv heads per item: whole rows of K/V (all kv heads of a batch) where that leaves eight
+    // items per worker (whole rows are packed in one sweep of contiguous memory; at
+    // 16×8×128×128×64 and 2 threads, 16 whole-row items took 5 % less CPU time than 32 four-head
+    // items; one thread: one item per batch), else sixteen items per worker (a worker slowed by
+    // the host then delays the end by a sixteenth of its share at most: at 4×8×512×512×64 and 2
+    // threads, 32 one-head items ran 7 % faster than 8 four-head items in 5 alternating rounds),
+    // and at most PACK_ITEM_BYTES of packed K/V.
+    let whole_rows = nthreads == 1 || p.batch >= 8 * nthreads;
+    let groups = if whole_rows { 1 } else { (16 * nthreads).div_ceil(p.batch) }.clamp(1, p.heads_kv);
     let per_item = p.heads_kv.div_ceil(groups).min((PACK_ITEM_BYTES / kv_bytes.max(1)).max(1));
     let per_item = p.heads_kv.div_ceil(p.heads_kv.div_ceil(per_item)); // runs of equal length
     let failed: std::sync::Mutex<Option<Error>> = std::sync::Mutex::new(None);
