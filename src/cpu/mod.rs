@@ -1046,8 +1046,8 @@ fn tiled<M: Exp2Math, T: OutElem>(
     let head_major = kv_heads.len() >= 2 * nthreads;
     // kv heads per item: whole rows of K/V (all kv heads of a batch) where that leaves eight
     // items per worker (whole rows are packed in one sweep of contiguous memory; at
-    // 16×8×128×128×64 and 2 threads, 16 whole-row items took 5 % less CPU time than 32 four-head
-    // items; one thread: one item per batch), else sixteen items per worker (a worker slowed by
+    // 16×8×128×128×64 and 2 threads, 16 whole-row items took 1.5–5 % less CPU time than 32
+    // four-head items; one thread: one item per batch), else sixteen items per worker (a worker slowed by
     // the host then delays the end by a sixteenth of its share at most: at 4×8×512×512×64 and 2
     // threads, 32 one-head items ran 7 % faster than 8 four-head items in 5 alternating rounds),
     // and at most PACK_ITEM_BYTES of packed K/V.
