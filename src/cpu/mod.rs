@@ -983,15 +983,21 @@ fn forward_with_into<M: Exp2Math>(
 fn rows_by_head<'o, T>(p: &Problem, dst: &'o mut [T]) -> Result<Vec<&'o mut [T]>> {
     let (hq, sq, d) = (p.heads_q, p.seqlen_q, p.head_dim);
     let n = p.batch * sq * hq; // dst holds n * d elements (checked by the caller)
-    let too_large = || Error::TooLarge { what: format!("the CPU backend's {n} output row references") };
-    let mut seq_major: Vec<Option<&mut [T]>> = Vec::new();
-    seq_major.try_reserve_exact(n).map_err(|_| too_large())?;
-    seq_major.extend(dst.chunks_exact_mut(d).map(Some));
     let mut rows = Vec::new();
+    if n == 0 {
+        return Ok(rows);
+    }
+    let too_large = || Error::TooLarge { what: format!("the CPU backend's {n} output row references") };
     rows.try_reserve_exact(n).map_err(|_| too_large())?;
-    for b in 0..p.batch {
-        for h in 0..hq {
-            rows.extend((0..sq).filter_map(|i| seq_major[(b * sq + i) * hq + h].take()));
+    // One pass over the rows in their memory order: per batch, one iterator over each query's
+    // heads, and head by head the next row of every query (no table of every row first).
+    let mut queries: Vec<std::slice::ChunksExactMut<'o, T>> = Vec::new();
+    queries.try_reserve_exact(sq).map_err(|_| too_large())?;
+    for batch in dst.chunks_exact_mut(sq * hq * d) {
+        queries.clear();
+        queries.extend(batch.chunks_exact_mut(hq * d).map(|q| q.chunks_exact_mut(d)));
+        for _ in 0..hq {
+            rows.extend(queries.iter_mut().filter_map(|q| q.next()));
         }
     }
     Ok(rows)
@@ -1038,12 +1044,15 @@ fn tiled<M: Exp2Math, T: OutElem>(
     // packed first and the items are (kv head, query head, query block), so that every worker
     // has work.
     let head_major = kv_heads.len() >= 2 * nthreads;
-    // kv heads per item: whole rows of K/V (all kv heads of a batch) where that leaves sixteen
-    // items per worker (a worker slowed by the host then delays the end by a sixteenth of its
-    // share at most: at 4×8×512×512×64 and 2 threads, 32 one-head items ran 7 % faster than 8
-    // four-head items in 5 alternating rounds; one thread: one item per batch), fewer heads
-    // otherwise, and at most PACK_ITEM_BYTES of packed K/V.
-    let groups = if nthreads == 1 { 1 } else { (16 * nthreads).div_ceil(p.batch) }.clamp(1, p.heads_kv);
+    // kv heads per item: whole rows of K/V (all kv heads of a batch) where that leaves eight
+    // items per worker (whole rows are packed in one sweep of contiguous memory; at
+    // 16×8×128×128×64 and 2 threads, 16 whole-row items took 1.5–5 % less CPU time than 32
+    // four-head items; one thread: one item per batch), else sixteen items per worker (a worker slowed by
+    // the host then delays the end by a sixteenth of its share at most: at 4×8×512×512×64 and 2
+    // threads, 32 one-head items ran 7 % faster than 8 four-head items in 5 alternating rounds),
+    // and at most PACK_ITEM_BYTES of packed K/V.
+    let whole_rows = nthreads == 1 || p.batch >= 8 * nthreads;
+    let groups = if whole_rows { 1 } else { (16 * nthreads).div_ceil(p.batch) }.clamp(1, p.heads_kv);
     let per_item = p.heads_kv.div_ceil(groups).min((PACK_ITEM_BYTES / kv_bytes.max(1)).max(1));
     let per_item = p.heads_kv.div_ceil(p.heads_kv.div_ceil(per_item)); // runs of equal length
     let failed: std::sync::Mutex<Option<Error>> = std::sync::Mutex::new(None);
