@@ -595,7 +595,7 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
             // Oᵀ = Oᵀ·diag(scale) + Vᵀ·Pᵀ, six columns of V at a time.
             let v_strip = |ds: usize| &kv.v[ds * sk_pad * MR + k0 * MR..ds * sk_pad * MR + k1 * MR];
             let finite = kv.v_finite;
-            let v_tile = (&kv.v[k0 * MR..], sk_pad * MR);
+            let v_tile = (&kv.v[k0 * MR..], sk_pad * MR, d);
             if pair {
                 let wide = PAIR
                     && if finite {

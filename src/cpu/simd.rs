@@ -222,7 +222,7 @@ fn product_max_avx512<const N: usize>(
         let a = &k[st * kc * MR..(st + 1) * kc * MR];
         let mut acc = [[_mm512_setzero_ps(); MR]; N];
         // SAFETY: `a` is `kc` steps of MR and every `b[t]` holds `kc` rows of 16 (checked above).
-        unsafe { strip_fma::<N, false>(a, bp, &mut acc) };
+        unsafe { strip_fma::<N, false, MR>(a, bp, &mut acc) };
         for t in 0..N {
             for i in 0..MR {
                 // SAFETY: `s[t]` holds `strips` blocks of MR rows of 16 (checked above).
@@ -241,7 +241,7 @@ fn product_max_avx512<const N: usize>(
 }
 
 /// One strip of the micro-kernel in AVX-512 registers: `acc[t][i] += a[step·MR + i] · b[t][step]`
-/// over the `a.len() / MR` steps, `b[t]` a panel of 16-float rows at `bp[t]` (`SKIP`: only where
+/// for `i < R` (the strip's rows past `R`, padding, left alone) over the `a.len() / MR` steps, `b[t]` a panel of 16-float rows at `bp[t]` (`SKIP`: only where
 /// that element of `b[t]` is not 0, NaN included, as `b != 0` in `gemm::micro_kernel_skip_zero_b`):
 /// `gemm::micro_kernel` (`_x2`), the same FMAs in the same order. Inlined into both products.
 ///
@@ -252,7 +252,7 @@ fn product_max_avx512<const N: usize>(
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn strip_fma<const N: usize, const SKIP: bool>(
+unsafe fn strip_fma<const N: usize, const SKIP: bool, const R: usize>(
     a: &[f32],
     bp: [*const f32; N],
     acc: &mut [[std::arch::x86_64::__m512; MR]; N],
@@ -264,7 +264,7 @@ unsafe fn strip_fma<const N: usize, const SKIP: bool>(
             // SAFETY: `step < a.len() / MR`, within the rows the caller vouches for.
             bv[t] = unsafe { _mm512_loadu_ps(bp[t].add(step * NR)) };
         }
-        for (i, &ai) in ak.iter().enumerate() {
+        for (i, &ai) in ak[..R].iter().enumerate() {
             let ai = _mm512_set1_ps(ai);
             for t in 0..N {
                 acc[t][i] = if SKIP {
@@ -281,7 +281,9 @@ unsafe fn strip_fma<const N: usize, const SKIP: bool>(
 /// The second product over one key tile with the rescale fused into its accumulator loads, for
 /// `N` (1 or 2) query panels: `o[t] = o[t]·diag(sc[t]) + Vᵀ·b[t]`, `o[t]` an Oᵀ panel (blocks
 /// of `[MR][NR]`), `b[t]` the tile's Pᵀ (`kc` rows of `NR`), and strip `ds` of `v` (6 columns
-/// of V, `kc` steps of `MR`) starting at `ds · stride`. The accumulators are loaded from and
+/// of V, `kc` steps of `MR`) starting at `ds · stride`, of which the first `cols` columns are
+/// V's: the rows of `o[t]` past them (padding) are only rescaled, so that the last strip at a
+/// head_dim short of a multiple of 6 runs the FMAs of its real columns only. The accumulators are loaded from and
 /// stored to the panel directly, in registers in between: exactly `rescale_o` then
 /// `gemm::micro_kernel` (`_x2`, `SKIP`: `_skip_zero_b`) element by element, the same FMAs in
 /// the same order. One call per tile: the strips' loop is in here.
@@ -289,7 +291,7 @@ unsafe fn strip_fma<const N: usize, const SKIP: bool>(
 /// `false` when this CPU lacks AVX-512F (the caller then runs those).
 #[inline(always)]
 pub(crate) fn scaled_product<const N: usize, const SKIP: bool>(
-    (v, stride): (&[f32], usize),
+    (v, stride, cols): (&[f32], usize, usize),
     b: [&[f32]; N],
     o: [&mut [f32]; N],
     sc: [&[f32; NR]; N],
@@ -298,10 +300,10 @@ pub(crate) fn scaled_product<const N: usize, const SKIP: bool>(
     if std::is_x86_feature_detected!("avx512f") {
         // SAFETY: AVX-512F was just detected on this CPU, the only requirement of
         // `scaled_product_avx512` (its slice lengths it checks itself).
-        unsafe { scaled_product_avx512::<N, SKIP>((v, stride), b, o, sc) };
+        unsafe { scaled_product_avx512::<N, SKIP>((v, stride, cols), b, o, sc) };
         return true;
     }
-    let _ = (v, stride, b, o, sc);
+    let _ = (v, stride, cols, b, o, sc);
     false
 }
 
@@ -310,7 +312,7 @@ pub(crate) fn scaled_product<const N: usize, const SKIP: bool>(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 fn scaled_product_avx512<const N: usize, const SKIP: bool>(
-    (v, stride): (&[f32], usize),
+    (v, stride, cols): (&[f32], usize, usize),
     b: [&[f32]; N],
     o: [&mut [f32]; N],
     sc: [&[f32; NR]; N],
@@ -330,6 +332,7 @@ fn scaled_product_avx512<const N: usize, const SKIP: bool>(
     }
     for ds in 0..strips {
         let a = &v[ds * stride..ds * stride + kc * MR];
+        let rows = cols.saturating_sub(ds * MR).min(MR);
         let mut acc = [[_mm512_setzero_ps(); MR]; N];
         for t in 0..N {
             for i in 0..MR {
@@ -339,7 +342,15 @@ fn scaled_product_avx512<const N: usize, const SKIP: bool>(
             }
         }
         // SAFETY: `a` is `kc` steps of MR and every `b[t]` holds `kc` rows of 16 (checked above).
-        unsafe { strip_fma::<N, SKIP>(a, bp, &mut acc) };
+        unsafe {
+            match rows {
+                // Two panels: 4 or 8 accumulators keep the FMA ports as busy as 12 do (a
+                // step is the FMA latency, not 6 cycles); one panel's 2 or 4 would not.
+                2 if N == 2 => strip_fma::<N, SKIP, 2>(a, bp, &mut acc),
+                4 if N == 2 => strip_fma::<N, SKIP, 4>(a, bp, &mut acc),
+                _ => strip_fma::<N, SKIP, MR>(a, bp, &mut acc),
+            }
+        };
         for t in 0..N {
             for i in 0..MR {
                 // SAFETY: `o[t]` holds `strips` blocks of MR rows of 16 (checked above).
@@ -866,7 +877,7 @@ mod tests {
                 v[stride + 2] = f32::INFINITY;
             }
             let (mut x0, mut x1, mut y) = (o.clone(), o.clone(), o.clone());
-            let vt = (&v[..], stride);
+            let vt = (&v[..], stride, strips * MR);
             if skip {
                 assert!(scaled_product::<2, true>(vt, [&p0, &p1], [&mut x0, &mut x1], [&sc, &sc]));
                 assert!(scaled_product::<1, true>(vt, [&p1], [&mut y], [&sc]));
@@ -891,6 +902,35 @@ mod tests {
                 assert_eq!(bits(&x0[blk.clone()]), bits(acc[0].as_flattened()), "skip {skip} strip {ds}: panel 0");
                 assert_eq!(bits(&x1[blk.clone()]), bits(acc[1].as_flattened()), "skip {skip} strip {ds}: panel 1");
                 assert_eq!(bits(&y[blk]), bits(one.as_flattened()), "skip {skip} strip {ds}: single panel");
+            }
+        }
+
+        // The last strip with 4 or 2 real columns (head_dim 64, 256; 32, 128): those are the
+        // generic kernels' bits, the padding rows only rescaled.
+        for cols in [strips * MR - 2, strips * MR - 4] {
+            let (mut x0, mut x1, mut y) = (o.clone(), o.clone(), o.clone());
+            let vt = (&v[..], stride, cols);
+            assert!(scaled_product::<2, true>(vt, [&p0, &p1], [&mut x0, &mut x1], [&sc, &sc]));
+            assert!(scaled_product::<1, true>(vt, [&p1], [&mut y], [&sc]));
+            for ds in 0..strips {
+                let a = &v[ds * stride..ds * stride + keys * MR];
+                let blk = ds * MR * NR..(ds + 1) * MR * NR;
+                let mut acc: [Acc; 2] = [[[0.0; NR]; MR]; 2];
+                rescale_o(&o[blk.clone()], &sc, &mut acc[0]);
+                rescale_o(&o[blk.clone()], &sc, &mut acc[1]);
+                let (scaled, mut one) = (acc[1], acc[1]);
+                micro_kernel_x2::<true, true>(a, [&p0, &p1], &mut acc);
+                micro_kernel_skip_zero_b::<true>(a, &p1, &mut one);
+                for i in 0..MR {
+                    let row = (ds * MR + i) * NR..(ds * MR + i + 1) * NR;
+                    let real = ds * MR + i < cols;
+                    let want = |acc: &Acc| if real { acc[i] } else { scaled[i] };
+                    assert_eq!(bits(&x0[row.clone()]), bits(&want(&acc[0])), "cols {cols} row {i}: panel 0");
+                    assert_eq!(bits(&x1[row.clone()]), bits(&want(&acc[1])), "cols {cols} row {i}: panel 1");
+                    if real {
+                        assert_eq!(bits(&y[row]), bits(&one[i]), "cols {cols} row {i}: single panel");
+                    }
+                }
             }
         }
     }
