@@ -380,6 +380,39 @@ pub(crate) fn write_panel_rows(op: &[f32], inv: &[f32; NR], live: u16, d: usize,
     false
 }
 
+/// The mask of the first `w` (1..=16) lanes.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn first_lanes(w: usize) -> std::arch::x86_64::__mmask16 {
+    if w >= NR {
+        !0
+    } else {
+        (1u16 << w) - 1
+    }
+}
+
+/// Columns `x0..x0 + w` (`w` ≤ 16) of each row as one vector per row, the lanes past `w` zero.
+///
+/// # Safety
+/// AVX-512F, and every row holds at least `x0 + min(w, 16)` f32 (the callers assert their rows'
+/// lengths once, outside their column loops, where a check per row and block would sit in them).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn load_columns<const N: usize>(rows: &[&[f32]; N], x0: usize, w: usize) -> [std::arch::x86_64::__m512; N] {
+    use std::arch::x86_64::*;
+    let mask = first_lanes(w);
+    // A plain loop: out of line, `std::array::from_fn`'s closure would lose this function's
+    // `#[target_feature]` context.
+    let mut v = [_mm512_setzero_ps(); N];
+    for (vi, row) in v.iter_mut().zip(rows) {
+        // SAFETY: the row holds at least `x0 + min(w, 16)` f32 (this function's contract) and
+        // the mask enables only the first `min(w, 16)` lanes (masked lanes are not read).
+        *vi = unsafe { _mm512_maskz_loadu_ps(mask, row.as_ptr().add(x0)) };
+    }
+    v
+}
+
 /// The transpose of 16 vectors of 16 lanes: lane `k` of result `r` is lane `r` of input `k`
 /// (pairs of lanes interleaved, then pairs of pairs, then the 128-bit quarters twice).
 #[cfg(target_arch = "x86_64")]
@@ -443,7 +476,7 @@ fn write_panel_rows_avx512(op: &[f32], inv: &[f32; NR], live: u16, d: usize, out
             *mk = _mm512_maskz_mul_ps(live, unsafe { _mm512_loadu_ps(src.as_ptr()) }, invv);
         }
         let rows = transpose16(m);
-        let mask: __mmask16 = if w == NR { !0 } else { (1u16 << w) - 1 };
+        let mask = first_lanes(w);
         for (row, dst) in rows.iter().zip(out.iter_mut()) {
             let dst = &mut dst[x0..x0 + w];
             // SAFETY: `dst` holds `w` f32 and the mask enables only the first `w` lanes (masked
@@ -506,13 +539,8 @@ fn pack_strip_avx512(rows: &[&[f32]; MR], d: usize, dst: &mut [f32]) {
     let mut x0 = 0;
     while x0 < d {
         let w = (d - x0).min(NR);
-        let mask: __mmask16 = if w == NR { !0 } else { (1u16 << w) - 1 };
-        let mut r = [_mm512_setzero_ps(); MR];
-        for (ri, row) in r.iter_mut().zip(rows) {
-            // SAFETY: `row` holds at least `x0 + w` f32 (asserted: `d` of them) and the mask
-            // enables only the first `w` lanes (masked lanes are not read).
-            *ri = unsafe { _mm512_maskz_loadu_ps(mask, row.as_ptr().add(x0)) };
-        }
+        // SAFETY: every row holds at least `d ≥ x0 + w` f32 (asserted above).
+        let r = unsafe { load_columns(rows, x0, w) };
         let out = &mut dst[x0 * MR..(x0 + w) * MR];
         for (j, ix) in idx.iter().enumerate() {
             let (lo, n) = (j * NR, (w * MR).saturating_sub(j * NR).min(NR));
@@ -523,7 +551,7 @@ fn pack_strip_avx512(rows: &[&[f32]; MR], d: usize, dst: &mut [f32]) {
             let v = _mm512_maskz_permutex2var_ps(p0, r[0], *ix, r[1]);
             let v = _mm512_mask_blend_ps(p1, v, _mm512_permutex2var_ps(r[2], *ix, r[3]));
             let v = _mm512_mask_blend_ps(p2, v, _mm512_permutex2var_ps(r[4], *ix, r[5]));
-            let keep: __mmask16 = if n == NR { !0 } else { (1u16 << n) - 1 };
+            let keep = first_lanes(n);
             let o = &mut out[lo..lo + n];
             // SAFETY: `o` holds `n` f32 and the mask enables only the first `n` lanes (masked
             // lanes are neither read nor written).
@@ -601,14 +629,8 @@ fn fill_panel_avx512(rows: &[&[f32]; NR], d: usize, dst: &mut [f32]) {
     let mut x0 = 0;
     while x0 < d {
         let w = (d - x0).min(NR);
-        let mask: __mmask16 = if w == NR { !0 } else { (1u16 << w) - 1 };
-        let mut m = [_mm512_setzero_ps(); NR];
-        for (mk, row) in m.iter_mut().zip(rows) {
-            // SAFETY: `row` holds at least `x0 + w` f32 (asserted: `d` of them) and the mask
-            // enables only the first `w` lanes (masked lanes are not read).
-            *mk = unsafe { _mm512_maskz_loadu_ps(mask, row.as_ptr().add(x0)) };
-        }
-        let cols = transpose16(m);
+        // SAFETY: every row holds at least `d ≥ x0 + w` f32 (asserted above).
+        let cols = transpose16(unsafe { load_columns(rows, x0, w) });
         for (k, col) in cols.iter().enumerate().take(w) {
             let out = &mut dst[(x0 + k) * NR..(x0 + k + 1) * NR];
             // SAFETY: `out` is 16 f32.
