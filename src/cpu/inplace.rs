@@ -605,7 +605,7 @@ fn sweep_rows<M: Exp2Math, const FMA: bool, T: Widen>(
         return true;
     };
     let d = c.p.head_dim;
-    let (cc, off) = (c.sm.c, c.math.p_offset());
+    let cc = c.sm.c;
     // Key positions `(outer, row)` of the current and the next chunk of keys.
     let fill = |pos: &mut [(usize, usize); KC_SWEEP], j0: usize| {
         let j1 = (j0 + KC_SWEEP).min(hi);
@@ -642,11 +642,7 @@ fn sweep_rows<M: Exp2Math, const FMA: bool, T: Widen>(
                     x = s + sp.ps.alibi_bias(scr.head[0], scr.qi[0], j0 + t);
                 }
                 let st = &mut scr.rows[0];
-                let scale = max_get_scale(st, x, cc, &c.math);
-                // The −inf guard of `online_softmax`.
-                let shift = if st.m == f32::NEG_INFINITY { 0.0 } else { st.m };
-                let dx = x - shift;
-                let p = c.math.exp2(if FMA { dx.mul_add(cc, off) } else { dx * cc + off });
+                let ([p], scale) = row_probs::<M, 1, FMA>(st, &[x], 1, cc, &c.math);
                 st.l = st.l * scale + p;
                 let p = c.math.round_p(p);
                 let o = &mut scr.o[..d];
@@ -728,7 +724,7 @@ fn sweep_blocks<M: Exp2Math, T: decode512::Elem, const W: usize>(
     };
     let d = 32 * W;
     let ord = lane_order(T::KIND);
-    let (cc, off) = (c.sm.c, c.math.p_offset());
+    let cc = c.sm.c;
     for scr in scrs.iter_mut() {
         for (i, x) in scr.qp[..d].iter_mut().enumerate() {
             *x = scr.q[i / 32 * 32 + ord[i % 32]];
@@ -763,14 +759,7 @@ fn sweep_blocks<M: Exp2Math, T: decode512::Elem, const W: usize>(
                 }
             }
             let st = &mut scr.rows[0];
-            let scale = max_get_scale(st, block_max(&x, n), cc, &c.math);
-            // The −inf guard of `online_softmax`.
-            let shift = if st.m == f32::NEG_INFINITY { 0.0 } else { st.m };
-            let mut p = [0.0f32; KB];
-            for (t, (pt, &xt)) in p.iter_mut().zip(&x).enumerate() {
-                let e = c.math.exp2((xt - shift).mul_add(cc, off));
-                *pt = if t < n { e } else { 0.0 };
-            }
+            let (mut p, scale) = row_probs::<M, KB, true>(st, &x, n, cc, &c.math);
             st.l = st.l * scale + tree_sum(p);
             for pt in p.iter_mut() {
                 *pt = c.math.round_p(*pt);
@@ -784,6 +773,32 @@ fn sweep_blocks<M: Exp2Math, T: decode512::Elem, const W: usize>(
             scr.o[i / 32 * 32 + ord[i % 32]] = x;
         }
     }
+}
+
+/// One query row's online-softmax step over the scores `x[..n]` (score units): the new max and
+/// the factor the old sum and output must be scaled by (`max_get_scale`), and the unrounded
+/// probabilities `exp2((x − m)·c + offset)`, 0 past `n` (`online_softmax`'s arithmetic, its −inf
+/// guard included). The caller adds them to the row's sum in its own order and rounds them for
+/// P·V. `N` is a power of two.
+#[inline(always)]
+fn row_probs<M: Exp2Math, const N: usize, const FMA: bool>(
+    st: &mut RowState,
+    x: &[f32; N],
+    n: usize,
+    c: f32,
+    math: &M,
+) -> ([f32; N], f32) {
+    let scale = max_get_scale(st, block_max(x, n), c, math);
+    // The −inf guard of `online_softmax`: a row with no visible key yet keeps m = −inf.
+    let shift = if st.m == f32::NEG_INFINITY { 0.0 } else { st.m };
+    let off = math.p_offset();
+    let mut p = [0.0f32; N];
+    for (t, (pt, &xt)) in p.iter_mut().zip(x).enumerate() {
+        let dx = xt - shift;
+        let e = math.exp2(if FMA { dx.mul_add(c, off) } else { dx * c + off });
+        *pt = if t < n { e } else { 0.0 };
+    }
+    (p, scale)
 }
 
 /// The max of `x[..n]` as `panel_max` takes it (NaN scores skipped; −inf when there is none),
@@ -1017,16 +1032,7 @@ fn softmax_one_row<M: Exp2Math, const FMA: bool>(st: &mut RowState, panel: &mut 
     for (xt, row) in x.iter_mut().zip(&panel[..n]) {
         *xt = row[0];
     }
-    // `panel_max`: NaN scores are skipped here and propagated by `exp2`.
-    let tile_max = x[..n].iter().fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
-    let scale = max_get_scale(st, tile_max, c, math);
-    let shift = if st.m == f32::NEG_INFINITY { 0.0 } else { st.m };
-    let off = math.p_offset();
-    let mut p = [0.0f32; KC];
-    for (pt, &xt) in p[..n].iter_mut().zip(&x[..n]) {
-        let dx = xt - shift;
-        *pt = math.exp2(if FMA { dx.mul_add(c, off) } else { dx * c + off });
-    }
+    let (p, scale) = row_probs::<M, KC, FMA>(st, &x, n, c, math);
     let mut sum = 0.0f32;
     for (row, &pt) in panel[..n].iter_mut().zip(&p[..n]) {
         sum += pt;
