@@ -78,7 +78,7 @@ fn emulator_self_tests() {
     let log = String::from_utf8_lossy(&out.stdout);
     println!("{log}");
     assert!(out.status.success(), "emulator self-tests failed:\n{log}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(log.contains("48 of 48 emulator self-tests as expected"), "{log}");
+    assert!(log.contains("52 of 52 emulator self-tests as expected"), "{log}");
 }
 
 #[test]

@@ -10,7 +10,7 @@
 //    writes it so, cuda/fp8_prepass.cu; or the producer transposes it in shared memory).
 //  * SW128 K-major e4m3 tiles: a 128-byte swizzle row holds 128 elements, so a [rows × D] tile is
 //    D / 128 slabs of rows × 128 bytes with the same byte geometry as the 16-bit tiles
-//    (sw128_offset8 below), and one k32 step is 32 bytes: desc_kmajor_sw128 of sm90/wgmma.cuh
+//    (swz_offset8<128> below), and one k32 step is 32 bytes: desc_kmajor_sw128 of sm90/wgmma.cuh
 //    applies unchanged (the oracle compares it with CuTe's e4m3 descriptors).
 //  * Accumulator (f32): as for 16-bit inputs (acc_index in sm90/wgmma.cuh): register
 //    4j + 2h + e of thread (warp w, g = lane / 4, q = lane % 4) is (row 16w + g + 8h, col 8j + 2q + e).
@@ -30,13 +30,8 @@ constexpr int kMmaK8 = 32;          // reduction depth of m64nNk32 (8-bit inputs
 constexpr int kSlabCols8 = 128;     // e4m3 elements per 128-byte swizzle row
 constexpr int kMmaK8Bytes = kMmaK8;  // 32: K-major step inside a slab, as for 16-bit inputs
 
-// Byte offset of element (row, col) of a [rows × D] e4m3 tile stored as SW128 slabs.
-__host__ __device__ constexpr int sw128_offset8(int row, int col, int rows) {
-    return (col / kSlabCols8) * rows * kSwizzleBytes + row * kSwizzleBytes +
-           ((((col % kSlabCols8) / 16) ^ (row % kSwizzleAtomRows)) * 16) + (col % 16);
-}
-
-// The same for a K-major e4m3 tile whose swizzle rows are W bytes (128 or 64): slabs of W
+// Byte offset of element (row, col) of a [rows × D] K-major e4m3 tile whose swizzle rows are W
+// bytes (128 or 64; W = 128: the SW128 slabs of kSlabCols8 columns above): slabs of W
 // columns, rows W bytes apart, the 16-byte chunk XORed with address bits [7, 7 + log2(W / 16))
 // of the row's offset, i.e. row % 8 (SW128) or (row / 2) % 4 (SW64). Tiles whose K extent is 64
 // bytes (Q and K at head_dim 64, Vᵀ with 64-key tiles) need W = 64: TMA's box inner extent must

@@ -19,72 +19,24 @@
 //   print-maps                 print every encoded map as the kernel receives it (decoded)
 // Exit status: 0 ok, 2 bad launch file or rejected tensor map, 3 a failed emulator check,
 // 4 deadlock, 5 outputs differ between seeds.
-#include <sys/mman.h>
-#include <unistd.h>
-
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "common/params.h"
+#include "guarded_buffers.h"
 #include "launch_file.h"
 #include "runtime.h"
 
 namespace {
 
+using emu_buffers::translate;
+using emu_buffers::untranslate;
 using emu_launch::num;
 using emu_launch::usage_error;
-
-struct Buffer {
-    std::string name, path;
-    bool out = false;
-    bool inout = false;  // an output whose initial contents come from the file (not poisoned)
-    uint64_t dev = 0, bytes = 0;
-    unsigned char* host = nullptr;   // bytes at host[0 .. bytes)
-    unsigned char* region = nullptr; // mmap'ed, including guard pages
-    size_t region_bytes = 0, slack_lo = 0, slack_hi = 0;
-    std::vector<unsigned char> input;
-};
-
-constexpr unsigned char kCanary = 0x5C;
-
-// Host memory whose end is followed by an inaccessible page (a read or write past it faults)
-// and whose rounding slack around it is filled with a canary (checked after the run).
-void allocate(Buffer& b) {
-    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-    const size_t rounded = (b.bytes + 255) / 256 * 256;
-    const size_t data_pages = (rounded + page - 1) / page;
-    b.region_bytes = (data_pages + 2) * page;
-    void* m = mmap(nullptr, b.region_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (m == MAP_FAILED) usage_error("mmap failed for buffer " + b.name);
-    b.region = static_cast<unsigned char*>(m);
-    mprotect(b.region, page, PROT_NONE);
-    mprotect(b.region + (data_pages + 1) * page, page, PROT_NONE);
-    unsigned char* data_end = b.region + (data_pages + 1) * page;
-    b.host = data_end - rounded;
-    b.slack_lo = static_cast<size_t>(b.host - (b.region + page));
-    b.slack_hi = rounded - b.bytes;
-    std::memset(b.region + page, kCanary, data_pages * page);
-}
-
-void check_canaries(const Buffer& b) {
-    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-    for (size_t i = 0; i < b.slack_lo; ++i)
-        if (b.region[page + i] != kCanary) {
-            std::fprintf(stderr, "EMU ERROR: a write before the start of buffer %s\n", b.name.c_str());
-            std::exit(3);
-        }
-    for (size_t i = 0; i < b.slack_hi; ++i)
-        if (b.host[b.bytes + i] != kCanary) {
-            std::fprintf(stderr, "EMU ERROR: a write %zu bytes past the end of buffer %s\n", i, b.name.c_str());
-            std::exit(3);
-        }
-}
 
 struct Tmap {
     uint32_t data_type, rank, interleave, swizzle, l2, oob;
@@ -92,25 +44,6 @@ struct Tmap {
     std::vector<uint64_t> dims, strides;
     std::vector<uint32_t> box, elem_strides;
 };
-
-std::vector<Buffer> g_buffers;
-
-uint64_t untranslate(uint64_t host) {
-    for (const Buffer& b : g_buffers) {
-        const uint64_t h = reinterpret_cast<uint64_t>(b.host);
-        if (host >= h && host <= h + b.bytes) return b.dev + (host - h);
-    }
-    return 0;
-}
-
-uint64_t translate(uint64_t dev, const char* what) {
-    if (dev == 0) return 0;
-    for (const Buffer& b : g_buffers)
-        if (dev >= b.dev && dev <= b.dev + b.bytes) return reinterpret_cast<uint64_t>(b.host) + (dev - b.dev);
-    char msg[160];
-    std::snprintf(msg, sizeof msg, "%s: device address 0x%" PRIx64 " is in no buffer of the launch", what, dev);
-    usage_error(msg);
-}
 
 struct Entry {
     emu::KernelInvoker invoke;
@@ -162,24 +95,6 @@ int main(int argc, char** argv) {
         } else if (key == "params") {
             need(1);
             emu_launch::hex_bytes(a[0], sizeof(FwdParams), params_bytes);
-        } else if (key == "in" || key == "out" || key == "inout") {
-            need(4);
-            Buffer b;
-            b.name = a[0];
-            b.out = key != "in";
-            b.inout = key == "inout";
-            b.dev = num(a[1]);
-            b.bytes = num(a[2]);
-            b.path = a[3];
-            allocate(b);
-            if (!b.out || b.inout) {
-                std::ifstream f(b.path, std::ios::binary);
-                b.input.resize(b.bytes);
-                if (!f.read(reinterpret_cast<char*>(b.input.data()), static_cast<std::streamsize>(b.bytes)))
-                    usage_error("cannot read " + std::to_string(b.bytes) + " bytes from " + b.path);
-                std::memcpy(b.host, b.input.data(), b.bytes);
-            }
-            g_buffers.push_back(std::move(b));
         } else if (key == "tmap") {
             need(2);
             Tmap t;
@@ -200,7 +115,7 @@ int main(int argc, char** argv) {
             tmaps.push_back(t);
         } else if (key == "print-maps") {
             print_maps = true;
-        } else {
+        } else if (!emu_buffers::buffer_directive(d)) {
             usage_error("unknown directive " + key);
         }
     });
@@ -210,7 +125,6 @@ int main(int argc, char** argv) {
     if (static_cast<int>(tmaps.size()) != nmaps)
         usage_error(kernel + " takes " + std::to_string(nmaps) + " tensor maps, the launch file has " + std::to_string(tmaps.size()));
     if (params_bytes.size() != sizeof(FwdParams)) usage_error("missing params");
-    if (seeds.empty()) seeds.push_back(1);
     FwdParams p;
     std::memcpy(&p, params_bytes.data(), sizeof p);
     p.q = translate(p.q, "params.q");
@@ -266,42 +180,14 @@ int main(int argc, char** argv) {
     std::printf("launch %s: grid (%u,%u,%u), %u threads, %u bytes of dynamic shared memory, %s registers per thread at entry\n",
                 kernel.c_str(), cfg.grid.x, cfg.grid.y, cfg.grid.z, cfg.block.x, cfg.smem_bytes,
                 cfg.entry_regs ? std::to_string(cfg.entry_regs).c_str() : "65536/threads (no ptxas report)");
-    std::vector<std::vector<unsigned char>> first;
-    for (size_t si = 0; si < seeds.size(); ++si) {
-        for (Buffer& b : g_buffers)
-            if (b.inout) std::memcpy(b.host, b.input.data(), b.bytes);
-            else if (b.out) std::memset(b.host, 0xFF, b.bytes);  // NaN in f16, bf16 and f32
-        cfg.seed = seeds[si];
-        cfg.window_offset = 0;
-        emu::launch(cfg, &run_thread, &e);
+    // 0xFF: NaN in f16, bf16 and f32, so an output element the kernel leaves unwritten shows.
+    return emu_buffers::run_seeds(cfg, seeds, &run_thread, &e, 0xFF, [] {
         const emu::Stats st = emu::stats();
-        std::printf("seed %" PRIu64 ": ok (%" PRIu64 " CTAs, %" PRIu64 " switches, %" PRIu64 " wgmma, %" PRIu64 " TMA boxes, %" PRIu64
-                    " cp.async, %" PRIu64 " mbarrier polls)\n",
-                    seeds[si], st.ctas, st.switches, st.wgmma_ops, st.tma_copies, st.cp_async_copies, st.mbar_waits);
-        std::vector<std::vector<unsigned char>> outs;
-        for (Buffer& b : g_buffers) {
-            check_canaries(b);
-            if (b.out) {
-                outs.emplace_back(b.host, b.host + b.bytes);
-            } else if (std::memcmp(b.host, b.input.data(), b.bytes) != 0) {
-                std::fprintf(stderr, "EMU ERROR: the kernel wrote into its input buffer %s\n", b.name.c_str());
-                return 3;
-            }
-        }
-        if (si == 0) {
-            first = outs;
-        } else if (outs != first) {
-            std::fprintf(stderr, "EMU ERROR: outputs of seed %" PRIu64 " differ from seed %" PRIu64
-                                 "'s: the result depends on the schedule (a race)\n",
-                         seeds[si], seeds[0]);
-            return 5;
-        }
-    }
-    for (const Buffer& b : g_buffers)
-        if (b.out) {
-            std::ofstream f(b.path, std::ios::binary);
-            f.write(reinterpret_cast<const char*>(b.host), static_cast<std::streamsize>(b.bytes));
-            if (!f) usage_error("cannot write " + b.path);
-        }
-    return 0;
+        char line[240];
+        std::snprintf(line, sizeof line,
+                      " (%" PRIu64 " CTAs, %" PRIu64 " switches, %" PRIu64 " wgmma, %" PRIu64 " TMA boxes, %" PRIu64
+                      " cp.async, %" PRIu64 " mbarrier polls)",
+                      st.ctas, st.switches, st.wgmma_ops, st.tma_copies, st.cp_async_copies, st.mbar_waits);
+        return std::string(line);
+    });
 }

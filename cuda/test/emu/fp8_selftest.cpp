@@ -3,8 +3,8 @@
 //                        order) moves every accumulator element of S to the A8 fragment slot of
 //                        the same (row, key), by the emulator's fragment maps (acc_coord,
 //                        a_reg_coord8; both equal CuTe's CLayout_64xN / ALayout_64x32, cuda/test/oracle)
-//   sw128_offset8        the e4m3 tile placement of sm90/wgmma_fp8.cuh equals the emulator's
-//                        descriptor decoding (operand_addr, 8-bit, K-major, 128B swizzle)
+//   swz_offset8          the e4m3 tile placement of sm90/wgmma_fp8.cuh equals the emulator's
+//                        descriptor decoding (operand_addr, 8-bit, K-major, 128B and 64B swizzle)
 //   qk_pv_chain          one warpgroup: S = Q Kᵀ (SS e4m3, 4 k32 steps x 2 N halves), P = e4m3(S·c)
 //                        through acc_to_a8, O = P Vᵀᵀ (RS e4m3, Vᵀ K-major), through the wrappers of
 //                        sm90/wgmma_fp8.cuh, against host arithmetic, under seeds 1-3
@@ -72,26 +72,32 @@ void a8_permutation() {
     CHECK(checked == 128 * 16);
 }
 
-void sw128_offset8() {
-    // A [128 x 256] e4m3 tile (two slabs) at a 1024-aligned address, read through K-major SW128
-    // descriptors at every 64-row block, k32 step and slab, as the kernels address it.
+// A [128 x 256] e4m3 tile (256 / W slabs) at a 1024-aligned address, read through K-major
+// W-byte-swizzle descriptors at every 64-row block, k32 step and slab, as the kernels address it.
+template <int W>
+void swz_offset8_case() {
     const uint32_t base = 0x4000;
-    const int rows = 128;
+    const int rows = 128, cols = 256;
     int checked = 0;
-    for (int slab = 0; slab < 2; ++slab)
+    for (int slab = 0; slab < cols / W; ++slab)
         for (int mb = 0; mb < rows / 64; ++mb)
-            for (int ks = 0; ks < 4; ++ks) {
-                const uint32_t start = base + slab * rows * 128 + mb * 64 * 128 + ks * fa3::kMmaK8Bytes;
-                const uint64_t desc = fa3::desc_kmajor_sw128(start);
+            for (int ks = 0; ks < W / fa3::kMmaK8Bytes; ++ks) {
+                const uint32_t start = base + slab * rows * W + mb * 64 * W + ks * fa3::kMmaK8Bytes;
+                const uint64_t desc = fa3::desc_kmajor8<W>(start);
                 for (int m = 0; m < 64; ++m)
-                    for (int k = 0; k < 32; ++k) {
+                    for (int k = 0; k < fa3::kMmaK8; ++k) {
                         const uint32_t a = emu::sm90::operand_addr(desc, emu::sm90::Major::K, 1, m, k);
-                        const int row = mb * 64 + m, col = slab * 128 + ks * 32 + k;
-                        CHECK(a == base + static_cast<uint32_t>(fa3::sw128_offset8(row, col, rows)));
+                        const int row = mb * 64 + m, col = slab * W + ks * fa3::kMmaK8 + k;
+                        CHECK(a == base + static_cast<uint32_t>(fa3::swz_offset8<W>(row, col, rows)));
                         ++checked;
                     }
             }
-    CHECK(checked == 2 * 2 * 4 * 64 * 32);
+    CHECK(checked == rows * cols);
+}
+
+void swz_offset8() {
+    swz_offset8_case<128>();
+    swz_offset8_case<64>();
 }
 
 // Small integers (exact in e4m3 and in every product and sum here).
@@ -123,11 +129,11 @@ int qk_pv(bool permute, uint64_t seed) {
         const int t = static_cast<int>(threadIdx.x);
         if (t == 0) {
             for (int m = 0; m < M; ++m)
-                for (int d = 0; d < D; ++d) sq[fa3::sw128_offset8(m, d, M)] = fa_e4m3_encode(qv(m, d));
+                for (int d = 0; d < D; ++d) sq[fa3::swz_offset8<128>(m, d, M)] = fa_e4m3_encode(qv(m, d));
             for (int n = 0; n < N; ++n)
-                for (int d = 0; d < D; ++d) sk[fa3::sw128_offset8(n, d, N)] = fa_e4m3_encode(kv(n, d));
+                for (int d = 0; d < D; ++d) sk[fa3::swz_offset8<128>(n, d, N)] = fa_e4m3_encode(kv(n, d));
             for (int d = 0; d < D; ++d)
-                for (int n = 0; n < N; ++n) sv[fa3::sw128_offset8(d, n, D)] = fa_e4m3_encode(vv(n, d));
+                for (int n = 0; n < N; ++n) sv[fa3::swz_offset8<128>(d, n, D)] = fa_e4m3_encode(vv(n, d));
         }
         fa3::fence_proxy_async_smem();
         __syncthreads();
@@ -194,7 +200,7 @@ void qk_pv_unpermuted() {
 int main(int argc, char** argv) {
     const std::vector<std::pair<std::string, void (*)()>> tests = {
         {"a8_permutation", &a8_permutation},
-        {"sw128_offset8", &sw128_offset8},
+        {"swz_offset8", &swz_offset8},
         {"qk_pv_chain", &qk_pv_chain},
         {"qk_pv_unpermuted", &qk_pv_unpermuted},
     };

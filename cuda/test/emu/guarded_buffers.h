@@ -1,17 +1,25 @@
-// The buffers of the standalone kernels' emulator drivers (fp8_prepass_main.cpp for the FP8
-// pre-pass, combine_main.cpp for the combine): `in` / `out` directives of the launch file (see
-// launch_file.h) read into buffers with canary slack on both sides, device addresses of the
-// params translated into them, and the seeded runs: outputs poisoned before each run, canaries
-// and inputs checked after, outputs bit-identical across seeds, then written back.
-//   in  <name> <device address> <bytes> <file>     input buffer (checked unchanged afterwards)
-//   out <name> <device address> <bytes> <file>     output buffer: poisoned, written back
+// The emulated device memory of every emulator driver (driver.cpp for the attention kernels,
+// combine_main.cpp for the combine, fp8_prepass_main.cpp for the FP8 pre-pass): the `in` / `out`
+// / `inout` directives of the launch file (see launch_file.h) read into guarded host buffers at
+// the device addresses the plan used, device addresses translated into them, and the seeded
+// runs: outputs poisoned before each run, canaries and inputs checked after, outputs
+// bit-identical across seeds, then written back.
+//   in    <name> <device address> <bytes> <file>   input buffer (checked unchanged afterwards)
+//   out   <name> <device address> <bytes> <file>   output buffer: poisoned, written back
+//   inout <name> <device address> <bytes> <file>   read from the file, written back (a KV cache
+//                                                 the append kernel writes into; not poisoned)
 // Exit statuses of run_seeds: 0 ok, 3 a canary overwritten or an input written, 5 outputs differ
 // between seeds (a failed emulator check exits from inside the run).
 #pragma once
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <cinttypes>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -20,26 +28,66 @@
 
 namespace emu_buffers {
 
-constexpr size_t kSlack = 256;
 constexpr unsigned char kCanary = 0x5C;
 
-// A buffer with canary slack on both sides (a write outside [0, bytes) is reported).
-struct Guarded {
-    std::vector<unsigned char> mem;
-    size_t bytes = 0;
-    explicit Guarded(size_t n = 0) : mem(n + 2 * kSlack, kCanary), bytes(n) {}
-    unsigned char* data() { return mem.data() + kSlack; }
-    void poison(unsigned char v) { std::memset(data(), v, bytes); }
-    bool canaries_ok() const {
-        for (size_t i = 0; i < kSlack; ++i)
-            if (mem[i] != kCanary || mem[kSlack + bytes + i] != kCanary) return false;
-        return true;
+// Host memory for `bytes` bytes whose end is followed by an inaccessible page and whose start
+// is preceded by one (a read or write past either end faults at once), the data ending on a
+// 256-byte boundary just before the trailing page; the rounding slack in front of the data
+// holds a canary (a write there is reported by `overwritten`).
+class Guarded {
+public:
+    Guarded() = default;
+    Guarded(size_t bytes, const std::string& name) : bytes_(bytes) {
+        const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+        const size_t rounded = (bytes + 255) / 256 * 256;
+        const size_t data_pages = (rounded + page - 1) / page;
+        region_bytes_ = (data_pages + 2) * page;
+        void* m = mmap(nullptr, region_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (m == MAP_FAILED) emu_launch::usage_error("mmap failed for buffer " + name);
+        region_ = static_cast<unsigned char*>(m);
+        mprotect(region_, page, PROT_NONE);
+        mprotect(region_ + (data_pages + 1) * page, page, PROT_NONE);
+        data_ = region_ + (data_pages + 1) * page - rounded;
+        slack_lo_ = static_cast<size_t>(data_ - (region_ + page));
+        std::memset(region_ + page, kCanary, data_pages * page);
     }
+    Guarded(Guarded&& o) noexcept { *this = std::move(o); }
+    Guarded& operator=(Guarded&& o) noexcept {
+        std::swap(region_, o.region_);
+        std::swap(data_, o.data_);
+        std::swap(region_bytes_, o.region_bytes_);
+        std::swap(bytes_, o.bytes_);
+        std::swap(slack_lo_, o.slack_lo_);
+        return *this;
+    }
+    Guarded(const Guarded&) = delete;
+    Guarded& operator=(const Guarded&) = delete;
+    ~Guarded() {
+        if (region_) munmap(region_, region_bytes_);
+    }
+
+    unsigned char* data() const { return data_; }
+    size_t bytes() const { return bytes_; }
+    // Where a canary was overwritten ("before the start", "past the end"), or nullptr.
+    const char* overwritten() const {
+        for (size_t i = 0; i < slack_lo_; ++i)
+            if (data_[-1 - static_cast<ptrdiff_t>(i)] != kCanary) return "before the start";
+        const size_t slack_hi = (bytes_ + 255) / 256 * 256 - bytes_;
+        for (size_t i = 0; i < slack_hi; ++i)
+            if (data_[bytes_ + i] != kCanary) return "past the end";
+        return nullptr;
+    }
+
+private:
+    unsigned char* region_ = nullptr;  // mmap'ed, including the guard pages
+    unsigned char* data_ = nullptr;    // bytes_ bytes at data_[0 .. bytes_)
+    size_t region_bytes_ = 0, bytes_ = 0, slack_lo_ = 0;
 };
 
 struct Buffer {
     std::string name, path;
     bool out = false;
+    bool inout = false;  // an output whose initial contents come from the file (not poisoned)
     uint64_t dev = 0;
     Guarded mem;
     std::vector<unsigned char> input;
@@ -49,66 +97,85 @@ inline std::vector<Buffer> g_buffers;
 // The host address of a device address of the launch (0 stays 0: "none").
 inline uint64_t translate(uint64_t dev, const char* what) {
     if (dev == 0) return 0;
-    for (Buffer& b : g_buffers)
-        if (dev >= b.dev && dev <= b.dev + b.mem.bytes) return reinterpret_cast<uint64_t>(b.mem.data()) + (dev - b.dev);
-    emu_launch::usage_error(std::string(what) + ": device address in no buffer of the launch");
+    for (const Buffer& b : g_buffers)
+        if (dev >= b.dev && dev <= b.dev + b.mem.bytes()) return reinterpret_cast<uint64_t>(b.mem.data()) + (dev - b.dev);
+    char msg[200];
+    std::snprintf(msg, sizeof msg, "%s: device address 0x%" PRIx64 " is in no buffer of the launch", what, dev);
+    emu_launch::usage_error(msg);
 }
 
-// Handles an `in` or `out` directive; false for any other key.
+// The device address of a host address inside a buffer (0 if none).
+inline uint64_t untranslate(uint64_t host) {
+    for (const Buffer& b : g_buffers) {
+        const uint64_t h = reinterpret_cast<uint64_t>(b.mem.data());
+        if (host >= h && host <= h + b.mem.bytes()) return b.dev + (host - h);
+    }
+    return 0;
+}
+
+// Handles an `in`, `out` or `inout` directive; false for any other key.
 inline bool buffer_directive(const emu_launch::Directive& d) {
-    if (d.key != "in" && d.key != "out") return false;
+    if (d.key != "in" && d.key != "out" && d.key != "inout") return false;
     d.need(4);
     Buffer b;
     b.name = d.a[0];
-    b.out = d.key == "out";
+    b.out = d.key != "in";
+    b.inout = d.key == "inout";
     b.dev = emu_launch::num(d.a[1]);
-    b.mem = Guarded(static_cast<size_t>(emu_launch::num(d.a[2])));
+    b.mem = Guarded(static_cast<size_t>(emu_launch::num(d.a[2])), b.name);
     b.path = d.a[3];
-    if (!b.out) {
+    if (!b.out || b.inout) {
         std::ifstream f(b.path, std::ios::binary);
-        if (!f.read(reinterpret_cast<char*>(b.mem.data()), static_cast<std::streamsize>(b.mem.bytes)))
-            emu_launch::usage_error("cannot read " + std::to_string(b.mem.bytes) + " bytes from " + b.path);
-        b.input.assign(b.mem.data(), b.mem.data() + b.mem.bytes);
+        b.input.resize(b.mem.bytes());
+        if (!f.read(reinterpret_cast<char*>(b.input.data()), static_cast<std::streamsize>(b.mem.bytes())))
+            emu_launch::usage_error("cannot read " + std::to_string(b.mem.bytes()) + " bytes from " + b.path);
+        std::memcpy(b.mem.data(), b.input.data(), b.mem.bytes());
     }
     g_buffers.push_back(std::move(b));
     return true;
 }
 
-// Runs `entry` once per seed (outputs poisoned with `poison` first), checks canaries, inputs and
-// that every seed's outputs are bit-identical, and writes the outputs back. Returns the exit status.
-inline int run_seeds(emu::LaunchConfig cfg, std::vector<uint64_t> seeds, void (*entry)(void*), unsigned char poison) {
+// Runs `entry(arg)` once per seed (outputs poisoned with `poison` first, `inout` buffers reset
+// from their files), checks canaries, inputs and that every seed's outputs are bit-identical,
+// and writes the outputs back. `note`, if given, adds to each seed's "ok" line (the driver's
+// counters). Returns the exit status.
+inline int run_seeds(emu::LaunchConfig cfg, std::vector<uint64_t> seeds, void (*entry)(void*), void* arg,
+                     unsigned char poison, const std::function<std::string()>& note = {}) {
     if (seeds.empty()) seeds.push_back(1);
     std::vector<std::vector<unsigned char>> first;
     for (size_t si = 0; si < seeds.size(); ++si) {
         for (Buffer& b : g_buffers)
-            if (b.out) b.mem.poison(poison);
+            if (b.inout) std::memcpy(b.mem.data(), b.input.data(), b.mem.bytes());
+            else if (b.out) std::memset(b.mem.data(), poison, b.mem.bytes());
         cfg.seed = seeds[si];
-        emu::launch(cfg, entry, nullptr);
+        emu::launch(cfg, entry, arg);
+        std::printf("seed %" PRIu64 ": ok%s\n", seeds[si], note ? note().c_str() : "");
         std::vector<std::vector<unsigned char>> outs;
         for (Buffer& b : g_buffers) {
-            if (!b.mem.canaries_ok()) {
-                std::fprintf(stderr, "EMU ERROR: a write outside buffer %s\n", b.name.c_str());
+            if (const char* where = b.mem.overwritten()) {
+                std::fprintf(stderr, "EMU ERROR: a write %s of buffer %s\n", where, b.name.c_str());
                 return 3;
             }
             if (b.out) {
-                outs.emplace_back(b.mem.data(), b.mem.data() + b.mem.bytes);
-            } else if (std::memcmp(b.mem.data(), b.input.data(), b.mem.bytes) != 0) {
-                std::fprintf(stderr, "EMU ERROR: the kernel wrote into its input %s\n", b.name.c_str());
+                outs.emplace_back(b.mem.data(), b.mem.data() + b.mem.bytes());
+            } else if (std::memcmp(b.mem.data(), b.input.data(), b.mem.bytes()) != 0) {
+                std::fprintf(stderr, "EMU ERROR: the kernel wrote into its input buffer %s\n", b.name.c_str());
                 return 3;
             }
         }
-        std::printf("seed %" PRIu64 ": ok\n", seeds[si]);
         if (si == 0) {
             first = outs;
         } else if (outs != first) {
-            std::fprintf(stderr, "EMU ERROR: outputs of seed %" PRIu64 " differ from seed %" PRIu64 "'s\n", seeds[si], seeds[0]);
+            std::fprintf(stderr, "EMU ERROR: outputs of seed %" PRIu64 " differ from seed %" PRIu64
+                                 "'s: the result depends on the schedule (a race)\n",
+                         seeds[si], seeds[0]);
             return 5;
         }
     }
-    for (Buffer& b : g_buffers)
+    for (const Buffer& b : g_buffers)
         if (b.out) {
             std::ofstream f(b.path, std::ios::binary);
-            f.write(reinterpret_cast<const char*>(b.mem.data()), static_cast<std::streamsize>(b.mem.bytes));
+            f.write(reinterpret_cast<const char*>(b.mem.data()), static_cast<std::streamsize>(b.mem.bytes()));
             if (!f) emu_launch::usage_error("cannot write " + b.path);
         }
     return 0;

@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <csignal>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "fa2/layout.h"
+#include "guarded_buffers.h"
 #include "sm80/mma.cuh"
 #include "sm100_layouts.h"
 #include "sm90_layouts.h"
@@ -772,6 +774,44 @@ void setmaxnreg_pool_exhausted() {
     }, 1, 168);
 }
 
+// ---------------------------------------------------------------- the drivers' buffers
+
+// guarded_buffers.h: a write into the rounding slack on either side of a buffer is reported, a
+// read past the slack faults on the guard page, and a buffer survives a move.
+void report_overwrite(const emu_buffers::Guarded& g) {
+    if (const char* where = g.overwritten()) {
+        std::fprintf(stderr, "a write %s of the buffer\n", where);
+        std::_Exit(3);
+    }
+}
+void buffer_guards_ok() {
+    emu_buffers::Guarded g(100, "t");
+    for (int i = 0; i < 100; ++i) g.data()[i] = static_cast<unsigned char>(i);
+    emu_buffers::Guarded moved = std::move(g);
+    CHECK(g.data() == nullptr && moved.bytes() == 100 && moved.data()[99] == 99);
+    report_overwrite(moved);
+}
+void buffer_written_past_end() {
+    emu_buffers::Guarded g(100, "t");
+    g.data()[100] = 0;
+    report_overwrite(g);
+}
+void buffer_written_before_start() {
+    emu_buffers::Guarded g(100, "t");
+    g.data()[-1] = 0;
+    report_overwrite(g);
+}
+void buffer_read_past_guard() {
+    std::signal(SIGSEGV, [](int) {
+        const char msg[] = "fault on the guard page\n";
+        (void)!write(2, msg, sizeof msg - 1);
+        std::_Exit(3);
+    });
+    emu_buffers::Guarded g(100, "t");
+    const volatile unsigned char* p = g.data();
+    std::printf("%d\n", p[256]);  // the rounding slack ends at 256: the next byte is the guard page
+}
+
 struct Test {
     const char* name;
     const char* expect;  // nullptr: must pass; else a substring of the failure message
@@ -828,6 +868,10 @@ const std::vector<Test>& tests() {
         {"setmaxnreg_ok", nullptr, setmaxnreg_ok},
         {"setmaxnreg_nonuniform", "must be warpgroup-uniform", setmaxnreg_nonuniform},
         {"setmaxnreg_pool_exhausted", "the CTA pool has 0 free", setmaxnreg_pool_exhausted},
+        {"buffer_guards_ok", nullptr, buffer_guards_ok},
+        {"buffer_written_past_end", "a write past the end of the buffer", buffer_written_past_end},
+        {"buffer_written_before_start", "a write before the start of the buffer", buffer_written_before_start},
+        {"buffer_read_past_guard", "fault on the guard page", buffer_read_past_guard},
     };
     return t;
 }
