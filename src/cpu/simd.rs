@@ -380,6 +380,59 @@ pub(crate) fn write_panel_rows(op: &[f32], inv: &[f32; NR], live: u16, d: usize,
     false
 }
 
+/// The lane-wise end of `softmax::finalize_panel` for `n = lse.len()` (≤ 16) queries: from the
+/// sums `l`, maxima `m` and `log2_l` (libm's `log2` of each `l`, computed by the caller), `inv =
+/// 1 / l` and `lse = m·u + (log2_l − off)·ln 2` (four roundings, in `lse_of`'s order), each 0 and
+/// −inf where `l == 0`; returns the mask of the first `n` lanes whose `l` is not 0. Bit for bit
+/// the scalar loop, which the compiler left scalar (a division and two branches per lane, the
+/// LSEs then copied by a call to `memcpy`). `None` when this CPU lacks AVX-512F.
+#[inline]
+pub(crate) fn finalize_lanes(
+    (l, m, log2_l): (&[f32; NR], &[f32; NR], &[f32; NR]),
+    (u, off): (f32, f32),
+    inv: &mut [f32; NR],
+    lse: &mut [f32],
+) -> Option<u16> {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx512f") {
+        // SAFETY: AVX-512F was just detected on this CPU, the only requirement of
+        // `finalize_lanes_avx512` (its slice lengths it checks itself).
+        return Some(unsafe { finalize_lanes_avx512((l, m, log2_l), (u, off), inv, lse) });
+    }
+    let _ = (l, m, log2_l, u, off, inv, lse);
+    None
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn finalize_lanes_avx512(
+    (l, m, log2_l): (&[f32; NR], &[f32; NR], &[f32; NR]),
+    (u, off): (f32, f32),
+    inv: &mut [f32; NR],
+    lse: &mut [f32],
+) -> u16 {
+    use std::arch::x86_64::*;
+    let n = lse.len().min(NR);
+    // SAFETY: each array is 16 f32.
+    let (lv, mv, log) = unsafe { (_mm512_loadu_ps(l.as_ptr()), _mm512_loadu_ps(m.as_ptr()), _mm512_loadu_ps(log2_l.as_ptr())) };
+    // `l != 0.0`: true for NaN too (unordered or not equal).
+    let seen = _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(lv, _mm512_setzero_ps());
+    let iv = _mm512_maskz_div_ps(seen, _mm512_set1_ps(1.0), lv);
+    let x = _mm512_add_ps(
+        _mm512_mul_ps(mv, _mm512_set1_ps(u)),
+        _mm512_mul_ps(_mm512_sub_ps(log, _mm512_set1_ps(off)), _mm512_set1_ps(std::f32::consts::LN_2)),
+    );
+    let out = _mm512_mask_blend_ps(seen, _mm512_set1_ps(f32::NEG_INFINITY), x);
+    let keep = first_lanes(n);
+    // SAFETY: `inv` is 16 f32; `lse` holds `n` f32 and the mask enables only the first `n` lanes
+    // (masked lanes are neither read nor written).
+    unsafe {
+        _mm512_storeu_ps(inv.as_mut_ptr(), iv);
+        _mm512_mask_storeu_ps(lse.as_mut_ptr(), keep, out);
+    }
+    seen & keep
+}
+
 /// The mask of the first `w` (1..=16) lanes.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
