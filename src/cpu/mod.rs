@@ -617,7 +617,7 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
 
     // Strips the products will run (both products, per pair of panels), for the prefetch rate.
     let span = round_up(hi_all, MR).saturating_sub(lo_all / MR * MR);
-    ahead.begin_block(panels.div_ceil(2) * (span / MR + span.div_ceil(BC) * (dv / MR)) * simd::STEPS_PER_STRIP);
+    ahead.begin_block(panels.div_ceil(2) * (span / MR + span.div_ceil(BC) * (dv / MR)));
     let mut step = || ahead.step();
     let mut j0 = lo_all / MR * MR;
     while j0 < hi_all {

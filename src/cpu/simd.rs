@@ -223,10 +223,11 @@ fn product_max_avx512<const N: usize>(
         mx[t] = unsafe { _mm512_loadu_ps(tile_max[t].as_ptr()) };
     }
     for st in 0..strips {
+        step();
         let a = &k[st * kc * MR..(st + 1) * kc * MR];
         let mut acc = [[_mm512_setzero_ps(); MR]; N];
         // SAFETY: `a` is `kc` steps of MR and every `b[t]` holds `kc` rows of 16 (checked above).
-        unsafe { strip_fma_steps::<N, false, MR>(a, bp, &mut acc, step) };
+        unsafe { strip_fma::<N, false, MR>(a, bp, &mut acc) };
         for t in 0..N {
             for i in 0..MR {
                 // SAFETY: `s[t]` holds `strips` blocks of MR rows of 16 (checked above).
@@ -241,35 +242,6 @@ fn product_max_avx512<const N: usize>(
         let m = &mut *tile_max[t];
         // SAFETY: `m` is 16 f32.
         unsafe { _mm512_storeu_ps(m.as_mut_ptr(), mx[t]) };
-    }
-}
-
-/// Times `strip_fma_steps` runs `step` per strip: the strip's steps in this many parts.
-pub(crate) const STEPS_PER_STRIP: usize = 4;
-
-/// [`strip_fma`] in [`STEPS_PER_STRIP`] parts, `step` before each (the spread prefetches: a few
-/// lines every quarter strip rather than all of a strip's at once, which would wait for free
-/// line-fill buffers).
-///
-/// # Safety
-/// As [`strip_fma`].
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn strip_fma_steps<const N: usize, const SKIP: bool, const R: usize>(
-    a: &[f32],
-    bp: [*const f32; N],
-    acc: &mut [[std::arch::x86_64::__m512; MR]; N],
-    step: &mut impl FnMut(),
-) {
-    let kc = a.len() / MR;
-    let mut k0 = 0;
-    for part in 1..=STEPS_PER_STRIP {
-        let k1 = kc * part / STEPS_PER_STRIP;
-        step();
-        // SAFETY: rows `k0..k1` of every `b[t]` are within the `kc` the caller vouches for.
-        unsafe { strip_fma::<N, SKIP, R>(&a[k0 * MR..k1 * MR], bp.map(|p| p.wrapping_add(k0 * NR)), acc) };
-        k0 = k1;
     }
 }
 
@@ -368,6 +340,7 @@ fn scaled_product_avx512<const N: usize, const SKIP: bool>(
         scv[t] = unsafe { _mm512_loadu_ps(sc[t].as_ptr()) };
     }
     for ds in 0..strips {
+        step();
         let a = &v[ds * stride..ds * stride + kc * MR];
         let rows = cols.saturating_sub(ds * MR).min(MR);
         let mut acc = [[_mm512_setzero_ps(); MR]; N];
@@ -383,9 +356,9 @@ fn scaled_product_avx512<const N: usize, const SKIP: bool>(
             match rows {
                 // Two panels: 4 or 8 accumulators keep the FMA ports as busy as 12 do (a
                 // step is the FMA latency, not 6 cycles); one panel's 2 or 4 would not.
-                2 if N == 2 => strip_fma_steps::<N, SKIP, 2>(a, bp, &mut acc, step),
-                4 if N == 2 => strip_fma_steps::<N, SKIP, 4>(a, bp, &mut acc, step),
-                _ => strip_fma_steps::<N, SKIP, MR>(a, bp, &mut acc, step),
+                2 if N == 2 => strip_fma::<N, SKIP, 2>(a, bp, &mut acc),
+                4 if N == 2 => strip_fma::<N, SKIP, 4>(a, bp, &mut acc),
+                _ => strip_fma::<N, SKIP, MR>(a, bp, &mut acc),
             }
         };
         for t in 0..N {
