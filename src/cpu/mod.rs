@@ -125,11 +125,6 @@ const PACK_PREFETCH_STRIPS: usize = 4;
 /// prefetched.
 const PACK_ITEM_BYTES: usize = 4 << 20;
 
-/// Largest K/V input (bytes of both) of the next head-major work item that `Ahead` asks for
-/// during the current one: about a quarter of a core's L2 (the eight kv heads of 128×64 hold
-/// 512 KiB), so that it does not evict the current item's packed K/V.
-const AHEAD_ITEM_BYTES: usize = 1 << 20;
-
 /// Row `(b, s, h)` of `t` as f32: the input's own elements where it holds f32 (no copy), else
 /// widened into `buf` (length head_dim).
 #[inline(always)]
@@ -146,118 +141,18 @@ fn row_f32<'r, 'a: 'r>(t: &TensorView<'a>, (b, s, h): (usize, usize, usize), buf
     }
 }
 
-/// Rows `s0..s0 + rows` of heads `heads` of `t`, asked for into L1 ahead of use.
+/// Rows `s0..s0 + rows` of heads `heads` of `t`, asked for ahead of use (into L2 if `l2`, else L1).
 #[inline(always)]
-fn prefetch_rows(t: &TensorView, (b, s0, heads): (usize, usize, Range<usize>), rows: usize) {
+fn prefetch_rows(t: &TensorView, (b, s0, heads): (usize, usize, Range<usize>), rows: usize, l2: bool) {
     for s in s0..(s0 + rows).min(t.seqlen()) {
         for h in heads.clone() {
-            inplace::prefetch_row_with(t.data(), t.offset(b, s, h), t.head_dim(), simd::prefetch);
-        }
-    }
-}
-
-/// Cache lines asked for into L2 a few at a time from inside the products' strip loops (`step`,
-/// once per strip), spread over a block's compute: the block's own output rows and LSEs
-/// (written at its end), the Q rows of the block after it, and a share of the next work item's
-/// K/V rows (packed at that item's start, where they would each miss). Asked for in one burst
-/// each, hundreds of prefetches stall on the line-fill buffers; spread, a few are in flight
-/// while the FMAs run.
-#[derive(Default)]
-struct Ahead {
-    /// The block's lines, asked for by the block's end.
-    block: Lines,
-    /// The next work item's K/V lines, asked for by the current item's end.
-    item: Lines,
-    /// Lines of each per `step`.
-    per_step: (usize, usize),
-    /// Blocks of the current item not yet begun.
-    item_blocks: usize,
-}
-
-/// Runs of cache lines (`[first, end)` line numbers: addresses / 64, held as integers since a
-/// prefetch is a hint and any address is allowed) and a cursor.
-#[derive(Default)]
-struct Lines {
-    runs: Vec<(usize, usize)>,
-    /// The run and the line in it that `take` asks for next, and the lines left from there.
-    at: (usize, usize),
-    left: usize,
-}
-
-impl Lines {
-    /// The lines of `bytes` bytes at address `addr`, merged with the last run where they
-    /// continue it (rows side by side: a row's first line may be the previous row's last).
-    fn push_bytes(&mut self, addr: usize, bytes: usize) {
-        if bytes == 0 {
-            return;
-        }
-        let (first, end) = (addr / 64, (addr + bytes - 1) / 64 + 1);
-        // (A run the cursor has passed is not extended: its new lines would never be asked for.)
-        let open = self.at.0 < self.runs.len();
-        match self.runs.last_mut() {
-            Some(last) if open && last.0 <= first && first <= last.1 => {
-                self.left += end.saturating_sub(last.1);
-                last.1 = last.1.max(end);
-            }
-            _ => {
-                self.runs.push((first, end));
-                self.left += end - first;
+            let (data, at, d) = (t.data(), t.offset(b, s, h), t.head_dim());
+            if l2 {
+                inplace::prefetch_row_with(data, at, d, simd::prefetch_l2);
+            } else {
+                inplace::prefetch_row_with(data, at, d, simd::prefetch);
             }
         }
-    }
-
-    /// Row `(b, s, h)` of `t`.
-    fn push_row(&mut self, t: &TensorView, (b, s, h): (usize, usize, usize)) {
-        let (ofs, d) = (t.offset(b, s, h), t.head_dim());
-        let (addr, bytes) = match t.data() {
-            Data::F32(x) => (x.as_ptr().wrapping_add(ofs) as usize, 4 * d),
-            Data::F16(x) => (x.as_ptr().wrapping_add(ofs) as usize, 2 * d),
-            Data::BF16(x) => (x.as_ptr().wrapping_add(ofs) as usize, 2 * d),
-        };
-        self.push_bytes(addr, bytes);
-    }
-
-    /// Asks for the next `n` lines into L2.
-    #[inline(always)]
-    fn take(&mut self, mut n: usize) {
-        while n > 0 && self.at.0 < self.runs.len() {
-            let (first, end) = self.runs[self.at.0];
-            let from = first + self.at.1;
-            let k = n.min(end - from);
-            for line in from..from + k {
-                simd::prefetch_l2((line * 64) as *const i8);
-            }
-            (n, self.left) = (n - k, self.left - k);
-            self.at = if from + k == end { (self.at.0 + 1, 0) } else { (self.at.0, self.at.1 + k) };
-        }
-    }
-
-    fn clear(&mut self) {
-        self.runs.clear();
-        (self.at, self.left) = ((0, 0), 0);
-    }
-}
-
-impl Ahead {
-    /// A new block of about `steps` strips, its own lines listed already: the rates that ask for
-    /// them by its end, and for the item's remaining lines by the item's end.
-    fn begin_block(&mut self, steps: usize) {
-        let steps = steps.max(1);
-        let item = if self.item_blocks > 0 { self.item.left.div_ceil(self.item_blocks * steps) } else { 0 };
-        self.item_blocks = self.item_blocks.saturating_sub(1);
-        self.per_step = (self.block.left.div_ceil(steps), item);
-    }
-
-    #[inline(always)]
-    fn step(&mut self) {
-        self.block.take(self.per_step.0);
-        self.item.take(self.per_step.1);
-    }
-
-    /// The block's lines not yet asked for (fewer strips ran than estimated), and a fresh list.
-    fn finish_block(&mut self) {
-        self.block.take(usize::MAX);
-        self.block.clear();
     }
 }
 
@@ -309,8 +204,8 @@ fn pack_heads(
     }
     let buf = &mut buf[..MR * d];
     let fetch_strip = |strip: usize| {
-        prefetch_rows(k, (b, strip * MR, heads.clone()), MR);
-        prefetch_rows(v, (b, strip * MR, heads.clone()), MR);
+        prefetch_rows(k, (b, strip * MR, heads.clone()), MR, false);
+        prefetch_rows(v, (b, strip * MR, heads.clone()), MR, false);
     };
     let nstrips = p.seqlen_k.div_ceil(MR);
     let dist = if heads.len() < p.heads_kv { PACK_PREFETCH_STRIPS } else { 0 };
@@ -417,7 +312,6 @@ struct Scratch {
     rows: Vec<RowState>,
     /// `NR × head_dim`: a panel's Q rows widened from f16/bf16.
     q_row: Vec<f32>,
-    ahead: Ahead,
 }
 
 /// A zeroed f32 buffer whose first element starts a 64-byte cache line. The panels' rows are
@@ -460,7 +354,6 @@ impl Scratch {
             o: LineAligned::new(BR * round_up(d, MR)),
             rows: vec![RowState::EMPTY; BR],
             q_row: vec![0.0; NR * d],
-            ahead: Ahead::default(),
         }
     }
 }
@@ -587,18 +480,21 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
     let nrows = i1 - i0;
     let panels = nrows.div_ceil(NR);
 
+    fill_q_panels::<PAIR>(q, (b, h, i0, i1), d, &mut scr.q, &mut scr.q_row);
     // The caller's output rows, asked for into L2 while the products run: written straight
     // from the panels at the end, their lines would otherwise each miss then (a store buffer
-    // full of misses stalls the next panel's stores). The LSEs likewise (their lines were
-    // filled at the start of the call, long evicted).
-    let ahead = &mut scr.ahead;
+    // full of misses stalls the next panel's stores).
     if let BlockOut::Rows(rows) = &o_out {
         for row in rows.iter() {
-            ahead.block.push_bytes(row.as_ptr() as usize, 4 * row.len());
+            for line in row.chunks(16) {
+                simd::prefetch_l2(line.as_ptr().cast());
+            }
         }
     }
-    ahead.block.push_bytes(lse_out.as_ptr() as usize, 4 * lse_out.len());
-    fill_q_panels::<PAIR>(q, (b, h, i0, i1), d, &mut scr.q, &mut scr.q_row, &mut ahead.block);
+    // The LSEs likewise (their lines were filled at the start of the call, long evicted).
+    for line in lse_out.chunks(16) {
+        simd::prefetch_l2(line.as_ptr().cast());
+    }
     scr.o[..panels * NR * dv].iter_mut().for_each(|x| *x = 0.0);
     scr.rows[..panels * NR].iter_mut().for_each(|r| *r = RowState::EMPTY);
 
@@ -615,10 +511,6 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
         .map(|rs| (rs.iter().map(|r| r.0).min().unwrap_or(0), rs.iter().map(|r| r.1).max().unwrap_or(0)))
         .collect();
 
-    // Strips the products will run (both products, per pair of panels), for the prefetch rate.
-    let span = round_up(hi_all, MR).saturating_sub(lo_all / MR * MR);
-    ahead.begin_block(panels.div_ceil(2) * (span / MR + span.div_ceil(BC) * (dv / MR)));
-    let mut step = || ahead.step();
     let mut j0 = lo_all / MR * MR;
     while j0 < hi_all {
         let j1 = (j0 + BC).min(round_up(hi_all, MR)).min(sk_pad);
@@ -656,11 +548,10 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
             let fused = if pair {
                 let q1 = &scr.q[(pn + 1) * d * NR..(pn + 2) * d * NR];
                 let [m0, m1] = &mut tile_max;
-                let fused = PAIR && simd::product_max::<2>(k_tile, [q0, q1], [&mut *sp0, &mut *sp1], ([m0, m1], keys), &mut step);
+                let fused = PAIR && simd::product_max::<2>(k_tile, [q0, q1], [&mut *sp0, &mut *sp1], ([m0, m1], keys));
                 if !fused {
                     let strips = sp0.chunks_exact_mut(MR * NR).zip(sp1.chunks_exact_mut(MR * NR));
                     for (ks, (s6a, s6b)) in strips.enumerate() {
-                        step();
                         let mut acc: [Acc; 2] = [[[0.0; NR]; MR]; 2];
                         micro_kernel_x2::<FMA, false>(k_strip(ks), [q0, q1], &mut acc);
                         for (s6, a) in [s6a, s6b].into_iter().zip(&acc) {
@@ -670,10 +561,9 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
                 }
                 fused
             } else {
-                let fused = PAIR && simd::product_max::<1>(k_tile, [q0], [&mut *sp0], ([&mut tile_max[0]], keys), &mut step);
+                let fused = PAIR && simd::product_max::<1>(k_tile, [q0], [&mut *sp0], ([&mut tile_max[0]], keys));
                 if !fused {
                     for (ks, s6) in sp0.chunks_exact_mut(MR * NR).enumerate() {
-                        step();
                         let mut acc: Acc = [[0.0; NR]; MR];
                         micro_kernel::<FMA>(k_strip(ks), q0, &mut acc);
                         s6.copy_from_slice(acc.as_flattened());
@@ -713,14 +603,13 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
             if pair {
                 let wide = PAIR
                     && if finite {
-                        simd::scaled_product::<2, false>(v_tile, [sp0, sp1], [&mut *op0, &mut *op1], [&sc0, &sc1], &mut step)
+                        simd::scaled_product::<2, false>(v_tile, [sp0, sp1], [&mut *op0, &mut *op1], [&sc0, &sc1])
                     } else {
-                        simd::scaled_product::<2, true>(v_tile, [sp0, sp1], [&mut *op0, &mut *op1], [&sc0, &sc1], &mut step)
+                        simd::scaled_product::<2, true>(v_tile, [sp0, sp1], [&mut *op0, &mut *op1], [&sc0, &sc1])
                     };
                 if !wide {
                     let strips = op0.chunks_exact_mut(MR * NR).zip(op1.chunks_exact_mut(MR * NR));
                     for (ds, (o6a, o6b)) in strips.enumerate() {
-                        step();
                         let (a, b) = (v_strip(ds), [&*sp0, &*sp1]);
                         let mut acc: [Acc; 2] = [[[0.0; NR]; MR]; 2];
                         rescale_o(o6a, &sc0, &mut acc[0]);
@@ -738,13 +627,12 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
                 let op0 = &mut op0[..dv * NR];
                 let wide = PAIR
                     && if finite {
-                        simd::scaled_product::<1, false>(v_tile, [sp0], [&mut *op0], [&sc0], &mut step)
+                        simd::scaled_product::<1, false>(v_tile, [sp0], [&mut *op0], [&sc0])
                     } else {
-                        simd::scaled_product::<1, true>(v_tile, [sp0], [&mut *op0], [&sc0], &mut step)
+                        simd::scaled_product::<1, true>(v_tile, [sp0], [&mut *op0], [&sc0])
                     };
                 if !wide {
                     for (ds, o6) in op0.chunks_exact_mut(MR * NR).enumerate() {
-                        step();
                         let a = v_strip(ds);
                         let mut acc: Acc = [[0.0; NR]; MR];
                         rescale_o(o6, &sc0, &mut acc);
@@ -762,7 +650,6 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
         j0 = j1;
     }
 
-    scr.ahead.finish_block();
     write_rows::<M, PAIR>(&scr.o, &scr.rows[..nrows], d, sm.u, math, (o_out, lse_out));
 }
 
@@ -771,10 +658,9 @@ const Q_PREFETCH_ROWS: usize = BR;
 
 /// The Qᵀ panels of query rows `i0..i1` of head `h`: `[panel][head_dim][NR]`, the lanes past
 /// `i1` zero (their results are dropped). Rows are read straight from an f32 input (`row`:
-/// `NR × head_dim` f32 for the widened rows of an f16/bf16 one). The lines of the head's next
-/// block (the next head's first, after a head's last) are then listed in `ahead` (asked for
-/// into L2 during this block's products): the next block this worker runs is usually that one,
-/// and its strided rows would each miss the cache.
+/// `NR × head_dim` f32 for the widened rows of an f16/bf16 one). The rows of the head's next
+/// block (the next head's first, after a head's last) are then asked for into L2: the next block
+/// this worker runs is usually that one, and its strided rows would each miss the cache.
 #[inline(always)]
 fn fill_q_panels<const WIDE: bool>(
     q: &TensorView,
@@ -782,7 +668,6 @@ fn fill_q_panels<const WIDE: bool>(
     d: usize,
     dst: &mut [f32],
     row: &mut [f32],
-    ahead: &mut Lines,
 ) {
     let (b, h, i0, i1) = at;
     let nrows = i1 - i0;
@@ -804,16 +689,11 @@ fn fill_q_panels<const WIDE: bool>(
             }
         }
     }
-    let next = if i1 < q.seqlen() {
-        Some((i1, h))
-    } else {
+    if i1 < q.seqlen() {
+        prefetch_rows(q, (b, i1, h..h + 1), Q_PREFETCH_ROWS, true);
+    } else if h + 1 < q.heads() {
         // The head is done: its next block is the next head's first (head-major items).
-        (h + 1 < q.heads()).then_some((0, h + 1))
-    };
-    if let Some((s0, h)) = next {
-        for s in s0..(s0 + Q_PREFETCH_ROWS).min(q.seqlen()) {
-            ahead.push_row(q, (b, s, h));
-        }
+        prefetch_rows(q, (b, 0, h + 1..h + 2), Q_PREFETCH_ROWS, true);
     }
 }
 
@@ -1195,26 +1075,7 @@ fn tiled<M: Exp2Math, T: OutElem>(
             }
         }
     }
-    let item_runs = p.heads_kv.div_ceil(per_item);
-    let n_items = head_items.len();
     parallel::for_each(&mut head_items, nthreads, worker, |(scr, o_blk, buf), ((b, heads), o, l)| {
-        // The K/V rows of the item this worker probably runs next (items go out in order, one
-        // per worker), listed to be asked for into L2 during this one's blocks, where they
-        // fit beside this item's own data.
-        let ahead = &mut scr.ahead;
-        ahead.item.clear();
-        ahead.item_blocks = heads.len() * p.group() * nblocks;
-        let next = *b * item_runs + heads.start / per_item + nthreads;
-        if next < n_items && 2 * per_item * p.seqlen_k * p.head_dim * k.dtype().size() <= AHEAD_ITEM_BYTES {
-            let (nb, h0) = (next / item_runs, next % item_runs * per_item);
-            for s in 0..p.seqlen_k {
-                for t in [k, v] {
-                    for h in h0..(h0 + per_item).min(p.heads_kv) {
-                        ahead.item.push_row(t, (nb, s, h));
-                    }
-                }
-            }
-        }
         let packed = match pack_heads(p, &sz, (k, v), *b, heads.clone(), buf) {
             Ok(kv) => kv,
             Err(e) => {

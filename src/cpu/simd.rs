@@ -176,8 +176,6 @@ fn running_max(
 /// the mask then sets to −inf, no-ops of the max). One call per tile (not per strip): the
 /// strips' loop is in here.
 ///
-/// `step` runs before each strip (the spread prefetches, `Ahead`).
-///
 /// `false` when this CPU lacks AVX-512F (the caller then runs those).
 #[inline(always)]
 pub(crate) fn product_max<const N: usize>(
@@ -185,16 +183,15 @@ pub(crate) fn product_max<const N: usize>(
     b: [&[f32]; N],
     s: [&mut [f32]; N],
     (tile_max, keys): ([&mut [f32; NR]; N], usize),
-    step: &mut impl FnMut(),
 ) -> bool {
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx512f") {
         // SAFETY: AVX-512F was just detected on this CPU, the only requirement of
         // `product_max_avx512` (its slice lengths it checks itself).
-        unsafe { product_max_avx512::<N>(k, b, s, (tile_max, keys), step) };
+        unsafe { product_max_avx512::<N>(k, b, s, (tile_max, keys)) };
         return true;
     }
-    let _ = (k, b, s, tile_max, keys, step);
+    let _ = (k, b, s, tile_max, keys);
     false
 }
 
@@ -207,7 +204,6 @@ fn product_max_avx512<const N: usize>(
     b: [&[f32]; N],
     s: [&mut [f32]; N],
     (tile_max, keys): ([&mut [f32; NR]; N], usize),
-    step: &mut impl FnMut(),
 ) {
     use std::arch::x86_64::*;
     let kc = b[0].len() / NR;
@@ -223,7 +219,6 @@ fn product_max_avx512<const N: usize>(
         mx[t] = unsafe { _mm512_loadu_ps(tile_max[t].as_ptr()) };
     }
     for st in 0..strips {
-        step();
         let a = &k[st * kc * MR..(st + 1) * kc * MR];
         let mut acc = [[_mm512_setzero_ps(); MR]; N];
         // SAFETY: `a` is `kc` steps of MR and every `b[t]` holds `kc` rows of 16 (checked above).
@@ -293,8 +288,6 @@ unsafe fn strip_fma<const N: usize, const SKIP: bool, const R: usize>(
 /// `gemm::micro_kernel` (`_x2`, `SKIP`: `_skip_zero_b`) element by element, the same FMAs in
 /// the same order. One call per tile: the strips' loop is in here.
 ///
-/// `step` runs before each strip (the spread prefetches, `Ahead`).
-///
 /// `false` when this CPU lacks AVX-512F (the caller then runs those).
 #[inline(always)]
 pub(crate) fn scaled_product<const N: usize, const SKIP: bool>(
@@ -302,16 +295,15 @@ pub(crate) fn scaled_product<const N: usize, const SKIP: bool>(
     b: [&[f32]; N],
     o: [&mut [f32]; N],
     sc: [&[f32; NR]; N],
-    step: &mut impl FnMut(),
 ) -> bool {
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx512f") {
         // SAFETY: AVX-512F was just detected on this CPU, the only requirement of
         // `scaled_product_avx512` (its slice lengths it checks itself).
-        unsafe { scaled_product_avx512::<N, SKIP>((v, stride, cols), b, o, sc, step) };
+        unsafe { scaled_product_avx512::<N, SKIP>((v, stride, cols), b, o, sc) };
         return true;
     }
-    let _ = (v, stride, cols, b, o, sc, step);
+    let _ = (v, stride, cols, b, o, sc);
     false
 }
 
@@ -324,7 +316,6 @@ fn scaled_product_avx512<const N: usize, const SKIP: bool>(
     b: [&[f32]; N],
     o: [&mut [f32]; N],
     sc: [&[f32; NR]; N],
-    step: &mut impl FnMut(),
 ) {
     use std::arch::x86_64::*;
     let kc = b[0].len() / NR;
@@ -340,7 +331,6 @@ fn scaled_product_avx512<const N: usize, const SKIP: bool>(
         scv[t] = unsafe { _mm512_loadu_ps(sc[t].as_ptr()) };
     }
     for ds in 0..strips {
-        step();
         let a = &v[ds * stride..ds * stride + kc * MR];
         let rows = cols.saturating_sub(ds * MR).min(MR);
         let mut acc = [[_mm512_setzero_ps(); MR]; N];
@@ -916,7 +906,7 @@ mod tests {
         let mut m = [init, init];
         let [s0, s1] = &mut s;
         let [m0, m1] = &mut m;
-        if !product_max::<2>(&k, [&q0, &q1], [s0, s1], ([m0, m1], strips * MR), &mut || {}) {
+        if !product_max::<2>(&k, [&q0, &q1], [s0, s1], ([m0, m1], strips * MR)) {
             eprintln!("this CPU has no AVX-512F: the fused products are compiled but not run here");
             return;
         }
@@ -933,7 +923,7 @@ mod tests {
             assert_eq!(bits(&m[t]), bits(&panel_max(&rows)), "panel {t}: max");
         }
         let (mut s1only, mut m1only) = (vec![0.0f32; strips * MR * NR], init);
-        assert!(product_max::<1>(&k, [&q1], [&mut s1only], ([&mut m1only], strips * MR), &mut || {}));
+        assert!(product_max::<1>(&k, [&q1], [&mut s1only], ([&mut m1only], strips * MR)));
         assert_eq!(bits(&s1only), bits(&want[1]), "single panel: scores");
         assert_eq!(bits(&m1only), bits(&m[1]), "single panel: max");
         // The max over the first `keys` rows only (the scores all the same).
@@ -942,7 +932,7 @@ mod tests {
             let [m20, m21] = &mut m2;
             let mut s2 = [vec![0.0f32; strips * MR * NR], vec![0.0f32; strips * MR * NR]];
             let [s20, s21] = &mut s2;
-            assert!(product_max::<2>(&k, [&q0, &q1], [s20, s21], ([m20, m21], keys), &mut || {}));
+            assert!(product_max::<2>(&k, [&q0, &q1], [s20, s21], ([m20, m21], keys)));
             for t in 0..2 {
                 assert_eq!(bits(&s2[t]), bits(&want[t]), "keys {keys}: scores");
                 let rows = [init.as_slice(), &want[t][..keys * NR]].concat();
@@ -964,11 +954,11 @@ mod tests {
             let (mut x0, mut x1, mut y) = (o.clone(), o.clone(), o.clone());
             let vt = (&v[..], stride, strips * MR);
             if skip {
-                assert!(scaled_product::<2, true>(vt, [&p0, &p1], [&mut x0, &mut x1], [&sc, &sc], &mut || {}));
-                assert!(scaled_product::<1, true>(vt, [&p1], [&mut y], [&sc], &mut || {}));
+                assert!(scaled_product::<2, true>(vt, [&p0, &p1], [&mut x0, &mut x1], [&sc, &sc]));
+                assert!(scaled_product::<1, true>(vt, [&p1], [&mut y], [&sc]));
             } else {
-                assert!(scaled_product::<2, false>(vt, [&p0, &p1], [&mut x0, &mut x1], [&sc, &sc], &mut || {}));
-                assert!(scaled_product::<1, false>(vt, [&p1], [&mut y], [&sc], &mut || {}));
+                assert!(scaled_product::<2, false>(vt, [&p0, &p1], [&mut x0, &mut x1], [&sc, &sc]));
+                assert!(scaled_product::<1, false>(vt, [&p1], [&mut y], [&sc]));
             }
             for ds in 0..strips {
                 let a = &v[ds * stride..ds * stride + keys * MR];
@@ -995,8 +985,8 @@ mod tests {
         for cols in [strips * MR - 2, strips * MR - 4] {
             let (mut x0, mut x1, mut y) = (o.clone(), o.clone(), o.clone());
             let vt = (&v[..], stride, cols);
-            assert!(scaled_product::<2, true>(vt, [&p0, &p1], [&mut x0, &mut x1], [&sc, &sc], &mut || {}));
-            assert!(scaled_product::<1, true>(vt, [&p1], [&mut y], [&sc], &mut || {}));
+            assert!(scaled_product::<2, true>(vt, [&p0, &p1], [&mut x0, &mut x1], [&sc, &sc]));
+            assert!(scaled_product::<1, true>(vt, [&p1], [&mut y], [&sc]));
             for ds in 0..strips {
                 let a = &v[ds * stride..ds * stride + keys * MR];
                 let blk = ds * MR * NR..(ds + 1) * MR * NR;
