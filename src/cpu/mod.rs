@@ -202,6 +202,9 @@ fn pack_heads(
     for _ in heads.clone() {
         bufs.push(packed_buffers(p, sz)?);
     }
+    // Per head: every V value packed by `simd::pack_v_strip` is finite (`None`: the scalar
+    // copy ran, the packed V is checked afterwards).
+    let mut finite: Vec<Option<bool>> = vec![Some(true); heads.len()];
     let buf = &mut buf[..MR * d];
     let fetch_strip = |strip: usize| {
         prefetch_rows(k, (b, strip * MR, heads.clone()), MR, false);
@@ -232,16 +235,18 @@ fn pack_heads(
                 }
             }
         }
-        for (h, (_, vp)) in heads.clone().zip(bufs.iter_mut()) {
+        for ((h, (_, vp)), fin) in heads.clone().zip(bufs.iter_mut()).zip(finite.iter_mut()) {
             let mut rows: [&[f32]; MR] = [&ZEROS[..d]; MR];
             for (lane, (row, lane_buf)) in rows.iter_mut().zip(buf.chunks_exact_mut(d)).take(n).enumerate() {
                 *row = row_f32(v, (b, strip * MR + lane, h), lane_buf);
             }
             // Per column strip, the strip's six keys are 36 consecutive f32: six columns of
             // each key (fixed-size copies; the last column strip holds d % 6 columns).
-            if simd::pack_v_strip(&rows, d, &mut vp[strip * MR * MR..], sk_pad * MR) {
+            if let Some(f) = simd::pack_v_strip(&rows, d, &mut vp[strip * MR * MR..], sk_pad * MR) {
+                *fin = fin.map(|x| x && f);
                 continue;
             }
+            *fin = None;
             for (c, col_strip) in vp.chunks_exact_mut(sk_pad * MR).enumerate() {
                 let dst = &mut col_strip[strip * MR * MR..(strip + 1) * MR * MR];
                 for (key, row) in dst.chunks_exact_mut(MR).zip(rows) {
@@ -254,7 +259,8 @@ fn pack_heads(
             }
         }
     }
-    Ok(bufs.into_iter().map(|(k, v)| PackedKv { v_finite: all_finite(&v), k, v }).collect())
+    let packed = bufs.into_iter().zip(finite);
+    Ok(packed.map(|((k, v), f)| PackedKv { v_finite: f.unwrap_or_else(|| all_finite(&v)), k, v }).collect())
 }
 
 /// Whether every element is finite: `x * 0` is 0 for a finite x and NaN for ±inf or NaN, summed

@@ -618,29 +618,32 @@ fn pack_strip_avx512(rows: &[&[f32]; MR], d: usize, dst: &mut [f32]) {
 /// the micro-kernel's A operand of the second product: column strip `c` (columns `6c..6c + 6`)
 /// of key `i` at `dst[c·stride + 6i..][..6]`, the columns past `d` of the last column strip
 /// written as 0. One masked load and one masked store per six floats, where the scalar copy
-/// branched on each strip's width. `false` when this CPU lacks AVX-512F (the caller then runs
-/// its scalar loop).
+/// branched on each strip's width. Returns whether every value packed is finite (`x · 0` summed
+/// is 0 exactly then, as in `cpu::all_finite`; taken while the values are in registers, where a
+/// pass over the packed V read them all again), or `None` when this CPU lacks AVX-512F (the
+/// caller then runs its scalar loop).
 #[inline]
-pub(crate) fn pack_v_strip(rows: &[&[f32]; MR], d: usize, dst: &mut [f32], stride: usize) -> bool {
+pub(crate) fn pack_v_strip(rows: &[&[f32]; MR], d: usize, dst: &mut [f32], stride: usize) -> Option<bool> {
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx512f") {
         // SAFETY: AVX-512F was just detected on this CPU, the only requirement of
         // `pack_v_strip_avx512` (its slice lengths it checks itself).
-        unsafe { pack_v_strip_avx512(rows, d, dst, stride) };
-        return true;
+        return Some(unsafe { pack_v_strip_avx512(rows, d, dst, stride) });
     }
     let _ = (rows, d, dst, stride);
-    false
+    None
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-fn pack_v_strip_avx512(rows: &[&[f32]; MR], d: usize, dst: &mut [f32], stride: usize) {
+fn pack_v_strip_avx512(rows: &[&[f32]; MR], d: usize, dst: &mut [f32], stride: usize) -> bool {
     use std::arch::x86_64::*;
     let strips = d.div_ceil(MR);
     assert!(rows.iter().all(|r| r.len() >= d) && stride >= MR * MR);
     assert!(strips == 0 || dst.len() >= (strips - 1) * stride + MR * MR);
     const SIX: __mmask16 = (1 << MR) - 1;
+    let zero = _mm512_setzero_ps();
+    let mut acc = zero;
     for c in 0..strips {
         let w = (d - c * MR).min(MR);
         let load: __mmask16 = (1 << w) - 1;
@@ -649,12 +652,13 @@ fn pack_v_strip_avx512(rows: &[&[f32]; MR], d: usize, dst: &mut [f32], stride: u
             // SAFETY: `row` holds at least `c·6 + w` f32 (`d` of them) and the mask enables only
             // the first `w` lanes (masked lanes are not read); `key` holds 6 f32 and the store
             // writes the first 6 lanes only.
-            unsafe {
-                let x = _mm512_maskz_loadu_ps(load, row.as_ptr().add(c * MR));
-                _mm512_mask_storeu_ps(key.as_mut_ptr(), SIX, x);
-            }
+            let x = unsafe { _mm512_maskz_loadu_ps(load, row.as_ptr().add(c * MR)) };
+            // SAFETY: as above.
+            unsafe { _mm512_mask_storeu_ps(key.as_mut_ptr(), SIX, x) };
+            acc = _mm512_fmadd_ps(x, zero, acc);
         }
     }
+    _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(acc, zero) == 0
 }
 
 /// The Qᵀ panel of up to 16 query rows (`rows`, each `d` f32; the missing ones `ZEROS`):
@@ -778,7 +782,11 @@ mod tests {
                 let rows: [&[f32]; MR] =
                     std::array::from_fn(|r| if r < n { &data[r * rs..r * rs + d] } else { &zeros[..d] });
                 let mut v = vec![-1.0f32; strips * stride];
-                assert!(pack_v_strip(&rows, d, &mut v, stride));
+                // Row 0 holds −inf from the first column on, row 1 a NaN in its last column.
+                let finite = pack_v_strip(&rows, d, &mut v, stride);
+                assert_eq!(finite, Some(d < 2 && n < 2), "d {d} n {n}");
+                let finite_rows: [&[f32]; MR] = std::array::from_fn(|r| &zeros[r..r + d]);
+                assert_eq!(pack_v_strip(&finite_rows, d, &mut vec![0.0; strips * stride], stride), Some(true));
                 for c in 0..strips {
                     for (i, row) in rows.iter().enumerate() {
                         for col in 0..MR {
