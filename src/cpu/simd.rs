@@ -774,6 +774,7 @@ mod tests {
         for d in (1..=40).chain([63, 64, 65, 72, 100, 128, 256, max]) {
             let rs = d + 3;
             let mut data: Vec<f32> = (0..MR * rs).map(|i| i as f32 * 0.5 - 7.0).collect();
+            let clean = data.clone();
             data[rs + d - 1] = f32::NAN;
             data[1] = f32::NEG_INFINITY;
             let stride = MR * MR + 12;
@@ -782,10 +783,10 @@ mod tests {
                 let rows: [&[f32]; MR] =
                     std::array::from_fn(|r| if r < n { &data[r * rs..r * rs + d] } else { &zeros[..d] });
                 let mut v = vec![-1.0f32; strips * stride];
-                // Row 0 holds −inf from the first column on, row 1 a NaN in its last column.
+                // Row 0 holds −inf in its second column, row 1 a NaN in its last: finite only below both.
                 let finite = pack_v_strip(&rows, d, &mut v, stride);
                 assert_eq!(finite, Some(d < 2 && n < 2), "d {d} n {n}");
-                let finite_rows: [&[f32]; MR] = std::array::from_fn(|r| &zeros[r..r + d]);
+                let finite_rows: [&[f32]; MR] = std::array::from_fn(|r| &clean[r * rs..r * rs + d]);
                 assert_eq!(pack_v_strip(&finite_rows, d, &mut vec![0.0; strips * stride], stride), Some(true));
                 for c in 0..strips {
                     for (i, row) in rows.iter().enumerate() {
