@@ -202,6 +202,9 @@ fn pack_heads(
     for _ in heads.clone() {
         bufs.push(packed_buffers(p, sz)?);
     }
+    // Per head: every V value packed by `simd::pack_v_strip` is finite (`None`: the scalar
+    // copy ran, the packed V is checked afterwards).
+    let mut finite: Vec<Option<bool>> = vec![Some(true); heads.len()];
     let buf = &mut buf[..MR * d];
     let fetch_strip = |strip: usize| {
         prefetch_rows(k, (b, strip * MR, heads.clone()), MR, false);
@@ -232,16 +235,18 @@ fn pack_heads(
                 }
             }
         }
-        for (h, (_, vp)) in heads.clone().zip(bufs.iter_mut()) {
+        for ((h, (_, vp)), fin) in heads.clone().zip(bufs.iter_mut()).zip(finite.iter_mut()) {
             let mut rows: [&[f32]; MR] = [&ZEROS[..d]; MR];
             for (lane, (row, lane_buf)) in rows.iter_mut().zip(buf.chunks_exact_mut(d)).take(n).enumerate() {
                 *row = row_f32(v, (b, strip * MR + lane, h), lane_buf);
             }
             // Per column strip, the strip's six keys are 36 consecutive f32: six columns of
             // each key (fixed-size copies; the last column strip holds d % 6 columns).
-            if simd::pack_v_strip(&rows, d, &mut vp[strip * MR * MR..], sk_pad * MR) {
+            if let Some(f) = simd::pack_v_strip(&rows, d, &mut vp[strip * MR * MR..], sk_pad * MR) {
+                *fin = fin.map(|x| x && f);
                 continue;
             }
+            *fin = None;
             for (c, col_strip) in vp.chunks_exact_mut(sk_pad * MR).enumerate() {
                 let dst = &mut col_strip[strip * MR * MR..(strip + 1) * MR * MR];
                 for (key, row) in dst.chunks_exact_mut(MR).zip(rows) {
@@ -254,7 +259,8 @@ fn pack_heads(
             }
         }
     }
-    Ok(bufs.into_iter().map(|(k, v)| PackedKv { v_finite: all_finite(&v), k, v }).collect())
+    let packed = bufs.into_iter().zip(finite);
+    Ok(packed.map(|((k, v), f)| PackedKv { v_finite: f.unwrap_or_else(|| all_finite(&v)), k, v }).collect())
 }
 
 /// Whether every element is finite: `x * 0` is 0 for a finite x and NaN for ±inf or NaN, summed
@@ -491,6 +497,10 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
             }
         }
     }
+    // The LSEs likewise (their lines were filled at the start of the call, long evicted).
+    for line in lse_out.chunks(16) {
+        simd::prefetch_l2(line.as_ptr().cast());
+    }
     scr.o[..panels * NR * dv].iter_mut().for_each(|x| *x = 0.0);
     scr.rows[..panels * NR].iter_mut().for_each(|r| *r = RowState::EMPTY);
 
@@ -705,6 +715,11 @@ enum BlockOut<'a, 'o> {
 /// A block's normalised output rows (`o_out`, `rows.len()` rows of `d`) out of its Oᵀ panels
 /// (`o`: `[panel][head_dim_pad][NR]`), and its LSEs. `WIDE`: AVX-512 transposes 16×16 blocks
 /// in registers (`simd::write_panel_rows`) where the scalar loop reads with a 16-float stride.
+///
+/// Every panel's normaliser and LSEs first, then every panel's rows: the rows' stores miss the
+/// cache (the caller's output lines, at best in L2), and while they wait in the store buffer a
+/// load of values just stored (the `log2` results, spilled around the libm calls) cannot be
+/// forwarded and waits for the buffer to drain.
 #[inline(always)]
 fn write_rows<M: Exp2Math, const WIDE: bool>(
     o: &[f32],
@@ -715,37 +730,34 @@ fn write_rows<M: Exp2Math, const WIDE: bool>(
     (mut o_out, lse_out): (BlockOut<'_, '_>, &mut [f32]),
 ) {
     let dv = round_up(d, MR);
+    // A query that saw no key is written as exactly 0, whatever reached O (`finalize`).
+    let mut inv = [[0.0f32; NR]; BR / NR];
+    let mut live = [0u16; BR / NR];
+    for (pn, states) in rows.chunks(NR).enumerate() {
+        let r0 = pn * NR;
+        live[pn] = finalize_panel(states, u, math, &mut inv[pn], &mut lse_out[r0..r0 + states.len()]);
+    }
     for (pn, states) in rows.chunks(NR).enumerate() {
         let r0 = pn * NR;
         let op = &o[pn * dv * NR..(pn + 1) * dv * NR];
-        let lse = &mut lse_out[r0..r0 + states.len()];
+        let (inv, live) = (&inv[pn], live[pn]);
         match &mut o_out {
             BlockOut::Staged(buf) => {
                 // The panel's rows of the block as row slices (no allocation).
                 let mut chunks = buf[r0 * d..(r0 + states.len()) * d].chunks_exact_mut(d.max(1));
                 let mut staged: [&mut [f32]; NR] = std::array::from_fn(|_| chunks.next().unwrap_or(&mut []));
-                write_panel::<M, WIDE>(op, states, d, (u, math), (&mut staged[..states.len()], lse));
+                write_panel::<WIDE>(op, (inv, live), d, &mut staged[..states.len()]);
             }
-            BlockOut::Rows(rs) => {
-                write_panel::<M, WIDE>(op, states, d, (u, math), (&mut rs[r0..r0 + states.len()], lse))
-            }
+            BlockOut::Rows(rs) => write_panel::<WIDE>(op, (inv, live), d, &mut rs[r0..r0 + states.len()]),
         }
     }
 }
 
-/// One Oᵀ panel's normalised rows (`out`: `states.len()` rows of `d`) and LSEs.
+/// One Oᵀ panel's rows (`out`: up to `NR` rows of `d`), each multiplied by its `inv`, or 0
+/// where its bit of `live` is clear.
 #[inline(always)]
-fn write_panel<M: Exp2Math, const WIDE: bool>(
-    op: &[f32],
-    states: &[RowState],
-    d: usize,
-    (u, math): (f32, &M),
-    (out, lse): (&mut [&mut [f32]], &mut [f32]),
-) {
-    // A query that saw no key is written as exactly 0, whatever reached O (`finalize`).
-    let mut inv = [0.0f32; NR];
-    let live = finalize_panel(states, u, math, &mut inv, lse);
-    if WIDE && simd::write_panel_rows(op, &inv, live, d, out) {
+fn write_panel<const WIDE: bool>(op: &[f32], (inv, live): (&[f32; NR], u16), d: usize, out: &mut [&mut [f32]]) {
+    if WIDE && simd::write_panel_rows(op, inv, live, d, out) {
         return;
     }
     for (lane, row) in out.iter_mut().enumerate() {

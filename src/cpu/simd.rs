@@ -380,6 +380,59 @@ pub(crate) fn write_panel_rows(op: &[f32], inv: &[f32; NR], live: u16, d: usize,
     false
 }
 
+/// The lane-wise end of `softmax::finalize_panel` for `n = lse.len()` (≤ 16) queries: from the
+/// sums `l`, maxima `m` and `log2_l` (libm's `log2` of each `l`, computed by the caller), `inv =
+/// 1 / l` and `lse = m·u + (log2_l − off)·ln 2` (four roundings, in `lse_of`'s order), each 0 and
+/// −inf where `l == 0`; returns the mask of the first `n` lanes whose `l` is not 0. Bit for bit
+/// the scalar loop, which the compiler left scalar (a division and two branches per lane, the
+/// LSEs then copied by a call to `memcpy`). `None` when this CPU lacks AVX-512F.
+#[inline]
+pub(crate) fn finalize_lanes(
+    (l, m, log2_l): (&[f32; NR], &[f32; NR], &[f32; NR]),
+    (u, off): (f32, f32),
+    inv: &mut [f32; NR],
+    lse: &mut [f32],
+) -> Option<u16> {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx512f") {
+        // SAFETY: AVX-512F was just detected on this CPU, the only requirement of
+        // `finalize_lanes_avx512` (its slice lengths it checks itself).
+        return Some(unsafe { finalize_lanes_avx512((l, m, log2_l), (u, off), inv, lse) });
+    }
+    let _ = (l, m, log2_l, u, off, inv, lse);
+    None
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn finalize_lanes_avx512(
+    (l, m, log2_l): (&[f32; NR], &[f32; NR], &[f32; NR]),
+    (u, off): (f32, f32),
+    inv: &mut [f32; NR],
+    lse: &mut [f32],
+) -> u16 {
+    use std::arch::x86_64::*;
+    let n = lse.len().min(NR);
+    // SAFETY: each array is 16 f32.
+    let (lv, mv, log) = unsafe { (_mm512_loadu_ps(l.as_ptr()), _mm512_loadu_ps(m.as_ptr()), _mm512_loadu_ps(log2_l.as_ptr())) };
+    // `l != 0.0`: true for NaN too (unordered or not equal).
+    let seen = _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(lv, _mm512_setzero_ps());
+    let iv = _mm512_maskz_div_ps(seen, _mm512_set1_ps(1.0), lv);
+    let x = _mm512_add_ps(
+        _mm512_mul_ps(mv, _mm512_set1_ps(u)),
+        _mm512_mul_ps(_mm512_sub_ps(log, _mm512_set1_ps(off)), _mm512_set1_ps(std::f32::consts::LN_2)),
+    );
+    let out = _mm512_mask_blend_ps(seen, _mm512_set1_ps(f32::NEG_INFINITY), x);
+    let keep = first_lanes(n);
+    // SAFETY: `inv` is 16 f32; `lse` holds `n` f32 and the mask enables only the first `n` lanes
+    // (masked lanes are neither read nor written).
+    unsafe {
+        _mm512_storeu_ps(inv.as_mut_ptr(), iv);
+        _mm512_mask_storeu_ps(lse.as_mut_ptr(), keep, out);
+    }
+    seen & keep
+}
+
 /// The mask of the first `w` (1..=16) lanes.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
@@ -565,29 +618,32 @@ fn pack_strip_avx512(rows: &[&[f32]; MR], d: usize, dst: &mut [f32]) {
 /// the micro-kernel's A operand of the second product: column strip `c` (columns `6c..6c + 6`)
 /// of key `i` at `dst[c·stride + 6i..][..6]`, the columns past `d` of the last column strip
 /// written as 0. One masked load and one masked store per six floats, where the scalar copy
-/// branched on each strip's width. `false` when this CPU lacks AVX-512F (the caller then runs
-/// its scalar loop).
+/// branched on each strip's width. Returns whether every value packed is finite (`x · 0` summed
+/// is 0 exactly then, as in `cpu::all_finite`; taken while the values are in registers, where a
+/// pass over the packed V read them all again), or `None` when this CPU lacks AVX-512F (the
+/// caller then runs its scalar loop).
 #[inline]
-pub(crate) fn pack_v_strip(rows: &[&[f32]; MR], d: usize, dst: &mut [f32], stride: usize) -> bool {
+pub(crate) fn pack_v_strip(rows: &[&[f32]; MR], d: usize, dst: &mut [f32], stride: usize) -> Option<bool> {
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx512f") {
         // SAFETY: AVX-512F was just detected on this CPU, the only requirement of
         // `pack_v_strip_avx512` (its slice lengths it checks itself).
-        unsafe { pack_v_strip_avx512(rows, d, dst, stride) };
-        return true;
+        return Some(unsafe { pack_v_strip_avx512(rows, d, dst, stride) });
     }
     let _ = (rows, d, dst, stride);
-    false
+    None
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-fn pack_v_strip_avx512(rows: &[&[f32]; MR], d: usize, dst: &mut [f32], stride: usize) {
+fn pack_v_strip_avx512(rows: &[&[f32]; MR], d: usize, dst: &mut [f32], stride: usize) -> bool {
     use std::arch::x86_64::*;
     let strips = d.div_ceil(MR);
     assert!(rows.iter().all(|r| r.len() >= d) && stride >= MR * MR);
     assert!(strips == 0 || dst.len() >= (strips - 1) * stride + MR * MR);
     const SIX: __mmask16 = (1 << MR) - 1;
+    let zero = _mm512_setzero_ps();
+    let mut acc = zero;
     for c in 0..strips {
         let w = (d - c * MR).min(MR);
         let load: __mmask16 = (1 << w) - 1;
@@ -596,12 +652,13 @@ fn pack_v_strip_avx512(rows: &[&[f32]; MR], d: usize, dst: &mut [f32], stride: u
             // SAFETY: `row` holds at least `c·6 + w` f32 (`d` of them) and the mask enables only
             // the first `w` lanes (masked lanes are not read); `key` holds 6 f32 and the store
             // writes the first 6 lanes only.
-            unsafe {
-                let x = _mm512_maskz_loadu_ps(load, row.as_ptr().add(c * MR));
-                _mm512_mask_storeu_ps(key.as_mut_ptr(), SIX, x);
-            }
+            let x = unsafe { _mm512_maskz_loadu_ps(load, row.as_ptr().add(c * MR)) };
+            // SAFETY: as above.
+            unsafe { _mm512_mask_storeu_ps(key.as_mut_ptr(), SIX, x) };
+            acc = _mm512_fmadd_ps(x, zero, acc);
         }
     }
+    _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(acc, zero) == 0
 }
 
 /// The Qᵀ panel of up to 16 query rows (`rows`, each `d` f32; the missing ones `ZEROS`):
@@ -717,6 +774,7 @@ mod tests {
         for d in (1..=40).chain([63, 64, 65, 72, 100, 128, 256, max]) {
             let rs = d + 3;
             let mut data: Vec<f32> = (0..MR * rs).map(|i| i as f32 * 0.5 - 7.0).collect();
+            let clean = data.clone();
             data[rs + d - 1] = f32::NAN;
             data[1] = f32::NEG_INFINITY;
             let stride = MR * MR + 12;
@@ -725,7 +783,11 @@ mod tests {
                 let rows: [&[f32]; MR] =
                     std::array::from_fn(|r| if r < n { &data[r * rs..r * rs + d] } else { &zeros[..d] });
                 let mut v = vec![-1.0f32; strips * stride];
-                assert!(pack_v_strip(&rows, d, &mut v, stride));
+                // Row 0 holds −inf in its second column, row 1 a NaN in its last: finite only below both.
+                let finite = pack_v_strip(&rows, d, &mut v, stride);
+                assert_eq!(finite, Some(d < 2 && n < 2), "d {d} n {n}");
+                let finite_rows: [&[f32]; MR] = std::array::from_fn(|r| &clean[r * rs..r * rs + d]);
+                assert_eq!(pack_v_strip(&finite_rows, d, &mut vec![0.0; strips * stride], stride), Some(true));
                 for c in 0..strips {
                     for (i, row) in rows.iter().enumerate() {
                         for col in 0..MR {

@@ -195,7 +195,8 @@ fn lse_of<M: Exp2Math>(m: f32, log2_l: f32, u: f32, math: &M) -> f32 {
 /// `lse` (`states.len()` of each), and the mask of queries that saw a key. The `log2` calls
 /// (libm's) run in a loop of their own and the rest in lane-wise loops that vectorise: with the
 /// arithmetic between them, each call was preceded by a scalar division and stack spills around
-/// it, about a tenth of a short-sequence call's time.
+/// it, about a tenth of a short-sequence call's time. The lane-wise rest in AVX-512 instructions
+/// where the CPU has them (`simd::finalize_lanes`: the compiler kept the loop scalar).
 #[inline(always)]
 pub fn finalize_panel<M: Exp2Math>(
     states: &[RowState],
@@ -215,6 +216,9 @@ pub fn finalize_panel<M: Exp2Math>(
     let (mut l, mut m) = ([1.0f32; NR], [0.0f32; NR]);
     for (lane, st) in states[..n].iter().enumerate() {
         (l[lane], m[lane]) = (st.l, st.m);
+    }
+    if let Some(live) = super::simd::finalize_lanes((&l, &m, &log), (u, math.p_offset()), inv, &mut lse[..n]) {
+        return live;
     }
     let (mut out, mut live) = ([0.0f32; NR], 0u16);
     for lane in 0..NR {
