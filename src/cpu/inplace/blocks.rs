@@ -413,6 +413,10 @@ impl Lanes for Avx2 {
 /// Scores `q_r · k_t` of `R` query rows against the block's `n <= KB` keys, key `t`'s row at
 /// `k[kofs[t]..][..32·W]`, row `r`'s query at `q[r·32·W..][..32·W]` in `T`'s [`lane_order`] per
 /// 32 elements. Lanes `n..` are 0. Each K vector loaded is used for all `R` rows.
+///
+/// The loops over the keys in flight and the rows have constant trip counts (bounds such as
+/// `m` fold to constants per instantiation, the guards on `n` are branches) so that they unroll
+/// and the accumulators live in registers.
 #[inline(always)]
 pub(super) fn scores<S: Lanes, T: Elem, const W: usize, const R: usize>(
     s: S,
@@ -422,38 +426,43 @@ pub(super) fn scores<S: Lanes, T: Elem, const W: usize, const R: usize>(
 ) -> [[f32; KB]; R] {
     let d = 32 * W;
     let n = kofs.len().min(KB);
-    // Keys in flight: `R · m` accumulator units (one row: four keys, as the chains of 16 FMAs
-    // per unit are long enough).
+    // Keys in flight: `R · m` accumulator units (one row: four keys).
     let m = (S::ACC_UNITS / R).clamp(1, 4);
     let zero = s.zero();
+    // One row's query is held in registers where it fits (AVX-512: up to head_dim 256; in cache
+    // the loads of a memory operand per FMA measured slower); otherwise each FMA reads it from L1.
+    let qreg = R == 1 && W <= S::ACC_UNITS;
+    let qv: [S::U; MAX_W] = std::array::from_fn(|x| if qreg && x < W { s.load(q, 32 * x) } else { zero });
     let mut sums: [[S::V; KB]; R] = [[s.fold(zero); KB]; R];
-    let mut t0 = 0;
-    while t0 < n {
-        let mm = (n - t0).min(m);
+    for t0 in (0..n).step_by(m) {
         let mut acc = [[zero; 4]; R];
         for x in 0..W {
-            for i in 0..mm {
-                let kx = s.load32(k, kofs[t0 + i] + 32 * x);
-                for (r, a) in acc.iter_mut().enumerate() {
-                    a[i] = s.fma(s.load(q, r * d + 32 * x), kx, a[i]);
+            for i in 0..4 {
+                if i < m && t0 + i < n {
+                    let kx = s.load32(k, kofs[t0 + i] + 32 * x);
+                    for (r, a) in acc.iter_mut().enumerate() {
+                        let qx = if qreg { qv[x] } else { s.load(q, r * d + 32 * x) };
+                        a[i] = s.fma(qx, kx, a[i]);
+                    }
                 }
             }
         }
         for (sr, a) in sums.iter_mut().zip(&acc) {
-            for i in 0..mm {
-                sr[t0 + i] = s.fold(a[i]);
+            for (i, &ai) in a.iter().enumerate() {
+                if i < m && t0 + i < n {
+                    sr[t0 + i] = s.fold(ai);
+                }
             }
         }
-        t0 += mm;
     }
     std::array::from_fn(|r| s.hsum_keys(&sums[r]))
 }
 
 /// `o_r = o_r · scale[r] + Σ_t p[r][t] · v_t` for `R` rows over the block's `n <= KB` keys, key
 /// `t`'s row at `v[vofs[t]..][..32·W]`, row `r`'s output at `o[r·32·W..][..32·W]` in `T`'s
-/// [`lane_order`] per 32 elements. The rows are taken in slices of 32-element units that fit the
-/// registers ([`Lanes::ACC_UNITS`]; one row of up to 256 elements in AVX-512 at once), held
-/// there across the keys; each V vector loaded is used for all `R` rows.
+/// [`lane_order`] per 32 elements. The rows are taken in slices of `su` 32-element units that
+/// fit the registers ([`Lanes::ACC_UNITS`]; one row of up to 256 elements in AVX-512 at once),
+/// held there across the keys; each V vector loaded is used for all `R` rows.
 #[inline(always)]
 pub(super) fn scale_add_pv<S: Lanes, T: Elem, const W: usize, const R: usize>(
     s: S,
@@ -466,29 +475,33 @@ pub(super) fn scale_add_pv<S: Lanes, T: Elem, const W: usize, const R: usize>(
     let d = 32 * W;
     let su = (S::ACC_UNITS / R).clamp(1, W);
     let zero = s.zero();
-    let mut x0 = 0;
-    while x0 < W {
-        let nx = su.min(W - x0);
+    for x0 in (0..W).step_by(su) {
+        let live = |j: usize| j < su && x0 + j < W;
         let mut acc = [[zero; MAX_W]; R];
         for (r, a) in acc.iter_mut().enumerate() {
-            for (j, aj) in a.iter_mut().enumerate().take(nx) {
-                *aj = s.mul_s(s.load(o, r * d + 32 * (x0 + j)), scale[r]);
+            for (j, aj) in a.iter_mut().enumerate() {
+                if live(j) {
+                    *aj = s.mul_s(s.load(o, r * d + 32 * (x0 + j)), scale[r]);
+                }
             }
         }
         for (t, &vo) in vofs.iter().enumerate().take(KB) {
-            for j in 0..nx {
-                let vx = s.load32(v, vo + 32 * (x0 + j));
-                for (a, pr) in acc.iter_mut().zip(p) {
-                    a[j] = s.fma_s(pr[t], vx, a[j]);
+            for j in 0..MAX_W {
+                if live(j) {
+                    let vx = s.load32(v, vo + 32 * (x0 + j));
+                    for (a, pr) in acc.iter_mut().zip(p) {
+                        a[j] = s.fma_s(pr[t], vx, a[j]);
+                    }
                 }
             }
         }
         for (r, a) in acc.iter().enumerate() {
-            for (j, &aj) in a.iter().enumerate().take(nx) {
-                s.store(o, r * d + 32 * (x0 + j), aj);
+            for (j, &aj) in a.iter().enumerate() {
+                if live(j) {
+                    s.store(o, r * d + 32 * (x0 + j), aj);
+                }
             }
         }
-        x0 += nx;
     }
 }
 
