@@ -158,7 +158,7 @@ struct Scratch {
     kofs: Vec<usize>,
     vofs: Vec<usize>,
     /// The query rows and their unnormalised outputs in the blocked decode's lane order
-    /// (`sweep_blocks`): `[NR][d]` each (an item it takes has at most `NR` rows).
+    /// (`sweep_blocks`): `[rows][d]` each, `rows` at most `NR` (the most an item it takes has).
     qp: Vec<f32>,
     op: Vec<f32>,
 }
@@ -200,7 +200,7 @@ impl Scratches {
 impl Drop for Scratches {
     fn drop(&mut self) {
         let rb = self.rows.div_ceil(NR).max(1) * NR;
-        let each = 4 * (2 * rb * self.d + KC * NR + 2 * NR.min(rb) * self.d) + 2 * 4 * KC * self.d;
+        let each = 4 * (2 * rb * self.d + KC * NR + 2 * self.rows.clamp(1, NR) * self.d) + 2 * 4 * KC * self.d;
         if self.v.is_empty() || self.v.len().saturating_mul(each) > SCRATCH_KEEP_BYTES {
             return;
         }
@@ -234,8 +234,8 @@ impl Scratch {
             vbuf: Vec::new(),
             kofs: vec![0; KC],
             vofs: vec![0; KC],
-            qp: vec![0.0; NR.min(rb) * d],
-            op: vec![0.0; NR.min(rb) * d],
+            qp: vec![0.0; rows.clamp(1, NR) * d],
+            op: vec![0.0; rows.clamp(1, NR) * d],
         }
     }
 }

@@ -436,12 +436,12 @@ pub(super) fn scores<S: Lanes, T: Elem, const W: usize, const R: usize>(
     let mut sums: [[S::V; KB]; R] = [[s.fold(zero); KB]; R];
     for t0 in (0..n).step_by(m) {
         let mut acc = [[zero; 4]; R];
-        for x in 0..W {
+        for (x, &qx1) in qv.iter().enumerate().take(W) {
             for i in 0..4 {
                 if i < m && t0 + i < n {
                     let kx = s.load32(k, kofs[t0 + i] + 32 * x);
                     for (r, a) in acc.iter_mut().enumerate() {
-                        let qx = if qreg { qv[x] } else { s.load(q, r * d + 32 * x) };
+                        let qx = if qreg { qx1 } else { s.load(q, r * d + 32 * x) };
                         a[i] = s.fma(qx, kx, a[i]);
                     }
                 }
