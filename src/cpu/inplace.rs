@@ -664,8 +664,10 @@ fn sweep_rows<M: Exp2Math, const FMA: bool, T: Widen>(
 /// Decode in blocks of [`blocks::KB`] keys ([`sweep_blocks`]) with the AVX-512 products when
 /// this call runs the AVX-512 build, else the AVX2 + FMA + F16C ones when it runs the AVX2 build
 /// (and the CPU has F16C), when head_dim is a multiple of 32 up to `32 · blocks::MAX_W`, every
-/// item holds at most [`NR`] query rows and every row sees the whole span; `false` (nothing done)
-/// otherwise.
+/// item holds at most [`NR`] query rows and every row sees the whole span, with the native
+/// arithmetic only (`M::NATIVE`: the emulated numerics, a tool for comparing with kernels, take
+/// the chunked path; each arithmetic doubled this function's 48 instantiations per ISA and the
+/// crate's release build time); `false` (nothing done) otherwise.
 #[inline(always)]
 fn sweep_fast<M: Exp2Math, T: blocks::Elem>(
     c: &Ctx<'_, M>,
@@ -676,7 +678,7 @@ fn sweep_fast<M: Exp2Math, T: blocks::Elem>(
     kv: (&[T], &[T]),
 ) -> bool {
     #[cfg(target_arch = "x86_64")]
-    {
+    if M::NATIVE {
         let d = c.p.head_dim;
         let fits = d % 32 == 0 && (1..=blocks::MAX_W).contains(&(d / 32));
         let rows_fit = items.iter().all(|it| it.r1 - it.r0 <= NR);
