@@ -17,10 +17,10 @@
 //! apart, which left a decode step waiting on scattered cache misses.
 //!
 //! Decode (up to 16 query rows per kv head: the heads of its GQA group; every key visible) with
-//! the native arithmetic on the AVX-512 and AVX2 builds, at head dims that are multiples of 32 up to 256, runs in blocks
-//! of 16 keys instead (`sweep_blocks`, the products in `inplace/blocks.rs`, written once over
-//! both ISAs' vectors): a block's 16 scores of a tile of rows at once, one softmax step per block
-//! and row, O held in registers over the block's V rows.
+//! the native arithmetic on the AVX-512 and AVX2 builds, at head dims that are multiples of 32 up
+//! to 256, runs in blocks of 16 keys instead (`sweep_blocks`, the products in
+//! `inplace/blocks.rs`, written once over both ISAs' vectors): a block's 16 scores of a tile of
+//! rows at once, one softmax step per block and row, O held in registers over the block's V rows.
 //!
 //! Split-KV (flash-decoding): when there are too few items to occupy the workers, each item's
 //! key range is split; each split writes its normalised output and LSE, and a second pass merges
