@@ -634,12 +634,7 @@ fn sweep_rows<M: Exp2Math, const FMA: bool, T: Widen>(
                 let mut x = dot_widen::<FMA, T>(&scr.q[..d], &k[ko..ko + d]);
                 if c.sm.natural {
                     // Softcap and ALiBi in natural units, as in `attend_chunk`.
-                    let s = x * c.sm.scale;
-                    let s = match c.sm.softcap {
-                        Some(cap) => cap * (s / cap).tanh(),
-                        None => s,
-                    };
-                    x = s + sp.ps.alibi_bias(scr.head[0], scr.qi[0], j0 + t);
+                    x = c.sm.natural_score(x) + sp.ps.alibi_bias(scr.head[0], scr.qi[0], j0 + t);
                 }
                 let st = &mut scr.rows[0];
                 let ([p], scale) = row_probs::<M, 1, FMA>(st, &[x], 1, cc, &c.math);
@@ -854,12 +849,7 @@ fn block_rows<S: blocks::Lanes, M: Exp2Math, T: blocks::Elem, const W: usize, co
         if c.sm.natural {
             // Softcap and ALiBi in natural units, as in `attend_chunk`.
             for (t, y) in xr.iter_mut().enumerate().take(n) {
-                let z = *y * c.sm.scale;
-                let z = match c.sm.softcap {
-                    Some(cap) => cap * (z / cap).tanh(),
-                    None => z,
-                };
-                *y = z + ps.alibi_bias(scr.head[rl], scr.qi[rl], j0 + t);
+                *y = c.sm.natural_score(*y) + ps.alibi_bias(scr.head[rl], scr.qi[rl], j0 + t);
             }
         }
         let st = &mut scr.rows[rl];
@@ -1071,12 +1061,7 @@ fn attend_chunk<M: Exp2Math, const FMA: bool>(
             for (l, x) in row.iter_mut().enumerate().take(nl) {
                 let rl = l0 + l;
                 if c.sm.natural {
-                    let s = *x * c.sm.scale;
-                    let s = match c.sm.softcap {
-                        Some(cap) => cap * (s / cap).tanh(),
-                        None => s,
-                    };
-                    *x = s + ps.alibi_bias(head[rl], qi[rl], j);
+                    *x = c.sm.natural_score(*x) + ps.alibi_bias(head[rl], qi[rl], j);
                 }
                 if !full && (j < lo[rl] || j >= hi[rl]) {
                     *x = f32::NEG_INFINITY;

@@ -384,6 +384,19 @@ impl ScoreMod {
         let units = p.score_units();
         ScoreMod { natural: units.natural, c: units.to_log2, u: units.to_natural, scale: p.scale, softcap: p.softcap }
     }
+
+    /// A raw dot product in natural units: `scale · x`, then the softcap if any (ALiBi, which
+    /// depends on the position, the caller adds). A division, as a straightforward
+    /// implementation writes it: for a cap far above the scores, (s / cap) * cap gives s back
+    /// to within an ulp, where s * (1 / cap) * cap accumulates three roundings.
+    #[inline(always)]
+    fn natural_score(&self, x: f32) -> f32 {
+        let s = x * self.scale;
+        match self.softcap {
+            Some(cap) => cap * (s / cap).tanh(),
+            None => s,
+        }
+    }
 }
 
 /// Where a panel's part of a tile lies: head, first query row and row count of the block, the
@@ -417,15 +430,7 @@ fn panel_softmax<M: Exp2Math, const FMA: bool, const WIDE: bool>(
     if sm.natural {
         for (jl, row) in sp.chunks_exact_mut(NR).enumerate() {
             for (lane, x) in row.iter_mut().enumerate().take(at.nrows.saturating_sub(pn * NR)) {
-                let s = *x * sm.scale;
-                // A division, as a straightforward implementation writes it: for a cap far above
-                // the scores, (s / cap) * cap gives s back to within an ulp, where
-                // s * (1 / cap) * cap accumulates three roundings.
-                let s = match sm.softcap {
-                    Some(cap) => cap * (s / cap).tanh(),
-                    None => s,
-                };
-                *x = s + p.alibi_bias(at.h, at.i0 + pn * NR + lane, at.k0 + jl);
+                *x = sm.natural_score(*x) + p.alibi_bias(at.h, at.i0 + pn * NR + lane, at.k0 + jl);
             }
         }
     }
