@@ -19,6 +19,10 @@
 //! --check-rows N (32)            rows checked against the float64 reference (0: none)
 //! --no-gemm                      CPU: skip measuring the GEMM rate (no % of roofline)
 //! --peak-tflops X --bandwidth-tbs Y   override the roofline
+//! --layout bshd|bhsd            CPU: the inputs' memory layout (default bshd, FlashAttention's
+//!                                [batch, seqlen, heads, head_dim]; bhsd: each head's rows
+//!                                contiguous, as torch SDPA and onnxruntime's Attention take
+//!                                them, passed as strided views; the output is bshd either way)
 //! --seed N
 //! ```
 //! Prints one JSON line (fields in `flash_attn::bench::support::Record::json`) on stdout; notes go
@@ -36,7 +40,8 @@ use flash_attn::bench::support;
 use flash_attn::bench::roofline::{lookup_gpu, Math, Roofline};
 use flash_attn::bench::flops;
 use serde_json::json;
-use flash_attn::{forward, Backend, DType, ForwardOptions, Fp8Scaling, Mask, Output, Precision, Variant};
+use flash_attn::{forward, Backend, DType, ForwardOptions, Fp8Scaling, Mask, Output, OwnedData, Precision, Shape};
+use flash_attn::{Tensor, TensorView, Variant};
 use support::{Case, Gemm, Record};
 
 struct Args {
@@ -65,6 +70,7 @@ struct Args {
     page_size: Option<usize>,
     splits: Option<usize>,
     threads: Option<usize>,
+    heads_major: bool,
 }
 
 const USAGE: &str = "usage: bench [--backend cpu|auto|cuda[:N]] [--variant auto|fa1|fa2|fa3|fa4] \
@@ -72,7 +78,7 @@ const USAGE: &str = "usage: bench [--backend cpu|auto|cuda[:N]] [--variant auto|
 [--seqlen-q SQ] [--seqlen-k SK] [--heads H] [--heads-kv HKV] [--head-dim D] [--causal] \
 [--window L,R] [--lse] [--warmup N] [--runs N] [--max-seconds T] [--check-rows N] [--no-gemm] \
 [--peak-tflops X] [--bandwidth-tbs Y] [--seed N] [--launches N] [--copy-mib N] [--page-size N] \
-[--splits N] [--threads N]";
+[--splits N] [--threads N] [--layout bshd|bhsd]";
 
 fn parse() -> Result<Args, String> {
     let mut a = Args {
@@ -101,6 +107,7 @@ fn parse() -> Result<Args, String> {
         page_size: None,
         splits: None,
         threads: None,
+        heads_major: false,
     };
     let mut hadamard = None;
     let mut it = std::env::args().skip(1);
@@ -153,6 +160,13 @@ fn parse() -> Result<Args, String> {
             "--page-size" => a.page_size = Some(num::<usize>(&flag, val()?)?.max(1)),
             "--splits" => a.splits = Some(num(&flag, val()?)?),
             "--threads" => a.threads = Some(num(&flag, val()?)?),
+            "--layout" => {
+                a.heads_major = match val()?.as_str() {
+                    "bshd" => false,
+                    "bhsd" => true,
+                    v => return Err(format!("--layout: unknown {v} (bshd or bhsd)")),
+                }
+            }
             "-h" | "--help" => return Err(USAGE.into()),
             // `cargo bench`/`cargo run` may pass this through.
             "--bench" => {}
@@ -205,6 +219,12 @@ fn main() {
     let threads = support::gemm_use_all_cores();
     let case = a.case(DType::F32);
     let (q, k, v) = case.inputs(a.seed);
+    // `--layout bhsd`: the same values, each head's rows contiguous, read through strided views.
+    let permuted = a.heads_major.then(|| [&q, &k, &v].map(heads_major));
+    let views: [TensorView<'_>; 3] = match &permuted {
+        Some([pq, pk, pv]) => [(pq, &q), (pk, &k), (pv, &v)].map(|(d, t)| heads_major_view(d, t.shape())),
+        None => [q.view(), k.view(), v.view()],
+    };
     let mut opts = ForwardOptions::default()
         .mask(case.mask)
         .backend(a.backend)
@@ -233,7 +253,7 @@ fn main() {
         let ms = support::time_ms(|| {
             out = Some(match &paged {
                 Some(pk) => flash_attn::serving::forward_kvcache(&q, &pk.cache(), &opts),
-                None => forward(&q, &k, &v, &opts),
+                None => forward(&views[0], &views[1], &views[2], &opts),
             })
         });
         Ok((out.expect("set by the closure")?, ms))
@@ -539,4 +559,37 @@ fn gpu_main(a: &Args, mut h: Box<dyn support::gpu::GpuHarness>) {
             ("dispatch_reason", json!(dispatch.reason)),
         ])
     );
+}
+
+/// A copy of `t`'s elements with each head's rows contiguous: `[batch, heads, seqlen, head_dim]`
+/// in memory (the layout torch SDPA and onnxruntime's Attention take).
+fn heads_major(t: &Tensor) -> OwnedData {
+    fn permute<T: Copy>(x: &[T], [b, s, h, d]: Shape) -> Vec<T> {
+        let mut out = Vec::with_capacity(x.len());
+        for bi in 0..b {
+            for hi in 0..h {
+                for si in 0..s {
+                    let at = ((bi * s + si) * h + hi) * d;
+                    out.extend_from_slice(&x[at..at + d]);
+                }
+            }
+        }
+        out
+    }
+    match t.data() {
+        OwnedData::F32(x) => OwnedData::F32(permute(x, t.shape())),
+        OwnedData::F16(x) => OwnedData::F16(permute(x, t.shape())),
+        OwnedData::BF16(x) => OwnedData::BF16(permute(x, t.shape())),
+    }
+}
+
+/// `[batch, seqlen, heads, head_dim]` view of a `heads_major` buffer.
+fn heads_major_view(data: &OwnedData, shape: Shape) -> TensorView<'_> {
+    let [_, s, h, d] = shape;
+    let strides = [h * s * d, d, s * d];
+    match data {
+        OwnedData::F32(x) => TensorView::with_strides(x, shape, strides),
+        OwnedData::F16(x) => TensorView::with_strides(x, shape, strides),
+        OwnedData::BF16(x) => TensorView::with_strides(x, shape, strides),
+    }
 }
