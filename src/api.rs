@@ -5,7 +5,7 @@ use crate::error::{Error, Operand, Result};
 use crate::options::{Backend, ForwardOptions, Variant};
 use crate::output::{Dispatch, Output};
 use crate::problem::Problem;
-use crate::tensor::{numel, AsTensorView, Element};
+use crate::tensor::{numel, AsTensorView, Element, TensorView};
 
 /// Where a host-memory call runs: a CUDA device, or the CPU with the reason.
 enum Route {
@@ -51,25 +51,8 @@ pub fn forward(
         Route::Cpu(why) => why,
     };
     let threads = cpu::threads(opts.cpu_threads);
-    if cpu::inplace::prefers_dense(&p) {
-        // Few query rows (decode): read K/V in place rather than pack them for 16-row panels.
-        let layout = crate::serving::BatchLayout::dense(p.batch, p.seqlen_q, p.seqlen_k);
-        let run = cpu::inplace::RunOpts { threads, splits: opts.num_splits, skip: &[] };
-        let out = crate::serving::run_inplace(&p, &layout, (&q, &k, &v), run)?;
-        return Ok(Output {
-            o: out.o,
-            lse: p.return_lse.then_some(out.lse),
-            dispatch: Dispatch {
-                backend: "cpu".into(),
-                kernel: cpu::inplace::path_name().into(),
-                reason: format!(
-                    "{why_cpu}; seqlen_q {} <= {}: the in-place decode path, {} key split(s)",
-                    p.seqlen_q,
-                    cpu::inplace::DENSE_MAX_SEQLEN_Q,
-                    out.splits
-                ),
-            },
-        });
+    if let Some(dense) = cpu_dense_inplace(&p, (&q, &k, &v), opts, threads, &why_cpu)? {
+        return Ok(dense);
     }
     let out = cpu::run(&p, &q, &k, &v, threads)?;
     Ok(Output {
@@ -77,6 +60,38 @@ pub fn forward(
         lse: p.return_lse.then_some(out.lse),
         dispatch: Dispatch { backend: "cpu".into(), kernel: out.kernel.into(), reason: why_cpu },
     })
+}
+
+/// A CPU call with few query rows (decode), which reads K/V in place rather than packing them for
+/// 16-row panels: its output, or `None` when the call is not one (then the tiled path runs).
+/// `forward` and `forward_into` both route through here, so both take the same path.
+fn cpu_dense_inplace(
+    p: &Problem,
+    (q, k, v): (&TensorView<'_>, &TensorView<'_>, &TensorView<'_>),
+    opts: &ForwardOptions,
+    threads: usize,
+    why_cpu: &str,
+) -> Result<Option<Output>> {
+    if !cpu::inplace::prefers_dense(p) {
+        return Ok(None);
+    }
+    let layout = crate::serving::BatchLayout::dense(p.batch, p.seqlen_q, p.seqlen_k);
+    let run = cpu::inplace::RunOpts { threads, splits: opts.num_splits, skip: &[] };
+    let out = crate::serving::run_inplace(p, &layout, (q, k, v), run)?;
+    Ok(Some(Output {
+        o: out.o,
+        lse: p.return_lse.then_some(out.lse),
+        dispatch: Dispatch {
+            backend: "cpu".into(),
+            kernel: cpu::inplace::path_name().into(),
+            reason: format!(
+                "{why_cpu}; seqlen_q {} <= {}: the in-place decode path, {} key split(s)",
+                p.seqlen_q,
+                cpu::inplace::DENSE_MAX_SEQLEN_Q,
+                out.splits
+            ),
+        },
+    }))
 }
 
 /// As [`forward`], writing the output into the caller's buffer instead of allocating one:
@@ -128,6 +143,14 @@ pub fn forward_into<T: Element>(
         Route::Cpu(why) => why,
     };
     let threads = cpu::threads(opts.cpu_threads);
+    if let Some(dense) = cpu_dense_inplace(&p, (&q, &k, &v), opts, threads, &why_cpu)? {
+        // The decode path's output is a few rows per sequence: copied, not worth a second path.
+        out.copy_from_slice(&dense.o.into_vec::<T>()?);
+        if let (Some(l), Some(lse_v)) = (lse, dense.lse) {
+            l.copy_from_slice(&lse_v);
+        }
+        return Ok(dense.dispatch);
+    }
     let (lse_v, kernel) = cpu::run_into(&p, &q, &k, &v, threads, T::wrap_mut(out))?;
     if let Some(l) = lse {
         l.copy_from_slice(&lse_v);

@@ -10,13 +10,15 @@ use half::bf16;
 #[test]
 fn forward_into_writes_what_forward_returns() {
     let mut rng = Rng::new(41);
-    for dtype in [DType::F32, DType::BF16] {
-        let q = randn(&mut rng, dtype, [2, 33, 4, 64]);
+    // 33 query rows: the tiled path; 1 and 4 (decode, GQA): the in-place decode path, which
+    // `forward_into` must take as `forward` does (same kernel, same bits).
+    for (dtype, sq) in [(DType::F32, 33), (DType::BF16, 33), (DType::F32, 1), (DType::BF16, 1), (DType::F32, 4)] {
+        let q = randn(&mut rng, dtype, [2, sq, 4, 64]);
         let k = randn(&mut rng, dtype, [2, 47, 2, 64]);
         let v = randn(&mut rng, dtype, [2, 47, 2, 64]);
         let opts = ForwardOptions::default().mask(Mask::Causal).return_lse(true).backend(Backend::Cpu);
         let want = forward(&q, &k, &v, &opts).unwrap();
-        let mut lse = vec![f32::NAN; 2 * 4 * 33];
+        let mut lse = vec![f32::NAN; 2 * 4 * sq];
         let d = match dtype {
             DType::F32 => {
                 let mut out = vec![f32::NAN; q.numel()];
