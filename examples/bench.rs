@@ -23,6 +23,10 @@
 //!                                [batch, seqlen, heads, head_dim]; bhsd: each head's rows
 //!                                contiguous, as torch SDPA and onnxruntime's Attention take
 //!                                them, passed as strided views; the output is bshd either way)
+//! --into                         CPU: time `forward_into` writing into one output (and LSE)
+//!                                buffer reused across calls, as an engine's activation buffer
+//!                                (and as the peers script runs onnxruntime, its output bound
+//!                                once), instead of `forward` allocating the output per call
 //! --seed N
 //! ```
 //! Prints one JSON line (fields in `flash_attn::bench::support::Record::json`) on stdout; notes go
@@ -71,6 +75,7 @@ struct Args {
     splits: Option<usize>,
     threads: Option<usize>,
     heads_major: bool,
+    into: bool,
 }
 
 const USAGE: &str = "usage: bench [--backend cpu|auto|cuda[:N]] [--variant auto|fa1|fa2|fa3|fa4] \
@@ -78,7 +83,7 @@ const USAGE: &str = "usage: bench [--backend cpu|auto|cuda[:N]] [--variant auto|
 [--seqlen-q SQ] [--seqlen-k SK] [--heads H] [--heads-kv HKV] [--head-dim D] [--causal] \
 [--window L,R] [--lse] [--warmup N] [--runs N] [--max-seconds T] [--check-rows N] [--no-gemm] \
 [--peak-tflops X] [--bandwidth-tbs Y] [--seed N] [--launches N] [--copy-mib N] [--page-size N] \
-[--splits N] [--threads N] [--layout bshd|bhsd]";
+[--splits N] [--threads N] [--layout bshd|bhsd] [--into]";
 
 fn parse() -> Result<Args, String> {
     let mut a = Args {
@@ -108,6 +113,7 @@ fn parse() -> Result<Args, String> {
         splits: None,
         threads: None,
         heads_major: false,
+        into: false,
     };
     let mut hadamard = None;
     let mut it = std::env::args().skip(1);
@@ -160,6 +166,7 @@ fn parse() -> Result<Args, String> {
             "--page-size" => a.page_size = Some(num::<usize>(&flag, val()?)?.max(1)),
             "--splits" => a.splits = Some(num(&flag, val()?)?),
             "--threads" => a.threads = Some(num(&flag, val()?)?),
+            "--into" => a.into = true,
             "--layout" => {
                 a.heads_major = match val()?.as_str() {
                     "bshd" => false,
@@ -248,15 +255,42 @@ fn main() {
     // The paged layout holds the same keys as k and v, so the dense reference checks it.
     let paged = a.page_size.map(|ps| support::PagedKv::new(&k, &v, ps, a.seed + 7));
 
+    // `--into`: the output (and LSE) buffers, allocated once and written by every call.
+    let into = std::cell::RefCell::new(
+        a.into.then(|| (OwnedData::zeros(q.dtype(), q.numel()), vec![0.0f32; p.batch * p.heads_q * p.seqlen_q])),
+    );
     let run = || -> Result<(Output, f64), flash_attn::Error> {
         let mut out = None;
+        let mut bufs = into.borrow_mut();
         let ms = support::time_ms(|| {
-            out = Some(match &paged {
-                Some(pk) => flash_attn::serving::forward_kvcache(&q, &pk.cache(), &opts),
-                None => forward(&views[0], &views[1], &views[2], &opts),
+            out = Some(match (&paged, bufs.as_mut()) {
+                (Some(pk), _) => flash_attn::serving::forward_kvcache(&q, &pk.cache(), &opts),
+                (None, None) => forward(&views[0], &views[1], &views[2], &opts),
+                (None, Some((Ok(o), lse))) => {
+                    let lse = a.lse.then_some(&mut lse[..]);
+                    let [vq, vk, vv] = &views;
+                    match o {
+                        OwnedData::F32(o) => flash_attn::forward_into(vq, vk, vv, o, lse, &opts),
+                        OwnedData::F16(o) => flash_attn::forward_into(vq, vk, vv, o, lse, &opts),
+                        OwnedData::BF16(o) => flash_attn::forward_into(vq, vk, vv, o, lse, &opts),
+                    }
+                    .map(|dispatch| Output { o: Tensor::zeros(q.dtype(), [0; 4]).expect("empty"), lse: None, dispatch })
+                }
+                (None, Some((Err(e), _))) => Err(e.clone()),
             })
         });
-        Ok((out.expect("set by the closure")?, ms))
+        let mut out = out.expect("set by the closure")?;
+        // Outside the timed part: the result as `forward` returns it, for the checks below.
+        if let Some((Ok(o), lse)) = bufs.as_ref() {
+            let shape = q.shape();
+            out.o = match o {
+                OwnedData::F32(o) => Tensor::from_vec(o.clone(), shape),
+                OwnedData::F16(o) => Tensor::from_vec(o.clone(), shape),
+                OwnedData::BF16(o) => Tensor::from_vec(o.clone(), shape),
+            }?;
+            out.lse = a.lse.then(|| lse.clone());
+        }
+        Ok((out, ms))
     };
     let mut first = None;
     for _ in 0..a.warmup {

@@ -8,6 +8,8 @@
 #   scripts/cpu-peers.sh --sweep    # also head_dim 256, 16x128, 8192 causal, GQA, bf16/f16 rows:
 #                                   # about 6-9 minutes at --rounds 1 on 2 cores (estimated)
 #   scripts/cpu-peers.sh --quick --only decode,gqa-decode   # a smoke run of named rows
+#   scripts/cpu-peers.sh --alloc    # ours through `forward` (a new output per call) instead of
+#                                   # `forward_into` a reused buffer
 #
 # Needs: the peers' venv (PEERS_PYTHON, default /tmp/peers-venv/bin/python; set it up as
 # ../shared/peers/README.md says: one pip install, under a minute) and cpu_peers.py

@@ -7,8 +7,9 @@
 file only needs the standard library). Each round first measures the machine's read rate (our
 streaming read of 512 MiB, `examples/read_bw`, on all cores and on one, and cpu_peers.py's
 `torch_read_bw`), then runs every row once for every implementation: ours
-(`target/release/examples/bench --backend cpu`, all cores) and each peer in its own subprocess,
-all cores, so thread pools never share the cores. The order of the implementations rotates from
+(`target/release/examples/bench --backend cpu --into`, all cores: `forward_into` a reused output
+buffer, as onnxruntime runs with its output bound once; `--alloc`: `forward`, a new output per
+call) and each peer in its own subprocess, all cores, so thread pools never share the cores. The order of the implementations rotates from
 round to round so that none is always first after a quiet spell; the table gives the median over
 rounds of each one's median time.
 
@@ -124,6 +125,8 @@ def run_ours(bench, r, a):
             "--check-rows", "8"]
     if r.causal:
         argv.append("--causal")
+    if not a.alloc:
+        argv.append("--into")
     p = subprocess.run(argv, capture_output=True, text=True)
     lines = [l for l in p.stdout.splitlines() if l.startswith("{")]
     if p.returncode != 0 or not lines:
@@ -192,6 +195,8 @@ def main():
     ap.add_argument("--only", default="", help="comma list of row names to run (of: " +
                     ", ".join(r.name for r in SHAPES + SWEEP) + ")")
     ap.add_argument("--out", default="docs/bench-data/cpu-peers.md")
+    ap.add_argument("--alloc", action="store_true",
+                    help="time our `forward` (a new output per call) instead of `forward_into` a reused buffer")
     a = ap.parse_args()
     if a.quick:
         a.rounds, a.runs, a.min_time = 1, 3, 0.3
@@ -281,6 +286,12 @@ def main():
            else "."),
         f"Goal (issue 16): ours / best ≥ {GOAL:.2f} on every row, decode ≥ {GOAL_GBS:.0f} GB/s of K/V read; "
         "rows below it in bold.",
+        ("Ours: `forward`, which allocates (and zeroes) its output on every call."
+         if a.alloc else
+         "Ours: `forward_into`, writing into one output buffer reused across calls (bench `--into`), as "
+         "cpu_peers.py runs onnxruntime (its output bound once through io_binding); torch SDPA allocates its "
+         "output per call. Inputs: ours [B,S,H,D]; cpu_peers.py gives torch SDPA and onnxruntime Attention "
+         "(B,N,S,D), each head's rows contiguous, and onnxruntime MHA (B,S,N·D)."),
     ]
     if any(own_runner(r) for r in rows):
         note.append("† torch SDPA through scripts/cpu_peer_sdpa.py (GQA rows: `enable_gqa=True`; bf16/f16 "
