@@ -115,7 +115,9 @@ struct PackedKv {
 /// all heads, a separate run of cache misses the hardware prefetchers do not follow; asked for
 /// this far ahead they arrive while the strips before them are scattered. (Whole rows of all kv
 /// heads are one sequential stream that the hardware prefetches: there software prefetches only
-/// cost, measured.)
+/// cost, measured.) One head of head-major storage (see [`heads_side_by_side`]) is one
+/// sequential run per K and V, yet the prefetch measured 2–4 % faster there too (16×8×128 and
+/// 4×8×512, docs/benchmarks.md), so it stays on for every item of fewer than all kv heads.
 const PACK_PREFETCH_STRIPS: usize = 4;
 
 /// Bytes of packed K/V one head-major work item holds at most (several kv heads packed in one
@@ -124,6 +126,20 @@ const PACK_PREFETCH_STRIPS: usize = 4;
 /// sequences pack one head per item (one head of 2048×128 holds 2.1 MB), their rows strided but
 /// prefetched.
 const PACK_ITEM_BYTES: usize = 4 << 20;
+
+/// Whether K and V hold each key's rows of all heads side by side (the head stride at most the
+/// sequence stride: `[batch, seqlen, heads, head_dim]`, FlashAttention's layout), rather than
+/// each head's keys as one run (`[batch, heads, seqlen, head_dim]` passed as strided views: the
+/// layout of torch's SDPA, candle's attention and onnxruntime's Attention). The one rule both
+/// CPU paths read K/V by: side by side, one pass over the keys reads every head's rows as a
+/// single sequential stream, so the tiled path packs all kv heads of a batch per item and the
+/// decode sweep takes every head block by block; head-major, such a pass is two streams per head
+/// (2 × heads interleaved runs), so both go head by head, each head's K and V then two
+/// sequential runs (`tiled`'s item choice, `inplace::forward_isa`'s units). One head, or one
+/// key: nothing to choose (true).
+pub(crate) fn heads_side_by_side(k: &TensorView, v: &TensorView) -> bool {
+    [k, v].iter().all(|t| t.heads() <= 1 || t.seqlen() <= 1 || t.strides()[2] <= t.strides()[1])
+}
 
 /// Row `(b, s, h)` of `t` as f32: the input's own elements where it holds f32 (no copy), else
 /// widened into `buf` (length head_dim).
@@ -1067,9 +1083,20 @@ fn tiled<M: Exp2Math, T: OutElem>(
     // four-head items; one thread: one item per batch), else sixteen items per worker (a worker slowed by
     // the host then delays the end by a sixteenth of its share at most: at 4×8×512×512×64 and 2
     // threads, 32 one-head items ran 7 % faster than 8 four-head items in 5 alternating rounds),
-    // and at most PACK_ITEM_BYTES of packed K/V.
-    let whole_rows = nthreads == 1 || p.batch >= 8 * nthreads;
-    let groups = if whole_rows { 1 } else { (16 * nthreads).div_ceil(p.batch) }.clamp(1, p.heads_kv);
+    // and at most PACK_ITEM_BYTES of packed K/V. Head-major storage (`heads_side_by_side`
+    // false): one head per item, each head's K and V two sequential runs (several heads packed
+    // in one pass would read 2 × heads interleaved runs; one-head items measured 4–8 % faster at
+    // 16×8×128 and 4×8×512, 1 thread).
+    let side_by_side = heads_side_by_side(k, v);
+    let whole_rows = side_by_side && (nthreads == 1 || p.batch >= 8 * nthreads);
+    let groups = if whole_rows {
+        1
+    } else if side_by_side {
+        (16 * nthreads).div_ceil(p.batch)
+    } else {
+        p.heads_kv
+    }
+    .clamp(1, p.heads_kv);
     let per_item = p.heads_kv.div_ceil(groups).min((PACK_ITEM_BYTES / kv_bytes.max(1)).max(1));
     let per_item = p.heads_kv.div_ceil(p.heads_kv.div_ceil(per_item)); // runs of equal length
     let failed: std::sync::Mutex<Option<Error>> = std::sync::Mutex::new(None);
