@@ -1592,7 +1592,8 @@ mod tests {
     /// decode with all heads sweeping together (MHA and GQA, f32, f16 and bf16, forced splits;
     /// the blocked decode on the AVX-512 and the AVX2 builds, the one-key and chunked paths on
     /// the portable one), a few query rows with a causal mask and a window, and an infinite V
-    /// behind the mask.
+    /// behind the mask; each also with the inputs stored head-major (strided views: one kv head
+    /// per unit) at 1 and 2 threads.
     #[test]
     fn every_isa_matches_the_reference() {
         use crate::options::{ForwardOptions, Mask};
@@ -1652,11 +1653,18 @@ mod tests {
             let r = attention_f64(&p, &q.view(), &k.view(), &v.view()).unwrap();
             let layout = BatchLayout::dense(b, sq, sk);
             let finite = |x: &[f64]| x.iter().map(|&y| if y.is_finite() { y } else { 0.0 }).collect::<Vec<_>>();
+            // Also stored head-major (strided views: one kv head per unit, the blocked sweep
+            // prefetching) at 1 and 2 threads.
+            let stored = [&q, &k, &v].map(crate::cpu::head_major::stored);
+            let hm = [&stored[0], &stored[1], &stored[2]].map(crate::cpu::head_major::view);
+            assert!(!heads_side_by_side(&hm[1], &hm[2]) || hkv == 1);
+            let runs = [(q.view(), k.view(), v.view(), 2), (hm[0], hm[1], hm[2], 1), (hm[0], hm[1], hm[2], 2)];
             let mut outs = Vec::new();
-            for isa in [Isa::Avx512, Isa::Avx2Fma, Isa::Portable] {
-                let run = RunOpts { threads: 2, splits: opts.num_splits, skip: &[] };
-                let qkv = (&q.view(), &k.view(), &v.view());
-                let out = forward_isa(&p, &layout, qkv, super::super::Native, run, isa).unwrap();
+            let isas = [Isa::Avx512, Isa::Avx2Fma, Isa::Portable];
+            for (isa, (qx, kx, vx, threads)) in isas.into_iter().flat_map(|i| runs.iter().map(move |r| (i, r))) {
+                let isa = (isa, kx.strides(), threads);
+                let run = RunOpts { threads: *threads, splits: opts.num_splits, skip: &[] };
+                let out = forward_isa(&p, &layout, (qx, kx, vx), super::super::Native, run, isa.0).unwrap();
                 let o: Vec<f64> = out.o.to_f32_vec().iter().map(|&x| x as f64).collect();
                 let same_inf = o.iter().zip(&r.o).all(|(a, b)| a.is_finite() == b.is_finite());
                 assert!(same_inf, "case {ci} {isa:?}: non-finite outputs differ from the reference");

@@ -1245,6 +1245,40 @@ pub(crate) fn path_name() -> &'static str {
     }
 }
 
+/// Test inputs stored head-major (`[batch, heads, seqlen, head_dim]`) and read through strided
+/// views, for the layout rule of [`heads_side_by_side`].
+#[cfg(test)]
+pub(crate) mod head_major {
+    use crate::tensor::{Data, Tensor, TensorView};
+
+    /// `t`'s values stored head-major: a `[batch, heads, seqlen, head_dim]` tensor in t's dtype.
+    pub(crate) fn stored(t: &Tensor) -> Tensor {
+        let [b, s, h, d] = t.shape();
+        let x = t.to_f32_vec();
+        let mut out = Vec::with_capacity(x.len());
+        for bi in 0..b {
+            for hi in 0..h {
+                for si in 0..s {
+                    let at = ((bi * s + si) * h + hi) * d;
+                    out.extend_from_slice(&x[at..at + d]);
+                }
+            }
+        }
+        Tensor::from_f32(&out, t.dtype(), [b, h, s, d]).unwrap()
+    }
+
+    /// The `[batch, seqlen, heads, head_dim]` view of a [`stored`] tensor.
+    pub(crate) fn view(stored: &Tensor) -> TensorView<'_> {
+        let [b, h, s, d] = stored.shape();
+        let (shape, strides) = ([b, s, h, d], [h * s * d, d, s * d]);
+        match stored.view().data() {
+            Data::F32(x) => TensorView::with_strides(x, shape, strides),
+            Data::F16(x) => TensorView::with_strides(x, shape, strides),
+            Data::BF16(x) => TensorView::with_strides(x, shape, strides),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1278,7 +1312,8 @@ mod tests {
     /// without it that case is the AVX2 path again, and the test says so on stderr) gives the
     /// float64 reference's output within 2e-6 and matches the other paths' to f32 rounding, on
     /// shapes that exercise paired and unpaired panels (partial blocks, causal diagonals,
-    /// windows, GQA, softcap, an infinite V).
+    /// windows, GQA, softcap, an infinite V); also with the inputs stored head-major (strided
+    /// views: one-head work items) at 1 and 2 threads.
     #[test]
     fn every_isa_matches_the_reference() {
         use crate::options::{ForwardOptions, Mask};
@@ -1308,21 +1343,25 @@ mod tests {
             let v = Tensor::from_vec(vv, [b, sk, hkv, d]).unwrap();
             let p = Problem::new(&q.view(), &k.view(), &v.view(), &opts).unwrap();
             let r = attention_f64(&p, &q.view(), &k.view(), &v.view()).unwrap();
+            let stored = [&q, &k, &v].map(head_major::stored);
+            let hm = [&stored[0], &stored[1], &stored[2]].map(head_major::view);
+            assert!(!heads_side_by_side(&hm[1], &hm[2]) || hkv == 1);
+            // (layout, threads): [B,S,H,D] at 2 threads; head-major at 1 and 2.
+            let runs = [(q.view(), k.view(), v.view(), 2), (hm[0], hm[1], hm[2], 1), (hm[0], hm[1], hm[2], 2)];
             let mut outs = Vec::new();
-            for isa in isas {
+            for (isa, (qx, kx, vx, nthreads)) in isas.into_iter().flat_map(|i| runs.iter().map(move |r| (i, r))) {
+                let isa_run = (isa, kx.strides(), nthreads);
                 let mut o = Tensor::zeros(DType::F32, [b, sq, hq, d]).unwrap();
-                let lse =
-                    forward_with_into(&p, &q.view(), &k.view(), &v.view(), Native, 2, o.data_mut().as_data_mut(), isa)
-                        .unwrap();
+                let lse = forward_with_into(&p, qx, kx, vx, Native, *nthreads, o.data_mut().as_data_mut(), isa).unwrap();
                 let o: Vec<f64> = o.to_f32_vec().iter().map(|&x| x as f64).collect();
                 let finite = |x: &[f64]| x.iter().map(|&y| if y.is_finite() { y } else { 0.0 }).collect::<Vec<_>>();
                 let same_inf = o.iter().zip(&r.o).all(|(a, b)| a.is_finite() == b.is_finite());
-                assert!(same_inf, "case {ci} {isa:?}: non-finite outputs differ from the reference");
+                assert!(same_inf, "case {ci} {isa_run:?}: non-finite outputs differ from the reference");
                 let err = max_abs_diff(&finite(&o), &finite(&r.o));
-                assert!(err < 2e-6, "case {ci} {isa:?}: max error {err}");
+                assert!(err < 2e-6, "case {ci} {isa_run:?}: max error {err}");
                 let lse64: Vec<f64> = lse.iter().map(|&x| x as f64).collect();
                 let lerr = max_abs_diff(&finite(&lse64), &finite(&r.lse));
-                assert!(lerr < 2e-5, "case {ci} {isa:?}: LSE error {lerr}");
+                assert!(lerr < 2e-5, "case {ci} {isa_run:?}: LSE error {lerr}");
                 outs.push(finite(&o));
             }
             for w in outs.windows(2) {
