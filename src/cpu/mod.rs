@@ -1085,7 +1085,7 @@ fn tiled<M: Exp2Math, T: OutElem>(
     // threads, 32 one-head items ran 7 % faster than 8 four-head items in 5 alternating rounds),
     // and at most PACK_ITEM_BYTES of packed K/V. Head-major storage (`heads_side_by_side`
     // false): one head per item, each head's K and V two sequential runs (several heads packed
-    // in one pass would read 2 × heads interleaved runs; one-head items measured 4–8 % faster at
+    // in one pass would read 2 × heads interleaved runs; one-head items measured 1–6 % faster at
     // 16×8×128 and 4×8×512, 1 thread).
     let side_by_side = heads_side_by_side(k, v);
     let whole_rows = side_by_side && (nthreads == 1 || p.batch >= 8 * nthreads);
