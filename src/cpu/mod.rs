@@ -1352,7 +1352,8 @@ mod tests {
             for (isa, (qx, kx, vx, nthreads)) in isas.into_iter().flat_map(|i| runs.iter().map(move |r| (i, r))) {
                 let isa_run = (isa, kx.strides(), nthreads);
                 let mut o = Tensor::zeros(DType::F32, [b, sq, hq, d]).unwrap();
-                let lse = forward_with_into(&p, qx, kx, vx, Native, *nthreads, o.data_mut().as_data_mut(), isa).unwrap();
+                let out = o.data_mut().as_data_mut();
+                let lse = forward_with_into(&p, qx, kx, vx, Native, *nthreads, out, isa).unwrap();
                 let o: Vec<f64> = o.to_f32_vec().iter().map(|&x| x as f64).collect();
                 let finite = |x: &[f64]| x.iter().map(|&y| if y.is_finite() { y } else { 0.0 }).collect::<Vec<_>>();
                 let same_inf = o.iter().zip(&r.o).all(|(a, b)| a.is_finite() == b.is_finite());
