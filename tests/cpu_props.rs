@@ -24,6 +24,8 @@ struct Case {
     softcap: Option<f32>,
     alibi: bool,
     lse: bool,
+    /// Q, K, V stored `[batch, heads, seqlen, head_dim]`, passed as strided views.
+    head_major: bool,
     seed: u64,
 }
 
@@ -42,11 +44,12 @@ fn case_strategy() -> impl Strategy<Value = Case> {
         (1usize..=300, 1usize..=300, prop::sample::select(vec![32usize, 64, 80, 96, 128, 192, 256])),
         mask_strategy(),
         (prop::option::weighted(0.3, 5.0f32..50.0), prop::bool::weighted(0.3), any::<bool>(), any::<u64>()),
+        any::<bool>(),
     )
-        .prop_map(|((batch, heads_kv, ratio), (sq, sk, d), mask, (softcap, alibi, lse, seed))| {
+        .prop_map(|((batch, heads_kv, ratio), (sq, sk, d), mask, (softcap, alibi, lse, seed), head_major)| {
             let per_batch = heads_kv * ratio * sq * sk * d;
             let batch = batch.min((WORK_LIMIT / per_batch).max(1));
-            Case { batch, heads_kv, ratio, sq, sk, d, mask, softcap, alibi, lse, seed }
+            Case { batch, heads_kv, ratio, sq, sk, d, mask, softcap, alibi, lse, head_major, seed }
         })
 }
 
@@ -84,7 +87,12 @@ fn run_case(c: &Case, dtype: DType) -> Result<(f64, f64), TestCaseError> {
         let slopes: Vec<f32> = (0..hq).map(|h| 2f32.powf(-8.0 * (h + 1) as f32 / hq as f32)).collect();
         opts = opts.alibi_slopes(slopes);
     }
-    let (out, chk) = check_forward(&q, &k, &v, &opts);
+    let (out, chk) = if c.head_major {
+        let (qh, kh, vh) = (head_major(&q), head_major(&k), head_major(&v));
+        check_views(&head_major_view(&qh), &head_major_view(&kh), &head_major_view(&vh), &opts)
+    } else {
+        check_forward(&q, &k, &v, &opts)
+    };
     prop_assert!(chk.err <= chk.bound, "{c:?} {dtype:?}: {chk:?}");
     prop_assert_eq!(out.lse.is_some(), c.lse);
     if c.lse {

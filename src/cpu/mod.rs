@@ -115,7 +115,9 @@ struct PackedKv {
 /// all heads, a separate run of cache misses the hardware prefetchers do not follow; asked for
 /// this far ahead they arrive while the strips before them are scattered. (Whole rows of all kv
 /// heads are one sequential stream that the hardware prefetches: there software prefetches only
-/// cost, measured.)
+/// cost, measured.) One head of head-major storage (see [`heads_side_by_side`]) is one
+/// sequential run per K and V, yet the prefetch measured 2–4 % faster there too (16×8×128 and
+/// 4×8×512, docs/benchmarks.md), so it stays on for every item of fewer than all kv heads.
 const PACK_PREFETCH_STRIPS: usize = 4;
 
 /// Bytes of packed K/V one head-major work item holds at most (several kv heads packed in one
@@ -124,6 +126,20 @@ const PACK_PREFETCH_STRIPS: usize = 4;
 /// sequences pack one head per item (one head of 2048×128 holds 2.1 MB), their rows strided but
 /// prefetched.
 const PACK_ITEM_BYTES: usize = 4 << 20;
+
+/// Whether K and V hold each key's rows of all heads side by side (the head stride at most the
+/// sequence stride: `[batch, seqlen, heads, head_dim]`, FlashAttention's layout), rather than
+/// each head's keys as one run (`[batch, heads, seqlen, head_dim]` passed as strided views: the
+/// layout of torch's SDPA, candle's attention and onnxruntime's Attention). The one rule both
+/// CPU paths read K/V by: side by side, one pass over the keys reads every head's rows as a
+/// single sequential stream, so the tiled path packs all kv heads of a batch per item and the
+/// decode sweep takes every head block by block; head-major, such a pass is two streams per head
+/// (2 × heads interleaved runs), so both go head by head, each head's K and V then two
+/// sequential runs (`tiled`'s item choice, `inplace::forward_isa`'s units). One head, or one
+/// key: nothing to choose (true).
+pub(crate) fn heads_side_by_side(k: &TensorView, v: &TensorView) -> bool {
+    [k, v].iter().all(|t| t.heads() <= 1 || t.seqlen() <= 1 || t.strides()[2] <= t.strides()[1])
+}
 
 /// Row `(b, s, h)` of `t` as f32: the input's own elements where it holds f32 (no copy), else
 /// widened into `buf` (length head_dim).
@@ -1067,9 +1083,20 @@ fn tiled<M: Exp2Math, T: OutElem>(
     // four-head items; one thread: one item per batch), else sixteen items per worker (a worker slowed by
     // the host then delays the end by a sixteenth of its share at most: at 4×8×512×512×64 and 2
     // threads, 32 one-head items ran 7 % faster than 8 four-head items in 5 alternating rounds),
-    // and at most PACK_ITEM_BYTES of packed K/V.
-    let whole_rows = nthreads == 1 || p.batch >= 8 * nthreads;
-    let groups = if whole_rows { 1 } else { (16 * nthreads).div_ceil(p.batch) }.clamp(1, p.heads_kv);
+    // and at most PACK_ITEM_BYTES of packed K/V. Head-major storage (`heads_side_by_side`
+    // false): one head per item, each head's K and V two sequential runs (several heads packed
+    // in one pass would read 2 × heads interleaved runs; one-head items measured 1–6 % faster at
+    // 16×8×128 and 4×8×512, 1 thread).
+    let side_by_side = heads_side_by_side(k, v);
+    let whole_rows = side_by_side && (nthreads == 1 || p.batch >= 8 * nthreads);
+    let groups = if whole_rows {
+        1
+    } else if side_by_side {
+        (16 * nthreads).div_ceil(p.batch)
+    } else {
+        p.heads_kv
+    }
+    .clamp(1, p.heads_kv);
     let per_item = p.heads_kv.div_ceil(groups).min((PACK_ITEM_BYTES / kv_bytes.max(1)).max(1));
     let per_item = p.heads_kv.div_ceil(p.heads_kv.div_ceil(per_item)); // runs of equal length
     let failed: std::sync::Mutex<Option<Error>> = std::sync::Mutex::new(None);
@@ -1218,6 +1245,40 @@ pub(crate) fn path_name() -> &'static str {
     }
 }
 
+/// Test inputs stored head-major (`[batch, heads, seqlen, head_dim]`) and read through strided
+/// views, for the layout rule of [`heads_side_by_side`].
+#[cfg(test)]
+pub(crate) mod head_major {
+    use crate::tensor::{Data, Tensor, TensorView};
+
+    /// `t`'s values stored head-major: a `[batch, heads, seqlen, head_dim]` tensor in t's dtype.
+    pub(crate) fn stored(t: &Tensor) -> Tensor {
+        let [b, s, h, d] = t.shape();
+        let x = t.to_f32_vec();
+        let mut out = Vec::with_capacity(x.len());
+        for bi in 0..b {
+            for hi in 0..h {
+                for si in 0..s {
+                    let at = ((bi * s + si) * h + hi) * d;
+                    out.extend_from_slice(&x[at..at + d]);
+                }
+            }
+        }
+        Tensor::from_f32(&out, t.dtype(), [b, h, s, d]).unwrap()
+    }
+
+    /// The `[batch, seqlen, heads, head_dim]` view of a [`stored`] tensor.
+    pub(crate) fn view(stored: &Tensor) -> TensorView<'_> {
+        let [b, h, s, d] = stored.shape();
+        let (shape, strides) = ([b, s, h, d], [h * s * d, d, s * d]);
+        match stored.view().data() {
+            Data::F32(x) => TensorView::with_strides(x, shape, strides),
+            Data::F16(x) => TensorView::with_strides(x, shape, strides),
+            Data::BF16(x) => TensorView::with_strides(x, shape, strides),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1251,7 +1312,8 @@ mod tests {
     /// without it that case is the AVX2 path again, and the test says so on stderr) gives the
     /// float64 reference's output within 2e-6 and matches the other paths' to f32 rounding, on
     /// shapes that exercise paired and unpaired panels (partial blocks, causal diagonals,
-    /// windows, GQA, softcap, an infinite V).
+    /// windows, GQA, softcap, an infinite V); also with the inputs stored head-major (strided
+    /// views: one-head work items) at 1 and 2 threads.
     #[test]
     fn every_isa_matches_the_reference() {
         use crate::options::{ForwardOptions, Mask};
@@ -1281,21 +1343,26 @@ mod tests {
             let v = Tensor::from_vec(vv, [b, sk, hkv, d]).unwrap();
             let p = Problem::new(&q.view(), &k.view(), &v.view(), &opts).unwrap();
             let r = attention_f64(&p, &q.view(), &k.view(), &v.view()).unwrap();
+            let stored = [&q, &k, &v].map(head_major::stored);
+            let hm = [&stored[0], &stored[1], &stored[2]].map(head_major::view);
+            assert!(!heads_side_by_side(&hm[1], &hm[2]) || hkv == 1);
+            // (layout, threads): [B,S,H,D] at 2 threads; head-major at 1 and 2.
+            let runs = [(q.view(), k.view(), v.view(), 2), (hm[0], hm[1], hm[2], 1), (hm[0], hm[1], hm[2], 2)];
             let mut outs = Vec::new();
-            for isa in isas {
+            for (isa, (qx, kx, vx, nthreads)) in isas.into_iter().flat_map(|i| runs.iter().map(move |r| (i, r))) {
+                let isa_run = (isa, kx.strides(), nthreads);
                 let mut o = Tensor::zeros(DType::F32, [b, sq, hq, d]).unwrap();
-                let lse =
-                    forward_with_into(&p, &q.view(), &k.view(), &v.view(), Native, 2, o.data_mut().as_data_mut(), isa)
-                        .unwrap();
+                let out = o.data_mut().as_data_mut();
+                let lse = forward_with_into(&p, qx, kx, vx, Native, *nthreads, out, isa).unwrap();
                 let o: Vec<f64> = o.to_f32_vec().iter().map(|&x| x as f64).collect();
                 let finite = |x: &[f64]| x.iter().map(|&y| if y.is_finite() { y } else { 0.0 }).collect::<Vec<_>>();
                 let same_inf = o.iter().zip(&r.o).all(|(a, b)| a.is_finite() == b.is_finite());
-                assert!(same_inf, "case {ci} {isa:?}: non-finite outputs differ from the reference");
+                assert!(same_inf, "case {ci} {isa_run:?}: non-finite outputs differ from the reference");
                 let err = max_abs_diff(&finite(&o), &finite(&r.o));
-                assert!(err < 2e-6, "case {ci} {isa:?}: max error {err}");
+                assert!(err < 2e-6, "case {ci} {isa_run:?}: max error {err}");
                 let lse64: Vec<f64> = lse.iter().map(|&x| x as f64).collect();
                 let lerr = max_abs_diff(&finite(&lse64), &finite(&r.lse));
-                assert!(lerr < 2e-5, "case {ci} {isa:?}: LSE error {lerr}");
+                assert!(lerr < 2e-5, "case {ci} {isa_run:?}: LSE error {lerr}");
                 outs.push(finite(&o));
             }
             for w in outs.windows(2) {

@@ -3,7 +3,7 @@
 #![allow(dead_code)]
 
 use flash_attn::reference::{attention_f64, attention_naive, max_abs_diff};
-use flash_attn::{DType, ForwardOptions, Output, Problem, Tensor};
+use flash_attn::{DType, ForwardOptions, OwnedData, Output, Problem, Tensor, TensorView};
 
 /// The crate's deterministic generator (SplitMix64), so tests need no RNG crate.
 pub use flash_attn::numerics::rng::SplitMix64 as Rng;
@@ -37,10 +37,15 @@ pub fn floor_for(dtype: DType) -> f64 {
 /// Runs `forward` and checks it against the float64 reference with FlashAttention's rule:
 /// `max|out - ref| <= 2 * max|naive_in_dtype - ref| + floor`. LSE is checked too when returned.
 pub fn check_forward(q: &Tensor, k: &Tensor, v: &Tensor, opts: &ForwardOptions) -> (Output, Check) {
+    check_views(&q.view(), &k.view(), &v.view(), opts)
+}
+
+/// [`check_forward`] on views (strided ones included).
+pub fn check_views(q: &TensorView, k: &TensorView, v: &TensorView, opts: &ForwardOptions) -> (Output, Check) {
     let out = flash_attn::forward(q, k, v, opts).expect("forward");
-    let p = Problem::new(&q.view(), &k.view(), &v.view(), opts).unwrap();
-    let r = attention_f64(&p, &q.view(), &k.view(), &v.view()).unwrap();
-    let naive = attention_naive(&p, &q.view(), &k.view(), &v.view(), q.dtype()).unwrap();
+    let p = Problem::new(q, k, v, opts).unwrap();
+    let r = attention_f64(&p, q, k, v).unwrap();
+    let naive = attention_naive(&p, q, k, v, q.dtype()).unwrap();
     let ours: Vec<f64> = out.o.to_f32_vec().iter().map(|&x| x as f64).collect();
     let err = max_abs_diff(&ours, &r.o);
     let naive_err = max_abs_diff(&naive, &r.o);
@@ -53,6 +58,35 @@ pub fn check_forward(q: &Tensor, k: &Tensor, v: &Tensor, opts: &ForwardOptions) 
         None => 0.0,
     };
     (out, Check { err, naive_err, bound, lse_err })
+}
+
+/// `t`'s values (`[batch, seqlen, heads, head_dim]`) stored head-major: a `[batch, heads,
+/// seqlen, head_dim]` tensor in `t`'s dtype, for [`head_major_view`].
+pub fn head_major(t: &Tensor) -> Tensor {
+    let [b, s, h, d] = t.shape();
+    let x = t.to_f32_vec();
+    let mut out = Vec::with_capacity(x.len());
+    for bi in 0..b {
+        for hi in 0..h {
+            for si in 0..s {
+                let at = ((bi * s + si) * h + hi) * d;
+                out.extend_from_slice(&x[at..at + d]);
+            }
+        }
+    }
+    Tensor::from_f32(&out, t.dtype(), [b, h, s, d]).unwrap()
+}
+
+/// The `[batch, seqlen, heads, head_dim]` strided view of a [`head_major`] tensor (each head's
+/// rows contiguous: the layout torch's SDPA and onnxruntime's Attention take).
+pub fn head_major_view(stored: &Tensor) -> TensorView<'_> {
+    let [b, h, s, d] = stored.shape();
+    let (shape, strides) = ([b, s, h, d], [h * s * d, d, s * d]);
+    match stored.data() {
+        OwnedData::F32(x) => TensorView::with_strides(x, shape, strides),
+        OwnedData::F16(x) => TensorView::with_strides(x, shape, strides),
+        OwnedData::BF16(x) => TensorView::with_strides(x, shape, strides),
+    }
 }
 
 /// The CPU emulator of the kernel sources (cuda/test/emu), for tests/emulator.rs.
