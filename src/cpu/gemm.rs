@@ -47,7 +47,10 @@ pub fn micro_kernel_skip_zero_b<const FMA: bool>(a_packed: &[f32], b_packed: &[f
 /// over A. Each element of A is broadcast once for both panels; with 512-bit registers the 12
 /// accumulators are 12 zmm, enough independent FMA chains to cover their latency, where the 6 of
 /// a single 6×16 tile are not. (With 256-bit registers the 24 accumulators would spill: AVX2
-/// uses [`micro_kernel`].) `SKIP`: as [`micro_kernel_skip_zero_b`], per panel.
+/// uses [`micro_kernel`].) `SKIP`: as [`micro_kernel_skip_zero_b`], per panel. The reference the
+/// AVX-512 products (`simd::product_max`, `simd::scaled_product`, which run 1 to 4 panels at once)
+/// are tested against; the tiled path's portable fallback runs one panel at a time.
+#[cfg(test)]
 #[inline(always)]
 pub fn micro_kernel_x2<const FMA: bool, const SKIP: bool>(a_packed: &[f32], b: [&[f32]; 2], acc: &mut [Acc; 2]) {
     let steps = a_packed.chunks_exact(MR).zip(b[0].chunks_exact(NR)).zip(b[1].chunks_exact(NR));

@@ -166,7 +166,7 @@ fn running_max(
     acc
 }
 
-/// The first product for `N` (1 or 2) query panels over one key tile, with the softmax's max
+/// The first product for `N` (1 to 4) query panels over one key tile, with the softmax's max
 /// pass fused in: `s[t] = k·b[t]`, where `k` holds the tile's strips of `MR` keys of K (`kc`
 /// steps of `MR` each, `kc` = head_dim), `b[t]` is a Qᵀ panel (`kc` rows of `NR`) and `s[t]` the
 /// `[keys][NR]` scores, each strip exactly `gemm::micro_kernel` (`_x2`) from zero; and
@@ -279,7 +279,7 @@ unsafe fn strip_fma<const N: usize, const SKIP: bool, const R: usize>(
 }
 
 /// The second product over one key tile with the rescale fused into its accumulator loads, for
-/// `N` (1 or 2) query panels: `o[t] = o[t]·diag(sc[t]) + Vᵀ·b[t]`, `o[t]` an Oᵀ panel (blocks
+/// `N` (1 to 4) query panels: `o[t] = o[t]·diag(sc[t]) + Vᵀ·b[t]`, `o[t]` an Oᵀ panel (blocks
 /// of `[MR][NR]`), `b[t]` the tile's Pᵀ (`kc` rows of `NR`), and strip `ds` of `v` (6 columns
 /// of V, `kc` steps of `MR`) starting at `ds · stride`, of which the first `cols` columns are
 /// V's: the rows of `o[t]` past them (padding) are only rescaled, so that the last strip at a
@@ -344,10 +344,11 @@ fn scaled_product_avx512<const N: usize, const SKIP: bool>(
         // SAFETY: `a` is `kc` steps of MR and every `b[t]` holds `kc` rows of 16 (checked above).
         unsafe {
             match rows {
-                // Two panels: 4 or 8 accumulators keep the FMA ports as busy as 12 do (a
-                // step is the FMA latency, not 6 cycles); one panel's 2 or 4 would not.
-                2 if N == 2 => strip_fma::<N, SKIP, 2>(a, bp, &mut acc),
-                4 if N == 2 => strip_fma::<N, SKIP, 4>(a, bp, &mut acc),
+                // Two to four panels: 4 to 16 accumulators keep the FMA ports as busy as 12 to
+                // 24 do (a step is the FMA latency, not 6 to 12 cycles); one panel's 2 or 4
+                // would not.
+                2 if N >= 2 => strip_fma::<N, SKIP, 2>(a, bp, &mut acc),
+                4 if N >= 2 => strip_fma::<N, SKIP, 4>(a, bp, &mut acc),
                 _ => strip_fma::<N, SKIP, MR>(a, bp, &mut acc),
             }
         };
@@ -1018,7 +1019,92 @@ mod tests {
             }
         }
     }
+
+    /// Three and four panels at once (the grouping of the AVX-512 tiled path): each panel's
+    /// scores, max and Oᵀ are the single-panel generic kernels' bit for bit, the max over a part
+    /// of the keys, V with an infinity, and the last V strip with 2 or 4 real columns included.
+    #[test]
+    fn grouped_products_are_the_generic_kernels() {
+        group_is_the_generic_kernels::<3>();
+        group_is_the_generic_kernels::<4>();
+    }
+
+    fn group_is_the_generic_kernels<const G: usize>() {
+        use crate::cpu::gemm::{micro_kernel, micro_kernel_skip_zero_b, Acc};
+        use crate::cpu::softmax::{panel_max, rescale_o};
+        let bits = |x: &[f32]| x.iter().map(|v| if v.is_nan() { u32::MAX } else { v.to_bits() }).collect::<Vec<_>>();
+        let (d, strips) = (9, 3);
+        let mut k: Vec<f32> = (0..strips * d * MR).map(|i| ((i * 7) % 11) as f32 * 0.5 - 2.5).collect();
+        k[2 * d * MR + 4] = f32::NAN;
+        let q: [Vec<f32>; G] =
+            std::array::from_fn(|t| (0..d * NR).map(|i| ((i * (3 + 2 * t)) % 13) as f32 * 0.25 - 1.5).collect());
+        let init: [f32; NR] = std::array::from_fn(|l| if l % 5 == 0 { f32::NEG_INFINITY } else { -0.5 });
+        let want: [Vec<f32>; G] = std::array::from_fn(|t| {
+            let mut w = vec![];
+            for st in 0..strips {
+                let mut acc: Acc = [[0.0; NR]; MR];
+                micro_kernel::<true>(&k[st * d * MR..(st + 1) * d * MR], &q[t], &mut acc);
+                w.extend_from_slice(acc.as_flattened());
+            }
+            w
+        });
+        for keys in [strips * MR, strips * MR - 4, 7, 0] {
+            let mut s: [Vec<f32>; G] = std::array::from_fn(|_| vec![0.0f32; strips * MR * NR]);
+            let mut m = [init; G];
+            let qs: [&[f32]; G] = std::array::from_fn(|t| &q[t][..]);
+            if !product_max::<G>(&k, qs, s.each_mut().map(|x| &mut x[..]), (m.each_mut(), keys)) {
+                eprintln!("this CPU has no AVX-512F: the fused products are compiled but not run here");
+                return;
+            }
+            for t in 0..G {
+                assert_eq!(bits(&s[t]), bits(&want[t]), "keys {keys} panel {t}: scores");
+                let rows = [init.as_slice(), &want[t][..keys * NR]].concat();
+                assert_eq!(bits(&m[t]), bits(&panel_max(&rows)), "keys {keys} panel {t}: max");
+            }
+        }
+
+        let (keys, strips, stride) = (11, 3, 11 * MR + 5);
+        let mut v: Vec<f32> = (0..stride * strips).map(|i| ((i * 7) % 11) as f32 * 0.5 - 2.5).collect();
+        let p: [Vec<f32>; G] = std::array::from_fn(|t| {
+            (0..keys * NR).map(|i| if (i + t) % 4 == 0 { 0.0 } else { ((i * (t + 3)) % 7) as f32 * 0.25 }).collect()
+        });
+        let sc: [[f32; NR]; G] = std::array::from_fn(|t| std::array::from_fn(|l| 0.125 * ((l + t) % 9) as f32 + 0.5));
+        let o: Vec<f32> = (0..strips * MR * NR).map(|i| ((i * 13) % 17) as f32 - 8.0).collect();
+        let all = strips * MR;
+        for (skip, cols) in [(false, all), (true, all), (true, all - 2), (false, all - 4)] {
+            if skip {
+                v[stride + 3] = f32::INFINITY;
+            }
+            let mut x: [Vec<f32>; G] = std::array::from_fn(|_| o.clone());
+            let vt = (&v[..], stride, cols);
+            let ps: [&[f32]; G] = std::array::from_fn(|t| &p[t][..]);
+            let xs = x.each_mut().map(|x| &mut x[..]);
+            let scs: [&[f32; NR]; G] = std::array::from_fn(|t| &sc[t]);
+            if skip {
+                assert!(scaled_product::<G, true>(vt, ps, xs, scs));
+            } else {
+                assert!(scaled_product::<G, false>(vt, ps, xs, scs));
+            }
+            for ds in 0..strips {
+                let a = &v[ds * stride..ds * stride + keys * MR];
+                let blk = ds * MR * NR..(ds + 1) * MR * NR;
+                for t in 0..G {
+                    let mut acc: Acc = [[0.0; NR]; MR];
+                    rescale_o(&o[blk.clone()], &sc[t], &mut acc);
+                    let scaled = acc;
+                    if skip {
+                        micro_kernel_skip_zero_b::<true>(a, &p[t], &mut acc);
+                    } else {
+                        micro_kernel::<true>(a, &p[t], &mut acc);
+                    }
+                    for i in 0..MR {
+                        let want = if ds * MR + i < cols { acc[i] } else { scaled[i] };
+                        let row = (ds * MR + i) * NR..(ds * MR + i + 1) * NR;
+                        let at = format!("skip {skip} cols {cols} strip {ds} row {i} panel {t}");
+                        assert_eq!(bits(&x[t][row]), bits(&want), "{G} panels: {at}");
+                    }
+                }
+            }
+        }
+    }
 }
-
-
-
