@@ -506,7 +506,11 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
     for line in lse_out.chunks(16) {
         simd::prefetch_l2(line.as_ptr().cast());
     }
-    scr.o[..panels * NR * dv].iter_mut().for_each(|x| *x = 0.0);
+    // Each panel's Oᵀ is zeroed just before its first product (`fresh`: the panels not yet
+    // zeroed), where it is about to be read, rather than all of them here, where the block's
+    // 25 KB (head_dim 64) of zeros would push other lines out of L1 before the products read
+    // them. A panel that sees no key at all is written as zeros whatever its Oᵀ holds.
+    let mut fresh: u32 = (1 << panels) - 1;
     scr.rows[..panels * NR].iter_mut().for_each(|r| *r = RowState::EMPTY);
 
     // Keys any row of the block can see, and those every row sees (no masking needed).
@@ -607,6 +611,12 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
             } else {
                 [1.0; NR]
             };
+            for (i, op) in [(pn, &mut op0[..dv * NR]), (pn + 1, &mut *op1)] {
+                if fresh >> i & 1 == 1 && !op.is_empty() {
+                    op.fill(0.0);
+                    fresh &= !(1 << i);
+                }
+            }
             // Oᵀ = Oᵀ·diag(scale) + Vᵀ·Pᵀ, six columns of V at a time.
             let v_strip = |ds: usize| &kv.v[ds * sk_pad * MR + k0 * MR..ds * sk_pad * MR + k1 * MR];
             let finite = kv.v_finite;
