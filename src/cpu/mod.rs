@@ -492,6 +492,9 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
     let panels = nrows.div_ceil(NR);
 
     fill_q_panels::<PAIR>(q, (b, h, i0, i1), d, &mut scr.q, &mut scr.q_row);
+    if !PAIR {
+        prefetch_next_q(q, (b, h, i1));
+    }
     // The caller's output rows, asked for into L2 while the products run: written straight
     // from the panels at the end, their lines would otherwise each miss then (a store buffer
     // full of misses stalls the next panel's stores).
@@ -526,6 +529,11 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
         .map(|rs| (rs.iter().map(|r| r.0).min().unwrap_or(0), rs.iter().map(|r| r.1).max().unwrap_or(0)))
         .collect();
 
+    // On the AVX-512 path (`PAIR`) the next block's Q rows are asked for once this block's first
+    // panel is done: at the block's start (above) that burst waited behind the output rows'
+    // prefetches and the previous block's row stores, 0.3–0.6 % slower call by call; the AVX2
+    // path measured 0.2–0.7 % slower the other way.
+    let mut next_q = !PAIR;
     let mut j0 = lo_all / MR * MR;
     while j0 < hi_all {
         let j1 = (j0 + BC).min(round_up(hi_all, MR)).min(sk_pad);
@@ -666,9 +674,16 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
                     }
                 }
             }
+            if !next_q {
+                prefetch_next_q(q, (b, h, i1));
+                next_q = true;
+            }
             pn += if pair { 2 } else { 1 };
         }
         j0 = j1;
+    }
+    if !next_q {
+        prefetch_next_q(q, (b, h, i1));
     }
 
     write_rows::<M, PAIR>(&scr.o, &scr.rows[..nrows], d, sm.u, math, (o_out, lse_out));
@@ -679,9 +694,7 @@ const Q_PREFETCH_ROWS: usize = BR;
 
 /// The Qᵀ panels of query rows `i0..i1` of head `h`: `[panel][head_dim][NR]`, the lanes past
 /// `i1` zero (their results are dropped). Rows are read straight from an f32 input (`row`:
-/// `NR × head_dim` f32 for the widened rows of an f16/bf16 one). The rows of the head's next
-/// block (the next head's first, after a head's last) are then asked for into L2: the next block
-/// this worker runs is usually that one, and its strided rows would each miss the cache.
+/// `NR × head_dim` f32 for the widened rows of an f16/bf16 one).
 #[inline(always)]
 fn fill_q_panels<const WIDE: bool>(
     q: &TensorView,
@@ -710,6 +723,13 @@ fn fill_q_panels<const WIDE: bool>(
             }
         }
     }
+}
+
+/// The rows of the next block of head `h` after rows `..i1` (the next head's first, after a
+/// head's last), asked for into L2: the next block this worker runs is usually that one, and
+/// its strided rows would each miss the cache.
+#[inline(always)]
+fn prefetch_next_q(q: &TensorView, (b, h, i1): (usize, usize, usize)) {
     if i1 < q.seqlen() {
         prefetch_rows(q, (b, i1, h..h + 1), Q_PREFETCH_ROWS, true);
     } else if h + 1 < q.heads() {
