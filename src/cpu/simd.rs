@@ -519,25 +519,37 @@ fn write_panel_rows_avx512(op: &[f32], inv: &[f32; NR], live: u16, d: usize, out
     assert!(out.len() <= NR && out.iter().all(|r| r.len() == d) && op.len() >= d * NR);
     // SAFETY: `inv` is 16 f32.
     let invv = unsafe { _mm512_loadu_ps(inv.as_ptr()) };
-    let mut x0 = 0;
+    // Floats from the 64-byte line the rows start in to their start, when it is the same for
+    // every row (rows a multiple of 16 f32 apart, as the output rows of a head_dim that is one):
+    // then the 16-column blocks start that far before column 0, so that each store fills whole
+    // lines of the rows, where a 16-float store from column 0 spans two lines of every row (a
+    // large allocation from glibc often starts 16 bytes past a line) and the rows' lines miss the
+    // cache: one miss per store, not two, for one more block.
+    let lead_of = |r: &&mut [f32]| r.as_ptr() as usize / 4 % NR;
+    let lead = out.first().map_or(0, lead_of);
+    let lead = if out.iter().all(|r| lead_of(r) == lead) { lead as isize } else { 0 };
+    let d = d as isize;
+    let mut x0 = -lead;
     while x0 < d {
-        let w = (d - x0).min(NR);
-        // Vector k: column x0 + k of the 16 queries, scaled (0 past the head dim, or not live).
+        // Vector k: column x0 + k of the 16 queries, scaled (0 outside the head dim, or not live).
         let mut m = [_mm512_setzero_ps(); NR];
-        for (k, mk) in m.iter_mut().enumerate().take(w) {
-            let src = &op[(x0 + k) * NR..(x0 + k + 1) * NR];
-            // SAFETY: `src` is 16 f32.
-            *mk = _mm512_maskz_mul_ps(live, unsafe { _mm512_loadu_ps(src.as_ptr()) }, invv);
+        for (x, mk) in (x0..).zip(m.iter_mut()) {
+            if (0..d).contains(&x) {
+                let src = &op[x as usize * NR..(x as usize + 1) * NR];
+                // SAFETY: `src` is 16 f32.
+                *mk = _mm512_maskz_mul_ps(live, unsafe { _mm512_loadu_ps(src.as_ptr()) }, invv);
+            }
         }
         let rows = transpose16(m);
-        let mask = first_lanes(w);
+        // Lanes k with 0 <= x0 + k < d (x0 >= -15).
+        let before = ((1u32 << (-x0).max(0)) - 1) as u16;
+        let mask = first_lanes((d - x0) as usize) & !before;
         for (row, dst) in rows.iter().zip(out.iter_mut()) {
-            let dst = &mut dst[x0..x0 + w];
-            // SAFETY: `dst` holds `w` f32 and the mask enables only the first `w` lanes (masked
-            // lanes are neither read nor written).
-            unsafe { _mm512_mask_storeu_ps(dst.as_mut_ptr(), mask, *row) };
+            // SAFETY: the mask enables exactly the lanes k whose column x0 + k lies in 0..d,
+            // inside `dst` (masked lanes are neither read nor written, whatever their address).
+            unsafe { _mm512_mask_storeu_ps(dst.as_mut_ptr().wrapping_offset(x0), mask, *row) };
         }
-        x0 += NR;
+        x0 += NR as isize;
     }
 }
 
@@ -868,27 +880,35 @@ mod tests {
             let inv: [f32; NR] = std::array::from_fn(|r| 1.0 / (r as f32 + 1.7));
             for n in [1usize, 7, 15, 16] {
                 for live in [0xffffu16, 0xb5db, 0x0004] {
-                    let stride = d + 3;
-                    let mut buf = vec![-1.0f32; n * stride];
-                    let mut rows: Vec<&mut [f32]> = buf.chunks_exact_mut(stride).map(|r| &mut r[..d]).collect();
-                    if !write_panel_rows(&op, &inv, live, d, &mut rows) {
-                        eprintln!("this CPU has no AVX-512F: write_panel_rows is compiled but not run here");
-                        return;
+                    // Rows at different places in their lines (stride d + 3), and rows that all
+                    // start `lead` floats into a line (stride a multiple of 16, gaps either side).
+                    let aligned = (0..NR).map(|lead| (d.next_multiple_of(NR) + NR, lead));
+                    for (stride, lead) in [(d + 3, 0)].into_iter().chain(aligned) {
+                        let mut whole = vec![-1.0f32; n * stride + 2 * NR];
+                        let start = whole.as_ptr().align_offset(64).min(NR) + lead;
+                        let buf = &mut whole[start..start + n * stride];
+                        let mut rows: Vec<&mut [f32]> = buf.chunks_exact_mut(stride).map(|r| &mut r[..d]).collect();
+                        if !write_panel_rows(&op, &inv, live, d, &mut rows) {
+                            eprintln!("this CPU has no AVX-512F: write_panel_rows is compiled but not run here");
+                            return;
+                        }
+                        let a: Vec<f32> = buf.chunks_exact(stride).flat_map(|r| r[..d].to_vec()).collect();
+                        let gaps = buf.chunks_exact(stride).all(|r| r[d..].iter().all(|&x| x == -1.0));
+                        let outside = whole[..start].iter().chain(&whole[start + n * stride..]).all(|&x| x == -1.0);
+                        assert!(gaps && outside, "d {d} stride {stride} lead {lead}: wrote into a gap");
+                        let b: Vec<f32> = (0..n * d)
+                            .map(|i| {
+                                let (r, x) = (i / d, i % d);
+                                if live >> r & 1 == 0 {
+                                    0.0
+                                } else {
+                                    op[x * NR + r] * inv[r]
+                                }
+                            })
+                            .collect();
+                        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(&a), bits(&b), "d {d} n {n} live {live:#x} stride {stride} lead {lead}");
                     }
-                    assert!(buf.chunks_exact(stride).all(|r| r[d..] == [-1.0; 3]), "d {d}: wrote into a gap");
-                    let a: Vec<f32> = buf.chunks_exact(stride).flat_map(|r| r[..d].to_vec()).collect();
-                    let b: Vec<f32> = (0..n * d)
-                        .map(|i| {
-                            let (r, x) = (i / d, i % d);
-                            if live >> r & 1 == 0 {
-                                0.0
-                            } else {
-                                op[x * NR + r] * inv[r]
-                            }
-                        })
-                        .collect();
-                    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(bits(&a), bits(&b), "d {d} n {n} live {live:#x}");
                 }
             }
         }
