@@ -27,6 +27,7 @@ use crate::problem::Problem;
 use crate::tensor::{try_filled, Data, DataMut, Element, Tensor, TensorView};
 use std::ops::Range;
 use gemm::{micro_kernel, micro_kernel_skip_zero_b, Acc, MR, NR};
+use simd::KTile;
 use softmax::{finalize_panel, online_softmax, rescale_o, Exp2Math, RowState};
 
 /// Query rows per work item (a multiple of the 16-query panels).
@@ -100,9 +101,13 @@ fn round_up(x: usize, m: usize) -> usize {
 }
 
 /// K and V of one (batch, kv head) in the micro-kernel's A-operand layouts (strips of `MR` rows).
-struct PackedKv {
-    /// `[seqlen_k_pad / MR][head_dim][MR]`: strips of 6 keys, zero-padded.
+struct PackedKv<'a> {
+    /// `[seqlen_k_pad / MR][head_dim][MR]`: strips of 6 keys, zero-padded; empty when `k_rows`
+    /// holds K instead.
     k: Vec<f32>,
+    /// An f32 K read in place (the AVX-512 path): the input's elements, the offset of key 0's
+    /// row of this head, and the key stride.
+    k_rows: Option<(&'a [f32], usize, usize)>,
     /// `[head_dim_pad / MR][seqlen_k_pad][MR]`: strips of 6 columns of V (i.e. rows of Vᵀ).
     v: Vec<f32>,
     /// Every element of V is finite. Otherwise `Oᵀ += Vᵀ·Pᵀ` skips the zeros of P, so a key's
@@ -119,6 +124,16 @@ struct PackedKv {
 /// sequential run per K and V, yet the prefetch measured 2–4 % faster there too (16×8×128 and
 /// 4×8×512, docs/benchmarks.md), so it stays on for every item of fewer than all kv heads.
 const PACK_PREFETCH_STRIPS: usize = 4;
+
+/// Most query blocks (over all query heads of a kv head) for which an f32 K is read in place by
+/// the first product (`simd::KTile::Rows`, AVX-512 path) instead of packed: the packing pass
+/// (K's rows read at the streaming rate, nothing overlapping it) is then saved, but every block
+/// reads six rows per strip where the packed strip is one run, which cost more once K is read by
+/// several blocks. Measured call by call (docs/benchmarks.md, branch `cpu-nopack`): 2.3–3.4 %
+/// faster at 2 blocks (seqlen_q 128, 192), 1.4 % at 3 (256), even to 1 % faster at 4 (384), 2 %
+/// slower at 6 (512) and 8 % at 22 (2048, head_dim 128), with `[batch, seqlen, heads, head_dim]`
+/// inputs.
+const K_IN_PLACE_READS: usize = 3;
 
 /// Bytes of packed K/V one head-major work item holds at most (several kv heads packed in one
 /// pass over the keys; see `tiled`): about a core's L2, so that each head's packed data is
@@ -178,12 +193,14 @@ static ZEROS: [f32; MAX_HEAD_DIM] = [0.0; MAX_HEAD_DIM];
 /// One head's packed K and V buffers (reused ones keep old contents), their padding zeroed:
 /// keys past seqlen_k, and columns past head_dim of the last column strip of V. The scatter of
 /// `pack_heads` writes every other element.
-fn packed_buffers(p: &Problem, sz: &Sizes) -> Result<(Vec<f32>, Vec<f32>)> {
+fn packed_buffers(p: &Problem, sz: &Sizes, pack_k: bool) -> Result<(Vec<f32>, Vec<f32>)> {
     let d = p.head_dim;
     let sk_pad = sz.sk_pad;
-    let mut kp = pool::take_dirty(sz.k_pack, "packed K of one head")?;
+    let mut kp = if pack_k { pool::take_dirty(sz.k_pack, "packed K of one head")? } else { Vec::new() };
     let mut vp = pool::take_dirty(sz.v_pack, "packed V of one head")?;
-    kp[p.seqlen_k / MR * d * MR..].fill(0.0); // the last, partial strip (rewritten by the scatter)
+    if pack_k {
+        kp[p.seqlen_k / MR * d * MR..].fill(0.0); // the last, partial strip (rewritten by the scatter)
+    }
     let dv = sz.v_pack / sk_pad;
     for strip in vp.chunks_exact_mut(sk_pad * MR) {
         strip[p.seqlen_k * MR..].fill(0.0);
@@ -204,19 +221,25 @@ fn packed_buffers(p: &Problem, sz: &Sizes) -> Result<(Vec<f32>, Vec<f32>)> {
 /// hardware prefetchers stream, where a pass per head reads head_dim elements out of every row
 /// of all heads, each a separate miss. `buf`: `MR × head_dim` f32 of scratch (the widened rows
 /// of an f16/bf16 input).
-fn pack_heads(
+fn pack_heads<'a>(
     p: &Problem,
     sz: &Sizes,
-    (k, v): (&TensorView, &TensorView),
+    (k, v): (&TensorView<'a>, &TensorView),
     b: usize,
     heads: Range<usize>,
     buf: &mut [f32],
-) -> Result<Vec<PackedKv>> {
+    k_in_place: bool,
+) -> Result<Vec<PackedKv<'a>>> {
     let d = p.head_dim;
     let sk_pad = sz.sk_pad;
+    // K read in place by the first product (see `KTile::Rows`): an f32 input, when asked for.
+    let k_rows = match k.data() {
+        Data::F32(x) if k_in_place => Some(x),
+        _ => None,
+    };
     let mut bufs: Vec<(Vec<f32>, Vec<f32>)> = Vec::with_capacity(heads.len());
     for _ in heads.clone() {
-        bufs.push(packed_buffers(p, sz)?);
+        bufs.push(packed_buffers(p, sz, k_rows.is_none())?);
     }
     // Per head: every V value packed by `simd::pack_v_strip` is finite (`None`: the scalar
     // copy ran, the packed V is checked afterwards).
@@ -234,7 +257,7 @@ fn pack_heads(
             fetch_strip(strip + dist);
         }
         let n = MR.min(p.seqlen_k - strip * MR);
-        for (h, (kp, _)) in heads.clone().zip(bufs.iter_mut()) {
+        for (h, (kp, _)) in heads.clone().zip(bufs.iter_mut()).filter(|_| k_rows.is_none()) {
             // The strip's six rows (zeros past seqlen_k), interleaved column by column: each
             // column's six values are written contiguously.
             let mut rows: [&[f32]; MR] = [&ZEROS[..d]; MR];
@@ -275,8 +298,15 @@ fn pack_heads(
             }
         }
     }
-    let packed = bufs.into_iter().zip(finite);
-    Ok(packed.map(|((k, v), f)| PackedKv { v_finite: f.unwrap_or_else(|| all_finite(&v)), k, v }).collect())
+    let packed = bufs.into_iter().zip(finite).zip(heads);
+    Ok(packed
+        .map(|(((kp, vp), f), h)| PackedKv {
+            v_finite: f.unwrap_or_else(|| all_finite(&vp)),
+            k: kp,
+            k_rows: k_rows.map(|x| (x, k.offset(b, 0, h), k.strides()[1])),
+            v: vp,
+        })
+        .collect())
 }
 
 /// Whether every element is finite: `x * 0` is 0 for a finite x and NaN for ±inf or NaN, summed
@@ -644,11 +674,16 @@ fn panel_group<M: Exp2Math, const FMA: bool, const WIDE: bool, const G: usize>(
 
     // Sᵀ = K·Qᵀ, six keys at a time (AVX-512: with the softmax's max pass fused in).
     let mut tile_max = [[f32::NEG_INFINITY; NR]; G];
-    let k_tile = &kv.k[k0 * d..k1 * d];
     let keys = k1.min(p.seqlen_k).saturating_sub(k0);
+    let k_tile = match kv.k_rows {
+        Some((data, at, stride)) => KTile::Rows { data, at: at + k0 * stride, stride, keys, zeros: &ZEROS[..d] },
+        None => KTile::Packed(&kv.k[k0 * d..k1 * d]),
+    };
     let sp_now = sp.each_mut().map(|s| &mut **s);
     let fused = WIDE && simd::product_max::<G>(k_tile, qp, sp_now, (tile_max.each_mut(), keys));
     if !fused {
+        let mut gathered = Vec::new();
+        let k_tile = k_tile.packed((k1 - k0) / MR, d, &mut gathered);
         for (s, q) in sp.iter_mut().zip(qp) {
             for (ks, s6) in s.chunks_exact_mut(MR * NR).enumerate() {
                 let mut acc: Acc = [[0.0; NR]; MR];
@@ -1134,6 +1169,11 @@ fn tiled<M: Exp2Math, T: OutElem>(
     // in one pass would read 2 × heads interleaved runs; one-head items measured 1–6 % faster at
     // 16×8×128 and 4×8×512, 1 thread).
     let side_by_side = heads_side_by_side(k, v);
+    // The first product reads an f32 K in place on the AVX-512 path (`attend_any`'s condition
+    // for it) when each kv head's K is read by few blocks (see `K_IN_PLACE_READS`).
+    let k_in_place = isa == Isa::Avx512
+        && detect_isa() == Isa::Avx512
+        && p.group() * nblocks <= K_IN_PLACE_READS;
     let whole_rows = side_by_side && (nthreads == 1 || p.batch >= 8 * nthreads);
     let groups = if whole_rows {
         1
@@ -1160,7 +1200,7 @@ fn tiled<M: Exp2Math, T: OutElem>(
         }
     }
     parallel::for_each(&mut head_items, nthreads, worker, |(scr, o_blk, buf), ((b, heads), o, l)| {
-        let packed = match pack_heads(p, &sz, (k, v), *b, heads.clone(), buf) {
+        let packed = match pack_heads(p, &sz, (k, v), *b, heads.clone(), buf, k_in_place) {
             Ok(kv) => kv,
             Err(e) => {
                 failed.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e);
@@ -1197,7 +1237,7 @@ fn tiled<M: Exp2Math, T: OutElem>(
                 nthreads,
                 || vec![0.0; MR * d],
                 |buf, j| {
-                    j.2 = pack_heads(p, &sz, (k, v), j.0, j.1..j.1 + 1, buf).map(|h| h.into_iter().next()).transpose()
+                    j.2 = pack_heads(p, &sz, (k, v), j.0, j.1..j.1 + 1, buf, k_in_place).map(|h| h.into_iter().next()).transpose()
                 },
             );
             let mut packed = Vec::with_capacity(jobs.len());

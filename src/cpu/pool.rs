@@ -53,8 +53,13 @@ pub(crate) fn take_dirty(len: usize, what: &str) -> Result<Vec<f32>> {
     }
 }
 
-/// Hands a buffer back for later calls (dropped if keeping it would exceed the bound).
+/// Hands a buffer back for later calls (dropped if keeping it would exceed the bound, or if it
+/// holds no memory: an empty one, e.g. the packed K of a head whose K is read in place, would
+/// only lengthen every later search).
 pub(crate) fn give(v: Vec<f32>) {
+    if v.capacity() == 0 {
+        return;
+    }
     let mut p = pool();
     let kept: usize = p.iter().map(|b| b.capacity() * 4).sum();
     if kept + v.capacity() * 4 <= RETAIN_BYTES {

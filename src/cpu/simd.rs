@@ -168,7 +168,7 @@ fn running_max(
 
 /// The first product for `N` (1 to 4) query panels over one key tile, with the softmax's max
 /// pass fused in: `s[t] = k·b[t]`, where `k` holds the tile's strips of `MR` keys of K (`kc`
-/// steps of `MR` each, `kc` = head_dim), `b[t]` is a Qᵀ panel (`kc` rows of `NR`) and `s[t]` the
+/// steps of `MR` each, `kc` = head_dim; packed, or the key rows in place: see [`KTile`]), `b[t]` is a Qᵀ panel (`kc` rows of `NR`) and `s[t]` the
 /// `[keys][NR]` scores, each strip exactly `gemm::micro_kernel` (`_x2`) from zero; and
 /// `tile_max[t]` folded over the first `keys` score rows in key order, as `panel_max` over them:
 /// taken while the scores are still in registers, where the softmax would read them back in a
@@ -179,7 +179,7 @@ fn running_max(
 /// `false` when this CPU lacks AVX-512F (the caller then runs those).
 #[inline(always)]
 pub(crate) fn product_max<const N: usize>(
-    k: &[f32],
+    k: KTile<'_>,
     b: [&[f32]; N],
     s: [&mut [f32]; N],
     (tile_max, keys): ([&mut [f32; NR]; N], usize),
@@ -200,7 +200,7 @@ pub(crate) fn product_max<const N: usize>(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 fn product_max_avx512<const N: usize>(
-    k: &[f32],
+    k: KTile<'_>,
     b: [&[f32]; N],
     s: [&mut [f32]; N],
     (tile_max, keys): ([&mut [f32; NR]; N], usize),
@@ -211,7 +211,13 @@ fn product_max_avx512<const N: usize>(
     for t in 0..N {
         assert!(b[t].len() >= kc * NR && s[t].len() >= strips * MR * NR);
     }
-    assert!(k.len() >= strips * kc * MR);
+    match k {
+        KTile::Packed(k) => assert!(k.len() >= strips * kc * MR),
+        KTile::Rows { data, at, stride, keys, zeros } => {
+            let end = keys.checked_sub(1).map(|j| j.checked_mul(stride).and_then(|x| x.checked_add(at + kc)));
+            assert!(zeros.len() >= kc && end.is_none_or(|e| e.is_some_and(|e| e <= data.len())));
+        }
+    }
     let bp: [*const f32; N] = std::array::from_fn(|t| b[t].as_ptr());
     let mut mx = [_mm512_setzero_ps(); N];
     for t in 0..N {
@@ -219,10 +225,28 @@ fn product_max_avx512<const N: usize>(
         mx[t] = unsafe { _mm512_loadu_ps(tile_max[t].as_ptr()) };
     }
     for st in 0..strips {
-        let a = &k[st * kc * MR..(st + 1) * kc * MR];
         let mut acc = [[_mm512_setzero_ps(); MR]; N];
-        // SAFETY: `a` is `kc` steps of MR and every `b[t]` holds `kc` rows of 16 (checked above).
-        unsafe { strip_fma::<N, false, MR>(a, bp, &mut acc) };
+        match k {
+            KTile::Packed(k) => {
+                let a = &k[st * kc * MR..(st + 1) * kc * MR];
+                // SAFETY: `a` is `kc` steps of MR and every `b[t]` holds `kc` rows of 16 (checked above).
+                unsafe { strip_fma::<N, false, MR>(a, bp, &mut acc) };
+            }
+            KTile::Rows { data, at, stride, keys, zeros } => {
+                let rows: [*const f32; MR] = std::array::from_fn(|i| {
+                    let j = st * MR + i;
+                    if j < keys {
+                        data.as_ptr().wrapping_add(at + j * stride)
+                    } else {
+                        zeros.as_ptr()
+                    }
+                });
+                // SAFETY: key `j < keys` starts at `at + j·stride`, `kc` f32 from the end of `data`
+                // at the latest, and `zeros` holds `kc` f32 (both checked above); every `b[t]`
+                // holds `kc` rows of 16 (checked above).
+                unsafe { strip_fma_rows::<N>(rows, kc, bp, &mut acc) };
+            }
+        }
         for t in 0..N {
             for i in 0..MR {
                 // SAFETY: `s[t]` holds `strips` blocks of MR rows of 16 (checked above).
@@ -273,6 +297,86 @@ unsafe fn strip_fma<const N: usize, const SKIP: bool, const R: usize>(
                 } else {
                     _mm512_fmadd_ps(ai, bv[t], acc[t][i])
                 };
+            }
+        }
+    }
+}
+
+/// [`strip_fma`] (`SKIP` false, all `MR` rows) with the A operand read from six rows in place:
+/// at step `x` the broadcasts are `rows[i][x]`, where the packed strip holds the same values at
+/// `a[x·MR + i]`; the same FMAs in the same order.
+///
+/// # Safety
+/// Every `rows[i]` points to at least `kc` readable f32 and every `bp[t]` to at least `kc` rows
+/// of 16.
+#[allow(clippy::needless_range_loop)]
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn strip_fma_rows<const N: usize>(
+    rows: [*const f32; MR],
+    kc: usize,
+    bp: [*const f32; N],
+    acc: &mut [[std::arch::x86_64::__m512; MR]; N],
+) {
+    use std::arch::x86_64::*;
+    for step in 0..kc {
+        let mut bv = [_mm512_setzero_ps(); N];
+        for t in 0..N {
+            // SAFETY: `step < kc`, within the rows the caller vouches for.
+            bv[t] = unsafe { _mm512_loadu_ps(bp[t].add(step * NR)) };
+        }
+        for i in 0..MR {
+            // SAFETY: `step < kc`, within the row the caller vouches for.
+            let ai = _mm512_set1_ps(unsafe { *rows[i].add(step) });
+            for t in 0..N {
+                acc[t][i] = _mm512_fmadd_ps(ai, bv[t], acc[t][i]);
+            }
+        }
+    }
+}
+
+/// The K operand of the first product over one key tile: packed strips, or an f32 input's key
+/// rows read in place (no packing pass: the first product only broadcasts K's elements, one per
+/// key and depth step, which it can take from each key's row as well as from a packed strip).
+#[derive(Clone, Copy)]
+pub(crate) enum KTile<'a> {
+    /// Strips of `MR` keys, `[strips][kc][MR]` (`gemm::micro_kernel`'s A operand).
+    Packed(&'a [f32]),
+    /// Key `j` of the tile at `data[at + j·stride..][..kc]` for `j < keys`; the keys past them
+    /// (the last strip's padding) are `zeros` (at least `kc` zeros), as the packed strip's are.
+    Rows { data: &'a [f32], at: usize, stride: usize, keys: usize, zeros: &'a [f32] },
+}
+
+impl<'a> KTile<'a> {
+    /// Key `j`'s first `kc` elements (zeros past the tile's keys), for the `Rows` form.
+    #[inline(always)]
+    fn row(&self, j: usize, kc: usize) -> &'a [f32] {
+        match *self {
+            KTile::Rows { data, at, stride, keys, .. } if j < keys => &data[at + j * stride..][..kc],
+            KTile::Rows { zeros, .. } => &zeros[..kc],
+            KTile::Packed(_) => unreachable!("a packed tile has no rows"),
+        }
+    }
+
+    /// The tile's first `strips` strips packed (`[strips][kc][MR]`): the packed slice itself, or
+    /// the rows gathered into `buf` (for the kernels that take only the packed form).
+    pub(crate) fn packed<'b>(&self, strips: usize, kc: usize, buf: &'b mut Vec<f32>) -> &'b [f32]
+    where
+        'a: 'b,
+    {
+        match self {
+            KTile::Packed(k) => &k[..strips * kc * MR],
+            KTile::Rows { .. } => {
+                buf.clear();
+                buf.resize(strips * kc * MR, 0.0);
+                for (st, strip) in buf.chunks_exact_mut(kc * MR).enumerate() {
+                    for i in 0..MR {
+                        let row = self.row(st * MR + i, kc);
+                        strip.iter_mut().skip(i).step_by(MR).zip(row).for_each(|(d, &x)| *d = x);
+                    }
+                }
+                buf
             }
         }
     }
@@ -936,7 +1040,7 @@ mod tests {
         let mut m = [init, init];
         let [s0, s1] = &mut s;
         let [m0, m1] = &mut m;
-        if !product_max::<2>(&k, [&q0, &q1], [s0, s1], ([m0, m1], strips * MR)) {
+        if !product_max::<2>(KTile::Packed(&k), [&q0, &q1], [s0, s1], ([m0, m1], strips * MR)) {
             eprintln!("this CPU has no AVX-512F: the fused products are compiled but not run here");
             return;
         }
@@ -953,16 +1057,46 @@ mod tests {
             assert_eq!(bits(&m[t]), bits(&panel_max(&rows)), "panel {t}: max");
         }
         let (mut s1only, mut m1only) = (vec![0.0f32; strips * MR * NR], init);
-        assert!(product_max::<1>(&k, [&q1], [&mut s1only], ([&mut m1only], strips * MR)));
+        assert!(product_max::<1>(KTile::Packed(&k), [&q1], [&mut s1only], ([&mut m1only], strips * MR)));
         assert_eq!(bits(&s1only), bits(&want[1]), "single panel: scores");
         assert_eq!(bits(&m1only), bits(&m[1]), "single panel: max");
+        // K's rows read in place (`KTile::Rows`, rows `stride` apart, the last strip's last
+        // `pad` keys missing): the packed strips' bits, the packed padding being zeros.
+        for pad in [0, 1, 5] {
+            let (stride, n) = (d + 5, strips * MR - pad);
+            let mut rows = vec![f32::NAN; 3 + n * stride];
+            let mut kp = k.clone();
+            for j in 0..strips * MR {
+                for x in 0..d {
+                    let at = (j / MR * d + x) * MR + j % MR;
+                    if j < n {
+                        rows[3 + j * stride + x] = k[at];
+                    } else {
+                        kp[at] = 0.0;
+                    }
+                }
+            }
+            let zeros = [0.0f32; 16];
+            let tile = KTile::Rows { data: &rows, at: 3, stride, keys: n, zeros: &zeros };
+            let mut buf = Vec::new();
+            assert_eq!(bits(tile.packed(strips, d, &mut buf)), bits(&kp), "pad {pad}: gathered strips");
+            for t in 0..2 {
+                let q = [&q0, &q1][t];
+                let (mut sr, mut sp) = (vec![0.0f32; strips * MR * NR], vec![0.0f32; strips * MR * NR]);
+                let (mut mr, mut mp) = (init, init);
+                assert!(product_max::<1>(tile, [q], [&mut sr], ([&mut mr], n)));
+                assert!(product_max::<1>(KTile::Packed(&kp), [q], [&mut sp], ([&mut mp], n)));
+                assert_eq!(bits(&sr), bits(&sp), "pad {pad} panel {t}: scores");
+                assert_eq!(bits(&mr), bits(&mp), "pad {pad} panel {t}: max");
+            }
+        }
         // The max over the first `keys` rows only (the scores all the same).
         for keys in 0..strips * MR {
             let mut m2 = [init, init];
             let [m20, m21] = &mut m2;
             let mut s2 = [vec![0.0f32; strips * MR * NR], vec![0.0f32; strips * MR * NR]];
             let [s20, s21] = &mut s2;
-            assert!(product_max::<2>(&k, [&q0, &q1], [s20, s21], ([m20, m21], keys)));
+            assert!(product_max::<2>(KTile::Packed(&k), [&q0, &q1], [s20, s21], ([m20, m21], keys)));
             for t in 0..2 {
                 assert_eq!(bits(&s2[t]), bits(&want[t]), "keys {keys}: scores");
                 let rows = [init.as_slice(), &want[t][..keys * NR]].concat();
@@ -1072,7 +1206,7 @@ mod tests {
             let mut s: [Vec<f32>; G] = std::array::from_fn(|_| vec![0.0f32; strips * MR * NR]);
             let mut m = [init; G];
             let qs: [&[f32]; G] = std::array::from_fn(|t| &q[t][..]);
-            if !product_max::<G>(&k, qs, s.each_mut().map(|x| &mut x[..]), (m.each_mut(), keys)) {
+            if !product_max::<G>(KTile::Packed(&k), qs, s.each_mut().map(|x| &mut x[..]), (m.each_mut(), keys)) {
                 eprintln!("this CPU has no AVX-512F: the fused products are compiled but not run here");
                 return;
             }
