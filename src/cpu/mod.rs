@@ -1237,7 +1237,8 @@ fn tiled<M: Exp2Math, T: OutElem>(
                 nthreads,
                 || vec![0.0; MR * d],
                 |buf, j| {
-                    j.2 = pack_heads(p, &sz, (k, v), j.0, j.1..j.1 + 1, buf, k_in_place).map(|h| h.into_iter().next()).transpose()
+                    let packed = pack_heads(p, &sz, (k, v), j.0, j.1..j.1 + 1, buf, k_in_place);
+                    j.2 = packed.map(|h| h.into_iter().next()).transpose()
                 },
             );
             let mut packed = Vec::with_capacity(jobs.len());

@@ -168,8 +168,8 @@ fn running_max(
 
 /// The first product for `N` (1 to 4) query panels over one key tile, with the softmax's max
 /// pass fused in: `s[t] = k·b[t]`, where `k` holds the tile's strips of `MR` keys of K (`kc`
-/// steps of `MR` each, `kc` = head_dim; packed, or the key rows in place: see [`KTile`]), `b[t]` is a Qᵀ panel (`kc` rows of `NR`) and `s[t]` the
-/// `[keys][NR]` scores, each strip exactly `gemm::micro_kernel` (`_x2`) from zero; and
+/// steps of `MR` each, `kc` = head_dim; packed, or the key rows in place: see [`KTile`]), `b[t]`
+/// is a Qᵀ panel (`kc` rows of `NR`) and `s[t]` the `[keys][NR]` scores, each strip exactly `gemm::micro_kernel` (`_x2`) from zero; and
 /// `tile_max[t]` folded over the first `keys` score rows in key order, as `panel_max` over them:
 /// taken while the scores are still in registers, where the softmax would read them back in a
 /// chain of dependent maxes (`keys` short of the tile: the padding keys of the last strip, which
@@ -349,16 +349,6 @@ pub(crate) enum KTile<'a> {
 }
 
 impl<'a> KTile<'a> {
-    /// Key `j`'s first `kc` elements (zeros past the tile's keys), for the `Rows` form.
-    #[inline(always)]
-    fn row(&self, j: usize, kc: usize) -> &'a [f32] {
-        match *self {
-            KTile::Rows { data, at, stride, keys, .. } if j < keys => &data[at + j * stride..][..kc],
-            KTile::Rows { zeros, .. } => &zeros[..kc],
-            KTile::Packed(_) => unreachable!("a packed tile has no rows"),
-        }
-    }
-
     /// The tile's first `strips` strips packed (`[strips][kc][MR]`): the packed slice itself, or
     /// the rows gathered into `buf` (for the kernels that take only the packed form).
     pub(crate) fn packed<'b>(&self, strips: usize, kc: usize, buf: &'b mut Vec<f32>) -> &'b [f32]
@@ -367,12 +357,14 @@ impl<'a> KTile<'a> {
     {
         match self {
             KTile::Packed(k) => &k[..strips * kc * MR],
-            KTile::Rows { .. } => {
+            &KTile::Rows { data, at, stride, keys, zeros } => {
+                // Key `j`'s first `kc` elements, zeros past the tile's keys.
+                let row = |j: usize| if j < keys { &data[at + j * stride..][..kc] } else { &zeros[..kc] };
                 buf.clear();
                 buf.resize(strips * kc * MR, 0.0);
                 for (st, strip) in buf.chunks_exact_mut(kc * MR).enumerate() {
                     for i in 0..MR {
-                        let row = self.row(st * MR + i, kc);
+                        let row = row(st * MR + i);
                         strip.iter_mut().skip(i).step_by(MR).zip(row).for_each(|(d, &x)| *d = x);
                     }
                 }
