@@ -229,7 +229,14 @@ fn main() {
     // `--layout bhsd`: the same values, each head's rows contiguous, read through strided views.
     let permuted = a.heads_major.then(|| [&q, &k, &v].map(heads_major));
     let views: [TensorView<'_>; 3] = match &permuted {
-        Some([pq, pk, pv]) => [(pq, &q), (pk, &k), (pv, &v)].map(|(d, t)| heads_major_view(d, t.shape())),
+        Some([pq, pk, pv]) => [(pq, &q), (pk, &k), (pv, &v)].map(|(d, t)| {
+            let [b, s, h, hd] = t.shape();
+            match d {
+                OwnedData::F32(x) => TensorView::heads_major(x, [b, h, s, hd]),
+                OwnedData::F16(x) => TensorView::heads_major(x, [b, h, s, hd]),
+                OwnedData::BF16(x) => TensorView::heads_major(x, [b, h, s, hd]),
+            }
+        }),
         None => [q.view(), k.view(), v.view()],
     };
     let mut opts = ForwardOptions::default()
@@ -614,16 +621,5 @@ fn heads_major(t: &Tensor) -> OwnedData {
         OwnedData::F32(x) => OwnedData::F32(permute(x, t.shape())),
         OwnedData::F16(x) => OwnedData::F16(permute(x, t.shape())),
         OwnedData::BF16(x) => OwnedData::BF16(permute(x, t.shape())),
-    }
-}
-
-/// `[batch, seqlen, heads, head_dim]` view of a `heads_major` buffer.
-fn heads_major_view(data: &OwnedData, shape: Shape) -> TensorView<'_> {
-    let [_, s, h, d] = shape;
-    let strides = [h * s * d, d, s * d];
-    match data {
-        OwnedData::F32(x) => TensorView::with_strides(x, shape, strides),
-        OwnedData::F16(x) => TensorView::with_strides(x, shape, strides),
-        OwnedData::BF16(x) => TensorView::with_strides(x, shape, strides),
     }
 }

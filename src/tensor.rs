@@ -335,6 +335,17 @@ impl<'a> TensorView<'a> {
         TensorView { data: T::wrap(data), shape, strides }
     }
 
+    /// A view of `data` stored head-major, `[batch, heads, seqlen, head_dim]` (`bhsd`, the layout
+    /// of torch's SDPA, onnxruntime's Attention and many engines' attention tensors), as the
+    /// `[batch, seqlen, heads, head_dim]` tensor `forward` takes: strides `[heads·seqlen·head_dim,
+    /// head_dim, seqlen·head_dim]`, no copy. The CPU backend then reads each head's contiguous
+    /// rows in order. Validated when used, like [`TensorView::new`].
+    pub fn heads_major<T: Element>(data: &'a [T], bhsd: Shape) -> Self {
+        let [b, h, s, d] = bhsd;
+        let strides = (|| Some([h.checked_mul(s)?.checked_mul(d)?, d, s.checked_mul(d)?]))();
+        TensorView { data: T::wrap(data), shape: [b, s, h, d], strides: strides.unwrap_or([usize::MAX; 3]) }
+    }
+
     pub fn shape(&self) -> Shape {
         self.shape
     }

@@ -1356,12 +1356,10 @@ pub(crate) mod head_major {
 
     /// The `[batch, seqlen, heads, head_dim]` view of a [`stored`] tensor.
     pub(crate) fn view(stored: &Tensor) -> TensorView<'_> {
-        let [b, h, s, d] = stored.shape();
-        let (shape, strides) = ([b, s, h, d], [h * s * d, d, s * d]);
         match stored.view().data() {
-            Data::F32(x) => TensorView::with_strides(x, shape, strides),
-            Data::F16(x) => TensorView::with_strides(x, shape, strides),
-            Data::BF16(x) => TensorView::with_strides(x, shape, strides),
+            Data::F32(x) => TensorView::heads_major(x, stored.shape()),
+            Data::F16(x) => TensorView::heads_major(x, stored.shape()),
+            Data::BF16(x) => TensorView::heads_major(x, stored.shape()),
         }
     }
 }

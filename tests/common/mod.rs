@@ -80,12 +80,10 @@ pub fn head_major(t: &Tensor) -> Tensor {
 /// The `[batch, seqlen, heads, head_dim]` strided view of a [`head_major`] tensor (each head's
 /// rows contiguous: the layout torch's SDPA and onnxruntime's Attention take).
 pub fn head_major_view(stored: &Tensor) -> TensorView<'_> {
-    let [b, h, s, d] = stored.shape();
-    let (shape, strides) = ([b, s, h, d], [h * s * d, d, s * d]);
     match stored.data() {
-        OwnedData::F32(x) => TensorView::with_strides(x, shape, strides),
-        OwnedData::F16(x) => TensorView::with_strides(x, shape, strides),
-        OwnedData::BF16(x) => TensorView::with_strides(x, shape, strides),
+        OwnedData::F32(x) => TensorView::heads_major(x, stored.shape()),
+        OwnedData::F16(x) => TensorView::heads_major(x, stored.shape()),
+        OwnedData::BF16(x) => TensorView::heads_major(x, stored.shape()),
     }
 }
 
