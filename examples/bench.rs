@@ -44,7 +44,7 @@ use flash_attn::bench::support;
 use flash_attn::bench::roofline::{lookup_gpu, Math, Roofline};
 use flash_attn::bench::flops;
 use serde_json::json;
-use flash_attn::{forward, Backend, DType, ForwardOptions, Fp8Scaling, Mask, Output, OwnedData, Precision, Shape};
+use flash_attn::{forward, Backend, DType, ForwardOptions, Fp8Scaling, Mask, Output, OwnedData, Precision};
 use flash_attn::{Tensor, TensorView, Variant};
 use support::{Case, Gemm, Record};
 
@@ -227,16 +227,9 @@ fn main() {
     let case = a.case(DType::F32);
     let (q, k, v) = case.inputs(a.seed);
     // `--layout bhsd`: the same values, each head's rows contiguous, read through strided views.
-    let permuted = a.heads_major.then(|| [&q, &k, &v].map(heads_major));
+    let permuted = a.heads_major.then(|| [&q, &k, &v].map(support::HeadMajor::new));
     let views: [TensorView<'_>; 3] = match &permuted {
-        Some([pq, pk, pv]) => [(pq, &q), (pk, &k), (pv, &v)].map(|(d, t)| {
-            let [b, s, h, hd] = t.shape();
-            match d {
-                OwnedData::F32(x) => TensorView::heads_major(x, [b, h, s, hd]),
-                OwnedData::F16(x) => TensorView::heads_major(x, [b, h, s, hd]),
-                OwnedData::BF16(x) => TensorView::heads_major(x, [b, h, s, hd]),
-            }
-        }),
+        Some(hm) => [0, 1, 2].map(|i| hm[i].view()),
         None => [q.view(), k.view(), v.view()],
     };
     let mut opts = ForwardOptions::default()
@@ -600,26 +593,4 @@ fn gpu_main(a: &Args, mut h: Box<dyn support::gpu::GpuHarness>) {
             ("dispatch_reason", json!(dispatch.reason)),
         ])
     );
-}
-
-/// A copy of `t`'s elements with each head's rows contiguous: `[batch, heads, seqlen, head_dim]`
-/// in memory (the layout torch SDPA and onnxruntime's Attention take).
-fn heads_major(t: &Tensor) -> OwnedData {
-    fn permute<T: Copy>(x: &[T], [b, s, h, d]: Shape) -> Vec<T> {
-        let mut out = Vec::with_capacity(x.len());
-        for bi in 0..b {
-            for hi in 0..h {
-                for si in 0..s {
-                    let at = ((bi * s + si) * h + hi) * d;
-                    out.extend_from_slice(&x[at..at + d]);
-                }
-            }
-        }
-        out
-    }
-    match t.data() {
-        OwnedData::F32(x) => OwnedData::F32(permute(x, t.shape())),
-        OwnedData::F16(x) => OwnedData::F16(permute(x, t.shape())),
-        OwnedData::BF16(x) => OwnedData::BF16(permute(x, t.shape())),
-    }
 }

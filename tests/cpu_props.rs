@@ -5,6 +5,7 @@
 mod common;
 use common::*;
 use common::Rng;
+use flash_attn::bench::support::HeadMajor;
 use flash_attn::{DType, ForwardOptions, Mask};
 use proptest::prelude::*;
 
@@ -88,8 +89,8 @@ fn run_case(c: &Case, dtype: DType) -> Result<(f64, f64), TestCaseError> {
         opts = opts.alibi_slopes(slopes);
     }
     let (out, chk) = if c.head_major {
-        let (qh, kh, vh) = (head_major(&q), head_major(&k), head_major(&v));
-        check_views(&head_major_view(&qh), &head_major_view(&kh), &head_major_view(&vh), &opts)
+        let (qh, kh, vh) = (HeadMajor::new(&q), HeadMajor::new(&k), HeadMajor::new(&v));
+        check_views(&qh.view(), &kh.view(), &vh.view(), &opts)
     } else {
         check_forward(&q, &k, &v, &opts)
     };

@@ -73,17 +73,17 @@ fn into_vec_and_into_data_do_not_copy() {
 
 #[test]
 fn heads_major_views_read_head_major_storage() {
+    use flash_attn::bench::support::HeadMajor;
     use flash_attn::TensorView;
     let mut rng = Rng::new(47);
     let q = randn(&mut rng, DType::F32, [2, 5, 3, 8]);
-    let stored = head_major(&q);
-    let OwnedData::F32(x) = stored.data() else { unreachable!("f32 storage") };
-    let v = TensorView::heads_major(x, [2, 3, 5, 8]);
+    let stored = HeadMajor::new(&q); // its view is `TensorView::heads_major` over the storage
+    let v = stored.view();
     assert_eq!((v.shape(), v.strides()), ([2, 5, 3, 8], [3 * 5 * 8, 8, 5 * 8]));
     let opts = ForwardOptions::default().backend(Backend::Cpu);
     let want = forward(&q, &q, &q, &opts).unwrap();
     assert_eq!(forward(&v, &v, &v, &opts).unwrap().o, want.o);
     // Dimensions whose strides overflow: a typed error when used, not a panic.
-    let huge = TensorView::heads_major(x, [1, usize::MAX / 2, 3, 8]);
+    let huge = TensorView::heads_major(&[0f32; 8], [1, usize::MAX / 2, 3, 8]);
     assert!(forward(&huge, &huge, &huge, &opts).is_err());
 }

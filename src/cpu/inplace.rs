@@ -1656,8 +1656,8 @@ mod tests {
             let finite = |x: &[f64]| x.iter().map(|&y| if y.is_finite() { y } else { 0.0 }).collect::<Vec<_>>();
             // Also stored head-major (strided views: one kv head per unit, the blocked sweep
             // prefetching) at 1 and 2 threads.
-            let stored = [&q, &k, &v].map(crate::cpu::head_major::stored);
-            let hm = [&stored[0], &stored[1], &stored[2]].map(crate::cpu::head_major::view);
+            let stored = [&q, &k, &v].map(crate::bench::support::HeadMajor::new);
+            let hm = [&stored[0], &stored[1], &stored[2]].map(|t| t.view());
             assert!(!heads_side_by_side(&hm[1], &hm[2]) || hkv == 1);
             let runs = [(q.view(), k.view(), v.view(), 2), (hm[0], hm[1], hm[2], 1), (hm[0], hm[1], hm[2], 2)];
             let mut outs = Vec::new();

@@ -1332,38 +1332,6 @@ pub(crate) fn path_name() -> &'static str {
     }
 }
 
-/// Test inputs stored head-major (`[batch, heads, seqlen, head_dim]`) and read through strided
-/// views, for the layout rule of [`heads_side_by_side`].
-#[cfg(test)]
-pub(crate) mod head_major {
-    use crate::tensor::{Data, Tensor, TensorView};
-
-    /// `t`'s values stored head-major: a `[batch, heads, seqlen, head_dim]` tensor in t's dtype.
-    pub(crate) fn stored(t: &Tensor) -> Tensor {
-        let [b, s, h, d] = t.shape();
-        let x = t.to_f32_vec();
-        let mut out = Vec::with_capacity(x.len());
-        for bi in 0..b {
-            for hi in 0..h {
-                for si in 0..s {
-                    let at = ((bi * s + si) * h + hi) * d;
-                    out.extend_from_slice(&x[at..at + d]);
-                }
-            }
-        }
-        Tensor::from_f32(&out, t.dtype(), [b, h, s, d]).unwrap()
-    }
-
-    /// The `[batch, seqlen, heads, head_dim]` view of a [`stored`] tensor.
-    pub(crate) fn view(stored: &Tensor) -> TensorView<'_> {
-        match stored.view().data() {
-            Data::F32(x) => TensorView::heads_major(x, stored.shape()),
-            Data::F16(x) => TensorView::heads_major(x, stored.shape()),
-            Data::BF16(x) => TensorView::heads_major(x, stored.shape()),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1428,8 +1396,8 @@ mod tests {
             let v = Tensor::from_vec(vv, [b, sk, hkv, d]).unwrap();
             let p = Problem::new(&q.view(), &k.view(), &v.view(), &opts).unwrap();
             let r = attention_f64(&p, &q.view(), &k.view(), &v.view()).unwrap();
-            let stored = [&q, &k, &v].map(head_major::stored);
-            let hm = [&stored[0], &stored[1], &stored[2]].map(head_major::view);
+            let stored = [&q, &k, &v].map(crate::bench::support::HeadMajor::new);
+            let hm = [&stored[0], &stored[1], &stored[2]].map(|t| t.view());
             assert!(!heads_side_by_side(&hm[1], &hm[2]) || hkv == 1);
             // (layout, threads): [B,S,H,D] at 2 threads; head-major at 1 and 2.
             let runs = [(q.view(), k.view(), v.view(), 2), (hm[0], hm[1], hm[2], 1), (hm[0], hm[1], hm[2], 2)];

@@ -3,7 +3,7 @@
 #![allow(dead_code)]
 
 use flash_attn::reference::{attention_f64, attention_naive, max_abs_diff};
-use flash_attn::{DType, ForwardOptions, OwnedData, Output, Problem, Tensor, TensorView};
+use flash_attn::{DType, ForwardOptions, Output, Problem, Tensor, TensorView};
 
 /// The crate's deterministic generator (SplitMix64), so tests need no RNG crate.
 pub use flash_attn::numerics::rng::SplitMix64 as Rng;
@@ -58,33 +58,6 @@ pub fn check_views(q: &TensorView, k: &TensorView, v: &TensorView, opts: &Forwar
         None => 0.0,
     };
     (out, Check { err, naive_err, bound, lse_err })
-}
-
-/// `t`'s values (`[batch, seqlen, heads, head_dim]`) stored head-major: a `[batch, heads,
-/// seqlen, head_dim]` tensor in `t`'s dtype, for [`head_major_view`].
-pub fn head_major(t: &Tensor) -> Tensor {
-    let [b, s, h, d] = t.shape();
-    let x = t.to_f32_vec();
-    let mut out = Vec::with_capacity(x.len());
-    for bi in 0..b {
-        for hi in 0..h {
-            for si in 0..s {
-                let at = ((bi * s + si) * h + hi) * d;
-                out.extend_from_slice(&x[at..at + d]);
-            }
-        }
-    }
-    Tensor::from_f32(&out, t.dtype(), [b, h, s, d]).unwrap()
-}
-
-/// The `[batch, seqlen, heads, head_dim]` strided view of a [`head_major`] tensor (each head's
-/// rows contiguous: the layout torch's SDPA and onnxruntime's Attention take).
-pub fn head_major_view(stored: &Tensor) -> TensorView<'_> {
-    match stored.data() {
-        OwnedData::F32(x) => TensorView::heads_major(x, stored.shape()),
-        OwnedData::F16(x) => TensorView::heads_major(x, stored.shape()),
-        OwnedData::BF16(x) => TensorView::heads_major(x, stored.shape()),
-    }
 }
 
 /// The CPU emulator of the kernel sources (cuda/test/emu), for tests/emulator.rs.

@@ -3,7 +3,7 @@
 use crate::numerics::rng::SplitMix64 as Rng;
 use crate::reference::attention_f64_rows;
 use crate::serving::{BlockTable, KvCache};
-use crate::{DType, ForwardOptions, Mask, Output, Problem, Tensor};
+use crate::{DType, Data, ForwardOptions, Mask, Output, Problem, Tensor, TensorView};
 
 /// One benchmark shape.
 #[derive(Clone, Debug, PartialEq)]
@@ -120,6 +120,38 @@ impl PagedKv {
     pub fn cache(&self) -> KvCache<'_> {
         let table = BlockTable { ids: &self.table, max_blocks_per_seq: self.pages_per_seq };
         KvCache::paged(self.k.view(), self.v.view(), &self.seqlens, table)
+    }
+}
+
+/// A tensor's values stored head-major, `[batch, heads, seqlen, head_dim]` (the layout of torch's
+/// SDPA and onnxruntime's Attention), read back as `forward`'s `[batch, seqlen, heads, head_dim]`
+/// through [`TensorView::heads_major`]: the same problem in the other memory layout.
+pub struct HeadMajor(Tensor);
+
+impl HeadMajor {
+    pub fn new(t: &Tensor) -> HeadMajor {
+        let [b, s, h, d] = t.shape();
+        let x = t.to_f32_vec();
+        let mut out = Vec::with_capacity(x.len());
+        for bi in 0..b {
+            for hi in 0..h {
+                for si in 0..s {
+                    let at = ((bi * s + si) * h + hi) * d;
+                    out.extend_from_slice(&x[at..at + d]);
+                }
+            }
+        }
+        HeadMajor(Tensor::from_f32(&out, t.dtype(), [b, h, s, d]).expect("shape is consistent"))
+    }
+
+    /// The stored values as a `[batch, seqlen, heads, head_dim]` view (strided, no copy).
+    pub fn view(&self) -> TensorView<'_> {
+        let bhsd = self.0.shape();
+        match self.0.view().data() {
+            Data::F32(x) => TensorView::heads_major(x, bhsd),
+            Data::F16(x) => TensorView::heads_major(x, bhsd),
+            Data::BF16(x) => TensorView::heads_major(x, bhsd),
+        }
     }
 }
 

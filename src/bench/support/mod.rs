@@ -8,7 +8,7 @@ pub mod gpu;
 mod record;
 mod stats;
 
-pub use cases::{kv_bytes, sampled_max_error, Case, PagedKv};
+pub use cases::{kv_bytes, sampled_max_error, Case, HeadMajor, PagedKv};
 pub use gemm::{cpu_roofline, gemm_use_all_cores, Gemm, GEMM_SHAPES};
 pub use record::Record;
 pub use stats::{median, paired_ratio, process_cpu_seconds, time_ms};
