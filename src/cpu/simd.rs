@@ -169,12 +169,12 @@ fn running_max(
 /// The first product for `N` (1 to 4) query panels over one key tile, with the softmax's max
 /// pass fused in: `s[t] = k·b[t]`, where `k` holds the tile's strips of `MR` keys of K (`kc`
 /// steps of `MR` each, `kc` = head_dim; packed, or the key rows in place: see [`KTile`]), `b[t]`
-/// is a Qᵀ panel (`kc` rows of `NR`) and `s[t]` the `[keys][NR]` scores, each strip exactly `gemm::micro_kernel` (`_x2`) from zero; and
-/// `tile_max[t]` folded over the first `keys` score rows in key order, as `panel_max` over them:
-/// taken while the scores are still in registers, where the softmax would read them back in a
-/// chain of dependent maxes (`keys` short of the tile: the padding keys of the last strip, which
-/// the mask then sets to −inf, no-ops of the max). One call per tile (not per strip): the
-/// strips' loop is in here.
+/// is a Qᵀ panel (`kc` rows of `NR`) and `s[t]` the `[keys][NR]` scores, each strip exactly
+/// `gemm::micro_kernel` (`_x2`) from zero; and `tile_max[t]` folded over the first `keys` score
+/// rows in key order, as `panel_max` over them: taken while the scores are still in registers,
+/// where the softmax would read them back in a chain of dependent maxes (`keys` short of the
+/// tile: the padding keys of the last strip, which the mask then sets to −inf, no-ops of the
+/// max). One call per tile (not per strip): the strips' loop is in here.
 ///
 /// `false` when this CPU lacks AVX-512F (the caller then runs those).
 #[inline(always)]
@@ -511,7 +511,8 @@ fn finalize_lanes_avx512(
     use std::arch::x86_64::*;
     let n = lse.len().min(NR);
     // SAFETY: each array is 16 f32.
-    let (lv, mv, log) = unsafe { (_mm512_loadu_ps(l.as_ptr()), _mm512_loadu_ps(m.as_ptr()), _mm512_loadu_ps(log2_l.as_ptr())) };
+    let (lv, mv, log) =
+        unsafe { (_mm512_loadu_ps(l.as_ptr()), _mm512_loadu_ps(m.as_ptr()), _mm512_loadu_ps(log2_l.as_ptr())) };
     // `l != 0.0`: true for NaN too (unordered or not equal).
     let seen = _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(lv, _mm512_setzero_ps());
     let iv = _mm512_maskz_div_ps(seen, _mm512_set1_ps(1.0), lv);
