@@ -164,6 +164,11 @@ struct Scratch {
     /// (`sweep_blocks`): `[rows][d]` each, `rows` at most `NR` (the most an item it takes has).
     qp: Vec<f32>,
     op: Vec<f32>,
+    /// The blocked decode's scores of each row against a block's keys (`block_key_major`),
+    /// then the rows' probabilities, `[rows][KB]` each, and output factors `[rows]`.
+    xb: Vec<[f32; blocks::KB]>,
+    pb: Vec<[f32; blocks::KB]>,
+    fb: Vec<f32>,
 }
 
 /// A worker's scratches for one call, kept by its thread for the next call (a decode unit
@@ -203,7 +208,8 @@ impl Scratches {
 impl Drop for Scratches {
     fn drop(&mut self) {
         let rb = self.rows.div_ceil(NR).max(1) * NR;
-        let each = 4 * (2 * rb * self.d + KC * NR + 2 * self.rows.clamp(1, NR) * self.d) + 2 * 4 * KC * self.d;
+        let dec = self.rows.clamp(1, NR);
+        let each = 4 * (2 * rb * self.d + KC * NR + 2 * dec * self.d + dec * (2 * blocks::KB + 1)) + 2 * 4 * KC * self.d;
         if self.v.is_empty() || self.v.len().saturating_mul(each) > SCRATCH_KEEP_BYTES {
             return;
         }
@@ -239,6 +245,9 @@ impl Scratch {
             vofs: vec![0; KC],
             qp: vec![0.0; rows.clamp(1, NR) * d],
             op: vec![0.0; rows.clamp(1, NR) * d],
+            xb: vec![[0.0; blocks::KB]; rows.clamp(1, NR)],
+            pb: vec![[0.0; blocks::KB]; rows.clamp(1, NR)],
+            fb: vec![1.0; rows.clamp(1, NR)],
         }
     }
 }
@@ -792,7 +801,11 @@ fn sweep_blocks<S: blocks::Lanes, M: Exp2Math, T: blocks::Elem, const W: usize>(
     // asked for into L1 while this one is computed, measured 3 % (f32) to 23 % (bf16) faster
     // than the hardware prefetchers alone on that single pair of streams (further ahead, into
     // L2, or one line per page: slower). Side by side, the whole sweep is the stream the hardware follows.
-    let ahead = !heads_side_by_side(&c.k, &c.v);
+    let side = heads_side_by_side(&c.k, &c.v);
+    let ahead = !side;
+    // Side by side, the items of several kv heads take each block in key order
+    // (`block_key_major`), so that memory is read as a few sequential streams.
+    let key_major = side && items.len() > 1;
     let mut j0 = lo;
     while j0 < hi {
         let n = KB.min(hi - j0);
@@ -800,6 +813,11 @@ fn sweep_blocks<S: blocks::Lanes, M: Exp2Math, T: blocks::Elem, const W: usize>(
             kb[t] = c.k.offset(outer, row, 0);
             vb[t] = c.v.offset(outer, row, 0);
         });
+        if key_major {
+            block_key_major::<S, M, T, W>(s, c, items, scrs, spans, j0, (k, v), (&kb[..n], &vb[..n]));
+            j0 += n;
+            continue;
+        }
         for ((it, scr), sp) in items.iter().zip(scrs.iter_mut()).zip(spans) {
             if ahead {
                 prefetch_rows(c, b, (it.hk, (j0 + n).min(hi), (j0 + n + KB).min(hi)));
@@ -810,17 +828,12 @@ fn sweep_blocks<S: blocks::Lanes, M: Exp2Math, T: blocks::Elem, const W: usize>(
                 vofs[t] = vb[t] + vh;
             }
             let (kofs, vofs) = (&kofs[..n], &vofs[..n]);
-            let rows = it.r1 - it.r0;
-            let mut r0 = 0;
-            while r0 < rows {
-                let left = rows - r0;
-                r0 += if S::MAX_R >= 4 && left >= 4 {
-                    block_rows::<S, M, T, W, 4>(s, c, scr, &sp.ps, r0, j0, (k, v), (kofs, vofs))
-                } else if S::MAX_R >= 2 && left >= 2 {
-                    block_rows::<S, M, T, W, 2>(s, c, scr, &sp.ps, r0, j0, (k, v), (kofs, vofs))
-                } else {
-                    block_rows::<S, M, T, W, 1>(s, c, scr, &sp.ps, r0, j0, (k, v), (kofs, vofs))
-                };
+            for (r0, r) in tiles::<S>(it.r1 - it.r0) {
+                match r {
+                    4 => block_rows::<S, M, T, W, 4>(s, c, scr, &sp.ps, r0, j0, (k, v), (kofs, vofs)),
+                    2 => block_rows::<S, M, T, W, 2>(s, c, scr, &sp.ps, r0, j0, (k, v), (kofs, vofs)),
+                    _ => block_rows::<S, M, T, W, 1>(s, c, scr, &sp.ps, r0, j0, (k, v), (kofs, vofs)),
+                }
             }
         }
         j0 += n;
@@ -833,8 +846,30 @@ fn sweep_blocks<S: blocks::Lanes, M: Exp2Math, T: blocks::Elem, const W: usize>(
     }
 }
 
+/// The product tiles of an item's `rows` query rows in the blocked decode: `(first row, rows)`,
+/// 4 rows at a time where `S` holds them (AVX-512), then 2, then 1.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn tiles<S: blocks::Lanes>(rows: usize) -> impl Iterator<Item = (usize, usize)> {
+    let mut r0 = 0;
+    std::iter::from_fn(move || {
+        let left = rows - r0;
+        let r = if S::MAX_R >= 4 && left >= 4 {
+            4
+        } else if S::MAX_R >= 2 && left >= 2 {
+            2
+        } else {
+            1
+        };
+        (left > 0).then(|| {
+            r0 += r;
+            (r0 - r, r)
+        })
+    })
+}
+
 /// One block of keys (starting at key `j0`, offsets `kofs`, `vofs`) for rows `r0..r0 + R` of
-/// an item ([`sweep_blocks`]); returns `R`.
+/// an item ([`sweep_blocks`]).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
@@ -847,7 +882,7 @@ fn block_rows<S: blocks::Lanes, M: Exp2Math, T: blocks::Elem, const W: usize, co
     j0: usize,
     (k, v): (&[T], &[T]),
     (kofs, vofs): (&[usize], &[usize]),
-) -> usize {
+) {
     use blocks::{scale_add_pv, scores, KB};
     let d = 32 * W;
     let n = kofs.len();
@@ -856,21 +891,124 @@ fn block_rows<S: blocks::Lanes, M: Exp2Math, T: blocks::Elem, const W: usize, co
     let mut p = [[0.0f32; KB]; R];
     let mut scale = [1.0f32; R];
     for (r, (xr, (pr, sc))) in x.iter_mut().zip(p.iter_mut().zip(scale.iter_mut())).enumerate() {
-        let rl = r0 + r;
-        if c.sm.natural {
-            // Softcap and ALiBi in natural units, as in `attend_chunk`.
-            for (t, y) in xr.iter_mut().enumerate().take(n) {
-                *y = c.sm.natural_score(*y) + ps.alibi_bias(scr.head[rl], scr.qi[rl], j0 + t);
-            }
-        }
-        let st = &mut scr.rows[rl];
-        let (q, f) = row_probs::<M, KB, true>(st, xr, n, c.sm.c, &c.math);
-        st.l = st.l * f + tree_sum(q);
-        *pr = q.map(|y| c.math.round_p(y));
-        *sc = f;
+        (*pr, *sc) = block_probs(c, scr, ps, r0 + r, j0, n, xr);
     }
     scale_add_pv::<S, T, W, R>(s, &mut scr.op[rows], scale, &p, v, vofs);
-    R
+}
+
+/// Row `rl`'s softmax step over a block's scores `x[..n]` (keys `j0..`): softcap and ALiBi in
+/// natural units (as in `attend_chunk`), [`row_probs`], the sum updated; returns the
+/// probabilities as P·V takes them and the factor for the row's output.
+#[inline(always)]
+fn block_probs<M: Exp2Math>(
+    c: &Ctx<'_, M>,
+    scr: &mut Scratch,
+    ps: &Problem,
+    rl: usize,
+    j0: usize,
+    n: usize,
+    x: &mut [f32; blocks::KB],
+) -> ([f32; blocks::KB], f32) {
+    if c.sm.natural {
+        for (t, y) in x.iter_mut().enumerate().take(n) {
+            *y = c.sm.natural_score(*y) + ps.alibi_bias(scr.head[rl], scr.qi[rl], j0 + t);
+        }
+    }
+    let st = &mut scr.rows[rl];
+    let (q, f) = row_probs::<M, { blocks::KB }, true>(st, x, n, c.sm.c, &c.math);
+    st.l = st.l * f + tree_sum(q);
+    (q.map(|y| c.math.round_p(y)), f)
+}
+
+/// Keys a decode item takes at a time in [`block_key_major`]: the keys in flight of one row's
+/// products (`blocks::key_sums`).
+const KQ: usize = 4;
+
+/// One block of keys (starting at key `j0`; `kb`, `vb`: the element offsets of its K and V rows
+/// for kv head 0) for items of several kv heads whose rows lie side by side, in key order: the
+/// products of every item with keys `t0..t0 + KQ`, then the next `KQ` keys, so that the block's
+/// K rows (`[.., seqlen, heads, head_dim]`) are read as `KQ` sequential streams, not as one
+/// stream per key a row of all heads apart, which is what each item taking the whole block in
+/// turn read (measured ~40 % faster at 1×32×1×4096×128 on a Zen 4, docs/benchmarks.md); then
+/// each row's softmax step, then `o·scale + P·V` in the same order over V. The same operations
+/// in the same order per row as [`block_rows`] (each key's horizontal sum by `Lanes::hsum_one`,
+/// `hsum_keys`' tree for one key; O waits in `Scratch::op` between key groups, scaled before
+/// the first), so the bits are the same.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn block_key_major<S: blocks::Lanes, M: Exp2Math, T: blocks::Elem, const W: usize>(
+    s: S,
+    c: &Ctx<'_, M>,
+    items: &[Item<'_>],
+    scrs: &mut [Scratch],
+    spans: &[ItemSpan],
+    j0: usize,
+    (k, v): (&[T], &[T]),
+    (kb, vb): (&[usize], &[usize]),
+) {
+    use blocks::{key_sums, scale_add_pv, KB};
+    let d = 32 * W;
+    let n = kb.len().min(KB);
+    for t0 in (0..n).step_by(KQ) {
+        let nt = KQ.min(n - t0);
+        for (it, scr) in items.iter().zip(scrs.iter_mut()) {
+            let kh = c.k.offset(0, 0, it.hk);
+            let kofs: [usize; KQ] = std::array::from_fn(|t| kb[(t0 + t).min(n - 1)] + kh);
+            let Scratch { qp, xb, .. } = scr;
+            for (r0, r) in tiles::<S>(it.r1 - it.r0) {
+                let q = &qp[r0 * d..(r0 + r) * d];
+                macro_rules! sums {
+                    ($r:literal) => {{
+                        let mut sums = [[s.fold(s.zero()); KQ]; $r];
+                        key_sums::<S, T, W, $r, KQ>(s, q, k, &kofs[..nt], &mut sums);
+                        for (x, sr) in xb[r0..r0 + $r].iter_mut().zip(&sums) {
+                            for (xt, &v) in x[t0..t0 + nt].iter_mut().zip(sr) {
+                                *xt = s.hsum_one(v);
+                            }
+                        }
+                    }};
+                }
+                match r {
+                    4 => sums!(4),
+                    2 => sums!(2),
+                    _ => sums!(1),
+                }
+            }
+        }
+    }
+    for ((it, scr), sp) in items.iter().zip(scrs.iter_mut()).zip(spans) {
+        for rl in 0..it.r1 - it.r0 {
+            // Keys past `n` score 0, as in `scores`.
+            let mut x: [f32; KB] = std::array::from_fn(|t| if t < n { scr.xb[rl][t] } else { 0.0 });
+            (scr.pb[rl], scr.fb[rl]) = block_probs(c, scr, &sp.ps, rl, j0, n, &mut x);
+        }
+    }
+    for t0 in (0..n).step_by(KQ) {
+        let nt = KQ.min(n - t0);
+        for (it, scr) in items.iter().zip(scrs.iter_mut()) {
+            let vh = c.v.offset(0, 0, it.hk);
+            let vofs: [usize; KQ] = std::array::from_fn(|t| vb[(t0 + t).min(n - 1)] + vh);
+            let Scratch { op, pb, fb, .. } = scr;
+            for (r0, r) in tiles::<S>(it.r1 - it.r0) {
+                let o = &mut op[r0 * d..(r0 + r) * d];
+                // Keys `t0..` of the rows' probabilities at positions `0..`; the output scaled
+                // before the block's first keys only (× 1 after: exact).
+                macro_rules! pv {
+                    ($r:literal) => {{
+                        let p: [[f32; KB]; $r] = std::array::from_fn(|i| std::array::from_fn(|t| pb[r0 + i][(t0 + t).min(KB - 1)]));
+                        let scale: [f32; $r] = std::array::from_fn(|i| if t0 == 0 { fb[r0 + i] } else { 1.0 });
+                        scale_add_pv::<S, T, W, $r>(s, o, scale, &p, v, &vofs[..nt])
+                    }};
+                }
+                match r {
+                    4 => pv!(4),
+                    2 => pv!(2),
+                    _ => pv!(1),
+                }
+            }
+        }
+    }
 }
 
 /// One query row's online-softmax step over the scores `x[..n]` (score units): the new max and
@@ -1685,6 +1823,29 @@ mod tests {
             };
             for w in outs.windows(2) {
                 assert!(max_abs_diff(&w[0], &w[1]) <= same, "case {ci}: paths disagree");
+            }
+            // With one split, the blocked decode on K/V side by side (the items of all kv heads
+            // in one unit, each block taken in key order: `block_key_major`) and head-major (one
+            // kv head per unit, each item its whole block in turn) runs the same operations per
+            // row: the same bits. (The chunked path, where the blocked one does not apply, takes
+            // chunks of different lengths in the two.)
+            let one = RunOpts { threads: 1, splits: Some(1), skip: &[] };
+            let blocked = sq == 1 && d % 32 == 0 && d <= 256;
+            let has = detect_isa();
+            let runs_blocked = |isa: Isa| match isa {
+                Isa::Avx512 => has == Isa::Avx512,
+                // Every AVX2 + FMA CPU has F16C, which the AVX2 blocked decode also needs.
+                Isa::Avx2Fma => has != Isa::Portable,
+                Isa::Portable => false,
+            };
+            for isa in isas.into_iter().filter(|&i| blocked && runs_blocked(i)) {
+                let bits = |(qx, kx, vx): (TensorView<'_>, TensorView<'_>, TensorView<'_>)| {
+                    let out = forward_isa(&p, &layout, (&qx, &kx, &vx), super::super::Native, one, isa).unwrap();
+                    let o: Vec<u32> = out.o.to_f32_vec().iter().map(|x| x.to_bits()).collect();
+                    (o, out.lse.iter().map(|x| x.to_bits()).collect::<Vec<u32>>())
+                };
+                let side = bits((q.view(), k.view(), v.view()));
+                assert!(side == bits((hm[0], hm[1], hm[2])), "case {ci} {isa:?}: layouts differ in bits");
             }
         }
     }

@@ -97,6 +97,9 @@ pub(super) trait Lanes: Copy {
     fn mul_s(self, a: Self::U, s: f32) -> Self::U;
     /// The unit's vectors added into one.
     fn fold(self, u: Self::U) -> Self::V;
+    /// The horizontal sum of one vector, bit for bit lane `t` of [`Lanes::hsum_keys`] with `v`
+    /// as its `v[t]` (the same additions in the same order).
+    fn hsum_one(self, v: Self::V) -> f32;
     /// The horizontal sums of the 16 vectors, lane `t` of the result the sum of `v[t]`.
     fn hsum_keys(self, v: &[Self::V; KB]) -> [f32; KB];
 }
@@ -292,6 +295,19 @@ impl Lanes for Avx512 {
     }
 
     #[inline(always)]
+    fn hsum_one(self, v: Self::V) -> f32 {
+        // SAFETY: as above.
+        unsafe {
+            // `hsum16`'s tree for one key: quarters q0 + q2 and q1 + q3 (`fold_halves`), their
+            // sum (`fold_quarters`), then lanes 0 + 2 and 1 + 3 (`pairs`), then those two.
+            let a = _mm512_add_ps(v, _mm512_shuffle_f32x4::<0b01_00_11_10>(v, v));
+            let z = _mm512_castps512_ps128(_mm512_add_ps(a, _mm512_shuffle_f32x4::<0b00_11_00_01>(a, a)));
+            let c = _mm_add_ps(z, _mm_shuffle_ps::<0b01_00_11_10>(z, z));
+            _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps::<0b00_00_00_01>(c, c)))
+        }
+    }
+
+    #[inline(always)]
     fn hsum_keys(self, v: &[Self::V; KB]) -> [f32; KB] {
         let mut out = [0.0f32; KB];
         // SAFETY: as above; `out` holds 16 f32.
@@ -396,6 +412,18 @@ impl Lanes for Avx2 {
     }
 
     #[inline(always)]
+    fn hsum_one(self, v: Self::V) -> f32 {
+        // SAFETY: as above.
+        unsafe {
+            // `hsum8`'s tree for one key: the halves' sum, then lanes 0 + 2 and 1 + 3, then
+            // those two.
+            let z = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+            let c = _mm_add_ps(z, _mm_shuffle_ps::<0b01_00_11_10>(z, z));
+            _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps::<0b00_00_00_01>(c, c)))
+        }
+    }
+
+    #[inline(always)]
     fn hsum_keys(self, v: &[Self::V; KB]) -> [f32; KB] {
         let mut out = [0.0f32; KB];
         let (lo, hi) = v.split_at(8);
@@ -412,11 +440,8 @@ impl Lanes for Avx2 {
 
 /// Scores `q_r · k_t` of `R` query rows against the block's `n <= KB` keys, key `t`'s row at
 /// `k[kofs[t]..][..32·W]`, row `r`'s query at `q[r·32·W..][..32·W]` in `T`'s [`lane_order`] per
-/// 32 elements. Lanes `n..` are 0. Each K vector loaded is used for all `R` rows.
-///
-/// The loops over the keys in flight and the rows have constant trip counts (bounds such as
-/// `m` fold to constants per instantiation, the guards on `n` are branches) so that they unroll
-/// and the accumulators live in registers.
+/// 32 elements. Lanes `n..` are 0. Each K vector loaded is used for all `R` rows: [`key_sums`],
+/// then [`Lanes::hsum_keys`].
 #[inline(always)]
 pub(super) fn scores<S: Lanes, T: Elem, const W: usize, const R: usize>(
     s: S,
@@ -424,8 +449,32 @@ pub(super) fn scores<S: Lanes, T: Elem, const W: usize, const R: usize>(
     k: &[T],
     kofs: &[usize],
 ) -> [[f32; KB]; R] {
+    let mut sums: [[S::V; KB]; R] = [[s.fold(s.zero()); KB]; R];
+    key_sums::<S, T, W, R, KB>(s, q, k, kofs, &mut sums);
+    std::array::from_fn(|r| s.hsum_keys(&sums[r]))
+}
+
+/// The products of [`scores`] before their horizontal sums: for each row `r` and key `t` of
+/// `kofs` (at most `N`), the `32·W` products `q_r · k_t` accumulated over the row in vector
+/// lanes and folded into one vector, `sums[r][t]` (entries past `kofs.len()` untouched). A key's
+/// lanes depend only on its own row and the query, so the keys of a block may be taken in
+/// several calls (keys `t0..` as `kofs[t0..]`) and give the same bits. (An array, not a closure
+/// to hand each vector to: a closure is not compiled for the caller's instruction set, so the
+/// intrinsics a closure called were not inlined.)
+///
+/// The loops over the keys in flight and the rows have constant trip counts (bounds such as
+/// `m` fold to constants per instantiation, the guards on `n` are branches) so that they unroll
+/// and the accumulators live in registers.
+#[inline(always)]
+pub(super) fn key_sums<S: Lanes, T: Elem, const W: usize, const R: usize, const N: usize>(
+    s: S,
+    q: &[f32],
+    k: &[T],
+    kofs: &[usize],
+    sums: &mut [[S::V; N]; R],
+) {
     let d = 32 * W;
-    let n = kofs.len().min(KB);
+    let n = kofs.len().min(N);
     // Keys in flight: `R · m` accumulator units (one row: four keys).
     let m = (S::ACC_UNITS / R).clamp(1, 4);
     let zero = s.zero();
@@ -433,7 +482,6 @@ pub(super) fn scores<S: Lanes, T: Elem, const W: usize, const R: usize>(
     // the loads of a memory operand per FMA measured slower); otherwise each FMA reads it from L1.
     let qreg = R == 1 && W <= S::ACC_UNITS;
     let qv: [S::U; MAX_W] = std::array::from_fn(|x| if qreg && x < W { s.load(q, 32 * x) } else { zero });
-    let mut sums: [[S::V; KB]; R] = [[s.fold(zero); KB]; R];
     for t0 in (0..n).step_by(m) {
         let mut acc = [[zero; 4]; R];
         for (x, &qx1) in qv.iter().enumerate().take(W) {
@@ -455,7 +503,6 @@ pub(super) fn scores<S: Lanes, T: Elem, const W: usize, const R: usize>(
             }
         }
     }
-    std::array::from_fn(|r| s.hsum_keys(&sums[r]))
 }
 
 /// `o_r = o_r · scale[r] + Σ_t p[r][t] · v_t` for `R` rows over the block's `n <= KB` keys, key
@@ -607,6 +654,38 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// `hsum_one` of a vector is its lane of `hsum_keys`, bit for bit, on sums whose order
+    /// shows (values of very different magnitudes, cancellations).
+    fn one_key_sums<S: Lanes>(s: S) {
+        let val = |i: usize| {
+            let m = [1.0f32, 1e-8, 3e7, -2.5e7, 0.1, -1e-3][i % 6];
+            m * ((i * 37 % 101) as f32 / 101.0 - 0.4)
+        };
+        for round in 0..8 {
+            let x: Vec<f32> = (0..KB * S::LANES).map(|i| val(i * 3 + round * 11)).collect();
+            let v: [S::V; KB] = std::array::from_fn(|t| {
+                let mut u = [0.0f32; 32];
+                u[..S::LANES].copy_from_slice(&x[t * S::LANES..(t + 1) * S::LANES]);
+                // The lanes after the first vector are 0: the fold adds zeros, exactly.
+                s.fold(s.load(&u, 0))
+            });
+            let all = s.hsum_keys(&v);
+            for (t, &vt) in v.iter().enumerate() {
+                assert_eq!(s.hsum_one(vt).to_bits(), all[t].to_bits(), "{} lanes, round {round}, key {t}", S::LANES);
+            }
+        }
+    }
+
+    #[test]
+    fn hsum_one_is_hsum_keys_per_key() {
+        if let Some(s) = Avx512::new() {
+            one_key_sums(s);
+        }
+        if let Some(s) = Avx2::new() {
+            one_key_sums(s);
         }
     }
 
