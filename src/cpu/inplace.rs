@@ -209,7 +209,8 @@ impl Drop for Scratches {
     fn drop(&mut self) {
         let rb = self.rows.div_ceil(NR).max(1) * NR;
         let dec = self.rows.clamp(1, NR);
-        let each = 4 * (2 * rb * self.d + KC * NR + 2 * dec * self.d + dec * (2 * blocks::KB + 1)) + 2 * 4 * KC * self.d;
+        let floats = 2 * rb * self.d + KC * NR + 2 * dec * self.d + dec * (2 * blocks::KB + 1);
+        let each = 4 * floats + 2 * 4 * KC * self.d;
         if self.v.is_empty() || self.v.len().saturating_mul(each) > SCRATCH_KEEP_BYTES {
             return;
         }
@@ -929,7 +930,7 @@ const KQ: usize = 4;
 /// products of every item with keys `t0..t0 + KQ`, then the next `KQ` keys, so that the block's
 /// K rows (`[.., seqlen, heads, head_dim]`) are read as `KQ` sequential streams, not as one
 /// stream per key a row of all heads apart, which is what each item taking the whole block in
-/// turn read (measured ~40 % faster at 1×32×1×4096×128 on a Zen 4, docs/benchmarks.md); then
+/// turn read (1×32×1×4096×128 on a Zen 4: f32 ~20 %, bf16 ~40 % faster, docs/benchmarks.md); then
 /// each row's softmax step, then `o·scale + P·V` in the same order over V. The same operations
 /// in the same order per row as [`block_rows`] (each key's horizontal sum by `Lanes::hsum_one`,
 /// `hsum_keys`' tree for one key; O waits in `Scratch::op` between key groups, scaled before
@@ -996,7 +997,8 @@ fn block_key_major<S: blocks::Lanes, M: Exp2Math, T: blocks::Elem, const W: usiz
                 // before the block's first keys only (× 1 after: exact).
                 macro_rules! pv {
                     ($r:literal) => {{
-                        let p: [[f32; KB]; $r] = std::array::from_fn(|i| std::array::from_fn(|t| pb[r0 + i][(t0 + t).min(KB - 1)]));
+                        let p: [[f32; KB]; $r] =
+                            std::array::from_fn(|i| std::array::from_fn(|t| pb[r0 + i][(t0 + t).min(KB - 1)]));
                         let scale: [f32; $r] = std::array::from_fn(|i| if t0 == 0 { fb[r0 + i] } else { 1.0 });
                         scale_add_pv::<S, T, W, $r>(s, o, scale, &p, v, &vofs[..nt])
                     }};
