@@ -24,6 +24,9 @@
 //! to 256, runs in blocks of 16 keys instead (`sweep_blocks`, the products in
 //! `inplace/blocks.rs`, written once over both ISAs' vectors): a block's 16 scores of a tile of
 //! rows at once, one softmax step per block and row, O held in registers over the block's V rows.
+//! The items of several kv heads whose K/V lie side by side take each block in key order
+//! (`block_key_major`: 4 keys of every head at a time), so memory is read as a few sequential
+//! streams rather than one per key; the same operations per row, the same bits.
 //!
 //! Split-KV (flash-decoding): when there are too few items to occupy the workers, each item's
 //! key range is split; each split writes its normalised output and LSE, and a second pass merges
