@@ -25,7 +25,7 @@
 //! `inplace/blocks.rs`, written once over both ISAs' vectors): a block's 16 scores of a tile of
 //! rows at once, one softmax step per block and row, O held in registers over the block's V rows.
 //! The items of several kv heads whose K/V lie side by side take each block in key order
-//! (`block_key_major`: 4 keys of every head at a time), so memory is read as a few sequential
+//! (`block_key_major`: 8 keys of every head at a time), so memory is read as a few sequential
 //! streams rather than one per key; the same operations per row, the same bits.
 //!
 //! Split-KV (flash-decoding): when there are too few items to occupy the workers, each item's
@@ -924,16 +924,17 @@ fn block_probs<M: Exp2Math>(
     (q.map(|y| c.math.round_p(y)), f)
 }
 
-/// Keys a decode item takes at a time in [`block_key_major`]: the keys in flight of one row's
-/// products (`blocks::key_sums`).
-const KQ: usize = 4;
+/// Keys a decode item takes at a time in [`block_key_major`]: as many sequential streams of K
+/// (then V) rows. On the Zen 4, 8 read 10–25 % faster than 4 (f32, bf16, GQA) and 16 no faster
+/// than 8 (alternating A/B, docs/benchmarks.md).
+const KQ: usize = 8;
 
 /// One block of keys (starting at key `j0`; `kb`, `vb`: the element offsets of its K and V rows
 /// for kv head 0) for items of several kv heads whose rows lie side by side, in key order: the
 /// products of every item with keys `t0..t0 + KQ`, then the next `KQ` keys, so that the block's
 /// K rows (`[.., seqlen, heads, head_dim]`) are read as `KQ` sequential streams, not as one
 /// stream per key a row of all heads apart, which is what each item taking the whole block in
-/// turn read (1×32×1×4096×128 on a Zen 4: f32 ~20 %, bf16 ~40 % faster, docs/benchmarks.md); then
+/// turn read (1×32×1×4096×128 on a Zen 4: f32 ~30 %, bf16 ~60 % faster, docs/benchmarks.md); then
 /// each row's softmax step, then `o·scale + P·V` in the same order over V. The same operations
 /// in the same order per row as [`block_rows`] (each key's horizontal sum by `Lanes::hsum_one`,
 /// `hsum_keys`' tree for one key; O waits in `Scratch::op` between key groups, scaled before
