@@ -10,7 +10,9 @@
 //! transpose-and-add tree: about two shuffles per key instead of a horizontal sum each), the
 //! softmax runs once per block and row, and O stays in registers while the block's V rows are
 //! added. With `R > 1` rows (GQA: the query heads of one kv head) every K and V vector loaded is
-//! used for all `R` rows.
+//! used for all `R` rows. The key-order sweep over several kv heads (`inplace::block_key_major`)
+//! takes a block's keys in groups ([`key_sums`]) and sums each key alone with the same tree
+//! ([`Lanes::hsum_one`]), trading those shuffles for sequential reads of K and V.
 //!
 //! Rows are read 32 elements at a time as `32 / lanes` f32 vectors in a *lane order* of their
 //! type ([`lane_order`]): f32 and f16 in order (f16 through `vcvtph2ps`); bf16 per `2 · lanes`
