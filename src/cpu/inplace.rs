@@ -26,7 +26,9 @@
 //! rows at once, one softmax step per block and row, O held in registers over the block's V rows.
 //! The items of several kv heads whose K/V lie side by side take each block in key order
 //! (`block_key_major`: 8 keys of every head at a time), so memory is read as a few sequential
-//! streams rather than one per key; the same operations per row, the same bits.
+//! streams rather than one per key; the same operations per row, the same bits. Each of its
+//! passes asks for the next pass's rows into L2 (the block's V while K is read, the next
+//! block's K while V is read), so that DRAM is read while the core computes.
 //!
 //! Split-KV (flash-decoding): when there are too few items to occupy the workers, each item's
 //! key range is split; each split writes its normalised output and LSE, and a second pass merges
@@ -799,12 +801,13 @@ fn sweep_blocks<S: blocks::Lanes, M: Exp2Math, T: blocks::Elem, const W: usize>(
         }
         scr.op[..n].fill(0.0);
     }
-    let (mut kb, mut vb) = ([0usize; KB], [0usize; KB]);
+    let (mut kb, mut vb, mut nkb) = ([0usize; KB], [0usize; KB], [0usize; KB]);
     let (mut kofs, mut vofs) = ([0usize; KB], [0usize; KB]);
     // Head-major K/V (one head per unit, see `forward_isa`): each item's next block of keys is
     // asked for into L1 while this one is computed, measured 3 % (f32) to 23 % (bf16) faster
     // than the hardware prefetchers alone on that single pair of streams (further ahead, into
-    // L2, or one line per page: slower). Side by side, the whole sweep is the stream the hardware follows.
+    // L2, or one line per page: slower). Side by side, `block_key_major` prefetches its own way;
+    // a lone item side by side leaves it to the hardware.
     let side = heads_side_by_side(&c.k, &c.v);
     let ahead = !side;
     // Side by side, the items of several kv heads take each block in key order
@@ -818,7 +821,9 @@ fn sweep_blocks<S: blocks::Lanes, M: Exp2Math, T: blocks::Elem, const W: usize>(
             vb[t] = c.v.offset(outer, row, 0);
         });
         if key_major {
-            block_key_major::<S, M, T, W>(s, c, items, scrs, spans, j0, (k, v), (&kb[..n], &vb[..n]));
+            let nn = KB.min(hi - (j0 + n));
+            c.layout.for_kv_rows(b, j0 + n, j0 + n + nn, |t, outer, row| nkb[t] = c.k.offset(outer, row, 0));
+            block_key_major::<S, M, T, W>(s, c, items, scrs, spans, j0, (k, v), (&kb[..n], &vb[..n]), &nkb[..nn]);
             j0 += n;
             continue;
         }
@@ -939,6 +944,14 @@ const KQ: usize = 8;
 /// in the same order per row as [`block_rows`] (each key's horizontal sum by `Lanes::hsum_one`,
 /// `hsum_keys`' tree for one key; O waits in `Scratch::op` between key groups, scaled before
 /// the first), so the bits are the same.
+///
+/// Each pass asks for the rows the next one reads, into L2 (`next_kb`: the next block's K
+/// offsets for kv head 0, empty after the last block): the first pass for the block's V rows,
+/// the third for the next block's K rows, the same keys of the same head at each step, so they
+/// arrive half a block (256 KiB at 1×32×…×128 f32) before they are used. The hardware
+/// prefetchers alone left the core waiting on DRAM between its bursts of work; with the
+/// prefetches, 1×32×1×4096×128 on the 2-core Zen 4 (alternating A/B, six rounds) read f32
+/// 23.3 → 29.9 GB/s (docs/benchmarks.md).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
@@ -951,6 +964,7 @@ fn block_key_major<S: blocks::Lanes, M: Exp2Math, T: blocks::Elem, const W: usiz
     j0: usize,
     (k, v): (&[T], &[T]),
     (kb, vb): (&[usize], &[usize]),
+    next_kb: &[usize],
 ) {
     use blocks::{key_sums, scale_add_pv, KB};
     let d = 32 * W;
@@ -979,6 +993,11 @@ fn block_key_major<S: blocks::Lanes, M: Exp2Math, T: blocks::Elem, const W: usiz
                     2 => sums!(2),
                     _ => sums!(1),
                 }
+            }
+            // The same keys' V rows, which the third pass reads: asked for now, into L2.
+            let vh = c.v.offset(0, 0, it.hk);
+            for &o in &vb[t0..t0 + nt] {
+                prefetch_row_with(c.v.data(), o + vh, d, super::simd::prefetch_l2);
             }
         }
     }
@@ -1012,6 +1031,11 @@ fn block_key_major<S: blocks::Lanes, M: Exp2Math, T: blocks::Elem, const W: usiz
                     2 => pv!(2),
                     _ => pv!(1),
                 }
+            }
+            // The same keys of the next block's K rows, which its first pass reads.
+            let kh = c.k.offset(0, 0, it.hk);
+            for &o in next_kb.iter().skip(t0).take(nt) {
+                prefetch_row_with(c.k.data(), o + kh, d, super::simd::prefetch_l2);
             }
         }
     }
@@ -1142,13 +1166,14 @@ pub(super) fn prefetch_row_with(data: Data<'_>, ofs: usize, d: usize, fetch: imp
         Data::F16(x) => (x.as_ptr().wrapping_add(ofs) as *const i8, 2 * d),
         Data::BF16(x) => (x.as_ptr().wrapping_add(ofs) as *const i8, 2 * d),
     };
+    // Every line the row touches, once: from the line holding its first byte (a row need not
+    // start on a line boundary) to the one holding its last.
+    let lead = ptr as usize % 64;
     let mut at = 0;
-    while at < bytes {
-        fetch(ptr.wrapping_add(at));
+    while at < lead + bytes {
+        fetch(ptr.wrapping_sub(lead).wrapping_add(at));
         at += 64;
     }
-    // The row's last line (the row need not start on a line boundary).
-    fetch(ptr.wrapping_add(bytes - 1));
 }
 
 /// Keys `j0..j1` of an item; `next`: the (kv head, keys) this worker reads after these, to
