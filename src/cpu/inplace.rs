@@ -902,7 +902,7 @@ fn block_rows<S: blocks::Lanes, M: Exp2Math, T: blocks::Elem, const W: usize, co
     for (r, (xr, (pr, sc))) in x.iter_mut().zip(p.iter_mut().zip(scale.iter_mut())).enumerate() {
         (*pr, *sc) = block_probs(c, scr, ps, r0 + r, j0, n, xr);
     }
-    scale_add_pv::<S, T, W, R>(s, &mut scr.op[rows], scale, &p, v, vofs);
+    scale_add_pv::<S, T, W, R>(s, &mut scr.op[rows], scale, (&p, 0), v, vofs);
 }
 
 /// Row `rl`'s softmax step over a block's scores `x[..n]` (keys `j0..`): softcap and ALiBi in
@@ -1016,14 +1016,12 @@ fn block_key_major<S: blocks::Lanes, M: Exp2Math, T: blocks::Elem, const W: usiz
             let Scratch { op, pb, fb, .. } = scr;
             for (r0, r) in tiles::<S>(it.r1 - it.r0) {
                 let o = &mut op[r0 * d..(r0 + r) * d];
-                // Keys `t0..` of the rows' probabilities at positions `0..`; the output scaled
-                // before the block's first keys only (× 1 after: exact).
+                // The rows' probabilities of keys `t0..`; the output scaled before the block's
+                // first keys only (× 1 after: exact).
                 macro_rules! pv {
                     ($r:literal) => {{
-                        let p: [[f32; KB]; $r] =
-                            std::array::from_fn(|i| std::array::from_fn(|t| pb[r0 + i][(t0 + t).min(KB - 1)]));
                         let scale: [f32; $r] = std::array::from_fn(|i| if t0 == 0 { fb[r0 + i] } else { 1.0 });
-                        scale_add_pv::<S, T, W, $r>(s, o, scale, &p, v, &vofs[..nt])
+                        scale_add_pv::<S, T, W, $r>(s, o, scale, (&pb[r0..r0 + $r], t0), v, &vofs[..nt])
                     }};
                 }
                 match r {

@@ -507,8 +507,9 @@ pub(super) fn key_sums<S: Lanes, T: Elem, const W: usize, const R: usize, const 
     }
 }
 
-/// `o_r = o_r · scale[r] + Σ_t p[r][t] · v_t` for `R` rows over the block's `n <= KB` keys, key
-/// `t`'s row at `v[vofs[t]..][..32·W]`, row `r`'s output at `o[r·32·W..][..32·W]` in `T`'s
+/// `o_r = o_r · scale[r] + Σ_t p[r][t0 + t] · v_t` for `R` rows (the first `R` of `p`) over the
+/// `n <= KB - t0` keys of `vofs`, key `t`'s row at `v[vofs[t]..][..32·W]` (a block's keys
+/// `t0..`; its probabilities `p` read in place), row `r`'s output at `o[r·32·W..][..32·W]` in `T`'s
 /// [`lane_order`] per 32 elements. The rows are taken in slices of `su` 32-element units that
 /// fit the registers ([`Lanes::ACC_UNITS`]; one row of up to 256 elements in AVX-512 at once),
 /// held there across the keys; each V vector loaded is used for all `R` rows.
@@ -517,7 +518,7 @@ pub(super) fn scale_add_pv<S: Lanes, T: Elem, const W: usize, const R: usize>(
     s: S,
     o: &mut [f32],
     scale: [f32; R],
-    p: &[[f32; KB]; R],
+    (p, t0): (&[[f32; KB]], usize),
     v: &[T],
     vofs: &[usize],
 ) {
@@ -539,7 +540,7 @@ pub(super) fn scale_add_pv<S: Lanes, T: Elem, const W: usize, const R: usize>(
                 if live(j) {
                     let vx = s.load32(v, vo + 32 * (x0 + j));
                     for (a, pr) in acc.iter_mut().zip(p) {
-                        a[j] = s.fma_s(pr[t], vx, a[j]);
+                        a[j] = s.fma_s(pr[t0 + t], vx, a[j]);
                     }
                 }
             }
@@ -642,8 +643,8 @@ mod tests {
                 }
                 let mut o = perm(&o0);
                 match kind {
-                    Kind::BF16 => scale_add_pv::<S, half::bf16, W, R>(s, &mut o, scale, &p, &kb, &ofs),
-                    _ => scale_add_pv::<S, f32, W, R>(s, &mut o, scale, &p, &kf, &ofs),
+                    Kind::BF16 => scale_add_pv::<S, half::bf16, W, R>(s, &mut o, scale, (&p, 0), &kb, &ofs),
+                    _ => scale_add_pv::<S, f32, W, R>(s, &mut o, scale, (&p, 0), &kf, &ofs),
                 };
                 for r in 0..R {
                     for i in 0..d {
