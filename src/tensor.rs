@@ -586,15 +586,25 @@ mod tests {
     fn vm_flags(at: usize) -> Option<String> {
         let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
         let mut inside = false;
+        let hex = |x: &str| usize::from_str_radix(x, 16).ok();
         for line in smaps.lines() {
+            // A mapping's first line starts with its range, `lo-hi` in hex.
             let range = line.split_whitespace().next().and_then(|r| r.split_once('-'));
-            if let Some((lo, hi)) = range.and_then(|(a, b)| Some((usize::from_str_radix(a, 16).ok()?, usize::from_str_radix(b, 16).ok()?))) {
+            if let Some((lo, hi)) = range.and_then(|(a, b)| Some((hex(a)?, hex(b)?))) {
                 inside = (lo..hi).contains(&at);
             } else if inside && line.starts_with("VmFlags:") {
                 return Some(line.to_string());
             }
         }
         None
+    }
+
+    /// Whether the mapping holding the middle of `v` (a whole huge page inside the buffer, away
+    /// from the ends the heap may share) is advised for huge pages.
+    fn advised(v: &[f32]) -> bool {
+        let mid = v.as_ptr() as usize + std::mem::size_of_val(v) / 2;
+        let flags = vm_flags(mid).expect("the buffer lies in a mapping of /proc/self/smaps");
+        flags.split_whitespace().any(|f| f == "hg")
     }
 
     /// A large tensor's pages are advised for huge pages (`hg` in the flags of its mapping) where
@@ -606,15 +616,11 @@ mod tests {
         let t = Tensor::zeros(DType::F32, [1, n / 1024, 8, 128]).expect("allocates");
         let OwnedData::F32(v) = t.data() else { panic!("f32") };
         assert!(v.iter().all(|&x| x == 0.0));
-        // A whole huge page inside the buffer, away from the ends the heap may share.
-        let mid = v.as_ptr() as usize + v.len() * 2;
-        let flags = vm_flags(mid).expect("the buffer lies in a mapping of /proc/self/smaps");
         let thp = std::path::Path::new("/sys/kernel/mm/transparent_hugepage").exists();
-        assert_eq!(flags.split_whitespace().any(|f| f == "hg"), thp, "{flags}");
+        assert_eq!(advised(v), thp, "Tensor::zeros");
         let w = Tensor::from_f32(&vec![1.5f32; n], DType::F32, [1, n / 1024, 8, 128]).expect("allocates");
         let OwnedData::F32(w) = w.data() else { panic!("f32") };
         assert!(w.iter().all(|&x| x == 1.5));
-        let flags = vm_flags(w.as_ptr() as usize + w.len() * 2).expect("mapped");
-        assert_eq!(flags.split_whitespace().any(|f| f == "hg"), thp, "{flags}");
+        assert_eq!(advised(w), thp, "Tensor::from_f32");
     }
 }
