@@ -3,6 +3,7 @@
 //! ratio err / naive_err so the margins are visible (`cargo test --test cpu_props -- --nocapture`).
 
 mod common;
+mod props;
 use common::*;
 use common::Rng;
 use flash_attn::bench::support::HeadMajor;
@@ -56,7 +57,7 @@ fn case_strategy() -> impl Strategy<Value = Case> {
 
 /// Runs `cases` random cases for `dtype` and prints the observed margins.
 fn run_dtype(dtype: DType, cases: u32) {
-    let config = ProptestConfig { cases, failure_persistence: None, ..ProptestConfig::default() };
+    let config = props::config(&format!("cpu_props {dtype:?}"), file!(), cases);
     let mut runner = proptest::test_runner::TestRunner::new(config);
     let margins = std::cell::RefCell::new(Vec::new());
     let result = runner.run(&case_strategy(), |c| {

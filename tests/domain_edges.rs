@@ -5,6 +5,7 @@
 //! overflow checks on, `[profile.test]` in Cargo.toml), never a silently wrong answer.
 
 mod common;
+mod props;
 use common::*;
 use common::Rng;
 use flash_attn::reference::{attention_f64, attention_naive, max_abs_diff};
@@ -135,7 +136,7 @@ fn any_bound() -> impl Strategy<Value = i64> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 512, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(props::config("window_bounds_over_all_of_i64", file!(), 512))]
 
     /// Window bounds over all of i64: a typed error below -1 (or right != 0 with causal),
     /// otherwise the same result as the equivalent small window, which matches the reference.
@@ -216,7 +217,7 @@ fn large_scores_with_small_differences() {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(props::config("scores_up_to_the_f32_range", file!(), 256))]
 
     /// Scores up to the top of f32's range: wherever the naive f32 softmax is finite, ours is
     /// finite and within FlashAttention's rule of the float64 reference.
@@ -451,7 +452,7 @@ fn logical_bytes(shape: [usize; 4], elem: usize) -> u128 {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 1024, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(props::config("constructors_and_forward_never_panic", file!(), 1024))]
 
     /// Every public constructor and `forward`, fed arbitrary shapes, strides and options, returns
     /// `Ok` (with correct numbers, checked against the reference when small) or a typed error.
@@ -582,7 +583,7 @@ fn poison(t: &Tensor, at: &[(usize, usize, f32)], heads: usize, d: usize) -> Ten
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(props::config("non_finite_values_stay_in_the_rows_that_see_them", file!(), 256))]
 
     /// NaN and ±inf anywhere in q, k, v: a row's output depends only on its own q and the keys
     /// it sees. Rows with finite q that see only finite keys are exactly what they would be with

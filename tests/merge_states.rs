@@ -3,6 +3,7 @@
 //! rounding); rows that saw no key (LSE −inf) weigh nothing and never give NaN. The sharded
 //! example's check runs here as a test.
 
+mod props;
 mod serving_util;
 #[path = "../examples/sharded_attention.rs"]
 #[allow(dead_code)]
@@ -110,7 +111,7 @@ fn split_and_merge(seed: u64, parts: usize, causal: bool) -> Result<(), TestCase
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 64, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(props::config("merged_parts_equal_the_whole", file!(), 64))]
     #[test]
     fn merged_parts_equal_the_whole(seed in any::<u64>(), parts in 1usize..=6, causal in any::<bool>()) {
         split_and_merge(seed, parts, causal)?;

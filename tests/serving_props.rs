@@ -6,6 +6,7 @@
 //!
 //! `cargo test --test serving_props -- --nocapture` prints the largest error margin per run.
 
+mod props;
 mod serving_util;
 use flash_attn::serving::{
     forward_kvcache, forward_kvcache_append, forward_varlen, forward_varlen_kvcache, BlockTable, KvCache, KvCacheMut,
@@ -101,11 +102,8 @@ fn run<S: Strategy>(name: &str, cases: u32, strategy: S, f: impl Fn(&S::Value) -
 where
     S::Value: std::fmt::Debug,
 {
-    let config = ProptestConfig {
-        cases,
-        failure_persistence: None,
-        ..ProptestConfig::default()
-    };
+    let config = props::config(name, file!(), cases);
+    let cases = config.cases;
     let mut runner = proptest::test_runner::TestRunner::new(config);
     let worst = std::cell::Cell::new(0.0f64);
     let result = runner.run(&strategy, |c| {
