@@ -40,7 +40,7 @@
 use super::gemm::NR;
 use super::parallel;
 use super::pool;
-use super::softmax::{finalize, max_get_scale, online_softmax, panel_max, panel_scales, Exp2Math, RowState};
+use super::softmax::{finalize, lse_f64, max_get_scale, online_softmax, panel_max, panel_scales, Exp2Math, RowState};
 use super::{detect_isa, heads_side_by_side, isa, Isa, ScoreMod, MAX_HEAD_DIM};
 use crate::error::{Error, Result};
 use crate::problem::Problem;
@@ -130,7 +130,9 @@ struct Ctx<'a, M> {
 }
 
 /// One work item: rows `r0..r1` of the (sequence `b`, kv head `hk`) group, keys `k0..k1` (a
-/// split), writing normalised outputs `[rows][d]` and LSEs.
+/// split), writing normalised outputs `[rows][d]` and LSEs. The LSEs are kept in f64 until the
+/// splits are merged: an f32 LSE of a large score is off by up to half its ulp (5e-4 at 1e4),
+/// which the merge would turn into a relative error of each split's weight.
 struct Item<'o> {
     b: usize,
     hk: usize,
@@ -140,7 +142,7 @@ struct Item<'o> {
     k1: usize,
     cost: u64,
     o: &'o mut [f32],
-    lse: &'o mut [f32],
+    lse: &'o mut [f64],
 }
 
 /// Per-worker buffers, sized once.
@@ -1309,8 +1311,8 @@ fn attend_end<M: Exp2Math>(c: &Ctx<'_, M>, it: &mut Item<'_>, scr: &mut Scratch)
     let nrows = it.r1 - it.r0;
     let Scratch { o, rows, .. } = scr;
     for rl in 0..nrows {
-        let (inv, lse) = finalize(&rows[rl], c.sm.u, &c.math);
-        it.lse[rl] = lse;
+        let (inv, _) = finalize(&rows[rl], c.sm.u, &c.math);
+        it.lse[rl] = lse_f64(&rows[rl], c.sm.u, &c.math);
         let out = &mut it.o[rl * d..(rl + 1) * d];
         if rows[rl].l == 0.0 {
             out.fill(0.0); // saw no key (in this split): exactly 0
@@ -1510,7 +1512,7 @@ fn forward_isa<M: Exp2Math>(
         what: "split-KV partial outputs".into(),
     })?;
     let mut part_o = pool::take(part_len, "split-KV partial outputs")?;
-    let mut part_lse = try_filled(part_rows, f32::NEG_INFINITY, || "split-KV partial LSEs".into())?;
+    let mut part_lse = try_filled(part_rows, f64::NEG_INFINITY, || "split-KV partial LSEs".into())?;
     let mut offsets = Vec::with_capacity(metas.len());
     {
         let (mut o_rest, mut l_rest) = (&mut part_o[..], &mut part_lse[..]);
@@ -1600,7 +1602,7 @@ fn forward_isa<M: Exp2Math>(
 /// The partial states, addressed by (sequence, kv head, row block, split).
 struct Parts<'a> {
     o: &'a [f32],
-    lse: &'a [f32],
+    lse: &'a [f64],
     /// First partial row of each item.
     offsets: &'a [usize],
     plans: &'a [SeqPlan],
@@ -1679,7 +1681,7 @@ fn combine<T: Element>(
                     let l = if pl.ns == 1 {
                         let (x, l) = src(0);
                         row.copy_from_slice(x);
-                        l
+                        l as f32
                     } else {
                         merge_row((0..pl.ns).map(src), row)
                     };

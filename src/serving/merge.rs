@@ -17,15 +17,19 @@
 use crate::error::{Error, Operand, Result};
 use crate::tensor::{numel, AsTensorView, DType, Element, OwnedData, Shape, Tensor, TensorView};
 
-/// Merges one row: `parts` are `(o_i, lse_i)` with every `o_i` of length `out.len()`. Writes the
-/// merged output and returns the merged LSE. Weights are formed in f64, the sum accumulated in
-/// f64 per element.
-pub(crate) fn merge_row<'o>(parts: impl Iterator<Item = (&'o [f32], f32)> + Clone, out: &mut [f32]) -> f32 {
+/// Merges one row: `parts` are `(o_i, lse_i)` with every `o_i` of length `out.len()` and each
+/// `lse_i` an f32 (the public states) or f64 (the CPU split-KV's own). Writes the merged output
+/// and returns the merged LSE. Weights are formed in f64, the sum accumulated in f64 per element.
+pub(crate) fn merge_row<'o, L: Copy + Into<f64>>(
+    parts: impl Iterator<Item = (&'o [f32], L)> + Clone,
+    out: &mut [f32],
+) -> f32 {
     let mut m = f64::NEG_INFINITY;
     let mut nan = false;
+    let parts = parts.map(|(o, l)| (o, Into::<f64>::into(l)));
     for (_, lse) in parts.clone() {
         nan |= lse.is_nan();
-        m = m.max(lse as f64);
+        m = m.max(lse);
     }
     if nan {
         out.iter_mut().for_each(|x| *x = f32::NAN);
@@ -38,16 +42,16 @@ pub(crate) fn merge_row<'o>(parts: impl Iterator<Item = (&'o [f32], f32)> + Clon
     // m = +inf (an overflowed input) gives NaN weights below: the row shows it.
     let sum: f64 = parts
         .clone()
-        .filter(|p| p.1 != f32::NEG_INFINITY)
-        .map(|(_, l)| (l as f64 - m).exp())
+        .filter(|p| p.1 != f64::NEG_INFINITY)
+        .map(|(_, l)| (l - m).exp())
         .sum();
     let lse = m + sum.ln();
     let mut acc = [0.0f64; 64];
     for (c, dst) in out.chunks_mut(acc.len()).enumerate() {
         let acc = &mut acc[..dst.len()];
         acc.iter_mut().for_each(|a| *a = 0.0);
-        for (o, l) in parts.clone().filter(|p| p.1 != f32::NEG_INFINITY) {
-            let w = (l as f64 - lse).exp();
+        for (o, l) in parts.clone().filter(|p| p.1 != f64::NEG_INFINITY) {
+            let w = (l - lse).exp();
             for (a, &x) in acc.iter_mut().zip(&o[c * 64..]) {
                 *a += w * x as f64;
             }
