@@ -1,4 +1,4 @@
-//! The edges of the input domain (issue 10): window bounds over all of i64, scores up to the
+//! The edges of the input domain (README): window bounds over all of i64, scores up to the
 //! top of f32's range, options whose products overflow, shapes and strides near `usize::MAX`,
 //! broadcast views, infinities and NaNs, thread counts. Every public constructor and `forward`
 //! must return `Ok` with correct numbers or a typed `Error`: never a panic (this file runs with
