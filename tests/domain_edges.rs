@@ -560,7 +560,7 @@ fn sees(mask: Mask, sq: usize, sk: usize, i: usize) -> (usize, usize) {
 
 #[test]
 fn infinite_v_at_a_masked_key_leaves_empty_rows_zero() {
-    // The case: sq > sk causal leaves rows that see no key; V = +inf everywhere.
+    // The edge case: sq > sk causal leaves rows that see no key; V = +inf everywhere.
     let (q, k, _) = qkv(12, DType::F32, 1, 50, 20, 2, 2, 32);
     let v = Tensor::from_vec(vec![f32::INFINITY; 20 * 2 * 32], [1, 20, 2, 32]).unwrap();
     let out = forward(&q, &k, &v, &ForwardOptions::default().causal(true).return_lse(true)).unwrap();
