@@ -1638,7 +1638,7 @@ fn combine<T: Element>(
         }
         let (outer, row) = layout.q_row(b, 0);
         let t0 = outer * layout.q_rows() + row;
-        // Sequences are in token order in both layouts; skip any gap (none today).
+        // Sequences are in token order in both layouts; skip any gap (no layout leaves one).
         let gap = t0 - next_token;
         o_rest = &mut std::mem::take(&mut o_rest)[gap * hq * d..];
         l_rest = &mut std::mem::take(&mut l_rest)[gap * hq..];
