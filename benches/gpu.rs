@@ -1,6 +1,6 @@
-//! GPU benchmarks: every available kernel family on the sweep, timed with CUDA events
-//! around batches of launches over rotating input sets larger than L2, median reported,
-//! throughput in FLOP/s (criterion "elements" = FLOPs).
+//! GPU benchmarks: every available kernel family on the GPU sweep (`bench::support::gpu::sweep`),
+//! timed with CUDA events around batches of launches over rotating input sets larger than L2,
+//! median reported, throughput in FLOP/s (criterion "elements" = FLOPs).
 //!
 //! Without a usable GPU it prints "no CUDA GPU present: nothing to benchmark" and exits 0.
 //! `FA_BENCH_QUICK=1` runs the short sweep of the one-command GPU check; `FA_BENCH_TOKENS`

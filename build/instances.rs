@@ -606,7 +606,7 @@ const FA4_SASS: &[&str] = &["UTCHMMA", "LDTM", "STTM", "UTMALDG", "SYNCS"];
 /// Stage 3 adds the FMA-pipe exp2 (FFMA next to MUFU.EX2).
 const FA4_S3_SASS: &[&str] = &["UTCHMMA", "LDTM", "STTM", "UTMALDG", "SYNCS", "MUFU.EX2", "FFMA"];
 
-/// FA4's softmax (issue 15 part 1, docs/fa4.md "Part 1") in an existing pipeline: the share of
+/// FA4's softmax (docs/fa4.md "Part 1") in an existing pipeline: the share of
 /// the software exp2 (`poly_every`) and the lazy threshold (`lazy_tau`) are the row's parameters,
 /// passed to the unit as FA_EXP2_POLY_EVERY / FA_EXP2_POLY_DEGREE / FA_LAZY_TAU (the kernel's
 /// `FaRowPolicy`, cuda/common/softmax.cuh); the options follow from them (a share of 0 has no
@@ -772,7 +772,7 @@ pub const FAMILIES: &[Family] = &[
     fa4_family("fa4s1", 1, "fa4_stage1", FA4_SASS, KernelOptions::NONE, FA4_S1_TILES),
     fa4_family("fa4s2", 2, "fa4_stage2", FA4_SASS, KernelOptions::NONE, FA4_S2_TILES),
     fa4_family("fa4s3", 3, "fa4_stage3", FA4_S3_SASS, FA4_SOFTMAX_OPTIONS, FA4_S3_TILES),
-    // FA4's softmax in the FA2 and FA3 pipelines (issue 15 part 1, docs/fa4.md "Part 1"): the
+    // FA4's softmax in the FA2 and FA3 pipelines (docs/fa4.md "Part 1"): the
     // default rows (1 element in 8 on the FMA units, tau = 8, FA4_SOFTMAX), then the benchmark's
     // sweep of the share (0, 1 in 8, 1 in 4) x tau (0, 8) in the FA3 pipeline at head dim 128
     // (`_p<every>t<tau>`). Two points need no row: (1 in 8, 8) is the default row, and (0, 0) is

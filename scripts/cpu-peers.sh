@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Our CPU backend and the CPU peers (torch SDPA, onnxruntime MHA and Attention) side by side:
-# the table of issue 16 with an `ours / best` column, into docs/bench-data/cpu-peers.md (+ .jsonl).
+# one table with an `ours / best` column, into docs/bench-data/cpu-peers.md (+ .jsonl).
 #
 #   scripts/cpu-peers.sh            # 3 alternating rounds, median: about 3-5 minutes on 2 cores
 #   scripts/cpu-peers.sh --quick    # 1 short round: a smoke run (under a minute)

@@ -6,7 +6,7 @@
 #
 #   scripts/gpu-bench.sh            short version (hdim 64/128, seqlen 4K, 16K tokens; FP8 at
 #                                   hdim 64/128/256): ~2 min
-#   scripts/gpu-bench.sh --full     the sweep (seqlen 512..16K, hdim 64/128/256; FP8 at
+#   scripts/gpu-bench.sh --full     the full sweep (seqlen 512..16K, hdim 64/128/256; FP8 at
 #                                   seqlen 4K-16K)
 #
 # Without a GPU every step says "no CUDA GPU present" and the script exits 0.

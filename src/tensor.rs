@@ -316,9 +316,8 @@ pub(crate) const HUGE_PAGE_MIN_BYTES: usize = 1 << 22;
 /// Asks Linux to back the pages of `v`'s allocation with transparent huge pages (2 MiB on
 /// x86-64) when it spans at least [`HUGE_PAGE_MIN_BYTES`]: a stream over such a buffer then
 /// crosses a page, where the hardware prefetchers stop and start again, every 2 MiB instead of
-/// every 4 KiB, and misses the TLB 512 times less often (a plain sum over a decode step's K and
-/// V, 64 MiB each, on the 2-core Zen 4: 22–26 GB/s on 4 KiB pages, 30–32 on huge pages,
-/// docs/benchmarks.md). Only advice: the contents never change, and a kernel without THP (or
+/// every 4 KiB, and misses the TLB 512 times less often (a plain streaming sum over a decode
+/// step's K and V measures markedly faster on huge pages). Only advice: the contents never change, and a kernel without THP (or
 /// with it set to `never`) backs them as before; on other systems nothing is done. Called before
 /// the pages are first written: the kernel backs a page when it is first touched.
 fn advise_huge_pages<T>(v: &Vec<T>) {

@@ -1,4 +1,4 @@
-//! The edges of the input domain (issue 10): window bounds over all of i64, scores up to the
+//! The edges of the input domain (README): window bounds over all of i64, scores up to the
 //! top of f32's range, options whose products overflow, shapes and strides near `usize::MAX`,
 //! broadcast views, infinities and NaNs, thread counts. Every public constructor and `forward`
 //! must return `Ok` with correct numbers or a typed `Error`: never a panic (this file runs with
@@ -667,7 +667,7 @@ fn sees(mask: Mask, sq: usize, sk: usize, i: usize) -> (usize, usize) {
 
 #[test]
 fn infinite_v_at_a_masked_key_leaves_empty_rows_zero() {
-    // The issue's case: sq > sk causal leaves rows that see no key; V = +inf everywhere.
+    // The edge case: sq > sk causal leaves rows that see no key; V = +inf everywhere.
     let (q, k, _) = qkv(12, DType::F32, 1, 50, 20, 2, 2, 32);
     let v = Tensor::from_vec(vec![f32::INFINITY; 20 * 2 * 32], [1, 20, 2, 32]).unwrap();
     let out = forward(&q, &k, &v, &ForwardOptions::default().causal(true).return_lse(true)).unwrap();

@@ -818,7 +818,7 @@ fn fp8_consumer_accuracy_table() {
 }
 
 /// The accuracy table's two stage-5 rows at head_dim 64 and 256 (ran in the emulator), shape
-/// [1, 1024, 4, d], seed 0, FA3's inputs. The targets are stated at head_dim 128; here the
+/// [1, 1024, 4, d], seed 0, FA3's inputs. The accuracy targets are stated at head_dim 128; here the
 /// kernel must match the CPU FP8 path's RMSE within 3 % (the same method), per-block + Hadamard
 /// must beat per-tensor without it, and its gain over the naive baseline is reported.
 #[test]

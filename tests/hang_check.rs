@@ -10,8 +10,7 @@
 //!   printf's and traps; the SASS has BPT.TRAP;
 //! - `embedded_images_match_the_build`: the kernels embedded by this build have the bounded waits
 //!   (BPT.TRAP in every FA3 stage 2-5 cubin) exactly when build.rs saw FLASH_ATTN_HANG_CHECK=1;
-//!   the normal build has none (its wait loop is the plain one; the cubins of the normal build
-//!   were also compared byte for byte with those before the hang check existed: identical).
+//!   the normal build has none (its wait loop is the plain one).
 
 use std::path::Path;
 use std::process::Command;

@@ -37,7 +37,7 @@ typedef struct FwdParams {
     uint32_t flags;            // FA_FLAG_*
     uint32_t reserved;         // keeps the size a multiple of 8
 
-    // ---- serving (docs/serving.md "GPU"): all 0 on a dense launch, which then behaves as before.
+    // ---- serving (docs/serving.md "GPU"): all 0 on a dense launch.
     // Mirrors src/serving/layout.rs BatchLayout; the per-sequence view is cuda/common/seqlen.cuh.
     // With any of these set, batch/seqlen_q/seqlen_k above are the batch and the longest sequence
     // (max_seqlen_q/k: the grid's size and the mask's clamp), not every sequence's length.

@@ -42,7 +42,7 @@ FA_HD float fa_softmax_ref(float m) { return m == -INFINITY ? 0.f : m; }
 FA_HD bool fa_lazy_keeps_max(float growth, float tau) { return growth <= tau; }
 
 // With P in e4m3 offset by 2^FA_FP8_P_SCALE_LOG2, tau + that offset must stay below log2(448) or
-// P saturates while the f32 row sum still counts it (FlashAttention issues #2131, #2716).
+// P saturates while the f32 row sum still counts it (reported upstream as Dao-AILab/flash-attention#2131 and #2716).
 // Written as fp8_lazy_limit() in src/numerics/mod.rs (log2(448) - 8, then compare) so the two
 // agree at the boundary too.
 FA_HD bool fa_fp8_lazy_threshold_ok(float tau) { return tau < log2f(FA_E4M3_MAX) - FA_FP8_P_SCALE_LOG2; }

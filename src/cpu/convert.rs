@@ -4,8 +4,8 @@
 //!
 //! `half` converts one element per call: on x86_64 each call checks for F16C and converts one
 //! value with the scalar form of the instruction (no inlining across its `#[target_feature]`
-//! function), which made widening f16 K, V and Q rows and narrowing f16 outputs 10-15 % of an
-//! f16 forward pass (docs/benchmarks.md). Here one check per row, then 16 (AVX-512F) or 8 (F16C)
+//! function), which makes widening f16 K, V and Q rows and narrowing f16 outputs a large share
+//! of an f16 forward pass. Here one check per row, then 16 (AVX-512F) or 8 (F16C)
 //! elements per instruction. The instructions round as `half` does: `vcvtps2ph` with
 //! round-to-nearest-even is the instruction `half` itself uses (and its portable fallback
 //! matches), f32 → bf16 rounds to nearest even with the same integer steps, and NaNs are made

@@ -161,7 +161,7 @@ struct Scratch {
     head: Vec<usize>,
     /// Widened K and V rows of one chunk (16-bit inputs only): `[KC][d]`, sized on first use
     /// (the group-1 sweeps never use them, and a decode unit holds one scratch per kv head:
-    /// zeroing 2 × 32 KiB for each on every call was half the time of a short decode call).
+    /// zeroing 2 × 32 KiB for each on every call would cost as much as a short decode call).
     kbuf: Vec<f32>,
     vbuf: Vec<f32>,
     /// Element offsets of the chunk's K and V rows.
@@ -178,9 +178,9 @@ struct Scratch {
     fb: Vec<f32>,
 }
 
-/// A worker's scratches for one call, kept by its thread for the next call (a decode unit
-/// holds one per kv head: allocating and zeroing them on every call was a visible part of a
-/// short decode call's time). Only scratches for the same head_dim and row count are reused.
+/// A worker's scratches for one call, kept by its thread for the next call, because a decode
+/// unit holds one per kv head and allocating and zeroing them on every call is a visible part
+/// of a short decode call's time. Only scratches for the same head_dim and row count are reused.
 struct Scratches {
     d: usize,
     rows: usize,
@@ -529,7 +529,7 @@ fn attend<M: Exp2Math, const FMA: bool>(c: &Ctx<'_, M>, items: &mut [Item<'_>], 
     // Decode (at most one panel of rows per item, every row seeing the whole span): the blocked
     // sweep (`sweep_fast`) where it applies, else for group-1 16-bit K/V the one-key sweep (the
     // widening fused into the products); f32 rows otherwise take the chunked path below, which
-    // measured faster than the one-key sweep for them (docs/benchmarks.md).
+    // measured faster than the one-key sweep for them.
     let swept = together
         && match (c.k.data(), c.v.data()) {
             (Data::BF16(k), Data::BF16(v)) => {
@@ -806,9 +806,9 @@ fn sweep_blocks<S: blocks::Lanes, M: Exp2Math, T: blocks::Elem, const W: usize>(
     let (mut kb, mut vb, mut nkb) = ([0usize; KB], [0usize; KB], [0usize; KB]);
     let (mut kofs, mut vofs) = ([0usize; KB], [0usize; KB]);
     // Head-major K/V (one head per unit, see `forward_isa`): each item's next block of keys is
-    // asked for into L1 while this one is computed, measured 3 % (f32) to 23 % (bf16) faster
-    // than the hardware prefetchers alone on that single pair of streams (further ahead, into
-    // L2, or one line per page: slower). Side by side, `block_key_major` prefetches its own way;
+    // asked for into L1 while this one is computed, which measured faster than the hardware
+    // prefetchers alone on that single pair of streams (further ahead, into L2, or one line per
+    // page: slower). Side by side, `block_key_major` prefetches its own way;
     // a lone item side by side leaves it to the hardware.
     let side = heads_side_by_side(&c.k, &c.v);
     let ahead = !side;
@@ -932,16 +932,15 @@ fn block_probs<M: Exp2Math>(
 }
 
 /// Keys a decode item takes at a time in [`block_key_major`]: as many sequential streams of K
-/// (then V) rows. On the Zen 4, 8 read 10–25 % faster than 4 (f32, bf16, GQA) and 16 no faster
-/// than 8 (alternating A/B, docs/benchmarks.md).
+/// (then V) rows. 8 streams read faster than 4 (f32, bf16, GQA), and 16 no faster than 8.
 const KQ: usize = 8;
 
 /// One block of keys (starting at key `j0`; `kb`, `vb`: the element offsets of its K and V rows
 /// for kv head 0) for items of several kv heads whose rows lie side by side, in key order: the
 /// products of every item with keys `t0..t0 + KQ`, then the next `KQ` keys, so that the block's
 /// K rows (`[.., seqlen, heads, head_dim]`) are read as `KQ` sequential streams, not as one
-/// stream per key a row of all heads apart, which is what each item taking the whole block in
-/// turn read (1×32×1×4096×128 on a Zen 4: f32 ~30 %, bf16 ~60 % faster, docs/benchmarks.md); then
+/// stream per key a row of all heads apart, as each item taking the whole block in turn would
+/// read (that order is markedly slower, most of all for bf16); then
 /// each row's softmax step, then `o·scale + P·V` in the same order over V. The same operations
 /// in the same order per row as [`block_rows`] (each key's horizontal sum by `Lanes::hsum_one`,
 /// `hsum_keys`' tree for one key; O waits in `Scratch::op` between key groups, scaled before
@@ -950,10 +949,10 @@ const KQ: usize = 8;
 /// Each pass asks for the rows the next one reads, into L2 (`next_kb`: the next block's K
 /// offsets for kv head 0, empty after the last block): the first pass for the block's V rows,
 /// the third for the next block's K rows, the same keys of the same head at each step, so they
-/// arrive half a block (256 KiB at 1×32×…×128 f32) before they are used. The hardware
-/// prefetchers alone left the core waiting on DRAM between its bursts of work; with the
-/// prefetches, 1×32×1×4096×128 on the 2-core Zen 4 (alternating A/B, six rounds) read f32
-/// 23.3 → 29.9 GB/s (docs/benchmarks.md).
+/// arrive half a block (256 KiB at 1×32×…×128 f32) before they are used. With the hardware
+/// prefetchers alone the core computes and reads DRAM in turn, waiting on memory between its
+/// bursts of work; the prefetches overlap the two (T1 and T2 hints measure the same, T0 and
+/// NTA slower).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
@@ -1472,8 +1471,7 @@ fn forward_isa<M: Exp2Math>(
     // block, split) as one unit (see `attend`): the split heuristic counts those units. Not when
     // K/V are head-major (`heads_side_by_side`): the heads' chunks then lie apart, 2 × heads
     // interleaved runs per sweep, and one head per unit (its K and V two sequential runs, with
-    // `sweep_blocks`' prefetch) measured 3–5 % (f32) and 21–37 % (bf16) faster at
-    // 1×32×1×4096×128 (docs/benchmarks.md).
+    // `sweep_blocks`' prefetch) measured faster, most of all for bf16.
     let max_rows = (0..batch).map(|b| (seqlen_q(b) * g).min(RB)).max().unwrap_or(0);
     let by_heads = max_rows <= NR && heads_side_by_side(k, v);
     let units = if by_heads { base_items / hkv.max(1) } else { base_items };
@@ -1642,7 +1640,7 @@ fn combine<T: Element>(
         }
         let (outer, row) = layout.q_row(b, 0);
         let t0 = outer * layout.q_rows() + row;
-        // Sequences are in token order in both layouts; skip any gap (none today).
+        // Sequences are in token order in both layouts; skip any gap (no layout leaves one).
         let gap = t0 - next_token;
         o_rest = &mut std::mem::take(&mut o_rest)[gap * hq * d..];
         l_rest = &mut std::mem::take(&mut l_rest)[gap * hq..];

@@ -118,21 +118,19 @@ struct PackedKv<'a> {
 /// Strips of K/V rows `pack_heads` prefetches ahead of the one it packs when it packs some of
 /// the kv heads only: then each key's rows are a run of a few head_dim elements out of a row of
 /// all heads, a separate run of cache misses the hardware prefetchers do not follow; asked for
-/// this far ahead they arrive while the strips before them are scattered. (Whole rows of all kv
-/// heads are one sequential stream that the hardware prefetches: there software prefetches only
-/// cost, measured.) One head of head-major storage (see [`heads_side_by_side`]) is one
-/// sequential run per K and V, yet the prefetch measured 2–4 % faster there too (16×8×128 and
-/// 4×8×512, docs/benchmarks.md), so it stays on for every item of fewer than all kv heads.
+/// this far ahead they arrive while the strips before them are scattered. Whole rows of all kv
+/// heads are one sequential stream that the hardware prefetches, so there software prefetches
+/// only cost. One head of head-major storage (see [`heads_side_by_side`]) is one sequential run
+/// per K and V, yet the prefetch measured faster there too, so it stays on for every item of
+/// fewer than all kv heads.
 const PACK_PREFETCH_STRIPS: usize = 4;
 
 /// Most query blocks (over all query heads of a kv head) for which an f32 K is read in place by
 /// the first product (`simd::KTile::Rows`, AVX-512 path) instead of packed: the packing pass
 /// (K's rows read at the streaming rate, nothing overlapping it) is then saved, but every block
-/// reads six rows per strip where the packed strip is one run, which cost more once K is read by
-/// several blocks. Measured call by call (docs/benchmarks.md, branch `cpu-nopack`): 2.3–3.4 %
-/// faster at 2 blocks (seqlen_q 128, 192), 1.4 % at 3 (256), even to 1 % faster at 4 (384), 2 %
-/// slower at 6 (512) and 8 % at 22 (2048, head_dim 128), with `[batch, seqlen, heads, head_dim]`
-/// inputs.
+/// reads six rows per strip where the packed strip is one run, which costs more once K is read
+/// by several blocks: in place measured faster up to 3 blocks, even at 4, and slower from 6 on
+/// (`[batch, seqlen, heads, head_dim]` inputs).
 const K_IN_PLACE_READS: usize = 3;
 
 /// Bytes of packed K/V one head-major work item holds at most (several kv heads packed in one
@@ -575,9 +573,9 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
         .collect();
 
     // On the AVX-512 path (`PAIR`) the next block's Q rows are asked for once this block's first
-    // panel is done: at the block's start (above) that burst waited behind the output rows'
-    // prefetches and the previous block's row stores, 0.3–0.6 % slower call by call; the AVX2
-    // path measured 0.2–0.7 % slower the other way.
+    // panel is done, because at the block's start that burst waits behind the output rows'
+    // prefetches and the previous block's row stores; the AVX2 path is faster asking at the
+    // start.
     let mut next_q = !PAIR;
     let mut j0 = lo_all / MR * MR;
     while j0 < hi_all {
@@ -605,7 +603,7 @@ fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
             // Up to three panels that see the same keys of this tile go through the kernel
             // together: each strip of K or V is then read once for all of them. Four past
             // head_dim 192, where a head's K and V outgrow L2 and a pass fewer over each tile
-            // gained ~1 % at 256 (measured: no change at 192 or 512, ~1 % slower at 128).
+            // pays (four measured slower at 128).
             let same = |t: usize| pn + t < panels && part(pn + t) == Some(c);
             let most = if d > 192 { 4 } else { 3 };
             let group = if PAIR { 1 + (1..most).take_while(|&t| same(t)).count() } else { 1 };
@@ -819,8 +817,8 @@ fn write_rows<M: Exp2Math, const WIDE: bool>(
     // A panel's output rows asked for into L1 while the panel before it is written (the block's
     // rows were asked for into L2 before its products): stores that hit L1 leave the store buffer
     // at once, where stores that wait for their lines there stall whatever stores follow. Only
-    // where whole-vector stores write the rows (`WIDE`): the AVX2 path's scalar row loop ran
-    // about 1 % slower with it.
+    // where whole-vector stores write the rows (`WIDE`): the AVX2 path's scalar row loop is
+    // slower with it.
     let fetch_panel = |o_out: &BlockOut<'_, '_>, pn: usize| {
         if let BlockOut::Rows(rs) = o_out {
             for row in rs.iter().skip(pn * NR).take(NR).filter(|r| !r.is_empty()) {
@@ -1037,10 +1035,10 @@ fn detect_isa() -> Isa {
 
 /// Number of worker threads: the request, capped at the machine's available parallelism (more
 /// threads than cores only add scheduling and memory on this compute-bound work); `None` or 0
-/// uses the available parallelism. That is read once per process: `available_parallelism`
-/// reads the cgroup's CPU quota from /sys on every call (on the 2-core Zen 4 a 1×4×1×64×128
-/// decode call took 0.05 ms with it, 0.01 ms without), and the worker pool's size is fixed when
-/// it starts anyway.
+/// uses the available parallelism. That is read once per process, because
+/// `available_parallelism` reads the cgroup's CPU quota from /sys on every call, which costs
+/// more than a small decode call itself, and the worker pool's size is fixed when it starts
+/// anyway.
 pub(crate) fn threads(requested: Option<usize>) -> usize {
     static HW: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     let hw = *HW.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
@@ -1163,15 +1161,13 @@ fn tiled<M: Exp2Math, T: OutElem>(
     // has work.
     let head_major = kv_heads.len() >= 2 * nthreads;
     // kv heads per item: whole rows of K/V (all kv heads of a batch) where that leaves eight
-    // items per worker (whole rows are packed in one sweep of contiguous memory; at
-    // 16×8×128×128×64 and 2 threads, 16 whole-row items took 1.5–5 % less CPU time than 32
-    // four-head items; one thread: one item per batch), else sixteen items per worker (a worker slowed by
-    // the host then delays the end by a sixteenth of its share at most: at 4×8×512×512×64 and 2
-    // threads, 32 one-head items ran 7 % faster than 8 four-head items in 5 alternating rounds),
-    // and at most PACK_ITEM_BYTES of packed K/V. Head-major storage (`heads_side_by_side`
-    // false): one head per item, each head's K and V two sequential runs (several heads packed
-    // in one pass would read 2 × heads interleaved runs; one-head items measured 1–6 % faster at
-    // 16×8×128 and 4×8×512, 1 thread).
+    // items per worker (whole rows are packed in one sweep of contiguous memory, which measured
+    // cheaper than more, smaller items; one thread: one item per batch), else sixteen items per
+    // worker (a worker slowed by the host then delays the end by a sixteenth of its share at
+    // most, which measured faster than fewer, larger items), and at most PACK_ITEM_BYTES of
+    // packed K/V. Head-major storage (`heads_side_by_side` false): one head per item, each
+    // head's K and V two sequential runs, because several heads packed in one pass would read
+    // 2 × heads interleaved runs.
     let side_by_side = heads_side_by_side(k, v);
     // The first product reads an f32 K in place on the AVX-512 path (`attend_any`'s condition
     // for it) when each kv head's K is read by few blocks (see `K_IN_PLACE_READS`).

@@ -1,7 +1,7 @@
 //! Reuse of the large f32 scratch buffers (packed K/V) across calls.
 //!
 //! A fresh multi-megabyte `Vec` is a fresh `mmap`: every page faults in, zeroed by the kernel,
-//! on first touch, which cost the CPU backend about 5-10 % of a 1×8×2048×128 call. Buffers
+//! on first touch, a visible share of a long call's time. Buffers
 //! handed back are kept (up to [`RETAIN_BYTES`] in all) for the next call; larger ones are freed.
 
 use crate::error::Result;

@@ -48,7 +48,7 @@ use super::softmax::RowState;
 /// instructions: `exp2_fast` there is 18 vector operations per 16 scores (two clamps, floor,
 /// the exponent built from bits and multiplied in), here 12 (`vscalefps` multiplies by
 /// `2^floor(x)` and a mask zeroes what is below `2^-126`, as `exp2_fast`'s clamp does). With 512-bit vectors every vector operation shares the two FMA
-/// ports with the products, so at head_dim 64 the softmax was more than half of them.
+/// ports with the products, so each operation the softmax saves goes to the products.
 ///
 /// `tile_max`: the panel's `panel_max`, when the product already took it (`product_max`); it is
 /// then not taken again.

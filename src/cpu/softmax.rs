@@ -205,8 +205,8 @@ fn lse_of<M: Exp2Math>(m: f32, log2_l: f32, u: f32, math: &M) -> f32 {
 /// [`finalize`] for a panel of up to `NR` queries, bit for bit: `(1 / l, lse)` into `inv` and
 /// `lse` (`states.len()` of each), and the mask of queries that saw a key. The `log2` calls
 /// (libm's) run in a loop of their own and the rest in lane-wise loops that vectorise: with the
-/// arithmetic between them, each call was preceded by a scalar division and stack spills around
-/// it, about a tenth of a short-sequence call's time. The lane-wise rest in AVX-512 instructions
+/// arithmetic between them, each call would be preceded by a scalar division and stack spills
+/// around it, a visible share of a short-sequence call. The lane-wise rest in AVX-512 instructions
 /// where the CPU has them (`simd::finalize_lanes`: the compiler kept the loop scalar).
 #[inline(always)]
 pub fn finalize_panel<M: Exp2Math>(

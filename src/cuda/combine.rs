@@ -303,7 +303,7 @@ pub fn splits_plan(
     Ok(CombineLaunch { kernel, grid, block: WARPS * 32, params })
 }
 
-/// The split count of a GPU split-KV launch: the CPU's heuristic ([`crate::cpu::inplace::num_splits`],
+/// The split count of a GPU split-KV launch: the CPU's heuristic (`cpu::inplace::num_splits`,
 /// FlashAttention's `num_splits_heuristic`), the one function for both, with `workers` = SMs ×
 /// CTAs of the forward kernel per SM and `items` = batch × heads × query blocks, the CTAs of the
 /// unsplit launch (`heads`: the heads its grid spans, heads_q for FA1 and FA2, which run one CTA

@@ -112,7 +112,7 @@ pub(crate) fn chunked_rows_refusal(ops: &Operands) -> Option<LayoutRefusal> {
     None
 }
 
-/// The host of a family with no rules beyond its table row (no row names it today: FA1 has its
+/// The host of a family with no rules beyond its table row (no row names it: FA1 has its
 /// serving rules, src/cuda/fa1.rs; the dispatch tests' rows use it).
 #[allow(dead_code)]
 #[derive(Debug)]

@@ -26,7 +26,8 @@ pub const FP8_P_SCALE_LOG2: f32 = 8.0;
 pub const LAZY_THRESHOLD_MAX: f32 = 64.0;
 
 /// `log2(448)`: with P in e4m3, `τ + FP8_P_SCALE_LOG2` must stay below it, or P saturates while
-/// the f32 row sum still counts the unsaturated value (FlashAttention issues #2131, #2716).
+/// the f32 row sum still counts the unsaturated value (reported upstream as
+/// Dao-AILab/flash-attention#2131 and #2716).
 pub fn fp8_lazy_limit() -> f32 {
     fp8::E4M3_MAX.log2() - FP8_P_SCALE_LOG2
 }

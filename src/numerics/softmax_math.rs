@@ -85,8 +85,9 @@ mod tests {
 
     /// Why `validate` refuses `τ + 8 >= log2(448)` with FP8: with FA4's τ = 8 on a growing row
     /// max, P reaches 2^16, saturates at 448 in e4m3, and the f32 row sum still counts the
-    /// unsaturated value, so the output shrinks (FlashAttention issues #2131, #2716). This runs
-    /// the kernel arithmetic directly, past the validation.
+    /// unsaturated value, so the output shrinks (reported upstream as
+    /// Dao-AILab/flash-attention#2131 and #2716). This runs the kernel arithmetic directly, past
+    /// the validation.
     #[test]
     fn fp8_p_with_tau_8_saturates_and_loses_accuracy() {
         let (sq, sk, d) = (8, 1024, 64);

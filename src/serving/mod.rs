@@ -15,7 +15,7 @@
 //! window masks aligned to the bottom-right of each sequence's own score matrix. Sequences of
 //! length 0 are allowed (no output rows; a query that sees no key gives 0 and LSE −inf).
 //!
-//! These run on the CPU backend today (the in-place path: no repack of the cache per call, all
+//! These run on the CPU backend (the in-place path: no repack of the cache per call, all
 //! query heads of a GQA group in one pass over their K/V, split-KV when the workers would idle).
 //!
 //! ```

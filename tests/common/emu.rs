@@ -330,7 +330,7 @@ pub struct Case {
     /// Tensors laid out [b, h, s, d] in memory (strides differ from the contiguous [b, s, h, d]).
     pub bhsd: bool,
     pub label: String,
-    /// The edges of the input domain (issue 10): the softmax scale that makes the largest |q·k|
+    /// The edges of the input domain (README): the softmax scale that makes the largest |q·k|
     /// this value (e.g. near f32::MAX, where log2-unit scores overflow), compared with the naive
     /// f32 softmax (a 16-bit one overflows) and LSEs relative to their size.
     pub max_score: Option<f64>,

@@ -4,7 +4,7 @@
 //! (tests/fp8_emulator.rs, `fp8_consumer_matches_cpu_fp8_path`): the kernel tiles keys by 128 (64
 //! at head_dim 256) and the CPU path by 64, so P · 2^8 rounds against other running maxima; both must be equally far
 //! from float64 (within 15%), max|kernel − CPU| <= 0.1, LSE within 1e-4.
-//! Never ran on a GPU yet (docs/fp8.md).
+//! Compile-checked only: it has not run on a GPU (docs/fp8.md).
 
 use super::common::*;
 use super::util::*;

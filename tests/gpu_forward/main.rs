@@ -111,7 +111,7 @@ fn runs_here(engine: &Engine, ladder: Ladder, stage: u8) -> bool {
 /// NaN-poisoned: bf16/f16 × the ladder's head dims × (plain; GQA + causal with sq < sk; a sliding
 /// window; sq > sk causal: rows with no key give O = 0, LSE = -inf; softcap; several K/V tiles
 /// (ring wrap); odd seqlens with GQA 7:1 and a causal window), then the edges of the input domain
-/// (issue 10: huge windows, scores up to near f32::MAX, softcap f32::MAX, infinite and NaN V with
+/// (huge windows, scores up to near f32::MAX, softcap f32::MAX, infinite and NaN V with
 /// rows that see no key). Returns the worst err/bound.
 fn ladder_cases(engine: &Engine, stream: &Arc<CudaStream>, rng: &mut Rng, ladder: Ladder, stage: u8) -> f64 {
     let name = ladder.name;
@@ -220,7 +220,7 @@ fn fa3_stage5() {
 }
 
 // ---------------------------------------------------------------- FA4 stage ladder
-// Written where no Blackwell GPU was available: never run (docs/fa4.md).
+// Compile-checked only: no Blackwell GPU has run it (docs/fa4.md).
 
 /// The FA4 (tcgen05) matrix of one stage: the ladder's cases (ladder_cases, as FA3's), and the
 /// refusal of FA4 without a stage.

@@ -160,7 +160,7 @@ pub fn check(engine: &Engine, stream: &Arc<CudaStream>, views: [TensorView; 3], 
     err / bound
 }
 
-/// The edges of the input domain (issue 10) on the GPU: huge window bounds, scores up to near
+/// The edges of the input domain (README) on the GPU: huge window bounds, scores up to near
 /// f32::MAX (against the naive f32 softmax, which is finite there; a 16-bit naive would overflow),
 /// and infinite V: rows that see no key are exactly 0 with LSE -inf, rows that see an infinite V
 /// are not finite. (A row that sees finite keys only, next to a masked key with an infinite V in

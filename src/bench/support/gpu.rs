@@ -409,7 +409,7 @@ mod cuda {
 #[allow(unused_imports)] // used by benches/gpu.rs only
 pub use crate::bench::roofline::rotating_sets;
 
-/// The GPU sweep of the issue: batch × seqlen = `tokens` (16K), seqlen 512..=16K, head_dim
+/// The GPU sweep (FA3 paper style): batch × seqlen = `tokens` (16K), seqlen 512..=16K, head_dim
 /// 64/128/256 with hidden 2048 (32/16/8 heads, as FA3's paper), causal and not, in `dtype`.
 /// `quick` is the short sweep of the one-command GPU check: hdim 64 and 128 at seqlen 4K (the
 /// same shapes as `scripts/peers_torch.py --quick` and `scripts/gpu-bench.sh`).

@@ -563,7 +563,7 @@ fn fp8_problems_choose_the_fp8_family_on_hopper() {
     assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("sm_90")), "{e:?}");
 }
 
-/// FA4's softmax on the FA2 / FA3 pipelines (issue 15 part 1, docs/fa4.md "Part 1") in the real
+/// FA4's softmax on the FA2 / FA3 pipelines (docs/fa4.md "Part 1") in the real
 /// table: `Variant::Fa4` without `fa4_stage` runs the FA3-pipeline row on sm_90a, the
 /// FA2-pipeline row on sm_80, sm_120 (PTX) and sm_100 (where the tcgen05 stages need
 /// `fa4_stage`); the reason names the pipeline and the knobs; Auto never picks them.
