@@ -78,7 +78,7 @@ fn emulator_self_tests() {
     let log = String::from_utf8_lossy(&out.stdout);
     println!("{log}");
     assert!(out.status.success(), "emulator self-tests failed:\n{log}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(log.contains("52 of 52 emulator self-tests as expected"), "{log}");
+    assert!(log.contains("65 of 65 emulator self-tests as expected"), "{log}");
 }
 
 #[test]
@@ -95,26 +95,9 @@ fn layout_functions() {
 /// anywhere else in the kernel sources.
 #[test]
 fn wrappers_match_the_instruction_headers() {
-    let root = root();
-    let emu_h = std::fs::read_to_string(root.join("cuda/test/emu/emu.h")).unwrap();
-    // Every kernel source and header: cuda/ without the test programs.
-    let mut sources = Vec::new();
-    let mut dirs = vec![root.join("cuda")];
-    while let Some(dir) = dirs.pop() {
-        for p in std::fs::read_dir(&dir).unwrap().flatten().map(|e| e.path()) {
-            if p.is_dir() {
-                if p.file_name().is_some_and(|n| n != "test") {
-                    dirs.push(p);
-                }
-            } else {
-                sources.push(p);
-            }
-        }
-    }
-    sources.sort();
+    let emu_h = std::fs::read_to_string(root().join("cuda/test/emu/emu.h")).unwrap();
     let mut wrappers = Vec::new();
-    for path in &sources {
-        let text = std::fs::read_to_string(path).unwrap();
+    for (path, text) in &kernel_sources() {
         let mut depth = 0usize; // #if nesting
         let mut guard_at: Option<usize> = None; // depth of the open FA_HOST_EMULATION guard
         for (n, line) in text.lines().enumerate() {
@@ -134,14 +117,14 @@ fn wrappers_match_the_instruction_headers() {
             }
             let code = line.split("//").next().unwrap();
             if (code.contains("asm(") || code.contains("asm volatile")) && guard_at.is_none() {
-                panic!("{}:{}: inline asm outside an instruction header's FA_HOST_EMULATION guard", path.display(), n + 1);
+                panic!("{path}:{}: inline asm outside an instruction header's FA_HOST_EMULATION guard", n + 1);
             }
             if guard_at.is_some() && code.contains("__device__") && code.contains('(') {
                 let before = &code[..code.find('(').unwrap()];
                 let name = before.split_whitespace().last().unwrap().trim_start_matches(['*', '&']);
                 let name = name.rsplit("::").next().unwrap().split('<').next().unwrap().to_string();
                 if !name.is_empty() && name != "__launch_bounds__" {
-                    wrappers.push((path.file_name().unwrap().to_string_lossy().into_owned(), name));
+                    wrappers.push((path.rsplit('/').next().unwrap().to_string(), name));
                 }
             }
         }
@@ -436,6 +419,20 @@ fn fa3_cases(stage: u32) -> Vec<Case> {
 /// mask.cuh's 64-bit rule.)
 const FA3_KNOWN: &[(&str, &str)] = &[];
 
+/// The CI subset has, for every stage, a case where the K/V tile differs from the query tile
+/// (kBlockN != kBlockM: 128 x 64 at head dims up to 128 in stages 1-2, 64 x 128 at 256 in
+/// stages 3-5) and one at head dim 256 (its own traits and register budget).
+#[test]
+fn fa3_subset_covers_the_tile_shapes() {
+    for stage in 1..=5 {
+        let cases = fa3_cases(stage);
+        let fam = FAMILIES.iter().find(|f| f.name == cases[0].family).unwrap();
+        let tile = |c: &Case| *fam.tiles.iter().find(|t| t.head_dim as usize >= c.q[3]).unwrap();
+        assert!(cases.iter().any(|c| tile(c).block_n != tile(c).block_m), "stage {stage}: no case with kBlockN != kBlockM");
+        assert!(cases.iter().any(|c| c.q[3] == 256), "stage {stage}: no case at head dim 256");
+    }
+}
+
 #[test]
 fn fa3_stage1() {
     check_all("fa3 stage 1", &fa3_cases(1), FA3_KNOWN);
@@ -476,14 +473,14 @@ fn mutations() -> Vec<(Mutation, &'static str, &'static [&'static str])> {
             from: "constexpr uint64_t kDescSwizzle128B = 1;", to: "constexpr uint64_t kDescSwizzle128B = 2;", defines: &[] },
          "fa3s1", &["max |O - ref|", "outside the dynamic shared memory"]),
         (Mutation { name: "missing_transpose_bit", file: "", from: "", to: "", defines: &["EMU_MUTATE_DROP_TRANS_B"] },
-         "fa3s3", &["max |O - ref|", "outside the dynamic shared memory"]),
+         "fa3s3", &["max |O - ref|", "outside the dynamic shared memory", "happens-before"]),
         (Mutation { name: "a_fragment_registers_swapped", file: WG,
             from: "return acc_index(2 * k + r / 2, r % 2, 0);", to: "return acc_index(2 * k + r % 2, r / 2, 0);", defines: &[] },
          "fa3s4", &["max |O - ref|"]),
         (Mutation { name: "expect_tx_one_box_short", file: FA3_PIPELINE,
             from: "mbar_arrive_expect_tx(full, Tr::kKvTileBytes);",
             to: "mbar_arrive_expect_tx(full, Tr::kKvTileBytes - Tr::kKvTileBytes / Tr::kSlabs);", defines: &[] },
-         "fa3s4", &["the phase completed before all its bytes landed"]),
+         "fa3s4", &["the phase completed before all its bytes landed", "happens-before"]),
         (Mutation { name: "flipped_parity", file: FA3_MAINLOOP,
             from: "return static_cast<uint32_t>(((it0 + j) / S) & 1); };",
             to: "return static_cast<uint32_t>((((it0 + j) / S) & 1) ^ 1); };", defines: &[] },
@@ -496,6 +493,116 @@ fn mutations() -> Vec<(Mutation, &'static str, &'static [&'static str])> {
             from: "    issue_qk<Tr, T>(s, q_addr, k_addr);\n    wgmma_wait<0>();", to: "    issue_qk<Tr, T>(s, q_addr, k_addr);", defines: &[] },
          "fa3s2", &["is read (fence_regs) while wgmma"]),
     ]
+}
+
+/// Reads of asynchronously written shared memory without the acquire that orders the write's
+/// completion before them: caught by happens-before on every run, so each must fail under each
+/// seed alone (every seed mixes the three land policies, drawn per copy), with a diagnosis that
+/// names the missing acquire.
+#[rustfmt::skip]
+fn hb_mutations() -> Vec<(Mutation, &'static str, &'static str)> {
+    vec![
+        (Mutation { name: "no_q_full_wait", file: FA3_MAINLOOP,
+            from: "        consumer_wait(bars.q_full, pos.q_use & 1);\n", to: "", defines: &[] },
+         "fa3s4", "the missing acquire: mbarrier.try_wait.parity"),
+        (Mutation { name: "no_v_full_wait_before_pv", file: FA3_MAINLOOP,
+            from: "            consumer_wait(&bars.v_full[slot(j - 1)], full_parity(j - 1));\n", to: "", defines: &[] },
+         "fa3s4", "the missing acquire: mbarrier.try_wait.parity"),
+        (Mutation { name: "fa2_no_cp_async_wait", file: "cuda/fa2_fwd.cu",
+            from: "        cp_async_wait<0>();  // tile j (and, first time, Q) landed for this thread ...\n", to: "", defines: &[] },
+         "fa2", "cp.async.wait_group"),
+        (Mutation { name: "stage1_no_barrier_before_wgmma", file: "cuda/fa3/stages.cuh",
+            from: "        fence_proxy_async_smem();  // generic-proxy stores -> visible to wgmma (async proxy)\n        __syncthreads();\n",
+            to: "        fence_proxy_async_smem();  // generic-proxy stores -> visible to wgmma (async proxy)\n", defines: &[] },
+         "fa3s1", "ordinary store"),
+    ]
+}
+
+#[test]
+fn happens_before_mutations_are_caught() {
+    let case = |family: &'static str, seed: u64| {
+        let mut c = Case::new(family, DType::BF16, [1, 130, 2, 128], [1, 400, 1, 128], ForwardOptions::default().return_lse(true).causal(true));
+        c.seeds = vec![seed];
+        c
+    };
+    let mut missed = Vec::new();
+    for (m, fam, expect) in &hb_mutations() {
+        run_case(&case(fam, 1), None).unwrap_or_else(|e| panic!("{fam} fails unmutated: {e}"));
+        for seed in 1..=3 {
+            match run_case(&case(fam, seed), Some(m)) {
+                Ok(p) => {
+                    println!("MISSED {} ({fam}, seed {seed}): passes with err/bound {:.3}", m.name, p.ratio);
+                    missed.push(format!("{} seed {seed}", m.name));
+                }
+                Err(e) => {
+                    let ok = e.contains("happens-before") && e.contains(expect);
+                    println!("{} {} ({fam}, seed {seed}):\n{}\n", if ok { "caught" } else { "WRONG DIAGNOSIS" }, m.name,
+                             e.lines().take(9).collect::<Vec<_>>().join("\n"));
+                    if !ok {
+                        missed.push(format!("{} seed {seed}", m.name));
+                    }
+                }
+            }
+        }
+    }
+    assert!(missed.is_empty(), "happens-before mutations not caught by happens-before: {missed:?}");
+}
+
+/// What the emulator cannot observe, as a rule over the sources: the statement after every
+/// `wgmma_wait<N>()` is `fence_regs(...)` on the accumulators read next, which keeps nvcc from
+/// moving their reads above the wait (the emulator runs the source order, so a read the
+/// compiler hoists would never show here). Returns the waits that break it.
+fn unfenced_wgmma_waits(file: &str, text: &str) -> Vec<String> {
+    let code = |l: &str| l.split("//").next().unwrap_or("").trim().to_string();
+    let lines: Vec<String> = text.lines().map(code).collect();
+    let mut bad = Vec::new();
+    for (i, l) in lines.iter().enumerate() {
+        if !(l.starts_with("wgmma_wait<") && l.ends_with(">();")) {
+            continue;
+        }
+        let next = lines[i + 1..].iter().find(|n| !n.is_empty() && !n.starts_with('#'));
+        if !next.is_some_and(|n| n.starts_with("fence_regs(")) {
+            bad.push(format!("{file}:{}: `{l}` is not followed by fence_regs(...)", i + 1));
+        }
+    }
+    bad
+}
+
+/// Every kernel source and header under cuda/ (without the test programs), as (path, text).
+fn kernel_sources() -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut dirs = vec![root().join("cuda")];
+    while let Some(dir) = dirs.pop() {
+        for p in std::fs::read_dir(&dir).unwrap().flatten().map(|e| e.path()) {
+            if p.is_dir() {
+                if p.file_name().is_some_and(|n| n != "test") {
+                    dirs.push(p);
+                }
+            } else {
+                let rel = p.strip_prefix(root()).unwrap().display().to_string();
+                out.push((rel, std::fs::read_to_string(&p).unwrap()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn every_wgmma_wait_is_followed_by_fence_regs() {
+    let sources = kernel_sources();
+    let waits: usize = sources.iter().map(|(_, t)| t.lines().filter(|l| l.trim_start().starts_with("wgmma_wait<")).count()).sum();
+    assert!(waits >= 9, "the rule must see the kernels' waits (found {waits})");
+    let bad: Vec<String> = sources.iter().flat_map(|(f, t)| unfenced_wgmma_waits(f, t)).collect();
+    assert!(bad.is_empty(), "{bad:#?}");
+    // The rule bites: stage 4's wait for S_j without its fence_regs.
+    let (file, text) = sources.iter().find(|(f, _)| f == FA3_MAINLOOP).unwrap();
+    let anchor = "            wgmma_wait<1>();  // groups retire in order: S_j is ready, PV may still run\n            fence_regs(op.s);\n";
+    assert_eq!(text.matches(anchor).count(), 1, "the mutation's anchor must match the kernel once");
+    let mutated = text.replacen(anchor, "            wgmma_wait<1>();  // groups retire in order: S_j is ready, PV may still run\n", 1);
+    let found = unfenced_wgmma_waits(file, &mutated);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(found[0].contains("wgmma_wait<1>();"), "{found:?}");
 }
 
 #[test]
@@ -594,7 +701,7 @@ fn fa4_mutations() -> Vec<(Mutation, &'static str, &'static [&'static str])> {
         (Mutation { name: "p_without_proxy_fence", file: FA4,
             from: "        fa3::fence_proxy_async_smem();  // P (generic-proxy stores) -> visible to the MMA\n",
             to: "", defines: &[] },
-         "fa4s1", &["after the last fence.proxy.async"]),
+         "fa4s1", &["after the last fence.proxy.async", "a fence.proxy.async by thread"]),
         (Mutation { name: "rescale_without_wait_st", file: FA4,
             from: "        tmem_st_32x32b_x32(a, r);\n    }\n    tmem_wait_st();", to: "        tmem_st_32x32b_x32(a, r);\n    }", defines: &[] },
          "fa4s1", &["has not completed", "without tcgen05.wait::st"]),
@@ -610,7 +717,7 @@ fn fa4_mutations() -> Vec<(Mutation, &'static str, &'static [&'static str])> {
         (Mutation { name: "kv_reloaded_before_pv_completes", file: FA4,
             from: "            umma_commit(o_full);\n",
             to: "            umma_commit(o_full);\n            if (it + 1 < n_tiles) tma_load_4d(sv, tv, kv_full, 0, bc.kv_head, (n + 1) * Tr::kBlockN, bc.batch);\n", defines: &[] },
-         "fa4s1", &["not yet executed", "changed between issue", "deadlock", "max |O - ref|", "arrival underflow"]),
+         "fa4s1", &["not yet executed", "changed between issue", "deadlock", "max |O - ref|", "arrival underflow", "happens-before"]),
         (Mutation { name: "rows_past_the_end_skip_tcgen05_ld", file: FA4,
             from: "        if (!live) continue;\n", to: "        if (!live) return;\n", defines: &[] },
          "fa4s1", &["of its 32 lanes: it is .sync.aligned"]),

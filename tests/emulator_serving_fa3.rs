@@ -66,6 +66,8 @@ struct Case {
     /// Cache layouts: the last `appended` keys of each sequence are this call's new rows
     /// (`seqlen_new`), already in the cache as the append kernel leaves it before the attention.
     appended: usize,
+    /// Scheduler seeds (bit-identical outputs across them).
+    seeds: Vec<u64>,
 }
 
 impl Case {
@@ -286,7 +288,7 @@ fn run_mutated(c: &Case, execute: bool, mutation: Option<&Mutation>) -> Result<(
         h.finish(),
         mutation.map_or("", |m| m.name)
     ));
-    let (log, outs) = run_launch(&exe, &dir, &pl, c.family, &[1, 2, 3], &bufs)?;
+    let (log, outs) = run_launch(&exe, &dir, &pl, c.family, &c.seeds, &bufs)?;
     let o = from_bits(&outs["o"], dt);
     let lse: Vec<f32> = outs
         .get("lse")
@@ -375,6 +377,7 @@ fn case(
         opts: ForwardOptions::default().return_lse(true),
         sm_count: 1,
         appended: 0,
+        seeds: vec![1, 2, 3],
     }
 }
 fn with(mut c: Case, f: impl FnOnce(&mut Case)) -> Case {
@@ -534,6 +537,37 @@ fn mutations_are_caught() {
         match run_mutated(c, true, Some(m)) {
             Ok((ratio, _)) => panic!("mutation {} passed {} (err/bound {ratio:.3})", m.name, c.name()),
             Err(e) => println!("caught {}: {}", m.name, e.lines().next().unwrap_or("")),
+        }
+    }
+}
+
+/// The gathered (paged) load's producer warpgroup without its barrier before the one arrival
+/// that publishes the tile: the consumers' wgmma reads other producer threads' cp.async copies
+/// that nothing orders before it. Caught by happens-before under each seed alone, naming the
+/// missing synchronisation with the copying thread.
+#[test]
+fn gathered_tile_published_without_producer_barrier_is_caught() {
+    let m = Mutation {
+        name: "gather_commit_without_barrier",
+        file: "cuda/fa3/serving.cuh",
+        from: "    named_bar_sync<kGatherBarrier, kWarpgroupThreads>();\n",
+        to: "",
+        defines: &[],
+    };
+    for family in ["fa3s3", "fa3s5"] {
+        let paged = Kv::Paged { lens: vec![300, 129], page: 16, spare: 2, shared: false };
+        let c = case(family, DType::BF16, (2, 2, 64), &[16, 40], true, paged);
+        let note = run(&c, true).unwrap_or_else(|e| panic!("{}: the unmutated kernel fails: {e}", c.name())).1.note;
+        assert!(note.unwrap_or("").contains("gathered"), "{}: not the gathered path: {note:?}", c.name());
+        for seed in 1..=3 {
+            let c = with(c.clone(), |c| c.seeds = vec![seed]);
+            match run_mutated(&c, true, Some(&m)) {
+                Ok((ratio, _)) => panic!("{} passed {} seed {seed} (err/bound {ratio:.3})", m.name, c.name()),
+                Err(e) => {
+                    println!("caught {} ({family}, seed {seed}):\n{}\n", m.name, e.lines().take(9).collect::<Vec<_>>().join("\n"));
+                    assert!(e.contains("happens-before") && e.contains("cp.async copy of thread"), "{family} seed {seed}: {e}");
+                }
+            }
         }
     }
 }

@@ -181,6 +181,7 @@ int main(int argc, char** argv) {
                 kernel.c_str(), cfg.grid.x, cfg.grid.y, cfg.grid.z, cfg.block.x, cfg.smem_bytes,
                 cfg.entry_regs ? std::to_string(cfg.entry_regs).c_str() : "65536/threads (no ptxas report)");
     // 0xFF: NaN in f16, bf16 and f32, so an output element the kernel leaves unwritten shows.
+    cfg.kernel = kernel;
     return emu_buffers::run_seeds(cfg, seeds, &run_thread, &e, 0xFF, [] {
         const emu::Stats st = emu::stats();
         char line[240];

@@ -113,6 +113,35 @@ inline uint64_t untranslate(uint64_t host) {
     return 0;
 }
 
+// Which buffer of the launch a host address is in or next to (fault reports: registered with
+// emu::set_fault_describer by run_seeds); empty when none is within a MiB.
+inline std::string describe_host_address(uintptr_t a) {
+    const Buffer* best = nullptr;
+    uint64_t best_d = UINT64_MAX;
+    for (const Buffer& b : g_buffers) {
+        const uintptr_t lo = reinterpret_cast<uintptr_t>(b.mem.data()), hi = lo + b.mem.bytes();
+        const uint64_t d = a < lo ? lo - a : a >= hi ? a - hi + 1 : 0;
+        if (d < best_d) {
+            best_d = d;
+            best = &b;
+        }
+    }
+    if (!best || best_d > (1u << 20)) return "";
+    const uintptr_t lo = reinterpret_cast<uintptr_t>(best->mem.data()), hi = lo + best->mem.bytes();
+    char s[400];
+    if (a < lo)
+        std::snprintf(s, sizeof s, "%" PRIu64 " bytes before the start of buffer %s (device 0x%" PRIx64 ", %zu bytes)",
+                      static_cast<uint64_t>(lo - a), best->name.c_str(), best->dev, best->mem.bytes());
+    else if (a >= hi)
+        std::snprintf(s, sizeof s, "%" PRIu64 " bytes past the end of buffer %s (device 0x%" PRIx64 ", %zu bytes): device address 0x%" PRIx64,
+                      static_cast<uint64_t>(a - hi), best->name.c_str(), best->dev, best->mem.bytes(),
+                      static_cast<uint64_t>(best->dev + (a - lo)));
+    else
+        std::snprintf(s, sizeof s, "inside buffer %s (device 0x%" PRIx64 ", %zu bytes) at byte %" PRIu64, best->name.c_str(),
+                      best->dev, best->mem.bytes(), static_cast<uint64_t>(a - lo));
+    return s;
+}
+
 // Handles an `in`, `out` or `inout` directive; false for any other key.
 inline bool buffer_directive(const emu_launch::Directive& d) {
     if (d.key != "in" && d.key != "out" && d.key != "inout") return false;
@@ -142,6 +171,7 @@ inline bool buffer_directive(const emu_launch::Directive& d) {
 inline int run_seeds(emu::LaunchConfig cfg, std::vector<uint64_t> seeds, void (*entry)(void*), void* arg,
                      unsigned char poison, const std::function<std::string()>& note = {}) {
     if (seeds.empty()) seeds.push_back(1);
+    emu::set_fault_describer(&describe_host_address);
     std::vector<std::vector<unsigned char>> first;
     for (size_t si = 0; si < seeds.size(); ++si) {
         for (Buffer& b : g_buffers)

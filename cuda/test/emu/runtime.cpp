@@ -45,9 +45,22 @@
 //                 registers (an inc that the pool cannot satisfy waits; if nothing frees
 //                 registers it is a deadlock).
 //  cp.async       copies land between issue and the wait_group that covers them; pending at exit.
+//  happens-before of shared memory (every run, whatever the schedule): each TMA box and cp.async
+//                 copy is the recorded writer of its 16-byte granules; a read through ldmatrix,
+//                 a wgmma operand (per issuing thread: its warp's A rows, all of B) or a UMMA
+//                 operand (the issuing thread) must have acquired the write's completion (TMA:
+//                 the mbarrier phase it completes, through try_wait; cp.async: the copying
+//                 thread's wait_group, then a release of that thread). Once the launch uses the
+//                 async proxy, ordinary stores are seen too (the window is write-protected while
+//                 fibers run; a written page is diffed when the fiber switches out): the async
+//                 proxy may read them only after a fence.proxy.async of the storing thread and a
+//                 release of it after the fence; ldmatrix after a release after the store; a
+//                 store into bytes a wgmma reads needs every reading thread's retirement acquired.
 #include "runtime.h"
 
+#include <signal.h>
 #include <sys/mman.h>
+#include <ucontext.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -166,6 +179,26 @@ struct CpCopy {
     uint32_t dst;
     const void* src;
     int size, src_bytes;
+    uint32_t aw;    // its AsyncWrite record
+    double land_p;  // per step, the probability that it lands when picked (its land policy)
+};
+
+// One asynchronous write into shared memory (a TMA box or one cp.async copy), for the
+// happens-before check of reads: its completion is an event on a clock entry (`entry` reaching
+// `value`): for TMA, the mbarrier's own entry (phase `phase` completing, through complete_tx);
+// for cp.async, the issuing thread's entry at the cp.async.wait_group that covers it. A reader
+// must have acquired that event (its clock's `entry` at least `value`).
+struct AsyncWrite {
+    bool tma = false;
+    unsigned tid = 0;
+    uint32_t dst = 0, bytes = 0;
+    uint32_t bar = 0;     // TMA: the mbarrier it completes on
+    uint64_t phase = 0;   // ... in this phase
+    uint64_t group = 0;   // cp.async: the thread's commit group
+    uint32_t entry = 0, value = 0;
+    bool complete = false;  // the completion event has happened (TMA: known from the barrier)
+    bool landed = false;
+    std::array<uintptr_t, 10> pcs{};  // issuing call stack (innermost first)
 };
 
 struct Fiber {
@@ -190,6 +223,11 @@ struct Fiber {
     std::unordered_map<const float*, VReg> vregs;
     // cp.async.
     uint64_t cp_committed = 0;
+    std::vector<std::pair<uint64_t, uint32_t>> cp_pending;  // (group, AsyncWrite id) not yet waited for
+    // Ordinary stores into shared memory (seen when the fiber switches out): their count, and
+    // per fence.proxy.async (store count then, clock entry then).
+    uint32_t store_seq = 0;
+    std::vector<std::pair<uint32_t, uint32_t>> fences;
     Clock vc;  // happens-before clock
     // __syncthreads_or calls made (selects the CTA's accumulator slot).
     uint64_t or_calls = 0;
@@ -249,6 +287,10 @@ struct WgmmaOp {
     std::vector<unsigned char> snap[2];
     // Per thread: its clock entry when it retired the instruction (0: not yet).
     std::vector<uint32_t> retire_time;
+    double land_p = 1;  // its land policy (CpCopy::land_p)
+    // The 16-byte granules its shared operands occupy: A per warp of the warpgroup (rows 16w ..
+    // 16w + 15, the part that warp's lanes read), B whole (happens-before check at issue).
+    std::vector<uint32_t> gran_a[4], gran_b;
 };
 struct WgState {
     std::deque<WgmmaOp> ops;
@@ -278,6 +320,7 @@ struct Mbar {
     WaitList wl;
     Clock acc;      // join of the current phase's arrivals (and TMA issuers)
     Clock done[2];  // of the last completed phase of each parity
+    uint32_t entry = 0;  // its own clock entry: phase p's completion sets it to p + 1
 };
 
 struct TmaCopy {
@@ -289,6 +332,8 @@ struct TmaCopy {
     TensorMapFields map;
     int32_t coords[5];
     std::vector<unsigned char> dst_before;
+    uint32_t aw;    // its AsyncWrite record
+    double land_p;  // its land policy (CpCopy::land_p)
 };
 
 struct Cta {
@@ -302,6 +347,20 @@ struct Cta {
     std::vector<TmaCopy> tma;
     std::vector<CpCopy> cp;
     std::vector<unsigned char> async_view;  // smem as the async proxy sees it (last fence)
+    // Happens-before of asynchronous writes: every record (id = index + 1), the last one issued
+    // into each 16-byte granule of the dynamic smem (0: none), and the bytes it left there.
+    std::vector<AsyncWrite> aw;
+    std::vector<uint32_t> gran;
+    std::vector<std::array<unsigned char, 16>> gran_bytes;
+    // Ordinary (generic-proxy) stores into shared memory, per granule: the storing thread + 1
+    // (0: none since the last asynchronous write), its store count and clock entry then. Seen
+    // by write-protecting the window while fibers run (a written page is diffed against
+    // `shadow` when the fiber switches out); on once the launch uses the async proxy.
+    bool track_stores = false;
+    std::vector<unsigned char> shadow;
+    std::vector<uint32_t> st_tid, st_seq, st_epoch;
+    std::vector<uint32_t> dirty_pages;  // window pages written since the last diff
+    uint32_t next_entry = 0;  // the next clock entry for an mbarrier (after the threads')
     int64_t reg_pool = 0;                   // free registers of the CTA
     WaitList reg_wl;
     unsigned exited = 0;
@@ -322,9 +381,10 @@ struct Launch {
     void* arg = nullptr;
     uint32_t win_base = 0;  // shared address of emu_shared_window[0]... see smem_*
     std::mt19937_64 rng;
-    double stay_p = 0, land_p = 1;
+    double stay_p = 0;
     uint64_t tma_ids = 0;
     std::vector<unsigned char*> stacks;
+    bool async_proxy_seen = false;  // a fence.proxy.async, TMA, wgmma or UMMA ran (store tracking)
 };
 
 Launch g_launch;
@@ -450,8 +510,10 @@ void notify(WaitList& wl) {
     ++g_cta->progress;
 }
 
+void note_stores(Fiber& f);
 void to_scheduler() {
     Fiber& f = *g_fiber;
+    if (g_cta->track_stores) note_stores(f);
     ++g_stats.switches;
     emu_ctx_switch(&f.sp, g_cta->sched_sp);
 }
@@ -558,8 +620,18 @@ bool wg_can_exec(unsigned w) {
     return s.ops[s.next_exec - s.base].issued == 128;
 }
 
-// Fires one random piece of pending asynchronous work; false if there is none.
-bool fire_one() {
+// The land policies: the probability per scheduling step that a picked piece of asynchronous
+// work lands (as late as possible, soon, at once).
+constexpr double kLandP[3] = {0.01, 0.2, 1.0};
+// A new piece of work's policy: the launch's fixed one, or one drawn per piece.
+double draw_land_p() {
+    const int fixed = g_launch.cfg.land_policy;
+    return kLandP[fixed >= 0 ? fixed % 3 : static_cast<int>(g_launch.rng() % 3)];
+}
+
+// Picks one random piece of pending asynchronous work and fires it, if `forced` or with the
+// probability of its land policy; false if there is none or it stays in flight.
+bool fire_one(bool forced) {
     Cta& c = *g_cta;
     const size_t n_tma = c.tma.size(), n_cp = c.cp.size();
     size_t n_wg = 0;
@@ -567,24 +639,31 @@ bool fire_one() {
     const size_t n_tc = tc_pending();
     const size_t total = n_tma + n_cp + n_wg + n_tc;
     if (!total) return false;
+    std::uniform_real_distribution<double> u01(0.0, 1.0);
+    auto lands = [&](double p) { return forced || u01(g_launch.rng) < p; };
     size_t pick = g_launch.rng() % total;
     if (pick < n_tma) {
+        if (!lands(c.tma[pick].land_p)) return false;
         land_tma(pick);
         return true;
     }
     pick -= n_tma;
     if (pick < n_cp) {
+        if (!lands(c.cp[pick].land_p)) return false;
         land_cp(pick);
         return true;
     }
     pick -= n_cp;
     if (pick < n_tc) {
+        if (!lands(draw_land_p())) return false;
         tc_fire(pick);
         return true;
     }
     pick -= n_tc;
     for (unsigned w = 0; w < c.wgs.size(); ++w)
         if (wg_can_exec(w) && pick-- == 0) {
+            WgState& s = c.wgs[w];
+            if (!lands(s.ops[s.next_exec - s.base].land_p)) return false;
             exec_wgmma(w);
             return true;
         }
@@ -600,11 +679,11 @@ void schedule() {
     std::uniform_real_distribution<double> u01(0.0, 1.0);
     Fiber* last = nullptr;
     while (c.exited < c.nthreads) {
-        // Asynchronous work lands at random points (seeded rate).
-        while (u01(g_launch.rng) < g_launch.land_p && fire_one()) {
+        // Asynchronous work lands at random points (each piece at the rate of its policy).
+        while (fire_one(false)) {
         }
         if (c.runnable.empty()) {
-            if (fire_one()) continue;
+            if (fire_one(true)) continue;
             // Fibers polling an mbarrier (try_wait) time out and poll again, once per change of
             // state; if nothing changed since the last time-out, nobody can make progress.
             std::vector<Fiber*> soft;
@@ -742,6 +821,7 @@ void fiber_main(Fiber* f) {
     if (g_cta->bars[0].arrived)
         fail("__syncthreads has %u of %u threads waiting while this thread exits (it can never complete)",
              g_cta->bars[0].arrived, g_cta->bars[0].expected);
+    if (g_cta->track_stores) note_stores(*f);
     f->done = true;
     f->runnable = false;
     auto& r = g_cta->runnable;
@@ -872,6 +952,257 @@ void check_full_mask(unsigned mask, const char* what) {
     if (mask != 0xFFFFFFFFu) fail("%s with member mask 0x%08x: only full-warp masks are emulated", what, mask);
 }
 
+// ------------------------------------------------------------------ happens-before of async writes
+
+uint32_t clock_at(const Clock& c, uint32_t e) { return e < c.size() ? c[e] : 0; }
+
+uint32_t granule_of(uint32_t addr) { return (addr - smem_lo()) / 16; }
+
+// Records an asynchronous write of [w.dst, w.dst + w.bytes), issued by the current thread, as
+// the last writer of its granules; returns its id.
+uint32_t record_async_write(AsyncWrite w) {
+    Cta& c = *g_cta;
+    if (g_fiber) {
+        const std::vector<uintptr_t> pcs = fiber_frames(g_fiber);
+        for (size_t i = 0; i < pcs.size() && i < w.pcs.size(); ++i) w.pcs[i] = pcs[i];
+    }
+    c.aw.push_back(w);
+    const uint32_t id = static_cast<uint32_t>(c.aw.size());
+    for (uint32_t g = granule_of(w.dst); g <= granule_of(w.dst + w.bytes - 1); ++g) c.gran[g] = id;
+    return id;
+}
+
+// The write put its bytes into shared memory: remember them (bytes that ordinary stores replace
+// later are no longer the write's).
+void async_write_landed(uint32_t id) {
+    Cta& c = *g_cta;
+    AsyncWrite& w = c.aw[id - 1];
+    w.landed = true;
+    for (uint32_t g = granule_of(w.dst); g <= granule_of(w.dst + w.bytes - 1); ++g)
+        if (c.gran[g] == id) std::memcpy(c.gran_bytes[g].data(), host_of(smem_lo() + 16 * g), 16);
+}
+
+std::string fmt(const char* f, ...) __attribute__((format(printf, 1, 2)));
+std::string fmt(const char* f, ...) {
+    char b[1024];
+    va_list ap;
+    va_start(ap, f);
+    std::vsnprintf(b, sizeof b, f, ap);
+    va_end(ap);
+    return b;
+}
+
+[[noreturn]] void hb_violation(const Fiber& r, const AsyncWrite& w, uint32_t id, uint32_t addr, const char* what) {
+    Cta& c = *g_cta;
+    std::string wr, acq;
+    if (w.tma) {
+        auto it = c.mbars.find(w.bar);
+        const bool done = it != c.mbars.end() && it->second.phase > w.phase;
+        const uint32_t got = clock_at(r.vc, w.entry);
+        wr = fmt("TMA copy #%u into shared [0x%x, 0x%x), issued by thread %u, completing (complete_tx) on the mbarrier "
+                 "at shared 0x%x in its phase %" PRIu64 " (parity %" PRIu64 "), which %s",
+                 id, w.dst, w.dst + w.bytes, w.tid, w.bar, w.phase, w.phase & 1,
+                 done ? "has completed" : "has not completed yet");
+        acq = fmt("mbarrier.try_wait.parity(%" PRIu64 ") on the mbarrier at shared 0x%x observing its phase %" PRIu64
+                  " complete, by thread %u (or by a thread it synchronises with afterwards) before the read; thread %u "
+                  "has %s",
+                  w.phase & 1, w.bar, w.phase, r.tid, r.tid,
+                  got == 0 ? std::string("acquired no phase of that mbarrier").c_str()
+                           : fmt("acquired that mbarrier only up to its phase %u", got - 1).c_str());
+    } else {
+        wr = fmt("cp.async copy of thread %u (16 bytes into shared 0x%x, its commit group %" PRIu64 "), %s", w.tid, w.dst,
+                 w.group,
+                 w.complete ? "completed by that thread's cp.async.wait_group"
+                            : "not yet covered by a cp.async.wait_group of that thread");
+        if (r.tid == w.tid)
+            acq = "this thread's own cp.async.wait_group covering the copy, before the read";
+        else if (!w.complete)
+            acq = fmt("cp.async.wait_group by thread %u covering the copy, then a barrier (or another release by thread "
+                      "%u) that thread %u acquires, before the read",
+                      w.tid, w.tid, r.tid);
+        else
+            acq = fmt("a barrier (or another release) by thread %u after its cp.async.wait_group, acquired by thread %u "
+                      "before the read: thread %u has not synchronised with thread %u since that wait",
+                      w.tid, r.tid, r.tid, w.tid);
+    }
+    std::vector<uintptr_t> pcs;
+    for (uintptr_t pc : w.pcs)
+        if (pc) pcs.push_back(pc);
+    std::string wsrc = symbolize(pcs, 4);
+    const bool other = &r != g_fiber;  // a lane of a warp-collective instruction completed by another lane
+    fail("happens-before: %s by thread %u reads shared bytes [0x%x, 0x%x) whose asynchronous write is not ordered "
+         "before the read\n  the write: %s\n    issued at:\n%s  the missing acquire: %s\n  the read%s:",
+         what, r.tid, addr, addr + 16, wr.c_str(), wsrc.c_str(), acq.c_str(),
+         other ? " (the warp-collective instruction, completed by its last lane)" : "");
+}
+
+// The happens-before check of a read of granule g by thread r (through `what`): the last
+// asynchronous write into it must have completed and r must have acquired that completion.
+// `ok` carries the last record found acquired (neighbouring granules mostly share one).
+[[noreturn]] void hb_store_violation(const Fiber& r, unsigned t, uint32_t g, bool async_proxy, const char* what,
+                                     const std::string& missing) {
+    fail("happens-before: %s by thread %u reads shared bytes [0x%x, 0x%x) that ordinary stores of thread %u wrote, "
+         "and the stores are not ordered before the read\n  the write: ordinary store(s) of thread %u (its store "
+         "batch %u, before its release %u)\n  the missing acquire: %s%s\n  the read:",
+         what, r.tid, smem_lo() + 16 * g, smem_lo() + 16 * g + 16, t, t, g_cta->st_seq[g], g_cta->st_epoch[g],
+         missing.c_str(), async_proxy ? " (the async proxy reads them: a fence.proxy.async by the storing thread after the stores, then its release)" : "");
+}
+
+// The happens-before check of a read of granule g by thread r that ordinary stores wrote last:
+// by the generic proxy (ldmatrix), a release of the storing thread after the stores acquired
+// by r; by the async proxy (wgmma, UMMA), a fence.proxy.async of the storing thread after the
+// stores, then a release of it after the fence acquired by r (or r itself fenced them).
+void check_store_read(const Fiber& r, uint32_t g, bool async_proxy, const char* what) {
+    Cta& c = *g_cta;
+    const unsigned t = c.st_tid[g] - 1;
+    const Fiber& w = c.fibers[t];
+    if (!async_proxy) {
+        if (t != r.tid && clock_at(r.vc, t) < c.st_epoch[g])
+            hb_store_violation(r, t, g, false, what,
+                               fmt("a barrier (or another release) by thread %u after the stores, acquired by thread %u", t, r.tid));
+        return;
+    }
+    auto it = std::lower_bound(w.fences.begin(), w.fences.end(), std::make_pair(c.st_seq[g], 0u));
+    if (it == w.fences.end())
+        hb_store_violation(r, t, g, true, what, fmt("a fence.proxy.async by thread %u after its stores: it has none since", t));
+    if (t != r.tid && clock_at(r.vc, t) < it->second)
+        hb_store_violation(r, t, g, true, what,
+                           fmt("a barrier (or another release) by thread %u after its fence.proxy.async, acquired by thread %u "
+                               "before the read",
+                               t, r.tid));
+}
+
+void check_async_read(const Fiber& r, uint32_t g, const char* what, uint32_t& ok, bool async_proxy) {
+    Cta& c = *g_cta;
+    if (c.track_stores && c.st_tid[g]) {
+        check_store_read(r, g, async_proxy, what);
+        return;
+    }
+    const uint32_t id = c.gran[g];
+    if (id == 0 || id == ok) return;
+    const AsyncWrite& w = c.aw[id - 1];
+    if ((w.tma || w.complete) && clock_at(r.vc, w.entry) >= w.value) {
+        ok = id;
+        return;
+    }
+    if (w.landed && std::memcmp(host_of(smem_lo() + 16 * g), c.gran_bytes[g].data(), 16) != 0) {
+        c.gran[g] = 0;  // replaced by ordinary stores since it landed
+        return;
+    }
+    hb_violation(r, w, id, smem_lo() + 16 * g, what);
+}
+
+// Completes the current phase of an mbarrier: its waiters acquire the phase's arrivals (and the
+// TMA issuers' clocks) and the barrier's own entry, phase + 1.
+void complete_phase(Mbar& m) {
+    Clock& d = m.done[m.phase & 1];
+    d = std::move(m.acc);
+    m.acc.clear();
+    if (d.size() <= m.entry) d.resize(m.entry + 1, 0);
+    d[m.entry] = std::max(d[m.entry], static_cast<uint32_t>(m.phase + 1));
+    ++m.phase;
+    m.pending = m.count;
+    notify(m.wl);
+}
+
+// ------------------------------------------------------------------ ordinary stores
+
+constexpr uintptr_t kPage = 4096;
+
+// Write-protects the window's pages of the dynamic smem (a store then faults once per page:
+// on_fault records the page and opens it).
+void protect_window(bool on) {
+    const size_t bytes = (g_launch.cfg.smem_bytes + kPage - 1) / kPage * kPage;
+    if (bytes) mprotect(emu_shared_window, bytes, on ? PROT_READ : PROT_READ | PROT_WRITE);
+}
+
+// Copies the bytes the emulator itself wrote (async copies landing, mbarrier objects,
+// tcgen05.alloc's address) into the shadow, so they are not taken for a thread's stores.
+void shadow_sync(uint32_t addr, uint32_t n) {
+    Cta& c = *g_cta;
+    if (c.track_stores) std::memcpy(&c.shadow[addr - smem_lo()], host_of(addr), n);
+}
+
+// Starts tracking ordinary stores (at the launch's first use of the async proxy; from the
+// start for every later CTA): what is in shared memory now is nobody's store.
+void start_store_tracking() {
+    Cta& c = *g_cta;
+    g_launch.async_proxy_seen = true;
+    if (c.track_stores) return;
+    c.track_stores = true;
+    c.shadow.assign(host_of(smem_lo()), host_of(smem_lo()) + g_launch.cfg.smem_bytes);
+    c.st_tid.assign(c.gran.size(), 0);
+    c.st_seq.assign(c.gran.size(), 0);
+    c.st_epoch.assign(c.gran.size(), 0);
+    c.dirty_pages.clear();
+    protect_window(true);
+}
+
+// Thread f's store into granule g races with a wgmma that reads it unless f acquired every
+// reading thread's retirement of that instruction (as for a TMA copy into its operands).
+void check_store_over_wgmma(const Fiber& f, uint32_t g) {
+    Cta& c = *g_cta;
+    const uint32_t a = smem_lo() + 16 * g;
+    for (WgState& s : c.wgs) {
+        const unsigned w = static_cast<unsigned>(&s - c.wgs.data());
+        for (const std::deque<WgmmaOp>* list : {&s.ops, &s.history})
+            for (const WgmmaOp& op : *list) {
+                if (!op.issued) continue;
+                bool in_b = false, any = false;
+                if (op.hi[1] > op.lo[1] && a < op.hi[1] && a + 16 > op.lo[1])
+                    in_b = std::binary_search(op.gran_b.begin(), op.gran_b.end(), g);
+                any = in_b;
+                for (unsigned wq = 0; wq < 4 && !any; ++wq)
+                    any = std::binary_search(op.gran_a[wq].begin(), op.gran_a[wq].end(), g);
+                if (!any) continue;
+                for (unsigned t = 0; t < 128; ++t) {
+                    const bool reads = in_b || std::binary_search(op.gran_a[t / 32].begin(), op.gran_a[t / 32].end(), g);
+                    const unsigned gt = 128 * w + t;
+                    if (!reads || gt == f.tid) continue;
+                    const bool issued_by_t = op.d.empty() ? true : op.d[t] != nullptr;
+                    const uint32_t rt = op.retire_time.empty() ? 0 : op.retire_time[t];
+                    if (!issued_by_t && rt == 0) continue;  // t has not issued it yet: its own issue check sees this store
+                    if (rt == 0 || f.vc[gt] < rt)
+                        fail("happens-before: an ordinary store of thread %u into shared bytes [0x%x, 0x%x) that wgmma #%" PRIu64
+                             " of warpgroup %u reads for thread %u, which %s: the store races with the wgmma's read (the "
+                             "missing acquire: a barrier after thread %u's wgmma.wait_group, before the store)",
+                             f.tid, a, a + 16, op.seq, w, gt,
+                             rt == 0 ? "has not retired it" : "retired it after the last release this thread acquired", gt);
+                }
+            }
+    }
+}
+
+// Fiber f is switching out: the granules of the pages it wrote that differ from the shadow are
+// its stores.
+void note_stores(Fiber& f) {
+    Cta& c = *g_cta;
+    if (c.dirty_pages.empty()) return;
+    const size_t n = c.shadow.size();
+    const unsigned char* cur = host_of(smem_lo());
+    bool any = false;
+    for (uint32_t page : c.dirty_pages) {
+        const size_t lo = page * kPage, hi = std::min(n, lo + kPage);
+        for (size_t off = lo; off < hi; off += 16) {
+            const size_t len = std::min<size_t>(16, hi - off);
+            if (std::memcmp(cur + off, &c.shadow[off], len) == 0) continue;
+            if (!any) {
+                any = true;
+                ++f.store_seq;
+            }
+            const uint32_t g = static_cast<uint32_t>(off / 16);
+            check_store_over_wgmma(f, g);
+            c.st_tid[g] = f.tid + 1;
+            c.st_seq[g] = f.store_seq;
+            c.st_epoch[g] = f.vc[f.tid];
+            c.gran[g] = 0;  // no longer an asynchronous write's bytes
+            std::memcpy(&c.shadow[off], cur + off, len);
+        }
+    }
+    mprotect(emu_shared_window, (n + kPage - 1) / kPage * kPage, PROT_READ);
+    c.dirty_pages.clear();
+}
+
 // ------------------------------------------------------------------ TMA
 
 std::vector<unsigned char> copy_bytes(uint32_t addr, uint32_t n) {
@@ -932,6 +1263,8 @@ void land_tma(size_t i) {
             std::memcpy(&c.async_view[a - smem_lo()], dst, esz);
         }
     }
+    async_write_landed(t.aw);
+    shadow_sync(t.dst, t.bytes);
     ++g_stats.tma_copies;
     // complete_tx on the mbarrier.
     auto it = c.mbars.find(t.bar);
@@ -947,11 +1280,7 @@ void land_tma(size_t i) {
     if (mb.pending == 0 && mb.tx < 0)
         fail("mbarrier at 0x%x: a TMA copy completed %u bytes, more than the %" PRId64 " bytes the phase expects",
              t.bar, t.bytes, mb.tx + t.bytes);
-    if (mb.pending == 0 && mb.tx == 0) {
-        ++mb.phase;
-        mb.pending = mb.count;
-        notify(mb.wl);
-    }
+    if (mb.pending == 0 && mb.tx == 0) complete_phase(mb);
 }
 
 // ------------------------------------------------------------------ cp.async
@@ -963,6 +1292,8 @@ void land_cp(size_t i) {
     unsigned char* d = host_of(cp.dst);
     std::memset(d, 0, static_cast<size_t>(cp.size));  // src-size < cp-size zero-fills
     if (cp.src_bytes > 0) std::memcpy(d, cp.src, static_cast<size_t>(cp.src_bytes));
+    async_write_landed(cp.aw);
+    shadow_sync(cp.dst, static_cast<uint32_t>(cp.size));
     ++g_stats.cp_async_copies;
     ++c.progress;
 }
@@ -1132,9 +1463,83 @@ uint32_t dtype_bytes(uint32_t dt) {
     }
 }
 
+// ------------------------------------------------------------------ faults
+
+std::string (*g_fault_describer)(uintptr_t) = nullptr;
+
+// SIGSEGV / SIGBUS (a wild or out-of-bounds access: guard pages surround every driver buffer and
+// sit below every fiber stack): the kernel, CTA, thread, address, what the address is near and
+// the faulting source line, then exit status 3. Runs on its own stack (a fiber's stack may be
+// what overflowed).
+void on_fault(int sig, siginfo_t* si, void* ctx) {
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(si->si_addr);
+    const uintptr_t win0 = reinterpret_cast<uintptr_t>(emu_shared_window);
+    if (sig == SIGSEGV && g_cta && g_cta->track_stores && addr >= win0 &&
+        addr < win0 + (g_launch.cfg.smem_bytes + kPage - 1) / kPage * kPage) {
+        // A store into the write-protected window (ordinary stores are being tracked): note the
+        // page, open it, and let the store run.
+        const uintptr_t page = (addr - win0) / kPage;
+        g_cta->dirty_pages.push_back(static_cast<uint32_t>(page));
+        mprotect(emu_shared_window + page * kPage, kPage, PROT_READ | PROT_WRITE);
+        return;
+    }
+    const ucontext_t* uc = static_cast<const ucontext_t*>(ctx);
+    const uintptr_t rip = static_cast<uintptr_t>(uc->uc_mcontext.gregs[REG_RIP]);
+    const uintptr_t rbp = static_cast<uintptr_t>(uc->uc_mcontext.gregs[REG_RBP]);
+    std::fflush(stdout);
+    std::fprintf(stderr, "EMU ERROR: %s: an access to address 0x%" PRIxPTR " in kernel %s\n",
+                 sig == SIGBUS ? "bus error (SIGBUS)" : "segmentation fault (SIGSEGV)", addr,
+                 g_launch.cfg.kernel.empty() ? "(unnamed)" : g_launch.cfg.kernel.c_str());
+    std::fprintf(stderr, "  at %s, %s\n", cta_name().c_str(),
+                 g_fiber ? thread_name(g_fiber).c_str() : "the scheduler (landing asynchronous work)");
+    std::string near;
+    for (size_t i = 0; i < g_launch.stacks.size(); ++i) {
+        const uintptr_t lo = reinterpret_cast<uintptr_t>(g_launch.stacks[i]);
+        if (addr >= lo - 4096 && addr < lo)
+            near = "the guard page below the stack of thread " + std::to_string(i) + ": its stack (" +
+                   std::to_string(kStackBytes / 1024) + " KiB) overflowed";
+    }
+    const uintptr_t win = reinterpret_cast<uintptr_t>(emu_shared_window);
+    if (near.empty() && addr >= win && addr < win + kWindowBytes)
+        near = fmt("the shared-memory window, at shared address 0x%x", static_cast<uint32_t>(g_launch.win_base + (addr - win)));
+    if (near.empty() && g_fault_describer) near = g_fault_describer(addr);
+    std::fprintf(stderr, "  the address: %s\n", near.empty() ? "near no buffer of the launch (a wild pointer)" : near.c_str());
+    std::string where;
+    if (g_fiber) {
+        const uintptr_t lo = reinterpret_cast<uintptr_t>(g_fiber->stack_lo);
+        where = symbolize(frames_from(rbp, rip + 1, lo, lo + kStackBytes), 14);
+    }
+    std::fprintf(stderr, "%s", where.empty() ? "      (no kernel frame: the access was made by the emulator itself, e.g. a TMA "
+                                               "copy through a tensor map whose global extent is wrong)\n"
+                                             : where.c_str());
+    std::fprintf(stderr, "  (seed %" PRIu64 ", dynamic smem at shared address 0x%x)\n", g_launch.cfg.seed,
+                 g_launch.cfg.window_offset);
+    std::fflush(stderr);
+    std::_Exit(3);
+}
+
+void install_fault_handler() {
+    static bool installed = false;
+    if (installed) return;
+    installed = true;
+    static std::vector<unsigned char> alt(256 * 1024);
+    stack_t ss{};
+    ss.ss_sp = alt.data();
+    ss.ss_size = alt.size();
+    sigaltstack(&ss, nullptr);
+    struct sigaction sa{};
+    sa.sa_sigaction = &on_fault;
+    sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGSEGV, &sa, nullptr);
+    sigaction(SIGBUS, &sa, nullptr);
+}
+
 }  // namespace
 
 // ================================================================== public API
+
+void set_fault_describer(std::string (*describe)(uintptr_t)) { g_fault_describer = describe; }
 
 const Dim3& thread_idx() { return me().tidx; }
 const Dim3& block_idx() {
@@ -1252,7 +1657,15 @@ void cp_async(uint32_t dst, const void* src, int cp_size, int src_bytes) {
     if (src_bytes < 0 || src_bytes > cp_size) fail("cp.async src-size %d outside 0..%d", src_bytes, cp_size);
     check_smem_range(dst, static_cast<uint32_t>(cp_size), "cp.async destination");
     check_not_mbarrier(dst, dst + cp_size, "cp.async");
-    g_cta->cp.push_back(CpCopy{f.tid, f.cp_committed, dst, src, cp_size, src_bytes});
+    AsyncWrite w;
+    w.tid = f.tid;
+    w.dst = dst;
+    w.bytes = static_cast<uint32_t>(cp_size);
+    w.group = f.cp_committed;
+    w.entry = f.tid;
+    const uint32_t id = record_async_write(w);
+    f.cp_pending.emplace_back(f.cp_committed, id);
+    g_cta->cp.push_back(CpCopy{f.tid, f.cp_committed, dst, src, cp_size, src_bytes, id, draw_land_p()});
 }
 void cp_async_commit() {
     sched_point();
@@ -1268,6 +1681,16 @@ void cp_async_wait(int n) {
         if (v[i].tid == f.tid && v[i].group < limit) land_cp(i);
         else ++i;
     }
+    // Their completion is this thread's event now: a reader must acquire it (this thread, or
+    // through a release of this thread after the wait).
+    auto& pend = f.cp_pending;
+    for (auto& [group, id] : pend)
+        if (group < limit) {
+            AsyncWrite& w = g_cta->aw[id - 1];
+            w.complete = true;
+            w.value = f.vc[f.tid];
+        }
+    pend.erase(std::remove_if(pend.begin(), pend.end(), [&](const auto& e) { return e.first < limit; }), pend.end());
 }
 
 void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr, bool trans) {
@@ -1279,8 +1702,20 @@ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr, bool trans) {
                 const uint32_t a = k.in[l][0];
                 if (a % 16) fail("ldmatrix: lane %d's row address 0x%x is not 16-byte aligned", l, a);
                 check_smem_range(a, 16, "ldmatrix row");
-                check_no_pending_writes(a, a + 16, "ldmatrix");
             }
+            // Happens-before: each lane reads 4 bytes of up to 8 rows.
+            const unsigned w0 = me().warp * 32;
+            for (int l = 0; l < 32; ++l) {
+                const Fiber& rd = g_cta->fibers[w0 + static_cast<unsigned>(l)];
+                uint32_t ok = 0;
+                for (int m = 0; m < 4; ++m)
+                    for (int h = 0; h < 2; ++h) {
+                        const sm80::RowCol rc = sm80::ldmatrix_coord(l, h, trans);
+                        const uint32_t row = k.in[sm80::ldmatrix_row_lane(m, rc.row)][0];
+                        check_async_read(rd, granule_of(row), trans ? "ldmatrix.x4.trans" : "ldmatrix.x4", ok, false);
+                    }
+            }
+            for (int l = 0; l < 32; ++l) check_no_pending_writes(k.in[l][0], k.in[l][0] + 16, "ldmatrix");
             for (int l = 0; l < 32; ++l)
                 for (int m = 0; m < 4; ++m) {
                     uint32_t reg = 0;
@@ -1344,13 +1779,7 @@ Mbar& mbar_at(uint32_t bar, const char* what) {
     return it->second;
 }
 void mbar_complete_if_done(Mbar& m) {
-    if (m.pending == 0 && m.tx == 0) {
-        m.done[m.phase & 1] = std::move(m.acc);
-        m.acc.clear();
-        ++m.phase;
-        m.pending = m.count;
-        notify(m.wl);
-    }
+    if (m.pending == 0 && m.tx == 0) complete_phase(m);
 }
 void mbar_arrive_impl(uint32_t bar, uint32_t tx_bytes, const char* what) {
     sched_point();
@@ -1380,8 +1809,10 @@ void mbar_init(uint32_t bar, uint32_t count) {
     m.count = count;
     m.pending = count;
     m.init_tid = f.tid;
+    m.entry = g_cta->next_entry++;
     m.canary = canary_for(bar);
     std::memcpy(host_of(bar), &m.canary, 8);
+    shadow_sync(bar, 8);
     std::memcpy(&g_cta->async_view[bar - smem_lo()], &m.canary, 8);
 }
 
@@ -1419,6 +1850,9 @@ bool mbar_try_wait_parity(uint32_t bar, uint32_t parity) {
 
 void fence_proxy_async() {
     sched_point();
+    start_store_tracking();
+    Fiber& f = me();
+    f.fences.emplace_back(f.store_seq, f.vc[f.tid]);  // its stores so far are visible to the async proxy
     Cta& c = *g_cta;
     std::memcpy(c.async_view.data(), host_of(smem_lo()), c.async_view.size());
 }
@@ -1431,6 +1865,7 @@ void tma_prefetch(const void* map) {
 
 void tma_load(uint32_t dst, const void* map, uint32_t bar, const int32_t* coords, int rank) {
     sched_point();
+    start_store_tracking();
     Fiber& f = me();
     TmaCopy t;
     if (!decode_tensor_map(map, &t.map)) fail("cp.async.bulk.tensor with %p: not a tensor map", map);
@@ -1478,6 +1913,17 @@ void tma_load(uint32_t dst, const void* map, uint32_t bar, const int32_t* coords
                     }
                 }
     }
+    AsyncWrite w;
+    w.tma = true;
+    w.tid = f.tid;
+    w.dst = dst;
+    w.bytes = bytes;
+    w.bar = bar;
+    w.phase = m.phase;
+    w.entry = m.entry;
+    w.value = static_cast<uint32_t>(m.phase + 1);
+    t.aw = record_async_write(w);
+    t.land_p = draw_land_p();
     t.vc = f.vc;
     t.id = g_launch.tma_ids++;
     t.tid = f.tid;
@@ -1505,6 +1951,7 @@ void wgmma_commit() {
 
 void wgmma_issue(const WgmmaInstr& ins, float* d, const uint32_t* a_regs) {
     sched_point();
+    start_store_tracking();
     Fiber& f = me();
     Cta& c = *g_cta;
     if (c.nthreads % 128) fail("wgmma in a CTA of %u threads (whole warpgroups only)", c.nthreads);
@@ -1550,10 +1997,17 @@ void wgmma_issue(const WgmmaInstr& ins, float* d, const uint32_t* a_regs) {
                     const uint32_t a = sm90::operand_addr(desc, major, eb, static_cast<uint32_t>(i), static_cast<uint32_t>(k));
                     lo = std::min(lo, a);
                     hi = std::max(hi, a + eb);
+                    if (a < smem_lo() || a + eb > smem_hi()) continue;  // reported when it executes
+                    (which ? op.gran_b : op.gran_a[i / 16]).push_back(granule_of(a));
                 }
             op.lo[which] = lo;
             op.hi[which] = hi;
         }
+        for (std::vector<uint32_t>* v : {&op.gran_a[0], &op.gran_a[1], &op.gran_a[2], &op.gran_a[3], &op.gran_b}) {
+            std::sort(v->begin(), v->end());
+            v->erase(std::unique(v->begin(), v->end()), v->end());
+        }
+        op.land_p = draw_land_p();
     } else {
         const WgmmaInstr& o = op.ins;
         if (o.m != ins.m || o.n != ins.n || o.k != ins.k || o.a_type != ins.a_type || o.b_type != ins.b_type ||
@@ -1568,6 +2022,11 @@ void wgmma_issue(const WgmmaInstr& ins, float* d, const uint32_t* a_regs) {
             fail("wgmma #%" PRIu64 ": in commit group %" PRIu64 " for this thread but group %" PRIu64 " for thread %u", seq, group,
                  op.group, op.first_tid);
     }
+    // Happens-before: the shared operands this thread's warp reads (A: its 16 rows; B) must be
+    // acquired by the thread before it issues the instruction.
+    uint32_t ok = 0;
+    for (uint32_t g : op.gran_a[(f.tid / 32) % 4]) check_async_read(f, g, "wgmma.mma_async (operand A)", ok, true);
+    for (uint32_t g : op.gran_b) check_async_read(f, g, "wgmma.mma_async (operand B)", ok, true);
     op.d[t] = d;
     if (ins.a_from_regs) {
         op.a_ptr[t] = a_regs;
@@ -1753,14 +2212,16 @@ bool decode_tensor_map(const void* map, TensorMapFields* out) {
 void launch(const LaunchConfig& cfg, void (*entry)(void*), void* arg) {
     Launch& L = g_launch;
     L.cfg = cfg;
+    L.async_proxy_seen = false;
     L.entry = entry;
     L.arg = arg;
     L.rng.seed(cfg.seed * 0x9E3779B97F4A7C15ull + 12345);
-    // Per-seed policy: seed 1 lands async work as late as possible and switches at random,
-    // seed 2 lands it at once and keeps fibers running, seed 3 is in between; later seeds cycle.
-    static const double kStay[3] = {0.0, 0.9, 0.5}, kLand[3] = {0.01, 1.0, 0.2};
+    // Per-seed switching: seed 1 switches at random, seed 2 keeps fibers running, seed 3 is in
+    // between; later seeds cycle. The land policy is drawn per copy (draw_land_p), so every seed
+    // mixes copies that land at once, soon and as late as possible.
+    static const double kStay[3] = {0.0, 0.9, 0.5};
     L.stay_p = kStay[(cfg.seed + 2) % 3];
-    L.land_p = kLand[(cfg.seed + 2) % 3];
+    install_fault_handler();
     const unsigned nthreads = cfg.block.x * cfg.block.y * cfg.block.z;
     if (nthreads == 0 || nthreads > kMaxThreads || nthreads % 32)
         fail("launch with %u threads per CTA (a multiple of 32 up to %d)", nthreads, kMaxThreads);
@@ -1790,6 +2251,10 @@ void launch(const LaunchConfig& cfg, void (*entry)(void*), void* arg) {
                 std::memset(emu_shared_window, kSmemPoison, cfg.smem_bytes);
                 std::memset(emu_shared_window + cfg.smem_bytes, kRedzone, kRedzoneBytes);
                 c.async_view.assign(emu_shared_window, emu_shared_window + cfg.smem_bytes);
+                c.gran.assign((cfg.smem_bytes + 15) / 16, 0);
+                c.gran_bytes.resize(c.gran.size());
+                c.next_entry = nthreads;
+                if (L.async_proxy_seen) start_store_tracking();
                 for (unsigned t = 0; t < nthreads; ++t) {
                     Fiber& f = c.fibers[t];
                     f.tid = t;
@@ -1805,6 +2270,7 @@ void launch(const LaunchConfig& cfg, void (*entry)(void*), void* arg) {
                 }
                 tc_cta_begin();
                 schedule();
+                protect_window(false);
                 tc_cta_end();
                 // End-of-CTA checks.
                 for (unsigned id = 0; id < 16; ++id)

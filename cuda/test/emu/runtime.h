@@ -136,7 +136,14 @@ struct LaunchConfig {
     uint64_t seed = 1;          // scheduler seed
     uint32_t window_offset = 0; // shared address of the dynamic smem (0: chosen from the seed)
     bool verbose = false;
+    // When asynchronous work (TMA boxes, cp.async copies, wgmma) lands: -1 (default) draws a
+    // policy per copy (land at once, soon, as late as possible), so every run mixes all three;
+    // 0, 1, 2 fix one for every copy (self-tests that need a particular timing).
+    int land_policy = -1;
+    std::string kernel;         // the kernel's name (fault reports)
 };
+// Describes a host address for a fault report (the driver's buffers: which one it is near).
+void set_fault_describer(std::string (*describe)(uintptr_t host_addr));
 // Runs `entry` (the kernel body, once per thread) over the grid, one CTA at a time. Returns
 // normally when every CTA finished and every end-of-CTA check passed; fails the process
 // otherwise.

@@ -40,10 +40,16 @@ namespace {
 std::function<void()> g_body;
 void trampoline(void*) { g_body(); }
 
+// The land policy of every copy (emu::LaunchConfig::land_policy); -1: the seed's (seed 1 lands
+// as late as possible, seed 2 at once, seed 3 soon), which the timing tests below rely on.
+int g_land_policy = -1;
+
 void launch(unsigned threads, unsigned smem, std::function<void()> body, uint64_t seed = 1, unsigned regs = 0,
             emu::Dim3 grid = {1, 1, 1}) {
     g_body = std::move(body);
     emu::LaunchConfig cfg;
+    static const int kSeedPolicy[3] = {0, 2, 1};
+    cfg.land_policy = g_land_policy >= 0 ? g_land_policy : kSeedPolicy[(seed + 2) % 3];
     cfg.grid = grid;
     cfg.block = emu::Dim3{threads, 1, 1};
     cfg.smem_bytes = smem;
@@ -241,6 +247,72 @@ void cp_async_ok() {
                 CHECK(dst[16 * tid() + i] == want);
             }
         }, seed);
+}
+
+// Every lane's copy, waited for, then a __syncwarp: each lane may read every lane's row
+// (ldmatrix), under every land policy.
+void cp_async_warp_ok() {
+    static uint8_t global[512];
+    for (int i = 0; i < 512; ++i) global[i] = static_cast<uint8_t>(i * 5);
+    for (int policy = 0; policy < 3; ++policy) {
+        g_land_policy = policy;
+        launch(32, 4096, [] {
+            uint8_t* dst = smem_aligned(128);
+            fa2::cp_async_16(saddr(dst + 16 * tid()), global + 16 * tid(), 16);
+            fa2::cp_async_commit();
+            fa2::cp_async_wait<0>();
+            __syncwarp();
+            uint32_t r[4];
+            fa2::ldmatrix_x4(r, saddr(dst + 16 * tid()));
+            uint16_t want;
+            std::memcpy(&want, global + 16 * (tid() / 4) + 4 * (tid() % 4), 2);
+            CHECK((r[0] & 0xFFFF) == want);
+        });
+    }
+}
+
+// Waited for by each lane, but no barrier between the lanes: a lane reads other lanes' rows
+// (happens-before, whatever the land policy: `policy`).
+void cp_async_no_barrier(int policy) {
+    static uint8_t global[1024];
+    g_land_policy = policy;
+    launch(32, 4096, [] {
+        uint8_t* dst = smem_aligned(128);
+        fa2::cp_async_16(saddr(dst + 16 * tid()), global + 16 * tid(), 16);
+        fa2::cp_async_commit();
+        fa2::cp_async_wait<0>();
+        uint32_t r[4];
+        fa2::ldmatrix_x4(r, saddr(dst + 16 * tid()));
+    });
+}
+
+// A TMA box read (ldmatrix) without waiting on its mbarrier, or (wait_first) after the wait: the
+// read fails by happens-before whatever the land policy.
+void tma_read_before_wait(int policy, bool wait_first) {
+    alignas(128) static unsigned char map[128];
+    static uint16_t g[64 * 8];
+    const uint64_t dims[2] = {64, 8}, strides[1] = {128};
+    const uint32_t box[2] = {64, 8}, es[2] = {1, 1};
+    CHECK(emu::encode_tensor_map_tiled(map, 9, 2, g, dims, strides, box, es, 0, 0, 0, 0, nullptr) == 0);
+    g_land_policy = policy;
+    launch(32, 8192, [wait_first] {
+        uint8_t* base = smem_aligned();
+        uint64_t* bar = reinterpret_cast<uint64_t*>(base + 4096);
+        if (tid() == 0) {
+            fa3::mbar_init(bar, 1);
+            fa3::mbar_init_fence();
+        }
+        __syncthreads();
+        if (tid() == 0) {
+            fa3::mbar_arrive_expect_tx(bar, 1024);
+            const int32_t c[2] = {0, 0};
+            emu::tma_load(saddr(base), map, saddr(bar), c, 2);
+        }
+        if (wait_first) fa3::mbar_wait(bar, 0);
+        uint32_t r[4];
+        fa2::ldmatrix_x4(r, saddr(base + 16 * (tid() % 8) + 128 * (tid() / 8)));
+        if (!wait_first) fa3::mbar_wait(bar, 0);
+    });
 }
 
 void cp_async_read_before_wait() {
@@ -657,6 +729,37 @@ void wgmma_rule(int breakage) {
     });
 }
 
+// One thread of warp 1 stores both wgmma operands with ordinary stores and fences them; every
+// thread then issues the wgmma, after a __syncthreads (barrier: must pass) or without one (the
+// other warps' reads race with the stores: must fail by happens-before whatever the order the
+// seed gives, either at the issue or at the store).
+void wgmma_operands_of_another_warp(bool barrier, uint64_t seed) {
+    launch(128, 60000, [barrier] {
+        fa3::fence_proxy_async_smem();  // the launch uses the async proxy from here on
+        uint8_t* base = smem_aligned();
+        if (tid() == 32) {
+            place_kmajor(base, 64, 16, 128, 2, [](int m, int k) { return pat(m, k, 1); }, false);
+            place_kmajor(base + 8192, 64, 16, 128, 2, [](int n, int k) { return pat(k, n, 2); }, false);
+            fa3::fence_proxy_async_smem();
+        }
+        if (barrier) __syncthreads();
+        const uint32_t b = saddr(base);
+        const uint64_t da = emu::sm90::encode_desc(b, 16, 1024, 0, emu::sm90::Swizzle::B128);
+        const uint64_t db = emu::sm90::encode_desc(b + 8192, 16, 1024, 0, emu::sm90::Swizzle::B128);
+        float d[32] = {};
+        fa3::wgmma_fence();
+        fa3::wgmma_m64n64k16_ss<__nv_bfloat16>(d, da, db, 0);
+        fa3::wgmma_commit();
+        fa3::wgmma_wait<0>();
+        fa3::fence_regs(d);
+        for (int i = 0; i < 32; ++i) {
+            float want = 0;
+            for (int k = 0; k < 16; ++k) want += pat(acc_row(tid(), i), k, 1) * pat(k, acc_col(tid(), i), 2);
+            CHECK(d[i] == want);
+        }
+    }, seed);
+}
+
 // ---------------------------------------------------------------- tcgen05 (sm_100a)
 
 // D(128 x 64) = A(128 x 16) B(16 x 64) in one tcgen05.mma (M = 128, N = 64, bf16): A K-major SW128
@@ -812,6 +915,24 @@ void buffer_read_past_guard() {
     std::printf("%d\n", p[256]);  // the rounding slack ends at 256: the next byte is the guard page
 }
 
+// A store onto a buffer's guard page by one thread of a launch: the fault report names the
+// thread and the buffer.
+void fault_is_diagnosed() {
+    emu_buffers::Buffer b;
+    b.name = "o";
+    b.dev = 0x4000;
+    b.mem = emu_buffers::Guarded(100, "o");
+    emu_buffers::g_buffers.push_back(std::move(b));
+    emu::set_fault_describer(&emu_buffers::describe_host_address);
+    unsigned char* p = emu_buffers::g_buffers.back().mem.data();
+    launch(64, 1024, [p] {
+        if (tid() == 33) {
+            volatile unsigned char* q = p;
+            q[300] = 1;
+        }
+    });
+}
+
 struct Test {
     const char* name;
     const char* expect;  // nullptr: must pass; else a substring of the failure message
@@ -834,6 +955,14 @@ const std::vector<Test>& tests() {
         {"ldmatrix_mma", nullptr, ldmatrix_mma},
         {"cp_async_ok", nullptr, cp_async_ok},
         {"cp_async_read_before_wait", "cp.async copy of thread", cp_async_read_before_wait},
+        {"cp_async_warp_ok", nullptr, cp_async_warp_ok},
+        {"cp_async_no_barrier_late", "has not synchronised with thread", [] { cp_async_no_barrier(0); }},
+        {"cp_async_no_barrier_soon", "has not synchronised with thread", [] { cp_async_no_barrier(1); }},
+        {"cp_async_no_barrier_at_once", "has not synchronised with thread", [] { cp_async_no_barrier(2); }},
+        {"tma_read_after_wait_ok", nullptr, [] { for (int p = 0; p < 3; ++p) tma_read_before_wait(p, true); }},
+        {"tma_read_before_wait_late", "happens-before: ldmatrix.x4 by thread", [] { tma_read_before_wait(0, false); }},
+        {"tma_read_before_wait_soon", "the missing acquire: mbarrier.try_wait.parity(0)", [] { tma_read_before_wait(1, false); }},
+        {"tma_read_before_wait_at_once", "the missing acquire: mbarrier.try_wait.parity(0)", [] { tma_read_before_wait(2, false); }},
         {"mbar_phases_ok", nullptr, mbar_phases_ok},
         {"mbar_arrival_underflow", "arrival underflow", mbar_arrival_underflow},
         {"mbar_tx_pending_at_exit", "incomplete at exit (0 of 1 arrivals missing, 64 tx bytes", mbar_tx_pending_at_exit},
@@ -854,6 +983,10 @@ const std::vector<Test>& tests() {
         {"wgmma_desc_mismatch", "must issue the same descriptors", [] { wgmma_rule(4); }},
         {"wgmma_a_reg_changed", "changed A register 2", [] { wgmma_rule(5); }},
         {"wgmma_unfenced_generic_store", "after the last fence.proxy.async", [] { wgmma_rule(6); }},
+        {"wgmma_operands_of_another_warp_ok", nullptr, [] { for (uint64_t s = 1; s <= 3; ++s) wgmma_operands_of_another_warp(true, s); }},
+        {"wgmma_operands_of_another_warp_seed1", "happens-before", [] { wgmma_operands_of_another_warp(false, 1); }},
+        {"wgmma_operands_of_another_warp_seed2", "happens-before", [] { wgmma_operands_of_another_warp(false, 2); }},
+        {"wgmma_operands_of_another_warp_seed3", "happens-before", [] { wgmma_operands_of_another_warp(false, 3); }},
         {"wgmma_operand_outside_smem", "outside the dynamic shared memory", [] { wgmma_rule(7); }},
         {"wgmma_base_offset", "base_offset does not equal", [] { wgmma_rule(8); }},
         {"wgmma_uncommitted_at_exit", "never committed", [] { wgmma_rule(9); }},
@@ -872,6 +1005,8 @@ const std::vector<Test>& tests() {
         {"buffer_written_past_end", "a write past the end of the buffer", buffer_written_past_end},
         {"buffer_written_before_start", "a write before the start of the buffer", buffer_written_before_start},
         {"buffer_read_past_guard", "fault on the guard page", buffer_read_past_guard},
+        {"fault_is_diagnosed", "thread 33 (warpgroup 0, warp 1, lane 1)\n  the address: 200 bytes past the end of buffer o (device 0x4000",
+         fault_is_diagnosed},
     };
     return t;
 }
