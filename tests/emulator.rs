@@ -282,7 +282,7 @@ fn fa2_all_instances() {
     check_all("fa2", &cases, &[]);
 }
 
-/// The edges of the input domain (issue 10), every family: window bounds up to i64::MAX (the
+/// The edges of the input domain, every family: window bounds up to i64::MAX (the
 /// host clamps them to the sequence; mask.cuh is 64-bit regardless), scores up to near f32::MAX
 /// and at 2^33 in log2 units against the naive f32 softmax, and V = inf / NaN with rows that see
 /// no key (exactly 0, LSE -inf) next to rows that see keys (not finite).
