@@ -1,22 +1,29 @@
 //! Property tests of the serving API over random, possibly malformed, layouts.
 //!
-//! Each case draws a well-formed batch (packed offsets, a dense or paged cache with shuffled and
-//! shared blocks, page sizes 1..=300, appends, `num_splits` 1..=64, GQA, every mask, softcap,
-//! ALiBi, LSE, f32 / f16 / bf16) and then breaks it with a few random edits (offsets swapped,
-//! shifted, added, dropped, set to extremes; tensors with rows more or fewer than the offsets
-//! say; cache lengths past the capacity or negative; block ids out of range, negative or
-//! pointing at another sequence's block; tables of another width; caches of another batch,
-//! capacity or block count; `num_splits` 0 or past 128). The test reads the layout by the
-//! documented rules itself (docs/serving.md "Semantics"), and the call must agree:
+//! Each case draws a well-formed batch (packed offsets, packed k/v contiguous or head-major, a
+//! dense or paged cache, contiguous or head-major, with shuffled and shared blocks, page sizes
+//! 1..=300, caches of 0 to 320 keys and now and then 1025..=1400, appends of 0 to 4 rows,
+//! `num_splits` 1..=64 or the heuristic, GQA, every mask, softcap, ALiBi, LSE, f32 / f16 /
+//! bf16) and then breaks about half of them with one to three random edits (offsets swapped,
+//! shifted, added, dropped, set to extremes; packed tensors with more or fewer rows than the
+//! offsets say; `max_seqlen` one short; cache lengths past the capacity or negative; block ids
+//! out of range, negative or another entry's; two sequences made twins (one length, one table
+//! row: their appends collide); tables of another length or width; caches of
+//! another batch, capacity or block count, or page size 0; `num_splits` 0 or past 128). The test
+//! reads the layout by the documented rules itself (docs/serving.md "Semantics"), and the call
+//! must agree:
 //!
-//! - a layout that breaks a rule is a typed error naming an argument that breaks one, and every
-//!   buffer the call may write (the cache of an append) is unchanged, byte for byte;
-//! - a valid layout gives, per sequence, the float64 reference of that sequence's gathered keys
-//!   within FlashAttention's rule (`serving_util::check_seq`);
-//! - the split-KV result equals the unsplit one (`num_splits(1)`) within [`split_bound`];
+//! - a layout that breaks a rule is a typed error naming an argument that breaks one, and the
+//!   cache an append may write is unchanged, byte for byte (`forward_kvcache_append` and
+//!   `append_kv`);
+//! - a valid layout gives, per sequence, the float64 reference of that sequence's keys as the
+//!   test gathers them, within FlashAttention's rule (`serving_util::check_seq`); unread cache
+//!   slots hold NaN;
+//! - the split-KV result equals the unsplit one (`num_splits(1)`) within [`SPLIT_ULPS`] f32 ulps
+//!   of max |v| (plus one ulp of a 16-bit output; LSE: of max(1, |LSE|));
 //! - `forward_kvcache_append` equals the explicit append (the test writes k/v into a copy of the
-//!   cache at the slots the table names) followed by `forward_kvcache`, bit for bit, the cache
-//!   included.
+//!   cache at the slots the table names) followed by `forward_kvcache`, bit for bit, and leaves
+//!   the cache equal to that copy; `append_kv` leaves it the same.
 //!
 //! `cargo test --test serving_fuzz -- --nocapture` prints the worst margins of each run.
 
@@ -24,10 +31,10 @@ mod props;
 mod serving_util;
 
 use flash_attn::serving::{
-    forward_kvcache, forward_kvcache_append, forward_varlen, forward_varlen_kvcache, BlockTable, KvCache, KvCacheMut,
-    Varlen,
+    append_kv, forward_kvcache, forward_kvcache_append, forward_varlen, forward_varlen_kvcache, BlockTable, KvCache,
+    KvCacheMut, Varlen,
 };
-use flash_attn::{DType, Element, Error, ForwardOptions, Output, Tensor, TensorView};
+use flash_attn::{DType, Element, Error, ForwardOptions, Output, OwnedData, Tensor, TensorView};
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 use serving_util::{check_seq, len_strategy, opts_strategy, values, Opts, Rng, SeqCheck};
@@ -43,6 +50,7 @@ fn named(e: &Error) -> Option<&str> {
     match e {
         Error::InvalidSeqLayout { what, .. } | Error::ShapeMismatch { what, .. } => Some(what),
         Error::InvalidOption { option, .. } => Some(option),
+        Error::TooLarge { .. } => Some("too large"),
         Error::EmptyDimension { operand, .. } if *operand == flash_attn::Operand::K => Some("k"),
         _ => None,
     }
@@ -76,23 +84,35 @@ struct CacheLayout {
     seqlens: Vec<i32>,
     /// Block ids and `max_blocks_per_seq` (paged).
     table: Option<(Vec<i32>, usize)>,
+    /// The buffers hold `[outer, hkv, rows, d]` (a strided view of the shape above).
+    heads_major: bool,
 }
 
 impl CacheLayout {
-    /// Element offset of key row `j` of sequence `b` (the layout known valid for it).
+    /// The cache row (`outer · rows + row`) of key `j` of sequence `b` (the layout known valid
+    /// for it).
     fn slot(&self, b: usize, j: usize) -> Option<usize> {
-        let [n0, n1, h, d] = self.shape;
-        let row = match &self.table {
+        let [n0, n1, _, _] = self.shape;
+        Some(match &self.table {
             None => b * n1 + j,
             Some((ids, mb)) => {
                 let id = usize::try_from(ids[b * mb + j / n1]).ok().filter(|&id| id < n0)?;
                 id * n1 + j % n1
             }
-        };
-        Some(row * h * d)
+        })
     }
 
-    /// The element offsets of the `seqlens[b] + new` key rows of each of `batch` sequences, by
+    /// Element offset of head `h` of cache row `slot`.
+    fn at(&self, slot: usize, h: usize) -> usize {
+        let [_, n1, hkv, d] = self.shape;
+        if self.heads_major {
+            ((slot / n1 * hkv + h) * n1 + slot % n1) * d
+        } else {
+            (slot * hkv + h) * d
+        }
+    }
+
+    /// The cache rows of the `seqlens[b] + new` key rows of each of `batch` sequences, by
     /// the rules, or the names of the rules the layout breaks.
     fn read(&self, batch: usize, new: usize, broken: &mut Broken) -> Option<Vec<Vec<usize>>> {
         let [n0, n1, _, _] = self.shape;
@@ -109,10 +129,12 @@ impl CacheLayout {
                     broken.push("page size");
                     return None;
                 }
-                if ids.len() != batch * mb {
-                    broken.push("block_table");
+                match batch.checked_mul(*mb) {
+                    None => broken.push("too large"),
+                    Some(n) if n != ids.len() => broken.push("block_table"),
+                    _ => {}
                 }
-                mb * n1
+                mb.saturating_mul(n1)
             }
         };
         let lens_ok = self.seqlens.len() == batch
@@ -136,7 +158,12 @@ impl CacheLayout {
     }
 
     fn view<'a, T: Element>(&'a self, k: &'a [T], v: &'a [T]) -> KvCache<'a> {
-        let (k, v) = (TensorView::new(k, self.shape), TensorView::new(v, self.shape));
+        let [n0, n1, hkv, d] = self.shape;
+        let (k, v) = if self.heads_major {
+            (TensorView::heads_major(k, [n0, hkv, n1, d]), TensorView::heads_major(v, [n0, hkv, n1, d]))
+        } else {
+            (TensorView::new(k, self.shape), TensorView::new(v, self.shape))
+        };
         match &self.table {
             None => KvCache::dense(k, v, &self.seqlens),
             Some((ids, mb)) => KvCache::paged(
@@ -217,6 +244,9 @@ enum CacheEdit {
     SeqlensPop,
     /// Entry `i` of the table (used or not) becomes entry `j`'s block (a shared block).
     TableShare(usize, usize),
+    /// Sequence `i` becomes a twin of sequence `j`: its length and (paged) its table row copied,
+    /// so that an append writes both into the same slots.
+    Twin(usize, usize),
     /// Entry `i` of the table becomes `num_blocks + x` (out of range).
     TablePast(usize, u16),
     /// Entry `i` of the table becomes `x` (negative, or any id).
@@ -226,6 +256,8 @@ enum CacheEdit {
     /// The table read with `max_blocks_per_seq` changed by this much, its entries kept in
     /// row-major order (cut, or padded with -1 when the width grows).
     Width(i8),
+    /// `max_blocks_per_seq` set to a huge value (the table kept).
+    WidthSet(usize),
     /// The cache's first dimension (dense: batch; paged: blocks) changed by this much.
     Outer(i8),
     /// A dense cache's capacity changed by this much.
@@ -241,11 +273,13 @@ fn cache_edit() -> impl Strategy<Value = CacheEdit> {
         2 => (0i32..50).prop_map(CacheEdit::SeqlensPush),
         2 => Just(CacheEdit::SeqlensPop),
         2 => (any::<usize>(), any::<usize>()).prop_map(|(i, j)| CacheEdit::TableShare(i, j)),
+        2 => (any::<usize>(), any::<usize>()).prop_map(|(i, j)| CacheEdit::Twin(i, j)),
         2 => (any::<usize>(), 0u16..3).prop_map(|(i, x)| CacheEdit::TablePast(i, x)),
         2 => (any::<usize>(), extreme_i32()).prop_map(|(i, x)| CacheEdit::TableSet(i, x)),
         2 => (-1i32..4).prop_map(CacheEdit::TablePush),
         2 => Just(CacheEdit::TablePop),
         2 => (-2i8..=2).prop_map(CacheEdit::Width),
+        1 => prop::sample::select(vec![1usize << 40, usize::MAX / 2 + 1, usize::MAX]).prop_map(CacheEdit::WidthSet),
         2 => (-2i8..=2).prop_map(CacheEdit::Outer),
         2 => (-3i8..=3).prop_map(CacheEdit::Capacity),
         1 => Just(CacheEdit::PageZero),
@@ -254,7 +288,7 @@ fn cache_edit() -> impl Strategy<Value = CacheEdit> {
 
 fn apply_cache(e: &CacheEdit, c: &mut CacheLayout) {
     let at = |i: usize, n: usize| i % n.max(1);
-    let grow = |x: usize, by: i8| (x as i64 + by as i64).max(0) as usize;
+    let grow = |x: usize, by: i8| (x as i128 + by as i128).clamp(0, usize::MAX as i128) as usize;
     let n0 = c.shape[0];
     match (e, &mut c.table) {
         (CacheEdit::SeqlenAdd(b, x), _) if !c.seqlens.is_empty() => {
@@ -273,6 +307,17 @@ fn apply_cache(e: &CacheEdit, c: &mut CacheLayout) {
             let n = ids.len();
             ids[at(*i, n)] = ids[at(*j, n)];
         }
+        (CacheEdit::Twin(i, j), table) if !c.seqlens.is_empty() => {
+            let n = c.seqlens.len();
+            let (i, j) = (at(*i, n), at(*j, n));
+            c.seqlens[i] = c.seqlens[j];
+            if let Some((ids, mb)) = table {
+                if (i.max(j) + 1) * *mb <= ids.len() {
+                    let row = ids[j * *mb..(j + 1) * *mb].to_vec();
+                    ids[i * *mb..(i + 1) * *mb].copy_from_slice(&row);
+                }
+            }
+        }
         (CacheEdit::TablePast(i, x), Some((ids, _))) if !ids.is_empty() => {
             let n = ids.len();
             ids[at(*i, n)] = (n0 + *x as usize) as i32;
@@ -290,6 +335,7 @@ fn apply_cache(e: &CacheEdit, c: &mut CacheLayout) {
             *mb = grow(*mb, *x);
             ids.resize(batch * *mb, -1);
         }
+        (CacheEdit::WidthSet(x), Some((_, mb))) => *mb = *x,
         (CacheEdit::Outer(x), _) => c.shape[0] = grow(n0, *x),
         (CacheEdit::Capacity(x), None) => c.shape[1] = grow(c.shape[1], *x),
         (CacheEdit::PageZero, Some(_)) => c.shape[1] = 0,
@@ -484,9 +530,11 @@ fn check_sequences(
     Ok(())
 }
 
-/// Rows `offsets` of a `[..][hkv][d]` buffer, gathered.
-fn gather<T: Element>(buf: &[T], offsets: &[usize], row: usize) -> Vec<f32> {
-    offsets.iter().flat_map(|&at| buf[at..at + row].iter().map(|x| x.to_f32())).collect()
+/// Cache rows `slots` of a cache buffer, gathered as `[keys][hkv][d]`.
+fn gather<T: Element>(buf: &[T], layout: &CacheLayout, slots: &[usize]) -> Vec<f32> {
+    let [_, _, hkv, d] = layout.shape;
+    let rows = slots.iter().flat_map(|&s| (0..hkv).map(move |h| layout.at(s, h)));
+    rows.flat_map(|at| buf[at..at + d].iter().map(|x| x.to_f32())).collect()
 }
 
 fn max_abs(x: &[f32]) -> f32 {
@@ -503,12 +551,17 @@ struct VarlenCase {
     lens_k: Vec<usize>,
     /// `max_seqlen_q/k` = the longest sequence + this (below the longest when negative).
     slack: (i8, i8),
+    /// k and v stored head-major (strided views).
+    heads_major: bool,
     edits: Vec<CuEdit>,
 }
 
 fn varlen_strategy() -> impl Strategy<Value = VarlenCase> {
-    (opts_strategy(splits_strategy()), dtype_strategy(), 1usize..=4, (slack(), slack()), edits(cu_edit(true)))
-        .prop_flat_map(|(opts, dtype, batch, slack, edits)| {
+    (
+        (opts_strategy(splits_strategy()), dtype_strategy(), 1usize..=4),
+        ((slack(), slack()), any::<bool>(), edits(cu_edit(true))),
+    )
+        .prop_flat_map(|((opts, dtype, batch), (slack, heads_major, edits))| {
             (
                 prop::collection::vec(len_strategy(24), batch),
                 prop::collection::vec(len_strategy(80), batch),
@@ -519,14 +572,16 @@ fn varlen_strategy() -> impl Strategy<Value = VarlenCase> {
                     lens_q,
                     lens_k,
                     slack,
+                    heads_major,
                     edits: edits.clone(),
                 })
         })
 }
 
-/// `max_seqlen` slack: mostly an upper bound (0 to 2 past the longest), sometimes one short.
+/// `max_seqlen` slack: mostly an upper bound (0 to 2 past the longest, or `usize::MAX` for
+/// `i8::MAX`), sometimes one short.
 fn slack() -> impl Strategy<Value = i8> {
-    prop_oneof![9 => 0i8..=2, 1 => Just(-1i8)]
+    prop_oneof![9 => 0i8..=2, 1 => Just(i8::MAX), 1 => Just(-1i8)]
 }
 
 fn offsets(lens: &[usize]) -> Vec<i32> {
@@ -539,7 +594,30 @@ fn offsets(lens: &[usize]) -> Vec<i32> {
 }
 
 fn bound(lens: &[usize], slack: i8) -> usize {
+    if slack == i8::MAX {
+        return usize::MAX;
+    }
     (lens.iter().copied().max().unwrap_or(0) as i64 + slack as i64).max(0) as usize
+}
+
+/// `x` `[rows][heads][d]` stored head-major, `[heads][rows][d]`.
+fn heads_major_copy(x: &[f32], rows: usize, heads: usize, d: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(x.len());
+    for h in 0..heads {
+        for r in 0..rows {
+            out.extend_from_slice(&x[(r * heads + h) * d..][..d]);
+        }
+    }
+    out
+}
+
+/// A `[b, h, s, d]` tensor read as `[b, s, h, d]` (strided).
+fn heads_major_view(t: &Tensor) -> TensorView<'_> {
+    match t.data() {
+        OwnedData::F32(x) => TensorView::heads_major(x, t.shape()),
+        OwnedData::F16(x) => TensorView::heads_major(x, t.shape()),
+        OwnedData::BF16(x) => TensorView::heads_major(x, t.shape()),
+    }
 }
 
 fn varlen_case(c: &VarlenCase, worst: &Worst) -> Result<(), TestCaseError> {
@@ -569,8 +647,16 @@ fn varlen_case(c: &VarlenCase, worst: &Worst) -> Result<(), TestCaseError> {
         values(&mut rng, tk * hkv * d, dtype),
     );
     let q = Tensor::from_f32(&qv, dtype, [1, tq, hq, d]).unwrap();
-    let k = Tensor::from_f32(&kv, dtype, [1, tk, hkv, d]).unwrap();
-    let v = Tensor::from_f32(&vv, dtype, [1, tk, hkv, d]).unwrap();
+    // k and v contiguous, or stored head-major and read through strided views.
+    let kv_tensor = |x: &[f32]| match c.heads_major {
+        false => Tensor::from_f32(x, dtype, [1, tk, hkv, d]).unwrap(),
+        true => Tensor::from_f32(&heads_major_copy(x, tk, hkv, d), dtype, [1, hkv, tk, d]).unwrap(),
+    };
+    let (k_store, v_store) = (kv_tensor(&kv), kv_tensor(&vv));
+    let (k, v) = match c.heads_major {
+        false => (k_store.view(), v_store.view()),
+        true => (heads_major_view(&k_store), heads_major_view(&v_store)),
+    };
     let seqs = Varlen {
         cu_seqlens_q: &cu_q,
         cu_seqlens_k: &cu_k,
@@ -629,10 +715,18 @@ struct CacheCase {
     page: Option<usize>,
     /// Sequences after the first share its first full pages.
     share: bool,
+    /// The cache stored head-major (read-only calls: a writable cache is contiguous).
+    heads_major: bool,
     /// Blocks no sequence uses; table columns / dense capacity past the longest sequence.
     spare: (usize, usize),
     cu_edits: Vec<CuEdit>,
     edits: Vec<CacheEdit>,
+}
+
+/// Query rows per sequence: mostly decode-like (1-4), sometimes past the 16 rows from which a
+/// sequence with contiguous keys takes the tiled path.
+fn q_len_strategy() -> impl Strategy<Value = usize> {
+    prop_oneof![4 => 1usize..=4, 1 => 17usize..=20]
 }
 
 fn page_strategy() -> impl Strategy<Value = Option<usize>> {
@@ -647,11 +741,12 @@ fn cache_strategy(append: bool) -> impl Strategy<Value = CacheCase> {
     let new = if append { (0usize..=4).boxed() } else { Just(0usize).boxed() };
     (
         (opts_strategy(splits_strategy()), dtype_strategy(), 1usize..=4, page_strategy()),
-        (new, 1usize..=4, any::<bool>(), (0usize..=3, 0usize..=2), any::<bool>()),
-        (edits(cu_edit(false)), edits(cache_edit())),
+        (new, q_len_strategy(), any::<bool>(), (0usize..=3, 0usize..=2), any::<bool>()),
+        (edits(cu_edit(false)), edits(cache_edit()), any::<bool>()),
     )
-        .prop_flat_map(move |((opts, dtype, batch, page), (new, sq, share, spare, packed), (cu_edits, edits))| {
-            let lens = prop::collection::vec(len_strategy(320), batch);
+        .prop_flat_map(move |((opts, dtype, batch, page), (new, sq, share, spare, packed), (cu_edits, edits, hm))| {
+            // Mostly short caches; now and then long enough for the split heuristic (> 1024 keys).
+            let lens = prop::collection::vec(prop_oneof![24 => len_strategy(320), 1 => 1025usize..=1400], batch);
             let varlen_q = if packed && !append {
                 prop::collection::vec(len_strategy(20), batch).prop_map(Some).boxed()
             } else {
@@ -667,6 +762,7 @@ fn cache_strategy(append: bool) -> impl Strategy<Value = CacheCase> {
                 varlen_q,
                 page,
                 share,
+                heads_major: hm && !append,
                 spare,
                 edits: edits.clone(),
             })
@@ -683,6 +779,7 @@ fn base_layout(c: &CacheCase, rng: &mut Rng) -> CacheLayout {
             shape: [batch, cap, hkv, d],
             seqlens,
             table: None,
+            heads_major: c.heads_major,
         };
     };
     let pages: Vec<usize> = c.lens.iter().map(|l| (l + c.new).div_ceil(ps)).collect();
@@ -704,22 +801,26 @@ fn base_layout(c: &CacheCase, rng: &mut Rng) -> CacheLayout {
         shape: [num_blocks.max(1), ps, hkv, d],
         seqlens,
         table: Some((table, mb)),
+        heads_major: c.heads_major,
     }
 }
 
 /// A cache buffer of `layout`'s shape: random values at every slot in `read`, NaN elsewhere (so
 /// that a stray read shows).
 fn fill_cache<T: Element>(layout: &CacheLayout, read: Option<&[Vec<usize>]>, rng: &mut Rng, dtype: DType) -> Vec<T> {
-    let n: usize = layout.shape.iter().product();
-    let row = layout.shape[2] * layout.shape[3];
-    let vals = values(rng, n, dtype);
-    let mut used = vec![read.is_none(); n / row.max(1)];
-    for &at in read.into_iter().flatten().flatten() {
-        used[at / row] = true;
+    let [n0, n1, hkv, d] = layout.shape;
+    let mut vals = values(rng, n0 * n1 * hkv * d, dtype);
+    if let Some(read) = read {
+        let mut used = vec![false; n0 * n1];
+        read.iter().flatten().for_each(|&s| used[s] = true);
+        for s in (0..n0 * n1).filter(|&s| !used[s]) {
+            for h in 0..hkv {
+                let at = layout.at(s, h);
+                vals[at..at + d].fill(f32::NAN);
+            }
+        }
     }
-    (0..n)
-        .map(|i| T::from_f32(if used[i / row] { vals[i] } else { f32::NAN }))
-        .collect()
+    vals.into_iter().map(T::from_f32).collect()
 }
 
 /// Sequence rows of q and the LSE index of each sequence's rows, for a dense or packed q.
@@ -809,21 +910,51 @@ fn cache_case<T: Bits>(c: &CacheCase, worst: &Worst) -> Result<(), TestCaseError
             }),
         };
         let r = forward_kvcache_append(&q, &mut cache, &kn, &vn, &opts);
-        // The explicit append: row i of sequence b at the slot of key seqlens[b] + i.
+        // The explicit append: row i of sequence b at the slot of key seqlens[b] + i, when the
+        // layout takes it (the attention's options aside: `append_kv` has none).
+        let append_broken: Broken = broken.iter().copied().filter(|&n| n != "num_splits").collect();
         let (mut kx, mut vx) = (k.clone(), v.clone());
-        if let (Ok(_), Some(read)) = (&r, &read) {
+        if let (true, Some(read)) = (append_broken.is_empty(), &read) {
             for (b, keys) in read.iter().enumerate() {
-                for (i, &at) in keys[keys.len() - c.new..].iter().enumerate() {
-                    let src = (b * c.new + i) * row;
-                    for x in 0..row {
-                        kx[at + x] = T::from_f32(k_new[src + x]);
-                        vx[at + x] = T::from_f32(v_new[src + x]);
+                for (i, &slot) in keys[keys.len() - c.new..].iter().enumerate() {
+                    for h in 0..hkv {
+                        let (src, at) = (((b * c.new + i) * hkv + h) * d, layout.at(slot, h));
+                        for x in 0..d {
+                            kx[at + x] = T::from_f32(k_new[src + x]);
+                            vx[at + x] = T::from_f32(v_new[src + x]);
+                        }
                     }
                 }
             }
         }
-        prop_assert_eq!(first_diff(&kc, &kx), None, "k cache after the call ({:?})", r.as_ref().err());
-        prop_assert_eq!(first_diff(&vc, &vx), None, "v cache after the call ({:?})", r.as_ref().err());
+        match &r {
+            Ok(_) => prop_assert!(broken.is_empty(), "accepted a layout that breaks {:?}", broken),
+            Err(e) => expect_refusal(e, &broken)?,
+        }
+        let want = |ok: bool| if ok { (&kx, &vx) } else { (&k, &v) };
+        let (wk, wv) = want(r.is_ok());
+        prop_assert_eq!(first_diff(&kc, wk), None, "k cache after the call ({:?})", r.as_ref().err());
+        prop_assert_eq!(first_diff(&vc, wv), None, "v cache after the call ({:?})", r.as_ref().err());
+        // `append_kv` alone: the same writes, or the same refusal with the cache untouched.
+        let (mut ka, mut va) = (k.clone(), v.clone());
+        let mut cache = KvCacheMut {
+            k: &mut ka,
+            v: &mut va,
+            shape: layout.shape,
+            seqlens: &layout.seqlens,
+            block_table: layout.table.as_ref().map(|(ids, mb)| BlockTable {
+                ids,
+                max_blocks_per_seq: *mb,
+            }),
+        };
+        let ra = append_kv(&mut cache, &kn, &vn);
+        match &ra {
+            Ok(()) => prop_assert!(append_broken.is_empty(), "append_kv took a layout that breaks {:?}", append_broken),
+            Err(e) => expect_refusal(e, &append_broken)?,
+        }
+        let (wk, wv) = want(ra.is_ok());
+        prop_assert_eq!(first_diff(&ka, wk), None, "k cache after append_kv ({:?})", ra.as_ref().err());
+        prop_assert_eq!(first_diff(&va, wv), None, "v cache after append_kv ({:?})", ra.as_ref().err());
         let attended = layout.clone_with_new(c.new);
         (r, kx, vx, attended)
     } else {
@@ -867,8 +998,8 @@ fn cache_case<T: Bits>(c: &CacheCase, worst: &Worst) -> Result<(), TestCaseError
             let (r0, n) = q_rows.rows[b];
             SeqInputs {
                 q: qv[r0 * hq * d..(r0 + n) * hq * d].to_vec(),
-                k: gather(&k_after, &read[b], row),
-                v: gather(&v_after, &read[b], row),
+                k: gather(&k_after, &attended, &read[b]),
+                v: gather(&v_after, &attended, &read[b]),
             }
         })
         .collect();
