@@ -79,7 +79,11 @@ fn shared() -> Shared {
     let mut table = vec![-1; batch * max_blocks];
     for b in 0..batch {
         for p in 0..pages[b] {
-            table[b * max_blocks + p] = if p < shared_pages { prefix[p] } else { next.next().unwrap() };
+            table[b * max_blocks + p] = if p < shared_pages {
+                prefix[p]
+            } else {
+                next.next().unwrap()
+            };
         }
     }
     Shared {
@@ -134,7 +138,13 @@ fn calls(s: &Shared, t: usize) -> Vec<Bits> {
         opts = opts.num_splits(1 + t);
     }
     let masked = opts.clone().mask(Mask::Causal).alibi_slopes(slopes(HQ));
-    let dense = |k, v| KvCache::dense(TensorView::new(k, [2, 1100, HKV, D]), TensorView::new(v, [2, 1100, HKV, D]), &s.dense_lens);
+    let dense = |k, v| {
+        KvCache::dense(
+            TensorView::new(k, [2, 1100, HKV, D]),
+            TensorView::new(v, [2, 1100, HKV, D]),
+            &s.dense_lens,
+        )
+    };
     let paged = KvCache::paged(
         TensorView::new(&s.paged_k, s.paged_shape),
         TensorView::new(&s.paged_v, s.paged_shape),
@@ -154,7 +164,14 @@ fn calls(s: &Shared, t: usize) -> Vec<Bits> {
         forward_varlen(&s.q_packed, &s.k_packed, &s.v_packed, &seqs, &masked).unwrap(),
         forward_kvcache(&s.q_decode, &paged, &opts).unwrap(),
         forward_kvcache(&s.q_chunk, &dense(&s.dense_k, &s.dense_v), &masked).unwrap(),
-        forward_varlen_kvcache(&s.q_paged_packed, &s.cu_q_paged, 20, &paged, &masked.clone().softcap(30.0)).unwrap(),
+        forward_varlen_kvcache(
+            &s.q_paged_packed,
+            &s.cu_q_paged,
+            20,
+            &paged,
+            &masked.clone().softcap(30.0),
+        )
+        .unwrap(),
     ]
     .into_iter()
     .map(|o| bits(o, None))
@@ -191,7 +208,10 @@ fn concurrent_calls_match_sequential_ones() {
                     for round in 0..ROUNDS {
                         let got = calls(s, t);
                         for (i, (g, w)) in got.iter().zip(want).enumerate() {
-                            assert!(g == w, "thread {t}, round {round}: call {i} differs from the same call made alone");
+                            assert!(
+                                g == w,
+                                "thread {t}, round {round}: call {i} differs from the same call made alone"
+                            );
                         }
                     }
                 })

@@ -59,7 +59,14 @@ fn named(e: &Error) -> Option<&str> {
 /// Sequence row ranges of a `cu_seqlens` array over a tensor of `rows` rows, by the rules
 /// (`batch + 1 >= 2` entries from 0, non-decreasing, ending at `rows`, `max_seqlen` at least
 /// the longest), or the names of the rules it breaks.
-fn read_cu(name: &'static str, max_name: &'static str, cu: &[i32], rows: usize, max: usize, broken: &mut Broken) -> Option<Vec<(usize, usize)>> {
+fn read_cu(
+    name: &'static str,
+    max_name: &'static str,
+    cu: &[i32],
+    rows: usize,
+    max: usize,
+    broken: &mut Broken,
+) -> Option<Vec<(usize, usize)>> {
     let ok = cu.len() >= 2
         && cu[0] == 0
         && cu.windows(2).all(|w| w[0] <= w[1])
@@ -137,8 +144,8 @@ impl CacheLayout {
                 mb.saturating_mul(n1)
             }
         };
-        let lens_ok = self.seqlens.len() == batch
-            && self.seqlens.iter().all(|&s| s >= 0 && s as usize + new <= capacity);
+        let lens_ok =
+            self.seqlens.len() == batch && self.seqlens.iter().all(|&s| s >= 0 && s as usize + new <= capacity);
         if !lens_ok {
             broken.push("cache_seqlens");
         }
@@ -160,7 +167,10 @@ impl CacheLayout {
     fn view<'a, T: Element>(&'a self, k: &'a [T], v: &'a [T]) -> KvCache<'a> {
         let [n0, n1, hkv, d] = self.shape;
         let (k, v) = if self.heads_major {
-            (TensorView::heads_major(k, [n0, hkv, n1, d]), TensorView::heads_major(v, [n0, hkv, n1, d]))
+            (
+                TensorView::heads_major(k, [n0, hkv, n1, d]),
+                TensorView::heads_major(v, [n0, hkv, n1, d]),
+            )
         } else {
             (TensorView::new(k, self.shape), TensorView::new(v, self.shape))
         };
@@ -312,7 +322,7 @@ fn apply_cache(e: &CacheEdit, c: &mut CacheLayout) {
             let (i, j) = (at(*i, n), at(*j, n));
             c.seqlens[i] = c.seqlens[j];
             if let Some((ids, mb)) = table {
-                if (i.max(j) + 1) * *mb <= ids.len() {
+                if (i.max(j) + 1).checked_mul(*mb).is_some_and(|n| n <= ids.len()) {
                     let row = ids[j * *mb..(j + 1) * *mb].to_vec();
                     ids[i * *mb..(i + 1) * *mb].copy_from_slice(&row);
                 }
@@ -688,7 +698,8 @@ fn varlen_case(c: &VarlenCase, worst: &Worst) -> Result<(), TestCaseError> {
     let q_rows = |b: usize| (rq[b].0, rq[b].1 - rq[b].0);
     let lse_at = |b: usize, h: usize, i: usize| h * tq + rq[b].0 + i;
     check_sequences(dtype, o, &opts, &out, &seq_inputs, &q_rows, &lse_at, worst)?;
-    let one = forward_varlen(&q, &k, &v, &seqs, &opts.clone().num_splits(1)).map_err(|e| TestCaseError::fail(e.to_string()))?;
+    let one = forward_varlen(&q, &k, &v, &seqs, &opts.clone().num_splits(1))
+        .map_err(|e| TestCaseError::fail(e.to_string()))?;
     worst.split(split_ulps(dtype, &one, &out, max_abs(&vv))?);
     Ok(())
 }
@@ -738,35 +749,56 @@ fn page_strategy() -> impl Strategy<Value = Option<usize>> {
 }
 
 fn cache_strategy(append: bool) -> impl Strategy<Value = CacheCase> {
-    let new = if append { (0usize..=4).boxed() } else { Just(0usize).boxed() };
+    let new = if append {
+        (0usize..=4).boxed()
+    } else {
+        Just(0usize).boxed()
+    };
     (
-        (opts_strategy(splits_strategy()), dtype_strategy(), 1usize..=4, page_strategy()),
-        (new, q_len_strategy(), any::<bool>(), (0usize..=3, 0usize..=2), any::<bool>()),
+        (
+            opts_strategy(splits_strategy()),
+            dtype_strategy(),
+            1usize..=4,
+            page_strategy(),
+        ),
+        (
+            new,
+            q_len_strategy(),
+            any::<bool>(),
+            (0usize..=3, 0usize..=2),
+            any::<bool>(),
+        ),
         (edits(cu_edit(false)), edits(cache_edit()), any::<bool>()),
     )
-        .prop_flat_map(move |((opts, dtype, batch, page), (new, sq, share, spare, packed), (cu_edits, edits, hm))| {
-            // Mostly short caches; now and then long enough for the split heuristic (> 1024 keys).
-            let lens = prop::collection::vec(prop_oneof![24 => len_strategy(320), 1 => 1025usize..=1400], batch);
-            let varlen_q = if packed && !append {
-                prop::collection::vec(len_strategy(20), batch).prop_map(Some).boxed()
-            } else {
-                Just(None).boxed()
-            };
-            (lens, varlen_q).prop_map(move |(lens, varlen_q)| CacheCase {
-                opts: opts.clone(),
-                dtype,
-                lens,
-                new,
-                sq,
-                cu_edits: if varlen_q.is_some() { cu_edits.clone() } else { Vec::new() },
-                varlen_q,
-                page,
-                share,
-                heads_major: hm && !append,
-                spare,
-                edits: edits.clone(),
-            })
-        })
+        .prop_flat_map(
+            move |((opts, dtype, batch, page), (new, sq, share, spare, packed), (cu_edits, edits, hm))| {
+                // Mostly short caches; now and then long enough for the split heuristic (> 1024 keys).
+                let lens = prop::collection::vec(prop_oneof![24 => len_strategy(320), 1 => 1025usize..=1400], batch);
+                let varlen_q = if packed && !append {
+                    prop::collection::vec(len_strategy(20), batch).prop_map(Some).boxed()
+                } else {
+                    Just(None).boxed()
+                };
+                (lens, varlen_q).prop_map(move |(lens, varlen_q)| CacheCase {
+                    opts: opts.clone(),
+                    dtype,
+                    lens,
+                    new,
+                    sq,
+                    cu_edits: if varlen_q.is_some() {
+                        cu_edits.clone()
+                    } else {
+                        Vec::new()
+                    },
+                    varlen_q,
+                    page,
+                    share,
+                    heads_major: hm && !append,
+                    spare,
+                    edits: edits.clone(),
+                })
+            },
+        )
 }
 
 /// The case's well-formed layout (blocks shuffled; shared prefixes), before its edits.
@@ -784,7 +816,13 @@ fn base_layout(c: &CacheCase, rng: &mut Rng) -> CacheLayout {
     };
     let pages: Vec<usize> = c.lens.iter().map(|l| (l + c.new).div_ceil(ps)).collect();
     let shared: Vec<usize> = (0..batch)
-        .map(|b| if c.share && b > 0 { (c.lens[0] / ps).min(c.lens[b] / ps) } else { 0 })
+        .map(|b| {
+            if c.share && b > 0 {
+                (c.lens[0] / ps).min(c.lens[b] / ps)
+            } else {
+                0
+            }
+        })
         .collect();
     let num_blocks = (0..batch).map(|b| pages[b] - shared[b]).sum::<usize>() + c.spare.0;
     let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
@@ -864,7 +902,9 @@ fn cache_case<T: Bits>(c: &CacheCase, worst: &Worst) -> Result<(), TestCaseError
     if c.new > 0 {
         // Every appended row needs a slot of its own.
         if let Some(read) = &read {
-            let mut writes: Vec<usize> = (0..batch).flat_map(|b| read[b][layout.seqlens[b] as usize..].to_vec()).collect();
+            let mut writes: Vec<usize> = (0..batch)
+                .flat_map(|b| read[b][layout.seqlens[b] as usize..].to_vec())
+                .collect();
             writes.sort_unstable();
             if writes.windows(2).any(|w| w[0] == w[1]) {
                 broken.push("block_table");
@@ -881,7 +921,10 @@ fn cache_case<T: Bits>(c: &CacheCase, worst: &Worst) -> Result<(), TestCaseError
             packed: false,
         },
         Some(_) => QRows {
-            rows: cu_q.windows(2).map(|w| (w[0].max(0) as usize, (w[1] as i64 - w[0] as i64).max(0) as usize)).collect(),
+            rows: cu_q
+                .windows(2)
+                .map(|w| (w[0].max(0) as usize, (w[1] as i64 - w[0] as i64).max(0) as usize))
+                .collect(),
             total: q_shape[1],
             packed: true,
         },
@@ -892,7 +935,10 @@ fn cache_case<T: Bits>(c: &CacheCase, worst: &Worst) -> Result<(), TestCaseError
     let qv = values(&mut rng, q_shape.iter().product(), dtype);
     let q = Tensor::from_f32(&qv, dtype, q_shape).unwrap();
     let opts = o.forward();
-    let (k_new, v_new) = (values(&mut rng, batch * c.new * row, dtype), values(&mut rng, batch * c.new * row, dtype));
+    let (k_new, v_new) = (
+        values(&mut rng, batch * c.new * row, dtype),
+        values(&mut rng, batch * c.new * row, dtype),
+    );
 
     // The call, and the cache as the test expects it afterwards (the explicit append).
     let (result, k_after, v_after, attended) = if c.new > 0 {
@@ -933,8 +979,18 @@ fn cache_case<T: Bits>(c: &CacheCase, worst: &Worst) -> Result<(), TestCaseError
         }
         let want = |ok: bool| if ok { (&kx, &vx) } else { (&k, &v) };
         let (wk, wv) = want(r.is_ok());
-        prop_assert_eq!(first_diff(&kc, wk), None, "k cache after the call ({:?})", r.as_ref().err());
-        prop_assert_eq!(first_diff(&vc, wv), None, "v cache after the call ({:?})", r.as_ref().err());
+        prop_assert_eq!(
+            first_diff(&kc, wk),
+            None,
+            "k cache after the call ({:?})",
+            r.as_ref().err()
+        );
+        prop_assert_eq!(
+            first_diff(&vc, wv),
+            None,
+            "v cache after the call ({:?})",
+            r.as_ref().err()
+        );
         // `append_kv` alone: the same writes, or the same refusal with the cache untouched.
         let (mut ka, mut va) = (k.clone(), v.clone());
         let mut cache = KvCacheMut {
@@ -949,12 +1005,26 @@ fn cache_case<T: Bits>(c: &CacheCase, worst: &Worst) -> Result<(), TestCaseError
         };
         let ra = append_kv(&mut cache, &kn, &vn);
         match &ra {
-            Ok(()) => prop_assert!(append_broken.is_empty(), "append_kv took a layout that breaks {:?}", append_broken),
+            Ok(()) => prop_assert!(
+                append_broken.is_empty(),
+                "append_kv took a layout that breaks {:?}",
+                append_broken
+            ),
             Err(e) => expect_refusal(e, &append_broken)?,
         }
         let (wk, wv) = want(ra.is_ok());
-        prop_assert_eq!(first_diff(&ka, wk), None, "k cache after append_kv ({:?})", ra.as_ref().err());
-        prop_assert_eq!(first_diff(&va, wv), None, "v cache after append_kv ({:?})", ra.as_ref().err());
+        prop_assert_eq!(
+            first_diff(&ka, wk),
+            None,
+            "k cache after append_kv ({:?})",
+            ra.as_ref().err()
+        );
+        prop_assert_eq!(
+            first_diff(&va, wv),
+            None,
+            "v cache after append_kv ({:?})",
+            ra.as_ref().err()
+        );
         let attended = layout.clone_with_new(c.new);
         (r, kx, vx, attended)
     } else {
