@@ -14,88 +14,7 @@ use flash_attn::serving::{
 };
 use flash_attn::{DType, Element, ForwardOptions, Mask, Output, Tensor};
 use proptest::prelude::*;
-use serving_util::{check_seq, rows, slopes, values, Rng, SeqCheck};
-
-#[derive(Debug, Clone)]
-struct Opts {
-    heads_kv: usize,
-    ratio: usize,
-    d: usize,
-    mask: Mask,
-    softcap: Option<f32>,
-    alibi: bool,
-    lse: bool,
-    threads: usize,
-    splits: Option<usize>,
-    seed: u64,
-}
-
-impl Opts {
-    fn hq(&self) -> usize {
-        self.heads_kv * self.ratio
-    }
-    fn forward(&self) -> ForwardOptions {
-        let mut o = ForwardOptions::default()
-            .mask(self.mask)
-            .return_lse(self.lse)
-            .cpu_threads(self.threads);
-        if let Some(c) = self.softcap {
-            o = o.softcap(c);
-        }
-        if self.alibi {
-            o = o.alibi_slopes(slopes(self.hq()));
-        }
-        if let Some(s) = self.splits {
-            o = o.num_splits(s);
-        }
-        o
-    }
-}
-
-fn mask_strategy() -> impl Strategy<Value = Mask> {
-    prop_oneof![
-        Just(Mask::None),
-        Just(Mask::Causal),
-        (-1i64..30, -1i64..30).prop_map(|(l, r)| Mask::window(l, r)),
-        (-1i64..30).prop_map(Mask::causal_window),
-    ]
-}
-
-fn opts_strategy() -> impl Strategy<Value = Opts> {
-    (
-        (
-            1usize..=2,
-            prop::sample::select(vec![1usize, 2, 4, 7]),
-            prop::sample::select(vec![16usize, 36, 64, 72, 128]),
-        ),
-        mask_strategy(),
-        (
-            prop::option::weighted(0.3, 5.0f32..50.0),
-            prop::bool::weighted(0.3),
-            any::<bool>(),
-        ),
-        (1usize..=3, prop::option::weighted(0.3, 1usize..=6), any::<u64>()),
-    )
-        .prop_map(
-            |((heads_kv, ratio, d), mask, (softcap, alibi, lse), (threads, splits, seed))| Opts {
-                heads_kv,
-                ratio,
-                d,
-                mask,
-                softcap,
-                alibi,
-                lse,
-                threads,
-                splits,
-                seed,
-            },
-        )
-}
-
-/// A sequence length with 0 and 1 well represented.
-fn len_strategy(max: usize) -> impl Strategy<Value = usize> {
-    prop_oneof![1 => Just(0usize), 1 => Just(1usize), 4 => 0..=max]
-}
+use serving_util::{check_seq, len_strategy, opts_strategy, rows, values, Opts, Rng, SeqCheck};
 
 /// Runs `cases` cases of `f` and prints the worst observed margin (see [`ratio`]).
 fn run<S: Strategy>(name: &str, cases: u32, strategy: S, f: impl Fn(&S::Value) -> Result<f64, TestCaseError>)
@@ -184,7 +103,7 @@ fn varlen_case(o: &Opts, lens_q: &[usize], lens_k: &[usize], dtype: DType) -> Re
 }
 
 fn varlen_strategy() -> impl Strategy<Value = (Opts, Vec<usize>, Vec<usize>)> {
-    (opts_strategy(), 1usize..=4).prop_flat_map(|(o, batch)| {
+    (opts_strategy(prop::option::weighted(0.3, 1usize..=6)), 1usize..=4).prop_flat_map(|(o, batch)| {
         (
             Just(o),
             prop::collection::vec(len_strategy(48), batch),
@@ -205,7 +124,7 @@ fn varlen_matches_reference_per_sequence() {
 /// Fewer, longer sequences: several row blocks and key chunks per item, prefill-sized.
 #[test]
 fn varlen_long_sequences() {
-    let long = (opts_strategy(), 1usize..=2).prop_flat_map(|(o, batch)| {
+    let long = (opts_strategy(prop::option::weighted(0.3, 1usize..=6)), 1usize..=2).prop_flat_map(|(o, batch)| {
         (
             Just(o),
             prop::collection::vec(0usize..=300, batch),
@@ -243,7 +162,7 @@ fn cache_strategy() -> impl Strategy<Value = CacheCase> {
         2 => (1usize..=40).prop_map(Some),
     ];
     (
-        opts_strategy(),
+        opts_strategy(prop::option::weighted(0.3, 1usize..=6)),
         1usize..=4,
         page,
         (

@@ -2,7 +2,8 @@
 #![allow(dead_code)]
 
 use flash_attn::reference::{attention_f64, attention_naive, max_abs_diff};
-use flash_attn::{DType, ForwardOptions, Problem, Tensor};
+use flash_attn::{DType, ForwardOptions, Mask, Problem, Tensor};
+use proptest::prelude::*;
 
 /// The crate's deterministic generator (SplitMix64), so tests need no RNG crate.
 pub use flash_attn::numerics::rng::SplitMix64 as Rng;
@@ -107,4 +108,90 @@ pub fn rows(x: &[f32], r0: usize, r1: usize, heads: usize, d: usize) -> Vec<f32>
 /// ALiBi slopes for `hq` heads (the usual geometric sequence).
 pub fn slopes(hq: usize) -> Vec<f32> {
     (0..hq).map(|h| 2f32.powf(-8.0 * (h + 1) as f32 / hq as f32)).collect()
+}
+
+/// The attention options of a random serving case, and the seed of its values.
+#[derive(Debug, Clone)]
+pub struct Opts {
+    pub heads_kv: usize,
+    /// heads_q / heads_kv (the GQA group).
+    pub ratio: usize,
+    pub d: usize,
+    pub mask: Mask,
+    pub softcap: Option<f32>,
+    pub alibi: bool,
+    pub lse: bool,
+    pub threads: usize,
+    pub splits: Option<usize>,
+    pub seed: u64,
+}
+
+impl Opts {
+    pub fn hq(&self) -> usize {
+        self.heads_kv * self.ratio
+    }
+    pub fn forward(&self) -> ForwardOptions {
+        let mut o = ForwardOptions::default()
+            .mask(self.mask)
+            .return_lse(self.lse)
+            .cpu_threads(self.threads);
+        if let Some(c) = self.softcap {
+            o = o.softcap(c);
+        }
+        if self.alibi {
+            o = o.alibi_slopes(slopes(self.hq()));
+        }
+        if let Some(s) = self.splits {
+            o = o.num_splits(s);
+        }
+        o
+    }
+}
+
+/// Every mask kind, windows of -1 (unbounded) to 29.
+pub fn mask_strategy() -> impl Strategy<Value = Mask> {
+    prop_oneof![
+        Just(Mask::None),
+        Just(Mask::Causal),
+        (-1i64..30, -1i64..30).prop_map(|(l, r)| Mask::window(l, r)),
+        (-1i64..30).prop_map(Mask::causal_window),
+    ]
+}
+
+/// Options with 1-2 kv heads, GQA ratios 1, 2, 4, 7, head dims 16 to 128, every mask, softcap,
+/// ALiBi and LSE at random, 1-3 threads, and `splits` for `num_splits`.
+pub fn opts_strategy(splits: impl Strategy<Value = Option<usize>>) -> impl Strategy<Value = Opts> {
+    (
+        (
+            1usize..=2,
+            prop::sample::select(vec![1usize, 2, 4, 7]),
+            prop::sample::select(vec![16usize, 36, 64, 72, 128]),
+        ),
+        mask_strategy(),
+        (
+            prop::option::weighted(0.3, 5.0f32..50.0),
+            prop::bool::weighted(0.3),
+            any::<bool>(),
+        ),
+        (1usize..=3, splits, any::<u64>()),
+    )
+        .prop_map(
+            |((heads_kv, ratio, d), mask, (softcap, alibi, lse), (threads, splits, seed))| Opts {
+                heads_kv,
+                ratio,
+                d,
+                mask,
+                softcap,
+                alibi,
+                lse,
+                threads,
+                splits,
+                seed,
+            },
+        )
+}
+
+/// A sequence length with 0 and 1 well represented.
+pub fn len_strategy(max: usize) -> impl Strategy<Value = usize> {
+    prop_oneof![1 => Just(0usize), 1 => Just(1usize), 4 => 0..=max]
 }
