@@ -418,7 +418,7 @@ fn combine_matches_host_merge() {
         }
     }
     if full() {
-        let mut rng = Rng::new(7);
+        let mut rng = Rng::new(common::emu::matrix_seed("combine full matrix", 7));
         for i in 0..40 {
             let splits = i % 2 == 0;
             let n = 1 + (rng.next_u64() % if splits { 128 } else { 64 }) as usize;

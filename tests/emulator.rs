@@ -259,7 +259,7 @@ fn fa2_all_instances() {
     if full() {
         // 30 random configurations: head dim, dtype, batch 1-2, GQA 1-3, seqlens 1-300, window
         // sides -1 or 0-120, softcap, ALiBi, LSE, layout.
-        let mut rng = common::Rng::new(0x5EED_F2F2);
+        let mut rng = common::Rng::new(common::emu::matrix_seed("fa2 full matrix", 0x5EED_F2F2));
         let mut pick = |lo: u64, hi: u64| lo + rng.next_u64() % (hi - lo + 1);
         for _ in 0..30 {
             let hd = [32, 64, 96, 128, 192, 256][pick(0, 5) as usize];

@@ -541,7 +541,7 @@ fn fa2_paged_and_cache() {
         SCase { mask: Mask::Causal, ..base(DType::F16, 64, 4, 2, Err(3), Kv::Cache { lens: lens.to_vec(), extra: 5 }) },
     ];
     if full() {
-        let mut rng = Rng::new(0x5e41);
+        let mut rng = Rng::new(common::emu::matrix_seed("serving full matrix", 0x5e41));
         for n in 0..24 {
             let batch = 1 + rng.below(4);
             let lens: Vec<usize> =

@@ -432,7 +432,7 @@ fn fa3_serving_matrix() {
         println!("the FA3 serving matrix runs with FLASH_ATTN_EMU=full (the subset runs always)");
         return;
     }
-    let mut rng = Rng::new(0x005e_41f3);
+    let mut rng = Rng::new(common::emu::matrix_seed("fa3 serving matrix", 0x005e_41f3));
     let mut cases = Vec::new();
     let masks = [Mask::None, Mask::Causal, Mask::window(33, 5)];
     for (si, family) in ["fa3s3", "fa3s4", "fa3s5"].into_iter().enumerate() {

@@ -432,7 +432,7 @@ fn fa1_serving_matches_per_sequence_reference() {
     ];
     let mut cases = cases;
     if full() {
-        let mut rng = Rng::new(99);
+        let mut rng = Rng::new(common::emu::matrix_seed("fa1 serving full matrix", 99));
         for i in 0..24 {
             let b = 1 + (rng.next_u64() % 4) as usize;
             // Lengths 0 and 1 in 15 % of the draws each, otherwise up to `max`.

@@ -805,3 +805,22 @@ pub mod addr {
     pub const KNEW: u64 = 0x76_0000_0000;
     pub const VNEW: u64 = 0x77_0000_0000;
 }
+
+/// The seed of a full matrix's random configurations: `FLASH_ATTN_EMU_SEED` (a u64, or `random`
+/// for a fresh one), else `fixed`, so the full matrix is reproducible and the fuzz command can
+/// draw new configurations. Printed under `what`, so a failing draw can be replayed.
+pub fn matrix_seed(what: &str, fixed: u64) -> u64 {
+    let seed = match std::env::var("FLASH_ATTN_EMU_SEED") {
+        Err(_) => fixed,
+        Ok(s) if s == "random" => {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(0);
+            Rng::new(now ^ (std::process::id() as u64) << 32 ^ fixed).next_u64()
+        }
+        Ok(s) => s.parse().unwrap_or_else(|_| panic!("FLASH_ATTN_EMU_SEED={s:?}: expected a u64 or `random`")),
+    };
+    println!("{what}: random configurations from seed {seed} (FLASH_ATTN_EMU_SEED={seed} replays them)");
+    seed
+}
