@@ -11,7 +11,8 @@
 //! - One compile unit per (family, head_dim, target), and one per (standalone kernel, target)
 //!   (build/instances.rs `STANDALONE`: the combine). Compiled images are cached by content
 //!   (the unit, the sources and headers it includes, the nvcc flags, the toolchain's version
-//!   and binaries) in a directory shared by every profile and tool (`<target-dir>/
+//!   and binaries; paths relative to the crate's root, so other checkouts and `cargo package`'s
+//!   copy hit the same entries) in a directory shared by every profile and tool (`<target-dir>/
 //!   flash-attn-kernels/`, or `$FLASH_ATTN_KERNEL_CACHE`): a second profile, `cargo clippy` or
 //!   `cargo doc` compiles nothing, and editing one `.cu` file recompiles only its units.
 //! - nvcc jobs run in parallel within cargo's jobserver (one job on the build script's own
@@ -200,6 +201,12 @@ fn main() {
         .iter()
         .map(|v| format!("{v}={}\n", std::env::var(v).unwrap_or_default()))
         .collect();
+    // Paths in the key are relative to OUT_DIR (which differs per profile) and to the crate's
+    // root (which differs per checkout, and for `cargo package`'s copy): every file's content is
+    // keyed, so one cache serves every checkout of the same sources. The `-lineinfo` of an image
+    // names the paths of the build that compiled it first.
+    let (out_s, root_s) = (out.display().to_string(), root.display().to_string());
+    let portable = |s: &str| s.replace(&out_s, "$OUT_DIR").replace(&root_s, "$ROOT");
     let mut jobs = Vec::new();
     // (image name, head_dim, source, unit file name, unit text): every family's (family,
     // head_dim) units as pruned by FLASH_ATTN_HDIMS, then the standalone kernels (no head dim).
@@ -231,12 +238,14 @@ fn main() {
             key.add(CACHE_FORMAT.as_bytes());
             key.add(tc.fingerprint.as_bytes());
             key.add(env_flags.as_bytes());
-            // OUT_DIR differs per profile; the generated header's content is keyed below.
             let args = nvcc_args(target, &include_dirs).join(" ");
-            key.add(args.replace(&out.display().to_string(), "$OUT_DIR").as_bytes());
-            key.add(text.as_bytes());
-            for (path, content) in &deps {
-                key.add(path.replace(&out.display().to_string(), "$OUT_DIR").as_bytes());
+            key.add(portable(&args).as_bytes());
+            key.add(portable(&text).as_bytes());
+            // In the order of the portable paths, which does not depend on where root is.
+            let mut files: Vec<(String, &Vec<u8>)> = deps.iter().map(|(p, c)| (portable(p), c)).collect();
+            files.sort();
+            for (path, content) in files {
+                key.add(path.as_bytes());
                 key.add(content);
             }
             let stem = image_stem(name, head_dim, target);
