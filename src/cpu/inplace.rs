@@ -693,7 +693,7 @@ fn sweep_fast<M: Exp2Math, T: blocks::Elem>(
     #[cfg(target_arch = "x86_64")]
     if M::NATIVE {
         let d = c.p.head_dim;
-        let fits = d % 32 == 0 && (1..=blocks::MAX_W).contains(&(d / 32));
+        let fits = d.is_multiple_of(32) && (1..=blocks::MAX_W).contains(&(d / 32));
         let rows_fit = items.iter().all(|it| it.r1 - it.r0 <= NR);
         let whole = items.iter().zip(scrs.iter()).all(|(it, scr)| {
             let n = it.r1 - it.r0;
