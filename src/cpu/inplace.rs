@@ -1763,6 +1763,7 @@ mod tests {
     /// behind the mask; each also with the inputs stored head-major (strided views: one kv head
     /// per unit) at 1 and 2 threads.
     #[test]
+    #[cfg(feature = "bench")] // the head-major copies are bench::support::HeadMajor
     fn every_isa_matches_the_reference() {
         use crate::options::{ForwardOptions, Mask};
         use crate::reference::{attention_f64, max_abs_diff};
