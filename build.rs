@@ -1,8 +1,9 @@
 //! Compiles the CUDA kernels listed in build/instances.rs and embeds them.
 //!
-//! - Finds nvcc: `$NVCC`, `$CUDA_HOME/bin/nvcc`, `$CUDA_PATH/bin/nvcc`, `PATH`, then the PyPI
-//!   toolchain `scripts/install-cuda-toolchain.sh` puts in `$FLASH_ATTN_CUDA_TOOLCHAIN` or (in a
-//!   checkout of this repository, never inside the cargo registry) `.cuda-toolchain/`.
+//! - Finds nvcc (`nvcc.exe` on Windows): `$NVCC`, `$CUDA_HOME/bin`, `$CUDA_PATH/bin`, `PATH`,
+//!   then the PyPI toolchain `scripts/install-cuda-toolchain.sh` puts in
+//!   `$FLASH_ATTN_CUDA_TOOLCHAIN` or (in a checkout of this repository, never inside the cargo
+//!   registry) `.cuda-toolchain/`.
 //! - Any nvcc of CUDA 12.4 or newer: it builds the targets that version can (sm_100a needs
 //!   12.8) and warns about the rest. The compute_80 PTX is lowered to the oldest PTX ISA of the
 //!   toolkit's major version (8.0 for 12.x, 9.0 for 13.x) and re-assembled by ptxas to prove it
@@ -10,7 +11,8 @@
 //! - One compile unit per (family, head_dim, target), and one per (standalone kernel, target)
 //!   (build/instances.rs `STANDALONE`: the combine). Compiled images are cached by content
 //!   (the unit, the sources and headers it includes, the nvcc flags, the toolchain's version
-//!   and binaries) in a directory shared by every profile and tool (`<target-dir>/
+//!   and binaries; paths relative to the crate's root, so other checkouts and `cargo package`'s
+//!   copy hit the same entries) in a directory shared by every profile and tool (`<target-dir>/
 //!   flash-attn-kernels/`, or `$FLASH_ATTN_KERNEL_CACHE`): a second profile, `cargo clippy` or
 //!   `cargo doc` compiles nothing, and editing one `.cu` file recompiles only its units.
 //! - nvcc jobs run in parallel within cargo's jobserver (one job on the build script's own
@@ -199,6 +201,12 @@ fn main() {
         .iter()
         .map(|v| format!("{v}={}\n", std::env::var(v).unwrap_or_default()))
         .collect();
+    // Paths in the key are relative to OUT_DIR (which differs per profile) and to the crate's
+    // root (which differs per checkout, and for `cargo package`'s copy): every file's content is
+    // keyed, so one cache serves every checkout of the same sources. The `-lineinfo` of an image
+    // names the paths of the build that compiled it first.
+    let (out_s, root_s) = (out.display().to_string(), root.display().to_string());
+    let portable = |s: &str| s.replace(&out_s, "$OUT_DIR").replace(&root_s, "$ROOT");
     let mut jobs = Vec::new();
     // (image name, head_dim, source, unit file name, unit text): every family's (family,
     // head_dim) units as pruned by FLASH_ATTN_HDIMS, then the standalone kernels (no head dim).
@@ -230,12 +238,14 @@ fn main() {
             key.add(CACHE_FORMAT.as_bytes());
             key.add(tc.fingerprint.as_bytes());
             key.add(env_flags.as_bytes());
-            // OUT_DIR differs per profile; the generated header's content is keyed below.
             let args = nvcc_args(target, &include_dirs).join(" ");
-            key.add(args.replace(&out.display().to_string(), "$OUT_DIR").as_bytes());
-            key.add(text.as_bytes());
-            for (path, content) in &deps {
-                key.add(path.replace(&out.display().to_string(), "$OUT_DIR").as_bytes());
+            key.add(portable(&args).as_bytes());
+            key.add(portable(&text).as_bytes());
+            // In the order of the portable paths, which does not depend on where root is.
+            let mut files: Vec<(String, &Vec<u8>)> = deps.iter().map(|(p, c)| (portable(p), c)).collect();
+            files.sort();
+            for (path, content) in files {
+                key.add(path.as_bytes());
                 key.add(content);
             }
             let stem = image_stem(name, head_dim, target);
@@ -403,15 +413,21 @@ fn env_list(name: &str) -> Option<Vec<String>> {
     (!items.is_empty()).then_some(items)
 }
 
+/// A CUDA tool's file name on the build host (`nvcc`, or `nvcc.exe` on Windows).
+fn exe(tool: &str) -> String {
+    format!("{tool}{}", std::env::consts::EXE_SUFFIX)
+}
+
 fn find_nvcc(toolchain_dirs: &[PathBuf]) -> Option<PathBuf> {
     let is_file = |p: &Path| p.is_file();
+    let nvcc = exe("nvcc");
     if let Some(p) = std::env::var_os("NVCC") {
         let p = PathBuf::from(p);
         return is_file(&p).then_some(p);
     }
     for var in ["CUDA_HOME", "CUDA_PATH"] {
         if let Some(home) = std::env::var_os(var) {
-            let p = PathBuf::from(home).join("bin/nvcc");
+            let p = PathBuf::from(home).join("bin").join(&nvcc);
             if is_file(&p) {
                 return Some(p);
             }
@@ -419,23 +435,26 @@ fn find_nvcc(toolchain_dirs: &[PathBuf]) -> Option<PathBuf> {
     }
     if let Some(path) = std::env::var_os("PATH") {
         for dir in std::env::split_paths(&path) {
-            let p = dir.join("nvcc");
+            let p = dir.join(&nvcc);
             if is_file(&p) {
                 return Some(p);
             }
         }
     }
-    // A PyPI venv, once its install finished (the stamp is written last).
+    // A PyPI venv, once its install finished (the stamp is written last): its packages are in
+    // lib/python3.X/site-packages, or Lib/site-packages on Windows.
     for d in toolchain_dirs.iter().filter(|d| d.join(".installed").is_file()) {
-        let mut pythons: Vec<PathBuf> = std::fs::read_dir(d.join("lib"))
+        let mut site_packages: Vec<PathBuf> = std::fs::read_dir(d.join("lib"))
             .into_iter()
             .flatten()
             .flatten()
             .map(|e| e.path())
             .filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("python3")))
+            .map(|py| py.join("site-packages"))
             .collect();
-        pythons.sort();
-        let found = pythons.into_iter().map(|py| py.join("site-packages/nvidia/cu13/bin/nvcc")).find(|p| is_file(p));
+        site_packages.sort();
+        site_packages.push(d.join("Lib").join("site-packages"));
+        let found = site_packages.into_iter().map(|sp| sp.join("nvidia/cu13/bin").join(&nvcc)).find(|p| is_file(p));
         if found.is_some() {
             return found;
         }
@@ -466,7 +485,9 @@ fn inspect(nvcc: &Path) -> Result<Toolchain, String> {
     let bin = nvcc.parent().unwrap_or(Path::new("."));
     // The pieces nvcc drives: a reinstall with other versions (PyPI ships them separately)
     // changes their size or date even where nvcc's own version text stays the same.
-    for tool in [nvcc.to_path_buf(), bin.join("ptxas"), bin.join("../nvvm/bin/cicc"), bin.join("fatbinary")] {
+    let tools =
+        [nvcc.to_path_buf(), bin.join(exe("ptxas")), bin.join("../nvvm/bin").join(exe("cicc")), bin.join(exe("fatbinary"))];
+    for tool in tools {
         if let Ok(m) = std::fs::metadata(&tool) {
             let mtime =
                 m.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()).unwrap_or_default();
@@ -681,8 +702,13 @@ fn lower_ptx(tc: &Toolchain, path: &Path) -> Result<(), String> {
         });
     let candidate = temp_path(path);
     std::fs::write(&candidate, &lowered).map_err(|e| e.to_string())?;
-    let ptxas = tc.nvcc.with_file_name("ptxas");
-    let check = Command::new(&ptxas).args(["-arch=sm_80", "-o", "/dev/null"]).arg(&candidate).output();
+    // ptxas's output is only proof that it accepts the text: a temporary file in OUT_DIR (no
+    // `/dev/null`, which Windows lacks), removed after.
+    let ptxas = tc.nvcc.with_file_name(exe("ptxas"));
+    let out_dir = PathBuf::from(std::env::var_os("OUT_DIR").ok_or("OUT_DIR is not set")?);
+    let scratch = temp_path(&out_dir.join("ptx-check.cubin"));
+    let check = Command::new(&ptxas).arg("-arch=sm_80").arg("-o").arg(&scratch).arg(&candidate).output();
+    let _ = std::fs::remove_file(&scratch);
     match check {
         Ok(o) if o.status.success() => std::fs::rename(&candidate, path).map_err(|e| e.to_string()),
         _ => {
@@ -729,7 +755,7 @@ fn write_kernels_rs(out: &Path, jobs: &[Job], nvcc: Option<&Path>, why_none: &st
     let mut s = String::from("// Generated by build.rs. Do not edit.\n");
     let nvcc_s = nvcc.map(|p| p.display().to_string()).unwrap_or_default();
     let cuobjdump = nvcc
-        .map(|p| p.with_file_name("cuobjdump"))
+        .map(|p| p.with_file_name(exe("cuobjdump")))
         .filter(|p| p.is_file())
         .map(|p| p.display().to_string())
         .unwrap_or_default();

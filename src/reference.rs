@@ -25,7 +25,7 @@ pub(crate) fn check_views(p: &Problem, q: &TensorView, k: &TensorView, v: &Tenso
         }
         t.check_layout(op)?;
     }
-    if p.heads_q % p.heads_kv != 0 {
+    if !p.heads_q.is_multiple_of(p.heads_kv) {
         return Err(Error::HeadsNotDivisible { heads_q: p.heads_q, heads_kv: p.heads_kv });
     }
     if let Some(s) = &p.alibi {

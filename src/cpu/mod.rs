@@ -1368,6 +1368,7 @@ mod tests {
     /// windows, GQA, softcap, an infinite V); also with the inputs stored head-major (strided
     /// views: one-head work items) at 1 and 2 threads.
     #[test]
+    #[cfg(feature = "bench")] // the head-major copies are bench::support::HeadMajor
     fn every_isa_matches_the_reference() {
         use crate::options::{ForwardOptions, Mask};
         use crate::reference::{attention_f64, max_abs_diff};

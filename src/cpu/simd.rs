@@ -102,7 +102,7 @@ fn native_softmax_avx512(
     tile_max: Option<&[f32; NR]>,
 ) -> [f32; NR] {
     use std::arch::x86_64::*;
-    assert!(states.len() >= NR && panel.len() % NR == 0);
+    assert!(states.len() >= NR && panel.len().is_multiple_of(NR));
     let load = |x: &[f32]| {
         // SAFETY: `x` holds at least 16 f32 (every caller passes a 16-lane panel row).
         unsafe { _mm512_loadu_ps(x[..NR].as_ptr()) }

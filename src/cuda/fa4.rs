@@ -46,7 +46,7 @@ impl FamilyHost for Fa4 {
     fn layout_refusal(&self, ops: &Operands) -> Option<LayoutRefusal> {
         let r = chunked_rows_refusal(ops)?;
         let i = [Operand::Q, Operand::K, Operand::V, Operand::O].iter().position(|&o| o == r.operand).unwrap_or(0);
-        let why = if ops.ptrs[i] % 16 != 0 {
+        let why = if !ops.ptrs[i].is_multiple_of(16) {
             "FA4 needs q/k/v/o 16-byte aligned (TMA loads, 16-byte row chunks)"
         } else {
             "FA4 needs every batch/row/head stride a multiple of 8 elements (TMA, 16-byte row chunks)"

@@ -398,7 +398,7 @@ pub fn consumer_plan(p: &Problem, ops: &ConsumerOperands, stage: u32, sm_count: 
     }
     let suffix = dtype_suffix(p.dtype)?;
     let aligned = |operand: Operand, addr: u64, strides: &[usize], unit: usize| -> Result<()> {
-        if addr % 16 != 0 || strides.iter().any(|s| s * unit % 16 != 0) {
+        if !addr.is_multiple_of(16) || strides.iter().any(|s| !(s * unit).is_multiple_of(16)) {
             return Err(Error::InvalidLayout {
                 operand,
                 reason: format!("address {addr:#x} and strides {strides:?} must be multiples of 16 bytes"),

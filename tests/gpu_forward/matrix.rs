@@ -27,7 +27,7 @@ fn random_case(rng: &mut Rng, dtype: DType) -> ([Tensor; 3], ForwardOptions, Str
         2 => Mask::window(bound(rng), bound(rng)),
         _ => Mask::causal_window(bound(rng)),
     };
-    let mut opts = ForwardOptions::default().mask(mask).return_lse(rng.next_u64() % 2 == 0);
+    let mut opts = ForwardOptions::default().mask(mask).return_lse(rng.next_u64().is_multiple_of(2));
     if rng.next_u64() % 10 < 3 {
         opts = opts.softcap(5.0 + (rng.uniform() * 45.0) as f32);
     }

@@ -57,13 +57,17 @@ fn scaled(cases: u32) -> u32 {
 pub fn config(name: &str, source_file: &'static str, cases: u32) -> Config {
     let seed = seed();
     let cases = scaled(cases);
+    // Rejected draws (`prop_assume!`) in proportion to the cases: a fixed cap aborts a scaled run.
+    let defaults = Config::default();
     println!("proptest {name}: seed {seed}, {cases} cases (FLASH_ATTN_PROPTEST_SEED={seed} reruns them)");
     Config {
         cases,
         rng_seed: RngSeed::Fixed(seed),
         source_file: Some(source_file),
         failure_persistence: Some(Box::new(FileFailurePersistence::WithSource("proptest-regressions"))),
-        ..Config::default()
+        max_global_rejects: defaults.max_global_rejects.max(cases),
+        max_local_rejects: defaults.max_local_rejects.max(cases.saturating_mul(16)),
+        ..defaults
     }
 }
 

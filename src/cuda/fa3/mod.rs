@@ -96,7 +96,7 @@ pub(crate) fn load_path(tile: &Tile, p: &FwdParams) -> Option<&'static str> {
     if !p.is_serving() {
         return None;
     }
-    Some(if p.page_size > 0 && p.page_size as u32 % tile.block_n == 0 {
+    Some(if p.page_size > 0 && (p.page_size as u32).is_multiple_of(tile.block_n) {
         concat!(
             "K/V by TMA through the block table (page size a multiple of the key tile); ",
             "each sequence's partial last tile gathered with cp.async"

@@ -107,7 +107,7 @@ pub(crate) fn tma_spec(op: Operand, l: &OperandLayout, box_rows: u32, data_type:
         operand: op,
         reason,
     };
-    if l.head_dim as u32 % SLAB_COLS != 0 {
+    if !(l.head_dim as u32).is_multiple_of(SLAB_COLS) {
         return Err(bad(format!(
             "head_dim {} is not a multiple of {SLAB_COLS} (the 128-byte TMA box)",
             l.head_dim
