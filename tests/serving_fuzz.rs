@@ -37,7 +37,7 @@ use flash_attn::serving::{
 use flash_attn::{DType, Element, Error, ForwardOptions, Output, OwnedData, Tensor, TensorView};
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
-use serving_util::{check_seq, len_strategy, opts_strategy, values, Opts, Rng, SeqCheck};
+use serving_util::{check_seq, len_strategy, opts_strategy, paged_table, values, Opts, Rng, SeqCheck};
 use std::cell::Cell;
 
 // ---------------------------------------------------------------- the test's reading of a layout
@@ -814,31 +814,11 @@ fn base_layout(c: &CacheCase, rng: &mut Rng) -> CacheLayout {
             heads_major: c.heads_major,
         };
     };
-    let pages: Vec<usize> = c.lens.iter().map(|l| (l + c.new).div_ceil(ps)).collect();
-    let shared: Vec<usize> = (0..batch)
-        .map(|b| {
-            if c.share && b > 0 {
-                (c.lens[0] / ps).min(c.lens[b] / ps)
-            } else {
-                0
-            }
-        })
-        .collect();
-    let num_blocks = (0..batch).map(|b| pages[b] - shared[b]).sum::<usize>() + c.spare.0;
-    let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
-    rng.shuffle(&mut ids);
-    let mb = pages.iter().copied().max().unwrap_or(0) + c.spare.1;
-    let mut table = vec![-1i32; batch * mb];
-    let mut next = ids.into_iter();
-    for b in 0..batch {
-        for p in 0..pages[b] {
-            table[b * mb + p] = if p < shared[b] { table[p] } else { next.next().unwrap() };
-        }
-    }
+    let t = paged_table(&c.lens, c.new, ps, c.share, c.spare, rng);
     CacheLayout {
-        shape: [num_blocks.max(1), ps, hkv, d],
+        shape: [t.num_blocks.max(1), ps, hkv, d],
         seqlens,
-        table: Some((table, mb)),
+        table: Some((t.ids, t.width)),
         heads_major: c.heads_major,
     }
 }
@@ -977,20 +957,14 @@ fn cache_case<T: Bits>(c: &CacheCase, worst: &Worst) -> Result<(), TestCaseError
             Ok(_) => prop_assert!(broken.is_empty(), "accepted a layout that breaks {:?}", broken),
             Err(e) => expect_refusal(e, &broken)?,
         }
-        let want = |ok: bool| if ok { (&kx, &vx) } else { (&k, &v) };
-        let (wk, wv) = want(r.is_ok());
-        prop_assert_eq!(
-            first_diff(&kc, wk),
-            None,
-            "k cache after the call ({:?})",
-            r.as_ref().err()
-        );
-        prop_assert_eq!(
-            first_diff(&vc, wv),
-            None,
-            "v cache after the call ({:?})",
-            r.as_ref().err()
-        );
+        // Both caches as the test's own append left them, or untouched after a refusal.
+        let caches_are = |(kg, vg): (&[T], &[T]), ok: bool, after: &str, err: Option<&Error>| {
+            let (wk, wv) = if ok { (&kx, &vx) } else { (&k, &v) };
+            prop_assert_eq!(first_diff(kg, wk), None, "k cache after {} ({:?})", after, err);
+            prop_assert_eq!(first_diff(vg, wv), None, "v cache after {} ({:?})", after, err);
+            Ok(())
+        };
+        caches_are((&kc, &vc), r.is_ok(), "the call", r.as_ref().err())?;
         // `append_kv` alone: the same writes, or the same refusal with the cache untouched.
         let (mut ka, mut va) = (k.clone(), v.clone());
         let mut cache = KvCacheMut {
@@ -1012,19 +986,7 @@ fn cache_case<T: Bits>(c: &CacheCase, worst: &Worst) -> Result<(), TestCaseError
             ),
             Err(e) => expect_refusal(e, &append_broken)?,
         }
-        let (wk, wv) = want(ra.is_ok());
-        prop_assert_eq!(
-            first_diff(&ka, wk),
-            None,
-            "k cache after append_kv ({:?})",
-            ra.as_ref().err()
-        );
-        prop_assert_eq!(
-            first_diff(&va, wv),
-            None,
-            "v cache after append_kv ({:?})",
-            ra.as_ref().err()
-        );
+        caches_are((&ka, &va), ra.is_ok(), "append_kv", ra.as_ref().err())?;
         let attended = layout.clone_with_new(c.new);
         (r, kx, vx, attended)
     } else {

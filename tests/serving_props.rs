@@ -14,7 +14,7 @@ use flash_attn::serving::{
 };
 use flash_attn::{DType, Element, ForwardOptions, Mask, Output, Tensor};
 use proptest::prelude::*;
-use serving_util::{check_seq, len_strategy, opts_strategy, rows, values, Opts, Rng, SeqCheck};
+use serving_util::{check_seq, len_strategy, opts_strategy, paged_table, rows, values, Opts, Rng, SeqCheck};
 
 /// Runs `cases` cases of `f` and prints the worst observed margin (see [`ratio`]).
 fn run<S: Strategy>(name: &str, cases: u32, strategy: S, f: impl Fn(&S::Value) -> Result<f64, TestCaseError>)
@@ -224,34 +224,14 @@ fn build_cache<T: Element>(c: &CacheCase, rng: &mut Rng, dtype: DType) -> Built<
             ([batch, cap, hkv, d], Vec::new(), 0)
         }
         Some(ps) => {
-            let pages: Vec<usize> = c.lens.iter().map(|l| (l + c.new).div_ceil(ps)).collect();
-            // Sequence b >= 1 shares its first full cached pages with sequence 0 (prefix sharing).
-            let shared: Vec<usize> = (0..batch)
-                .map(|b| {
-                    if c.share && b > 0 {
-                        (c.lens[0] / ps).min(c.lens[b] / ps)
-                    } else {
-                        0
-                    }
-                })
-                .collect();
-            let own: usize = (0..batch).map(|b| pages[b] - shared[b]).sum();
-            let num_blocks = own + c.spare_blocks;
-            let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
-            rng.shuffle(&mut ids);
-            let max_blocks = pages.iter().copied().max().unwrap_or(0) + c.extra_table;
-            let mut table = vec![-1i32; batch * max_blocks];
-            let mut next = ids.into_iter();
+            let t = paged_table(&c.lens, c.new, ps, c.share, (c.spare_blocks, c.extra_table), rng);
             for b in 0..batch {
-                for p in 0..pages[b] {
-                    table[b * max_blocks + p] = if p < shared[b] { table[p] } else { next.next().unwrap() };
-                }
-                let n = shared[b] * ps * row;
+                let n = t.shared[b] * ps * row;
                 let (src_k, src_v) = (logical_k[0][..n].to_vec(), logical_v[0][..n].to_vec());
                 logical_k[b][..n].copy_from_slice(&src_k);
                 logical_v[b][..n].copy_from_slice(&src_v);
             }
-            ([num_blocks.max(1), ps, hkv, d], table, max_blocks)
+            ([t.num_blocks.max(1), ps, hkv, d], t.ids, t.width)
         }
     };
     let n: usize = shape.iter().product();

@@ -195,3 +195,44 @@ pub fn opts_strategy(splits: impl Strategy<Value = Option<usize>>) -> impl Strat
 pub fn len_strategy(max: usize) -> impl Strategy<Value = usize> {
     prop_oneof![1 => Just(0usize), 1 => Just(1usize), 4 => 0..=max]
 }
+
+/// A paged cache's block table: sequence `b` holds `lens[b] + new` keys in pages of `ps`, and
+/// with `share` each sequence after the first takes its first full cached pages from sequence 0
+/// (prefix sharing). The pool has the blocks used plus `spare_blocks`, in shuffled order (one
+/// `rng.shuffle`); each table row has `spare_width` entries past the longest sequence's pages,
+/// -1 past a sequence's own.
+pub struct PagedTable {
+    /// `[batch][width]` block ids.
+    pub ids: Vec<i32>,
+    pub width: usize,
+    /// Blocks in the pool.
+    pub num_blocks: usize,
+    /// Pages of each sequence shared with sequence 0.
+    pub shared: Vec<usize>,
+}
+
+pub fn paged_table(
+    lens: &[usize],
+    new: usize,
+    ps: usize,
+    share: bool,
+    (spare_blocks, spare_width): (usize, usize),
+    rng: &mut Rng,
+) -> PagedTable {
+    let batch = lens.len();
+    let pages: Vec<usize> = lens.iter().map(|l| (l + new).div_ceil(ps)).collect();
+    let shared: Vec<usize> =
+        (0..batch).map(|b| if share && b > 0 { (lens[0] / ps).min(lens[b] / ps) } else { 0 }).collect();
+    let num_blocks = (0..batch).map(|b| pages[b] - shared[b]).sum::<usize>() + spare_blocks;
+    let mut pool: Vec<i32> = (0..num_blocks as i32).collect();
+    rng.shuffle(&mut pool);
+    let width = pages.iter().copied().max().unwrap_or(0) + spare_width;
+    let mut ids = vec![-1i32; batch * width];
+    let mut next = pool.into_iter();
+    for b in 0..batch {
+        for p in 0..pages[b] {
+            ids[b * width + p] = if p < shared[b] { ids[p] } else { next.next().unwrap() };
+        }
+    }
+    PagedTable { ids, width, num_blocks, shared }
+}
