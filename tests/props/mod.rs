@@ -12,8 +12,7 @@
 //! failing run is reproduced by setting the same seed.
 #![allow(dead_code)]
 
-use proptest::test_runner::{Config, FileFailurePersistence, RngSeed, TestCaseError, TestRunner};
-use proptest::strategy::Strategy;
+use proptest::test_runner::{Config, FileFailurePersistence, RngSeed};
 
 /// The seed of a run that sets none.
 pub const CI_SEED: u64 = 0x5eed_f1a5_4a77_2026;
@@ -68,24 +67,5 @@ pub fn config(name: &str, source_file: &'static str, cases: u32) -> Config {
         max_global_rejects: defaults.max_global_rejects.max(cases),
         max_local_rejects: defaults.max_local_rejects.max(cases.saturating_mul(16)),
         ..defaults
-    }
-}
-
-/// Runs `cases` cases of `test` over `strategy` with [`config`]; panics with the failing input
-/// and the seed.
-pub fn run<S: Strategy>(
-    name: &str,
-    source_file: &'static str,
-    cases: u32,
-    strategy: &S,
-    test: impl Fn(S::Value) -> Result<(), TestCaseError>,
-) where
-    S::Value: std::fmt::Debug,
-{
-    let config = config(name, source_file, cases);
-    let seed = config.rng_seed;
-    let mut runner = TestRunner::new(config);
-    if let Err(e) = runner.run(strategy, test) {
-        panic!("{name} (seed {seed}): {e}");
     }
 }
