@@ -38,13 +38,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
 
-/// The table's `host` field names the family's host module in the crate; the build needs none.
-type Host = ();
-macro_rules! host {
-    ($($module_and_type:tt)*) => {
-        ()
-    };
-}
 include!("build/instances.rs");
 
 #[path = "build/numerics_header.rs"]

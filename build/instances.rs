@@ -14,9 +14,9 @@
 // Options that do not change the hot loop (causal/window, softcap, ALiBi, LSE) are run-time
 // parameters (FwdParams), so instances are templated on (dtype, head_dim) only.
 //
-// To add a family: add one `Family` row here, its kernel file under cuda/, and its host module
-// under src/cuda/ implementing `FamilyHost` (named by the row's `host!`; build.rs ignores it).
-// docs/cuda.md, "Adding a family".
+// To add a family: add one `Family` row here, its kernel file under cuda/, and (for a new
+// `Pipeline`) its host module under src/cuda/ implementing `FamilyHost`, mapped from the
+// pipeline in src/cuda/hosts.rs. docs/cuda.md, "Adding a family".
 
 /// A compile target of nvcc.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -103,6 +103,46 @@ pub enum KernelVariant {
     Fa4,
 }
 
+/// The pipeline a row's kernel runs: the kernel source it compiles and, in the crate, the host
+/// rules its launches follow (`FamilyHost`, mapped in src/cuda/hosts.rs). The row names it as
+/// data, so the table depends on no module of the crate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Pipeline {
+    /// FA1 on CUDA cores.
+    Fa1,
+    /// FA2: mma.sync, a cp.async ring.
+    Fa2,
+    /// FA3 on Hopper: wgmma, TMA, warp specialisation.
+    Fa3,
+    /// FA3's pipeline on e4m3 codes, with the bf16/f16 -> e4m3 pre-pass in its image.
+    Fa3Fp8,
+    /// FA4 on Blackwell: tcgen05, tensor memory.
+    Fa4,
+}
+
+impl Pipeline {
+    /// The kernel source, relative to the crate root.
+    pub const fn source(self) -> &'static str {
+        match self {
+            Pipeline::Fa1 => "cuda/fa1_fwd.cu",
+            Pipeline::Fa2 => "cuda/fa2_fwd.cu",
+            Pipeline::Fa3 => "cuda/fa3_fwd_sm90.cu",
+            Pipeline::Fa3Fp8 => "cuda/fa3_fp8_fwd_sm90.cu",
+            Pipeline::Fa4 => "cuda/fa4_fwd_sm100.cu",
+        }
+    }
+
+    /// What the pipeline is, for `Dispatch::reason`.
+    pub const fn describe(self) -> &'static str {
+        match self {
+            Pipeline::Fa1 => "the FA1 pipeline (CUDA cores)",
+            Pipeline::Fa2 => "the FA2 pipeline (mma.sync, cp.async ring)",
+            Pipeline::Fa3 | Pipeline::Fa3Fp8 => "the FA3 pipeline (wgmma, TMA, warp specialisation)",
+            Pipeline::Fa4 => "the FA4 pipeline (tcgen05, tensor memory)",
+        }
+    }
+}
+
 /// Options beyond the plain forward that a family implements (a set). A problem asking for one
 /// its family lacks does not run on it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -166,7 +206,9 @@ pub struct Family {
     /// The rung of a ladder of families of one variant (FA3 stages 1..=5), `None` for a single
     /// family. The build passes it to the kernel as FA_STAGE (0 for `None`).
     pub stage: Option<u8>,
-    /// The source, relative to the crate root.
+    /// The pipeline its kernel runs (source and host rules).
+    pub pipeline: Pipeline,
+    /// The source, relative to the crate root: `pipeline.source()`.
     pub source: &'static str,
     /// One row per instantiated head dim, ascending.
     pub tiles: &'static [Tile],
@@ -195,10 +237,6 @@ pub struct Family {
     /// [`Family::smem_bytes`]). The build passes it to the kernel as FA_SMEM_BYTES, which
     /// static_asserts it against its own layout; the host launches with it.
     pub smem: fn(Option<u8>, &Tile) -> u32,
-    /// The family's host rules (a `FamilyHost` in its module under `src/cuda/`): refusals, layout rules,
-    /// grid, extra launch arguments. `()` in build.rs, which needs none of them.
-    #[allow(dead_code)]
-    pub(crate) host: Host,
 }
 
 impl Family {
@@ -208,23 +246,12 @@ impl Family {
     }
 
     /// The rung of its variant's ladder that `fa3_stage` / `fa4_stage` name: `stage`, except
-    /// for the FA4-softmax rows on the FA2 / FA3 pipelines (variant Fa4, another source), whose
+    /// for the FA4-softmax rows on the FA2 / FA3 pipelines (variant Fa4, another pipeline), whose
     /// `stage` is the FA3 stage they compile (FA_STAGE), not a rung of the tcgen05 ladder.
     pub fn ladder_stage(&self) -> Option<u8> {
         match self.variant {
-            KernelVariant::Fa4 if !self.source.ends_with("_sm100.cu") => None,
+            KernelVariant::Fa4 if self.pipeline != Pipeline::Fa4 => None,
             _ => self.stage,
-        }
-    }
-
-    /// The pipeline the row's kernel runs, for `Dispatch::reason`: its source's family.
-    pub fn pipeline(&self) -> &'static str {
-        match self.source {
-            "cuda/fa1_fwd.cu" => "the FA1 pipeline (CUDA cores)",
-            "cuda/fa2_fwd.cu" => "the FA2 pipeline (mma.sync, cp.async ring)",
-            "cuda/fa3_fwd_sm90.cu" | "cuda/fa3_fp8_fwd_sm90.cu" => "the FA3 pipeline (wgmma, TMA, warp specialisation)",
-            "cuda/fa4_fwd_sm100.cu" => "the FA4 pipeline (tcgen05, tensor memory)",
-            _ => "its own pipeline",
         }
     }
 }
@@ -370,7 +397,8 @@ const fn fa3_family(
         name,
         variant: KernelVariant::Fa3,
         stage: Some(stage),
-        source: "cuda/fa3_fwd_sm90.cu",
+        pipeline: Pipeline::Fa3,
+        source: Pipeline::Fa3.source(),
         tiles,
         min_sm: 90,
         gpu_verified: false,
@@ -381,7 +409,6 @@ const fn fa3_family(
         rank: 30 + stage as u32,
         cpu_emulation: Some(cpu_emulation),
         smem: fa3_smem_bytes,
-        host: host!(fa3::Fa3),
     }
 }
 const FA3_S1_TILES: &[Tile] = &[fa3_tile(1, 64), fa3_tile(1, 128), fa3_tile(1, 256)];
@@ -419,7 +446,8 @@ const fn fa3_fp8_family(name: &'static str, stage: u8) -> Family {
         name,
         variant: KernelVariant::Fa3,
         stage: Some(stage),
-        source: "cuda/fa3_fp8_fwd_sm90.cu",
+        pipeline: Pipeline::Fa3Fp8,
+        source: Pipeline::Fa3Fp8.source(),
         tiles: FA3_FP8_TILES,
         min_sm: 90,
         gpu_verified: false,
@@ -432,7 +460,6 @@ const fn fa3_fp8_family(name: &'static str, stage: u8) -> Family {
         rank: 37 + stage as u32,
         cpu_emulation: Some(if stage == 3 { "fp8_consumer_matches_cpu_fp8_path" } else { "fp8_consumer_stages_4_5" }),
         smem: fa3_fp8_smem_bytes,
-        host: host!(fp8::Fp8),
     }
 }
 
@@ -575,7 +602,8 @@ const fn fa4_family(
         name,
         variant: KernelVariant::Fa4,
         stage: Some(stage),
-        source: "cuda/fa4_fwd_sm100.cu",
+        pipeline: Pipeline::Fa4,
+        source: Pipeline::Fa4.source(),
         tiles,
         min_sm: 100,
         gpu_verified: false,
@@ -590,7 +618,6 @@ const fn fa4_family(
         rank: 40 + stage as u32,
         cpu_emulation: Some(cpu_emulation),
         smem: fa4_smem_bytes,
-        host: host!(fa4::Fa4),
     }
 }
 const FA4_S1_TILES: &[Tile] = &[fa4_tile(1, 64), fa4_tile(1, 128)];
@@ -625,7 +652,8 @@ const fn fa4_fa2_family(name: &'static str, softmax: SoftmaxParams, cpu_emulatio
         name,
         variant: KernelVariant::Fa4,
         stage: None,
-        source: "cuda/fa2_fwd.cu",
+        pipeline: Pipeline::Fa2,
+        source: Pipeline::Fa2.source(),
         tiles,
         min_sm: 80,
         gpu_verified: false,
@@ -636,7 +664,6 @@ const fn fa4_fa2_family(name: &'static str, softmax: SoftmaxParams, cpu_emulatio
         rank: 36,
         cpu_emulation: Some(cpu_emulation),
         smem: fa2_smem_bytes,
-        host: host!(fa2::Fa2),
     }
 }
 
@@ -655,7 +682,8 @@ const fn fa4_fa3_family(
         name,
         variant: KernelVariant::Fa4,
         stage: Some(FA4_FA3_STAGE),
-        source: "cuda/fa3_fwd_sm90.cu",
+        pipeline: Pipeline::Fa3,
+        source: Pipeline::Fa3.source(),
         tiles,
         min_sm: 90,
         gpu_verified: false,
@@ -666,7 +694,6 @@ const fn fa4_fa3_family(
         rank,
         cpu_emulation: Some(cpu_emulation),
         smem: fa3_smem_bytes,
-        host: host!(fa3::Fa3),
     }
 }
 /// The FA3 stage the FA4-softmax rows run (the top of the ladder, what `Variant::Fa3` runs).
@@ -695,7 +722,8 @@ pub const FAMILIES: &[Family] = &[
         name: "fa1",
         variant: KernelVariant::Fa1,
         stage: None,
-        source: "cuda/fa1_fwd.cu",
+        pipeline: Pipeline::Fa1,
+        source: Pipeline::Fa1.source(),
         // Tiles sized so Q, K, V and P (f32 in shared memory) stay under 99 KB, the opt-in limit of
         // sm_86/sm_89, and the per-thread f32 accumulator stays at most 64 registers.
         tiles: &[
@@ -717,13 +745,13 @@ pub const FAMILIES: &[Family] = &[
         rank: 1,
         cpu_emulation: Some("fa1_all_instances"),
         smem: fa1_smem_bytes,
-        host: host!(fa1::Fa1),
     },
     Family {
         name: "fa2",
         variant: KernelVariant::Fa2,
         stage: None,
-        source: "cuda/fa2_fwd.cu",
+        pipeline: Pipeline::Fa2,
+        source: Pipeline::Fa2.source(),
         // Mirrors fa2::Fa2Traits<D> (the unit static_asserts it). 128 rows = 4 warps x 2 m16 tiles
         // up to hd 128 (each K/V fragment feeds two mma); hd 128 takes 32-key tiles (64 spilled at
         // 255 registers); hd 192/256 take 64x32 (4 warps x 1 m-tile) to fit 99 KB with the K/V ring.
@@ -749,7 +777,6 @@ pub const FAMILIES: &[Family] = &[
         rank: 2,
         cpu_emulation: Some("fa2_all_instances"),
         smem: fa2_smem_bytes,
-        host: host!(fa2::Fa2),
     },
     // The FA3 ladder (docs/fa3.md): stage N adds one Hopper mechanism to stage N-1.
     // 1 wgmma; 2 + TMA/mbarrier ring; 3 + warp specialisation (setmaxnreg); 4 + ping-pong and

@@ -45,7 +45,7 @@ pub fn forward(
 ) -> Result<Output> {
     let (q, k, v) = (q.as_view(), k.as_view(), v.as_view());
     let p = Problem::new(&q, &k, &v, opts)?;
-    crate::serving::check_num_splits(opts)?;
+    crate::problem::check_num_splits(opts)?;
     let why_cpu = match route(&p, opts)? {
         Route::Gpu(dev) => return crate::cuda_host::forward_host(&p, &q, &k, &v, opts, dev),
         Route::Cpu(why) => why,

@@ -125,8 +125,8 @@ pub(crate) fn forward_host(
 #[cfg(feature = "cuda")]
 pub(crate) fn serving_host(
     views: (&TensorView, &TensorView, &TensorView),
-    ql: crate::serving::QueryLayout<'_>,
-    kl: crate::serving::KvLayout<'_>,
+    ql: crate::batch_layout::QueryLayout<'_>,
+    kl: crate::batch_layout::KvLayout<'_>,
     opts: &ForwardOptions,
     dev: usize,
 ) -> Result<crate::Output> {
@@ -151,8 +151,8 @@ pub(crate) fn serving_host(
 #[cfg(not(feature = "cuda"))]
 pub(crate) fn serving_host(
     _views: (&TensorView, &TensorView, &TensorView),
-    _ql: crate::serving::QueryLayout<'_>,
-    _kl: crate::serving::KvLayout<'_>,
+    _ql: crate::batch_layout::QueryLayout<'_>,
+    _kl: crate::batch_layout::KvLayout<'_>,
     _opts: &ForwardOptions,
     dev: usize,
 ) -> Result<crate::Output> {

@@ -35,6 +35,7 @@
 pub struct ReadmeDoctests;
 
 mod api;
+mod batch_layout;
 #[cfg(feature = "bench")]
 #[cfg_attr(docsrs, doc(cfg(feature = "bench")))]
 pub mod bench;
@@ -43,6 +44,7 @@ mod cpu;
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub mod cuda;
 mod cuda_host;
+mod dtype;
 mod error;
 mod names;
 pub mod numerics;

@@ -2,6 +2,7 @@
 //! (and the reference) works from. Nothing runs before this succeeds.
 
 use crate::error::{Error, Operand, Result};
+use crate::numerics::softmax_math::{SoftmaxMath, ACCURATE_DEGREE};
 use crate::options::{Exp2, ForwardOptions, Mask, Precision, Rescale};
 use crate::tensor::{DType, TensorView};
 use std::sync::Arc;
@@ -302,6 +303,36 @@ fn resolve_mask(mask: Mask) -> Result<(Option<usize>, Option<usize>)> {
             } else {
                 Ok((l, r))
             }
+        }
+    }
+}
+
+/// Checks `num_splits`: every entry point that takes it (dense, serving, the device engine).
+pub(crate) fn check_num_splits(opts: &ForwardOptions) -> Result<()> {
+    match opts.num_splits {
+        Some(n) if !(1..=crate::cpu::inplace::MAX_SPLITS).contains(&n) => Err(Error::InvalidOption {
+            option: "num_splits",
+            got: n.to_string(),
+            expected: format!("1..={} (or None for the heuristic)", crate::cpu::inplace::MAX_SPLITS),
+        }),
+        _ => Ok(()),
+    }
+}
+
+impl SoftmaxMath {
+    /// The softmax arithmetic of `p`'s options. Here rather than in `numerics`, which sits below
+    /// the problem (its rules validate the problem's options).
+    pub fn for_problem(p: &Problem) -> Self {
+        SoftmaxMath {
+            degree: match p.exp2 {
+                Exp2::Accurate => ACCURATE_DEGREE,
+                Exp2::Poly(d) => d,
+            },
+            lazy: match p.rescale {
+                Rescale::Always => None,
+                Rescale::Lazy { threshold } => Some(threshold),
+            },
+            fp8_p: matches!(p.precision, Precision::Fp8 { .. }),
         }
     }
 }

@@ -6,7 +6,7 @@
 //! runs exactly these launches (tests/combine_emulator.rs); [`gpu_num_splits`] is the split count
 //! of a GPU split-KV launch.
 //!
-//! Arithmetic: `serving::merge::merge_row`'s recombination and −inf / NaN rules, in f32 on the
+//! Arithmetic: `numerics::merge::merge_row`'s recombination and −inf / NaN rules, in f32 on the
 //! device (the host's is f64); docs/serving.md gives the tolerance.
 
 use super::table::{Standalone, STANDALONE};

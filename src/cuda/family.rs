@@ -112,14 +112,6 @@ pub(crate) fn chunked_rows_refusal(ops: &Operands) -> Option<LayoutRefusal> {
     None
 }
 
-/// The host of a family with no rules beyond its table row (no row names it: FA1 has its
-/// serving rules, src/cuda/fa1.rs; the dispatch tests' rows use it).
-#[allow(dead_code)]
-#[derive(Debug)]
-pub(crate) struct Plain;
-
-impl FamilyHost for Plain {}
-
 #[cfg(test)]
 mod tests {
     use super::*;

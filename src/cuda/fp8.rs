@@ -491,7 +491,7 @@ impl Fp8Scratch {
 /// (element strides; `ops.ptrs[3]` the output, `ops.lse` its LSE or 0) with the scratch at
 /// device address `scratch` (laid out as `layout`): the pre-pass of Q and K (rotated when
 /// `hadamard` is set), the pre-pass of V into Vᵀ, then the consumer's parameters (the same at
-/// every stage; its grid and tensor maps come from the table row: `launch::plan_launch`).
+/// every stage; its grid and tensor maps come from the table row: `plan::plan_instance`).
 ///
 /// # Errors
 /// As [`prepass_plan`] and [`consumer_plan`].

@@ -2,15 +2,21 @@
 //! loading under the default `cuda-dynamic-loading` feature, so the crate builds and runs with
 //! no CUDA present; with the bare `cuda` feature the application's cudarc links the driver).
 //!
+//! Imports go one way (tests/module_layers.rs checks it): `engine` over `plan`, `driver`,
+//! `select` and `device`; those over `hosts`, the family modules, `family`, `launch`, `params`;
+//! everything over `table`, which is plain data.
+//!
 //! | module | role |
 //! |---|---|
-//! | `table` | the one table of instances (build/instances.rs) and the images build.rs embedded |
+//! | `table` | the one table of instances (build/instances.rs, plain data) and the images build.rs embedded |
 //! | `select` | (SM, dtype, head_dim, options, variant, layout) -> kernel instance |
 //! | `family` | `FamilyHost`, the trait each family's module implements, and the rules families share |
-//! | `fa1`, `fa2`, `fa3`, `fa4` | the families' host rules (FA1: its serving paths) |
+//! | `fa1`, `fa2`, `fa3`, `fa4`, `fp8` | the families' host rules (FA1: its serving paths) |
+//! | `hosts` | the map from a row's `Pipeline` to its family's `FamilyHost` |
 //! | `params` | `FwdParams`, the FFI struct mirrored from `cuda/common/params.h` |
-//! | `launch` | one launch as data (`LaunchPlan`), and the one kernel launch |
-//! | `plan` | launch plans of a named family, for the CPU emulator |
+//! | `launch` | the launch vocabulary, data only: `LaunchPlan`, tensor-map arguments |
+//! | `plan` | building `LaunchPlan`s: of a chosen instance (`Engine`), of a named family (the CPU emulator) |
+//! | `driver` | the driver calls of a launch: tensor-map encoding and the one `cuLaunchKernel` |
 //! | `fp8` | the Hopper FP8 pre-pass and consumer launches as data |
 //! | `combine` | the combine kernel's launches as data (split-KV's second pass, device `merge_states`), the GPU split count |
 //! | `device` | driver detection, contexts, compute capability, lazily loaded module cache |
@@ -19,12 +25,14 @@
 #[doc(hidden)]
 pub mod combine;
 mod device;
+mod driver;
 mod engine;
 mod fa1;
 mod fa2;
 mod fa3;
 mod fa4;
 mod family;
+mod hosts;
 #[doc(hidden)]
 pub mod fp8;
 mod launch;

@@ -5,7 +5,7 @@
 
 use crate::error::{Error, Result};
 use crate::problem::Problem;
-use crate::serving::layout::{BatchLayout, KvLayout, QueryLayout};
+use crate::batch_layout::{BatchLayout, KvLayout, QueryLayout};
 use std::mem::{offset_of, size_of};
 
 /// Bits of [`FwdParams::flags`] (FA_FLAG_* in cuda/common/params.h).

@@ -1,17 +1,22 @@
-//! Launch plans of a named family, for the CPU emulator (cuda/test/emu, driven by
-//! tests/emulator.rs): the [`LaunchPlan`] `Engine` would launch for a problem, built by the same
-//! rules (the family's refusals, `FwdParams::for_launch`, `launch::plan_launch`), so what the
-//! emulator checks is what the GPU would be given. Device addresses are whatever the caller
-//! says (the emulator maps them onto host buffers).
+//! Building [`LaunchPlan`]s. [`plan_instance`] is the one builder: block and shared memory from
+//! the table row, grid and tensor maps from the family's host rules; `Engine` launches what it
+//! returns. [`plan`], [`plan_serving`] and [`plan_append`] give the plan `Engine` would launch for
+//! a named family (a row of build/instances.rs), by the same rules (the family's refusals,
+//! `FwdParams::for_launch`), for the CPU emulator (cuda/test/emu, driven by tests/emulator.rs),
+//! so what the emulator checks is what the GPU would be given. Device addresses are whatever the
+//! caller says (the emulator maps them onto host buffers).
 
+use super::hosts::family_host;
+use super::launch::dtype_name;
 pub use super::launch::{LaunchPlan, TensorMapArgs};
 pub use super::params::{FwdParams, Operands, ServingOperands};
 use super::select::layout_error;
-use super::table::FAMILIES;
+use super::table::{Family, Tile, FAMILIES};
 use crate::error::{Error, Result};
+use crate::tensor::DType;
 use crate::options::Variant;
 use crate::problem::Problem;
-use crate::serving::layout::BatchLayout;
+use crate::batch_layout::BatchLayout;
 
 /// The launch `Engine` would make of family `family` (a row name of build/instances.rs, e.g.
 /// "fa2", "fa3s4") for problem `p` on `ops`; `sm_count` sizes a persistent grid.
@@ -54,7 +59,7 @@ pub fn plan_serving(
 /// `for_serving`'s errors; `Error::InvalidSeqLayout` when the layout appends nothing or is not a
 /// cache; `Error::UnsupportedDType` for dtypes other than f16/bf16.
 pub fn plan_append(p: &Problem, layout: &BatchLayout<'_>, ops: &Operands, s: &ServingOperands) -> Result<LaunchPlan> {
-    use crate::serving::layout::KvLayout;
+    use crate::batch_layout::KvLayout;
     let new = match layout.kv_layout() {
         KvLayout::Cache { new, .. } | KvLayout::Paged { new, .. } => new,
         _ => 0,
@@ -71,7 +76,7 @@ pub fn plan_append(p: &Problem, layout: &BatchLayout<'_>, ops: &Operands, s: &Se
     let tile = fam.tiles.iter().filter(|t| t.head_dim as usize >= p.head_dim).min_by_key(|t| t.head_dim).ok_or_else(|| {
         Error::VariantUnavailable { variant: Variant::Auto, reason: format!("no append kernel unit holds head_dim {}", p.head_dim) }
     })?;
-    let mut pl = super::launch::plan_launch(fam, tile, p.dtype, params, 1)?;
+    let mut pl = plan_instance(fam, tile, p.dtype, params, 1)?;
     pl.grid = (new as u32, p.heads_kv as u32, p.batch as u32);
     pl.block = (APPEND_KV_THREADS, 1, 1);
     pl.smem_bytes = 0;
@@ -94,18 +99,51 @@ fn plan_params(family: &str, p: &Problem, ops: &Operands, params: FwdParams, sm_
         .iter()
         .find(|t| t.head_dim as usize >= p.head_dim)
         .ok_or_else(|| unavailable(format!("has no instance for head_dim {}", p.head_dim)))?;
-    if let Some(why) = fam.host.refusal(fam, tile, p) {
+    if let Some(why) = family_host(fam).refusal(fam, tile, p) {
         return Err(unavailable(why.into()));
     }
     if params.is_serving() {
-        if let Some(why) = fam.host.serving_refusal(fam, tile, &params) {
+        if let Some(why) = family_host(fam).serving_refusal(fam, tile, &params) {
             return Err(unavailable(why.into()));
         }
     }
-    if let Some(r) = fam.host.layout_refusal(ops) {
+    if let Some(r) = family_host(fam).layout_refusal(ops) {
         return Err(layout_error(family, r));
     }
-    super::launch::plan_launch(fam, tile, p.dtype, params, sm_count)
+    plan_instance(fam, tile, p.dtype, params, sm_count)
+}
+
+/// The launch of `fam`'s instance `tile` on `dtype` data with `params`: block and shared memory
+/// from the table row, grid and tensor maps from the family's host rules (`sm_count` sizes a
+/// persistent grid).
+///
+/// # Errors
+/// [`Error::UnsupportedDType`] for a dtype the kernels do not take; the family's tensor-map
+/// errors ([`Error::InvalidLayout`]).
+pub(crate) fn plan_instance(
+    fam: &'static Family,
+    tile: &'static Tile,
+    dtype: DType,
+    params: FwdParams,
+    sm_count: u32,
+) -> Result<LaunchPlan> {
+    let dtype_name = dtype_name(dtype).ok_or_else(|| Error::UnsupportedDType {
+        dtype,
+        backend: format!("cuda {}", fam.name),
+        supported: "F16, BF16".into(),
+    })?;
+    Ok(LaunchPlan {
+        family: fam,
+        tile,
+        dtype: dtype_name,
+        grid: family_host(fam).grid(fam, tile, &params, sm_count),
+        block: (tile.threads, 1, 1),
+        smem_bytes: fam.smem_bytes(tile),
+        params,
+        tensor_maps: family_host(fam).tensor_maps(fam, dtype, &params)?,
+        note: family_host(fam).launch_note(fam, tile, &params),
+        append_kv: false,
+    })
 }
 
 #[cfg(test)]
@@ -160,7 +198,7 @@ mod tests {
     /// grid); a family without a serving path refuses with a typed reason.
     #[test]
     fn serving_plans() {
-        use crate::serving::layout::{BatchLayout, KvLayout, QueryLayout};
+        use crate::batch_layout::{BatchLayout, KvLayout, QueryLayout};
         let (table, seqlens) = ([1, 0, 2, 3], [3, 4]);
         let kv = KvLayout::Paged { block_table: &table, max_blocks_per_seq: 2, seqlens: &seqlens, new: 1 };
         let l = BatchLayout::new(QueryLayout::Dense, [2, 1, 8, 64], kv, [4, 3, 2, 64]).unwrap();

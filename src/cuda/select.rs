@@ -9,6 +9,7 @@
 
 use super::device::Device;
 use super::family::LayoutRefusal;
+use super::hosts::family_host;
 use super::launch::dtype_name;
 use super::params::Operands;
 use super::table::{targets_for, Family, Image, KernelOptions, Tile, FAMILIES};
@@ -152,7 +153,7 @@ fn builds_for(fam: &Family, dev: &impl Gpu) -> bool {
 
 /// The family's own problem refusal of a table-admitted choice.
 fn refusal(c: &Choice, p: &Problem) -> Option<&'static str> {
-    c.family.host.refusal(c.family, c.tile, p)
+    family_host(c.family).refusal(c.family, c.tile, p)
 }
 
 /// "fa2 on <GPU> (sm_80)": where a refusal happened, for error messages.
@@ -188,7 +189,7 @@ fn choose_for_in(
     ops: &Operands,
 ) -> Result<Choice> {
     let mut c = choose_in(families, dev, p, variant)?;
-    while let Some(r) = c.family.host.layout_refusal(ops) {
+    while let Some(r) = family_host(c.family).layout_refusal(ops) {
         if variant != Variant::Auto {
             return Err(layout_error(&on(c.family, dev), r));
         }
@@ -401,7 +402,7 @@ fn fa4_softmax_note(f: &Family) -> String {
         (None, Some(s)) => format!(" at stage {s}"),
         _ => String::new(),
     };
-    format!("; FA4's softmax ({share}, {rescale}) in {}{stage}", f.pipeline())
+    format!("; FA4's softmax ({share}, {rescale}) in {}{stage}", f.pipeline.describe())
 }
 
 #[cfg(test)]

@@ -2,16 +2,7 @@
 // Some table items serve build.rs only (image stems, the FA3 row constants).
 #![allow(dead_code)]
 
-use super::family::FamilyHost;
 use crate::options::Variant;
-
-/// A row's host rules: `host!(fa3::Fa3)` in the table is the `FamilyHost` `super::fa3::Fa3`.
-pub(crate) type Host = &'static dyn FamilyHost;
-macro_rules! host {
-    ($module:ident :: $host:ident) => {
-        &super::$module::$host
-    };
-}
 
 include!("../../build/instances.rs");
 

@@ -1,5 +1,6 @@
 //! Numerics shared by the CPU backend and the CUDA kernels: software exp2, FP8 (e4m3) with
-//! per-block scales, the Hadamard rotation, and the lazy-rescale rule. Each lives here once in Rust
+//! per-block scales, the Hadamard rotation, the lazy-rescale rule, and the merge of attention
+//! states (the split-KV combine; public as `serving::merge_states`). Each lives here once in Rust
 //! and once in a header under `cuda/common/` with the same steps (`exp2_poly.cuh`, `fp8.cuh`,
 //! `hadamard.cuh`, `softmax.cuh`); the constants reach CUDA through a header build.rs generates from
 //! these Rust ones (`build/numerics_header.rs`).
@@ -8,6 +9,7 @@ pub(crate) mod softmax_math;
 pub mod exp2;
 pub mod fp8;
 pub mod hadamard;
+pub(crate) mod merge;
 pub mod quant;
 pub mod rng;
 

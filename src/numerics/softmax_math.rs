@@ -9,13 +9,12 @@ use super::exp2::exp2_poly_deg;
 use super::fp8::round_e4m3;
 use super::FP8_P_SCALE_LOG2;
 use crate::cpu::softmax::Exp2Math;
-use crate::options::{Exp2, Precision, Rescale};
-use crate::problem::Problem;
 
 /// Degree the CPU uses for `Exp2::Accurate` (max relative error 8.5e-8, about one f32 ulp).
 pub const ACCURATE_DEGREE: u8 = 5;
 
-/// A kernel's softmax arithmetic, chosen at run time from the problem's options.
+/// A kernel's softmax arithmetic, chosen at run time from the problem's options
+/// (`SoftmaxMath::for_problem`, in problem.rs: the numerics sit below the problem).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SoftmaxMath {
     /// Polynomial degree of exp2 (2..=5).
@@ -27,20 +26,6 @@ pub struct SoftmaxMath {
 }
 
 impl SoftmaxMath {
-    pub fn for_problem(p: &Problem) -> Self {
-        SoftmaxMath {
-            degree: match p.exp2 {
-                Exp2::Accurate => ACCURATE_DEGREE,
-                Exp2::Poly(d) => d,
-            },
-            lazy: match p.rescale {
-                Rescale::Always => None,
-                Rescale::Lazy { threshold } => Some(threshold),
-            },
-            fp8_p: matches!(p.precision, Precision::Fp8 { .. }),
-        }
-    }
-
     /// Whether the backend's plain arithmetic (degree-5 exp2, eager rescale, P in f32) is
     /// exactly this one, so no emulation is needed.
     pub fn is_native(&self) -> bool {
@@ -80,6 +65,7 @@ mod tests {
     use super::*;
     use crate::cpu::forward_with;
     use crate::options::ForwardOptions;
+    use crate::problem::Problem;
     use crate::reference::{attention_f64, rmse};
     use crate::tensor::Tensor;
 

@@ -45,7 +45,8 @@
 //! ```
 
 pub mod layout;
-pub(crate) mod merge;
+// The merge is shared with the backends, which sit below this API: it lives in `numerics`.
+pub(crate) use crate::numerics::merge;
 
 pub use layout::{BatchLayout, KvLayout, QueryLayout};
 pub use merge::{merge_states, merge_states_n, AttentionState};
@@ -414,18 +415,6 @@ fn check_view(t: &TensorView<'_>, op: Operand, packed: bool) -> Result<()> {
     t.check_layout(op)
 }
 
-/// Checks `num_splits` (shared with the dense forward).
-pub(crate) fn check_num_splits(opts: &ForwardOptions) -> Result<()> {
-    match opts.num_splits {
-        Some(n) if !(1..=inplace::MAX_SPLITS).contains(&n) => Err(Error::InvalidOption {
-            option: "num_splits",
-            got: n.to_string(),
-            expected: format!("1..={} (or None for the heuristic)", inplace::MAX_SPLITS),
-        }),
-        _ => Ok(()),
-    }
-}
-
 /// Everything a serving call validates, in the order a caller would fix it: memory, dtypes,
 /// shapes, the sequence layout, then the options.
 fn prepare<'a>(
@@ -482,7 +471,7 @@ fn prepare<'a>(
                 .into(),
         });
     }
-    check_num_splits(opts)?;
+    crate::problem::check_num_splits(opts)?;
     if opts.variant != Variant::Auto && !matches!(opts.backend, Backend::Cuda(_)) {
         return Err(Error::VariantUnavailable {
             variant: opts.variant,

@@ -7,17 +7,20 @@
 //! the same contents, from which the call is validated exactly as the CPU API validates it
 //! (`BatchLayout::new`), with no device copy and no synchronisation.
 
-use super::{check_stream, cuda_err, stream_id, Engine, DeviceLse, DeviceTensor, DeviceTensorMut, MAX_GRID_YZ, MAX_SEQLEN};
+use super::handle::Engine;
+use super::tensors::{check_stream, stream_id, DeviceLse, DeviceTensor, DeviceTensorMut, MAX_GRID_YZ, MAX_SEQLEN};
+use crate::cuda::device::cuda_err;
 use crate::cuda::combine;
-use crate::cuda::launch::{launch, launch_combine, plan_launch};
+use crate::cuda::driver::{launch, launch_combine};
+use crate::cuda::hosts::family_host;
 use crate::cuda::params::{FwdParams, Operands, ServingOperands};
-use crate::cuda::plan::plan_append;
+use crate::cuda::plan::{plan_append, plan_instance};
 use crate::cuda::select;
 use crate::error::{Error, Operand, Result};
 use crate::options::{ForwardOptions, Precision, Variant};
 use crate::problem::Problem;
 use crate::output::Dispatch;
-use crate::serving::layout::{BatchLayout, KvLayout, QueryLayout};
+use crate::batch_layout::{BatchLayout, KvLayout, QueryLayout};
 use crate::tensor::check_extent;
 use cudarc::driver::{result, sys};
 
@@ -176,7 +179,7 @@ impl Engine {
                 expected: "Precision::Native on the varlen / KV-cache paths".into(),
             });
         }
-        crate::serving::check_num_splits(opts)?;
+        crate::problem::check_num_splits(opts)?;
         if p.heads_q > MAX_GRID_YZ || b > MAX_GRID_YZ || msq.max(msk) > MAX_SEQLEN {
             return Err(Error::TooLarge {
                 what: format!("batch {b} / heads {hq} (at most {MAX_GRID_YZ}), seqlens {msq} / {msk} (at most 2^30)"),
@@ -209,7 +212,7 @@ impl Engine {
         // A family with a serving path: under Auto, FA2 when the fastest one has none.
         let mut c = select::choose_for(&*self.dev, &p, opts.variant, &ops)?;
         let probe = FwdParams::for_serving(&p, &layout, &ops, &sops, 1)?;
-        if let Some(why) = c.family.host.serving_refusal(c.family, c.tile, &probe) {
+        if let Some(why) = family_host(c.family).serving_refusal(c.family, c.tile, &probe) {
             if opts.variant != Variant::Auto {
                 return Err(Error::VariantUnavailable { variant: opts.variant, reason: format!("{} {why}", c.family.name) });
             }
@@ -250,7 +253,7 @@ impl Engine {
         // What the launch did that the family's name does not say (FA3: the K/V load path).
         let note = if splits <= 1 || rows == 0 {
             let params = FwdParams::for_serving(&p, &layout, &ops, &sops, 1)?;
-            let plan = plan_launch(c.family, c.tile, p.dtype, params, self.dev.sm_count())?;
+            let plan = plan_instance(c.family, c.tile, p.dtype, params, self.dev.sm_count())?;
             // An empty batch (no query rows) launches nothing.
             if plan.grid.0 > 0 && plan.grid.2 > 0 {
                 launch(&self.dev.plan_function(&plan)?, stream, &plan)?;
@@ -298,7 +301,7 @@ impl Engine {
         (sops.o_accum, sops.lse_accum) = (scratch, scratch + o_bytes as u64);
         let run = || -> Result<()> {
             let params = FwdParams::for_serving(p, layout, ops, &sops, splits)?;
-            let plan = plan_launch(c.family, c.tile, p.dtype, params, self.dev.sm_count())?;
+            let plan = plan_instance(c.family, c.tile, p.dtype, params, self.dev.sm_count())?;
             launch(&self.dev.plan_function(&plan)?, stream, &plan)?;
             let out = combine::Rows { ptr: ops.ptrs[3], strides: ops.strides[3] };
             let merge = combine::splits_plan(shape, splits, sops.o_accum, sops.lse_accum, p.dtype, out, ops.lse)?;

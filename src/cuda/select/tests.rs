@@ -1,11 +1,7 @@
 //! The choice logic on fake GPUs and tables, and the real table on every GPU it targets.
 
 use super::super::device::pick_image;
-use super::super::fa2::Fa2;
-use super::super::fa3::Fa3;
-use super::super::fa4::Fa4;
-use super::super::family::Plain;
-use super::super::table::{targets_for, Host, KernelVariant, SoftmaxParams, Target};
+use super::super::table::{targets_for, KernelVariant, Pipeline, SoftmaxParams, Target};
 use super::*;
 use crate::options::{ForwardOptions, Variant};
 use crate::tensor::DType;
@@ -17,12 +13,13 @@ fn smem(_stage: Option<u8>, t: &Tile) -> u32 {
     t.head_dim * 512
 }
 const TILES: &[Tile] = &[tile(64), tile(128), tile(256)];
-const fn family(name: &'static str, variant: KernelVariant, min_sm: u32, auto: bool, rank: u32, host: Host) -> Family {
+const fn family(name: &'static str, variant: KernelVariant, min_sm: u32, auto: bool, rank: u32, pipeline: Pipeline) -> Family {
     Family {
         name,
         variant,
         stage: None,
-        source: "",
+        pipeline,
+        source: pipeline.source(),
         tiles: TILES,
         min_sm,
         gpu_verified: false,
@@ -33,18 +30,16 @@ const fn family(name: &'static str, variant: KernelVariant, min_sm: u32, auto: b
         rank,
         cpu_emulation: None,
         smem,
-        host,
     }
 }
-const FA1: Family = family("fa1", KernelVariant::Fa1, 80, true, 1, &Plain);
-const FA2: Family = family("fa2", KernelVariant::Fa2, 80, true, 2, &Fa2);
+const FA1: Family = family("fa1", KernelVariant::Fa1, 80, true, 1, Pipeline::Fa1);
+const FA2: Family = family("fa2", KernelVariant::Fa2, 80, true, 2, Pipeline::Fa2);
 /// An FA3 ladder row as the real table has them (sm_90a-only source, not in Auto).
 const fn fa3_row(name: &'static str, stage: u8, gpu_verified: bool) -> Family {
     Family {
         stage: Some(stage),
-        source: "cuda/fa3_fwd_sm90.cu",
         gpu_verified,
-        ..family(name, KernelVariant::Fa3, 90, false, 30 + stage as u32, &Fa3)
+        ..family(name, KernelVariant::Fa3, 90, false, 30 + stage as u32, Pipeline::Fa3)
     }
 }
 /// A table shaped like the real one: FA1, FA2 and an FA3 ladder (three stages here) that is not
@@ -102,8 +97,7 @@ static IMAGES: &[Image] = &[
 const fn fa4_row(name: &'static str, stage: u8) -> Family {
     Family {
         stage: Some(stage),
-        source: "cuda/fa4_fwd_sm100.cu",
-        ..family(name, KernelVariant::Fa4, 100, false, 40 + stage as u32, &Fa4)
+        ..family(name, KernelVariant::Fa4, 100, false, 40 + stage as u32, Pipeline::Fa4)
     }
 }
 /// The FA4 rung that runs FA4's softmax (degree-3 exp2 on 1 element in 8, lazy tau 8).

@@ -1,0 +1,78 @@
+//! Host-memory problems on the GPU (`crate::forward` with `Backend::Auto` / `Backend::Cuda`):
+//! upload, launch through an [`Engine`], download.
+
+use super::handle::Engine;
+use super::tensors::{DeviceTensor, DeviceTensorMut, DeviceLse};
+use crate::cuda::device::cuda_err;
+use crate::error::Result;
+use crate::options::ForwardOptions;
+use crate::output::{Dispatch, Output};
+use crate::problem::Problem;
+use crate::tensor::Element;
+use cudarc::driver::DeviceRepr;
+
+/// Runs a host-memory problem on the GPU: upload, launch, download (used by
+/// [`crate::forward`] with `Backend::Auto`/`Backend::Cuda`).
+pub(crate) fn forward_host_typed<T>(
+    engine: &Engine,
+    p: &Problem,
+    q: &crate::tensor::TensorView,
+    k: &crate::tensor::TensorView,
+    v: &crate::tensor::TensorView,
+    data: [&[T]; 3],
+    opts: &ForwardOptions,
+) -> Result<Output>
+where
+    T: Element + DeviceRepr + cudarc::driver::ValidAsZeroBits,
+{
+    let o_shape = q.shape();
+    let mut o_host = vec![T::default(); crate::tensor::numel(o_shape, "output")?];
+    let mut lse_host = p.return_lse.then(|| vec![0f32; p.batch * p.heads_q * p.seqlen_q]);
+    let dispatch = forward_host_into_typed(engine, p, q, k, v, data, &mut o_host, lse_host.as_deref_mut(), opts)?;
+    Ok(Output { o: crate::tensor::Tensor::from_vec(o_host, o_shape)?, lse: lse_host, dispatch })
+}
+
+/// As [`forward_host_typed`], downloading into the caller's buffers (`o_dst` contiguous
+/// `[batch, seqlen_q, heads_q, head_dim]`, `lse_dst` `[batch, heads_q, seqlen_q]`; lengths
+/// checked by the caller).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn forward_host_into_typed<T>(
+    engine: &Engine,
+    p: &Problem,
+    q: &crate::tensor::TensorView,
+    k: &crate::tensor::TensorView,
+    v: &crate::tensor::TensorView,
+    data: [&[T]; 3],
+    o_dst: &mut [T],
+    lse_dst: Option<&mut [f32]>,
+    opts: &ForwardOptions,
+) -> Result<Dispatch>
+where
+    T: Element + DeviceRepr + cudarc::driver::ValidAsZeroBits,
+{
+    let stream = engine.device().default_stream();
+    let up = |s: &[T]| stream.clone_htod(s).map_err(cuda_err("cuMemcpyHtoDAsync"));
+    let (dq, dk, dv) = (up(data[0])?, up(data[1])?, up(data[2])?);
+    let o_shape = q.shape();
+    let mut d_o = stream.alloc_zeros::<T>(o_dst.len()).map_err(cuda_err("cuMemAllocAsync(o)"))?;
+    let n_lse = p.batch * p.heads_q * p.seqlen_q;
+    let mut d_lse = match lse_dst {
+        Some(_) => Some(stream.alloc_zeros::<f32>(n_lse).map_err(cuda_err("cuMemAllocAsync(lse)"))?),
+        None => None,
+    };
+    let dispatch = {
+        let tq = DeviceTensor::new(&dq, &stream, q.shape()).with_strides(q.strides());
+        let tk = DeviceTensor::new(&dk, &stream, k.shape()).with_strides(k.strides());
+        let tv = DeviceTensor::new(&dv, &stream, v.shape()).with_strides(v.strides());
+        let mut to = DeviceTensorMut::new(&mut d_o, &stream, o_shape);
+        let mut tl = d_lse.as_mut().map(|l| DeviceLse::new(l, &stream));
+        engine.forward(&stream, &tq, &tk, &tv, &mut to, tl.as_mut(), opts)?
+    };
+    stream.memcpy_dtoh(&d_o, o_dst).map_err(cuda_err("cuMemcpyDtoHAsync(o)"))?;
+    if let (Some(l), Some(dst)) = (&d_lse, lse_dst) {
+        stream.memcpy_dtoh(l, dst).map_err(cuda_err("cuMemcpyDtoHAsync(lse)"))?;
+    }
+    // Kernel faults surface here, as an error of the synchronize.
+    stream.synchronize().map_err(cuda_err("cuStreamSynchronize"))?;
+    Ok(dispatch)
+}
