@@ -1,4 +1,4 @@
-//! Host side of the FA4 ladder (`cuda/fa4_fwd_sm100.cu`, Blackwell sm_100a, rows "fa4s1".. of
+//! Host side of the FA4 ladder (`cuda/fa4_fwd_sm100.cu` over `cuda/fa4/`, Blackwell sm_100a, rows "fa4s1".. of
 //! build/instances.rs, each with its `stage`): what the kernels refuse, their layout rule and the
 //! three TMA tensor maps every stage takes after `FwdParams` (Q, K, V with 128-row boxes: one box
 //! per 64-column slab of a tile), as data (`driver.rs` encodes them and launches). The grid is the

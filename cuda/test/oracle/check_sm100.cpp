@@ -105,7 +105,7 @@ int check_idesc() {
 }
 
 // The kernels' descriptor of tile `kind`'s block kb at tile address `base` (1024-aligned), as
-// cuda/fa4_fwd_sm100.cu builds it (issue_qk / issue_pv: K-major +32 bytes per k block inside a
+// cuda/fa4/tile.cuh builds it (issue_qk / issue_pv: K-major +32 bytes per k block inside a
 // slab; MN-major +16 rows of 128 bytes per k block, LBO = the slab stride of 128 rows).
 uint64_t kernel_desc(int kind, uint32_t base, int kb) {
     if (kind == 0) return fa4::umma_desc_kmajor_sw128(base + kb * fa4::kUmmaKBytes);
