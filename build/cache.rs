@@ -10,7 +10,13 @@ use std::path::{Path, PathBuf};
 /// the job's arguments and unit text, and every file the unit includes with its content.
 /// `portable` writes the paths relative to the crate root and OUT_DIR (which differ per
 /// checkout and profile), so one cache serves every checkout of the same sources.
-pub(crate) fn key(tc: &Toolchain, args: &str, text: &str, deps: &BTreeMap<String, Vec<u8>>, portable: &dyn Fn(&str) -> String) -> u128 {
+pub(crate) fn key(
+    tc: &Toolchain,
+    args: &str,
+    text: &str,
+    deps: &BTreeMap<String, Vec<u8>>,
+    portable: &dyn Fn(&str) -> String,
+) -> u128 {
     let env_flags: String = ["NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS"]
         .iter()
         .map(|v| format!("{v}={}\n", std::env::var(v).unwrap_or_default()))

@@ -55,7 +55,14 @@ impl Targets {
 /// One job per (unit, wanted target): every family's (family, head_dim) units as pruned by
 /// FLASH_ATTN_HDIMS, then the standalone kernels (no head dim); each unit is written to
 /// OUT_DIR/gen and keyed into the cache with everything it includes.
-pub(crate) fn jobs(root: &Path, out: &Path, tc: &Toolchain, include_dirs: &[PathBuf], targets: &Targets, hang_check: bool) -> Vec<Job> {
+pub(crate) fn jobs(
+    root: &Path,
+    out: &Path,
+    tc: &Toolchain,
+    include_dirs: &[PathBuf],
+    targets: &Targets,
+    hang_check: bool,
+) -> Vec<Job> {
     let cache = cache::cache_dir(out);
     std::fs::create_dir_all(&cache).unwrap_or_else(|e| panic!("cannot create the kernel cache {}: {e}", cache.display()));
     let gen_dir = out.join("gen");

@@ -523,7 +523,12 @@ fn cycles<N: Ord + Clone>(edges: &BTreeMap<N, BTreeMap<N, String>>) -> Vec<(Vec<
 
 /// A cycle as its edges, then every other edge among the modules of its component (each of
 /// them is part of some cycle too).
-fn describe<N: Ord + Clone>(cycle: &[N], edges: &BTreeMap<N, BTreeMap<N, String>>, scc: &BTreeSet<N>, name: impl Fn(&N) -> String) -> String {
+fn describe<N: Ord + Clone>(
+    cycle: &[N],
+    edges: &BTreeMap<N, BTreeMap<N, String>>,
+    scc: &BTreeSet<N>,
+    name: impl Fn(&N) -> String,
+) -> String {
     let mut s = String::new();
     let shown: BTreeSet<(N, N)> = cycle.windows(2).map(|w| (w[0].clone(), w[1].clone())).collect();
     for w in cycle.windows(2) {
@@ -594,7 +599,11 @@ fn the_reader_finds_edges_and_cycles() {
         ("lib.rs", "mod cpu; mod cuda; mod tensor; pub use tensor::DType;\n"),
         ("tensor.rs", "pub enum DType { F16 }\n// crate::cuda::combine is only a comment\nconst S: &str = \"crate::cpu\";\n"),
         ("cpu/mod.rs", "pub(crate) mod inplace;\npub(crate) use inplace::num_splits;\n"),
-        ("cpu/inplace.rs", "use crate::DType;\npub fn num_splits() -> usize { crate::cuda::combine::helper() }\n#[cfg(test)]\nmod tests { use crate::cuda::launch; }\n"),
+        (
+            "cpu/inplace.rs",
+            "use crate::DType;\npub fn num_splits() -> usize { crate::cuda::combine::helper() }\n\
+             #[cfg(test)]\nmod tests { use crate::cuda::launch; }\n",
+        ),
         ("cuda/mod.rs", "mod combine; mod launch;\n"),
         ("cuda/combine.rs", "use super::{launch::{self, Plan}};\npub fn helper() -> usize { crate::cpu::inplace::num_splits() }\n"),
         ("cuda/launch.rs", "pub struct Plan;\nfn f() -> usize { crate::cpu::num_splits() }\n"),

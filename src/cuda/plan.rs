@@ -1,4 +1,4 @@
-//! Building [`LaunchPlan`]s. [`plan_instance`] is the one builder: block and shared memory from
+//! Building [`LaunchPlan`]s. `plan_instance` is the one builder: block and shared memory from
 //! the table row, grid and tensor maps from the family's host rules; `Engine` launches what it
 //! returns. [`plan`], [`plan_serving`] and [`plan_append`] give the plan `Engine` would launch for
 //! a named family (a row of build/instances.rs), by the same rules (the family's refusals,

@@ -2,7 +2,9 @@
 //! one launch (the FP8 path: the pre-pass, then the consumer).
 
 use super::handle::Engine;
-use super::tensors::{stream_id, MAX_GRID_YZ, MAX_SEQLEN, DeviceTensor, DeviceTensorMut, DeviceLse, lse_address, check_stream, Fp8Codes};
+use super::tensors::{
+    check_stream, lse_address, stream_id, DeviceLse, DeviceTensor, DeviceTensorMut, Fp8Codes, MAX_GRID_YZ, MAX_SEQLEN,
+};
 use crate::cuda::device::cuda_err;
 use crate::cuda::driver::{launch, launch_fp8_prepass};
 use crate::cuda::fp8::{self, Fp8Scratch};

@@ -151,9 +151,9 @@ impl<'a> DeviceLse<'a> {
     }
 }
 
-/// A borrowed f32 device buffer read as an LSE: a state's input of [`Engine::merge_states`],
-/// `[batch, heads, seqlen]` contiguous (a packed batch: `[heads, total_q]`), as the forward
-/// writes it.
+/// A borrowed f32 device buffer read as an LSE: a state's input of
+/// [`Engine::merge_states`](super::Engine::merge_states), `[batch, heads, seqlen]` contiguous (a
+/// packed batch: `[heads, total_q]`), as the forward writes it.
 #[derive(Debug)]
 pub struct DeviceLseRef<'a> {
     pub(super) b: Bound<'a>,
@@ -202,8 +202,9 @@ pub(super) fn check_stream(op: Operand, bound: Option<StreamId>, launch: StreamI
     }
 }
 
-/// e4m3 codes an engine quantised itself, for [`Engine::launch_fp8_codes_raw`] (FlashAttention-3's
-/// FP8 input, with V transposed): device addresses, contiguous.
+/// e4m3 codes an engine quantised itself, for
+/// [`Engine::launch_fp8_codes_raw`](super::Engine::launch_fp8_codes_raw) (FlashAttention-3's FP8
+/// input, with V transposed): device addresses, contiguous.
 #[derive(Clone, Copy, Debug)]
 pub struct Fp8Codes {
     /// e4m3 codes of Q `[batch, seqlen_q, heads_q, head_dim]` and K `[batch, seqlen_k, heads_kv,

@@ -4,7 +4,10 @@
 use super::prepass::{dtype_suffix, option_error, to_i32};
 use crate::cuda::fa3::tma::persistent_grid;
 use crate::cuda::family::tile_grid;
-use crate::cuda::launch::{TensorMapArgs, TmaSpec, TMA_DTYPE_UINT8, TMA_INTERLEAVE_NONE, TMA_L2_PROMOTION_256B, TMA_OOB_FILL_NONE, TMA_RANK, TMA_SWIZZLE_128B, TMA_SWIZZLE_64B};
+use crate::cuda::launch::{
+    TensorMapArgs, TmaSpec, TMA_DTYPE_UINT8, TMA_INTERLEAVE_NONE, TMA_L2_PROMOTION_256B, TMA_OOB_FILL_NONE, TMA_RANK,
+    TMA_SWIZZLE_128B, TMA_SWIZZLE_64B,
+};
 use crate::cuda::params::{FwdParams, Operands};
 use crate::error::{Error, Operand, Result};
 use crate::options::{Fp8Scaling, Precision};

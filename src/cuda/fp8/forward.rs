@@ -64,7 +64,7 @@ impl Fp8Scratch {
 /// every stage; its grid and tensor maps come from the table row: `plan::plan_instance`).
 ///
 /// # Errors
-/// As [`prepass_plan`] and [`consumer_plan`].
+/// As [`prepass_plan`] and [`consumer_plan`](super::consumer_plan).
 pub fn forward_plans(
     p: &Problem,
     ops: &Operands,
