@@ -417,10 +417,10 @@ fn check_view(t: &TensorView<'_>, op: Operand, packed: bool) -> Result<()> {
 /// Checks `num_splits` (shared with the dense forward).
 pub(crate) fn check_num_splits(opts: &ForwardOptions) -> Result<()> {
     match opts.num_splits {
-        Some(n) if !(1..=inplace::MAX_SPLITS).contains(&n) => Err(Error::InvalidOption {
+        Some(n) if !(1..=crate::splits::MAX_SPLITS).contains(&n) => Err(Error::InvalidOption {
             option: "num_splits",
             got: n.to_string(),
-            expected: format!("1..={} (or None for the heuristic)", inplace::MAX_SPLITS),
+            expected: format!("1..={} (or None for the heuristic)", crate::splits::MAX_SPLITS),
         }),
         _ => Ok(()),
     }
