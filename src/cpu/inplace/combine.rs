@@ -1,7 +1,7 @@
 //! The in-place path's second pass: each query row's split partials merged (or its one partial
 //! copied) into the output in q's dtype.
 
-use super::RB;
+use super::ITEM_ROWS;
 use crate::cpu::parallel;
 use crate::serving::layout::BatchLayout;
 use crate::serving::merge::merge_row;
@@ -88,8 +88,8 @@ pub(super) fn combine<T: Element>(
                 let i = tk.i0 + ti;
                 for h in 0..hq {
                     let (hk, r) = (h / parts.g, i * parts.g + h % parts.g);
-                    let first = pl.first + (hk * pl.nrb + r / RB) * pl.ns;
-                    let rr = r % RB;
+                    let first = pl.first + (hk * pl.nrb + r / ITEM_ROWS) * pl.ns;
+                    let rr = r % ITEM_ROWS;
                     let src = |s: usize| {
                         let at = parts.offsets[first + s] + rr;
                         (&parts.o[at * d..(at + 1) * d], parts.lse[at])

@@ -2,9 +2,9 @@
 //! cache or a paged cache, any dtype), for decode, paged KV caches and variable-length batches.
 //!
 //! Unlike the tiled path (`cpu::tiled`), nothing is repacked per call: a work item takes a block
-//! of up to [`RB`] query rows that share one kv head (every query head of the GQA group and the
+//! of up to [`ITEM_ROWS`] query rows that share one kv head (every query head of the GQA group and the
 //! sequence's query positions, flattened as `row = i · group + head_in_group`) and streams over
-//! that kv head's keys in chunks of [`KC`], reading each K and V row once per item (f16/bf16
+//! that kv head's keys in chunks of [`CHUNK_KEYS`], reading each K and V row once per item (f16/bf16
 //! rows are widened into a chunk-sized L1 buffer, f32 rows are used in place). Products are
 //! vectorised over head_dim with small register tiles (4 rows × 2 keys for `Q·Kᵀ`, 4 rows × 16
 //! columns for `P·V`); scores are held as panels of [`NR`] = 16 rows per key, the layout of the
@@ -21,11 +21,11 @@
 //!
 //! Decode (up to 16 query rows per kv head: the heads of its GQA group; every key visible) with
 //! the native arithmetic on the AVX-512 and AVX2 builds, at head dims that are multiples of 32 up
-//! to 256, runs in blocks of 16 keys instead (`sweep_blocks`, the products in
-//! `inplace::blocks`, written once over both ISAs' vectors): a block's 16 scores of a tile of
+//! to 256, runs in blocks of 16 keys instead (`sweep_key_blocks_with`, the products in
+//! `inplace::lanes`, written once over both ISAs' vectors): a block's 16 scores of a tile of
 //! rows at once, one softmax step per block and row, O held in registers over the block's V rows.
 //! The items of several kv heads whose K/V lie side by side take each block in key order
-//! (`block_key_major`: 8 keys of every head at a time), so memory is read as a few sequential
+//! (`key_block_in_key_order`: 8 keys of every head at a time), so memory is read as a few sequential
 //! streams rather than one per key; the same operations per row, the same bits. Each of its
 //! passes asks for the next pass's rows into L2 (the block's V while K is read, the next
 //! block's K while V is read), so that DRAM is read while the core computes.
@@ -37,11 +37,11 @@
 //!
 //! All parallel work goes through `cpu::parallel::for_each`.
 
-mod blocked;
-mod blocks;
-mod chunked;
+mod key_blocks;
+mod lanes;
+mod chunks;
 mod combine;
-mod one_key;
+mod key_by_key;
 mod scratch;
 
 use super::check_head_dim;
@@ -61,16 +61,16 @@ use crate::tensor::{numel, try_filled, Data, OwnedData, Tensor, TensorView};
 use combine::{combine, Parts, SeqPlan};
 use scratch::{Scratch, Scratches};
 
-/// Query rows per work item (4 panels of 16).
-pub const RB: usize = 64;
+/// Query rows per work item (4 panels of 16): each chunk of K/V rows an item reads serves them all.
+pub const ITEM_ROWS: usize = 64;
 /// Keys per chunk: the K and V rows of a chunk stay in L1/L2 while every panel of the item uses
 /// them.
-pub const KC: usize = 64;
+pub const CHUNK_KEYS: usize = 64;
 /// Keys per chunk when the items of all kv heads sweep the keys together (decode): a chunk of
-/// every head then spans `KC_SWEEP` whole rows of all heads (`[.., seqlen, heads, head_dim]`),
+/// every head then spans this many whole rows of all heads (`[.., seqlen, heads, head_dim]`),
 /// few enough concurrent streams for the hardware prefetchers, and each head's chunk is
 /// prefetched while the previous head's is computed.
-pub const KC_SWEEP: usize = 16;
+pub const SWEEP_CHUNK_KEYS: usize = 16;
 /// Multiply-adds a thread must get before another thread is started (roughly 50 µs of work).
 const MIN_WORK_PER_THREAD: u64 = 1 << 18;
 /// The dense forward takes this path when `seqlen_q` is at most this: the tiled path packs all of
@@ -141,27 +141,27 @@ fn attend<M: Exp2Math, const FMA: bool>(c: &Ctx<'_, M>, items: &mut [Item<'_>], 
     let one_row = items.iter().all(|it| it.r1 - it.r0 == 1);
     let span = spans.first().map_or((0, 0), |s| (s.lo_all, s.hi_all));
     // Decode (at most one panel of rows per item, every row seeing the whole span): the blocked
-    // sweep (`sweep_fast`) where it applies, else for group-1 16-bit K/V the one-key sweep (the
+    // sweep (`sweep_key_blocks`) where it applies, else for group-1 16-bit K/V the one-key sweep (the
     // widening fused into the products); f32 rows otherwise take the chunked path below, which
     // measured faster than the one-key sweep for them.
     let swept = together
         && match (c.k.data(), c.v.data()) {
             (Data::BF16(k), Data::BF16(v)) => {
-                blocked::sweep_fast(c, items, scrs, &spans, span, (k, v))
-                    || (one_row && one_key::sweep_rows::<M, FMA, half::bf16>(c, items, scrs, &spans, span, (k, v)))
+                key_blocks::sweep_key_blocks(c, items, scrs, &spans, span, (k, v))
+                    || (one_row && key_by_key::sweep_key_by_key::<M, FMA, half::bf16>(c, items, scrs, &spans, span, (k, v)))
             }
             (Data::F16(k), Data::F16(v)) => {
-                blocked::sweep_fast(c, items, scrs, &spans, span, (k, v))
-                    || (one_row && one_key::sweep_rows::<M, FMA, half::f16>(c, items, scrs, &spans, span, (k, v)))
+                key_blocks::sweep_key_blocks(c, items, scrs, &spans, span, (k, v))
+                    || (one_row && key_by_key::sweep_key_by_key::<M, FMA, half::f16>(c, items, scrs, &spans, span, (k, v)))
             }
-            (Data::F32(k), Data::F32(v)) => blocked::sweep_fast(c, items, scrs, &spans, span, (k, v)),
+            (Data::F32(k), Data::F32(v)) => key_blocks::sweep_key_blocks(c, items, scrs, &spans, span, (k, v)),
             _ => false,
         };
     if swept {
     } else if together && items.len() > 1 {
-        chunked::sweep_together::<M, FMA>(c, items, scrs, &spans);
+        chunks::sweep_chunks_together::<M, FMA>(c, items, scrs, &spans);
     } else {
-        chunked::sweep_each::<M, FMA>(c, items, scrs, &spans);
+        chunks::sweep_chunks_alone::<M, FMA>(c, items, scrs, &spans);
     }
     for (it, scr) in items.iter_mut().zip(scrs.iter_mut()) {
         attend_end(c, it, scr);
@@ -341,9 +341,9 @@ fn forward_isa<M: Exp2Math>(
             seqlen_k: sk,
             ..p.clone()
         };
-        let blocks: Vec<(usize, usize)> = (0..rows.div_ceil(RB))
+        let blocks: Vec<(usize, usize)> = (0..rows.div_ceil(ITEM_ROWS))
             .map(|rb| {
-                let (r0, r1) = (rb * RB, ((rb + 1) * RB).min(rows));
+                let (r0, r1) = (rb * ITEM_ROWS, ((rb + 1) * ITEM_ROWS).min(rows));
                 let (mut lo, mut hi) = (usize::MAX, 0);
                 for i in r0 / g..=(r1 - 1) / g {
                     let (l, h) = ps.key_range(i);
@@ -367,8 +367,8 @@ fn forward_isa<M: Exp2Math>(
     // block, split) as one unit (see `attend`): the split heuristic counts those units. Not when
     // K/V are head-major (`heads_side_by_side`): the heads' chunks then lie apart, 2 × heads
     // interleaved runs per sweep, and one head per unit (its K and V two sequential runs, with
-    // `sweep_blocks`' prefetch) measured faster, most of all for bf16.
-    let max_rows = (0..batch).map(|b| (seqlen_q(b) * g).min(RB)).max().unwrap_or(0);
+    // `sweep_key_blocks_with`' prefetch) measured faster, most of all for bf16.
+    let max_rows = (0..batch).map(|b| (seqlen_q(b) * g).min(ITEM_ROWS)).max().unwrap_or(0);
     let by_heads = max_rows <= NR && heads_side_by_side(k, v);
     let units = if by_heads { base_items / hkv.max(1) } else { base_items };
     let ns_all = splits.unwrap_or_else(|| num_splits(units, threads, max_span));
@@ -392,7 +392,7 @@ fn forward_isa<M: Exp2Math>(
         });
         for hk in 0..hkv {
             for (rb, &(klo, khi)) in blocks.iter().enumerate() {
-                let (r0, r1) = (rb * RB, ((rb + 1) * RB).min(rows));
+                let (r0, r1) = (rb * ITEM_ROWS, ((rb + 1) * ITEM_ROWS).min(rows));
                 // Even splits of the block's keys (in u64: span · s may pass 2^32).
                 let cut = |s: usize| klo + ((khi - klo) as u64 * s as u64 / ns as u64) as usize;
                 for s in 0..ns {
@@ -517,7 +517,7 @@ mod tests {
         type Case = (usize, usize, usize, usize, usize, usize, DType, ForwardOptions);
         let cases: [Case; 18] = [
             (1, 1, 700, 8, 8, 128, DType::F32, ForwardOptions::default()),
-            // Group-1 decode of 16-bit K/V (`sweep_rows`), with softcap and ALiBi (natural units).
+            // Group-1 decode of 16-bit K/V (`sweep_key_by_key`), with softcap and ALiBi (natural units).
             (1, 1, 530, 4, 4, 72, DType::F16, ForwardOptions::default().softcap(5.0)),
             (2, 1, 300, 3, 3, 64, DType::BF16, ForwardOptions::default().alibi_slopes(vec![0.5, 0.25, 0.125])),
             (2, 1, 1100, 8, 2, 64, DType::F32, ForwardOptions::default().num_splits(3)),
@@ -525,7 +525,7 @@ mod tests {
             (1, 5, 260, 4, 2, 40, DType::F32, ForwardOptions::default().causal(true)),
             (1, 3, 150, 2, 1, 33, DType::F16, ForwardOptions::default().mask(Mask::window(20, 0))),
             (1, 2, 90, 2, 2, 16, DType::F32, ForwardOptions::default().causal(true)),
-            // The blocked AVX-512 decode (`sweep_blocks`, head_dim a multiple of 32): f16 with
+            // The blocked AVX-512 decode (`sweep_key_blocks_with`, head_dim a multiple of 32): f16 with
             // softcap; bf16 with ALiBi and an infinite V in the last key (seen by every row: the
             // outputs are infinite where the reference's are); a window (keys 30.. of 50: the
             // span starts inside a block, the last block is partial); f32 at head_dim 256.
@@ -597,7 +597,7 @@ mod tests {
                 assert!(max_abs_diff(&w[0], &w[1]) <= same, "case {ci}: paths disagree");
             }
             // With one split, the blocked decode on K/V side by side (the items of all kv heads
-            // in one unit, each block taken in key order: `block_key_major`) and head-major (one
+            // in one unit, each block taken in key order: `key_block_in_key_order`) and head-major (one
             // kv head per unit, each item its whole block in turn) runs the same operations per
             // row: the same bits. (The chunked path, where the blocked one does not apply, takes
             // chunks of different lengths in the two.)

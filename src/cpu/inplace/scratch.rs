@@ -1,16 +1,16 @@
 //! The in-place path's per-worker scratch, kept by each thread between calls.
 
-use super::{blocks, KC};
+use super::{lanes, CHUNK_KEYS};
 use crate::cpu::gemm::NR;
 use crate::cpu::softmax::RowState;
 
 /// Per-worker buffers, sized once.
 pub(super) struct Scratch {
-    /// Query rows `[RB][d]`.
+    /// Query rows `[ITEM_ROWS][d]`.
     pub(super) q: Vec<f32>,
-    /// Unnormalised outputs `[RB][d]`.
+    /// Unnormalised outputs `[ITEM_ROWS][d]`.
     pub(super) o: Vec<f32>,
-    /// One panel's scores, then probabilities: `[KC][NR]`.
+    /// One panel's scores, then probabilities: `[CHUNK_KEYS][NR]`.
     pub(super) s: Vec<[f32; NR]>,
     pub(super) rows: Vec<RowState>,
     /// Per row: visible keys `[lo, hi)` (clipped to the split), query position, query head.
@@ -18,7 +18,7 @@ pub(super) struct Scratch {
     pub(super) hi: Vec<usize>,
     pub(super) qi: Vec<usize>,
     pub(super) head: Vec<usize>,
-    /// Widened K and V rows of one chunk (16-bit inputs only): `[KC][d]`, sized on first use
+    /// Widened K and V rows of one chunk (16-bit inputs only): `[CHUNK_KEYS][d]`, sized on first use
     /// (the group-1 sweeps never use them, and a decode unit holds one scratch per kv head:
     /// zeroing 2 × 32 KiB for each on every call would cost as much as a short decode call).
     pub(super) kbuf: Vec<f32>,
@@ -27,13 +27,13 @@ pub(super) struct Scratch {
     pub(super) kofs: Vec<usize>,
     pub(super) vofs: Vec<usize>,
     /// The query rows and their unnormalised outputs in the blocked decode's lane order
-    /// (`sweep_blocks`): `[rows][d]` each, `rows` at most `NR` (the most an item it takes has).
+    /// (`sweep_key_blocks_with`): `[rows][d]` each, `rows` at most `NR` (the most an item it takes has).
     pub(super) qp: Vec<f32>,
     pub(super) op: Vec<f32>,
-    /// The blocked decode's scores of each row against a block's keys (`block_key_major`),
-    /// then the rows' probabilities, `[rows][KB]` each, and output factors `[rows]`.
-    pub(super) xb: Vec<[f32; blocks::KB]>,
-    pub(super) pb: Vec<[f32; blocks::KB]>,
+    /// The blocked decode's scores of each row against a block's keys (`key_block_in_key_order`),
+    /// then the rows' probabilities, `[rows][BLOCK_KEYS]` each, and output factors `[rows]`.
+    pub(super) xb: Vec<[f32; lanes::BLOCK_KEYS]>,
+    pub(super) pb: Vec<[f32; lanes::BLOCK_KEYS]>,
     pub(super) fb: Vec<f32>,
 }
 
@@ -75,8 +75,8 @@ impl Drop for Scratches {
     fn drop(&mut self) {
         let rb = self.rows.div_ceil(NR).max(1) * NR;
         let dec = self.rows.clamp(1, NR);
-        let floats = 2 * rb * self.d + KC * NR + 2 * dec * self.d + dec * (2 * blocks::KB + 1);
-        let each = 4 * floats + 2 * 4 * KC * self.d;
+        let floats = 2 * rb * self.d + CHUNK_KEYS * NR + 2 * dec * self.d + dec * (2 * lanes::BLOCK_KEYS + 1);
+        let each = 4 * floats + 2 * 4 * CHUNK_KEYS * self.d;
         if self.v.is_empty() || self.v.len().saturating_mul(each) > SCRATCH_KEEP_BYTES {
             return;
         }
@@ -94,13 +94,13 @@ impl Drop for Scratches {
 }
 
 impl Scratch {
-    /// For items of up to `rows` query rows (at most [`RB`]).
+    /// For items of up to `rows` query rows (at most [`ITEM_ROWS`]).
     pub(super) fn new(d: usize, rows: usize) -> Self {
         let rb = rows.div_ceil(NR).max(1) * NR;
         Scratch {
             q: vec![0.0; rb * d],
             o: vec![0.0; rb * d],
-            s: vec![[0.0; NR]; KC],
+            s: vec![[0.0; NR]; CHUNK_KEYS],
             rows: vec![RowState::EMPTY; rb],
             lo: vec![0; rb],
             hi: vec![0; rb],
@@ -108,12 +108,12 @@ impl Scratch {
             head: vec![0; rb],
             kbuf: Vec::new(),
             vbuf: Vec::new(),
-            kofs: vec![0; KC],
-            vofs: vec![0; KC],
+            kofs: vec![0; CHUNK_KEYS],
+            vofs: vec![0; CHUNK_KEYS],
             qp: vec![0.0; rows.clamp(1, NR) * d],
             op: vec![0.0; rows.clamp(1, NR) * d],
-            xb: vec![[0.0; blocks::KB]; rows.clamp(1, NR)],
-            pb: vec![[0.0; blocks::KB]; rows.clamp(1, NR)],
+            xb: vec![[0.0; lanes::BLOCK_KEYS]; rows.clamp(1, NR)],
+            pb: vec![[0.0; lanes::BLOCK_KEYS]; rows.clamp(1, NR)],
             fb: vec![1.0; rows.clamp(1, NR)],
         }
     }

@@ -4,7 +4,7 @@
 use super::output::{write_rows, BlockOut};
 use super::pack::{prefetch_rows, row_f32, PackedKv, ZEROS};
 use super::scratch::Scratch;
-use super::{round_up, BC, BR};
+use super::{round_up, TILE_KEYS, BLOCK_ROWS};
 use crate::cpu::gemm::{micro_kernel, micro_kernel_skip_zero_b, Acc, MR, NR};
 use crate::cpu::score::ScoreMod;
 use crate::cpu::simd::{self, KTile};
@@ -149,7 +149,7 @@ pub(super) fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
     let mut next_q = !PAIR;
     let mut j0 = lo_all / MR * MR;
     while j0 < hi_all {
-        let j1 = (j0 + BC).min(round_up(hi_all, MR)).min(sk_pad);
+        let j1 = (j0 + TILE_KEYS).min(round_up(hi_all, MR)).min(sk_pad);
         let cols = j1 - j0;
         let full_tile = j0 >= inner_lo && j1 <= inner_hi;
         // Every row sees every key of the tile short of seqlen_k: the mask sets only the last
@@ -232,7 +232,7 @@ pub(super) fn panel_group<M: Exp2Math, const FMA: bool, const WIDE: bool, const 
     let dv = round_up(d, MR);
     let sk_pad = round_up(p.seqlen_k, MR);
     let (k0, k1) = (tile.j0 + c0, tile.j0 + c1);
-    let mut s_panels = scr.s.chunks_exact_mut(BC * NR).skip(pn);
+    let mut s_panels = scr.s.chunks_exact_mut(TILE_KEYS * NR).skip(pn);
     let mut sp: [&mut [f32]; G] = std::array::from_fn(|_| &mut s_panels.next().unwrap()[c0 * NR..c1 * NR]);
     let mut o_panels = scr.o.chunks_exact_mut(dv * NR).skip(pn);
     let mut op: [&mut [f32]; G] = std::array::from_fn(|_| o_panels.next().unwrap());
@@ -306,7 +306,7 @@ pub(super) fn panel_group<M: Exp2Math, const FMA: bool, const WIDE: bool, const 
 }
 
 /// Query rows per block `fill_q_panels` asks the cache for ahead: the next block of the head.
-pub(super) const Q_PREFETCH_ROWS: usize = BR;
+pub(super) const Q_PREFETCH_ROWS: usize = BLOCK_ROWS;
 
 /// The Qᵀ panels of query rows `i0..i1` of head `h`: `[panel][head_dim][NR]`, the lanes past
 /// `i1` zero (their results are dropped). Rows are read straight from an f32 input (`row`:

@@ -1,8 +1,8 @@
 //! The tiled path: FlashAttention's algorithm for the dense forward.
 //!
 //! Per (batch, kv head), K and V are packed once (f32, strips of 6 keys / 6 columns); every
-//! query head of the GQA group and every block of `BR` query rows then streams over the key
-//! tiles of `BC` keys: `Sᵀ = K·Qᵀ` (6×16 register micro-kernel), the online softmax of each
+//! query head of the GQA group and every block of `BLOCK_ROWS` query rows then streams over the key
+//! tiles of `TILE_KEYS` keys: `Sᵀ = K·Qᵀ` (6×16 register micro-kernel), the online softmax of each
 //! query (exp2 of `(x − m)·scale·log2e`, −inf guard; `softmax` explains the units),
 //! `Oᵀ = Oᵀ·diag(scale) + Vᵀ·Pᵀ`, and one normalisation at the end. Work items (kv head, group
 //! head, query block) are handed out heaviest first to the persistent worker pool (`parallel`);
@@ -35,10 +35,12 @@ use pack::{pack_heads, PackedKv, Sizes};
 use scratch::Scratch;
 use std::ops::Range;
 
-/// Query rows per work item (a multiple of the 16-query panels).
-pub(crate) const BR: usize = 96;
-/// Keys per tile (a multiple of the micro-kernel's 6-key strips).
-pub(crate) const BC: usize = 96;
+/// Query rows per work item, a multiple of the 16-query panels: every packed K/V tile the block
+/// reads serves all of its panels.
+pub(crate) const BLOCK_ROWS: usize = 96;
+/// Keys per tile, a multiple of the micro-kernel's 6-key strips: the products and the softmax
+/// step of one tile run on every panel of the block before the next tile is read.
+pub(crate) const TILE_KEYS: usize = 96;
 /// Upper bound on the packed K/V held at once; larger problems are processed in chunks of kv heads.
 const PACK_BUDGET_BYTES: usize = 256 << 20;
 
@@ -95,7 +97,7 @@ impl OutElem for half::bf16 {
 }
 
 /// A block's output: straight into the caller's rows `o` (f32), else staged in `blk` (the
-/// worker's `BR × head_dim` f32) and converted.
+/// worker's `BLOCK_ROWS × head_dim` f32) and converted.
 #[allow(clippy::too_many_arguments)]
 fn attend_into<M: Exp2Math, T: OutElem>(
     p: &Problem,
@@ -126,7 +128,7 @@ type HeadItem<'r, 'o, T> = ((usize, Range<usize>), &'r mut [&'o mut [T]], &'r mu
 type Item<'r, 'o, T> = ((usize, usize, usize, usize, usize), &'r mut [&'o mut [T]], &'r mut [f32]);
 
 /// A worker's scratch: the tiled path's panels, a block's normalised f32 output rows for an
-/// f16/bf16 output (`BR × head_dim`, converted into the caller's rows as soon as the block is
+/// f16/bf16 output (`BLOCK_ROWS × head_dim`, converted into the caller's rows as soon as the block is
 /// done; f32 rows are written in place), and `MR × head_dim` f32 for widening a strip of
 /// f16/bf16 K/V.
 type Worker = (Scratch, Vec<f32>, Vec<f32>);
@@ -240,11 +242,11 @@ fn tiled<M: Exp2Math, T: OutElem>(
     let sz = Sizes::new(p)?;
     let mut rows = rows_by_head(p, dst)?;
     let mut lse = try_filled(sz.n_lse, f32::NEG_INFINITY, || "LSE".into())?;
-    let worker = || -> Worker { (Scratch::new(d), vec![0.0; BR * d], vec![0.0; MR * d]) };
+    let worker = || -> Worker { (Scratch::new(d), vec![0.0; BLOCK_ROWS * d], vec![0.0; MR * d]) };
 
     let kv_bytes = 4 * (sz.k_pack + sz.v_pack);
     let chunk = (PACK_BUDGET_BYTES / kv_bytes.max(1)).clamp(1, p.batch * p.heads_kv);
-    let nblocks = p.seqlen_q.div_ceil(BR);
+    let nblocks = p.seqlen_q.div_ceil(BLOCK_ROWS);
     let per_kv = p.group() * nblocks; // work items per kv head
     let (mut o_rest, mut lse_rest) = (&mut rows[..], &mut lse[..]);
 
@@ -308,7 +310,7 @@ fn tiled<M: Exp2Math, T: OutElem>(
             for gi in 0..p.group() {
                 let h = (heads.start + hi) * p.group() + gi;
                 for blk in 0..nblocks {
-                    let (i0, i1) = (blk * BR, ((blk + 1) * BR).min(p.seqlen_q));
+                    let (i0, i1) = (blk * BLOCK_ROWS, ((blk + 1) * BLOCK_ROWS).min(p.seqlen_q));
                     let r0 = (hi * p.group() + gi) * p.seqlen_q + i0;
                     let out = (&mut o[r0..r0 + i1 - i0], &mut o_blk[..], &mut l[r0..r0 + i1 - i0]);
                     attend_into(p, q, kv, (*b, h, i0, i1), sm, &math, scr, out, isa);
@@ -352,7 +354,7 @@ fn tiled<M: Exp2Math, T: OutElem>(
             for g in 0..p.group() {
                 let h = hk * p.group() + g;
                 for blk in 0..nblocks {
-                    let (i0, i1) = (blk * BR, ((blk + 1) * BR).min(p.seqlen_q));
+                    let (i0, i1) = (blk * BLOCK_ROWS, ((blk + 1) * BLOCK_ROWS).min(p.seqlen_q));
                     let (o_item, o_tail) = std::mem::take(&mut o_rest).split_at_mut(i1 - i0);
                     let (l_item, l_tail) = std::mem::take(&mut lse_rest).split_at_mut(i1 - i0);
                     o_rest = o_tail;

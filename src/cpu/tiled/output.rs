@@ -1,7 +1,7 @@
 //! The tiled path's output: a block's normalised rows out of its Oᵀ panels, straight into the
 //! caller's rows (f32) or converted from a staged block (f16/bf16).
 
-use super::{round_up, BR};
+use super::{round_up, BLOCK_ROWS};
 use crate::convert::{narrow_bf16, narrow_f16};
 use crate::cpu::gemm::{MR, NR};
 use crate::cpu::rows::prefetch_row_with;
@@ -40,8 +40,8 @@ pub(super) fn write_rows<M: Exp2Math, const WIDE: bool>(
 ) {
     let dv = round_up(d, MR);
     // A query that saw no key is written as exactly 0, whatever reached O (`finalize`).
-    let mut inv = [[0.0f32; NR]; BR / NR];
-    let mut live = [0u16; BR / NR];
+    let mut inv = [[0.0f32; NR]; BLOCK_ROWS / NR];
+    let mut live = [0u16; BLOCK_ROWS / NR];
     // A panel's output rows asked for into L1 while the panel before it is written (the block's
     // rows were asked for into L2 before its products): stores that hit L1 leave the store buffer
     // at once, where stores that wait for their lines there stall whatever stores follow. Only

@@ -1,6 +1,6 @@
 //! A worker's scratch for the tiled path: the Qᵀ, Sᵀ and Oᵀ panels, on cache lines.
 
-use super::{round_up, BC, BR};
+use super::{round_up, TILE_KEYS, BLOCK_ROWS};
 use crate::cpu::gemm::{MR, NR};
 use crate::cpu::softmax::RowState;
 
@@ -8,11 +8,11 @@ use crate::cpu::softmax::RowState;
 /// `NR` queries side by side, so the softmax and the rescale are vertical vector operations and
 /// the probabilities are already in the B-operand layout of the second product.
 pub(super) struct Scratch {
-    /// Qᵀ panels `[BR / NR][head_dim][NR]`.
+    /// Qᵀ panels `[BLOCK_ROWS / NR][head_dim][NR]`.
     pub(super) q: LineAligned,
-    /// Sᵀ (then Pᵀ) panels `[BR / NR][BC][NR]`.
+    /// Sᵀ (then Pᵀ) panels `[BLOCK_ROWS / NR][TILE_KEYS][NR]`.
     pub(super) s: LineAligned,
-    /// Oᵀ panels `[BR / NR][head_dim_pad][NR]`.
+    /// Oᵀ panels `[BLOCK_ROWS / NR][head_dim_pad][NR]`.
     pub(super) o: LineAligned,
     pub(super) rows: Vec<RowState>,
     /// `NR × head_dim`: a panel's Q rows widened from f16/bf16.
@@ -54,10 +54,10 @@ impl std::ops::DerefMut for LineAligned {
 impl Scratch {
     pub(super) fn new(d: usize) -> Self {
         Scratch {
-            q: LineAligned::new(BR * d),
-            s: LineAligned::new(BR * BC),
-            o: LineAligned::new(BR * round_up(d, MR)),
-            rows: vec![RowState::EMPTY; BR],
+            q: LineAligned::new(BLOCK_ROWS * d),
+            s: LineAligned::new(BLOCK_ROWS * TILE_KEYS),
+            o: LineAligned::new(BLOCK_ROWS * round_up(d, MR)),
+            rows: vec![RowState::EMPTY; BLOCK_ROWS],
             q_row: vec![0.0; NR * d],
         }
     }
@@ -76,7 +76,7 @@ mod tests {
                 assert!(buf.iter().all(|&x| x == 0.0));
                 buf.fill(1.0);
             }
-            assert_eq!((scr.q.len(), scr.s.len(), scr.o.len()), (BR * d, BR * BC, BR * round_up(d, MR)));
+            assert_eq!((scr.q.len(), scr.s.len(), scr.o.len()), (BLOCK_ROWS * d, BLOCK_ROWS * TILE_KEYS, BLOCK_ROWS * round_up(d, MR)));
         }
     }
 }

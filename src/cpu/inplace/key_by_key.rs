@@ -1,30 +1,30 @@
 //! Group-1 decode of 16-bit K/V, one key at a time in address order.
 
 use super::scratch::Scratch;
-use super::{Ctx, Item, ItemSpan, KC_SWEEP};
+use super::{Ctx, Item, ItemSpan, SWEEP_CHUNK_KEYS};
 use crate::convert::Widen;
 use crate::cpu::row_products::{dot_widen, fma};
 use crate::cpu::rows::prefetch_row;
 use crate::cpu::softmax::row_probs;
 use crate::numerics::softmax_math::Exp2Math;
 
-/// Group-1 decode (`sweep_rows`): K/V rows of this many keys ahead (all heads) are prefetched
+/// Group-1 decode (`sweep_key_by_key`): K/V rows of this many keys ahead (all heads) are prefetched
 /// into L1 besides what the hardware prefetchers fetch (0: none).
-const SWEEP_AHEAD: usize = 1;
+const PREFETCH_KEYS_AHEAD: usize = 1;
 
 /// Group-1 decode of 16-bit K/V, key-major: every item is one query row (of its own kv head)
 /// that sees every key of `lo..hi`, and K/V are read strictly in address order: for each key, the rows of all
 /// the items' heads (side by side in memory for `[.., seqlen, heads, head_dim]`), each folded
 /// into its row at once (score, online softmax of one key, `o += p·v`), 16-bit rows widened in
 /// the products. The loads of a step form two forward streams (K and V), which the hardware
-/// prefetchers follow; the rows [`SWEEP_AHEAD`] keys ahead are also prefetched. Returns `false`
+/// prefetchers follow; the rows [`PREFETCH_KEYS_AHEAD`] keys ahead are also prefetched. Returns `false`
 /// (nothing done) when a row does not see the whole span (the chunked path then runs).
 ///
 /// Per key the softmax is `max_get_scale` and `online_softmax` on a one-key tile: the same
 /// arithmetic as the chunked path, with the max and the rescale taken per key instead of per
 /// chunk (rounding differs, within the tests' tolerance of the float64 reference).
 #[inline(always)]
-pub(super) fn sweep_rows<M: Exp2Math, const FMA: bool, T: Widen>(
+pub(super) fn sweep_key_by_key<M: Exp2Math, const FMA: bool, T: Widen>(
     c: &Ctx<'_, M>,
     items: &mut [Item<'_>],
     scrs: &mut [Scratch],
@@ -41,18 +41,18 @@ pub(super) fn sweep_rows<M: Exp2Math, const FMA: bool, T: Widen>(
     let d = c.p.head_dim;
     let cc = c.sm.c;
     // Key positions `(outer, row)` of the current and the next chunk of keys.
-    let fill = |pos: &mut [(usize, usize); KC_SWEEP], j0: usize| {
-        let j1 = (j0 + KC_SWEEP).min(hi);
+    let fill = |pos: &mut [(usize, usize); SWEEP_CHUNK_KEYS], j0: usize| {
+        let j1 = (j0 + SWEEP_CHUNK_KEYS).min(hi);
         c.layout.for_kv_rows(b, j0, j1, |jl, outer, row| pos[jl] = (outer, row));
         j1 - j0
     };
-    let (mut cur, mut next) = ([(0, 0); KC_SWEEP], [(0, 0); KC_SWEEP]);
+    let (mut cur, mut next) = ([(0, 0); SWEEP_CHUNK_KEYS], [(0, 0); SWEEP_CHUNK_KEYS]);
     let mut j0 = lo;
     let mut nc = if lo < hi { fill(&mut cur, lo) } else { 0 };
     while nc > 0 {
         let nn = if j0 + nc < hi { fill(&mut next, j0 + nc) } else { 0 };
         for (t, &(outer, row)) in cur[..nc].iter().enumerate() {
-            let a = t + SWEEP_AHEAD;
+            let a = t + PREFETCH_KEYS_AHEAD;
             let ahead = if a < nc {
                 Some(cur[a])
             } else {
@@ -60,7 +60,7 @@ pub(super) fn sweep_rows<M: Exp2Math, const FMA: bool, T: Widen>(
             };
             for ((it, scr), sp) in items.iter().zip(scrs.iter_mut()).zip(spans) {
                 let hk = it.hk;
-                if let Some((po, pr)) = ahead.filter(|_| SWEEP_AHEAD > 0) {
+                if let Some((po, pr)) = ahead.filter(|_| PREFETCH_KEYS_AHEAD > 0) {
                     prefetch_row(c.k.data(), c.k.offset(po, pr, hk), d);
                     prefetch_row(c.v.data(), c.v.offset(po, pr, hk), d);
                 }

@@ -2,7 +2,7 @@
 //! for every panel of the item's query rows.
 
 use super::scratch::Scratch;
-use super::{Ctx, Item, ItemSpan, KC, KC_SWEEP};
+use super::{Ctx, Item, ItemSpan, CHUNK_KEYS, SWEEP_CHUNK_KEYS};
 use crate::convert::widen_f16;
 use crate::convert::Widen;
 use crate::cpu::gemm::NR;
@@ -14,10 +14,10 @@ use crate::problem::Problem;
 use crate::tensor::Data;
 
 /// The items of one unit that see the same keys, advancing chunk by chunk together: each chunk
-/// of [`KC_SWEEP`] keys is taken by every item in turn, so the chunk's K/V rows of all their
+/// of [`SWEEP_CHUNK_KEYS`] keys is taken by every item in turn, so the chunk's K/V rows of all their
 /// heads, side by side in memory, are read in one sweep.
 #[inline(always)]
-pub(super) fn sweep_together<M: Exp2Math, const FMA: bool>(
+pub(super) fn sweep_chunks_together<M: Exp2Math, const FMA: bool>(
     c: &Ctx<'_, M>,
     items: &mut [Item<'_>],
     scrs: &mut [Scratch],
@@ -27,7 +27,7 @@ pub(super) fn sweep_together<M: Exp2Math, const FMA: bool>(
     let first_hk = items[0].hk;
     let mut j0 = lo_all;
     while j0 < hi_all {
-        let j1 = (j0 + KC_SWEEP).min(hi_all);
+        let j1 = (j0 + SWEEP_CHUNK_KEYS).min(hi_all);
         let n = items.len();
         for i in 0..n {
             // What this worker reads next: the same keys of the next head, or the next
@@ -35,7 +35,7 @@ pub(super) fn sweep_together<M: Exp2Math, const FMA: bool>(
             let next = if i + 1 < n {
                 Some((items[i + 1].hk, j0, j1))
             } else {
-                (j1 < hi_all).then(|| (first_hk, j1, (j1 + KC_SWEEP).min(hi_all)))
+                (j1 < hi_all).then(|| (first_hk, j1, (j1 + SWEEP_CHUNK_KEYS).min(hi_all)))
             };
             attend_chunk::<M, FMA>(c, &mut items[i], &mut scrs[i], &spans[i].ps, (j0, j1), next);
         }
@@ -43,9 +43,9 @@ pub(super) fn sweep_together<M: Exp2Math, const FMA: bool>(
     }
 }
 
-/// Each item alone over its own keys, in chunks of [`KC`].
+/// Each item alone over its own keys, in chunks of [`CHUNK_KEYS`].
 #[inline(always)]
-pub(super) fn sweep_each<M: Exp2Math, const FMA: bool>(
+pub(super) fn sweep_chunks_alone<M: Exp2Math, const FMA: bool>(
     c: &Ctx<'_, M>,
     items: &mut [Item<'_>],
     scrs: &mut [Scratch],
@@ -54,8 +54,8 @@ pub(super) fn sweep_each<M: Exp2Math, const FMA: bool>(
     for ((it, scr), sp) in items.iter_mut().zip(scrs.iter_mut()).zip(spans) {
         let mut j0 = sp.lo_all;
         while j0 < sp.hi_all {
-            let j1 = (j0 + KC).min(sp.hi_all);
-            let next = (j1 < sp.hi_all).then(|| (it.hk, j1, (j1 + KC).min(sp.hi_all)));
+            let j1 = (j0 + CHUNK_KEYS).min(sp.hi_all);
+            let next = (j1 < sp.hi_all).then(|| (it.hk, j1, (j1 + CHUNK_KEYS).min(sp.hi_all)));
             attend_chunk::<M, FMA>(c, it, scr, &sp.ps, (j0, j1), next);
             j0 = j1;
         }
@@ -65,7 +65,7 @@ pub(super) fn sweep_each<M: Exp2Math, const FMA: bool>(
 /// The rows of a chunk as f32 slices: in place for f32, widened into `buf` for 16-bit types
 /// (inlined into the AVX2 context, where both widenings vectorise).
 #[inline(always)]
-pub(super) fn chunk_rows<'r>(data: Data<'r>, ofs: &[usize], d: usize, buf: &'r mut [f32]) -> [&'r [f32]; KC] {
+pub(super) fn chunk_rows<'r>(data: Data<'r>, ofs: &[usize], d: usize, buf: &'r mut [f32]) -> [&'r [f32]; CHUNK_KEYS] {
     let n = ofs.len();
     match data {
         Data::F32(x) => std::array::from_fn(|j| if j < n { &x[ofs[j]..ofs[j] + d] } else { &[] }),
@@ -137,9 +137,9 @@ pub(super) fn attend_chunk<M: Exp2Math, const FMA: bool>(
         prefetch_rows(c, b, next);
     }
     let half = !matches!(c.k.data(), Data::F32(_)) || !matches!(c.v.data(), Data::F32(_));
-    if half && kbuf.len() < KC * d {
-        kbuf.resize(KC * d, 0.0);
-        vbuf.resize(KC * d, 0.0);
+    if half && kbuf.len() < CHUNK_KEYS * d {
+        kbuf.resize(CHUNK_KEYS * d, 0.0);
+        vbuf.resize(CHUNK_KEYS * d, 0.0);
     }
     let krows = chunk_rows(c.k.data(), &kofs[..n], d, kbuf);
     let vrows = chunk_rows(c.v.data(), &vofs[..n], d, vbuf);
@@ -212,12 +212,12 @@ pub(super) fn attend_chunk<M: Exp2Math, const FMA: bool>(
 /// Returns the factor the row's output must be multiplied by.
 #[inline(always)]
 pub(super) fn softmax_one_row<M: Exp2Math, const FMA: bool>(st: &mut RowState, panel: &mut [[f32; NR]], c: f32, math: &M) -> f32 {
-    let mut x = [0.0f32; KC];
-    let n = panel.len().min(KC);
+    let mut x = [0.0f32; CHUNK_KEYS];
+    let n = panel.len().min(CHUNK_KEYS);
     for (xt, row) in x.iter_mut().zip(&panel[..n]) {
         *xt = row[0];
     }
-    let (p, scale) = row_probs::<M, KC, FMA>(st, &x, n, c, math);
+    let (p, scale) = row_probs::<M, CHUNK_KEYS, FMA>(st, &x, n, c, math);
     let mut sum = 0.0f32;
     for (row, &pt) in panel[..n].iter_mut().zip(&p[..n]) {
         sum += pt;

@@ -1,8 +1,8 @@
-//! Decode in blocks of 16 keys, with the products of `blocks` on the AVX-512 or the AVX2 build.
+//! Decode in blocks of 16 keys, with the products of `lanes` on the AVX-512 or the AVX2 build.
 
-use super::chunked::prefetch_rows;
+use super::chunks::prefetch_rows;
 use super::scratch::Scratch;
-use super::{blocks, Ctx, Item, ItemSpan};
+use super::{lanes, Ctx, Item, ItemSpan};
 use crate::cpu::gemm::NR;
 use crate::cpu::isa::{detect_isa, Isa};
 use crate::cpu::rows::{heads_side_by_side, prefetch_row_with};
@@ -11,15 +11,15 @@ use crate::cpu::softmax::{row_probs, tree_sum};
 use crate::numerics::softmax_math::Exp2Math;
 use crate::problem::Problem;
 
-/// Decode in blocks of [`blocks::KB`] keys ([`sweep_blocks`]) with the AVX-512 products when
+/// Decode in blocks of [`lanes::BLOCK_KEYS`] keys ([`sweep_key_blocks_with`]) with the AVX-512 products when
 /// this call runs the AVX-512 build, else the AVX2 + FMA + F16C ones when it runs the AVX2 build
-/// (and the CPU has F16C), when head_dim is a multiple of 32 up to `32 · blocks::MAX_W`, every
+/// (and the CPU has F16C), when head_dim is a multiple of 32 up to `32 · lanes::MAX_W`, every
 /// item holds at most [`NR`] query rows and every row sees the whole span, with the native
 /// arithmetic only (`M::NATIVE`: the emulated numerics, a tool for comparing with kernels, take
 /// the chunked path; each arithmetic doubled this function's 48 instantiations per ISA and the
 /// crate's release build time); `false` (nothing done) otherwise.
 #[inline(always)]
-pub(super) fn sweep_fast<M: Exp2Math, T: blocks::Elem>(
+pub(super) fn sweep_key_blocks<M: Exp2Math, T: lanes::Elem>(
     c: &Ctx<'_, M>,
     items: &mut [Item<'_>],
     scrs: &mut [Scratch],
@@ -30,7 +30,7 @@ pub(super) fn sweep_fast<M: Exp2Math, T: blocks::Elem>(
     #[cfg(target_arch = "x86_64")]
     if M::NATIVE {
         let d = c.p.head_dim;
-        let fits = d.is_multiple_of(32) && (1..=blocks::MAX_W).contains(&(d / 32));
+        let fits = d.is_multiple_of(32) && (1..=lanes::MAX_W).contains(&(d / 32));
         let rows_fit = items.iter().all(|it| it.r1 - it.r0 <= NR);
         let whole = items.iter().zip(scrs.iter()).all(|(it, scr)| {
             let n = it.r1 - it.r0;
@@ -56,16 +56,16 @@ pub(super) fn sweep_fast<M: Exp2Math, T: blocks::Elem>(
         let has = detect_isa();
         if c.isa == Isa::Avx512 && has == Isa::Avx512 {
             // SAFETY: `detect_isa()` found AVX-512F, AVX2 and FMA on this CPU, the only
-            // requirement of the `#[target_feature]` functions `sweep_blocks_avx512`; they are
+            // requirement of the `#[target_feature]` functions `sweep_key_blocks_avx512`; they are
             // safe code.
-            unsafe { by_w!(sweep_blocks_avx512) };
+            unsafe { by_w!(sweep_key_blocks_avx512) };
             return true;
         }
         if c.isa != Isa::Portable && has != Isa::Portable && std::is_x86_feature_detected!("f16c") {
             // SAFETY: `detect_isa()` found AVX2 and FMA on this CPU and F16C was just detected,
-            // the only requirements of the `#[target_feature]` functions `sweep_blocks_avx2`;
+            // the only requirements of the `#[target_feature]` functions `sweep_key_blocks_avx2`;
             // they are safe code.
-            unsafe { by_w!(sweep_blocks_avx2) };
+            unsafe { by_w!(sweep_key_blocks_avx2) };
             return true;
         }
     }
@@ -73,10 +73,10 @@ pub(super) fn sweep_fast<M: Exp2Math, T: blocks::Elem>(
     false
 }
 
-/// [`sweep_blocks`] compiled for AVX-512.
+/// [`sweep_key_blocks_with`] compiled for AVX-512.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
-fn sweep_blocks_avx512<M: Exp2Math, T: blocks::Elem, const W: usize>(
+fn sweep_key_blocks_avx512<M: Exp2Math, T: lanes::Elem, const W: usize>(
     c: &Ctx<'_, M>,
     items: &mut [Item<'_>],
     scrs: &mut [Scratch],
@@ -84,15 +84,15 @@ fn sweep_blocks_avx512<M: Exp2Math, T: blocks::Elem, const W: usize>(
     span: (usize, usize),
     kv: (&[T], &[T]),
 ) {
-    if let Some(s) = blocks::Avx512::new() {
-        sweep_blocks::<blocks::Avx512, M, T, W>(s, c, items, scrs, spans, span, kv);
+    if let Some(s) = lanes::Avx512::new() {
+        sweep_key_blocks_with::<lanes::Avx512, M, T, W>(s, c, items, scrs, spans, span, kv);
     }
 }
 
-/// [`sweep_blocks`] compiled for AVX2 + FMA + F16C.
+/// [`sweep_key_blocks_with`] compiled for AVX2 + FMA + F16C.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn sweep_blocks_avx2<M: Exp2Math, T: blocks::Elem, const W: usize>(
+fn sweep_key_blocks_avx2<M: Exp2Math, T: lanes::Elem, const W: usize>(
     c: &Ctx<'_, M>,
     items: &mut [Item<'_>],
     scrs: &mut [Scratch],
@@ -100,23 +100,23 @@ fn sweep_blocks_avx2<M: Exp2Math, T: blocks::Elem, const W: usize>(
     span: (usize, usize),
     kv: (&[T], &[T]),
 ) {
-    if let Some(s) = blocks::Avx2::new() {
-        sweep_blocks::<blocks::Avx2, M, T, W>(s, c, items, scrs, spans, span, kv);
+    if let Some(s) = lanes::Avx2::new() {
+        sweep_key_blocks_with::<lanes::Avx2, M, T, W>(s, c, items, scrs, spans, span, kv);
     }
 }
 
 /// Decode-like items (each at most [`NR`] query rows of one kv head: the query heads of its GQA
-/// group at one query position, all seeing every key of `lo..hi`) in blocks of [`blocks::KB`]
+/// group at one query position, all seeing every key of `lo..hi`) in blocks of [`lanes::BLOCK_KEYS`]
 /// keys: per block and item, in tiles of up to `S::MAX_R` rows, the tile's scores against the
-/// block (`blocks::scores`: each K vector loaded once for the tile's rows), one online-softmax
+/// block (`lanes::scores`: each K vector loaded once for the tile's rows), one online-softmax
 /// step per row for the block (the chunked path's rule: one max and one rescale per block), and
-/// `o = o · scale + P·V` with O in registers (`blocks::scale_add_pv`). The items take the block
+/// `o = o · scale + P·V` with O in registers (`lanes::scale_add_pv`). The items take the block
 /// in turn, so a block's K/V rows of all heads (`[.., seqlen, heads, head_dim]`: side by side)
 /// are read within a short window, and the tiles after an item's first read them from L1.
 /// head_dim is `32 · W`; the queries and O are held in the element type's lane order.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn sweep_blocks<S: blocks::Lanes, M: Exp2Math, T: blocks::Elem, const W: usize>(
+fn sweep_key_blocks_with<S: lanes::Lanes, M: Exp2Math, T: lanes::Elem, const W: usize>(
     s: S,
     c: &Ctx<'_, M>,
     items: &mut [Item<'_>],
@@ -125,7 +125,7 @@ fn sweep_blocks<S: blocks::Lanes, M: Exp2Math, T: blocks::Elem, const W: usize>(
     (lo, hi): (usize, usize),
     (k, v): (&[T], &[T]),
 ) {
-    use blocks::{lane_order, KB};
+    use lanes::{lane_order, BLOCK_KEYS};
     let Some(b) = items.first().map(|it| it.b) else {
         return;
     };
@@ -138,35 +138,35 @@ fn sweep_blocks<S: blocks::Lanes, M: Exp2Math, T: blocks::Elem, const W: usize>(
         }
         scr.op[..n].fill(0.0);
     }
-    let (mut kb, mut vb, mut nkb) = ([0usize; KB], [0usize; KB], [0usize; KB]);
-    let (mut kofs, mut vofs) = ([0usize; KB], [0usize; KB]);
+    let (mut kb, mut vb, mut nkb) = ([0usize; BLOCK_KEYS], [0usize; BLOCK_KEYS], [0usize; BLOCK_KEYS]);
+    let (mut kofs, mut vofs) = ([0usize; BLOCK_KEYS], [0usize; BLOCK_KEYS]);
     // Head-major K/V (one head per unit, see `forward_isa`): each item's next block of keys is
     // asked for into L1 while this one is computed, which measured faster than the hardware
     // prefetchers alone on that single pair of streams (further ahead, into L2, or one line per
-    // page: slower). Side by side, `block_key_major` prefetches its own way;
+    // page: slower). Side by side, `key_block_in_key_order` prefetches its own way;
     // a lone item side by side leaves it to the hardware.
     let side = heads_side_by_side(&c.k, &c.v);
     let ahead = !side;
     // Side by side, the items of several kv heads take each block in key order
-    // (`block_key_major`), so that memory is read as a few sequential streams.
+    // (`key_block_in_key_order`), so that memory is read as a few sequential streams.
     let key_major = side && items.len() > 1;
     let mut j0 = lo;
     while j0 < hi {
-        let n = KB.min(hi - j0);
+        let n = BLOCK_KEYS.min(hi - j0);
         c.layout.for_kv_rows(b, j0, j0 + n, |t, outer, row| {
             kb[t] = c.k.offset(outer, row, 0);
             vb[t] = c.v.offset(outer, row, 0);
         });
         if key_major {
-            let nn = KB.min(hi - (j0 + n));
+            let nn = BLOCK_KEYS.min(hi - (j0 + n));
             c.layout.for_kv_rows(b, j0 + n, j0 + n + nn, |t, outer, row| nkb[t] = c.k.offset(outer, row, 0));
-            block_key_major::<S, M, T, W>(s, c, items, scrs, spans, j0, (k, v), (&kb[..n], &vb[..n]), &nkb[..nn]);
+            key_block_in_key_order::<S, M, T, W>(s, c, items, scrs, spans, j0, (k, v), (&kb[..n], &vb[..n]), &nkb[..nn]);
             j0 += n;
             continue;
         }
         for ((it, scr), sp) in items.iter().zip(scrs.iter_mut()).zip(spans) {
             if ahead {
-                prefetch_rows(c, b, (it.hk, (j0 + n).min(hi), (j0 + n + KB).min(hi)));
+                prefetch_rows(c, b, (it.hk, (j0 + n).min(hi), (j0 + n + BLOCK_KEYS).min(hi)));
             }
             let (kh, vh) = (c.k.offset(0, 0, it.hk), c.v.offset(0, 0, it.hk));
             for t in 0..n {
@@ -174,11 +174,11 @@ fn sweep_blocks<S: blocks::Lanes, M: Exp2Math, T: blocks::Elem, const W: usize>(
                 vofs[t] = vb[t] + vh;
             }
             let (kofs, vofs) = (&kofs[..n], &vofs[..n]);
-            for (r0, r) in tiles::<S>(it.r1 - it.r0) {
+            for (r0, r) in row_tiles::<S>(it.r1 - it.r0) {
                 match r {
-                    4 => block_rows::<S, M, T, W, 4>(s, c, scr, &sp.ps, r0, j0, (k, v), (kofs, vofs)),
-                    2 => block_rows::<S, M, T, W, 2>(s, c, scr, &sp.ps, r0, j0, (k, v), (kofs, vofs)),
-                    _ => block_rows::<S, M, T, W, 1>(s, c, scr, &sp.ps, r0, j0, (k, v), (kofs, vofs)),
+                    4 => key_block_row_tile::<S, M, T, W, 4>(s, c, scr, &sp.ps, r0, j0, (k, v), (kofs, vofs)),
+                    2 => key_block_row_tile::<S, M, T, W, 2>(s, c, scr, &sp.ps, r0, j0, (k, v), (kofs, vofs)),
+                    _ => key_block_row_tile::<S, M, T, W, 1>(s, c, scr, &sp.ps, r0, j0, (k, v), (kofs, vofs)),
                 }
             }
         }
@@ -196,7 +196,7 @@ fn sweep_blocks<S: blocks::Lanes, M: Exp2Math, T: blocks::Elem, const W: usize>(
 /// 4 rows at a time where `S` holds them (AVX-512), then 2, then 1.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn tiles<S: blocks::Lanes>(rows: usize) -> impl Iterator<Item = (usize, usize)> {
+fn row_tiles<S: lanes::Lanes>(rows: usize) -> impl Iterator<Item = (usize, usize)> {
     let mut r0 = 0;
     std::iter::from_fn(move || {
         let left = rows - r0;
@@ -215,11 +215,11 @@ fn tiles<S: blocks::Lanes>(rows: usize) -> impl Iterator<Item = (usize, usize)> 
 }
 
 /// One block of keys (starting at key `j0`, offsets `kofs`, `vofs`) for rows `r0..r0 + R` of
-/// an item ([`sweep_blocks`]).
+/// an item ([`sweep_key_blocks_with`]).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn block_rows<S: blocks::Lanes, M: Exp2Math, T: blocks::Elem, const W: usize, const R: usize>(
+fn key_block_row_tile<S: lanes::Lanes, M: Exp2Math, T: lanes::Elem, const W: usize, const R: usize>(
     s: S,
     c: &Ctx<'_, M>,
     scr: &mut Scratch,
@@ -229,15 +229,15 @@ fn block_rows<S: blocks::Lanes, M: Exp2Math, T: blocks::Elem, const W: usize, co
     (k, v): (&[T], &[T]),
     (kofs, vofs): (&[usize], &[usize]),
 ) {
-    use blocks::{scale_add_pv, scores, KB};
+    use lanes::{scale_add_pv, scores, BLOCK_KEYS};
     let d = 32 * W;
     let n = kofs.len();
     let rows = r0 * d..(r0 + R) * d;
     let mut x = scores::<S, T, W, R>(s, &scr.qp[rows.clone()], k, kofs);
-    let mut p = [[0.0f32; KB]; R];
+    let mut p = [[0.0f32; BLOCK_KEYS]; R];
     let mut scale = [1.0f32; R];
     for (r, (xr, (pr, sc))) in x.iter_mut().zip(p.iter_mut().zip(scale.iter_mut())).enumerate() {
-        (*pr, *sc) = block_probs(c, scr, ps, r0 + r, j0, n, xr);
+        (*pr, *sc) = key_block_probs(c, scr, ps, r0 + r, j0, n, xr);
     }
     scale_add_pv::<S, T, W, R>(s, &mut scr.op[rows], scale, (&p, 0), v, vofs);
 }
@@ -246,38 +246,38 @@ fn block_rows<S: blocks::Lanes, M: Exp2Math, T: blocks::Elem, const W: usize, co
 /// natural units (as in `attend_chunk`), [`row_probs`], the sum updated; returns the
 /// probabilities as P·V takes them and the factor for the row's output.
 #[inline(always)]
-fn block_probs<M: Exp2Math>(
+fn key_block_probs<M: Exp2Math>(
     c: &Ctx<'_, M>,
     scr: &mut Scratch,
     ps: &Problem,
     rl: usize,
     j0: usize,
     n: usize,
-    x: &mut [f32; blocks::KB],
-) -> ([f32; blocks::KB], f32) {
+    x: &mut [f32; lanes::BLOCK_KEYS],
+) -> ([f32; lanes::BLOCK_KEYS], f32) {
     if c.sm.natural {
         for (t, y) in x.iter_mut().enumerate().take(n) {
             *y = c.sm.natural_score(*y) + ps.alibi_bias(scr.head[rl], scr.qi[rl], j0 + t);
         }
     }
     let st = &mut scr.rows[rl];
-    let (q, f) = row_probs::<M, { blocks::KB }, true>(st, x, n, c.sm.c, &c.math);
+    let (q, f) = row_probs::<M, { lanes::BLOCK_KEYS }, true>(st, x, n, c.sm.c, &c.math);
     st.l = st.l * f + tree_sum(q);
     (q.map(|y| c.math.round_p(y)), f)
 }
 
-/// Keys a decode item takes at a time in [`block_key_major`]: as many sequential streams of K
+/// Keys a decode item takes at a time in [`key_block_in_key_order`]: as many sequential streams of K
 /// (then V) rows. 8 streams read faster than 4 (f32, bf16, GQA), and 16 no faster than 8.
-const KQ: usize = 8;
+const KEY_STREAMS: usize = 8;
 
 /// One block of keys (starting at key `j0`; `kb`, `vb`: the element offsets of its K and V rows
 /// for kv head 0) for items of several kv heads whose rows lie side by side, in key order: the
-/// products of every item with keys `t0..t0 + KQ`, then the next `KQ` keys, so that the block's
-/// K rows (`[.., seqlen, heads, head_dim]`) are read as `KQ` sequential streams, not as one
+/// products of every item with keys `t0..t0 + KEY_STREAMS`, then the next `KEY_STREAMS` keys, so that the block's
+/// K rows (`[.., seqlen, heads, head_dim]`) are read as `KEY_STREAMS` sequential streams, not as one
 /// stream per key a row of all heads apart, as each item taking the whole block in turn would
 /// read (that order is markedly slower, most of all for bf16); then
 /// each row's softmax step, then `o·scale + P·V` in the same order over V. The same operations
-/// in the same order per row as [`block_rows`] (each key's horizontal sum by `Lanes::hsum_one`,
+/// in the same order per row as [`key_block_row_tile`] (each key's horizontal sum by `Lanes::hsum_one`,
 /// `hsum_keys`' tree for one key; O waits in `Scratch::op` between key groups, scaled before
 /// the first), so the bits are the same.
 ///
@@ -291,7 +291,7 @@ const KQ: usize = 8;
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn block_key_major<S: blocks::Lanes, M: Exp2Math, T: blocks::Elem, const W: usize>(
+fn key_block_in_key_order<S: lanes::Lanes, M: Exp2Math, T: lanes::Elem, const W: usize>(
     s: S,
     c: &Ctx<'_, M>,
     items: &[Item<'_>],
@@ -302,21 +302,21 @@ fn block_key_major<S: blocks::Lanes, M: Exp2Math, T: blocks::Elem, const W: usiz
     (kb, vb): (&[usize], &[usize]),
     next_kb: &[usize],
 ) {
-    use blocks::{key_sums, scale_add_pv, KB};
+    use lanes::{key_sums, scale_add_pv, BLOCK_KEYS};
     let d = 32 * W;
-    let n = kb.len().min(KB);
-    for t0 in (0..n).step_by(KQ) {
-        let nt = KQ.min(n - t0);
+    let n = kb.len().min(BLOCK_KEYS);
+    for t0 in (0..n).step_by(KEY_STREAMS) {
+        let nt = KEY_STREAMS.min(n - t0);
         for (it, scr) in items.iter().zip(scrs.iter_mut()) {
             let kh = c.k.offset(0, 0, it.hk);
-            let kofs: [usize; KQ] = std::array::from_fn(|t| kb[(t0 + t).min(n - 1)] + kh);
+            let kofs: [usize; KEY_STREAMS] = std::array::from_fn(|t| kb[(t0 + t).min(n - 1)] + kh);
             let Scratch { qp, xb, .. } = scr;
-            for (r0, r) in tiles::<S>(it.r1 - it.r0) {
+            for (r0, r) in row_tiles::<S>(it.r1 - it.r0) {
                 let q = &qp[r0 * d..(r0 + r) * d];
                 macro_rules! sums {
                     ($r:literal) => {{
-                        let mut sums = [[s.fold(s.zero()); KQ]; $r];
-                        key_sums::<S, T, W, $r, KQ>(s, q, k, &kofs[..nt], &mut sums);
+                        let mut sums = [[s.fold(s.zero()); KEY_STREAMS]; $r];
+                        key_sums::<S, T, W, $r, KEY_STREAMS>(s, q, k, &kofs[..nt], &mut sums);
                         for (x, sr) in xb[r0..r0 + $r].iter_mut().zip(&sums) {
                             for (xt, &v) in x[t0..t0 + nt].iter_mut().zip(sr) {
                                 *xt = s.hsum_one(v);
@@ -340,17 +340,17 @@ fn block_key_major<S: blocks::Lanes, M: Exp2Math, T: blocks::Elem, const W: usiz
     for ((it, scr), sp) in items.iter().zip(scrs.iter_mut()).zip(spans) {
         for rl in 0..it.r1 - it.r0 {
             // Keys past `n` score 0, as in `scores`.
-            let mut x: [f32; KB] = std::array::from_fn(|t| if t < n { scr.xb[rl][t] } else { 0.0 });
-            (scr.pb[rl], scr.fb[rl]) = block_probs(c, scr, &sp.ps, rl, j0, n, &mut x);
+            let mut x: [f32; BLOCK_KEYS] = std::array::from_fn(|t| if t < n { scr.xb[rl][t] } else { 0.0 });
+            (scr.pb[rl], scr.fb[rl]) = key_block_probs(c, scr, &sp.ps, rl, j0, n, &mut x);
         }
     }
-    for t0 in (0..n).step_by(KQ) {
-        let nt = KQ.min(n - t0);
+    for t0 in (0..n).step_by(KEY_STREAMS) {
+        let nt = KEY_STREAMS.min(n - t0);
         for (it, scr) in items.iter().zip(scrs.iter_mut()) {
             let vh = c.v.offset(0, 0, it.hk);
-            let vofs: [usize; KQ] = std::array::from_fn(|t| vb[(t0 + t).min(n - 1)] + vh);
+            let vofs: [usize; KEY_STREAMS] = std::array::from_fn(|t| vb[(t0 + t).min(n - 1)] + vh);
             let Scratch { op, pb, fb, .. } = scr;
-            for (r0, r) in tiles::<S>(it.r1 - it.r0) {
+            for (r0, r) in row_tiles::<S>(it.r1 - it.r0) {
                 let o = &mut op[r0 * d..(r0 + r) * d];
                 // The rows' probabilities of keys `t0..`; the output scaled before the block's
                 // first keys only (× 1 after: exact).
