@@ -2,6 +2,7 @@
 //! for every panel of the item's query rows.
 
 use super::scratch::Scratch;
+use super::sweep::{same_span, Sweep};
 use super::{Ctx, Item, ItemSpan, CHUNK_KEYS, SWEEP_CHUNK_KEYS};
 use crate::convert::widen_f16;
 use crate::convert::Widen;
@@ -13,11 +14,36 @@ use crate::numerics::softmax_math::Exp2Math;
 use crate::problem::Problem;
 use crate::tensor::Data;
 
-/// The items of one unit that see the same keys, advancing chunk by chunk together: each chunk
-/// of [`SWEEP_CHUNK_KEYS`] keys is taken by every item in turn, so the chunk's K/V rows of all their
-/// heads, side by side in memory, are read in one sweep.
+/// The items of one unit that see the same keys (more than one item), advancing chunk by chunk
+/// together: each chunk of [`SWEEP_CHUNK_KEYS`] keys is taken by every item in turn, so the
+/// chunk's K/V rows of all their heads, side by side in memory, are read in one sweep.
+pub(super) struct ChunksTogether;
+
+impl Sweep for ChunksTogether {
+    #[inline(always)]
+    fn run<M: Exp2Math, const FMA: bool>(c: &Ctx<'_, M>, items: &mut [Item<'_>], scrs: &mut [Scratch], spans: &[ItemSpan]) -> bool {
+        if !(same_span(spans) && items.len() > 1) {
+            return false;
+        }
+        sweep_chunks_together::<M, FMA>(c, items, scrs, spans);
+        true
+    }
+}
+
+/// Each item alone over its own keys, in chunks of [`CHUNK_KEYS`]: any unit.
+pub(super) struct ChunksAlone;
+
+impl Sweep for ChunksAlone {
+    #[inline(always)]
+    fn run<M: Exp2Math, const FMA: bool>(c: &Ctx<'_, M>, items: &mut [Item<'_>], scrs: &mut [Scratch], spans: &[ItemSpan]) -> bool {
+        sweep_chunks_alone::<M, FMA>(c, items, scrs, spans);
+        true
+    }
+}
+
+/// [`ChunksTogether`]'s loop.
 #[inline(always)]
-pub(super) fn sweep_chunks_together<M: Exp2Math, const FMA: bool>(
+fn sweep_chunks_together<M: Exp2Math, const FMA: bool>(
     c: &Ctx<'_, M>,
     items: &mut [Item<'_>],
     scrs: &mut [Scratch],
@@ -43,9 +69,9 @@ pub(super) fn sweep_chunks_together<M: Exp2Math, const FMA: bool>(
     }
 }
 
-/// Each item alone over its own keys, in chunks of [`CHUNK_KEYS`].
+/// [`ChunksAlone`]'s loop.
 #[inline(always)]
-pub(super) fn sweep_chunks_alone<M: Exp2Math, const FMA: bool>(
+fn sweep_chunks_alone<M: Exp2Math, const FMA: bool>(
     c: &Ctx<'_, M>,
     items: &mut [Item<'_>],
     scrs: &mut [Scratch],

@@ -2,6 +2,7 @@
 
 use super::chunks::prefetch_rows;
 use super::scratch::Scratch;
+use super::sweep::{same_span, span, Sweep};
 use super::{lanes, Ctx, Item, ItemSpan};
 use crate::cpu::gemm::NR;
 use crate::cpu::isa::{detect_isa, Isa};
@@ -10,6 +11,27 @@ use crate::cpu::simd;
 use crate::cpu::softmax::{row_probs, tree_sum};
 use crate::numerics::softmax_math::Exp2Math;
 use crate::problem::Problem;
+use crate::tensor::Data;
+
+/// Decode in blocks of [`lanes::BLOCK_KEYS`] keys ([`sweep_key_blocks`]), for units whose items
+/// see the same keys and whose K and V share an element type.
+pub(super) struct KeyBlocks;
+
+impl Sweep for KeyBlocks {
+    #[inline(always)]
+    fn run<M: Exp2Math, const FMA: bool>(c: &Ctx<'_, M>, items: &mut [Item<'_>], scrs: &mut [Scratch], spans: &[ItemSpan]) -> bool {
+        if !same_span(spans) {
+            return false;
+        }
+        let span = span(spans);
+        match (c.k.data(), c.v.data()) {
+            (Data::BF16(k), Data::BF16(v)) => sweep_key_blocks(c, items, scrs, spans, span, (k, v)),
+            (Data::F16(k), Data::F16(v)) => sweep_key_blocks(c, items, scrs, spans, span, (k, v)),
+            (Data::F32(k), Data::F32(v)) => sweep_key_blocks(c, items, scrs, spans, span, (k, v)),
+            _ => false,
+        }
+    }
+}
 
 /// Decode in blocks of [`lanes::BLOCK_KEYS`] keys ([`sweep_key_blocks_with`]) with the AVX-512 products when
 /// this call runs the AVX-512 build, else the AVX2 + FMA + F16C ones when it runs the AVX2 build
@@ -19,7 +41,7 @@ use crate::problem::Problem;
 /// the chunked path; each arithmetic doubled this function's 48 instantiations per ISA and the
 /// crate's release build time); `false` (nothing done) otherwise.
 #[inline(always)]
-pub(super) fn sweep_key_blocks<M: Exp2Math, T: lanes::Elem>(
+fn sweep_key_blocks<M: Exp2Math, T: lanes::Elem>(
     c: &Ctx<'_, M>,
     items: &mut [Item<'_>],
     scrs: &mut [Scratch],

@@ -1,16 +1,37 @@
 //! Group-1 decode of 16-bit K/V, one key at a time in address order.
 
 use super::scratch::Scratch;
+use super::sweep::{same_span, span, Sweep};
 use super::{Ctx, Item, ItemSpan, SWEEP_CHUNK_KEYS};
 use crate::convert::Widen;
 use crate::cpu::row_products::{dot_widen, fma};
 use crate::cpu::rows::prefetch_row;
 use crate::cpu::softmax::row_probs;
 use crate::numerics::softmax_math::Exp2Math;
+use crate::tensor::Data;
 
 /// Group-1 decode (`sweep_key_by_key`): K/V rows of this many keys ahead (all heads) are prefetched
 /// into L1 besides what the hardware prefetchers fetch (0: none).
 const PREFETCH_KEYS_AHEAD: usize = 1;
+
+/// Group-1 decode of 16-bit K/V one key at a time ([`sweep_key_by_key`]), for units of one-row
+/// items that see the same keys.
+pub(super) struct KeyByKey;
+
+impl Sweep for KeyByKey {
+    #[inline(always)]
+    fn run<M: Exp2Math, const FMA: bool>(c: &Ctx<'_, M>, items: &mut [Item<'_>], scrs: &mut [Scratch], spans: &[ItemSpan]) -> bool {
+        if !same_span(spans) || !items.iter().all(|it| it.r1 - it.r0 == 1) {
+            return false;
+        }
+        let span = span(spans);
+        match (c.k.data(), c.v.data()) {
+            (Data::BF16(k), Data::BF16(v)) => sweep_key_by_key::<M, FMA, half::bf16>(c, items, scrs, spans, span, (k, v)),
+            (Data::F16(k), Data::F16(v)) => sweep_key_by_key::<M, FMA, half::f16>(c, items, scrs, spans, span, (k, v)),
+            _ => false,
+        }
+    }
+}
 
 /// Group-1 decode of 16-bit K/V, key-major: every item is one query row (of its own kv head)
 /// that sees every key of `lo..hi`, and K/V are read strictly in address order: for each key, the rows of all
@@ -24,7 +45,7 @@ const PREFETCH_KEYS_AHEAD: usize = 1;
 /// arithmetic as the chunked path, with the max and the rescale taken per key instead of per
 /// chunk (rounding differs, within the tests' tolerance of the float64 reference).
 #[inline(always)]
-pub(super) fn sweep_key_by_key<M: Exp2Math, const FMA: bool, T: Widen>(
+fn sweep_key_by_key<M: Exp2Math, const FMA: bool, T: Widen>(
     c: &Ctx<'_, M>,
     items: &mut [Item<'_>],
     scrs: &mut [Scratch],

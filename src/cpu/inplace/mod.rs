@@ -43,6 +43,7 @@ mod chunks;
 mod combine;
 mod key_by_key;
 mod scratch;
+mod sweep;
 
 use super::check_head_dim;
 use super::gemm::NR;
@@ -57,9 +58,13 @@ use crate::numerics::softmax_math::Exp2Math;
 use crate::problem::Problem;
 use crate::serving::layout::BatchLayout;
 use crate::splits::{num_splits, MIN_SPLIT_KEYS};
-use crate::tensor::{numel, try_filled, Data, OwnedData, Tensor, TensorView};
+use crate::tensor::{numel, try_filled, OwnedData, Tensor, TensorView};
 use combine::{combine, Parts, SeqPlan};
+use chunks::{ChunksAlone, ChunksTogether};
+use key_blocks::KeyBlocks;
+use key_by_key::KeyByKey;
 use scratch::{Scratch, Scratches};
+use sweep::Sweep;
 
 /// Query rows per work item (4 panels of 16): each chunk of K/V rows an item reads serves them all.
 pub const ITEM_ROWS: usize = 64;
@@ -137,32 +142,14 @@ pub(super) struct ItemSpan {
 #[inline(always)]
 fn attend<M: Exp2Math, const FMA: bool>(c: &Ctx<'_, M>, items: &mut [Item<'_>], scrs: &mut [Scratch]) {
     let spans: Vec<ItemSpan> = items.iter_mut().zip(scrs.iter_mut()).map(|(it, scr)| attend_begin(c, it, scr)).collect();
-    let together = spans.windows(2).all(|w| (w[0].lo_all, w[0].hi_all) == (w[1].lo_all, w[1].hi_all));
-    let one_row = items.iter().all(|it| it.r1 - it.r0 == 1);
-    let span = spans.first().map_or((0, 0), |s| (s.lo_all, s.hi_all));
     // Decode (at most one panel of rows per item, every row seeing the whole span): the blocked
-    // sweep (`sweep_key_blocks`) where it applies, else for group-1 16-bit K/V the one-key sweep (the
-    // widening fused into the products); f32 rows otherwise take the chunked path below, which
-    // measured faster than the one-key sweep for them.
-    let swept = together
-        && match (c.k.data(), c.v.data()) {
-            (Data::BF16(k), Data::BF16(v)) => {
-                key_blocks::sweep_key_blocks(c, items, scrs, &spans, span, (k, v))
-                    || (one_row && key_by_key::sweep_key_by_key::<M, FMA, half::bf16>(c, items, scrs, &spans, span, (k, v)))
-            }
-            (Data::F16(k), Data::F16(v)) => {
-                key_blocks::sweep_key_blocks(c, items, scrs, &spans, span, (k, v))
-                    || (one_row && key_by_key::sweep_key_by_key::<M, FMA, half::f16>(c, items, scrs, &spans, span, (k, v)))
-            }
-            (Data::F32(k), Data::F32(v)) => key_blocks::sweep_key_blocks(c, items, scrs, &spans, span, (k, v)),
-            _ => false,
-        };
-    if swept {
-    } else if together && items.len() > 1 {
-        chunks::sweep_chunks_together::<M, FMA>(c, items, scrs, &spans);
-    } else {
-        chunks::sweep_chunks_alone::<M, FMA>(c, items, scrs, &spans);
-    }
+    // sweep where it applies, else for group-1 16-bit K/V the one-key sweep (the widening fused
+    // into the products); f32 rows otherwise take the chunks, which measured faster than the
+    // one-key sweep for them. The chunks take every unit.
+    let _ = KeyBlocks::run::<M, FMA>(c, items, scrs, &spans)
+        || KeyByKey::run::<M, FMA>(c, items, scrs, &spans)
+        || ChunksTogether::run::<M, FMA>(c, items, scrs, &spans)
+        || ChunksAlone::run::<M, FMA>(c, items, scrs, &spans);
     for (it, scr) in items.iter_mut().zip(scrs.iter_mut()) {
         attend_end(c, it, scr);
     }
