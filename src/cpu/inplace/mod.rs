@@ -8,7 +8,7 @@
 //! rows are widened into a chunk-sized L1 buffer, f32 rows are used in place). Products are
 //! vectorised over head_dim with small register tiles (4 rows × 2 keys for `Q·Kᵀ`, 4 rows × 16
 //! columns for `P·V`); scores are held as panels of [`NR`] = 16 rows per key, the layout of the
-//! shared online-softmax verbs (`cpu/softmax.rs`), which run unchanged.
+//! shared online-softmax verbs (`cpu::softmax`), which run unchanged.
 //!
 //! Decode-like calls (each row block fits one panel: `seqlen_q · group <= 16`) run the items of
 //! all kv heads of a (sequence, row block, split) as one unit that advances chunk by chunk over
@@ -36,12 +36,16 @@
 //! split count is [`num_splits`]'s heuristic or the caller's `num_splits`.
 //!
 //! All parallel work goes through `cpu::parallel::for_each`.
+//!
+//! Files: this driver (items, units, splits); the ways to sweep a unit's keys behind one trait
+//! (`sweep`), tried in order: `key_blocks` (its products in `lanes`), `key_by_key`, `chunks`;
+//! the merge of the splits (`combine`); the per-worker buffers (`scratch`).
 
-mod key_blocks;
-mod lanes;
 mod chunks;
 mod combine;
+mod key_blocks;
 mod key_by_key;
+mod lanes;
 mod scratch;
 mod sweep;
 

@@ -8,6 +8,11 @@
 //! head, query block) are handed out heaviest first to the persistent worker pool (`parallel`);
 //! each owns its own output rows (disjoint `&mut` row slices of the caller's buffer) and writes
 //! them once, in the final layout and type.
+//!
+//! Files: this driver (work items, the choice of what to pack per item, the entry points);
+//! `pack` (K/V into the micro-kernel's layouts, the buffers' sizes); `block` (one work item,
+//! tile by tile); `output` (the normalised rows into the caller's buffer); `scratch` (a worker's
+//! panels).
 
 mod block;
 mod output;
