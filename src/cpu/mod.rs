@@ -12,7 +12,7 @@
 //! [`row_products`] (dot products and `o += p·v` along head_dim) and [`simd`] (the tiled path's
 //! AVX-512 kernels).
 
-mod gemm;
+pub(crate) mod gemm;
 pub(crate) mod inplace;
 pub(crate) mod isa;
 pub(crate) mod native;
@@ -21,7 +21,7 @@ pub(crate) mod pool;
 pub(crate) mod row_products;
 pub(crate) mod rows;
 pub(crate) mod score;
-mod simd;
+pub(crate) mod simd;
 pub mod softmax;
 pub(crate) mod tiled;
 
@@ -37,6 +37,8 @@ pub(crate) use tiled::{path_name, run, run_into};
 /// Largest head_dim the CPU backend accepts.
 pub const MAX_HEAD_DIM: usize = 512;
 
+/// [`Error::UnsupportedHeadDim`] past [`MAX_HEAD_DIM`], which both paths check before reading
+/// any input (the tiled path's row of zeros is `MAX_HEAD_DIM` long).
 pub(crate) fn check_head_dim(p: &Problem) -> Result<()> {
     if p.head_dim > MAX_HEAD_DIM {
         return Err(Error::UnsupportedHeadDim {
