@@ -39,6 +39,7 @@ mod batch_layout;
 #[cfg(feature = "bench")]
 #[cfg_attr(docsrs, doc(cfg(feature = "bench")))]
 pub mod bench;
+mod convert;
 mod cpu;
 #[cfg(feature = "cuda")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
@@ -53,6 +54,7 @@ mod output;
 mod problem;
 pub mod reference;
 pub mod serving;
+mod splits;
 mod tensor;
 
 pub use api::{forward, forward_into};

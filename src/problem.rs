@@ -310,10 +310,10 @@ fn resolve_mask(mask: Mask) -> Result<(Option<usize>, Option<usize>)> {
 /// Checks `num_splits`: every entry point that takes it (dense, serving, the device engine).
 pub(crate) fn check_num_splits(opts: &ForwardOptions) -> Result<()> {
     match opts.num_splits {
-        Some(n) if !(1..=crate::cpu::inplace::MAX_SPLITS).contains(&n) => Err(Error::InvalidOption {
+        Some(n) if !(1..=crate::splits::MAX_SPLITS).contains(&n) => Err(Error::InvalidOption {
             option: "num_splits",
             got: n.to_string(),
-            expected: format!("1..={} (or None for the heuristic)", crate::cpu::inplace::MAX_SPLITS),
+            expected: format!("1..={} (or None for the heuristic)", crate::splits::MAX_SPLITS),
         }),
         _ => Ok(()),
     }

@@ -153,8 +153,8 @@ impl Data<'_> {
         match self {
             Data::F32(s) => dst.copy_from_slice(&s[start..start + n]),
             // A whole row at a time, in vector instructions where the CPU has them.
-            Data::F16(s) => crate::cpu::convert::widen_f16(&s[start..start + n], dst),
-            Data::BF16(s) => crate::cpu::convert::widen_bf16(&s[start..start + n], dst),
+            Data::F16(s) => crate::convert::widen_f16(&s[start..start + n], dst),
+            Data::BF16(s) => crate::convert::widen_bf16(&s[start..start + n], dst),
         }
     }
 }

@@ -432,7 +432,7 @@ fn fp8_pipeline_runs_every_option_and_stays_close() {
     }
 }
 
-/// With every key in one tile (seqlen_k <= the CPU's 96-key tile, `cpu::BC`), the running max is the row
+/// With every key in one tile (seqlen_k <= the CPU's 96-key tile, `cpu::tiled::TILE_KEYS`), the running max is the row
 /// max, so the tiled FP8 pipeline must agree with a straightforward implementation of the same
 /// recipe: rotate, quantise, scores in f32, P = e4m3(2^(s - m + 8)), l from the unrounded P,
 /// O = Σ P·v / l. Leaving out any step (rounding, offset, rotation, scales) moves the result by a

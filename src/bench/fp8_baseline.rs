@@ -28,7 +28,7 @@ use crate::numerics::exp2::exp2_poly_deg;
 use crate::numerics::fp8::{e4m3_to_f32, round_e4m3};
 use crate::numerics::hadamard::Rotation;
 use crate::numerics::quant::{block_rows, fake_quantize, quantize_e4m3, QuantizedE4m3};
-use crate::cpu::softmax::Exp2Math;
+use crate::numerics::softmax_math::Exp2Math;
 use crate::error::{Error, Operand, Result};
 use crate::reference::{naive, NaiveSteps};
 use crate::options::{Fp8Scaling, Precision};

@@ -60,6 +60,18 @@ pub(crate) fn for_each<T: Send, S>(
     });
 }
 
+/// Number of worker threads: the request, capped at the machine's available parallelism (more
+/// threads than cores only add scheduling and memory on this compute-bound work); `None` or 0
+/// uses the available parallelism. That is read once per process, because
+/// `available_parallelism` reads the cgroup's CPU quota from /sys on every call, which costs
+/// more than a small decode call itself, and the worker pool's size is fixed when it starts
+/// anyway.
+pub(crate) fn threads(requested: Option<usize>) -> usize {
+    static HW: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let hw = *HW.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    requested.filter(|&n| n > 0).map_or(hw, |n| n.min(hw))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -126,5 +138,15 @@ mod tests {
         let mut items: Vec<usize> = (0..64).collect();
         for_each(&mut items, 4, || (), |_, x| *x += 1);
         assert!(items.iter().enumerate().all(|(i, &x)| x == i + 1));
+    }
+
+    #[test]
+    fn thread_requests_are_capped_at_the_available_parallelism() {
+        let hw = std::thread::available_parallelism().map_or(1, |n| n.get());
+        assert_eq!(threads(None), hw);
+        assert_eq!(threads(Some(0)), hw);
+        assert_eq!(threads(Some(1)), 1);
+        assert_eq!(threads(Some(1_000_000)), hw);
+        assert_eq!(threads(Some(usize::MAX)), hw);
     }
 }

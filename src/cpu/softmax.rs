@@ -20,21 +20,7 @@
 //! in `online_softmax` keeps `-inf - (-inf)` (NaN) from ever being formed.
 
 use super::gemm::NR;
-
-/// The score-to-probability arithmetic: which exp2, the P offset, and P's rounding.
-pub trait Exp2Math: Copy + Send + Sync {
-    /// The native arithmetic (`cpu::Native`: `exp2_fast`, no offset, no P rounding, eager
-    /// rescaling), which vector kernels (`cpu::simd::native_softmax`) reproduce bit for bit.
-    const NATIVE: bool = false;
-    /// Probabilities are computed as `exp2(s - m + P_OFFSET)` (FA3's FP8 `Max_offset`); the
-    /// offset cancels in `O / l` and is removed from the LSE.
-    fn p_offset(&self) -> f32;
-    fn exp2(&self, x: f32) -> f32;
-    /// The value P takes into the second product (identity, or e4m3 rounding).
-    fn round_p(&self, p: f32) -> f32;
-    /// Lazy rescaling threshold in log2 units (`None`: rescale whenever the max grows).
-    fn lazy_threshold(&self) -> Option<f32>;
-}
+use crate::numerics::softmax_math::Exp2Math;
 
 /// Running state of one query row.
 #[derive(Clone, Copy, Debug)]
@@ -244,4 +230,90 @@ pub fn finalize_panel<M: Exp2Math>(
         live &= (1 << n) - 1;
     }
     live
+}
+
+/// One query row's online-softmax step over the scores `x[..n]` (score units): the new max and
+/// the factor the old sum and output must be scaled by (`max_get_scale`), and the unrounded
+/// probabilities `exp2((x − m)·c + offset)`, 0 past `n` (`online_softmax`'s arithmetic, its −inf
+/// guard included). The caller adds them to the row's sum in its own order and rounds them for
+/// P·V. `N` is a power of two.
+#[inline(always)]
+pub fn row_probs<M: Exp2Math, const N: usize, const FMA: bool>(
+    st: &mut RowState,
+    x: &[f32; N],
+    n: usize,
+    c: f32,
+    math: &M,
+) -> ([f32; N], f32) {
+    let scale = max_get_scale(st, block_max(x, n), c, math);
+    // The −inf guard of `online_softmax`: a row with no visible key yet keeps m = −inf.
+    let shift = if st.m == f32::NEG_INFINITY { 0.0 } else { st.m };
+    let off = math.p_offset();
+    let mut p = [0.0f32; N];
+    for (t, (pt, &xt)) in p.iter_mut().zip(x).enumerate() {
+        let dx = xt - shift;
+        let e = math.exp2(if FMA { dx.mul_add(c, off) } else { dx * c + off });
+        *pt = if t < n { e } else { 0.0 };
+    }
+    (p, scale)
+}
+
+/// The max of `x[..n]` as `panel_max` takes it (NaN scores skipped; −inf when there is none),
+/// as a tree so that it vectorises.
+#[inline(always)]
+pub fn block_max<const N: usize>(x: &[f32; N], n: usize) -> f32 {
+    let mut a: [f32; N] = std::array::from_fn(|t| if t < n && x[t] > f32::NEG_INFINITY { x[t] } else { f32::NEG_INFINITY });
+    let mut w = N / 2;
+    while w > 0 {
+        for i in 0..w {
+            a[i] = if a[i + w] > a[i] { a[i + w] } else { a[i] };
+        }
+        w /= 2;
+    }
+    a[0]
+}
+
+/// The sum of `N` (a power of two) values as a tree of halves.
+#[inline(always)]
+pub fn tree_sum<const N: usize>(mut a: [f32; N]) -> f32 {
+    let mut w = N / 2;
+    while w > 0 {
+        for i in 0..w {
+            a[i] += a[i + w];
+        }
+        w /= 2;
+    }
+    a[0]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The blocked decode's max skips NaN scores and the keys past `n` as `panel_max` does, and
+    /// is −inf when there is no other score; its sum is the tree of halves.
+    #[test]
+    fn block_max_and_sum() {
+        let nan = f32::NAN;
+        let mut x = [0.5f32; 16];
+        x[3] = nan;
+        x[7] = 2.0;
+        x[12] = 9.0;
+        assert_eq!(block_max(&x, 12), 2.0);
+        assert_eq!(block_max(&x, 16), 9.0);
+        let all_nan = [nan; 16];
+        assert_eq!(block_max(&all_nan, 16), f32::NEG_INFINITY);
+        let ninf = [f32::NEG_INFINITY; 16];
+        assert_eq!(block_max(&ninf, 5), f32::NEG_INFINITY);
+        for n in 0..=16 {
+            let y: [f32; 16] = std::array::from_fn(|t| if t < n { (t * t) as f32 - 7.5 } else { f32::NEG_INFINITY });
+            let want = y[..n].iter().fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+            assert_eq!(block_max(&y, n), want);
+        }
+        let p: [f32; 16] = std::array::from_fn(|t| t as f32);
+        assert_eq!(tree_sum(p), 120.0);
+        let mut q = [0.0f32; 16];
+        q[5] = f32::INFINITY;
+        assert_eq!(tree_sum(q), f32::INFINITY);
+    }
 }

@@ -23,7 +23,7 @@ pub const MAX_INPUTS: usize = 64;
 pub const MAX_HEAD_DIM: usize = 256;
 /// Most states of a stacked input (split-KV partials): FlashAttention's split limit, and the
 /// CPU's (`ForwardOptions::num_splits`).
-pub const MAX_SPLITS: usize = crate::cpu::inplace::MAX_SPLITS;
+pub const MAX_SPLITS: usize = crate::splits::MAX_SPLITS;
 
 /// One input of the combine, mirrored from `CombineInput` (cuda/common/combine_params.h).
 #[repr(C)]
@@ -303,7 +303,7 @@ pub fn splits_plan(
     Ok(CombineLaunch { kernel, grid, block: WARPS * 32, params })
 }
 
-/// The split count of a GPU split-KV launch: the CPU's heuristic (`cpu::inplace::num_splits`,
+/// The split count of a GPU split-KV launch: the CPU's heuristic (`splits::num_splits`,
 /// FlashAttention's `num_splits_heuristic`), the one function for both, with `workers` = SMs ×
 /// CTAs of the forward kernel per SM and `items` = batch × heads × query blocks, the CTAs of the
 /// unsplit launch (`heads`: the heads its grid spans, heads_q for FA1 and FA2, which run one CTA
@@ -319,7 +319,7 @@ pub fn gpu_num_splits(
 ) -> usize {
     let workers = (sm_count as usize).saturating_mul(ctas_per_sm.max(1) as usize);
     let items = batch.saturating_mul(heads).saturating_mul(query_blocks);
-    crate::cpu::inplace::num_splits(items, workers, keys)
+    crate::splits::num_splits(items, workers, keys)
 }
 
 #[cfg(test)]
@@ -395,7 +395,7 @@ mod tests {
         // most SMs idle, so it splits (and within the 512-key minimum per split).
         let s = gpu_num_splits(132, 1, 1, 8, 1, 32768);
         assert!(s > 1 && s <= 64, "{s}");
-        assert_eq!(s, crate::cpu::inplace::num_splits(8, 132, 32768));
+        assert_eq!(s, crate::splits::num_splits(8, 132, 32768));
         // Items that fill the SMs: no split.
         assert_eq!(gpu_num_splits(132, 1, 64, 8, 4, 32768), 1);
     }

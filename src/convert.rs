@@ -1,5 +1,6 @@
-//! Whole-row conversions between f32 and the 16-bit element types, bit for bit what `half`'s
-//! scalar conversions give (`f16::to_f32`, `f16::from_f32`, `bf16::to_f32`, `bf16::from_f32`),
+//! Conversions between f32 and the 16-bit element types, for the tensors and both CPU paths (one
+//! home below them all). Whole rows are converted bit for bit as `half`'s
+//! scalar conversions convert them (`f16::to_f32`, `f16::from_f32`, `bf16::to_f32`, `bf16::from_f32`),
 //! in vector instructions where the CPU has them (detected at run time).
 //!
 //! `half` converts one element per call: on x86_64 each call checks for F16C and converts one
@@ -12,7 +13,6 @@
 //! quiet exactly as `half` makes them (tested on every 16-bit pattern and on edge f32 values).
 #![allow(clippy::incompatible_msrv)]
 
-use crate::tensor::DataMut;
 use half::{bf16, f16};
 
 /// The instruction set a conversion runs on, best first.
@@ -60,20 +60,6 @@ pub(crate) fn narrow_f16(src: &[f32], dst: &mut [f16]) {
 /// `dst[i] = bf16::from_f32(src[i])`, for `i < min(src.len(), dst.len())`.
 pub(crate) fn narrow_bf16(src: &[f32], dst: &mut [bf16]) {
     narrow_bf16_on(detect(), src, dst)
-}
-
-/// `src` converted into an output row of any element type (`min` of the two lengths). Inlined:
-/// for an f32 output (the element type is known where this is called) it is the plain copy.
-#[inline]
-pub(crate) fn narrow_row(src: &[f32], dst: DataMut<'_>) {
-    match dst {
-        DataMut::F32(d) => {
-            let n = d.len().min(src.len());
-            d[..n].copy_from_slice(&src[..n])
-        }
-        DataMut::F16(d) => narrow_f16(src, d),
-        DataMut::BF16(d) => narrow_bf16(src, d),
-    }
 }
 
 // Each `*_on` re-checks the CPU for the path it is asked for, so that the safety of every call
@@ -246,6 +232,45 @@ mod x86 {
     }
 }
 
+/// f16 → f32, exact, branch-free so that it vectorises inside a caller's loop (a product that
+/// widens K or V as it reads them): the exponent and mantissa bits moved to f32's positions and
+/// scaled by 2^112 (the difference of the exponent biases; this also turns f16 subnormals into
+/// the right normal f32), infinities and NaNs given f32's all-ones exponent, the sign put back.
+#[inline(always)]
+pub(crate) fn f16_to_f32(h: f16) -> f32 {
+    const SCALE: f32 = f32::from_bits((127 + 112) << 23); // 2^112
+    let h = u32::from(h.to_bits());
+    let em = (h & 0x7fff) << 13;
+    let finite = f32::from_bits(em) * SCALE;
+    let v = if em >= 0x7c00 << 13 {
+        f32::from_bits(em | 0x7f80_0000)
+    } else {
+        finite
+    };
+    f32::from_bits(v.to_bits() | ((h & 0x8000) << 16))
+}
+
+/// An element type rows are stored in, widened to f32 exactly, one element at a time, where a
+/// product uses it.
+pub(crate) trait Widen: Copy {
+    fn widen(self) -> f32;
+}
+
+impl Widen for bf16 {
+    /// bf16 is the high half of an f32: exact (a NaN stays a NaN).
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        f32::from_bits(u32::from(self.to_bits()) << 16)
+    }
+}
+
+impl Widen for f16 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        f16_to_f32(self)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -373,16 +398,11 @@ mod tests {
     }
 
     #[test]
-    fn narrow_row_writes_every_type() {
-        let src = [1.0f32, -2.5, 3.0e-6, f32::INFINITY, 1.0e10];
-        let mut a = [0.0f32; 5];
-        narrow_row(&src, DataMut::F32(&mut a));
-        assert_eq!(a, src);
-        let mut h = [f16::ZERO; 5];
-        narrow_row(&src, DataMut::F16(&mut h));
-        assert!(h.iter().zip(&src).all(|(h, &x)| h.to_bits() == f16::from_f32(x).to_bits()));
-        let mut b = [bf16::ZERO; 5];
-        narrow_row(&src, DataMut::BF16(&mut b));
-        assert!(b.iter().zip(&src).all(|(b, &x)| b.to_bits() == bf16::from_f32(x).to_bits()));
+    fn scalar_f16_widening_is_exact() {
+        for h in (0..=u16::MAX).map(f16::from_bits) {
+            let (w, want) = (f16_to_f32(h), h.to_f32());
+            assert!(want.to_bits() == w.to_bits() || (want.is_nan() && w.is_nan()), "{h:?}: {w} vs {want}");
+            assert_eq!(w.to_bits(), h.widen().to_bits());
+        }
     }
 }

@@ -1,16 +1,16 @@
-//! The products of decode in blocks of [`KB`] keys (`inplace::sweep_blocks`), written once over
+//! The products of decode in blocks of [`BLOCK_KEYS`] keys (`inplace::sweep_key_blocks_with`), written once over
 //! the vector instructions of an ISA ([`Lanes`]: AVX-512 in [`Avx512`], AVX2 + FMA + F16C in
 //! [`Avx2`]): the scores of a tile of `R` query rows (of one kv head) against a block's keys, then
 //! `O·scale + P·V` of those rows over the block.
 //!
-//! Why blocks: the one-key sweep (`sweep_rows`) runs a serial chain per key (dot product,
+//! Why blocks: the one-key sweep (`sweep_key_by_key`) runs a serial chain per key (dot product,
 //! horizontal sum, max, exp2, rescale of O in memory, `o += p·v`), and it measured bound by that
 //! chain's latency, not by the bytes it reads. Here a block's scores are independent dot
 //! products (several keys' accumulators in flight) reduced together into 16 lanes (a
 //! transpose-and-add tree: about two shuffles per key instead of a horizontal sum each), the
 //! softmax runs once per block and row, and O stays in registers while the block's V rows are
 //! added. With `R > 1` rows (GQA: the query heads of one kv head) every K and V vector loaded is
-//! used for all `R` rows. The key-order sweep over several kv heads (`inplace::block_key_major`)
+//! used for all `R` rows. The key-order sweep over several kv heads (`inplace::key_block_in_key_order`)
 //! takes a block's keys in groups ([`key_sums`]) and sums each key alone with the same tree
 //! ([`Lanes::hsum_one`]), trading those shuffles for sequential reads of K and V.
 //!
@@ -27,8 +27,8 @@
 use std::arch::x86_64::*;
 
 /// Keys per block: one score per lane of a 512-bit vector, two 256-bit vectors.
-pub(super) const KB: usize = 16;
-/// Largest `head_dim / 32` the kernels take (head_dim 256); larger head dims take `sweep_rows`.
+pub(super) const BLOCK_KEYS: usize = 16;
+/// Largest `head_dim / 32` the kernels take (head_dim 256); larger head dims take `sweep_key_by_key`.
 pub(super) const MAX_W: usize = 8;
 
 /// How a K/V element type is read.
@@ -103,7 +103,7 @@ pub(super) trait Lanes: Copy {
     /// as its `v[t]` (the same additions in the same order).
     fn hsum_one(self, v: Self::V) -> f32;
     /// The horizontal sums of the 16 vectors, lane `t` of the result the sum of `v[t]`.
-    fn hsum_keys(self, v: &[Self::V; KB]) -> [f32; KB];
+    fn hsum_keys(self, v: &[Self::V; BLOCK_KEYS]) -> [f32; BLOCK_KEYS];
 }
 
 /// The AVX-512F + FMA instructions.
@@ -161,7 +161,7 @@ fn fold_quarters(x: __m512, y: __m512) -> __m512 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
-fn hsum16(v: &[__m512; KB]) -> __m512 {
+fn hsum16(v: &[__m512; BLOCK_KEYS]) -> __m512 {
     // w[i]: quarters 0-1 hold 8 partials of v[2i], quarters 2-3 of v[2i + 1].
     let w: [__m512; 8] = std::array::from_fn(|i| fold_halves(v[2 * i], v[2 * i + 1]));
     // z[j]: quarter r holds 4 partials of v[4j + r].
@@ -310,8 +310,8 @@ impl Lanes for Avx512 {
     }
 
     #[inline(always)]
-    fn hsum_keys(self, v: &[Self::V; KB]) -> [f32; KB] {
-        let mut out = [0.0f32; KB];
+    fn hsum_keys(self, v: &[Self::V; BLOCK_KEYS]) -> [f32; BLOCK_KEYS] {
+        let mut out = [0.0f32; BLOCK_KEYS];
         // SAFETY: as above; `out` holds 16 f32.
         unsafe { _mm512_storeu_ps(out.as_mut_ptr(), hsum16(v)) };
         out
@@ -426,8 +426,8 @@ impl Lanes for Avx2 {
     }
 
     #[inline(always)]
-    fn hsum_keys(self, v: &[Self::V; KB]) -> [f32; KB] {
-        let mut out = [0.0f32; KB];
+    fn hsum_keys(self, v: &[Self::V; BLOCK_KEYS]) -> [f32; BLOCK_KEYS] {
+        let mut out = [0.0f32; BLOCK_KEYS];
         let (lo, hi) = v.split_at(8);
         let (lo, hi): (&[__m256; 8], &[__m256; 8]) = (lo.try_into().unwrap(), hi.try_into().unwrap());
         // SAFETY: as above; `out` holds 16 f32.
@@ -440,7 +440,7 @@ impl Lanes for Avx2 {
     }
 }
 
-/// Scores `q_r · k_t` of `R` query rows against the block's `n <= KB` keys, key `t`'s row at
+/// Scores `q_r · k_t` of `R` query rows against the block's `n <= BLOCK_KEYS` keys, key `t`'s row at
 /// `k[kofs[t]..][..32·W]`, row `r`'s query at `q[r·32·W..][..32·W]` in `T`'s [`lane_order`] per
 /// 32 elements. Lanes `n..` are 0. Each K vector loaded is used for all `R` rows: [`key_sums`],
 /// then [`Lanes::hsum_keys`].
@@ -450,9 +450,9 @@ pub(super) fn scores<S: Lanes, T: Elem, const W: usize, const R: usize>(
     q: &[f32],
     k: &[T],
     kofs: &[usize],
-) -> [[f32; KB]; R] {
-    let mut sums: [[S::V; KB]; R] = [[s.fold(s.zero()); KB]; R];
-    key_sums::<S, T, W, R, KB>(s, q, k, kofs, &mut sums);
+) -> [[f32; BLOCK_KEYS]; R] {
+    let mut sums: [[S::V; BLOCK_KEYS]; R] = [[s.fold(s.zero()); BLOCK_KEYS]; R];
+    key_sums::<S, T, W, R, BLOCK_KEYS>(s, q, k, kofs, &mut sums);
     std::array::from_fn(|r| s.hsum_keys(&sums[r]))
 }
 
@@ -508,7 +508,7 @@ pub(super) fn key_sums<S: Lanes, T: Elem, const W: usize, const R: usize, const 
 }
 
 /// `o_r = o_r · scale[r] + Σ_t p[r][t0 + t] · v_t` for `R` rows (the first `R` of `p`) over the
-/// `n <= KB - t0` keys of `vofs`, key `t`'s row at `v[vofs[t]..][..32·W]` (a block's keys
+/// `n <= BLOCK_KEYS - t0` keys of `vofs`, key `t`'s row at `v[vofs[t]..][..32·W]` (a block's keys
 /// `t0..`; its probabilities `p` read in place), row `r`'s output at `o[r·32·W..][..32·W]` in `T`'s
 /// [`lane_order`] per 32 elements. The rows are taken in slices of `su` 32-element units that
 /// fit the registers ([`Lanes::ACC_UNITS`]; one row of up to 256 elements in AVX-512 at once),
@@ -518,7 +518,7 @@ pub(super) fn scale_add_pv<S: Lanes, T: Elem, const W: usize, const R: usize>(
     s: S,
     o: &mut [f32],
     scale: [f32; R],
-    (p, t0): (&[[f32; KB]], usize),
+    (p, t0): (&[[f32; BLOCK_KEYS]], usize),
     v: &[T],
     vofs: &[usize],
 ) {
@@ -535,7 +535,7 @@ pub(super) fn scale_add_pv<S: Lanes, T: Elem, const W: usize, const R: usize>(
                 }
             }
         }
-        for (t, &vo) in vofs.iter().enumerate().take(KB) {
+        for (t, &vo) in vofs.iter().enumerate().take(BLOCK_KEYS) {
             for j in 0..MAX_W {
                 if live(j) {
                     let vx = s.load32(v, vo + 32 * (x0 + j));
@@ -604,16 +604,16 @@ mod tests {
     /// count, f32 and bf16 rows at odd offsets.
     fn block_products<S: Lanes, const W: usize, const R: usize>(s: S) {
         let d = 32 * W;
-        let rows = KB + 3;
+        let rows = BLOCK_KEYS + 3;
         let val = |i: usize| (((i * 37) % 101) as f32 / 101.0 - 0.5) * 2.0;
         let kf: Vec<f32> = (0..rows * d + 5).map(val).collect();
         let kb: Vec<half::bf16> = kf.iter().map(|&x| half::bf16::from_f32(x)).collect();
         let q: Vec<f32> = (0..R * d).map(|i| val(i * 7 + 3)).collect();
         let o0: Vec<f32> = (0..R * d).map(|i| val(i + 50)).collect();
         let scale: [f32; R] = std::array::from_fn(|r| 0.5 + 0.25 * r as f32);
-        for n in 1..=KB {
+        for n in 1..=BLOCK_KEYS {
             let ofs: Vec<usize> = (0..n).map(|t| 5 + ((t * 5) % rows) * d).collect();
-            let p: [[f32; KB]; R] =
+            let p: [[f32; BLOCK_KEYS]; R] =
                 std::array::from_fn(|r| std::array::from_fn(|t| if t < n { val(t * 11 + r + 1) } else { 0.0 }));
             for kind in [Kind::F32, Kind::BF16] {
                 let ord = lane_order(kind, S::LANES);
@@ -668,8 +668,8 @@ mod tests {
             m * ((i * 37 % 101) as f32 / 101.0 - 0.4)
         };
         for round in 0..8 {
-            let x: Vec<f32> = (0..KB * S::LANES).map(|i| val(i * 3 + round * 11)).collect();
-            let v: [S::V; KB] = std::array::from_fn(|t| {
+            let x: Vec<f32> = (0..BLOCK_KEYS * S::LANES).map(|i| val(i * 3 + round * 11)).collect();
+            let v: [S::V; BLOCK_KEYS] = std::array::from_fn(|t| {
                 let mut u = [0.0f32; 32];
                 u[..S::LANES].copy_from_slice(&x[t * S::LANES..(t + 1) * S::LANES]);
                 // The lanes after the first vector are 0: the fold adds zeros, exactly.
