@@ -4,6 +4,9 @@
 //! picks the best kernel for the GPU it finds at run time, or runs the multi-threaded CPU
 //! backend (the same tiled online-softmax algorithm) when there is none.
 //!
+//! [`backward`] gives the gradients dq, dk, dv of a forward call on the CPU backend
+//! (FlashAttention-2's algorithm, deterministic; docs/backward.md).
+//!
 //! Layout is FlashAttention's `[batch, seqlen, heads, head_dim]`; causal masks are aligned to the
 //! bottom-right corner; GQA/MQA by fewer kv heads; softcap, ALiBi, sliding windows; LSE output.
 //!

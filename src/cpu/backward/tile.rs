@@ -42,7 +42,7 @@ pub(super) fn product<const N: usize, const FMA: bool, const ACC: bool>(
     c: &mut [f32],
     ldc: usize,
 ) {
-    debug_assert!(dims.m % MR == 0 && dims.n % N == 0);
+    debug_assert!(dims.m.is_multiple_of(MR) && dims.n.is_multiple_of(N));
     for i0 in (0..dims.m).step_by(MR) {
         for j0 in (0..dims.n).step_by(N) {
             let mut acc = [[0.0f32; N]; MR];
