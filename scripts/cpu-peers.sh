@@ -10,6 +10,8 @@
 #   scripts/cpu-peers.sh --quick --only decode,gqa-decode   # a smoke run of named rows
 #   scripts/cpu-peers.sh --alloc    # ours through `forward` (a new output per call) instead of
 #                                   # `forward_into` a reused buffer
+#   scripts/cpu-peers.sh --backward # the backward pass beside torch's and jax's (the three prefill
+#                                   # rows; needs torch and jax only), into docs/bench-data/cpu-peers-backward.md
 #
 # Needs: the peers' venv (PEERS_PYTHON, default /tmp/peers-venv/bin/python; set it up as
 # ../shared/peers/README.md says: one pip install, under a minute) and cpu_peers.py
@@ -32,11 +34,14 @@ if [ -z "$dir" ] || [ ! -f "$dir/cpu_peers.py" ]; then
   echo "cpu-peers: cpu_peers.py not found: set PEERS_DIR to the folder holding it" >&2
   exit 2
 fi
-if ! "$py" -c "import torch, onnxruntime, onnx" 2>/dev/null; then
-  echo "cpu-peers: $py lacks torch/onnxruntime/onnx: set PEERS_PYTHON, or create the venv as $dir/README.md says" >&2
+mods="torch, onnxruntime, onnx"
+case " $* " in *" --backward "*) mods="torch, jax" ;; esac
+if ! "$py" -c "import $mods" 2>/dev/null; then
+  echo "cpu-peers: $py lacks $mods: set PEERS_PYTHON, or create the venv as $dir/README.md says" >&2
   exit 2
 fi
-cargo build --release --quiet --example bench --example read_bw
+cargo build --release --quiet --example bench --example read_bw --example bench_backward
 exec python3 "$repo/scripts/cpu_peers_table.py" --bench "$repo/target/release/examples/bench" \
   --read-bw "$repo/target/release/examples/read_bw" \
+  --bench-backward "$repo/target/release/examples/bench_backward" \
   --python "$py" --peers-script "$dir/cpu_peers.py" "$@"

@@ -25,6 +25,11 @@ count in `flash_attn::flops` and in `cpu_peers.py`); for decode rows (sq == 1) a
 read = 2·b·hkv·sk·d·(bytes per element) / time, and that as a percentage of the read rate
 measured in the same run. `ours / best` divides our rate by the best peer's in the same run. Raw
 records (one JSON line per run) go next to the table as `<out>.jsonl`.
+
+`--backward`: the backward pass instead, on the three prefill rows: ours
+(`target/release/examples/bench_backward`, `backward_into` reused gradient buffers) beside
+cpu_peers.py's `torch_sdpa_bwd` and `jax_xla_bwd` (dq, dk, dv of a random dO), GFLOP/s at 2.5×
+the forward's FLOPs (FlashAttention's convention); no read-rate rounds.
 """
 
 import argparse
@@ -55,6 +60,7 @@ SWEEP = [  # --sweep: the other shapes (head_dim 64-256, seqlens 128-8192, GQA, 
     Row("f16-causal", 1, 8, 8, 2048, 2048, 128, True, "f16", False),
 ]
 PEERS = ["torch_sdpa", "ort_mha", "ort_attention"]
+BWD_PEERS = ["torch_sdpa_bwd", "jax_xla_bwd"]
 GOAL = 1.10
 GOAL_GBS = 28.0
 # The 28 GB/s decode target was set for a machine that reads about 35 GB/s, so it is
@@ -63,10 +69,9 @@ GOAL_READ_FRACTION = 28.0 / 35.0
 ESIZE = {"f32": 4, "bf16": 2, "f16": 2}
 
 
-def flops(r):
-    if r.causal:
-        return 4 * r.b * r.hq * r.d * r.sq * (r.sq + 1) // 2
-    return 4 * r.b * r.hq * r.sq * r.sk * r.d
+def flops(r, backward=False):
+    f = 4 * r.b * r.hq * r.d * r.sq * (r.sq + 1) // 2 if r.causal else 4 * r.b * r.hq * r.sq * r.sk * r.d
+    return 2.5 * f if backward else f
 
 
 def kv_bytes(r):
@@ -119,6 +124,17 @@ def timing(r, a):
 
 def run_ours(bench, r, a):
     warm, runs, _, min_time = timing(r, a)
+    if a.backward:
+        argv = [a.bench_backward, "--dtype", r.dtype, "--batch", str(r.b), "--heads", str(r.hq),
+                "--heads-kv", str(r.hkv), "--seqlen-q", str(r.sq), "--seqlen-k", str(r.sk), "--head-dim",
+                str(r.d), "--warmup", "1", "--runs", str(max(3, runs // 2)), "--max-seconds", str(min_time)]
+        argv += ["--causal"] if r.causal else []
+        p = subprocess.run(argv, capture_output=True, text=True)
+        lines = [l for l in p.stdout.splitlines() if l.startswith("{")]
+        if p.returncode != 0 or not lines:
+            return {"error": f"rc={p.returncode}: {p.stderr.strip()[-300:]}"}
+        out = json.loads(lines[-1])
+        return {"ms": out["ms"], "impl": out.get("kernel")}
     argv = [bench, "--backend", "cpu", "--dtype", r.dtype, "--batch", str(r.b), "--heads", str(r.hq),
             "--heads-kv", str(r.hkv), "--seqlen-q", str(r.sq), "--seqlen-k", str(r.sk), "--head-dim", str(r.d),
             "--no-gemm", "--warmup", str(warm), "--runs", str(runs), "--max-seconds", str(min_time),
@@ -188,19 +204,29 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--runs", type=int, default=10, help="our timed runs per round (decode: 5x)")
     ap.add_argument("--min-time", type=float, default=1.0, help="seconds timed per run and round")
-    ap.add_argument("--peers", default=",".join(PEERS))
+    ap.add_argument("--peers", default=None, help="default: " + ",".join(PEERS) + " (--backward: " +
+                    ",".join(BWD_PEERS) + ")")
+    ap.add_argument("--backward", action="store_true", help="the backward pass (see the module notes)")
+    ap.add_argument("--bench-backward", default="", help="path of the built examples/bench_backward binary")
     ap.add_argument("--quick", action="store_true", help="one round, shorter timing (a smoke run)")
     ap.add_argument("--sweep", action="store_true", help="also the sweep's other rows: " +
                     ", ".join(r.name for r in SWEEP))
     ap.add_argument("--only", default="", help="comma list of row names to run (of: " +
                     ", ".join(r.name for r in SHAPES + SWEEP) + ")")
-    ap.add_argument("--out", default="docs/bench-data/cpu-peers.md")
+    ap.add_argument("--out", default=None,
+                    help="default docs/bench-data/cpu-peers.md (--backward: docs/bench-data/cpu-peers-backward.md)")
     ap.add_argument("--alloc", action="store_true",
                     help="time our `forward` (a new output per call) instead of `forward_into` a reused buffer")
     a = ap.parse_args()
     if a.quick:
         a.rounds, a.runs, a.min_time = 1, 3, 0.3
     rows = SHAPES + (SWEEP if a.sweep else [])
+    if a.backward:
+        rows = [r for r in rows if r.sq > 1]
+    if a.out is None:
+        a.out = "docs/bench-data/cpu-peers-backward.md" if a.backward else "docs/bench-data/cpu-peers.md"
+    if a.peers is None:
+        a.peers = ",".join(BWD_PEERS if a.backward else PEERS)
     if a.only:
         want = [n for n in a.only.split(",") if n]
         known = {r.name: r for r in SHAPES + SWEEP}
@@ -212,7 +238,7 @@ def main():
     load0, t0 = loadavg(), time.time()
     recs, reads = [], []
     for rnd in range(a.rounds):
-        for which in ("ours", "ours_1t", "torch"):
+        for which in () if a.backward else ("ours", "ours_1t", "torch"):
             r = run_read(a, which)
             r.update(read=which, round=rnd)
             reads.append(r)
@@ -249,7 +275,7 @@ def main():
             runner[impl] = next((r.get("runner") for r in mine if "ms" in r), None)
             if ms:
                 med = statistics.median(ms) / 1e3
-                rate[impl] = flops(row) / med / 1e9
+                rate[impl] = flops(row, a.backward) / med / 1e9
                 gbs[impl] = kv_bytes(row) / med / 1e9
         best = max((rate[p] for p in peers if p in rate), default=None)
         ratio = rate["ours"] / best if best and "ours" in rate else None
@@ -284,9 +310,13 @@ def main():
         f"{load0:.1f} at the start, {load1:.1f} at the end ({time.time() - t0:.0f} s)"
         + (": a loaded machine, absolute figures unreliable." if max(load0, load1) > 0.5 * (os.cpu_count() or 1)
            else "."),
-        f"Target: ours / best ≥ {GOAL:.2f} on every row, decode ≥ {GOAL_GBS:.0f} GB/s of K/V read; "
-        "rows below it in bold.",
-        ("Ours: `forward`, which allocates (and zeroes) its output on every call."
+        f"Target: ours / best ≥ {GOAL:.2f} on every row"
+        + ("" if a.backward else f", decode ≥ {GOAL_GBS:.0f} GB/s of K/V read") + "; rows below it in bold.",
+        ("Backward pass: ours `backward_into` (examples/bench_backward, gradient buffers reused across calls, "
+         "o and the LSE from one forward); torch: `torch.autograd.grad` of SDPA's output, jax: `jax.vjp` of "
+         "the XLA attention, jitted (cpu_peers.py). GFLOP/s at 2.5× the forward's FLOPs."
+         if a.backward else
+         "Ours: `forward`, which allocates (and zeroes) its output on every call."
          if a.alloc else
          "Ours: `forward_into`, writing into one output buffer reused across calls (bench `--into`), as "
          "cpu_peers.py runs onnxruntime (its output bound once through io_binding); torch SDPA allocates its "
@@ -297,7 +327,9 @@ def main():
         note.append("† torch SDPA through scripts/cpu_peer_sdpa.py (GQA rows: `enable_gqa=True`; bf16/f16 "
                     "rows: tensors of that dtype), the shared cpu_peers.py running MHA f32 only; n/a: that "
                     "peer was not run on the row.")
-    if read_rate:
+    if a.backward:
+        pass
+    elif read_rate:
         note.append(
             f"Read rate, same run (median over rounds): a streaming read of 512 MiB (examples/read_bw) "
             f"{fmt(rd_all)} GB/s on {os.cpu_count()} threads, {fmt(rd_1t)} GB/s on 1; torch.sum over 256 MiB "

@@ -4,6 +4,9 @@
 //! picks the best kernel for the GPU it finds at run time, or runs the multi-threaded CPU
 //! backend (the same tiled online-softmax algorithm) when there is none.
 //!
+//! [`backward`] gives the gradients dq, dk, dv of a forward call on the CPU backend
+//! (FlashAttention-2's algorithm, deterministic; docs/backward.md).
+//!
 //! Layout is FlashAttention's `[batch, seqlen, heads, head_dim]`; causal masks are aligned to the
 //! bottom-right corner; GQA/MQA by fewer kv heads; softcap, ALiBi, sliding windows; LSE output.
 //!
@@ -35,6 +38,7 @@
 pub struct ReadmeDoctests;
 
 mod api;
+mod backward;
 mod batch_layout;
 #[cfg(feature = "bench")]
 #[cfg_attr(docsrs, doc(cfg(feature = "bench")))]
@@ -58,6 +62,7 @@ mod splits;
 mod tensor;
 
 pub use api::{forward, forward_into};
+pub use backward::{backward, backward_into, Gradients};
 pub use output::{Dispatch, Output};
 pub use error::{Error, Operand, Result};
 pub use options::{Backend, Exp2, Fp8Scaling, ForwardOptions, Mask, Precision, Rescale, Variant};

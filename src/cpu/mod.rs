@@ -12,6 +12,7 @@
 //! [`row_products`] (dot products and `o += p·v` along head_dim) and [`simd`] (the tiled path's
 //! AVX-512 kernels).
 
+pub(crate) mod backward;
 pub(crate) mod gemm;
 pub(crate) mod inplace;
 pub(crate) mod isa;
