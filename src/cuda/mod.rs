@@ -9,6 +9,7 @@
 //! | `family` | `FamilyHost`, the trait each family's module implements, and the rules families share |
 //! | `fa1`, `fa2`, `fa3`, `fa4` | the families' host rules (FA1: its serving paths) |
 //! | `params` | `FwdParams`, the FFI struct mirrored from `cuda/common/params.h` |
+//! | `bwd_params`, `fa2_bwd` | `BwdParams` (`cuda/common/bwd_params.h`) and the FA2 backward's launches as data (emulator only: no dispatch) |
 //! | `launch` | one launch as data (`LaunchPlan`), and the one kernel launch |
 //! | `plan` | launch plans of a named family, for the CPU emulator |
 //! | `fp8` | the Hopper FP8 pre-pass and consumer launches as data |
@@ -22,6 +23,8 @@ mod device;
 mod engine;
 mod fa1;
 mod fa2;
+#[doc(hidden)]
+pub mod fa2_bwd;
 mod fa3;
 mod fa4;
 mod family;
@@ -29,6 +32,8 @@ mod family;
 pub mod fp8;
 mod launch;
 mod params;
+#[doc(hidden)]
+pub mod bwd_params;
 #[doc(hidden)]
 pub mod plan;
 mod select;

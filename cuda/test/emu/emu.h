@@ -138,6 +138,9 @@ template <typename Elem>
 inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     ::emu::mma_m16n8k16(d, a, b0, b1, emu_detail::elem_of<Elem>());
 }
+// One fiber runs at a time and this is no scheduling point: the add is atomic. (Across CTAs
+// the emulator's order is fixed, so sums come out the same for every seed; on a GPU they do not.)
+inline void red_add_f32(float* addr, float v) { *addr += v; }
 inline int cta_head() { return ::emu::ctaid(1); }
 inline int cta_batch() { return ::emu::ctaid(2); }
 }  // namespace fa2
