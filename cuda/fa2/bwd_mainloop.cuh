@@ -26,6 +26,7 @@
 #include "fa2/layout.h"
 #include "sm80/fast_math.cuh"
 #include "sm80/mma.cuh"
+#include "sm80/red.cuh"
 
 namespace fa2 {
 

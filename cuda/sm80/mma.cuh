@@ -79,13 +79,6 @@ __device__ __forceinline__ void mma_m16n8k16<__nv_bfloat16>(float (&d)[4], const
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// ---- global reductions ---------------------------------------------------------------------------
-// *addr += v in f32, atomically, with no result (red, not atom): the backward's dq accumulator.
-// The order of concurrent adds is the hardware's, so the sum is not bit-reproducible.
-__device__ __forceinline__ void red_add_f32(float* addr, float v) {
-    asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(addr), "f"(v) : "memory");
-}
-
 // ---- CTA coordinates ------------------------------------------------------------------------------
 // %ctaid.{y,z} read through volatile asm: the compiler cannot hoist these out of the main loop, so
 // the 64-bit K/V head pointers are recomputed per tile (a few integer ops next to thousands of
