@@ -294,8 +294,8 @@ fn run_all(cases: &[Case]) {
 }
 
 /// The CI subset: head dims 64 and 128 in both dtypes, causal and not, GQA, odd lengths,
-/// seqlen_q > seqlen_k (rows that see no key), a window with softcap and ALiBi, and the
-/// deterministic mode. `FLASH_ATTN_EMU=full` adds every head dim and random configurations.
+/// seqlen_q > seqlen_k (rows that see no key), a window with softcap and ALiBi, key blocks no
+/// row sees, and the deterministic mode. `FLASH_ATTN_EMU=full` adds every head dim and random configurations.
 fn cases() -> Vec<Case> {
     let o = ForwardOptions::default;
     let mut v = vec![
@@ -304,6 +304,8 @@ fn cases() -> Vec<Case> {
         Case::new(DType::F16, [2, 130, 3, 64], [2, 67, 1, 64], o().causal(true)),
         Case::new(DType::BF16, [1, 97, 2, 64], [1, 97, 2, 64], o().mask(Mask::window(20, 5)).softcap(5.0).alibi_slopes(vec![0.25f32, 0.5])),
         Case { deterministic: true, ..Case::new(DType::F16, [1, 90, 4, 128], [1, 150, 2, 128], o().causal(true)) },
+        // Keys 0-159 are seen by no row: those key blocks load nothing and write dK = dV = 0.
+        Case::new(DType::F16, [1, 10, 2, 64], [1, 200, 2, 64], o().mask(Mask::causal_window(30))),
     ];
     if full() {
         let mut rng = Rng::new(0xfa2b_ad00);
@@ -340,20 +342,32 @@ fn fa2_backward_matches_f64_reference() {
     run_all(&cases());
 }
 
-/// Without the barrier between the dS stores and the dQ = dS K mma, warps read dS tiles other
-/// warps have not written (the poisoned or the previous block's): the run must fail.
+/// Mutations the checks must catch: without the barrier between the dS stores and the
+/// dQ = dS K mma, warps read dS tiles other warps have not written (the poisoned or the previous
+/// block's); without D in dS = P o (dP - D), every gradient but dV is wrong.
 #[test]
-fn fa2_backward_missing_ds_barrier_is_caught() {
-    let m = Mutation {
-        name: "fa2bwd-no-ds-barrier",
-        file: "cuda/fa2/bwd_mainloop.cuh",
-        from: "__syncthreads();  // dS complete for every warp",
-        to: "// (barrier removed)",
-        defines: &[],
-    };
+fn fa2_backward_mutations_are_caught() {
+    let mutations = [
+        Mutation {
+            name: "fa2bwd-no-ds-barrier",
+            file: "cuda/fa2/bwd_mainloop.cuh",
+            from: "__syncthreads();  // dS complete for every warp",
+            to: "// (barrier removed)",
+            defines: &[],
+        },
+        Mutation {
+            name: "fa2bwd-no-d",
+            file: "cuda/fa2/bwd_mainloop.cuh",
+            from: "(acc_dp[t][i] - sD[r])",
+            to: "(acc_dp[t][i])",
+            defines: &[],
+        },
+    ];
     let c = Case::new(DType::F16, [1, 130, 2, 64], [1, 100, 2, 64], ForwardOptions::default());
-    match run_case(&c, Some(&m)) {
-        Ok(r) => panic!("the mutation {} was not caught (err/bound {r:.3})", m.name),
-        Err(e) => println!("caught: {}", e.lines().find(|l| l.contains("EMU ERROR") || l.contains("max |")).unwrap_or(&e)),
+    for m in &mutations {
+        match run_case(&c, Some(m)) {
+            Ok(r) => panic!("the mutation {} was not caught (err/bound {r:.3})", m.name),
+            Err(e) => println!("{} caught: {}", m.name, e.lines().find(|l| l.contains("EMU ERROR") || l.contains("max |")).unwrap_or(&e)),
+        }
     }
 }

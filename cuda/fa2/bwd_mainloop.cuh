@@ -92,22 +92,26 @@ __device__ __forceinline__ void bwd_kernel(const BwdParams& p) {
     const bool deterministic = (p.flags & FA_BWD_FLAG_DETERMINISTIC) != 0u;
     const float inv_cap = softcap ? 1.f / p.softcap : 0.f;
 
-    // K_j and V_j once, as the first cp.async group (waited with the first query block's).
-    const Elem* gK = reinterpret_cast<const Elem*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride;
-    const Elem* gV = reinterpret_cast<const Elem*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride;
-    bwd_load_rows<T, kBlockN>(sK, gK, p.k_row_stride, n0, seqlen_k, tid);
-    bwd_load_rows<T, kBlockN>(sV, gV, p.v_row_stride, n0, seqlen_k, tid);
-    cp_async_commit();
-
     float acc_dk[kDPartTiles][4], acc_dv[kDPartTiles][4];
 #pragma unroll
     for (int t = 0; t < kDPartTiles; ++t)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc_dk[t][i] = acc_dv[t][i] = 0.f;
 
+    // The query blocks holding a row that sees a key of this block (none: dK = dV = 0).
     const FaRowRange rows = bwd_rows_seeing(p, n0, min(n0 + kBlockN, seqlen_k));
     const int m_first = rows.first / kBlockM;
     const int m_end = rows.end > rows.first ? (rows.end + kBlockM - 1) / kBlockM : m_first;
+
+    // K_j and V_j once, as the first cp.async group (waited with the first query block's), and
+    // only when some block will wait for them.
+    if (m_end > m_first) {
+        const Elem* gK = reinterpret_cast<const Elem*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride;
+        const Elem* gV = reinterpret_cast<const Elem*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride;
+        bwd_load_rows<T, kBlockN>(sK, gK, p.k_row_stride, n0, seqlen_k, tid);
+        bwd_load_rows<T, kBlockN>(sV, gV, p.v_row_stride, n0, seqlen_k, tid);
+        cp_async_commit();
+    }
 
     const uint32_t sQ_u32 = smem_u32(sQ), sDo_u32 = smem_u32(sDo), sK_u32 = smem_u32(sK), sV_u32 = smem_u32(sV);
     const uint32_t sDs_u32 = smem_u32(sDs);
