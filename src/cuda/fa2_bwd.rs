@@ -81,7 +81,7 @@ pub fn plan(p: &Problem, ops: &BwdOperands, deterministic: bool) -> Result<BwdPl
     };
     const NAMES: [&str; 8] = ["q", "k", "v", "o", "dO", "dq", "dk", "dv"];
     for ((name, &ptr), strides) in NAMES.iter().zip(&ops.ptrs).zip(&ops.strides) {
-        if ptr % 16 != 0 || strides.iter().any(|s| s % 8 != 0) {
+        if !ptr.is_multiple_of(16) || strides.iter().any(|s| !s.is_multiple_of(8)) {
             return Err(refuse(format!(
                 "{name} at {ptr:#x} with strides {strides:?}: needs 16-byte alignment and strides that are multiples of 8 elements"
             )));
