@@ -15,7 +15,7 @@
 #![cfg(feature = "cuda")]
 
 mod common;
-use common::emu::{tool_exe_with, Mutation};
+use common::emu::{matrix_seed, tool_exe_with, Mutation};
 use common::{floor_for, randn, Rng};
 use flash_attn::cuda::bwd_params::BwdOperands;
 use flash_attn::cuda::fa2_bwd::{plan, BwdPlan};
@@ -225,7 +225,7 @@ fn cases() -> Vec<Case> {
         Case::new(DType::F16, [1, 10, 2, 64], [1, 200, 2, 64], o().mask(Mask::causal_window(30))),
     ];
     if full() {
-        let mut rng = Rng::new(0xfa2b_ad00);
+        let mut rng = Rng::new(matrix_seed("fa2 backward full matrix", 0xfa2b_ad00));
         for &d in &[32usize, 64, 96, 128, 192, 256] {
             for dt in [DType::F16, DType::BF16] {
                 let pick = |rng: &mut Rng, n: u64| (rng.next_u64() % n) as usize;
