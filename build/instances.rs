@@ -540,6 +540,22 @@ pub const STANDALONE: &[Standalone] = &[Standalone {
     // polynomial in FFMAs, no MUFU.LG2.
     sass_expect: &["MUFU.EX2", "FFMA"],
     cpu_emulation: "combine_matches_host_merge",
+}, Standalone {
+    name: "fa2_bwd",
+    source: "cuda/fa2_bwd.cu",
+    // The FA2 backward (docs/fa2-backward.md, src/cuda/fa2_bwd.rs plans the three launches):
+    // fa2_bwd_preprocess_<dt> (D = rowsum(dO o O)), fa2_bwd_hd<D>_<dt> (the main kernel),
+    // fa2_bwd_convert_dq_<dt>. Ran in the emulator and compile-checked only.
+    kernels: &[
+        "fa2_bwd_preprocess_f16", "fa2_bwd_convert_dq_f16", "fa2_bwd_hd32_f16", "fa2_bwd_hd64_f16", "fa2_bwd_hd96_f16",
+        "fa2_bwd_hd128_f16", "fa2_bwd_hd192_f16", "fa2_bwd_hd256_f16",
+        "fa2_bwd_preprocess_bf16", "fa2_bwd_convert_dq_bf16", "fa2_bwd_hd32_bf16", "fa2_bwd_hd64_bf16", "fa2_bwd_hd96_bf16",
+        "fa2_bwd_hd128_bf16", "fa2_bwd_hd192_bf16", "fa2_bwd_hd256_bf16",
+    ],
+    // Every kernel reads and writes global rows; the main kernels' tensor-core and ldmatrix
+    // instructions are checked by tests/sass.rs `fa2_backward_uses_mma_and_ldmatrix`.
+    sass_expect: &["LDG", "STG"],
+    cpu_emulation: "fa2_backward_matches_f64_reference",
 }];
 
 /// The highest stage of the FA4 ladder built so far (docs/fa4.md).

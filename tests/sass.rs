@@ -365,3 +365,33 @@ fn fa4_softmax_rows_take_their_share_off_mufu() {
         assert!(checked > 0, "no FA4-softmax kernel was checked");
     }
 }
+
+/// The FA2 backward's main kernels (the standalone row "fa2_bwd", docs/fa2-backward.md) run on
+/// the tensor cores: mma.sync (HMMA.16816.F32), ldmatrix with and without .trans, cp.async
+/// loads and (the default dq accumulation) f32 reductions into global memory; spills are
+/// `no_kernel_spills`'s (every cubin).
+#[test]
+#[cfg_attr(not(fa_kernels), ignore = "nvcc was not found at build time, so no kernel was built (run scripts/install-cuda-toolchain.sh)")]
+fn fa2_backward_uses_mma_and_ldmatrix() {
+    let mut checked = 0;
+    for img in cubins().filter(|i| i.family == "fa2_bwd" && i.head_dim == STANDALONE_HEAD_DIM) {
+        for (name, sass) in sass_by_kernel(img).into_iter().filter(|(n, _)| n.starts_with("fa2_bwd_hd")) {
+            let ops = opcodes(&sass);
+            for want in ["HMMA.16816.F32", "LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS"] {
+                assert!(
+                    ops.iter().any(|op| *op == want || op.starts_with(&format!("{want}."))),
+                    "{name} on {}: no {want}",
+                    img.target.name()
+                );
+            }
+            // red.global.add.f32: RED.E.ADD.F32... on sm_80, REDG.E.ADD.F32... on sm_90a.
+            assert!(
+                ops.iter().any(|op| (op.starts_with("RED.") || op.starts_with("REDG.")) && op.contains(".ADD.F32")),
+                "{name} on {}: no f32 global reduction (dq accumulation)",
+                img.target.name()
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked > 0, "no fa2_bwd cubin was built");
+}

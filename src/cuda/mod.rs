@@ -14,6 +14,7 @@
 //! | `fa1`, `fa2`, `fa3`, `fa4`, `fp8` | the families' host rules (FA1: its serving paths) |
 //! | `hosts` | the map from a row's `Pipeline` to its family's `FamilyHost` |
 //! | `params` | `FwdParams`, the FFI struct mirrored from `cuda/common/params.h` |
+//! | `bwd_params`, `fa2_bwd` | `BwdParams` (`cuda/common/bwd_params.h`) and the FA2 backward's launches as data (emulator only: no dispatch) |
 //! | `launch` | the launch vocabulary, data only: `LaunchPlan`, tensor-map arguments |
 //! | `plan` | building `LaunchPlan`s: of a chosen instance (`Engine`), of a named family (the CPU emulator) |
 //! | `driver` | the driver calls of a launch: tensor-map encoding and the one `cuLaunchKernel` |
@@ -29,6 +30,8 @@ mod driver;
 mod engine;
 mod fa1;
 mod fa2;
+#[doc(hidden)]
+pub mod fa2_bwd;
 mod fa3;
 mod fa4;
 mod family;
@@ -37,6 +40,8 @@ mod hosts;
 pub mod fp8;
 mod launch;
 mod params;
+#[doc(hidden)]
+pub mod bwd_params;
 #[doc(hidden)]
 pub mod plan;
 mod select;

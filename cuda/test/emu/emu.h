@@ -1,6 +1,6 @@
 // Force-included (g++ -include) before a kernel source when the CPU emulator compiles it: maps
 // the CUDA language onto plain C++ and supplies host versions of exactly the inline-PTX
-// wrappers of the instruction headers (cuda/sm80/{mma,fast_math,launch}.cuh,
+// wrappers of the instruction headers (cuda/sm80/{mma,red,fast_math,launch}.cuh,
 // cuda/sm90/{wgmma,wgmma_fp8,mbarrier,tma}.cuh, sm90/hang_check.cuh's clock, sm100/tcgen05.cuh),
 // which those headers compile out under FA_HOST_EMULATION. tests/emulator.rs checks that the two lists of wrappers
 // are the same.
@@ -140,6 +140,13 @@ inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uin
 }
 inline int cta_head() { return ::emu::ctaid(1); }
 inline int cta_batch() { return ::emu::ctaid(2); }
+}  // namespace fa2
+
+// ---- sm80/red.cuh ----
+// One fiber runs at a time and this is no scheduling point: the add is atomic. (The emulator
+// runs CTAs in a fixed order, so sums come out the same for every seed; on a GPU they do not.)
+namespace fa2 {
+inline void red_add_f32(float* addr, float v) { *addr += v; }
 }  // namespace fa2
 
 // ---- fast_math.cuh ----

@@ -1,5 +1,6 @@
 // The emulated device memory of every emulator driver (driver.cpp for the attention kernels,
-// combine_main.cpp for the combine, fp8_prepass_main.cpp for the FP8 pre-pass): the `in` / `out`
+// combine_main.cpp for the combine, fp8_prepass_main.cpp for the FP8 pre-pass, fa2_bwd_main.cpp
+// for the backward's launch sequence): the `in` / `out`
 // / `inout` directives of the launch file (see launch_file.h) read into guarded host buffers at
 // the device addresses the plan used, device addresses translated into them, and the seeded
 // runs: outputs poisoned before each run, canaries and inputs checked after, outputs
@@ -164,12 +165,12 @@ inline bool buffer_directive(const emu_launch::Directive& d) {
     return true;
 }
 
-// Runs `entry(arg)` once per seed (outputs poisoned with `poison` first, `inout` buffers reset
-// from their files), checks canaries, inputs and that every seed's outputs are bit-identical,
-// and writes the outputs back. `note`, if given, adds to each seed's "ok" line (the driver's
-// counters). Returns the exit status.
-inline int run_seeds(emu::LaunchConfig cfg, std::vector<uint64_t> seeds, void (*entry)(void*), void* arg,
-                     unsigned char poison, const std::function<std::string()>& note = {}) {
+// Runs `run(seed)` (one launch, or a sequence of launches on one stream) once per seed (outputs
+// poisoned with `poison` first, `inout` buffers reset from their files), checks canaries, inputs
+// and that every seed's outputs are bit-identical, and writes the outputs back. `note`, if given,
+// adds to each seed's "ok" line (the driver's counters). Returns the exit status.
+inline int run_seeds_with(std::vector<uint64_t> seeds, const std::function<void(uint64_t)>& run, unsigned char poison,
+                          const std::function<std::string()>& note = {}) {
     if (seeds.empty()) seeds.push_back(1);
     emu::set_fault_describer(&describe_host_address);
     std::vector<std::vector<unsigned char>> first;
@@ -177,8 +178,7 @@ inline int run_seeds(emu::LaunchConfig cfg, std::vector<uint64_t> seeds, void (*
         for (Buffer& b : g_buffers)
             if (b.inout) std::memcpy(b.mem.data(), b.input.data(), b.mem.bytes());
             else if (b.out) std::memset(b.mem.data(), poison, b.mem.bytes());
-        cfg.seed = seeds[si];
-        emu::launch(cfg, entry, arg);
+        run(seeds[si]);
         std::printf("seed %" PRIu64 ": ok%s\n", seeds[si], note ? note().c_str() : "");
         std::vector<std::vector<unsigned char>> outs;
         for (Buffer& b : g_buffers) {
@@ -209,6 +209,18 @@ inline int run_seeds(emu::LaunchConfig cfg, std::vector<uint64_t> seeds, void (*
             if (!f) emu_launch::usage_error("cannot write " + b.path);
         }
     return 0;
+}
+
+// run_seeds_with one launch of `entry(arg)` under `cfg`.
+inline int run_seeds(emu::LaunchConfig cfg, std::vector<uint64_t> seeds, void (*entry)(void*), void* arg,
+                     unsigned char poison, const std::function<std::string()>& note = {}) {
+    return run_seeds_with(
+        std::move(seeds),
+        [&](uint64_t seed) {
+            cfg.seed = seed;
+            emu::launch(cfg, entry, arg);
+        },
+        poison, note);
 }
 
 }  // namespace emu_buffers
