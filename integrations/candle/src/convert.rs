@@ -66,7 +66,7 @@ pub(crate) fn bshd(l: &Layout, rank: usize, what: &str) -> Result<([usize; 4], [
     }
     Ok(match (dims, stride) {
         (&[b, s, h, d], &[sb, ss, sh, _]) => ([b, s, h, d], [sb, ss, sh]),
-        (&[t, h, d], &[st, sh, _]) => ([1, t, h, d], [t.max(1) * st, st, sh]),
+        (&[t, h, d], &[st, sh, _]) => ([1, t, h, d], [t.max(1).saturating_mul(st), st, sh]),
         _ => bail!("flash_attn: {what} must be {expected}, got shape {dims:?}"),
     })
 }

@@ -26,7 +26,7 @@ pub(crate) enum Keys {
 
 impl Keys {
     /// The rank of q, and of k and v.
-    fn ranks(&self) -> (usize, usize) {
+    pub(crate) fn ranks(&self) -> (usize, usize) {
         match self {
             Keys::Dense | Keys::Cache { .. } => (4, 4),
             Keys::Varlen { .. } => (3, 3),
