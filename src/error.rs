@@ -8,8 +8,10 @@ pub enum Operand {
     Q,
     K,
     V,
-    /// The caller-provided output buffer.
+    /// The caller-provided output buffer, or the forward output given to the backward.
     O,
+    /// The gradient of the output, given to the backward.
+    DO,
 }
 
 impl fmt::Display for Operand {
@@ -19,6 +21,7 @@ impl fmt::Display for Operand {
             Operand::K => "k",
             Operand::V => "v",
             Operand::O => "o",
+            Operand::DO => "d_o",
         })
     }
 }

@@ -35,6 +35,7 @@
 pub struct ReadmeDoctests;
 
 mod api;
+mod backward;
 #[cfg(feature = "bench")]
 #[cfg_attr(docsrs, doc(cfg(feature = "bench")))]
 pub mod bench;
@@ -54,6 +55,7 @@ pub mod serving;
 mod tensor;
 
 pub use api::{forward, forward_into};
+pub use backward::{backward, backward_into, Gradients};
 pub use output::{Dispatch, Output};
 pub use error::{Error, Operand, Result};
 pub use options::{Backend, Exp2, Fp8Scaling, ForwardOptions, Mask, Precision, Rescale, Variant};

@@ -149,6 +149,11 @@ pub struct ForwardOptions {
     /// performance choice only: every count gives the same attention up to rounding. Paths that
     /// do not split (the tiled prefill path) ignore it.
     pub num_splits: Option<usize>,
+    /// The backward pass ([`crate::backward`]) gives bit-identical gradients from run to run and
+    /// for any thread count: no floating-point atomics in the dq sum, which is then reduced in a
+    /// fixed order. The CPU backward is deterministic either way; a GPU backward may use atomics
+    /// when this is false (the default), where that is faster, and its `Dispatch` says so.
+    pub deterministic: bool,
 }
 
 impl ForwardOptions {
@@ -225,6 +230,12 @@ impl ForwardOptions {
     /// Forces `n` key splits on the split-KV paths (see [`ForwardOptions::num_splits`]).
     pub fn num_splits(mut self, n: usize) -> Self {
         self.num_splits = Some(n);
+        self
+    }
+    /// Asks the backward pass for bit-identical gradients across runs and thread counts (see
+    /// [`ForwardOptions::deterministic`]).
+    pub fn deterministic(mut self, yes: bool) -> Self {
+        self.deterministic = yes;
         self
     }
 }

@@ -276,6 +276,211 @@ pub(crate) fn naive(p: &Problem, a: &impl NaiveSteps) -> Result<Vec<f64>> {
     Ok(o)
 }
 
+/// Gradients of a reference backward: `dq` as `[batch, seqlen_q, heads_q, head_dim]`, `dk` and
+/// `dv` as `[batch, seqlen_k, heads_kv, head_dim]` (summed over each GQA group's query heads).
+#[derive(Clone, Debug)]
+pub struct RefGradients {
+    pub dq: Vec<f64>,
+    pub dk: Vec<f64>,
+    pub dv: Vec<f64>,
+}
+
+/// Checks `d_o` against `p` (q's shape, inside its buffer) on top of [`check_views`].
+fn check_backward_views(p: &Problem, q: &TensorView, k: &TensorView, v: &TensorView, d_o: &TensorView) -> Result<()> {
+    check_views(p, q, k, v)?;
+    if d_o.shape() != q.shape() {
+        return Err(Error::ShapeMismatch {
+            what: "d_o (against the problem)".into(),
+            got: format!("{:?}", d_o.shape()),
+            expected: format!("{:?} (the shape of q)", q.shape()),
+        });
+    }
+    d_o.check_layout(Operand::DO)?;
+    crate::tensor::check_size([p.batch, p.seqlen_k, p.heads_kv, p.head_dim], 8, "float64 reference dk")?;
+    Ok(())
+}
+
+/// The analytic float64 gradient of [`attention_f64`]'s output against `d_o` (the gradient of
+/// the loss with respect to `o`), with the full score matrix per (batch, head):
+/// `P = softmax(s)`, `dV = Pᵀ·dO`, `dP = dO·Vᵀ`, `dS = P ∘ (dP − rowsum(dP ∘ P))`, through the
+/// softcap `dS · (1 − tanh²)` (ALiBi slopes are constants), then `dQ = scale · dS·K` and
+/// `dK = scale · dSᵀ·Q`. Rows that see no key have zero gradients.
+///
+/// # Errors
+/// As [`attention_f64`], and [`Error::ShapeMismatch`] / [`Error::InvalidLayout`] for a `d_o`
+/// that is not q's shape.
+pub fn attention_backward_f64(
+    p: &Problem,
+    q: &TensorView,
+    k: &TensorView,
+    v: &TensorView,
+    d_o: &TensorView,
+) -> Result<RefGradients> {
+    check_backward_views(p, q, k, v, d_o)?;
+    let d = p.head_dim;
+    let n_q = p.batch * p.seqlen_q * p.heads_q * d;
+    let n_k = p.batch * p.seqlen_k * p.heads_kv * d;
+    let mut dq = try_filled(n_q, 0.0f64, || "float64 reference dq".into())?;
+    let mut dk = try_filled(n_k, 0.0f64, || "float64 reference dk".into())?;
+    let mut dv = try_filled(n_k, 0.0f64, || "float64 reference dv".into())?;
+    let scale = p.scale as f64;
+    for b in 0..p.batch {
+        for h in 0..p.heads_q {
+            let hk = h / p.group();
+            let ks: Vec<Vec<f64>> = (0..p.seqlen_k).map(|j| row64(k, b, j, hk)).collect();
+            let vs: Vec<Vec<f64>> = (0..p.seqlen_k).map(|j| row64(v, b, j, hk)).collect();
+            for i in 0..p.seqlen_q {
+                let qi = row64(q, b, i, h);
+                let doi = row64(d_o, b, i, h);
+                // Scores and the softcap's tanh, per visible key.
+                let st: Vec<Option<(f64, f64)>> = (0..p.seqlen_k)
+                    .map(|j| {
+                        if !p.visible(i, j) {
+                            return None;
+                        }
+                        let u = qi.iter().zip(&ks[j]).map(|(a, b)| a * b).sum::<f64>() * scale;
+                        let (s, t) = match p.softcap {
+                            Some(cap) => {
+                                let t = (u / cap as f64).tanh();
+                                (cap as f64 * t, t)
+                            }
+                            None => (u, 0.0),
+                        };
+                        Some((s + p.alibi_bias(h, i, j) as f64, t))
+                    })
+                    .collect();
+                let m = st.iter().flatten().fold(f64::NEG_INFINITY, |a, &(x, _)| a.max(x));
+                if m == f64::NEG_INFINITY {
+                    continue; // no visible key: zero gradients
+                }
+                let e: Vec<f64> = st.iter().map(|x| x.map_or(0.0, |(s, _)| (s - m).exp())).collect();
+                let l: f64 = e.iter().sum();
+                let pr: Vec<f64> = e.iter().map(|x| x / l).collect();
+                let dp: Vec<f64> = vs.iter().map(|vj| doi.iter().zip(vj).map(|(a, b)| a * b).sum()).collect();
+                let delta: f64 = pr.iter().zip(&dp).map(|(a, b)| a * b).sum();
+                let dqi = &mut dq[((b * p.seqlen_q + i) * p.heads_q + h) * d..][..d];
+                for j in 0..p.seqlen_k {
+                    let Some((_, t)) = st[j] else { continue };
+                    let kv_row = ((b * p.seqlen_k + j) * p.heads_kv + hk) * d;
+                    for (x, o) in dv[kv_row..][..d].iter_mut().zip(&doi) {
+                        *x += pr[j] * o;
+                    }
+                    let ds = pr[j] * (dp[j] - delta) * (1.0 - t * t) * scale;
+                    for (x, kx) in dqi.iter_mut().zip(&ks[j]) {
+                        *x += ds * kx;
+                    }
+                    for (x, qx) in dk[kv_row..][..d].iter_mut().zip(&qi) {
+                        *x += ds * qx;
+                    }
+                }
+            }
+        }
+    }
+    Ok(RefGradients { dq, dk, dv })
+}
+
+/// The straightforward backward in `dtype`, as a framework's autograd computes it through
+/// [`attention_naive`]'s steps: S = QKᵀ (f32 accumulation) rounded, the scale, softcap and ALiBi
+/// rounded, P = softmax in f32 rounded; dV = Pᵀ·dO, dP = dO·Vᵀ rounded; the softmax backward
+/// `dS = P ∘ (dP − rowsum(dP ∘ P))` in f32 rounded, the softcap's `1 − tanh²` and the scale
+/// rounded; dQ = dS·K and dK = dSᵀ·Q with f32 accumulation, rounded to `dtype` at the end (dk
+/// and dv summed over the GQA group in f32 first). The yardstick of the backward's tolerance rule.
+///
+/// # Errors
+/// As [`attention_backward_f64`].
+pub fn attention_backward_naive(
+    p: &Problem,
+    q: &TensorView,
+    k: &TensorView,
+    v: &TensorView,
+    d_o: &TensorView,
+    dtype: DType,
+) -> Result<RefGradients> {
+    check_backward_views(p, q, k, v, d_o)?;
+    let d = p.head_dim;
+    let r = |x: f32| dtype.round(x);
+    let n_q = p.batch * p.seqlen_q * p.heads_q * d;
+    let n_k = p.batch * p.seqlen_k * p.heads_kv * d;
+    let mut dq = try_filled(n_q, 0.0f64, || "naive reference dq".into())?;
+    let mut dk32 = try_filled(n_k, 0.0f32, || "naive reference dk".into())?;
+    let mut dv32 = try_filled(n_k, 0.0f32, || "naive reference dv".into())?;
+    let read = |t: &TensorView, b: usize, s: usize, h: usize| -> Vec<f32> {
+        let mut out = vec![0.0f32; d];
+        t.read_row(b, s, h, &mut out);
+        out.iter().map(|&x| r(x)).collect()
+    };
+    let dot = |a: &[f32], b: &[f32]| -> f32 { a.iter().zip(b).map(|(x, y)| x * y).sum() };
+    for b in 0..p.batch {
+        for h in 0..p.heads_q {
+            let hk = h / p.group();
+            let ks: Vec<Vec<f32>> = (0..p.seqlen_k).map(|j| read(k, b, j, hk)).collect();
+            let vs: Vec<Vec<f32>> = (0..p.seqlen_k).map(|j| read(v, b, j, hk)).collect();
+            // Per head: the group's dk/dv contributions in f32, as an autograd's per-head tensors.
+            let mut dk_h = vec![0.0f32; p.seqlen_k * d];
+            let mut dv_h = vec![0.0f32; p.seqlen_k * d];
+            for i in 0..p.seqlen_q {
+                let qi = read(q, b, i, h);
+                let doi = read(d_o, b, i, h);
+                let mut t = vec![0.0f32; p.seqlen_k];
+                let s: Vec<f32> = (0..p.seqlen_k)
+                    .map(|j| {
+                        if !p.visible(i, j) {
+                            return f32::NEG_INFINITY;
+                        }
+                        let mut s = r(r(dot(&qi, &ks[j])) * p.scale);
+                        if let Some(cap) = p.softcap {
+                            t[j] = r((s / cap).tanh());
+                            s = r(cap * t[j]);
+                        }
+                        r(s + p.alibi_bias(h, i, j))
+                    })
+                    .collect();
+                let m = s.iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
+                if m == f32::NEG_INFINITY {
+                    continue;
+                }
+                let e: Vec<f32> = s.iter().map(|&x| (x - m).exp()).collect();
+                let l: f32 = e.iter().sum();
+                let pr: Vec<f32> = e.iter().map(|x| r(x / l)).collect();
+                let dp: Vec<f32> = vs.iter().map(|vj| r(dot(&doi, vj))).collect();
+                let delta: f32 = pr.iter().zip(&dp).map(|(a, b)| a * b).sum();
+                let mut dqi = vec![0.0f32; d];
+                for j in 0..p.seqlen_k {
+                    if pr[j] == 0.0 && !p.visible(i, j) {
+                        continue;
+                    }
+                    for (x, o) in dv_h[j * d..][..d].iter_mut().zip(&doi) {
+                        *x += pr[j] * o;
+                    }
+                    let mut ds = r(pr[j] * (dp[j] - delta));
+                    if p.softcap.is_some() {
+                        ds = r(ds * (1.0 - t[j] * t[j]));
+                    }
+                    let ds = r(ds * p.scale);
+                    for (x, kx) in dqi.iter_mut().zip(&ks[j]) {
+                        *x += ds * kx;
+                    }
+                    for (x, qx) in dk_h[j * d..][..d].iter_mut().zip(&qi) {
+                        *x += ds * qx;
+                    }
+                }
+                for (x, y) in dq[((b * p.seqlen_q + i) * p.heads_q + h) * d..][..d].iter_mut().zip(&dqi) {
+                    *x = r(*y) as f64;
+                }
+            }
+            for j in 0..p.seqlen_k {
+                let row = ((b * p.seqlen_k + j) * p.heads_kv + hk) * d;
+                for x in 0..d {
+                    dk32[row + x] += r(dk_h[j * d + x]);
+                    dv32[row + x] += r(dv_h[j * d + x]);
+                }
+            }
+        }
+    }
+    let widen = |v: Vec<f32>| v.into_iter().map(|x| r(x) as f64).collect();
+    Ok(RefGradients { dq, dk: widen(dk32), dv: widen(dv32) })
+}
+
 /// Largest absolute difference, NaN-aware: a NaN on one side only counts as infinite error, a NaN
 /// on both sides as none.
 pub fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
@@ -321,5 +526,63 @@ mod tests {
             assert!(max_abs_diff(got, want) < 1e-12, "row {bi},{h},{i}: {got:?} vs {want:?}");
         }
         assert!(sampled.iter().any(|r| r.iter().all(|&x| x == 0.0)), "some row sees no key");
+    }
+
+    /// `Σ o ∘ d_o` in float64: the loss whose gradient `attention_backward_f64` returns.
+    fn loss(p: &Problem, q: &Tensor, k: &Tensor, v: &Tensor, d_o: &Tensor) -> f64 {
+        let o = attention_f64(p, &q.view(), &k.view(), &v.view()).unwrap().o;
+        o.iter().zip(d_o.to_f32_vec()).map(|(a, b)| a * b as f64).sum()
+    }
+
+    #[test]
+    fn backward_matches_central_finite_differences() {
+        let gen = |n: usize, salt: usize| -> Vec<f32> {
+            (0..n).map(|i| (((i * 7919 + salt * 104729) % 211) as f32 / 211.0 - 0.5) * 2.0).collect()
+        };
+        let slopes: Vec<f32> = vec![0.25, 0.5, 0.125, 1.0];
+        // (sq, sk, hq, hkv, d, options): GQA, causal with sq > sk (rows with no key), windows,
+        // softcap, ALiBi, and seqlen_q != seqlen_k both ways.
+        let cases: Vec<(usize, usize, usize, usize, usize, ForwardOptions)> = vec![
+            (5, 7, 2, 1, 4, ForwardOptions::default()),
+            (6, 4, 4, 2, 3, ForwardOptions::default().mask(Mask::Causal)),
+            (7, 7, 2, 2, 4, ForwardOptions::default().mask(Mask::window(2, 1)).softcap(1.5)),
+            (4, 6, 4, 1, 5, ForwardOptions::default().alibi_slopes(slopes.clone()).mask(Mask::causal_window(2))),
+            (5, 5, 4, 4, 4, ForwardOptions::default().softcap(0.8).alibi_slopes(slopes).softmax_scale(0.9)),
+        ];
+        for (ci, (sq, sk, hq, hkv, d, opts)) in cases.into_iter().enumerate() {
+            let q = Tensor::from_vec(gen(sq * hq * d, 1 + ci), [1, sq, hq, d]).unwrap();
+            let k = Tensor::from_vec(gen(sk * hkv * d, 2 + ci), [1, sk, hkv, d]).unwrap();
+            let v = Tensor::from_vec(gen(sk * hkv * d, 3 + ci), [1, sk, hkv, d]).unwrap();
+            let d_o = Tensor::from_vec(gen(sq * hq * d, 4 + ci), [1, sq, hq, d]).unwrap();
+            let p = Problem::new(&q.view(), &k.view(), &v.view(), &opts).unwrap();
+            let g = attention_backward_f64(&p, &q.view(), &k.view(), &v.view(), &d_o.view()).unwrap();
+            let mut checked = 0;
+            for (which, grad) in [(0, &g.dq), (1, &g.dk), (2, &g.dv)] {
+                let base = [&q, &k, &v][which].to_f32_vec();
+                for idx in 0..base.len() {
+                    let at = |delta: f32| {
+                        let mut x = base.clone();
+                        x[idx] += delta;
+                        let t = Tensor::from_vec(x.clone(), [&q, &k, &v][which].shape()).unwrap();
+                        let (qq, kk, vv) = match which {
+                            0 => (&t, &k, &v),
+                            1 => (&q, &t, &v),
+                            _ => (&q, &k, &t),
+                        };
+                        (loss(&p, qq, kk, vv, &d_o), x[idx] as f64)
+                    };
+                    let ((lp, xp), (lm, xm)) = (at(1e-3), at(-1e-3));
+                    let fd = (lp - lm) / (xp - xm);
+                    assert!((fd - grad[idx]).abs() <= 1e-5 * (1.0 + fd.abs()), "case {ci} operand {which} element {idx}: finite difference {fd}, analytic {}", grad[idx]);
+                    checked += 1;
+                }
+            }
+            assert_eq!(checked, sq * hq * d + 2 * sk * hkv * d);
+            if ci == 1 {
+                // sq 6 > sk 4, causal: the first two rows see no key and have zero gradients.
+                assert!(g.dq[..2 * hq * d].iter().all(|&x| x == 0.0));
+                assert!(g.dq.iter().any(|&x| x != 0.0));
+            }
+        }
     }
 }

@@ -9,6 +9,7 @@
 //! each owns its own output rows (disjoint `&mut` row slices of the caller's buffer) and writes
 //! them once, in the final layout and type.
 
+pub(crate) mod backward;
 pub(crate) mod convert;
 mod gemm;
 pub(crate) mod inplace;

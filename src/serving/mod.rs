@@ -10,6 +10,7 @@
 //! | [`forward_varlen_kvcache`] | `flash_attn_varlen_func(block_table=..)` | packed | dense or paged cache |
 //! | [`forward_kvcache_append`] | `flash_attn_with_kvcache(k=.., v=..)` | `[batch, seqlen_new, hq, d]` | cache, written then read |
 //! | [`merge_states`], [`merge_states_n`] | `merge_state`, `merge_states` | | |
+//! | [`backward_varlen`] | `flash_attn_varlen_func` (backward) | packed | packed |
 //!
 //! Every mask, softcap, ALiBi slope, GQA group and LSE applies per sequence, with causal and
 //! window masks aligned to the bottom-right of each sequence's own score matrix. Sequences of
@@ -44,9 +45,11 @@
 //! # }
 //! ```
 
+mod backward;
 pub mod layout;
 pub(crate) mod merge;
 
+pub use backward::backward_varlen;
 pub use layout::{BatchLayout, KvLayout, QueryLayout};
 pub use merge::{merge_states, merge_states_n, AttentionState};
 
