@@ -66,6 +66,19 @@ impl CustomOp3 for FlashAttn {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         self.attention()?.cuda_fwd(s1, l1, s2, l2, s3, l3)
     }
+
+    /// dq, dk, dv as [`Attention`]'s (the forward's LSE is recomputed: a `FlashAttn` applied by
+    /// hand keeps none; the functions of this module apply [`Attention`], which does).
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        o: &Tensor,
+        d_o: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        self.attention()?.bwd(q, k, v, o, d_o)
+    }
 }
 
 fn dense(

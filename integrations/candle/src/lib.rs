@@ -22,6 +22,7 @@
 //! # Ok(()) }
 //! ```
 
+mod backward;
 mod convert;
 #[cfg(feature = "cuda")]
 mod cuda;

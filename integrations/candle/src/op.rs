@@ -164,6 +164,22 @@ impl CustomOp3 for Attention {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         crate::cuda::forward(self, (s1, l1), (s2, l2), (s3, l3))
     }
+
+    /// dq, dk, dv by flash_attn's backward from the LSE this forward kept (`backward.rs`).
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        o: &Tensor,
+        d_o: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        if !matches!(self.keys, Keys::Dense) {
+            bail!("flash_attn: only the dense attention has a backward pass here")
+        }
+        let (dq, dk, dv) = crate::backward::gradients(&self.opts, q, k, v, o, d_o, self.lse())?;
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
 }
 
 /// `softmax(mask(scale · Q·Kᵀ)) · V` with flash_attn's options on candle tensors

@@ -58,7 +58,7 @@ pub fn naive(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, w: Window, x: &Extr
     let ninf = Tensor::new(f32::NEG_INFINITY, dev)?.to_dtype(dt)?.broadcast_as(s.shape())?;
     let s = seen.broadcast_as(s.shape())?.ne(0f64)?.where_cond(&s, &ninf)?;
     // A row that sees nothing gets max 0 and sum 0: weights 0, output 0.
-    let max = s.max_keepdim(D::Minus1)?;
+    let max = s.max_keepdim(D::Minus1)?.detach();
     let max = max.ne(f64::NEG_INFINITY)?.where_cond(&max, &max.zeros_like()?)?;
     let p = s.broadcast_sub(&max)?.exp()?;
     let sum = p.sum_keepdim(D::Minus1)?;
