@@ -72,12 +72,12 @@ impl Attention {
         *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = Some(lse);
     }
 
-    /// Applies the op: `(o, lse)`, with the backward pass recorded when `grad` and the dense
-    /// layout (the serving layouts have no backward).
+    /// Applies the op: `(o, lse)`, recorded for the backward pass in the dense and varlen
+    /// layouts (attention over a KV cache has none).
     pub(crate) fn run(self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let stash = self.lse.clone();
         let o = match self.keys {
-            Keys::Dense => q.apply_op3(k, v, self)?,
+            Keys::Dense | Keys::Varlen { .. } => q.apply_op3(k, v, self)?,
             _ => q.apply_op3_no_bwd(k, v, &self)?,
         };
         let lse = stash.lock().unwrap_or_else(|e| e.into_inner()).clone();
@@ -165,7 +165,8 @@ impl CustomOp3 for Attention {
         crate::cuda::forward(self, (s1, l1), (s2, l2), (s3, l3))
     }
 
-    /// dq, dk, dv by flash_attn's backward from the LSE this forward kept (`backward.rs`).
+    /// dq, dk, dv by flash_attn's backward from the LSE this forward kept (`backward.rs`; dense and
+    /// varlen).
     fn bwd(
         &self,
         q: &Tensor,
@@ -174,10 +175,7 @@ impl CustomOp3 for Attention {
         o: &Tensor,
         d_o: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        if !matches!(self.keys, Keys::Dense) {
-            bail!("flash_attn: only the dense attention has a backward pass here")
-        }
-        let (dq, dk, dv) = crate::backward::gradients(&self.opts, q, k, v, o, d_o, self.lse())?;
+        let (dq, dk, dv) = crate::backward::gradients(&self.opts, &self.keys, q, k, v, o, d_o, self.lse())?;
         Ok((Some(dq), Some(dk), Some(dv)))
     }
 }

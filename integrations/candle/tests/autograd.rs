@@ -2,12 +2,12 @@
 //! own attention (candle ops, CPU) gives, for q, k, v read as transposed views, with causal and
 //! window masks, softcap, ALiBi, GQA and seqlen_q != seqlen_k; in f32 to 1e-4 and in bf16
 //! within FlashAttention's gradient rule (three times the error of candle's attention run in
-//! bf16, plus a floor).
+//! bf16, plus a floor); and through the varlen functions on packed sequences.
 
 mod common;
 
 use candle_core::{DType, Device, Result, Tensor, Var};
-use common::{max_diff, naive, randn, Extra, Window};
+use common::{max_diff, naive, naive_varlen, randn, Extra, Window};
 use flash_attn_candle as fa;
 
 struct Case {
@@ -100,6 +100,41 @@ fn options_op_and_struct_are_differentiable() -> Result<()> {
     })?;
     for i in 0..3 {
         assert!(max_diff(&a[i], &want[i]) < 1e-4 && max_diff(&b[i], &want[i]) < 1e-4, "gradient {i}");
+    }
+    Ok(())
+}
+
+/// The varlen functions are differentiable too: packed sequences of different lengths (one with
+/// no query row) with a causal window, softcap and GQA, against candle's autograd through its
+/// attention run on each sequence.
+#[test]
+fn varlen_backward_matches_candle_autograd() -> Result<()> {
+    let dev = Device::Cpu;
+    let (lq, lk) = ([7usize, 0, 19, 1], [12usize, 4, 19, 9]);
+    let cum = |l: &[usize]| -> Vec<usize> { std::iter::once(0).chain(l.iter().scan(0, |a, &x| { *a += x; Some(*a) })).collect() };
+    let (cu_q, cu_k) = (cum(&lq), cum(&lk));
+    let u = |c: &[usize]| Tensor::new(c.iter().map(|&x| x as u32).collect::<Vec<_>>().as_slice(), &dev);
+    let (sq, sk) = (u(&cu_q)?, u(&cu_k)?);
+    let (tq, tk) = (cu_q[4], cu_k[4]);
+    let vars = [
+        Var::from_tensor(&randn(&[tq, 4, 16], &dev))?,
+        Var::from_tensor(&randn(&[tk, 2, 16], &dev))?,
+        Var::from_tensor(&randn(&[tk, 2, 16], &dev))?,
+    ];
+    let w = randn(&[tq, 4, 16], &dev);
+    let x = Extra { slopes: None, softcap: Some(3.0) };
+    let win = Window(Some(4), Some(0));
+    let run = |f: &dyn Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>| -> Result<[Tensor; 3]> {
+        let o = f(vars[0].as_tensor(), vars[1].as_tensor(), vars[2].as_tensor())?;
+        let g = (o * &w)?.sum_all()?.backward()?;
+        let get = |v: &Var| g.get(v).cloned().ok_or_else(|| candle_core::Error::Msg("no gradient".into()));
+        Ok([get(&vars[0])?, get(&vars[1])?, get(&vars[2])?])
+    };
+    let ours = run(&|q, k, v| fa::flash_attn_varlen_alibi_windowed_softcap(q, k, v, None, &sq, &sk, 19, 19, 0.25, win.0, win.1, 3.0))?;
+    let want = run(&|q, k, v| naive_varlen(q, k, v, &cu_q, &cu_k, 0.25, win, &x))?;
+    for i in 0..3 {
+        let err = max_diff(&ours[i], &want[i]);
+        assert!(err < 1e-4, "varlen gradient {i}: max |diff| {err:.2e}");
     }
     Ok(())
 }
