@@ -15,7 +15,7 @@ use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, DevicePtr
 use candle_core::cuda_backend::{CudaDType, CudaDevice};
 use candle_core::op::BackpropOp;
 use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
-use flash_attn::cuda::{DeviceIndex, DeviceKv, DeviceLse, DeviceTensor, DeviceTensorMut, Engine};
+use flash_attn::cuda::{DeviceAppend, DeviceIndex, DeviceKv, DeviceLse, DeviceTensor, DeviceTensorMut, Engine};
 use flash_attn::{Element, ForwardOptions};
 use std::sync::{Arc, Mutex};
 
@@ -128,4 +128,80 @@ fn serving(
     unsafe { engine.launch_serving_raw(stream.cu_stream(), q, cu_q, k, v, kv, None, o, Some(lse), opts) }
         .map(|_| ())
         .map_err(err)
+}
+
+/// `flash_attn_with_kvcache(k=, v=)` on candle's CUDA storage: `Engine::launch_serving_raw` with
+/// the append (the append kernel writes the new rows into the caches, then the attention reads
+/// them, on candle's stream). Returns `(o, lse)` as new candle tensors.
+#[allow(clippy::type_complexity)]
+pub(crate) fn kvcache_append(
+    q: (&CudaStorage, &Layout),
+    k_new: (&CudaStorage, &Layout),
+    v_new: (&CudaStorage, &Layout),
+    k: (&mut CudaStorage, &Layout),
+    v: (&mut CudaStorage, &Layout),
+    index: (&[i32], Option<&(Vec<i32>, usize)>),
+    opts: &ForwardOptions,
+) -> Result<(Tensor, Tensor)> {
+    match q.0.dtype() {
+        DType::F16 => append_run::<half::f16>(q, k_new, v_new, k, v, index, opts),
+        DType::BF16 => append_run::<half::bf16>(q, k_new, v_new, k, v, index, opts),
+        d => bail!("flash_attn on CUDA: q and the caches must be f16 or bf16, got {d:?}"),
+    }
+}
+
+#[allow(clippy::type_complexity)]
+fn append_run<T>(
+    (q, lq): (&CudaStorage, &Layout),
+    (kn, lkn): (&CudaStorage, &Layout),
+    (vn, lvn): (&CudaStorage, &Layout),
+    (k, lk): (&mut CudaStorage, &Layout),
+    (v, lv): (&mut CudaStorage, &Layout),
+    (seqlens, table): (&[i32], Option<&(Vec<i32>, usize)>),
+    opts: &ForwardOptions,
+) -> Result<(Tensor, Tensor)>
+where
+    T: Element + CudaDType + cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits,
+{
+    let dev = q.device.clone();
+    let stream = dev.cuda_stream();
+    let engine = engine_for(stream.context())?;
+    let [sq, skn, svn, sk, sv] =
+        [bshd(lq, 4, "q")?, bshd(lkn, 4, "k_new")?, bshd(lvn, 4, "v_new")?, bshd(lk, 4, "k_cache")?, bshd(lv, 4, "v_cache")?];
+    let (dq, dkn, dvn) = (q.as_cuda_slice::<T>()?, kn.as_cuda_slice::<T>()?, vn.as_cuda_slice::<T>()?);
+    let (dk, dv) = (k.as_cuda_slice::<T>()?, v.as_cuda_slice::<T>()?);
+    let (vq, vkn, vvn) = (dq.slice(lq.start_offset()..), dkn.slice(lkn.start_offset()..), dvn.slice(lvn.start_offset()..));
+    let (vk, vv) = (dk.slice(lk.start_offset()..), dv.slice(lv.start_offset()..));
+    let [b, s, h, _] = sq.0;
+    let mut o = dev.alloc_zeros::<T>(sq.0.iter().product())?;
+    let mut lse = dev.alloc_zeros::<f32>(b * h * s)?;
+    let ids: Vec<i32> = table.map(|t| t.0.clone()).unwrap_or_default();
+    let up = |h: &[i32]| -> Result<CudaSlice<i32>> { dev.clone_htod(if h.is_empty() { &[0i32][..] } else { h }) };
+    let (d_seqlens, d_ids) = (up(seqlens)?, up(&ids)?);
+    {
+        let t = |view, (shape, strides)| DeviceTensor::new(view, &stream, shape).with_strides(strides);
+        let (tq, tkn, tvn, tk, tv) = (t(&vq, sq), t(&vkn, skn), t(&vvn, svn), t(&vk, sk), t(&vv, sv));
+        let mut to = DeviceTensorMut::new(&mut o, &stream, sq.0);
+        let mut tl = DeviceLse::new(&mut lse, &stream);
+        // SAFETY: each pointer is a device buffer of this stream's context holding its host mirror
+        // (uploaded on this stream before the launch), alive until after the launch is enqueued.
+        let (is, it) = unsafe {
+            (DeviceIndex::from_raw(seqlens, d_seqlens.device_ptr(&stream).0), DeviceIndex::from_raw(&ids, d_ids.device_ptr(&stream).0))
+        };
+        let kv = match table {
+            Some((_, m)) => DeviceKv::Paged { seqlens: is, block_table: it, max_blocks_per_seq: *m },
+            None => DeviceKv::Cache { seqlens: is },
+        };
+        let append = Some(DeviceAppend { k_new: &tkn, v_new: &tvn });
+        let opts = opts.clone().return_lse(true);
+        // SAFETY: `stream` is candle's live stream of the engine's context; the index arrays are as
+        // `DeviceIndex::from_raw` requires (above); the caches are written, and this call holds them
+        // exclusively (candle's in-place ops handed out `&mut` to their storage).
+        unsafe { engine.launch_serving_raw(stream.cu_stream(), &tq, None, &tk, &tv, kv, append, &mut to, Some(&mut tl), &opts) }
+            .map_err(err)?;
+    }
+    let wrap = |s: CudaStorage, shape: Shape| Tensor::from_storage(Storage::Cuda(s), shape, BackpropOp::none(), false);
+    let o = wrap(CudaStorage::wrap_cuda_slice(o, dev.clone()), lq.shape().clone());
+    let lse = wrap(CudaStorage::wrap_cuda_slice(lse, dev), Shape::from((b, h, s)));
+    Ok((o, lse))
 }

@@ -5,8 +5,9 @@
 //! head_dim]` (paged, with a `(batch, max_blocks)` block table), `cache_seqlens` `(batch)` keys
 //! already cached, index tensors u32, i32 or i64.
 //!
-//! The cache functions take CPU tensors; on CUDA tensors they are an error (the device serving
-//! entry point of flash_attn is not wired to candle's storage yet).
+//! On CUDA tensors (feature `cuda`), `flash_attn_kvcache` and `flash_attn_kvcache_append` run
+//! flash_attn's serving kernels on candle's stream (compile-checked only); `append_kv` alone and
+//! `merge_states` take CPU tensors.
 
 use crate::convert::{bshd, contiguous_range, err, index_vec, same_dtype, view, with_float, Float};
 use crate::dropin::cumulative;
@@ -84,7 +85,14 @@ pub fn append_kv(
     check_distinct(k_cache, v_cache, &[k_new, v_new])?;
     let (kn, lkn) = k_new.storage_and_layout();
     let (vn, lvn) = v_new.storage_and_layout();
-    with_caches_mut(k_cache, v_cache, |kc, lk, vc, lv| {
+    with_caches_mut(k_cache, v_cache, |caches| {
+        let (kc, lk, vc, lv) = match caches {
+            CachesMut::Cpu { k, lk, v, lv } => (k, lk, v, lv),
+            #[cfg(feature = "cuda")]
+            CachesMut::Cuda { .. } => {
+                bail!("flash_attn: append_kv takes CPU tensors; on CUDA the append runs fused in flash_attn_kvcache_append")
+            }
+        };
         with_float!(dtype, "the caches", T => {
             let (k_new, v_new) = (view(cpu(&kn)?.as_slice::<T>()?, lkn, 4, "k_new")?, view(cpu(&vn)?.as_slice::<T>()?, lvn, 4, "v_new")?);
             let mut cache = cache_mut::<T>((kc, lk), (vc, lv), &seqlens, table.as_ref())?;
@@ -111,14 +119,34 @@ pub fn flash_attn_kvcache_append(
     let seqlens = index_vec(cache_seqlens, "cache_seqlens")?;
     let table = block_table.map(self::block_table).transpose()?;
     let all = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new)];
-    check_cpu(&all)?;
+    if let Some((n, t)) = all.iter().find(|(_, t)| !t.device().same_device(q.device())) {
+        bail!("flash_attn: {n} is on {:?}, q on {:?}; all must be on one device", t.device().location(), q.device().location())
+    }
     let dtype = same_dtype(&all.map(|(n, t)| (n, t.dtype())))?;
     check_distinct(k_cache, v_cache, &[q, k_new, v_new])?;
     let (qs, lq) = q.storage_and_layout();
     let (kn, lkn) = k_new.storage_and_layout();
     let (vn, lvn) = v_new.storage_and_layout();
     let mut result = None;
-    with_caches_mut(k_cache, v_cache, |kc, lk, vc, lv| {
+    with_caches_mut(k_cache, v_cache, |caches| {
+        let (kc, lk, vc, lv) = match caches {
+            CachesMut::Cpu { k, lk, v, lv } => (k, lk, v, lv),
+            #[cfg(feature = "cuda")]
+            CachesMut::Cuda { k, lk, v, lv } => {
+                let (q, k_new, v_new) = (cuda(&qs)?, cuda(&kn)?, cuda(&vn)?);
+                let (o, lse) = crate::cuda::kvcache_append(
+                    (q, lq),
+                    (k_new, lkn),
+                    (v_new, lvn),
+                    (k, lk),
+                    (v, lv),
+                    (&seqlens, table.as_ref()),
+                    opts,
+                )?;
+                result = Some((o, lse));
+                return Ok(());
+            }
+        };
         with_float!(dtype, "q and the caches", T => {
             let q = view(cpu(&qs)?.as_slice::<T>()?, lq, 4, "q")?;
             let (k_new, v_new) = (view(cpu(&kn)?.as_slice::<T>()?, lkn, 4, "k_new")?, view(cpu(&vn)?.as_slice::<T>()?, lvn, 4, "v_new")?);
@@ -126,13 +154,15 @@ pub fn flash_attn_kvcache_append(
             let opts = opts.clone().backend(flash_attn::Backend::Cpu).return_lse(true);
             let out = fs::forward_kvcache_append(&q, &mut cache, &k_new, &v_new, &opts).map_err(err)?;
             let o = Tensor::from_vec(out.o.into_vec::<T>().map_err(err)?, lq.dims(), &Device::Cpu)?;
-            result = Some((o, out.lse.unwrap_or_default()));
+            let [b, s, h, _] = bshd(lq, 4, "q")?.0;
+            result = Some((o, Tensor::from_vec(out.lse.unwrap_or_default(), (b, h, s), &Device::Cpu)?));
             Ok(())
         })
     })?;
-    let Some((o, lse)) = result else { bail!("flash_attn: the cache write did not run") };
-    let [b, s, h, _] = bshd(lq, 4, "q")?.0;
-    Ok((o, Tensor::from_vec(lse, (b, h, s), &Device::Cpu)?))
+    match result {
+        Some(r) => Ok(r),
+        None => bail!("flash_attn: the cache write did not run"),
+    }
 }
 
 /// Merges two attention states of the same queries over disjoint key sets (FlashInfer's
@@ -165,6 +195,14 @@ fn cpu(s: &Storage) -> Result<&CpuStorage> {
     match s {
         Storage::Cpu(c) => Ok(c),
         _ => bail!("flash_attn: this call takes CPU tensors"),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda(s: &Storage) -> Result<&candle_core::CudaStorage> {
+    match s {
+        Storage::Cuda(c) => Ok(c),
+        _ => bail!("flash_attn: q, k_new and v_new must be on the caches' device"),
     }
 }
 
@@ -228,11 +266,25 @@ fn slice_mut<T: Float>(s: &mut CpuStorage) -> Result<&mut [T]> {
     }
 }
 
-/// Runs `f` with write access to both caches' CPU storage: an in-place op on `k_cache` whose
-/// body runs an in-place op on `v_cache` (candle hands out one writable storage per op).
+/// Write access to both caches' storage, on the CPU or on a CUDA device.
+enum CachesMut<'a> {
+    Cpu { k: &'a mut CpuStorage, lk: &'a Layout, v: &'a mut CpuStorage, lv: &'a Layout },
+    #[cfg(feature = "cuda")]
+    Cuda { k: &'a mut candle_core::CudaStorage, lk: &'a Layout, v: &'a mut candle_core::CudaStorage, lv: &'a Layout },
+}
+
+/// The k cache's storage, held while the v cache's is taken.
+enum KHalf<'a> {
+    Cpu(&'a mut CpuStorage),
+    #[cfg(feature = "cuda")]
+    Cuda(&'a mut candle_core::CudaStorage),
+}
+
+/// Runs `f` with write access to both caches' storage: an in-place op on `k_cache` whose body
+/// runs an in-place op on `v_cache` (candle hands out one writable storage per op).
 fn with_caches_mut<F>(k_cache: &Tensor, v_cache: &Tensor, f: F) -> Result<()>
 where
-    F: FnOnce(&mut CpuStorage, &Layout, &mut CpuStorage, &Layout) -> Result<()>,
+    F: for<'x> FnOnce(CachesMut<'x>) -> Result<()>,
 {
     k_cache.inplace_op1(&WriteK { v_cache, f: Cell::new(Some(f)) })
 }
@@ -242,36 +294,69 @@ struct WriteK<'a, F> {
     f: Cell<Option<F>>,
 }
 
-impl<F> InplaceOp1 for WriteK<'_, F>
+impl<F> WriteK<'_, F>
 where
-    F: FnOnce(&mut CpuStorage, &Layout, &mut CpuStorage, &Layout) -> Result<()>,
+    F: for<'x> FnOnce(CachesMut<'x>) -> Result<()>,
 {
-    fn name(&self) -> &'static str {
-        "flash-attn-kv-write"
-    }
-    fn cpu_fwd(&self, k: &mut CpuStorage, lk: &Layout) -> Result<()> {
+    fn then_v(&self, k: KHalf<'_>, lk: &Layout) -> Result<()> {
         let Some(f) = self.f.take() else { bail!("flash_attn: the cache write ran twice") };
         self.v_cache.inplace_op1(&WriteV { k: Cell::new(Some(k)), lk, f: Cell::new(Some(f)) })
     }
 }
 
+impl<F> InplaceOp1 for WriteK<'_, F>
+where
+    F: for<'x> FnOnce(CachesMut<'x>) -> Result<()>,
+{
+    fn name(&self) -> &'static str {
+        "flash-attn-kv-write"
+    }
+    fn cpu_fwd(&self, k: &mut CpuStorage, lk: &Layout) -> Result<()> {
+        self.then_v(KHalf::Cpu(k), lk)
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, k: &mut candle_core::CudaStorage, lk: &Layout) -> Result<()> {
+        self.then_v(KHalf::Cuda(k), lk)
+    }
+}
+
 struct WriteV<'a, F> {
-    k: Cell<Option<&'a mut CpuStorage>>,
+    k: Cell<Option<KHalf<'a>>>,
     lk: &'a Layout,
     f: Cell<Option<F>>,
 }
 
+impl<F> WriteV<'_, F>
+where
+    F: for<'x> FnOnce(CachesMut<'x>) -> Result<()>,
+{
+    fn parts(&self) -> Result<(KHalf<'_>, F)> {
+        match (self.k.take(), self.f.take()) {
+            (Some(k), Some(f)) => Ok((k, f)),
+            _ => bail!("flash_attn: the cache write ran twice"),
+        }
+    }
+}
+
 impl<F> InplaceOp1 for WriteV<'_, F>
 where
-    F: FnOnce(&mut CpuStorage, &Layout, &mut CpuStorage, &Layout) -> Result<()>,
+    F: for<'x> FnOnce(CachesMut<'x>) -> Result<()>,
 {
     fn name(&self) -> &'static str {
         "flash-attn-kv-write"
     }
     fn cpu_fwd(&self, v: &mut CpuStorage, lv: &Layout) -> Result<()> {
-        match (self.k.take(), self.f.take()) {
-            (Some(k), Some(f)) => f(k, self.lk, v, lv),
-            _ => bail!("flash_attn: the cache write ran twice"),
+        match self.parts()? {
+            (KHalf::Cpu(k), f) => f(CachesMut::Cpu { k, lk: self.lk, v, lv }),
+            #[cfg(feature = "cuda")]
+            _ => bail!("flash_attn: k_cache and v_cache are on different devices"),
+        }
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, v: &mut candle_core::CudaStorage, lv: &Layout) -> Result<()> {
+        match self.parts()? {
+            (KHalf::Cuda(k), f) => f(CachesMut::Cuda { k, lk: self.lk, v, lv }),
+            _ => bail!("flash_attn: k_cache and v_cache are on different devices"),
         }
     }
 }
