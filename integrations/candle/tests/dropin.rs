@@ -1,5 +1,5 @@
 //! Every function of candle-flash-attn 0.11's API against candle's own attention (candle ops,
-//! CPU) on the same tensors: f32 to 1e-5, f16 and bf16 within FlashAttention's rule (at most
+//! CPU) on the same tensors (the dense ones on transposed `[b, h, s, d]` views, read in place): f32 to 1e-5, f16 and bf16 within FlashAttention's rule (at most
 //! twice the error of candle's attention in that dtype, plus a floor). Causal, windows on
 //! either side, ALiBi, softcap, GQA, seqlen_q != seqlen_k, varlen with sequences of different
 //! lengths (one empty), a paged cache with a shuffled block table.
@@ -28,7 +28,10 @@ fn check_dense_scaled(
 ) {
     let (b, sq, sk, hq, hk, d) = shape;
     let dev = Device::Cpu;
-    let (q, k, v) = (randn(&[b, sq, hq, d], &dev), randn(&[b, sk, hk, d], &dev), randn(&[b, sk, hk, d], &dev));
+    // candle's usual [b, h, s, d] activations, passed as [b, s, h, d] views (strided, no copy).
+    let bhsd = |s, h| randn(&[b, h, s, d], &dev).transpose(1, 2).unwrap();
+    let (q, k, v) = (bhsd(sq, hq), bhsd(sk, hk), bhsd(sk, hk));
+    assert!(!q.is_contiguous() || hq == 1 || sq == 1);
     let got = f(&q, &k, &v).unwrap();
     assert_eq!(got.dims(), &[b, sq, hq, d], "{what}");
     let err = max_diff(&got, &naive(&q, &k, &v, scale, w, x).unwrap());
