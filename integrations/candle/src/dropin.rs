@@ -105,7 +105,7 @@ pub fn flash_attn(q: &Tensor, k: &Tensor, v: &Tensor, softmax_scale: f32, causal
     dense(q, k, v, None, softmax_scale, causal_window(causal), None)
 }
 
-/// [`flash_attn`] with a sliding window: query `i` sees keys
+/// [`flash_attn()`] with a sliding window: query `i` sees keys
 /// `i + sk - sq - window_size_left ..= i + sk - sq + window_size_right`, `None` unbounded.
 pub fn flash_attn_windowed(
     q: &Tensor,
@@ -118,7 +118,7 @@ pub fn flash_attn_windowed(
     dense(q, k, v, None, softmax_scale, (window_size_left, window_size_right), None)
 }
 
-/// [`flash_attn`] with ALiBi: `alibi_slopes` f32 `(num_heads_q)`; the scores get
+/// [`flash_attn()`] with ALiBi: `alibi_slopes` f32 `(num_heads_q)`; the scores get
 /// `-slope · |i + sk - sq - j|`.
 pub fn flash_attn_alibi(
     q: &Tensor,
