@@ -15,7 +15,7 @@ use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, DevicePtr
 use candle_core::cuda_backend::{CudaDType, CudaDevice};
 use candle_core::op::BackpropOp;
 use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
-use flash_attn::cuda::{DeviceAppend, DeviceIndex, DeviceKv, DeviceLse, DeviceTensor, DeviceTensorMut, Engine};
+use flash_attn::cuda::{DeviceAppend, DeviceIndex, DeviceKv, DeviceLse, DeviceLseRef, DeviceTensor, DeviceTensorMut, Engine};
 use flash_attn::{Element, ForwardOptions};
 use std::sync::{Arc, Mutex};
 
@@ -204,4 +204,57 @@ where
     let o = wrap(CudaStorage::wrap_cuda_slice(o, dev.clone()), lq.shape().clone());
     let lse = wrap(CudaStorage::wrap_cuda_slice(lse, dev), Shape::from((b, h, s)));
     Ok((o, lse))
+}
+
+/// `merge_states` on candle's CUDA storage: the combine kernel (`Engine::merge_states`, computed
+/// in f32) on candle's stream; o in the inputs' dtype, the merged LSE f32, as new candle tensors.
+pub(crate) fn merge_states(o_a: &Tensor, lse_a: &Tensor, o_b: &Tensor, lse_b: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (la, lb) = (lse_a.contiguous()?, lse_b.contiguous()?);
+    let (sa, l_a) = o_a.storage_and_layout();
+    let (sb, l_b) = o_b.storage_and_layout();
+    let (sla, lla) = la.storage_and_layout();
+    let (slb, llb) = lb.storage_and_layout();
+    let (Storage::Cuda(a), Storage::Cuda(b), Storage::Cuda(xa), Storage::Cuda(xb)) = (&*sa, &*sb, &*sla, &*slb) else {
+        bail!("flash_attn: merge_states takes o and LSE tensors all on one device")
+    };
+    let rank = o_a.rank();
+    let dtype = same_dtype(&[("o_a", a.dtype()), ("o_b", b.dtype())])?;
+    let (o, lse) = crate::convert::with_float!(dtype, "o_a, o_b", T => {
+        merge_run::<T>((a, l_a), (b, l_b), (xa, lla), (xb, llb), rank)?
+    });
+    Ok((o, lse.reshape(lse_a.shape())?))
+}
+
+fn merge_run<T>(
+    (a, la): (&CudaStorage, &Layout),
+    (b, lb): (&CudaStorage, &Layout),
+    (xa, lxa): (&CudaStorage, &Layout),
+    (xb, lxb): (&CudaStorage, &Layout),
+    rank: usize,
+) -> Result<(Tensor, Tensor)>
+where
+    T: Element + CudaDType + cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits,
+{
+    let dev = a.device.clone();
+    let stream = dev.cuda_stream();
+    let engine = engine_for(stream.context())?;
+    let ((sha, sta), (shb, stb)) = (bshd(la, rank, "o_a")?, bshd(lb, rank, "o_b")?);
+    let (da, db) = (a.as_cuda_slice::<T>()?, b.as_cuda_slice::<T>()?);
+    let (va, vb) = (da.slice(la.start_offset()..), db.slice(lb.start_offset()..));
+    let lse_range = |l: &Layout| crate::convert::contiguous_range(l, "an LSE");
+    let (ra, rb) = (lse_range(lxa)?, lse_range(lxb)?);
+    let rows = ra.len();
+    let (dla, dlb) = (xa.as_cuda_slice::<f32>()?, xb.as_cuda_slice::<f32>()?);
+    let (vla, vlb) = (dla.slice(ra), dlb.slice(rb));
+    let mut o = dev.alloc_zeros::<T>(sha.iter().product())?;
+    let mut lse = dev.alloc_zeros::<f32>(rows)?;
+    {
+        let (ta, tb) = (DeviceTensor::new(&va, &stream, sha).with_strides(sta), DeviceTensor::new(&vb, &stream, shb).with_strides(stb));
+        let (ra, rb) = (DeviceLseRef::new(&vla, &stream), DeviceLseRef::new(&vlb, &stream));
+        let mut to = DeviceTensorMut::new(&mut o, &stream, sha);
+        let mut tl = DeviceLse::new(&mut lse, &stream);
+        engine.merge_states(&stream, &ta, &ra, &tb, &rb, &mut to, Some(&mut tl)).map_err(err)?;
+    }
+    let wrap = |s: CudaStorage, shape: Shape| Tensor::from_storage(Storage::Cuda(s), shape, BackpropOp::none(), false);
+    Ok((wrap(CudaStorage::wrap_cuda_slice(o, dev.clone()), la.shape().clone()), wrap(CudaStorage::wrap_cuda_slice(lse, dev), Shape::from(rows))))
 }

@@ -6,8 +6,8 @@
 //! already cached, index tensors u32, i32 or i64.
 //!
 //! On CUDA tensors (feature `cuda`), `flash_attn_kvcache` and `flash_attn_kvcache_append` run
-//! flash_attn's serving kernels on candle's stream (compile-checked only); `append_kv` alone and
-//! `merge_states` take CPU tensors.
+//! flash_attn's serving kernels on candle's stream and `merge_states` its combine kernel
+//! (compile-checked only); `append_kv` alone takes CPU tensors.
 
 use crate::convert::{bshd, contiguous_range, err, index_vec, same_dtype, view, with_float, Float};
 use crate::dropin::cumulative;
@@ -168,8 +168,13 @@ pub fn flash_attn_kvcache_append(
 /// Merges two attention states of the same queries over disjoint key sets (FlashInfer's
 /// `merge_state`): o `[batch, seqlen, heads, head_dim]` or packed `(total, heads, head_dim)`,
 /// LSE `[batch, heads, seqlen]` or `(heads, total)` f32, as this crate's functions return them.
-/// Returns the merged `(o, lse)` (computed in f64, o in the inputs' dtype). CPU tensors.
+/// Returns the merged `(o, lse)`, o in the inputs' dtype (computed in f64 on the CPU; on CUDA
+/// tensors by the combine kernel in f32, compile-checked only).
 pub fn merge_states(o_a: &Tensor, lse_a: &Tensor, o_b: &Tensor, lse_b: &Tensor) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if o_a.device().is_cuda() {
+        return crate::cuda::merge_states(o_a, lse_a, o_b, lse_b);
+    }
     check_cpu(&[("o_a", o_a), ("lse_a", lse_a), ("o_b", o_b), ("lse_b", lse_b)])?;
     let dtype = same_dtype(&[("o_a", o_a.dtype()), ("o_b", o_b.dtype())])?;
     let lse = |t: &Tensor| -> Result<Vec<f32>> {
