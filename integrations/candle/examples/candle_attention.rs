@@ -1,11 +1,11 @@
 //! flash_attn on candle tensors: candle's `[batch, heads, seqlen, head_dim]` activations are
-//! transposed to FlashAttention's layout as views (no copy), run through the `FlashAttn` op,
-//! and compared with candle's own attention (matmul, softmax, matmul).
+//! transposed to FlashAttention's layout as views (no copy), run through `flash_attn` (the
+//! drop-in for candle-flash-attn's), and compared with candle's own attention (matmul, softmax,
+//! matmul).
 //!
 //! `cargo run --release --example candle_attention` (in integrations/candle)
 
 use candle_core::{DType, Device, Tensor, D};
-use flash_attn::ForwardOptions;
 use flash_attn_candle::flash_attn;
 use std::time::Instant;
 
@@ -17,16 +17,11 @@ fn main() -> candle_core::Result<()> {
     let k = Tensor::randn(0f32, 1., (b, h, s, d), &dev)?;
     let v = Tensor::randn(0f32, 1., (b, h, s, d), &dev)?;
     let t = Instant::now();
-    let ours = flash_attn(
-        &q.transpose(1, 2)?,
-        &k.transpose(1, 2)?,
-        &v.transpose(1, 2)?,
-        ForwardOptions::default().causal(true),
-    )?;
+    let scale = 1.0 / (d as f64).sqrt();
+    let ours = flash_attn(&q.transpose(1, 2)?, &k.transpose(1, 2)?, &v.transpose(1, 2)?, scale as f32, true)?;
     let ours_ms = t.elapsed().as_secs_f64() * 1e3;
 
     let t = Instant::now();
-    let scale = 1.0 / (d as f64).sqrt();
     let scores = (q.matmul(&k.t()?)? * scale)?;
     let mask: Vec<u8> = (0..s).flat_map(|i| (0..s).map(move |j| u8::from(j > i))).collect();
     let mask = Tensor::from_vec(mask, (s, s), &dev)?.broadcast_as(scores.shape())?;
