@@ -691,18 +691,22 @@ fn fa4_stage3() {
     check_all("fa4 stage 3", &cases, &[]);
 }
 
-const FA4: &str = "cuda/fa4_fwd_sm100.cu";
+// The FA4 kernel's pieces (cuda/fa4/) each mutation edits.
+const FA4_TILE: &str = "cuda/fa4/tile.cuh";
+const FA4_STAGE1: &str = "cuda/fa4/stage1.cuh";
+const FA4_ROLES2: &str = "cuda/fa4/roles2.cuh";
+const FA4_ROLES3: &str = "cuda/fa4/roles3.cuh";
 const TC: &str = "cuda/sm100/tcgen05.cuh";
 
 /// tcgen05 mistakes the emulator must catch in the FA4 kernel, with the diagnoses that count.
 #[rustfmt::skip]
 fn fa4_mutations() -> Vec<(Mutation, &'static str, &'static [&'static str])> {
     vec![
-        (Mutation { name: "p_without_proxy_fence", file: FA4,
+        (Mutation { name: "p_without_proxy_fence", file: FA4_STAGE1,
             from: "        fa3::fence_proxy_async_smem();  // P (generic-proxy stores) -> visible to the MMA\n",
             to: "", defines: &[] },
          "fa4s1", &["after the last fence.proxy.async", "a fence.proxy.async by thread"]),
-        (Mutation { name: "rescale_without_wait_st", file: FA4,
+        (Mutation { name: "rescale_without_wait_st", file: FA4_TILE,
             from: "        tmem_st_32x32b_x32(a, r);\n    }\n    tmem_wait_st();", to: "        tmem_st_32x32b_x32(a, r);\n    }", defines: &[] },
          "fa4s1", &["has not completed", "without tcgen05.wait::st"]),
         (Mutation { name: "umma_desc_without_version", file: TC,
@@ -711,27 +715,27 @@ fn fa4_mutations() -> Vec<(Mutation, &'static str, &'static [&'static str])> {
         (Mutation { name: "idesc_n_off_by_one_bit", file: TC,
             from: "(uint32_t(n >> 3) << 17)", to: "(uint32_t(n >> 3) << 18)", defines: &[] },
          "fa4s1", &["instruction descriptor", "not inside one allocation", "max |O - ref|"]),
-        (Mutation { name: "s_read_before_commit_wait", file: FA4,
+        (Mutation { name: "s_read_before_commit_wait", file: FA4_STAGE1,
             from: "        mbar_wait(s_full, it & 1);\n", to: "", defines: &[] },
          "fa4s1", &["has not written yet", "arrival underflow", "deadlock", "max |O - ref|", "incomplete at exit"]),
-        (Mutation { name: "kv_reloaded_before_pv_completes", file: FA4,
+        (Mutation { name: "kv_reloaded_before_pv_completes", file: FA4_STAGE1,
             from: "            umma_commit(o_full);\n",
             to: "            umma_commit(o_full);\n            if (it + 1 < n_tiles) tma_load_4d(sv, tv, kv_full, 0, bc.kv_head, (n + 1) * Tr::kBlockN, bc.batch);\n", defines: &[] },
          "fa4s1", &["not yet executed", "changed between issue", "deadlock", "max |O - ref|", "arrival underflow", "happens-before"]),
-        (Mutation { name: "rows_past_the_end_skip_tcgen05_ld", file: FA4,
+        (Mutation { name: "rows_past_the_end_skip_tcgen05_ld", file: FA4_TILE,
             from: "        if (!live) continue;\n", to: "        if (!live) return;\n", defines: &[] },
          "fa4s1", &["of its 32 lanes: it is .sync.aligned"]),
-        (Mutation { name: "s2_p_handed_over_before_wait_st", file: FA4,
+        (Mutation { name: "s2_p_handed_over_before_wait_st", file: FA4_ROLES2,
             from: "        tmem_wait_st();\n        if (wg == 0) corr_s[slot * Tr::kBlockM + r] = corr;\n",
             to: "        if (wg == 0) corr_s[slot * Tr::kBlockM + r] = corr;\n", defines: &[] },
          "fa4s2", &["has not completed", "without tcgen05.wait::st", "not yet waited for"]),
-        (Mutation { name: "s2_one_s_buffer", file: FA4,
+        (Mutation { name: "s2_one_s_buffer", file: FA4_ROLES2,
             from: "Tr::kTmemS + slot * Tr::kBlockN), umma_desc_kmajor_sw128(sq + off)",
             to: "Tr::kTmemS), umma_desc_kmajor_sw128(sq + off)", defines: &[] },
          "fa4s2", &["(in flight) uses", "has not written yet", "has not completed", "max |O - ref|"]),
         // (Dropping only the p_full wait of stage 3 is benign: o_ready implies it, since the
         // correction warpgroup's arrival follows the softmax's corr_full, which follows p_full.)
-        (Mutation { name: "s3_pv_without_waits", file: FA4,
+        (Mutation { name: "s3_pv_without_waits", file: FA4_ROLES3,
             from: "        mbar_wait(&b.p_full[t], j & 1);\n        mbar_wait(&b.o_ready[t], j & 1);\n", to: "", defines: &[] },
          "fa4s3", &["has not completed", "has not written yet", "(in flight) uses", "max |O - ref|", "deadlock", "arrival underflow"]),
     ]
