@@ -4,7 +4,6 @@
 use super::scratch::Scratch;
 use super::sweep::{same_span, Sweep};
 use super::{Ctx, Item, ItemSpan, CHUNK_KEYS, SWEEP_CHUNK_KEYS};
-use crate::convert::widen_f16;
 use crate::convert::Widen;
 use crate::cpu::gemm::NR;
 use crate::cpu::row_products::{pv_panel, qk_panel};
@@ -97,7 +96,9 @@ pub(super) fn chunk_rows<'r>(data: Data<'r>, ofs: &[usize], d: usize, buf: &'r m
         Data::F32(x) => std::array::from_fn(|j| if j < n { &x[ofs[j]..ofs[j] + d] } else { &[] }),
         Data::F16(x) => {
             for (dst, &o) in buf.chunks_exact_mut(d).zip(ofs) {
-                widen_f16(&x[o..o + d], dst);
+                for (a, h) in dst.iter_mut().zip(&x[o..o + d]) {
+                    *a = h.widen();
+                }
             }
             let mut it = buf.chunks_exact(d);
             std::array::from_fn(|j| if j < n { it.next().unwrap_or(&[]) } else { &[] })
