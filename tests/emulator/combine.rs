@@ -496,16 +496,21 @@ fn combine_mutations_are_caught() {
 }
 
 /// Every standalone kernel of the table (build/instances.rs `STANDALONE`) names a test under
-/// tests/ that runs it in the emulator (`cpu_emulation`).
+/// tests/ (any folder) that runs it in the emulator (`cpu_emulation`).
 #[test]
 fn every_standalone_kernel_runs_in_the_emulator() {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests");
-    let sources: String = std::fs::read_dir(&dir)
-        .unwrap()
-        .flatten()
-        .filter(|e| e.path().extension().is_some_and(|x| x == "rs"))
-        .map(|e| std::fs::read_to_string(e.path()).unwrap())
-        .collect();
+    fn rust_sources(dir: &std::path::Path) -> String {
+        let mut all = String::new();
+        for p in std::fs::read_dir(dir).unwrap().flatten().map(|e| e.path()) {
+            if p.is_dir() {
+                all += &rust_sources(&p);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                all += &std::fs::read_to_string(&p).unwrap();
+            }
+        }
+        all
+    }
+    let sources = rust_sources(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests"));
     for s in flash_attn::cuda::table::STANDALONE {
         assert!(sources.contains(&format!("fn {}()", s.cpu_emulation)), "{}: cpu_emulation names {:?}, no test under tests/", s.name, s.cpu_emulation);
     }
