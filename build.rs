@@ -5,7 +5,7 @@
 //! src/cuda/table.rs), `numerics_header.rs` (the constants shared with the kernels).
 //!
 //! - Finds nvcc (`nvcc.exe` on Windows): `$NVCC`, `$CUDA_HOME/bin`, `$CUDA_PATH/bin`, `PATH`,
-//!   then the PyPI toolchain `scripts/install-cuda-toolchain.sh` puts in
+//!   then the PyPI toolchain `scripts/toolchain/install-cuda.sh` puts in
 //!   `$FLASH_ATTN_CUDA_TOOLCHAIN` or (in a checkout of this repository, never inside the cargo
 //!   registry) `.cuda-toolchain/`.
 //! - Any nvcc of CUDA 12.4 or newer: it builds the targets that version can (sm_100a needs
@@ -108,12 +108,12 @@ fn main() {
 /// FLASH_ATTN_REQUIRE_NVCC=1) a failed build.
 fn cpu_only(root: &Path, out: &Path, why: String) {
     if std::env::var("FLASH_ATTN_REQUIRE_NVCC").is_ok_and(|v| v == "1") {
-        panic!("FLASH_ATTN_REQUIRE_NVCC=1 but {why}; run scripts/install-cuda-toolchain.sh");
+        panic!("FLASH_ATTN_REQUIRE_NVCC=1 but {why}; run scripts/toolchain/install-cuda.sh");
     }
     let local = if toolchain::is_dependency_source(root) {
         String::new()
     } else {
-        " (in this repository: scripts/install-cuda-toolchain.sh installs CUDA 13.0 from PyPI into .cuda-toolchain/)"
+        " (in this repository: scripts/toolchain/install-cuda.sh installs CUDA 13.0 from PyPI into .cuda-toolchain/)"
             .to_string()
     };
     let msg = format!("{why}; building CPU-only. {}{local}", toolchain::HOW_TO_GET_KERNELS);

@@ -18,7 +18,7 @@
 //!
 //! At the end a summary table gives each case's rates and ratios, and the same numbers go to
 //! `target/bench/cpu.jsonl` (or `FA_BENCH_JSON`) as one JSON line per run for
-//! `scripts/report.py`.
+//! `scripts/bench/report.py`.
 //!
 //! A second group, `decode_cpu`, times decode steps (one query row per sequence against a long
 //! K/V cache: the in-place path, dense and paged with shuffled blocks) with throughput in bytes
@@ -401,7 +401,7 @@ fn summary(threads: usize, gemm_rates: &[(String, f64)], roof: &flash_attn::benc
         Ok(())
     };
     match write() {
-        Ok(()) => println!("\nJSON lines: {path} (scripts/report.py turns them into a table and a roofline plot)"),
+        Ok(()) => println!("\nJSON lines: {path} (scripts/bench/report.py turns them into a table and a roofline plot)"),
         Err(e) => eprintln!("could not write {path}: {e}"),
     }
 }

@@ -2,7 +2,7 @@
 //! --bench cpu_backward --features bench`. Throughput in elements/s where one element is one
 //! FLOP (so "Gelem/s" reads GFLOP/s), 2.5 × the forward's FLOPs (FlashAttention's convention:
 //! five products against two), causal counting visible pairs only. The side-by-side with torch
-//! and jax is `scripts/cpu-peers.sh --backward` (docs/benchmarks.md).
+//! and jax is `scripts/bench/cpu-peers.sh --backward` (docs/benchmarks.md).
 
 use criterion::{Criterion, SamplingMode, Throughput};
 use flash_attn::{backward_into, forward, DType, ForwardOptions, Mask, Problem, Tensor};

@@ -122,7 +122,7 @@ fn main() {
             );
         }
     }
-    println!("per-shape JSON lines with % of roofline and errors: scripts/gpu-bench.sh (examples/bench.rs)");
+    println!("per-shape JSON lines with % of roofline and errors: scripts/bench/gpu-peers.sh (examples/bench.rs)");
 }
 
 /// FA4's softmax on the FA3 pipeline (docs/fa4.md, "Part 1"), head dim 128: the share of the

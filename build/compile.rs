@@ -286,7 +286,7 @@ fn lower_ptx(tc: &Toolchain, path: &Path) -> Result<(), String> {
     if expected_major != Some(maj) || (tc.version.0 >= 13 && min > tc.version.1) {
         return Err(format!(
             "the PTX says .version {got}, newer than nvcc {}.{} writes: its nvvm (cicc) or crt pieces come from a newer \
-             CUDA release; install matching versions (scripts/install-cuda-toolchain.sh pins them)",
+             CUDA release; install matching versions (scripts/toolchain/install-cuda.sh pins them)",
             tc.version.0, tc.version.1
         ));
     }

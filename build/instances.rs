@@ -214,13 +214,13 @@ pub struct Family {
     pub tiles: &'static [Tile],
     /// Lowest compute capability (major * 10 + minor) it runs on.
     pub min_sm: u32,
-    /// Whether this family's GPU run was verified (scripts/gpu-check.sh passed on a GPU). Shown
+    /// Whether this family's GPU run was verified (scripts/check/gpu.sh passed on a GPU). Shown
     /// in `Dispatch::reason`.
     pub gpu_verified: bool,
     /// Whether `Variant::Auto` may pick it. A new fast family stays `false` until verified on a
     /// GPU (e.g. FA3 on Hopper: Auto keeps FA2 there until then); an explicit variant still runs it.
     pub auto: bool,
-    /// SASS opcodes the family claims to use, checked in every built cubin by tests/sass.rs
+    /// SASS opcodes the family claims to use, checked in every built cubin by tests/toolchain/sass.rs
     /// (e.g. FA1 "FFMA"; FA2 "HMMA", "LDSM"; FA3 "HGMMA").
     pub sass_expect: &'static [&'static str],
     /// Options beyond the plain forward that the family implements.
@@ -229,9 +229,9 @@ pub struct Family {
     pub softmax: SoftmaxParams,
     /// Auto preference: higher wins among the families that can run a problem.
     pub rank: u32,
-    /// The test of tests/emulator.rs (tests/fp8_emulator.rs for an FP8 family) that runs this family's kernel source, unchanged, in the
+    /// The test of tests/emulator/forward.rs (tests/emulator/fp8.rs for an FP8 family) that runs this family's kernel source, unchanged, in the
     /// CPU emulator (cuda/test/emu, docs/emulator.md); `None` for a family the emulator cannot
-    /// run yet (tests/emulator.rs requires every row to name its test).
+    /// run yet (tests/emulator/forward.rs requires every row to name its test).
     pub cpu_emulation: Option<&'static str>,
     /// Dynamic shared memory of a tile's launch, in bytes, given the row's stage (use
     /// [`Family::smem_bytes`]). The build passes it to the kernel as FA_SMEM_BYTES, which
@@ -281,7 +281,7 @@ pub fn image_stem(family: &str, head_dim: u32, target: Target) -> String {
 /// The compile unit of (family, tile): the row as macros, optionally the hang-check define (in
 /// the text, so anything keyed on the unit tells the two builds apart), the family's source at
 /// `source_path`, then one instance per dtype. build.rs compiles it with nvcc; the emulator
-/// (tests/common/emu.rs) and tests/hang_check.rs compile the same text.
+/// (tests/support/emu.rs) and tests/emulator/hang_check.rs compile the same text.
 pub fn unit_source(fam: &Family, tile: &Tile, source_path: &str, hang_check: bool) -> String {
     let mut s = format!("// Generated from build/instances.rs: {} head_dim {}.\n", fam.name, tile.head_dim);
     let mut defines = vec![
@@ -383,7 +383,7 @@ fn fa3_smem_bytes(stage: Option<u8>, t: &Tile) -> u32 {
 }
 
 /// One row of the FA3 ladder: cuda/fa3_fwd_sm90.cu (sm_90a only, by its file name) for head
-/// dims 64/128/256. Not `gpu_verified` and not `auto` until a stage passes scripts/gpu-check.sh
+/// dims 64/128/256. Not `gpu_verified` and not `auto` until a stage passes scripts/check/gpu.sh
 /// on a GPU (docs/fa3.md has the status). Ranked above FA1 and FA2, higher stages higher, so an
 /// explicit `Variant::Fa3` takes the highest stage.
 const fn fa3_family(
@@ -471,7 +471,7 @@ pub fn fp8_prepass_symbol(head_dim: u32, dtype: &str) -> String {
     format!("fa_fp8_prepass_e{e}_{dtype}")
 }
 
-/// SASS opcodes the FP8 pre-pass claims (tests/sass.rs): the saturating e4m3 conversion and
+/// SASS opcodes the FP8 pre-pass claims (tests/toolchain/sass.rs): the saturating e4m3 conversion and
 /// the cross-lane butterfly of the Hadamard rotation.
 pub const FP8_PREPASS_SASS: &[&str] = &["F2FP.SATFINITE.E4M3", "SHFL.BFLY"];
 
@@ -499,7 +499,7 @@ pub fn append_kv_symbol(head_dim: u32, dtype: &str) -> String {
     format!("fa_append_kv_hd{head_dim}_{dtype}")
 }
 
-/// What the append kernel's SASS must contain (tests/sass.rs): global loads and stores of the
+/// What the append kernel's SASS must contain (tests/toolchain/sass.rs): global loads and stores of the
 /// rows it copies (none of its family's tensor-core instructions).
 pub const APPEND_KV_SASS: &[&str] = &["LDG", "STG"];
 
@@ -513,9 +513,9 @@ pub struct Standalone {
     pub name: &'static str,
     /// The source, relative to the crate root.
     pub source: &'static str,
-    /// Every kernel symbol the image holds (checked by tests/sass.rs).
+    /// Every kernel symbol the image holds (checked by tests/toolchain/sass.rs).
     pub kernels: &'static [&'static str],
-    /// SASS opcodes every kernel of it claims (tests/sass.rs).
+    /// SASS opcodes every kernel of it claims (tests/toolchain/sass.rs).
     pub sass_expect: &'static [&'static str],
     /// The test that runs its source, unchanged, in the CPU emulator.
     pub cpu_emulation: &'static str,
@@ -553,7 +553,7 @@ pub const STANDALONE: &[Standalone] = &[Standalone {
         "fa2_bwd_hd128_bf16", "fa2_bwd_hd192_bf16", "fa2_bwd_hd256_bf16",
     ],
     // Every kernel reads and writes global rows; the main kernels' tensor-core and ldmatrix
-    // instructions are checked by tests/sass.rs `fa2_backward_uses_mma_and_ldmatrix`.
+    // instructions are checked by tests/toolchain/sass.rs `fa2_backward_uses_mma_and_ldmatrix`.
     sass_expect: &["LDG", "STG"],
     cpu_emulation: "fa2_backward_matches_f64_reference",
 }];
@@ -722,7 +722,7 @@ const FA4_FA2_TILES: &[Tile] = &[
 const FA4_FA3_TILES: &[Tile] = &[fa3_tile(FA4_FA3_STAGE, 64), fa3_tile(FA4_FA3_STAGE, 128)];
 /// The benchmark's sweep rows: head dim 128 only (the H200 comparison beside FA3, docs/fa4.md).
 const FA4_FA3_SWEEP_TILES: &[Tile] = &[fa3_tile(FA4_FA3_STAGE, 128)];
-/// The software exp2 (FFMA) beside MUFU.EX2 in the FA2 / FA3 pipelines (tests/sass.rs also
+/// The software exp2 (FFMA) beside MUFU.EX2 in the FA2 / FA3 pipelines (tests/toolchain/sass.rs also
 /// compares the MUFU.EX2 count with the pipeline's own row).
 const FA4_FA2_SASS: &[&str] = &["HMMA.16816.F32", "LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS", "MUFU.EX2", "FFMA"];
 const FA4_FA3_SASS: &[&str] = &["HGMMA", "UTMALDG", "SYNCS", "USETMAXREG", "MUFU.EX2", "FFMA"];
@@ -751,7 +751,7 @@ pub const FAMILIES: &[Family] = &[
             Tile { head_dim: 256, block_m: 32, block_n: 16, threads: FA1_THREADS },
         ],
         min_sm: 80,
-        // Set once scripts/gpu-check.sh passes on a GPU (docs/cuda.md has the status).
+        // Set once scripts/check/gpu.sh passes on a GPU (docs/cuda.md has the status).
         gpu_verified: false,
         // The fallback of last resort: Auto may always pick it.
         auto: true,
@@ -782,7 +782,7 @@ pub const FAMILIES: &[Family] = &[
             Tile { head_dim: 256, block_m: 64, block_n: 32, threads: FA2_THREADS },
         ],
         min_sm: 80,
-        // Set once scripts/gpu-check.sh passes on a GPU (docs/fa2.md has the status).
+        // Set once scripts/check/gpu.sh passes on a GPU (docs/fa2.md has the status).
         gpu_verified: false,
         // Auto picks it over FA1 wherever it runs the problem (sm_80+, and Hopper until FA3 is verified).
         auto: true,

@@ -1,5 +1,5 @@
 //! Finding and inspecting nvcc: `$NVCC`, `$CUDA_HOME/bin`, `$CUDA_PATH/bin`, `PATH`, then the
-//! PyPI toolchain `scripts/install-cuda-toolchain.sh` installs; its version, the targets and PTX
+//! PyPI toolchain `scripts/toolchain/install-cuda.sh` installs; its version, the targets and PTX
 //! ISA it can build, and the fingerprint the cache key takes from it.
 
 use crate::Target;
@@ -99,7 +99,7 @@ pub(crate) fn is_dependency_source(root: &Path) -> bool {
 }
 
 /// Makes cargo rerun this script when a toolchain is installed or reinstalled: the stamp
-/// `scripts/install-cuda-toolchain.sh` writes last, or (not installed yet) the directory the
+/// `scripts/toolchain/install-cuda.sh` writes last, or (not installed yet) the directory the
 /// install fills. A path that does not exist is not watched: cargo would rerun every build.
 fn watch_toolchain_dirs(dirs: &[PathBuf]) {
     for d in dirs {

@@ -4,7 +4,7 @@
 // f32 operations, as the CPU path (src/numerics/quant.rs quantize_e4m3 after
 // src/numerics/hadamard.rs Rotation::apply), through the shared definitions of fp8.cuh and
 // hadamard.cuh, so the codes and scales are bit-identical to the CPU oracle
-// (tests/fp8_emulator.rs checks this in the emulator).
+// (tests/emulator/fp8.rs checks this in the emulator).
 //
 // Work split: one warp per scale block (work item = operand, batch, head, block), no shared
 // memory. A row of d elements lives in the warp as E = max(1, ceil(d / 32)) consecutive elements

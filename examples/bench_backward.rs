@@ -1,5 +1,5 @@
 //! The CPU backward on one shape, one JSON line: `cargo run --release --example bench_backward
-//! --features bench -- [options]` (scripts/cpu-peers.sh `--backward` runs it beside the peers).
+//! --features bench -- [options]` (scripts/bench/cpu-peers.sh `--backward` runs it beside the peers).
 //!
 //! ```text
 //! --dtype f32|f16|bf16 (f32)   --batch B (1)  --heads H (8)  --heads-kv HKV (H)  --head-dim D (128)
@@ -11,7 +11,7 @@
 //! = 2.5 × the forward's (FlashAttention's convention, `flash_attn::bench::flops`, causal
 //! counting visible pairs only).
 //!
-//! Only the timing: the gradients' accuracy is what tests/backward_props.rs checks.
+//! Only the timing: the gradients' accuracy is what tests/cpu/backward_props.rs checks.
 
 use flash_attn::{backward_into, forward, DType, ForwardOptions, Mask, OwnedData, Tensor};
 use std::time::Instant;

@@ -1,4 +1,4 @@
-//! The machine's memory read rate, for the decode rows of `scripts/cpu-peers.sh`: a decode step
+//! The machine's memory read rate, for the decode rows of `scripts/bench/cpu-peers.sh`: a decode step
 //! reads every K/V row once, so its GB/s of K/V read is bounded by how fast the cores can stream
 //! from DRAM, and the table says how close to that it comes.
 //!

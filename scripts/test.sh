@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it: installs the pinned CUDA 13.0 compiler from PyPI (so every
 # kernel is compiled and the SASS/ptxas checks run) and the pinned CUTLASS/CuTe headers (the
-# test-only oracle of tests/cute_oracle.rs); packages the crate (`cargo publish --dry-run`) and
+# test-only oracle of tests/toolchain/cute_oracle.rs); packages the crate (`cargo publish --dry-run`) and
 # runs every test from the packaged copy, so a file missing from the tarball fails here; then the
 # nvcc-only checks, clippy (with the kernels and CPU-only), `cargo doc` with warnings denied, the
 # MSRV check and the two integration crates. GPU tests are #[ignore]d and reported as ignored;
-# run them on a GPU machine with scripts/gpu-check.sh. The emulator's full matrix is
+# run them on a GPU machine with scripts/check/gpu.sh. The emulator's full matrix is
 # scripts/emulate.sh.
 #
 # Needs python3 with venv and pip, access to PyPI and crates.io, ~300 MB for the toolchain
@@ -38,9 +38,9 @@ target="$CARGO_TARGET_DIR"
 # The integration crates keep their own (their dependency trees differ).
 integration_target() { if [ -n "$cache" ]; then echo "$cache/target-$1"; else echo "$root/integrations/$1/target"; fi; }
 
-bin="$(scripts/install-cuda-toolchain.sh)"
+bin="$(scripts/toolchain/install-cuda.sh)"
 export NVCC="$bin/nvcc"
-cutlass_include="$(scripts/install-cutlass.sh)"
+cutlass_include="$(scripts/toolchain/install-cutlass.sh)"
 export FLASH_ATTN_CUTLASS_INCLUDE="$cutlass_include"
 # With the toolchain present, compile-only checks must run: a missing nvcc is then a failure.
 export FLASH_ATTN_REQUIRE_NVCC=1
@@ -68,7 +68,7 @@ section "cargo test (packaged crate)"
 (cd "$pkg" && cargo test --features bench --all-targets --no-run "$@" && cargo test --features bench "$@")
 # Checks that need nvcc or the CuTe headers (ignored in a plain `cargo test`, required here).
 section "nvcc-only checks"
-(cd "$pkg" && cargo test --features bench --test numerics_cuda_parity --test cute_oracle --test fp8_emulator "$@" -- --ignored)
+(cd "$pkg" && cargo test --features bench --test toolchain "$@" -- --ignored)
 cat "$(ls -td "$target"/debug/build/flash_attn-*/out | head -1)/kernels-build.txt" 2>/dev/null || true
 
 # No clippy warning in any target, with the kernels and CPU-only. rust-version in Cargo.toml

@@ -1,6 +1,6 @@
 // Software exp2 (FlashAttention-4's emulation on the FMA units). The same steps as
 // src/numerics/exp2.rs, with its constants (clamp, coefficients) from the header build.rs
-// generates from it; tests/numerics_cuda_parity.rs checks that the two agree bit for bit.
+// generates from it; tests/toolchain/numerics_cuda_parity.rs checks that the two agree bit for bit.
 //
 // 2^x = 2^floor(x) * 2^f, f = x - floor(x) in [0, 1):
 // 1. clamp x below at -127 (NaN passes through: the comparison is false);

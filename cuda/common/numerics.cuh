@@ -12,7 +12,7 @@
 #include <math.h>
 
 // Under nvcc: callable from host and device. Under a plain C++ compiler (the host-only parity
-// program of tests/numerics_cuda_parity.rs): ordinary inline functions.
+// program of tests/toolchain/numerics_cuda_parity.rs): ordinary inline functions.
 #ifndef FA_HD
 #if defined(__CUDACC__)
 #define FA_HD __host__ __device__ __forceinline__

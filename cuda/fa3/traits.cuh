@@ -80,7 +80,7 @@ struct Fa3Traits {
     // stage 5, with its tile walk, 56 (24 to 48 spilled) and the consumers 216 (hd 128 reaches
     // R203); stages 3-4 32 and 232 (stage 4 hd 128 reaches R229; 224 spilled). Totals
     // 128 * (56 + 2 * 216) = 62464 and 128 * (32 + 2 * 232) = 63488, within the 64512 of the
-    // CTA's launch allocation (ptxas at CUDA 13.0, no spills: tests/sass.rs).
+    // CTA's launch allocation (ptxas at CUDA 13.0, no spills: tests/toolchain/sass.rs).
     static constexpr int kProducerRegs = kServing ? (Stage >= 5 ? 56 : 32) : 24;
     static constexpr int kConsumerRegs = kServing ? (Stage >= 5 ? 216 : 232) : 240;
 

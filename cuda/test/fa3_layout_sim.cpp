@@ -19,7 +19,7 @@
 // every stage and head dim; the K/V tile range and mask-skip predicates agree with the
 // visibility rule (brute force). What it cannot prove: that the model is what the silicon does.
 //
-// Built and run by tests/fa3_layout_sim.rs: g++ -std=c++17 -O1 -D__host__= -D__device__=
+// Built and run by tests/emulator/fa3_layout.rs: g++ -std=c++17 -O1 -D__host__= -D__device__=
 //   -D__forceinline__=inline -I<cuda include> -Icuda cuda/test/fa3_layout_sim.cpp
 #include <climits>
 #include <cstdint>

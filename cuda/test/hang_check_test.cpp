@@ -1,6 +1,6 @@
 // Host run of the hang-check build's wait policy and report text (cuda/sm90/hang_check.cuh),
 // no GPU: the very wait_loop / print_timeout / print_wait the kernels use, with a fake clock and a
-// probe standing in for mbarrier.try_wait (tests/hang_check.rs builds it with g++ and checks).
+// probe standing in for mbarrier.try_wait (tests/emulator/hang_check.rs builds it with g++ and checks).
 //   hang_check_test          a never-completing wait: prints the report, then the trap report,
 //                            exits 3 (where the GPU executes trap)
 //   hang_check_test done     a wait completing after a few polls inside the limit: silent, exit 0

@@ -3,7 +3,7 @@
 //! `merge_states` / `merge_states_n` ([`merge_plan`]) and for the second pass of split-KV
 //! ([`splits_plan`]: the f32 partials `o_accum [splits, batch, hq, seqlen_q, d]`,
 //! `lse_accum [splits, batch, hq, seqlen_q]` into the forward's output and LSE). The CPU emulator
-//! runs exactly these launches (tests/combine_emulator.rs); [`gpu_num_splits`] is the split count
+//! runs exactly these launches (tests/emulator/combine.rs); [`gpu_num_splits`] is the split count
 //! of a GPU split-KV launch.
 //!
 //! Arithmetic: `numerics::merge::merge_row`'s recombination and −inf / NaN rules, in f32 on the

@@ -2,7 +2,7 @@
 //! build/instances.rs; docs/fa2-backward.md): three kernels on one stream sharing one
 //! [`BwdParams`]: the preprocess (D = rowsum(dO ∘ O), the dq accumulator zeroed), the main kernel
 //! over key blocks (dK, dV, dQ accumulated), the dq conversion. The CPU emulator runs exactly
-//! these plans (`tests/emulator_backward.rs`); the kernels have run in the emulator and been
+//! these plans (`tests/emulator/backward.rs`); the kernels have run in the emulator and been
 //! compile-checked, never on a GPU, so no dispatch path picks them.
 //!
 //! Preconditions the plan checks (typed errors, never a panic): f16/bf16; head_dim one of the

@@ -2,7 +2,7 @@
 //! loading under the default `cuda-dynamic-loading` feature, so the crate builds and runs with
 //! no CUDA present; with the bare `cuda` feature the application's cudarc links the driver).
 //!
-//! Imports go one way (tests/module_layers.rs checks it): `engine` over `plan`, `driver`,
+//! Imports go one way (tests/cpu/module_layers.rs checks it): `engine` over `plan`, `driver`,
 //! `select` and `device`; those over `hosts`, the family modules, `family`, `launch`, `params`;
 //! everything over `table`, which is plain data.
 //!

@@ -2,7 +2,7 @@
 //! the table row, grid and tensor maps from the family's host rules; `Engine` launches what it
 //! returns. [`plan`], [`plan_serving`] and [`plan_append`] give the plan `Engine` would launch for
 //! a named family (a row of build/instances.rs), by the same rules (the family's refusals,
-//! `FwdParams::for_launch`), for the CPU emulator (cuda/test/emu, driven by tests/emulator.rs),
+//! `FwdParams::for_launch`), for the CPU emulator (cuda/test/emu, driven by tests/emulator/forward.rs),
 //! so what the emulator checks is what the GPU would be given. Device addresses are whatever the
 //! caller says (the emulator maps them onto host buffers).
 

@@ -2,7 +2,7 @@
 // crate plans it (flash_attn::cuda::combine::{merge_plan, splits_plan}: kernel, grid, block, the
 // CombineParams bytes with device addresses), under several scheduler seeds whose outputs must be
 // bit-identical, outputs poisoned before each run and guarded by canaries (guarded_buffers.h).
-// tests/combine_emulator.rs writes the launch file and compares o and LSE with the host
+// tests/emulator/combine.rs writes the launch file and compares o and LSE with the host
 // merge_states_n.
 //
 // Launch file, one directive per line:

@@ -1,5 +1,5 @@
 // The emulator's launcher: `emu_<unit> <launch file>` runs one kernel launch exactly as the host
-// would make it, from a launch file the Rust side writes (tests/emulator.rs, from the crate's own
+// would make it, from a launch file the Rust side writes (tests/emulator/forward.rs, from the crate's own
 // launch plan: FwdParams, grid, block, dynamic shared memory and the cuTensorMapEncodeTiled
 // arguments of every tensor map). Device memory is emulated by host buffers at the device
 // addresses the plan used; every address in the params and in the tensor maps is translated.

@@ -2,12 +2,12 @@
 // the CUDA language onto plain C++ and supplies host versions of exactly the inline-PTX
 // wrappers of the instruction headers (cuda/sm80/{mma,red,fast_math,launch}.cuh,
 // cuda/sm90/{wgmma,wgmma_fp8,mbarrier,tma}.cuh, sm90/hang_check.cuh's clock, sm100/tcgen05.cuh),
-// which those headers compile out under FA_HOST_EMULATION. tests/emulator.rs checks that the two lists of wrappers
+// which those headers compile out under FA_HOST_EMULATION. tests/emulator/forward.rs checks that the two lists of wrappers
 // are the same.
 // The headers' other code (descriptor builders, layouts, mbar_wait, ...) is used as is.
 //
 // Build a kernel unit: g++ -std=c++20 -include cuda/test/emu/emu.h -isystem cuda/test/emu/include
-//   -I cuda -I $OUT_DIR/include -x c++ <unit> + runtime.cpp + driver.cpp (tests/emulator.rs does it).
+//   -I cuda -I $OUT_DIR/include -x c++ <unit> + runtime.cpp + driver.cpp (tests/emulator/forward.rs does it).
 #pragma once
 #define FA_HOST_EMULATION 1
 // The kernels' sm_90a code paths are compiled (their wrappers come from here, not from PTX).

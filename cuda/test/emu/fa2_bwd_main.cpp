@@ -2,7 +2,7 @@
 // sequence (flash_attn::cuda::fa2_bwd::plan: preprocess, main, convert, with one BwdParams) on
 // one emulated stream, under several scheduler seeds whose outputs must be bit-identical,
 // outputs (dq, dk, dv and the f32 scratch D and dq_accum) poisoned before each run and guarded
-// by canaries (guarded_buffers.h). tests/emulator_backward.rs writes the launch file and
+// by canaries (guarded_buffers.h). tests/emulator/backward.rs writes the launch file and
 // compares dq, dk, dv with the float64 reference gradient.
 //
 // Launch file, one directive per line:

@@ -1,6 +1,6 @@
 // The FP8 FA3 consumer (cuda/fa3_fp8_fwd_sm90.cu), unchanged, with the emulator's launcher
 // (driver.cpp: launch files with FwdParams, buffers at device addresses, seeds 1-3 compared bit
-// for bit). Built by tests/fp8_emulator.rs through tool_exe (with emu.h force-included).
+// for bit). Built by tests/emulator/fp8.rs through tool_exe (with emu.h force-included).
 #include "../../fa3_fp8_fwd_sm90.cu"
 
 EMU_KERNEL(fa3fp8s1_fwd_hd64_bf16)

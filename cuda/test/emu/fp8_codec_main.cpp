@@ -1,5 +1,5 @@
 // The e4m3 codec of cuda/common/fp8.cuh as the emulator compiles it (through the host
-// cuda/test/emu/include/cuda_fp8.h), for tests/fp8_emulator.rs to compare with the Rust codec.
+// cuda/test/emu/include/cuda_fp8.h), for tests/emulator/fp8.rs to compare with the Rust codec.
 // Writes to stdout: the decode of every code (f32, little endian), then the code of each f32 bit
 // pattern of the sweep: every 4099th pattern, then for sign 0 and 1 every 61st pattern of
 // [2^-12, 1024) (e4m3's range and its neighbourhood). The test enumerates the same sweep.

@@ -1,7 +1,7 @@
 // Runs the FP8 pre-pass kernels (cuda/fp8_prepass.cu), unchanged, in the CPU emulator: one launch
 // as the crate plans it (flash_attn::cuda::fp8::prepass_plan: kernel, grid, block, the
 // Fp8PrepassParams bytes with device addresses), under several scheduler seeds whose outputs must
-// be bit-identical, outputs poisoned before each run and guarded by canaries. tests/fp8_emulator.rs
+// be bit-identical, outputs poisoned before each run and guarded by canaries. tests/emulator/fp8.rs
 // writes the launch file and compares the codes and scales with the CPU oracle.
 //
 // Launch file, one directive per line:

@@ -1,4 +1,4 @@
-// Self-tests of the FP8 (e4m3) wgmma path in the emulator (tests/fp8_emulator.rs runs them):
+// Self-tests of the FP8 (e4m3) wgmma path in the emulator (tests/emulator/fp8.rs runs them):
 //   a8_permutation       acc_to_a8's lane/byte routing (a8_src_lane, a8_byte_sel, the packing
 //                        order) moves every accumulator element of S to the A8 fragment slot of
 //                        the same (row, key), by the emulator's fragment maps (acc_coord,

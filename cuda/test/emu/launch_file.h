@@ -1,4 +1,4 @@
-// The launch files tests/common/emu.rs writes for the emulator's drivers (driver.cpp for the
+// The launch files tests/support/emu.rs writes for the emulator's drivers (driver.cpp for the
 // forward kernels, fp8_prepass_main.cpp for the FP8 pre-pass): one directive per line,
 // `key value...`, blank lines and '#' comments skipped. The reading, the number and hex parsing
 // and the error exit live here once; each driver handles its own directives.

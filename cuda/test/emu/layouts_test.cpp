@@ -1,5 +1,5 @@
 // Checks of the emulator's layout functions (sm80_layouts.h, sm90_layouts.h), run by
-// tests/emulator.rs: their own properties (bijections, involutions, round trips), and that the
+// tests/emulator/forward.rs: their own properties (bijections, involutions, round trips), and that the
 // kernels' encoders (the descriptors, tile offsets and fragment indices of sm90/wgmma.cuh,
 // fa3/traits.cuh and fa2/layout.h) address exactly the elements the emulator's decoders read.
 // Both sides share one reading of the PTX ISA; an oracle that is not ours (CuTe) checks the

@@ -1,4 +1,4 @@
-// Self-tests of the CPU emulator (tests/emulator.rs runs them): small kernels that use each
+// Self-tests of the CPU emulator (tests/emulator/forward.rs runs them): small kernels that use each
 // emulated primitive correctly (and must pass, with results checked against host arithmetic)
 // or break one of its rules (and must fail with the expected diagnosis). Each test runs in a
 // forked child, so a failing emulator check (which exits) is observed from outside.

@@ -1,6 +1,6 @@
 // NVIDIA's own definitions of the layouts our sm_80 / sm_90a kernels rely on, as plain functions:
 // an oracle that is not our reading of the PTX ISA. Every answer is computed by CUTLASS/CuTe
-// (nvidia-cutlass 4.2.0 from PyPI, installed by scripts/install-cutlass.sh, never vendored):
+// (nvidia-cutlass 4.2.0 from PyPI, installed by scripts/toolchain/install-cutlass.sh, never vendored):
 // the register-fragment maps of CuTe's MMA traits, the thread/value maps of its ldmatrix copy
 // traits, its shared-memory swizzle functors and the wgmma descriptors its make_gmma_desc builds.
 // CuTe's definitions are the ones NVIDIA's own kernels run on hardware.
@@ -9,7 +9,7 @@
 // cuda/test/oracle/check_sm90.cpp, the FA2 ones in check_sm80.cpp, the emulator's decoders of
 // cuda/test/emu/ in check_emu.cpp) can include it and link cute_maps.cpp, which is the only file compiled against
 // the CuTe headers (g++ -std=c++17, CuTe include dir, the CUDA toolkit's include/ and
-// include/cccl/; tests/cute_oracle.rs shows the command line).
+// include/cccl/; tests/toolchain/cute_oracle.rs shows the command line).
 //
 // Conventions shared by every function:
 //  * "thread" is the thread's index inside its warpgroup (0..127, sm_90 wgmma) and "lane" its

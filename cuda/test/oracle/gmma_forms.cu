@@ -1,5 +1,5 @@
 // Our wgmma instruction wrappers (cuda/sm90/wgmma.cuh) next to CuTe's for the same
-// shapes and layouts, compiled for sm_90a (compile-checked only): tests/cute_oracle.rs compares
+// shapes and layouts, compiled for sm_90a (compile-checked only): tests/toolchain/cute_oracle.rs compares
 // the HGMMA instructions ptxas makes of each pair, register numbers aside, so the operand kinds,
 // the transpose flags and the accumulate / overwrite forms of our inline PTX are NVIDIA's.
 // Kernels <impl>_<dtype>_<form>, impl = ours | cute, dtype = bf16 | f16:

@@ -1,5 +1,5 @@
 // Our e4m3 wgmma wrappers (cuda/sm90/wgmma_fp8.cuh) next to CuTe's for the same shapes,
-// compiled for sm_90a (compile-checked only): tests/fp8_emulator.rs (cute_e4m3_forms, ignored
+// compiled for sm_90a (compile-checked only): tests/toolchain/fp8.rs (cute_e4m3_forms, ignored
 // without CuTe and nvcc) compares the QGMMA instructions ptxas makes of each pair, register
 // numbers aside, so the operand kinds and the accumulate / overwrite forms of our inline PTX are
 // NVIDIA's. Kernels <impl>_e4m3_<form>, impl = ours | cute:

@@ -1,4 +1,4 @@
-// The CuTe oracle's test program (tests/cute_oracle.rs builds and runs it): our sm_90a and sm_80
+// The CuTe oracle's test program (tests/toolchain/cute_oracle.rs builds and runs it): our sm_90a and sm_80
 // layouts (the kernels' helpers: check_sm90.cpp, check_sm80.cpp; the emulator's decoders:
 // check_emu.cpp; the sm_100a encodings: check_sm100.cpp) against NVIDIA's CuTe definitions (cute_maps.h). One line per checked group; exit 1 on
 // any mismatch.

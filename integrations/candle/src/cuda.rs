@@ -3,7 +3,7 @@
 //! candle buffers. Dense calls go through `Engine::launch`; varlen, paged and cache calls through
 //! `Engine::launch_serving_raw`, with the host index arrays uploaded on the same stream.
 //!
-//! Type-checked against candle-core's CUDA backend by `scripts/check-candle-cuda.sh`; nothing
+//! Type-checked against candle-core's CUDA backend by `scripts/check/candle-cuda.sh`; nothing
 //! here has run on a GPU.
 
 use crate::convert::{bshd, err, same_dtype};

@@ -412,7 +412,7 @@ pub use crate::bench::roofline::rotating_sets;
 /// The GPU sweep (FA3 paper style): batch × seqlen = `tokens` (16K), seqlen 512..=16K, head_dim
 /// 64/128/256 with hidden 2048 (32/16/8 heads, as FA3's paper), causal and not, in `dtype`.
 /// `quick` is the short sweep of the one-command GPU check: hdim 64 and 128 at seqlen 4K (the
-/// same shapes as `scripts/peers_torch.py --quick` and `scripts/gpu-bench.sh`).
+/// same shapes as `scripts/bench/gpu-peers-torch.py --quick` and `scripts/bench/gpu-peers.sh`).
 pub fn sweep(dtype: crate::DType, tokens: usize, quick: bool) -> Vec<Case> {
     const HIDDEN: usize = 2048;
     let seqlens: &[usize] = if quick { &[4096] } else { &[512, 1024, 2048, 4096, 8192, 16384] };

@@ -6,8 +6,8 @@ use crate::Mask;
 use serde_json::{json, Map, Value};
 use super::Case;
 
-/// One measured run, printed as one JSON line (the format `scripts/peers_torch.py` also writes
-/// and `scripts/report.py` reads).
+/// One measured run, printed as one JSON line (the format `scripts/bench/gpu-peers-torch.py` also writes
+/// and `scripts/bench/report.py` reads).
 #[derive(Clone, Debug)]
 pub struct Record {
     /// "flash_attn", "torch-sdpa-flash", "torch-sdpa-cudnn", "gemm".
@@ -53,7 +53,7 @@ impl Record {
     }
 
     /// [`Record::json`] with extra fields, e.g. the GPU's driver and clocks, which
-    /// `scripts/report.py` prints per machine.
+    /// `scripts/bench/report.py` prints per machine.
     pub fn json_with<const N: usize>(&self, extra: [(&str, Value); N]) -> String {
         let mut fields = self.json_fields();
         fields.extend(extra.into_iter().map(|(k, v)| (k.to_string(), v)));

@@ -1,6 +1,6 @@
 //! The serving entry point of [`Engine`] on device memory (docs/serving.md "Device API"):
 //! varlen, dense or paged KV caches, the KV append. Compile-checked only: the kernels it
-//! launches ran in the emulator (tests/emulator_serving.rs), this launch path has not run on a
+//! launches ran in the emulator (tests/emulator/serving_fa2.rs), this launch path has not run on a
 //! GPU.
 //!
 //! Index arrays come as [`DeviceIndex`]: the device address a kernel reads and a host mirror of

@@ -1,7 +1,7 @@
 //! The Hopper FP8 forward's launches as data (docs/fp8.md, "On Hopper"): the pre-pass
 //! (`cuda/fp8_prepass.cu`: bf16/f16 -> e4m3 codes + per-block scales, Q and K rotated) and the FP8
 //! consumer (`cuda/fa3_fp8_fwd_sm90.cu`). The CPU emulator runs exactly these launches
-//! (tests/fp8_emulator.rs). The stage 3-5 consumers at head_dim 64, 128 and 256, each with the
+//! (tests/emulator/fp8.rs). The stage 3-5 consumers at head_dim 64, 128 and 256, each with the
 //! pre-pass of its head_dim in its image, are the table rows "fa3fp8s3".."fa3fp8s5"
 //! (build/instances.rs), whose host rules are `Fp8` here: `select` picks them for `Precision::Fp8`
 //! problems on sm_90a.

@@ -2,7 +2,7 @@
 // conversions cuda/common/fp8.cuh uses, bit-exact with CUDA 13.0's (one rounding to nearest
 // even, __NV_SATFINITE saturates to the largest finite value, NaN -> 0x7F for e4m3 / 0x7F for
 // e5m2 whatever its sign), so the emulator builds with a plain g++ and no CUDA toolkit.
-// tests/fp8_emulator.rs checks encode over every f32 bit pattern class against the Rust codec
+// tests/emulator/fp8.rs checks encode over every f32 bit pattern class against the Rust codec
 // (float8, which equals CUDA except for NaN's sign) and every code's decode.
 #pragma once
 #include <cmath>

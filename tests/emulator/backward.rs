@@ -1,0 +1,289 @@
+//! The FA2 backward kernels (`cuda/fa2_bwd.cu`: preprocess, main, dq conversion) in the CPU
+//! emulator (cuda/test/emu, docs/emulator.md), against the float64 reference gradient. Each case
+//! is the crate's own launch sequence (`flash_attn::cuda::fa2_bwd::plan`), run by
+//! `cuda/test/emu/fa2_bwd_main.cpp` under three scheduler seeds whose outputs (dq, dk, dv and the
+//! f32 scratch) must be bit-identical, with every output NaN-poisoned first and guarded.
+//!
+//! The rule is FlashAttention's for gradients, as the CPU backward's (tests/cpu/backward_props.rs):
+//! per gradient, `max|g − ref| ≤ 2·max|naive − ref| + floor·max(1, max|ref|)`, where `ref` is
+//! `reference::attention_backward_f64`, `naive` the straightforward backward in the input dtype
+//! (`reference::attention_backward_naive`) and floor the forward's (2e-3 f16, 1.6e-2 bf16). The
+//! forward the kernels consume (O in the dtype, the f32 LSE) is `reference::attention_f64`'s.
+//!
+//! Only g++ is needed (no nvcc, no GPU): these ran in the emulator; nothing here ran on a GPU.
+//! `FLASH_ATTN_EMU=full` runs every head dim in both dtypes and random configurations.
+#![cfg(feature = "cuda")]
+
+use crate::support::emu::{matrix_seed, tool_exe_with, Mutation};
+use crate::support::{floor_for, randn, Rng};
+use flash_attn::cuda::bwd_params::BwdOperands;
+use flash_attn::cuda::fa2_bwd::{plan, BwdPlan};
+use flash_attn::reference::{attention_backward_f64, attention_backward_naive, attention_f64, max_abs_diff};
+use flash_attn::{DType, Data, ForwardOptions, Mask, Problem, Tensor};
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::process::Command;
+
+fn full() -> bool {
+    std::env::var("FLASH_ATTN_EMU").is_ok_and(|v| v == "full")
+}
+
+/// Device addresses of the emulated buffers (16-byte aligned, 4 GiB apart).
+mod addr {
+    pub const Q: u64 = 0x10_0000_0000;
+    pub const K: u64 = 0x11_0000_0000;
+    pub const V: u64 = 0x12_0000_0000;
+    pub const O: u64 = 0x13_0000_0000;
+    pub const DO: u64 = 0x14_0000_0000;
+    pub const DQ: u64 = 0x15_0000_0000;
+    pub const DK: u64 = 0x16_0000_0000;
+    pub const DV: u64 = 0x17_0000_0000;
+    pub const LSE: u64 = 0x18_0000_0000;
+    pub const D_SUM: u64 = 0x19_0000_0000;
+    pub const DQ_ACC: u64 = 0x1a_0000_0000;
+    pub const ALIBI: u64 = 0x1b_0000_0000;
+}
+
+#[derive(Clone, Debug)]
+struct Case {
+    dtype: DType,
+    /// `[batch, seqlen, heads, head_dim]` of q and of k.
+    q: [usize; 4],
+    k: [usize; 4],
+    opts: ForwardOptions,
+    deterministic: bool,
+}
+
+impl Case {
+    fn new(dtype: DType, q: [usize; 4], k: [usize; 4], opts: ForwardOptions) -> Self {
+        Case { dtype, q, k, opts, deterministic: false }
+    }
+    fn name(&self) -> String {
+        format!(
+            "{:?} q{:?} k{:?} {:?}{}{}{}",
+            self.dtype,
+            self.q,
+            self.k,
+            self.opts.mask,
+            self.opts.softcap.map_or(String::new(), |c| format!(" softcap{c}")),
+            if self.opts.alibi_slopes.is_some() { " alibi" } else { "" },
+            if self.deterministic { " deterministic" } else { "" },
+        )
+    }
+}
+
+fn to_bytes(dt: DType, v: &[f32]) -> Vec<u8> {
+    let t = Tensor::from_f32(v, dt, [1, 1, 1, v.len()]).unwrap();
+    match t.view().data() {
+        Data::F16(s) => s.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
+        Data::BF16(s) => s.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
+        _ => unreachable!("16-bit dtypes only"),
+    }
+}
+fn from_bytes(dt: DType, b: &[u8]) -> Vec<f64> {
+    b.chunks_exact(2)
+        .map(|c| {
+            let bits = u16::from_le_bytes([c[0], c[1]]);
+            match dt {
+                DType::BF16 => half::bf16::from_bits(bits).to_f64(),
+                _ => half::f16::from_bits(bits).to_f64(),
+            }
+        })
+        .collect()
+}
+fn contiguous(s: [usize; 4]) -> [usize; 3] {
+    [s[1] * s[2] * s[3], s[2] * s[3], s[3]]
+}
+
+/// The outcome of one case: the largest error over its bound among dq, dk, dv.
+type Outcome = Result<f64, String>;
+
+/// Runs `c` in the emulator (built with `mutation` if any) and checks it.
+fn run_case(c: &Case, mutation: Option<&Mutation>) -> Outcome {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    std::hash::Hash::hash(&c.name(), &mut h);
+    let seed = std::hash::Hasher::finish(&h);
+    let mut rng = Rng::new(seed | 1);
+    let (q, k, v, d_o) = (randn(&mut rng, c.dtype, c.q), randn(&mut rng, c.dtype, c.k), randn(&mut rng, c.dtype, c.k), randn(&mut rng, c.dtype, c.q));
+    let p = Problem::new(&q.view(), &k.view(), &v.view(), &c.opts).map_err(|e| format!("problem: {e}"))?;
+    // The forward the backward consumes: O in the dtype, LSE in f32, both from float64.
+    let fwd = attention_f64(&p, &q.view(), &k.view(), &v.view()).unwrap();
+    let o: Vec<f32> = fwd.o.iter().map(|&x| x as f32).collect();
+    let lse: Vec<f32> = fwd.lse.iter().map(|&x| x as f32).collect();
+    let (qs, ks) = (contiguous(c.q), contiguous(c.k));
+    let ops = BwdOperands {
+        ptrs: [addr::Q, addr::K, addr::V, addr::O, addr::DO, addr::DQ, addr::DK, addr::DV],
+        strides: [qs, ks, ks, qs, qs, qs, ks, ks],
+        lse: addr::LSE,
+        d_sum: addr::D_SUM,
+        dq_accum: addr::DQ_ACC,
+        alibi: if c.opts.alibi_slopes.is_some() { addr::ALIBI } else { 0 },
+    };
+    let pl: BwdPlan = plan(&p, &ops, c.deterministic).map_err(|e| format!("plan: {e}"))?;
+    let exe = tool_exe_with("fa2_bwd_main.cpp", mutation)?;
+
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join("emu_backward")
+        .join(format!("{seed:016x}{}", mutation.map_or("", |m| m.name)));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = |n: &str| dir.join(n).display().to_string();
+    let mut lf = String::new();
+    writeln!(lf, "seeds 1 2 3").unwrap();
+    let hex: String = pl.params.to_bytes().iter().map(|b| format!("{b:02x}")).collect();
+    writeln!(lf, "params {hex}").unwrap();
+    for l in &pl.launches {
+        writeln!(lf, "launch {} {} {} {} {} {}", l.kernel, l.grid.0, l.grid.1, l.grid.2, l.block.0, l.smem_bytes).unwrap();
+    }
+    let f32_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let mut inputs: Vec<(&str, u64, Vec<u8>)> = vec![
+        ("q", addr::Q, to_bytes(c.dtype, &q.to_f32_vec())),
+        ("k", addr::K, to_bytes(c.dtype, &k.to_f32_vec())),
+        ("v", addr::V, to_bytes(c.dtype, &v.to_f32_vec())),
+        ("o", addr::O, to_bytes(c.dtype, &o)),
+        ("do", addr::DO, to_bytes(c.dtype, &d_o.to_f32_vec())),
+        ("lse", addr::LSE, f32_bytes(&lse)),
+    ];
+    if let Some(s) = &c.opts.alibi_slopes {
+        inputs.push(("alibi", addr::ALIBI, f32_bytes(s)));
+    }
+    for (name, a, bytes) in &inputs {
+        std::fs::write(file(name), bytes).unwrap();
+        writeln!(lf, "in {name} {a:#x} {} {}", bytes.len(), file(name)).unwrap();
+    }
+    let (nq, nk) = (c.q.iter().product::<usize>(), c.k.iter().product::<usize>());
+    let outputs = [
+        ("dq", addr::DQ, nq * 2),
+        ("dk", addr::DK, nk * 2),
+        ("dv", addr::DV, nk * 2),
+        ("d_sum", addr::D_SUM, pl.d_sum_floats * 4),
+        ("dq_accum", addr::DQ_ACC, pl.dq_accum_floats * 4),
+    ];
+    for (name, a, bytes) in outputs {
+        writeln!(lf, "out {name} {a:#x} {bytes} {}", file(name)).unwrap();
+    }
+    std::fs::write(file("launch"), &lf).unwrap();
+    let out = Command::new(&exe).arg(file("launch")).output().map_err(|e| format!("run {}: {e}", exe.display()))?;
+    let log = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() {
+        return Err(format!("emulator exit {:?}:\n{log}", out.status.code()));
+    }
+    let read = |n: &str| from_bytes(c.dtype, &std::fs::read(file(n)).unwrap());
+    let (dq, dk, dv) = (read("dq"), read("dk"), read("dv"));
+    let (qv, kv, vv, dov) = (q.view(), k.view(), v.view(), d_o.view());
+    let reference = attention_backward_f64(&p, &qv, &kv, &vv, &dov).unwrap();
+    let naive = attention_backward_naive(&p, &qv, &kv, &vv, &dov, c.dtype).unwrap();
+    let mut worst = 0.0f64;
+    for (name, g, r, n) in [
+        ("dq", &dq, &reference.dq, &naive.dq),
+        ("dk", &dk, &reference.dk, &naive.dk),
+        ("dv", &dv, &reference.dv, &naive.dv),
+    ] {
+        let err = max_abs_diff(g, r);
+        // The floor at the gradient's own scale (tests/cpu/backward_props.rs states the same rule).
+        let scale = r.iter().fold(1.0f64, |m, x| m.max(x.abs()));
+        let bound = 2.0 * max_abs_diff(n, r) + floor_for(c.dtype) * scale;
+        if err > bound {
+            let at = g.iter().zip(r.iter()).enumerate().max_by(|a, b| {
+                let e = |x: &(usize, (&f64, &f64))| if x.1 .0.is_nan() { f64::INFINITY } else { (x.1 .0 - x.1 .1).abs() };
+                e(a).total_cmp(&e(b))
+            });
+            return Err(format!("max |{name} - ref| {err:.3e} > bound {bound:.3e} (worst at {at:?})\n{log}"));
+        }
+        worst = worst.max(err / bound);
+    }
+    Ok(worst)
+}
+
+fn run_all(cases: &[Case]) {
+    let mut failed = Vec::new();
+    for c in cases {
+        let t0 = std::time::Instant::now();
+        match run_case(c, None) {
+            Ok(r) => println!("ok   {} err/bound {r:.3} ({:.1} s)", c.name(), t0.elapsed().as_secs_f64()),
+            Err(e) => {
+                println!("FAIL {}: {e}", c.name());
+                failed.push(c.name());
+            }
+        }
+    }
+    assert!(failed.is_empty(), "{} of {} cases failed: {failed:?}", failed.len(), cases.len());
+}
+
+/// The CI subset: head dims 64 and 128 in both dtypes, causal and not, GQA, odd lengths,
+/// seqlen_q > seqlen_k (rows that see no key), a window with softcap and ALiBi, key blocks no
+/// row sees, and the deterministic mode. `FLASH_ATTN_EMU=full` adds every head dim and random configurations.
+fn cases() -> Vec<Case> {
+    let o = ForwardOptions::default;
+    let mut v = vec![
+        Case::new(DType::F16, [1, 100, 2, 64], [1, 100, 2, 64], o()),
+        Case::new(DType::BF16, [1, 70, 4, 128], [1, 130, 2, 128], o().causal(true)),
+        Case::new(DType::F16, [2, 130, 3, 64], [2, 67, 1, 64], o().causal(true)),
+        Case::new(DType::BF16, [1, 97, 2, 64], [1, 97, 2, 64], o().mask(Mask::window(20, 5)).softcap(5.0).alibi_slopes(vec![0.25f32, 0.5])),
+        Case { deterministic: true, ..Case::new(DType::F16, [1, 90, 4, 128], [1, 150, 2, 128], o().causal(true)) },
+        // Keys 0-159 are seen by no row: those key blocks load nothing and write dK = dV = 0.
+        Case::new(DType::F16, [1, 10, 2, 64], [1, 200, 2, 64], o().mask(Mask::causal_window(30))),
+    ];
+    if full() {
+        let mut rng = Rng::new(matrix_seed("fa2 backward full matrix", 0xfa2b_ad00));
+        for &d in &[32usize, 64, 96, 128, 192, 256] {
+            for dt in [DType::F16, DType::BF16] {
+                let pick = |rng: &mut Rng, n: u64| (rng.next_u64() % n) as usize;
+                let hk = 1 + pick(&mut rng, 2);
+                let hq = hk * (1 + pick(&mut rng, 3));
+                let (sq, sk) = (1 + pick(&mut rng, 200), 1 + pick(&mut rng, 200));
+                let mut opts = match pick(&mut rng, 4) {
+                    0 => o(),
+                    1 => o().causal(true),
+                    2 => o().mask(Mask::window(pick(&mut rng, 60) as i64, pick(&mut rng, 20) as i64)),
+                    _ => o().mask(Mask::causal_window(pick(&mut rng, 60) as i64)),
+                };
+                if pick(&mut rng, 3) == 0 {
+                    opts = opts.softcap(2.0 + pick(&mut rng, 30) as f32);
+                }
+                if pick(&mut rng, 3) == 0 {
+                    opts = opts.alibi_slopes((0..hq).map(|i| 0.1 * (i + 1) as f32).collect::<Vec<_>>());
+                }
+                let b = 1 + pick(&mut rng, 2);
+                let deterministic = pick(&mut rng, 2) == 0;
+                v.push(Case { deterministic, ..Case::new(dt, [b, sq, hq, d], [b, sk, hk, d], opts) });
+            }
+        }
+    }
+    v
+}
+
+/// The standalone row's `cpu_emulation` (build/instances.rs "fa2_bwd").
+#[test]
+fn fa2_backward_matches_f64_reference() {
+    run_all(&cases());
+}
+
+/// Mutations the checks must catch: without the barrier between the dS stores and the
+/// dQ = dS K mma, warps read dS tiles other warps have not written (the poisoned or the previous
+/// block's); without D in dS = P o (dP - D), every gradient but dV is wrong.
+#[test]
+fn fa2_backward_mutations_are_caught() {
+    let mutations = [
+        Mutation {
+            name: "fa2bwd-no-ds-barrier",
+            file: "cuda/fa2/bwd_mainloop.cuh",
+            from: "__syncthreads();  // dS complete for every warp",
+            to: "// (barrier removed)",
+            defines: &[],
+        },
+        Mutation {
+            name: "fa2bwd-no-d",
+            file: "cuda/fa2/bwd_mainloop.cuh",
+            from: "(acc_dp[t][i] - sD[r])",
+            to: "(acc_dp[t][i])",
+            defines: &[],
+        },
+    ];
+    let c = Case::new(DType::F16, [1, 130, 2, 64], [1, 100, 2, 64], ForwardOptions::default());
+    for m in &mutations {
+        match run_case(&c, Some(m)) {
+            Ok(r) => panic!("the mutation {} was not caught (err/bound {r:.3})", m.name),
+            Err(e) => println!("{} caught: {}", m.name, e.lines().find(|l| l.contains("EMU ERROR") || l.contains("max |")).unwrap_or(&e)),
+        }
+    }
+}

@@ -1,0 +1,569 @@
+//! FA3 (sm_90a, stages 3-5) on the serving layouts, in the CPU emulator (docs/emulator.md,
+//! docs/fa3.md "Serving layouts"): packed variable-length batches, dense caches with
+//! `cache_seqlens`, paged caches of any page size (TMA through the block table when the page
+//! size is a multiple of the 128-key tile, the gathered cp.async path otherwise), shuffled and
+//! shared block tables, GQA, causal / window / softcap, LSE. Each launch is the crate's own plan
+//! (`plan_serving`), run under three scheduler seeds (bit-identical outputs), and each sequence
+//! is compared with the float64 reference run on that sequence alone, with the GPU tests' rule
+//! (`max|O - ref| <= 2 max|naive - ref| + floor`, LSE within 2e-3; a sequence with no key: O = 0,
+//! LSE = -inf). Unused cache slots and unused blocks hold NaN: a kernel that reads one into
+//! P V fails. Outputs are NaN-poisoned by the driver, so an unwritten row fails too.
+//!
+//! `cargo test --test emulator serving_fa3::` runs a subset; `FLASH_ATTN_EMU=full` the matrix.
+use crate::support::emu::{run_launch, unit_exe, LaunchBuf, Mutation, LSE_TOL};
+use crate::support::emu::addr::{CU_K, CU_Q, K, KNEW, LSE, O, Q, SEQUSED, TABLE, V, VNEW};
+use flash_attn::cuda::plan::{plan_serving, LaunchPlan, Operands, ServingOperands};
+use flash_attn::cuda::table::FAMILIES;
+use flash_attn::reference::{attention_f64, attention_naive, max_abs_diff};
+use flash_attn::serving::{BatchLayout, KvLayout, QueryLayout};
+use flash_attn::{DType, ForwardOptions, Mask, Problem, Tensor};
+use crate::support::serving::{floor_for, values, Rng};
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{Hash, Hasher};
+
+fn full() -> bool {
+    std::env::var("FLASH_ATTN_EMU").is_ok_and(|v| v == "full")
+}
+
+/// Where the keys of each sequence are.
+#[derive(Clone, Debug)]
+enum Kv {
+    /// Packed k/v `[1, total_k, hkv, d]` with these lengths.
+    Packed(Vec<usize>),
+    /// A dense cache `[batch, capacity, hkv, d]`, sequence b using its first `lens[b]` rows.
+    Cache { lens: Vec<usize>, capacity: usize },
+    /// A paged cache of `page`-key blocks: block ids shuffled, `spare` unused blocks, and with
+    /// `shared` the second sequence's first block is the first one's (a shared prefix).
+    Paged { lens: Vec<usize>, page: usize, spare: usize, shared: bool },
+}
+
+impl Kv {
+    fn lens(&self) -> &[usize] {
+        match self {
+            Kv::Packed(l) | Kv::Cache { lens: l, .. } | Kv::Paged { lens: l, .. } => l,
+        }
+    }
+}
+
+/// One emulated serving launch.
+#[derive(Clone, Debug)]
+struct Case {
+    family: &'static str,
+    dtype: DType,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    /// Query rows per sequence; `q_packed` false: dense q `[batch, sq, hq, d]` (all equal).
+    q_lens: Vec<usize>,
+    q_packed: bool,
+    kv: Kv,
+    opts: ForwardOptions,
+    sm_count: u32,
+    /// Cache layouts: the last `appended` keys of each sequence are this call's new rows
+    /// (`seqlen_new`), already in the cache as the append kernel leaves it before the attention.
+    appended: usize,
+    /// Scheduler seeds (bit-identical outputs across them).
+    seeds: Vec<u64>,
+}
+
+impl Case {
+    fn name(&self) -> String {
+        format!(
+            "{} {:?} hq{} hkv{} d{} q{}{:?} {:?} {:?}{}{} sms{}",
+            self.family,
+            self.dtype,
+            self.hq,
+            self.hkv,
+            self.d,
+            if self.q_packed { "packed" } else { "dense" },
+            self.q_lens,
+            self.kv,
+            self.opts.mask,
+            self.opts.softcap.map_or(String::new(), |c| format!(" softcap{c}")),
+            if self.opts.return_lse { " lse" } else { "" },
+            self.sm_count
+        ) + &if self.appended > 0 { format!(" appended{}", self.appended) } else { String::new() }
+    }
+}
+
+fn bits(x: &[f32], dtype: DType) -> Vec<u8> {
+    let t = Tensor::from_f32(x, dtype, [1, 1, 1, x.len()]).unwrap();
+    match t.view().data() {
+        flash_attn::Data::F16(s) => s.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
+        flash_attn::Data::BF16(s) => s.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
+        _ => unreachable!(),
+    }
+}
+
+fn from_bits(b: &[u8], dtype: DType) -> Vec<f32> {
+    b.chunks_exact(2)
+        .map(|c| {
+            let h = u16::from_le_bytes([c[0], c[1]]);
+            match dtype {
+                DType::BF16 => half::bf16::from_bits(h).to_f32(),
+                _ => half::f16::from_bits(h).to_f32(),
+            }
+        })
+        .collect()
+}
+
+/// Row of the k/v storage that holds key j of sequence b.
+type KeyRow = Box<dyn Fn(usize, usize) -> usize>;
+
+fn cu(lens: &[usize]) -> Vec<i32> {
+    let mut v = vec![0i32];
+    for &l in lens {
+        v.push(v.last().unwrap() + l as i32);
+    }
+    v
+}
+
+/// Runs one case; Ok(worst err / bound over its sequences, the plan) or Err(why). With
+/// `execute` false only plans the launch (ratio 0).
+fn run(c: &Case, execute: bool) -> Result<(f64, LaunchPlan), String> {
+    run_mutated(c, execute, None)
+}
+
+fn run_mutated(c: &Case, execute: bool, mutation: Option<&Mutation>) -> Result<(f64, LaunchPlan), String> {
+    let mut h = DefaultHasher::new();
+    c.name().hash(&mut h);
+    let mut rng = Rng::new(h.finish() | 1);
+    let (hq, hkv, d, dt) = (c.hq, c.hkv, c.d, c.dtype);
+    let batch = c.q_lens.len();
+    let k_lens = c.kv.lens().to_vec();
+    assert_eq!(k_lens.len(), batch);
+    let row = hkv * d;
+
+    // q: packed [1, total_q, hq, d] or dense [batch, sq, hq, d]; row r of sequence b at
+    // q_row0[b] + r either way (dense: b * sq).
+    let q_rows: usize = c.q_lens.iter().sum();
+    let cu_q = cu(&c.q_lens);
+    let q = values(&mut rng, q_rows * hq * d, dt);
+    let sq_dense = c.q_lens[0];
+    if !c.q_packed {
+        assert!(c.q_lens.iter().all(|&l| l == sq_dense), "a dense q has one seqlen");
+    }
+
+    // k/v storage and each sequence's key rows in it.
+    let (k_shape, key_row): ([usize; 4], KeyRow);
+    let mut table: Vec<i32> = Vec::new();
+    let mut max_blocks = 0;
+    let cu_k = cu(&k_lens);
+    let (mut k, mut v);
+    match &c.kv {
+        Kv::Packed(lens) => {
+            let total: usize = lens.iter().sum();
+            k_shape = [1, total, hkv, d];
+            k = values(&mut rng, total * row, dt);
+            v = values(&mut rng, total * row, dt);
+            let cu_k = cu_k.clone();
+            key_row = Box::new(move |b, j| cu_k[b] as usize + j);
+        }
+        Kv::Cache { lens, capacity } => {
+            k_shape = [batch, *capacity, hkv, d];
+            k = vec![f32::NAN; batch * capacity * row];
+            v = k.clone();
+            let cap = *capacity;
+            for (b, &l) in lens.iter().enumerate() {
+                let (kk, vv) = (values(&mut rng, l * row, dt), values(&mut rng, l * row, dt));
+                k[b * cap * row..][..l * row].copy_from_slice(&kk);
+                v[b * cap * row..][..l * row].copy_from_slice(&vv);
+            }
+            key_row = Box::new(move |b, j| b * cap + j);
+        }
+        Kv::Paged { lens, page, spare, shared } => {
+            let page = *page;
+            let need: Vec<usize> = lens.iter().map(|l| l.div_ceil(page)).collect();
+            let shared = *shared && batch >= 2 && lens[0] >= page && lens[1] >= page;
+            let own: usize = need.iter().sum::<usize>() - usize::from(shared);
+            let num_blocks = own + spare;
+            // A shuffled permutation of the block ids (Fisher-Yates on the test's generator).
+            let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
+            rng.shuffle(&mut ids);
+            max_blocks = need.iter().copied().max().unwrap_or(0) + 1; // one -1 pad at least
+            table = vec![-1; batch * max_blocks];
+            let mut next = 0;
+            for b in 0..batch {
+                for blk in 0..need[b] {
+                    table[b * max_blocks + blk] = if shared && b == 1 && blk == 0 {
+                        table[0]
+                    } else {
+                        next += 1;
+                        ids[next - 1]
+                    };
+                }
+            }
+            k_shape = [num_blocks, page, hkv, d];
+            k = vec![f32::NAN; num_blocks * page * row];
+            v = k.clone();
+            // Every slot some sequence uses gets a value (a shared block once); the rest stay NaN.
+            for b in 0..batch {
+                for j in 0..lens[b] {
+                    let at = (table[b * max_blocks + j / page] as usize * page + j % page) * row;
+                    if k[at].is_nan() {
+                        k[at..at + row].copy_from_slice(&values(&mut rng, row, dt));
+                        v[at..at + row].copy_from_slice(&values(&mut rng, row, dt));
+                    }
+                }
+            }
+            let t = table.clone();
+            key_row = Box::new(move |b, j| t[b * max_blocks + j / page] as usize * page + j % page);
+        }
+    }
+
+    // The launch: the layout the serving API would validate, the problem it would build, the plan.
+    let q_shape = if c.q_packed { [1, q_rows, hq, d] } else { [batch, sq_dense, hq, d] };
+    // cache_seqlens count the keys before this call's appended rows.
+    let seqlens: Vec<i32> = k_lens.iter().map(|&l| (l - c.appended) as i32).collect();
+    let ql = if c.q_packed {
+        QueryLayout::Varlen { cu_seqlens: &cu_q, max_seqlen: c.q_lens.iter().copied().max().unwrap_or(0) }
+    } else {
+        QueryLayout::Dense
+    };
+    let kl = match &c.kv {
+        Kv::Packed(lens) => KvLayout::Varlen { cu_seqlens: &cu_k, max_seqlen: lens.iter().copied().max().unwrap_or(0) },
+        Kv::Cache { .. } => KvLayout::Cache { seqlens: &seqlens, new: c.appended },
+        Kv::Paged { .. } => {
+            KvLayout::Paged { block_table: &table, max_blocks_per_seq: max_blocks, seqlens: &seqlens, new: c.appended }
+        }
+    };
+    let layout = BatchLayout::new(ql, q_shape, kl, k_shape).map_err(|e| format!("layout: {e}"))?;
+    let p = layout.launch_problem(hq, hkv, d, dt, &c.opts).map_err(|e| format!("problem: {e}"))?;
+    let st = |s: [usize; 4]| [s[1] * s[2] * s[3], s[2] * s[3], s[3]];
+    let ops = Operands {
+        ptrs: [Q, K, V, O],
+        strides: [st(q_shape), st(k_shape), st(k_shape), st(q_shape)],
+        lse: if c.opts.return_lse { LSE } else { 0 },
+        alibi: 0,
+    };
+    let sops = ServingOperands {
+        cu_seqlens_q: if c.q_packed { CU_Q } else { 0 },
+        cu_seqlens_k: if matches!(c.kv, Kv::Packed(_)) { CU_K } else { 0 },
+        seqused_k: if matches!(c.kv, Kv::Packed(_)) { 0 } else { SEQUSED },
+        block_table: if matches!(c.kv, Kv::Paged { .. }) { TABLE } else { 0 },
+        knew: if c.appended > 0 { KNEW } else { 0 },
+        vnew: if c.appended > 0 { VNEW } else { 0 },
+        new_strides: [[c.appended * row, row, d]; 2],
+        ..ServingOperands::default()
+    };
+    let pl = plan_serving(c.family, &p, &layout, &ops, &sops, 1, c.sm_count).map_err(|e| format!("plan: {e}"))?;
+    if !execute {
+        return Ok((0.0, pl));
+    }
+    let fam = FAMILIES.iter().find(|f| f.name == c.family).unwrap();
+    let exe = unit_exe(fam, pl.tile, mutation)?;
+    let lse_rows = hq * q_rows;
+    let mut bufs = vec![
+        LaunchBuf::input("q", Q, bits(&q, dt)),
+        LaunchBuf::input("k", K, bits(&k, dt)),
+        LaunchBuf::input("v", V, bits(&v, dt)),
+        LaunchBuf::output("o", O, q_rows * hq * d * 2),
+    ];
+    if c.opts.return_lse {
+        bufs.push(LaunchBuf::output("lse", LSE, lse_rows * 4));
+    }
+    if c.q_packed {
+        bufs.push(LaunchBuf::i32s("cu_seqlens_q", CU_Q, &cu_q));
+    }
+    if c.appended > 0 {
+        // The rows the append kernel already copied into the cache; the attention never reads them.
+        let n = batch * c.appended * row * 2;
+        bufs.push(LaunchBuf::input("k_new", KNEW, vec![0; n]));
+        bufs.push(LaunchBuf::input("v_new", VNEW, vec![0; n]));
+    }
+    match &c.kv {
+        Kv::Packed(_) => bufs.push(LaunchBuf::i32s("cu_seqlens_k", CU_K, &cu_k)),
+        Kv::Cache { .. } => bufs.push(LaunchBuf::i32s("seqused_k", SEQUSED, &seqlens)),
+        Kv::Paged { .. } => {
+            bufs.push(LaunchBuf::i32s("seqused_k", SEQUSED, &seqlens));
+            bufs.push(LaunchBuf::i32s("block_table", TABLE, &table));
+        }
+    }
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("emu/serving-fa3").join(format!(
+        "{:016x}{}",
+        h.finish(),
+        mutation.map_or("", |m| m.name)
+    ));
+    let (log, outs) = run_launch(&exe, &dir, &pl, c.family, &c.seeds, &bufs)?;
+    let o = from_bits(&outs["o"], dt);
+    let lse: Vec<f32> = outs
+        .get("lse")
+        .map_or(Vec::new(), |b| b.chunks_exact(4).map(|x| f32::from_le_bytes([x[0], x[1], x[2], x[3]])).collect());
+
+    // Each sequence against the float64 reference on that sequence alone.
+    let mut worst = 0.0f64;
+    for b in 0..batch {
+        let (sq, sk) = (c.q_lens[b], k_lens[b]);
+        if sq == 0 {
+            continue;
+        }
+        let q0 = cu_q[b] as usize;
+        let ob = &o[q0 * hq * d..(q0 + sq) * hq * d];
+        // LSE: packed [hq, total_q]; dense [batch, hq, sq].
+        let lse_at =
+            |h: usize, i: usize| if c.q_packed { lse[h * q_rows + q0 + i] } else { lse[(b * hq + h) * sq + i] };
+        let fail = |why: String| Err(format!("sequence {b} (sq {sq}, sk {sk}): {why}\n{log}"));
+        if sk == 0 {
+            if let Some(x) = ob.iter().find(|&&x| x != 0.0) {
+                return fail(format!("no key, but O holds {x}"));
+            }
+            if c.opts.return_lse && (0..hq).any(|h| (0..sq).any(|i| lse_at(h, i) != f32::NEG_INFINITY)) {
+                return fail("no key, but an LSE is not -inf".into());
+            }
+            continue;
+        }
+        let mut kb = Vec::with_capacity(sk * row);
+        let mut vb = Vec::with_capacity(sk * row);
+        for j in 0..sk {
+            let r = key_row(b, j) * row;
+            kb.extend_from_slice(&k[r..r + row]);
+            vb.extend_from_slice(&v[r..r + row]);
+        }
+        let qt = Tensor::from_f32(&q[q0 * hq * d..(q0 + sq) * hq * d], dt, [1, sq, hq, d]).unwrap();
+        let kt = Tensor::from_f32(&kb, dt, [1, sk, hkv, d]).unwrap();
+        let vt = Tensor::from_f32(&vb, dt, [1, sk, hkv, d]).unwrap();
+        let pb = Problem::new(&qt.view(), &kt.view(), &vt.view(), &c.opts).unwrap();
+        let r = attention_f64(&pb, &qt.view(), &kt.view(), &vt.view()).unwrap();
+        let naive = attention_naive(&pb, &qt.view(), &kt.view(), &vt.view(), dt).unwrap();
+        let ours: Vec<f64> = ob.iter().map(|&x| x as f64).collect();
+        let err = max_abs_diff(&ours, &r.o);
+        let bound = 2.0 * max_abs_diff(&naive, &r.o) + floor_for(dt);
+        if err > bound {
+            return fail(format!("max |O - ref| {err:.3e} > bound {bound:.3e}"));
+        }
+        worst = worst.max(err / bound);
+        if c.opts.return_lse {
+            for h in 0..hq {
+                for i in 0..sq {
+                    let (got, want) = (lse_at(h, i) as f64, r.lse[h * sq + i]);
+                    let ok = if want == f64::NEG_INFINITY { got == want } else { (got - want).abs() <= LSE_TOL };
+                    if !ok {
+                        return fail(format!("LSE[{h}][{i}] = {got}, reference {want}"));
+                    }
+                }
+            }
+        }
+    }
+    Ok((worst, pl))
+}
+
+fn check(cases: &[Case]) {
+    crate::support::check_each("FA3 serving cases", cases, Case::name, |c| {
+        run(c, true).map(|(ratio, pl)| format!("err/bound {ratio:.3}; {}", pl.note.unwrap_or("")))
+    });
+}
+
+fn case(
+    family: &'static str,
+    dtype: DType,
+    (hq, hkv, d): (usize, usize, usize),
+    q_lens: &[usize],
+    q_packed: bool,
+    kv: Kv,
+) -> Case {
+    Case {
+        family,
+        dtype,
+        hq,
+        hkv,
+        d,
+        q_lens: q_lens.to_vec(),
+        q_packed,
+        kv,
+        opts: ForwardOptions::default().return_lse(true),
+        sm_count: 1,
+        appended: 0,
+        seeds: vec![1, 2, 3],
+    }
+}
+fn with(mut c: Case, f: impl FnOnce(&mut Case)) -> Case {
+    f(&mut c);
+    c
+}
+
+/// The subset every `cargo test` runs: each load path (TMA through the table, gathered pages,
+/// the gathered tail of a packed / cached sequence), every stage 3-5, both dtypes and head dims,
+/// lengths 0 and 1, GQA, causal / window / softcap, shared and shuffled blocks.
+fn subset() -> Vec<Case> {
+    use DType::{BF16, F16};
+    let paged = |lens: &[usize], page, shared| Kv::Paged { lens: lens.to_vec(), page, spare: 2, shared };
+    vec![
+        // Prefill of a packed batch: empty query rows, no keys, one key, several tiles.
+        with(case("fa3s5", BF16, (4, 2, 128), &[0, 1, 130, 77], true, Kv::Packed(vec![5, 0, 300, 129])), |c| {
+            c.opts.mask = Mask::Causal;
+            c.sm_count = 2;
+        }),
+        // Decode against a paged cache of 3-key pages (gathered), shared prefix block, GQA 4:1.
+        with(case("fa3s3", F16, (4, 1, 64), &[1, 1, 1], false, paged(&[200, 37, 1], 3, true)), |_| {}),
+        // Chunked prefill on 128-key pages (TMA through the table, gathered tail), window + softcap.
+        with(case("fa3s5", BF16, (2, 2, 64), &[16, 40], true, paged(&[300, 129], 128, true)), |c| {
+            c.opts.mask = Mask::window(40, 7);
+            c.opts.softcap = Some(30.0);
+        }),
+        // Decode after the append kernel (seqlen_new 2: sk_b = cache_seqlens + 2), 16-key pages.
+        with(case("fa3s5", F16, (4, 2, 128), &[2, 2], false, paged(&[130, 2], 16, false)), |c| {
+            c.appended = 2;
+            c.opts.mask = Mask::Causal;
+        }),
+        // A dense cache with cache_seqlens (TMA, gathered tail; NaN past each length), stage 4.
+        with(
+            case("fa3s4", F16, (2, 1, 128), &[16, 16], false, Kv::Cache { lens: vec![140, 16], capacity: 300 }),
+            |c| {
+                c.opts.mask = Mask::Causal;
+            },
+        ),
+    ]
+}
+
+#[test]
+fn fa3_serving_subset() {
+    check(&subset());
+}
+
+/// The whole matrix (FLASH_ATTN_EMU=full): stages 3, 4, 5 x both dtypes x head_dim 64 / 128 x
+/// page sizes 1, 3, 16, 128, 256, packed and dense caches, random lengths with 0 and 1.
+#[test]
+fn fa3_serving_matrix() {
+    if !full() {
+        println!("the FA3 serving matrix runs with FLASH_ATTN_EMU=full (the subset runs always)");
+        return;
+    }
+    let mut rng = Rng::new(crate::support::emu::matrix_seed("fa3 serving matrix", 0x005e_41f3));
+    let mut cases = Vec::new();
+    let masks = [Mask::None, Mask::Causal, Mask::window(33, 5)];
+    for (si, family) in ["fa3s3", "fa3s4", "fa3s5"].into_iter().enumerate() {
+        for (di, d) in [64, 128].into_iter().enumerate() {
+            for (ki, kind) in ["packed", "cache", "p1", "p3", "p16", "p128", "p256"].into_iter().enumerate() {
+                let i = si + di + ki;
+                let dtype = if i % 2 == 0 { DType::BF16 } else { DType::F16 };
+                let (hq, hkv) = [(4, 2), (4, 1), (2, 2)][i % 3];
+                let batch = 2 + i % 3;
+                let mut lens = |max: u64| -> Vec<usize> {
+                    (0..batch).map(|b| if b == 1 { [0, 1][i % 2] } else { (rng.next_u64() % max) as usize }).collect()
+                };
+                let decode = kind.starts_with('p') && i % 2 == 0;
+                let q_lens = if decode { vec![1; batch] } else { lens(150) };
+                let k_lens: Vec<usize> = lens(400).iter().zip(&q_lens).map(|(&k, &q)| k.max(q)).collect();
+                let kv = match kind {
+                    "packed" => Kv::Packed(k_lens),
+                    "cache" => Kv::Cache { capacity: k_lens.iter().copied().max().unwrap_or(0) + 9, lens: k_lens },
+                    _ => Kv::Paged { lens: k_lens, page: kind[1..].parse().unwrap(), spare: 3, shared: i % 2 == 1 },
+                };
+                let mut c = case(family, dtype, (hq, hkv, d), &q_lens, !decode, kv);
+                c.opts.mask = masks[i % 3];
+                if i % 4 == 3 {
+                    c.opts.softcap = Some(20.0);
+                }
+                c.sm_count = 1 + (i % 3) as u32;
+                cases.push(c);
+            }
+        }
+    }
+    check(&cases);
+}
+
+/// Which load path a launch takes, as its plan says (and `Dispatch::reason` repeats).
+#[test]
+fn load_path_follows_the_page_size() {
+    let k = |page| Kv::Paged { lens: vec![300], page, spare: 0, shared: false };
+    for (page, want) in [(256, "TMA"), (128, "TMA"), (16, "gathered"), (3, "gathered")] {
+        let c = case("fa3s5", DType::BF16, (2, 2, 64), &[1], false, k(page));
+        let note = run(&c, false).unwrap().1.note.unwrap_or("");
+        assert!(note.contains(want), "page {page}: {note}");
+    }
+}
+
+/// Edits of the serving code that must fail a case of the subset: the gathered load reading
+/// past a sequence's last key (NaN cache slots), the paged TMA coordinates ignoring the block
+/// table (shuffled blocks), and (with FLASH_ATTN_EMU=full) the mask taking the longest
+/// sequence's lengths instead of each sequence's own.
+#[test]
+fn mutations_are_caught() {
+    use DType::{BF16, F16};
+    let cache = with(
+        case("fa3s3", F16, (2, 1, 64), &[16, 16], false, Kv::Cache { lens: vec![140, 16], capacity: 300 }),
+        |_| {},
+    );
+    let pages = case(
+        "fa3s5",
+        BF16,
+        (2, 2, 64),
+        &[16, 40],
+        true,
+        Kv::Paged { lens: vec![300, 129], page: 128, spare: 2, shared: false },
+    );
+    let causal =
+        with(case("fa3s4", F16, (2, 1, 64), &[16, 5], true, Kv::Packed(vec![40, 200])), |c| c.opts.mask = Mask::Causal);
+    let mut muts = vec![
+        (
+            Mutation {
+                name: "gather_past_sk",
+                file: "cuda/fa3/serving.cuh",
+                from: "const bool live = j < s.sk;",
+                to: "const bool live = j < s.sk + 8;",
+                defines: &[],
+            },
+            cache,
+        ),
+        (
+            Mutation {
+                name: "tma_page_untranslated",
+                file: "cuda/fa3/serving.cuh",
+                from: "*batch = pg.block;",
+                to: "*batch = n0 / p.page_size;",
+                defines: &[],
+            },
+            pages,
+        ),
+    ];
+    if full() {
+        muts.push((
+            Mutation {
+                name: "mask_on_longest",
+                file: "cuda/fa3/serving.cuh",
+                from: "own.seqlen_k = s.sk;",
+                to: "",
+                defines: &[],
+            },
+            causal,
+        ));
+    }
+    for (m, c) in &muts {
+        run(c, true).unwrap_or_else(|e| panic!("{}: the unmutated kernel fails: {e}", c.name()));
+        match run_mutated(c, true, Some(m)) {
+            Ok((ratio, _)) => panic!("mutation {} passed {} (err/bound {ratio:.3})", m.name, c.name()),
+            Err(e) => println!("caught {}: {}", m.name, e.lines().next().unwrap_or("")),
+        }
+    }
+}
+
+/// The gathered (paged) load's producer warpgroup without its barrier before the one arrival
+/// that publishes the tile: the consumers' wgmma reads other producer threads' cp.async copies
+/// that nothing orders before it. Caught by happens-before under each seed alone, naming the
+/// missing synchronisation with the copying thread.
+#[test]
+fn gathered_tile_published_without_producer_barrier_is_caught() {
+    let m = Mutation {
+        name: "gather_commit_without_barrier",
+        file: "cuda/fa3/serving.cuh",
+        from: "    named_bar_sync<kGatherBarrier, kWarpgroupThreads>();\n",
+        to: "",
+        defines: &[],
+    };
+    for family in ["fa3s3", "fa3s5"] {
+        let paged = Kv::Paged { lens: vec![300, 129], page: 16, spare: 2, shared: false };
+        let c = case(family, DType::BF16, (2, 2, 64), &[16, 40], true, paged);
+        let note = run(&c, true).unwrap_or_else(|e| panic!("{}: the unmutated kernel fails: {e}", c.name())).1.note;
+        assert!(note.unwrap_or("").contains("gathered"), "{}: not the gathered path: {note:?}", c.name());
+        for seed in 1..=3 {
+            let c = with(c.clone(), |c| c.seeds = vec![seed]);
+            match run_mutated(&c, true, Some(&m)) {
+                Ok((ratio, _)) => panic!("{} passed {} seed {seed} (err/bound {ratio:.3})", m.name, c.name()),
+                Err(e) => {
+                    println!("caught {} ({family}, seed {seed}):\n{}\n", m.name, e.lines().take(9).collect::<Vec<_>>().join("\n"));
+                    assert!(e.contains("happens-before") && e.contains("cp.async copy of thread"), "{family} seed {seed}: {e}");
+                }
+            }
+        }
+    }
+}

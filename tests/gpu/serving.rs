@@ -1,0 +1,111 @@
+//! The serving paths on a GPU (docs/serving.md "GPU"): varlen and paged KV caches through the
+//! CPU API with `Backend::Cuda` (which runs `Engine::launch_serving_raw`: upload, the FA2 serving
+//! kernels, download), each sequence against the float64 reference on that sequence alone. The
+//! kernels ran in the emulator (tests/emulator/serving_fa2.rs); these tests have not run on a GPU.
+
+use crate::support::serving::{slopes, values, Rng};
+use flash_attn::reference::{attention_f64, attention_naive, max_abs_diff};
+use flash_attn::serving::{forward_kvcache, forward_varlen, BlockTable, KvCache, Varlen};
+use flash_attn::{Backend, DType, ForwardOptions, Mask, Problem, Tensor};
+
+/// Checks sequence rows `o` `[sq][hq][d]` and `lse(h, i)` against the reference of that sequence.
+#[allow(clippy::too_many_arguments)]
+fn check_seq(dtype: DType, dims: (usize, usize, usize, usize, usize), q: &[f32], k: &[f32], v: &[f32], opts: &ForwardOptions, o: &[f32], lse: &dyn Fn(usize, usize) -> f32, what: &str) {
+    let (sq, sk, hq, hkv, d) = dims;
+    if sq == 0 {
+        return;
+    }
+    if sk == 0 {
+        assert!(o.iter().all(|&x| x == 0.0), "{what}: no keys, O must be 0");
+        assert!((0..hq).all(|h| (0..sq).all(|i| lse(h, i) == f32::NEG_INFINITY)), "{what}: no keys, LSE must be -inf");
+        return;
+    }
+    let cpu = opts.clone().backend(Backend::Cpu);
+    let qt = Tensor::from_f32(q, dtype, [1, sq, hq, d]).unwrap();
+    let kt = Tensor::from_f32(k, dtype, [1, sk, hkv, d]).unwrap();
+    let vt = Tensor::from_f32(v, dtype, [1, sk, hkv, d]).unwrap();
+    let p = Problem::new(&qt.view(), &kt.view(), &vt.view(), &cpu).unwrap();
+    let r = attention_f64(&p, &qt.view(), &kt.view(), &vt.view()).unwrap();
+    let naive = attention_naive(&p, &qt.view(), &kt.view(), &vt.view(), dtype).unwrap();
+    let ours: Vec<f64> = o.iter().map(|&x| x as f64).collect();
+    let (err, bound) = (max_abs_diff(&ours, &r.o), 2.0 * max_abs_diff(&naive, &r.o) + crate::support::floor_for(dtype));
+    assert!(err <= bound, "{what}: max |O - ref| {err:.3e} > {bound:.3e}");
+    for h in 0..hq {
+        for i in 0..sq {
+            let (got, want) = (lse(h, i) as f64, r.lse[h * sq + i]);
+            assert!((got - want).abs() <= 2e-3, "{what}: LSE[{h}][{i}] {got} vs {want}");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn serving_varlen_on_gpu() {
+    let mut rng = Rng::new(21);
+    let (hq, hkv, d) = (8, 2, 128);
+    for dtype in [DType::F16, DType::BF16] {
+        for mask in [Mask::None, Mask::Causal, Mask::window(33, 2)] {
+            let (lq, lk) = ([0usize, 1, 77, 300], [5usize, 0, 129, 300]);
+            let cu = |l: &[usize]| l.iter().scan(0i32, |a, &x| Some(std::mem::replace(a, *a + x as i32))).chain([l.iter().sum::<usize>() as i32]).collect::<Vec<i32>>();
+            let (cq, ck) = (cu(&lq), cu(&lk));
+            let (tq, tk) = (*cq.last().unwrap() as usize, *ck.last().unwrap() as usize);
+            let (q, k, v) = (values(&mut rng, tq * hq * d, dtype), values(&mut rng, tk * hkv * d, dtype), values(&mut rng, tk * hkv * d, dtype));
+            let opts = ForwardOptions::default().mask(mask).return_lse(true).alibi_slopes(slopes(hq)).backend(Backend::Cuda(0));
+            let seqs = Varlen { cu_seqlens_q: &cq, cu_seqlens_k: &ck, max_seqlen_q: 300, max_seqlen_k: 300 };
+            let t = |x: &[f32], r: usize, h: usize| Tensor::from_f32(x, dtype, [1, r, h, d]).unwrap();
+            let out = forward_varlen(&t(&q, tq, hq), &t(&k, tk, hkv), &t(&v, tk, hkv), &seqs, &opts).unwrap();
+            assert!(out.dispatch.backend.starts_with("cuda"), "{:?}", out.dispatch);
+            let (o, lse) = (out.o.to_f32_vec(), out.lse.unwrap());
+            for b in 0..lq.len() {
+                let (q0, k0) = (cq[b] as usize, ck[b] as usize);
+                let rows = |x: &[f32], r0: usize, n: usize, h: usize| x[r0 * h * d..(r0 + n) * h * d].to_vec();
+                let lse_at = |h: usize, i: usize| lse[h * tq + q0 + i];
+                check_seq(dtype, (lq[b], lk[b], hq, hkv, d), &rows(&q, q0, lq[b], hq), &rows(&k, k0, lk[b], hkv), &rows(&v, k0, lk[b], hkv), &opts, &rows(&o, q0, lq[b], hq), &lse_at, &format!("{dtype:?} {mask:?} seq {b}"));
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn serving_paged_decode_on_gpu() {
+    let mut rng = Rng::new(22);
+    let (hq, hkv, d) = (32, 8, 128);
+    for page in [1usize, 3, 16, 256] {
+        let lens = [4096usize, 1, 0, 777];
+        let max_blocks = 4096usize.div_ceil(page);
+        let num_blocks = lens.iter().map(|l| l.div_ceil(page)).sum::<usize>() + 1;
+        let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
+        rng.shuffle(&mut ids);
+        let mut table = vec![-1i32; lens.len() * max_blocks];
+        let mut next = ids.into_iter();
+        for (b, &l) in lens.iter().enumerate() {
+            for p in 0..l.div_ceil(page) {
+                table[b * max_blocks + p] = next.next().unwrap();
+            }
+        }
+        let row = hkv * d;
+        let logical: Vec<(Vec<f32>, Vec<f32>)> = lens.iter().map(|&l| (values(&mut rng, l * row, DType::BF16), values(&mut rng, l * row, DType::BF16))).collect();
+        let (mut kc, mut vc) = (vec![f32::NAN; num_blocks * page * row], vec![f32::NAN; num_blocks * page * row]);
+        for (b, &l) in lens.iter().enumerate() {
+            for j in 0..l {
+                let at = (table[b * max_blocks + j / page] as usize * page + j % page) * row;
+                kc[at..at + row].copy_from_slice(&logical[b].0[j * row..][..row]);
+                vc[at..at + row].copy_from_slice(&logical[b].1[j * row..][..row]);
+            }
+        }
+        let shape = [num_blocks, page, hkv, d];
+        let (kt, vt) = (Tensor::from_f32(&kc, DType::BF16, shape).unwrap(), Tensor::from_f32(&vc, DType::BF16, shape).unwrap());
+        let seqlens: Vec<i32> = lens.iter().map(|&l| l as i32).collect();
+        let cache = KvCache::paged(kt.view(), vt.view(), &seqlens, BlockTable { ids: &table, max_blocks_per_seq: max_blocks });
+        let q = values(&mut rng, lens.len() * hq * d, DType::BF16);
+        let opts = ForwardOptions::default().mask(Mask::Causal).return_lse(true).backend(Backend::Cuda(0));
+        let out = forward_kvcache(&Tensor::from_f32(&q, DType::BF16, [lens.len(), 1, hq, d]).unwrap(), &cache, &opts).unwrap();
+        let (o, lse) = (out.o.to_f32_vec(), out.lse.unwrap());
+        for (b, &l) in lens.iter().enumerate() {
+            let lse_at = |h: usize, _i: usize| lse[b * hq + h];
+            let r = |x: &[f32]| x[b * hq * d..(b + 1) * hq * d].to_vec();
+            check_seq(DType::BF16, (1, l, hq, hkv, d), &r(&q), &logical[b].0, &logical[b].1, &opts, &r(&o), &lse_at, &format!("page {page} seq {b}"));
+        }
+    }
+}
