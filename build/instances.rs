@@ -156,9 +156,16 @@ impl KernelOptions {
     pub const EXP2_POLY: KernelOptions = KernelOptions(2);
     /// FA4's conditional (lazy) rescaling.
     pub const LAZY_RESCALE: KernelOptions = KernelOptions(4);
+    /// Attention sinks (`ForwardOptions::sinks`): a logit per query head in the softmax
+    /// denominator. No row has it yet, so every family refuses a problem with sinks.
+    pub const SINKS: KernelOptions = KernelOptions(8);
     /// Every option with the name errors and docs use.
-    pub const NAMED: [(KernelOptions, &'static str); 3] =
-        [(Self::FP8, "fp8"), (Self::EXP2_POLY, "exp2_poly"), (Self::LAZY_RESCALE, "lazy_rescale")];
+    pub const NAMED: [(KernelOptions, &'static str); 4] = [
+        (Self::FP8, "fp8"),
+        (Self::EXP2_POLY, "exp2_poly"),
+        (Self::LAZY_RESCALE, "lazy_rescale"),
+        (Self::SINKS, "sinks"),
+    ];
 
     pub const fn union(self, other: KernelOptions) -> KernelOptions {
         KernelOptions(self.0 | other.0)

@@ -122,6 +122,13 @@ pub struct ForwardOptions {
     /// One slope per query head; adds `-slope * |i + seqlen_k - seqlen_q - j|` to the scores.
     /// Each `|slope| · (max(seqlen_q, seqlen_k) - 1)` must be a finite f32.
     pub alibi_slopes: Option<Arc<[f32]>>,
+    /// Attention sinks (gpt-oss, FlashAttention 4's `learnable_sink`): one logit per query head,
+    /// in natural units, added to every row's softmax denominator as `exp(sink − max)` with no
+    /// value, so `p_j = exp(s_j) / (Σ_i exp(s_i) + exp(sink))`; the LSE includes it, and a row
+    /// that sees no key gets output 0 and LSE `sink`. `−inf` is no sink; NaN, `+inf` or another
+    /// length than `heads_q` is [`crate::Error::InvalidOption`]. The CPU runs it; the GPU kernel
+    /// families refuse it (an explicit variant is an error, `Auto` runs on the CPU).
+    pub sinks: Option<Arc<[f32]>>,
     /// Return the softmax log-sum-exp (natural log), `[batch, heads_q, seqlen_q]`.
     pub return_lse: bool,
     pub backend: Backend,
@@ -178,6 +185,11 @@ impl ForwardOptions {
     }
     pub fn alibi_slopes(mut self, slopes: impl Into<Arc<[f32]>>) -> Self {
         self.alibi_slopes = Some(slopes.into());
+        self
+    }
+    /// One sink logit per query head (see [`ForwardOptions::sinks`]).
+    pub fn sinks(mut self, sinks: impl Into<Arc<[f32]>>) -> Self {
+        self.sinks = Some(sinks.into());
         self
     }
     pub fn return_lse(mut self, yes: bool) -> Self {

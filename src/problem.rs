@@ -35,6 +35,9 @@ pub struct Problem {
     pub right: Option<usize>,
     pub softcap: Option<f32>,
     pub alibi: Option<Arc<[f32]>>,
+    /// One sink logit per query head (natural units), validated: finite or −inf, `heads_q` of
+    /// them; `None` when none was given or every one is −inf (no sink).
+    pub sinks: Option<Arc<[f32]>>,
     pub return_lse: bool,
     pub precision: Precision,
     pub exp2: Exp2,
@@ -157,6 +160,7 @@ impl Problem {
                 });
             }
         }
+        let sinks = check_sinks(opts.sinks.as_ref(), heads_q)?;
         crate::numerics::validate(opts.precision, opts.exp2, opts.rescale, head_dim)?;
         if let Some(stage) = opts.fa3_stage {
             if opts.variant != crate::options::Variant::Fa3 {
@@ -212,6 +216,7 @@ impl Problem {
             right,
             softcap: opts.softcap,
             alibi: opts.alibi_slopes.clone(),
+            sinks,
             return_lse: opts.return_lse,
             precision: opts.precision,
             exp2: opts.exp2,
@@ -267,6 +272,11 @@ impl Problem {
         }
     }
 
+    /// The sink logit of query head `head` (natural units), or `None` for no sink there.
+    pub fn sink(&self, head: usize) -> Option<f32> {
+        self.sinks.as_ref().and_then(|s| s.get(head).copied()).filter(|&s| s != f32::NEG_INFINITY)
+    }
+
     /// Exact number of visible (query, key) pairs summed over batch and heads (saturating at
     /// `u64::MAX`).
     pub fn visible_pairs(&self) -> u64 {
@@ -276,6 +286,27 @@ impl Problem {
         });
         per_head.saturating_mul((self.batch as u64).saturating_mul(self.heads_q as u64))
     }
+}
+
+/// Checks the sink logits: one per query head, each finite or −inf (no sink). All −inf is no
+/// sink at all (`None`), so that a path without sinks runs it.
+fn check_sinks(sinks: Option<&Arc<[f32]>>, heads_q: usize) -> Result<Option<Arc<[f32]>>> {
+    let Some(s) = sinks else { return Ok(None) };
+    if s.len() != heads_q {
+        return Err(Error::InvalidOption {
+            option: "sinks",
+            got: format!("{} values", s.len()),
+            expected: format!("{heads_q} values (one logit per query head)"),
+        });
+    }
+    if let Some((h, x)) = s.iter().enumerate().find(|(_, x)| x.is_nan() || **x == f32::INFINITY) {
+        return Err(Error::InvalidOption {
+            option: "sinks",
+            got: format!("{x} for query head {h}"),
+            expected: "a finite logit, or -inf for no sink".into(),
+        });
+    }
+    Ok(s.iter().any(|&x| x != f32::NEG_INFINITY).then(|| s.clone()))
 }
 
 /// Turns a [`Mask`] into (left, right) bounds, `None` meaning unbounded.

@@ -38,7 +38,8 @@ pub(crate) fn check_views(p: &Problem, q: &TensorView, k: &TensorView, v: &Tenso
 }
 
 /// Output of a reference: `o` as `[batch, seqlen_q, heads_q, head_dim]`, `lse` as
-/// `[batch, heads_q, seqlen_q]` (natural log; −inf for rows that see no key).
+/// `[batch, heads_q, seqlen_q]` (natural log; −inf for rows that see no key, the sink logit
+/// for such a row of a head with a sink).
 #[derive(Clone, Debug)]
 pub struct RefOutput {
     pub o: Vec<f64>,
@@ -58,6 +59,13 @@ fn score64(p: &Problem, h: usize, i: usize, j: usize, q: &[f64], k: &[f64]) -> O
         s = cap * (s / cap).tanh();
     }
     Some(s + p.alibi_bias(h, i, j) as f64)
+}
+
+/// The max of a row's visible scores and its sink logit (NaN-propagating), and the sink.
+fn row_max64(p: &Problem, h: usize, s: &[Option<f64>]) -> (f64, Option<f64>) {
+    let sink = p.sink(h).map(f64::from);
+    let m = s.iter().flatten().chain(&sink).fold(f64::NEG_INFINITY, |a, &x| if x > a || x.is_nan() { x } else { a });
+    (m, sink)
 }
 
 fn row64(t: &TensorView, b: usize, s: usize, h: usize) -> Vec<f64> {
@@ -85,12 +93,13 @@ pub fn attention_f64(p: &Problem, q: &TensorView, k: &TensorView, v: &TensorView
             for i in 0..p.seqlen_q {
                 let qi = row64(q, b, i, h);
                 let s: Vec<Option<f64>> = (0..p.seqlen_k).map(|j| score64(p, h, i, j, &qi, &ks[j])).collect();
-                let m = s.iter().flatten().fold(f64::NEG_INFINITY, |a, &x| if x > a || x.is_nan() { x } else { a });
+                let (m, sink) = row_max64(p, h, &s);
                 if m == f64::NEG_INFINITY {
-                    continue; // no visible key (or all scores -inf): output 0, LSE -inf
+                    continue; // no visible key (or all scores -inf) and no sink: output 0, LSE -inf
                 }
                 let e: Vec<f64> = s.iter().map(|x| x.map_or(0.0, |x| (x - m).exp())).collect();
-                let l: f64 = e.iter().sum();
+                // The sink's term: in the denominator only, with no value.
+                let l: f64 = e.iter().sum::<f64>() + sink.map_or(0.0, |z| (z - m).exp());
                 let out = &mut o[((b * p.seqlen_q + i) * p.heads_q + h) * d..][..d];
                 for (j, ej) in e.iter().enumerate() {
                     if *ej != 0.0 || ej.is_nan() {
@@ -138,12 +147,12 @@ pub fn attention_f64_rows(
             let hk = h / p.group();
             let qi = row64(q, b, i, h);
             let s: Vec<Option<f64>> = (0..p.seqlen_k).map(|j| score64(p, h, i, j, &qi, &row64(k, b, j, hk))).collect();
-            let m = s.iter().flatten().fold(f64::NEG_INFINITY, |a, &x| if x > a || x.is_nan() { x } else { a });
+            let (m, sink) = row_max64(p, h, &s);
             let mut out = vec![0.0f64; d];
             if m == f64::NEG_INFINITY {
-                return out; // no visible key: output 0
+                return out; // no visible key and no sink: output 0
             }
-            let mut l = 0.0;
+            let mut l = sink.map_or(0.0, |z| (z - m).exp());
             for (j, sj) in s.iter().enumerate() {
                 let Some(sj) = sj else { continue };
                 let e = (sj - m).exp();
@@ -246,12 +255,13 @@ pub(crate) fn naive(p: &Problem, a: &impl NaiveSteps) -> Result<Vec<f64>> {
                         r(s + p.alibi_bias(h, i, j))
                     })
                     .collect();
-                let m = s.iter().fold(f32::NEG_INFINITY, |acc, &x| if x > acc || x.is_nan() { x } else { acc });
+                let sink = p.sink(h);
+                let m = s.iter().chain(&sink).fold(f32::NEG_INFINITY, |acc, &x| if x > acc || x.is_nan() { x } else { acc });
                 if m == f32::NEG_INFINITY {
                     continue;
                 }
                 let e: Vec<f32> = s.iter().map(|&x| (x - m).exp()).collect();
-                let l: f32 = e.iter().sum();
+                let l: f32 = e.iter().sum::<f32>() + sink.map_or(0.0, |z| (z - m).exp());
                 let (mut out, mut acc) = (vec![0.0f32; d], vec![0.0f32; d]);
                 for (j, ej) in e.iter().enumerate() {
                     let pj = a.p_cast(r(ej / l));

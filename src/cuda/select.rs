@@ -66,6 +66,7 @@ fn needed_options(p: &Problem) -> KernelOptions {
         (matches!(p.precision, Precision::Fp8 { .. }), KernelOptions::FP8),
         (matches!(p.exp2, Exp2::Poly(_)), KernelOptions::EXP2_POLY),
         (matches!(p.rescale, Rescale::Lazy { .. }), KernelOptions::LAZY_RESCALE),
+        (p.sinks.is_some(), KernelOptions::SINKS),
     ] {
         if needed {
             o = o.union(opt);

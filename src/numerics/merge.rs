@@ -13,6 +13,11 @@
 //! `o = 0`, `lse = −inf`, never NaN. NaN in an input propagates to the row's output.
 //!
 //! The CPU split-KV combine calls [`merge_row`], the same arithmetic as the public operations.
+//!
+//! Attention sinks are a state too: a sink logit `z` is a "key" with value 0, the state
+//! `(o = 0, lse = z)`. Partial states (a split of the keys, [`merge_states`]'s inputs) carry no
+//! sink; it is added once, to the merged state ([`fold_sink`]). A caller merging partial states
+//! itself adds it the same way: one more state with `o = 0` and `lse = z` in the merge.
 
 use crate::error::{Error, Operand, Result};
 use crate::tensor::{numel, AsTensorView, DType, Element, OwnedData, Shape, Tensor, TensorView};
@@ -61,6 +66,22 @@ pub(crate) fn merge_row<'o, L: Copy + Into<f64>>(
         }
     }
     lse as f32
+}
+
+/// Folds a sink logit into a finished row: `lse_keys` is the natural-log softmax denominator of
+/// the row's keys (−inf when it saw none), `sink` the logit. Returns the factor the row's
+/// normalised output is multiplied by, `exp(lse_keys − lse)`, and the row's new LSE
+/// `lse = ln(exp(lse_keys) + exp(sink))`: [`merge_row`] with the state `(0, sink)`, in closed
+/// form (`softplus` of the difference), so that a row that saw no key gets `(0, sink)`.
+pub(crate) fn fold_sink(lse_keys: f64, sink: f32) -> (f64, f64) {
+    let z = sink as f64;
+    if lse_keys == f64::NEG_INFINITY {
+        return (0.0, z);
+    }
+    // ln(1 + e^x) without overflow; NaN (from a NaN row) propagates to both results.
+    let x = z - lse_keys;
+    let softplus = if x > 0.0 { x + (-x).exp().ln_1p() } else { x.exp().ln_1p() };
+    ((-softplus).exp(), lse_keys + softplus)
 }
 
 /// The checks of every `merge_states` form, host and device ([`merge_states_n`],
@@ -127,7 +148,8 @@ pub struct AttentionState {
 /// (for a varlen call: `[1, total_q, heads, head_dim]` and `[heads, total_q]`).
 ///
 /// The result is in the inputs' dtype, computed in f64; pass f32 states when the merged result
-/// is to be exact to f32 rounding.
+/// is to be exact to f32 rounding. States of a split of the keys carry no attention sink
+/// (module docs): to add one, merge one more state with `o = 0` and `lse = sink`.
 ///
 /// # Errors
 /// [`Error::ShapeMismatch`] when the states' shapes or LSE lengths disagree,
@@ -212,6 +234,23 @@ mod tests {
             (out[0] - o).abs() < 1e-6 && (lse - l).abs() < 1e-6,
             "{out:?} {lse} vs {o} {l}"
         );
+    }
+
+    #[test]
+    fn a_sink_is_a_zero_state() {
+        let o = [1.5f32, -2.0];
+        for (lse, sink) in [(0.3f32, -1.0f32), (0.3, 4.0), (-50.0, 60.0), (1e4, 1e4), (2.0, -1e30)] {
+            let mut want = [0.0f32; 2];
+            let want_lse = merge_row([(&o[..], lse), (&[0.0f32; 2][..], sink)].into_iter(), &mut want);
+            let (w, l) = fold_sink(lse as f64, sink);
+            assert!((l as f32 - want_lse).abs() <= 1e-6 * want_lse.abs().max(1.0), "{lse} {sink}: {l} vs {want_lse}");
+            for (x, y) in o.iter().zip(&want) {
+                assert!(((*x as f64 * w) as f32 - y).abs() <= 1e-6, "{lse} {sink}: {w}");
+            }
+        }
+        assert_eq!(fold_sink(f64::NEG_INFINITY, 2.5), (0.0, 2.5));
+        let (w, l) = fold_sink(f64::NAN, 0.0);
+        assert!(w.is_nan() && l.is_nan());
     }
 
     #[test]

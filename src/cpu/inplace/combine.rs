@@ -26,6 +26,9 @@ pub(super) struct Parts<'a> {
     pub(super) g: usize,
     pub(super) d: usize,
     pub(super) hq: usize,
+    /// The problem's sink logits (one per query head, −inf for none): partial states carry no
+    /// sink, each row's is merged in here, once, as the state `(0, sink)`.
+    pub(super) sinks: Option<&'a [f32]>,
 }
 
 /// A run of query tokens of one sequence, with its output rows `[tokens][heads][d]` and LSEs
@@ -80,8 +83,8 @@ pub(super) fn combine<T: Element>(
     parallel::for_each(
         &mut items,
         threads,
-        || vec![0.0f32; d],
-        |row, tk| {
+        || (vec![0.0f32; d], vec![0.0f32; d]),
+        |(row, zeros), tk| {
             let pl = parts.plans[tk.b];
             let n = tk.lse.len() / hq;
             for ti in 0..n {
@@ -95,12 +98,14 @@ pub(super) fn combine<T: Element>(
                         (&parts.o[at * d..(at + 1) * d], parts.lse[at])
                     };
                     let dst = &mut tk.o[(ti * hq + h) * d..(ti * hq + h + 1) * d];
-                    let l = if pl.ns == 1 {
+                    let sink = parts.sinks.and_then(|s| s.get(h).copied()).filter(|&z| z != f32::NEG_INFINITY);
+                    let l = if pl.ns == 1 && sink.is_none() {
                         let (x, l) = src(0);
                         row.copy_from_slice(x);
                         l as f32
                     } else {
-                        merge_row((0..pl.ns).map(src), row)
+                        let sink = sink.map(|z| (&zeros[..], z as f64));
+                        merge_row((0..pl.ns).map(src).chain(sink), row)
                     };
                     for (o, &x) in dst.iter_mut().zip(row.iter()) {
                         *o = T::from_f32(x);

@@ -33,7 +33,8 @@
 //! Split-KV (flash-decoding): when there are too few items to occupy the workers, each item's
 //! key range is split; each split writes its normalised output and LSE, and a second pass merges
 //! them with `serving::merge::merge_row` (the arithmetic of the public `merge_states`). The
-//! split count is [`num_splits`]'s heuristic or the caller's `num_splits`.
+//! split count is [`num_splits`]'s heuristic or the caller's `num_splits`. An attention sink is
+//! merged there too, once per row as the state `(0, sink)`: the splits' states carry none.
 //!
 //! All parallel work goes through `cpu::parallel::for_each`.
 //!
@@ -466,6 +467,7 @@ fn forward_isa<M: Exp2Math>(
         g,
         d,
         hq,
+        sinks: p.sinks.as_deref(),
     };
     match o.data_mut() {
         OwnedData::F32(x) => combine(&parts, layout, &seqlen_q, x, &mut lse_tok, threads),

@@ -196,7 +196,7 @@ pub(super) fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
         prefetch_next_q(q, (b, h, i1));
     }
 
-    write_rows::<M, PAIR>(&scr.o, &scr.rows[..nrows], d, sm.u, math, (o_out, lse_out));
+    write_rows::<M, PAIR>(&scr.o, &scr.rows[..nrows], (d, p.sink(h)), sm.u, math, (o_out, lse_out));
 }
 
 /// Where a key tile lies in a block: its first key, whether every row of the block sees all of

@@ -6,8 +6,9 @@ use crate::convert::{narrow_bf16, narrow_f16};
 use crate::cpu::gemm::{MR, NR};
 use crate::cpu::rows::prefetch_row_with;
 use crate::cpu::simd;
-use crate::cpu::softmax::{finalize_panel, RowState};
+use crate::cpu::softmax::{finalize_panel, lse_f64, RowState};
 use crate::error::{Error, Result};
+use crate::numerics::merge::fold_sink;
 use crate::numerics::softmax_math::Exp2Math;
 use crate::problem::Problem;
 use crate::tensor::{Data, DataMut, Element};
@@ -29,11 +30,14 @@ pub(super) enum BlockOut<'a, 'o> {
 /// cache (the caller's output lines, at best in L2), and while they wait in the store buffer a
 /// load of values just stored (the `log2` results, spilled around the libm calls) cannot be
 /// forwarded and waits for the buffer to drain.
+///
+/// `sink`, the block's head's sink logit, is folded into each row's normaliser and LSE
+/// (`numerics::merge::fold_sink`, in f64 from the row's state).
 #[inline(always)]
 pub(super) fn write_rows<M: Exp2Math, const WIDE: bool>(
     o: &[f32],
     rows: &[RowState],
-    d: usize,
+    (d, sink): (usize, Option<f32>),
     u: f32,
     math: &M,
     (mut o_out, lse_out): (BlockOut<'_, '_>, &mut [f32]),
@@ -60,6 +64,15 @@ pub(super) fn write_rows<M: Exp2Math, const WIDE: bool>(
     for (pn, states) in rows.chunks(NR).enumerate() {
         let r0 = pn * NR;
         live[pn] = finalize_panel(states, u, math, &mut inv[pn], &mut lse_out[r0..r0 + states.len()]);
+        if let Some(z) = sink {
+            for (lane, st) in states.iter().enumerate() {
+                let (w, lse) = fold_sink(lse_f64(st, u, math), z);
+                if st.l != 0.0 {
+                    inv[pn][lane] = (w / st.l as f64) as f32;
+                }
+                lse_out[r0 + lane] = lse as f32;
+            }
+        }
     }
     for (pn, states) in rows.chunks(NR).enumerate() {
         let r0 = pn * NR;

@@ -656,3 +656,25 @@ fn fa4_softmax_sweep_rows_are_reached_by_their_knobs() {
     let e = check(ForwardOptions::default().variant(Variant::Fa3).fa4_exp2_share(8)).unwrap_err();
     assert!(matches!(e, Error::InvalidOption { option: "fa4_exp2_share", .. }), "{e:?}");
 }
+
+/// No kernel family implements attention sinks: every explicit variant is refused, and `Auto`
+/// finds no kernel, saying why (so `Backend::Auto` runs the call on the CPU), on
+/// every GPU of the real table. A sinks list of only −inf is no sink and runs as before.
+#[test]
+fn every_family_refuses_sinks() {
+    let blackwell = Built(FakeGpu { cc: (10, 0), smem: 227 * 1024 });
+    let opts = ForwardOptions::default().sinks(vec![0.5f32, -1.0, 2.0, f32::NEG_INFINITY]);
+    for gpu in FA2_GPUS.iter().map(|(g, _)| g).chain([&blackwell]) {
+        for dtype in [DType::F16, DType::BF16] {
+            let p = problem(dtype, 128, &opts);
+            let e = choose_in(FAMILIES, gpu, &p, Variant::Auto).unwrap_err();
+            assert!(matches!(&e, Error::BackendUnavailable { reason, .. } if reason.contains("sinks")), "{e:?}");
+            for variant in [Variant::Fa1, Variant::Fa2, Variant::Fa3, Variant::Fa4] {
+                let e = choose_in(FAMILIES, gpu, &p, variant).unwrap_err();
+                assert!(matches!(&e, Error::VariantUnavailable { .. }), "sm_{} {variant:?}: {e:?}", gpu.sm());
+            }
+        }
+        let none = ForwardOptions::default().sinks(vec![f32::NEG_INFINITY; 4]);
+        assert!(choose_in(FAMILIES, gpu, &problem(DType::BF16, 128, &none), Variant::Auto).is_ok());
+    }
+}
