@@ -64,6 +64,13 @@ pub(crate) fn route(opts: &ForwardOptions) -> Result<String> {
             expected: "Precision::Native (the backward has no FP8 path)".into(),
         });
     }
+    if let Some(sinks) = &opts.sinks {
+        return Err(Error::InvalidOption {
+            option: "sinks",
+            got: format!("{} sink logits", sinks.len()),
+            expected: "no sinks (the backward has no gradient for the sink logits)".into(),
+        });
+    }
     if opts.variant != Variant::Auto {
         return Err(Error::VariantUnavailable {
             variant: opts.variant,

@@ -39,5 +39,7 @@ mod serving_errors;
 mod serving_fuzz;
 /// No import cycle in src/: between files, between top-level modules, or between the backends.
 mod module_layers;
+/// Attention sinks on every CPU path against float64, and their domain edges (properties).
+mod sinks;
 /// Varlen, dense and paged caches, append and split-KV against float64 per sequence (properties).
 mod serving_props;

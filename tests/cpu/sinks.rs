@@ -4,18 +4,14 @@
 //! form on one key; the `merge_states` recipe; and the domain edges (−inf, NaN, +inf, wrong
 //! length, huge logits, rows that see no key).
 
-mod common;
-mod props;
-#[path = "serving_util/mod.rs"]
-mod serving_util;
-
-use common::{check_forward, randn, Rng};
+use crate::support::props;
+use crate::support::serving::{check_seq, mask_strategy, paged_table, values};
+use crate::support::{check_forward, randn, Rng};
 use flash_attn::serving::{
     forward_kvcache, forward_varlen, merge_states_n, BlockTable, KvCache, Varlen,
 };
 use flash_attn::{forward, Backend, DType, Error, ForwardOptions, Mask, Tensor};
 use proptest::prelude::*;
-use serving_util::{check_seq, mask_strategy, paged_table, values};
 
 /// Sink logits of `hq` heads: −inf (no sink) and finite values from well below to well above the
 /// scores (N(0,1) inputs give scores of a few units).
@@ -43,7 +39,7 @@ fn opts_for(mask: Mask, softcap: Option<f32>, alibi: bool, sinks: &[f32], splits
         o = o.softcap(c);
     }
     if alibi {
-        o = o.alibi_slopes(serving_util::slopes(hq));
+        o = o.alibi_slopes(crate::support::serving::slopes(hq));
     }
     if let Some(s) = splits {
         o = o.num_splits(s);
@@ -127,7 +123,7 @@ struct Serving {
 
 fn serving_strategy() -> impl Strategy<Value = (Serving, Vec<f32>)> {
     (
-        prop::collection::vec((serving_util::len_strategy(24), serving_util::len_strategy(90)), 1..=3),
+        prop::collection::vec((crate::support::serving::len_strategy(24), crate::support::serving::len_strategy(90)), 1..=3),
         (1usize..=2, prop::sample::select(vec![1usize, 2, 4]), prop::sample::select(vec![16usize, 64])),
         mask_strategy(),
         (prop::option::of(prop::sample::select(vec![1usize, 2, 5])), dtype_strategy()),
@@ -439,4 +435,24 @@ fn rows_that_see_no_key_get_the_sink_as_lse() {
             }
         }
     }
+}
+
+/// The backward has no gradient for the sink logits: a call with sinks is a typed error, not
+/// gradients that silently leave the sinks out.
+#[test]
+fn the_backward_refuses_sinks() {
+    let (b, s, h, d) = (1, 4, 2, 8);
+    let mut rng = Rng::new(7);
+    let shape = [b, s, h, d];
+    let (q, k, v, d_o) = (
+        randn(&mut rng, DType::F32, shape),
+        randn(&mut rng, DType::F32, shape),
+        randn(&mut rng, DType::F32, shape),
+        randn(&mut rng, DType::F32, shape),
+    );
+    let opts = ForwardOptions::default().backend(Backend::Cpu).sinks(vec![0.5f32, -1.0]);
+    let out = forward(&q, &k, &v, &opts.clone().return_lse(true)).unwrap();
+    let lse = out.lse.clone().unwrap();
+    let err = flash_attn::backward(&q, &k, &v, &out.o, &d_o, &lse, &opts).unwrap_err();
+    assert!(matches!(err, Error::InvalidOption { option: "sinks", .. }), "{err:?}");
 }
