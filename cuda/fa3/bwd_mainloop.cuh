@@ -266,7 +266,10 @@ __device__ __forceinline__ void bwd_kernel(const BwdParams& p, const TmaDesc* tq
             bwd_ds_barrier<Tr>(cw);  // every thread has read dS before the next block rewrites it
 
             // ---- dQ += dS K, 64 columns at a time (32 accumulators: the register budget of
-            // hd 128), into the f32 accumulator (deterministic: this warpgroup's own partial) ----
+            // hd 128), into the f32 accumulator (deterministic: this warpgroup's own partial).
+            // A warpgroup whose keys all lie past seqlen_k adds nothing (K is zero-filled there)
+            // and has no partial (the conversion sums ceil(seqlen_k / 64) of them).
+            if (key0 >= p.seqlen_k) continue;
             const int64_t part = deterministic ? static_cast<int64_t>(n_block) * Tr::kConsumerWarpgroups + cw : 0;
             float* acc = reinterpret_cast<float*>(p.dq_accum) +
                          (part * p.batch * p.heads_q * p.seqlen_q + row_base) * D;
