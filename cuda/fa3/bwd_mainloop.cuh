@@ -269,6 +269,10 @@ __device__ __forceinline__ void bwd_kernel(const BwdParams& p, const TmaDesc* tq
             // hd 128), into the f32 accumulator (deterministic: this warpgroup's own partial).
             // A warpgroup whose keys all lie past seqlen_k adds nothing (K is zero-filled there)
             // and has no partial (the conversion sums ceil(seqlen_k / 64) of them).
+            // Atomic mode: warpgroup 0 adds its dQ before warpgroup 1 (named barrier), so each
+            // element receives the CTA's two sums in a fixed order (both sync: warpgroup 0 after its
+            // additions, so it cannot run a block ahead and arrive twice in one phase).
+            if (!deterministic && cw == 1) named_bar_sync<Tr::kDqOrderBarrier, Tr::kConsumerThreads>();
             if (key0 >= p.seqlen_k) continue;
             const int64_t part = deterministic ? static_cast<int64_t>(n_block) * Tr::kConsumerWarpgroups + cw : 0;
             float* acc = reinterpret_cast<float*>(p.dq_accum) +
@@ -303,6 +307,7 @@ __device__ __forceinline__ void bwd_kernel(const BwdParams& p, const TmaDesc* tq
                         }
                     }
             }
+            if (!deterministic && cw == 0) named_bar_sync<Tr::kDqOrderBarrier, Tr::kConsumerThreads>();
         }
     }
 

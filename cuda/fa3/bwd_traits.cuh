@@ -47,6 +47,8 @@ struct Fa3BwdTraits {
 
     // Named barrier of consumer warpgroup cw (its 128 threads around the dS tile).
     static constexpr int kDsBarrier0 = 1;
+    // Named barrier ordering the two consumer warpgroups' dQ additions (atomic mode).
+    static constexpr int kDqOrderBarrier = kDsBarrier0 + kConsumerWarpgroups;
 
     // Byte offsets inside SW128 slabs. K-major step kk (16 columns of D) of a tile whose slabs are
     // slab_stride apart; MN-major step kk (16 rows) and 64-column block nh.
