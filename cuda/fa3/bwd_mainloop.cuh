@@ -267,13 +267,13 @@ __device__ __forceinline__ void bwd_kernel(const BwdParams& p, const TmaDesc* tq
 
             // ---- dQ += dS K, 64 columns at a time (32 accumulators: the register budget of
             // hd 128), into the f32 accumulator (deterministic: this warpgroup's own partial).
-            // A warpgroup whose keys all lie past seqlen_k adds nothing (K is zero-filled there)
-            // and has no partial (the conversion sums ceil(seqlen_k / 64) of them).
+            // A warpgroup whose keys all lie past seqlen_k writes nothing (K is zero-filled there)
+            // and has no partial (the conversion sums ceil(seqlen_k / 64) of them); the test is
+            // in the store loop because a branch around the GEMM made ptxas spill at hd 128.
             // Atomic mode: warpgroup 0 adds its dQ before warpgroup 1 (named barrier), so each
             // element receives the CTA's two sums in a fixed order (both sync: warpgroup 0 after its
             // additions, so it cannot run a block ahead and arrive twice in one phase).
             if (!deterministic && cw == 1) named_bar_sync<Tr::kDqOrderBarrier, Tr::kConsumerThreads>();
-            if (key0 >= p.seqlen_k) continue;
             const int64_t part = deterministic ? static_cast<int64_t>(n_block) * Tr::kConsumerWarpgroups + cw : 0;
             float* acc = reinterpret_cast<float*>(p.dq_accum) +
                          (part * p.batch * p.heads_q * p.seqlen_q + row_base) * D;
@@ -296,7 +296,7 @@ __device__ __forceinline__ void bwd_kernel(const BwdParams& p, const TmaDesc* tq
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
                         const int query = m0 + 16 * w + g + 8 * h;
-                        if (query >= p.seqlen_q) continue;
+                        if (query >= p.seqlen_q || key0 >= p.seqlen_k) continue;
 #pragma unroll
                         for (int e = 0; e < 2; ++e) {
                             float* dst = acc + static_cast<int64_t>(query) * D + nh * kMmaN + 8 * j + 2 * tq4 + e;
