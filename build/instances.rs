@@ -563,6 +563,15 @@ pub const STANDALONE: &[Standalone] = &[Standalone {
     // instructions are checked by tests/toolchain/sass.rs `fa2_backward_uses_mma_and_ldmatrix`.
     sass_expect: &["LDG", "STG"],
     cpu_emulation: "fa2_backward_matches_f64_reference",
+}, Standalone {
+    name: "fa3_bwd",
+    source: "cuda/fa3_bwd_sm90.cu",
+    // The FA3-style backward main kernel (sm_90a: TMA, mbarrier ring, wgmma, warp-specialised),
+    // launched between fa2_bwd's preprocess and dq conversion (docs/fa3.md, "Backward"). Ran in
+    // the emulator and compile-checked only.
+    kernels: &["fa3_bwd_hd64_f16", "fa3_bwd_hd64_bf16", "fa3_bwd_hd128_f16", "fa3_bwd_hd128_bf16"],
+    sass_expect: &["HGMMA", "UTMALDG"],
+    cpu_emulation: "fa3_backward_matches_f64_reference",
 }];
 
 /// The highest stage of the FA4 ladder built so far (docs/fa4.md).

@@ -17,7 +17,7 @@
 use crate::support::emu::{matrix_seed, tool_exe_with, Mutation};
 use crate::support::{floor_for, randn, Rng};
 use flash_attn::cuda::bwd_params::BwdOperands;
-use flash_attn::cuda::fa2_bwd::{plan, BwdPlan};
+use flash_attn::cuda::fa2_bwd::{plan, BwdLaunch, BwdPlan};
 use flash_attn::reference::{attention_backward_f64, attention_backward_naive, attention_f64, max_abs_diff};
 use flash_attn::{DType, Data, ForwardOptions, Mask, Problem, Tensor};
 use std::fmt::Write as _;
@@ -52,15 +52,18 @@ struct Case {
     k: [usize; 4],
     opts: ForwardOptions,
     deterministic: bool,
+    /// The main kernel: FA2's (`fa2_bwd_hd<D>`) or the FA3-style one (`fa3_bwd_hd<D>`, sm_90a).
+    fa3: bool,
 }
 
 impl Case {
     fn new(dtype: DType, q: [usize; 4], k: [usize; 4], opts: ForwardOptions) -> Self {
-        Case { dtype, q, k, opts, deterministic: false }
+        Case { dtype, q, k, opts, deterministic: false, fa3: false }
     }
     fn name(&self) -> String {
         format!(
-            "{:?} q{:?} k{:?} {:?}{}{}{}",
+            "{}{:?} q{:?} k{:?} {:?}{}{}{}",
+            if self.fa3 { "fa3 " } else { "" },
             self.dtype,
             self.q,
             self.k,
@@ -119,8 +122,11 @@ fn run_case(c: &Case, mutation: Option<&Mutation>) -> Outcome {
         dq_accum: addr::DQ_ACC,
         alibi: if c.opts.alibi_slopes.is_some() { addr::ALIBI } else { 0 },
     };
-    let pl: BwdPlan = plan(&p, &ops, c.deterministic).map_err(|e| format!("plan: {e}"))?;
-    let exe = tool_exe_with("fa2_bwd_main.cpp", mutation)?;
+    let mut pl: BwdPlan = plan(&p, &ops, c.deterministic).map_err(|e| format!("plan: {e}"))?;
+    if c.fa3 {
+        pl.launches[1] = fa3_main_launch(&pl, c);
+    }
+    let exe = tool_exe_with(if c.fa3 { "fa3_bwd_main.cpp" } else { "fa2_bwd_main.cpp" }, mutation)?;
 
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
         .join("emu_backward")
@@ -192,6 +198,25 @@ fn run_case(c: &Case, mutation: Option<&Mutation>) -> Outcome {
         worst = worst.max(err / bound);
     }
     Ok(worst)
+}
+
+/// Dynamic shared memory of the FA3-style main kernel per head dim (cuda/fa3_bwd_sm90.cu's table).
+const FA3_BWD_SMEM: [(usize, u32); 2] = [(64, 85032), (128, 150568)];
+
+/// The FA3-style main kernel's launch in place of FA2's: one CTA per 128 keys, 384 threads. The
+/// preprocess and the dq conversion stay FA2's; the conversion sums 64-key partials, the width
+/// FA2's plan already gives the params at head dims 64 and 128.
+fn fa3_main_launch(pl: &BwdPlan, c: &Case) -> BwdLaunch {
+    assert_eq!(pl.params.block_n, 64, "the FA3 consumers write 64-key dq partials");
+    let d = c.q[3];
+    let smem = FA3_BWD_SMEM.iter().find(|t| t.0 == d).expect("fa3 backward head dim").1;
+    let dt = pl.launches[1].kernel.rsplit('_').next().unwrap();
+    BwdLaunch {
+        kernel: format!("fa3_bwd_hd{d}_{dt}"),
+        grid: (c.k[1].div_ceil(128) as u32, c.k[2] as u32, c.k[0] as u32),
+        block: (384, 1, 1),
+        smem_bytes: smem,
+    }
 }
 
 fn run_all(cases: &[Case]) {
@@ -280,6 +305,80 @@ fn fa2_backward_mutations_are_caught() {
         },
     ];
     let c = Case::new(DType::F16, [1, 130, 2, 64], [1, 100, 2, 64], ForwardOptions::default());
+    for m in &mutations {
+        match run_case(&c, Some(m)) {
+            Ok(r) => panic!("the mutation {} was not caught (err/bound {r:.3})", m.name),
+            Err(e) => println!("{} caught: {}", m.name, e.lines().find(|l| l.contains("EMU ERROR") || l.contains("max |")).unwrap_or(&e)),
+        }
+    }
+}
+
+/// The FA3-style main kernel (cuda/fa3_bwd_sm90.cu, sm_90a: TMA, mbarrier ring, wgmma, warp
+/// specialised) between FA2's preprocess and conversion: head dims 64 and 128 in both dtypes,
+/// causal and not, GQA, odd lengths, rows that see no key, key blocks no row sees, and the
+/// deterministic mode. `FLASH_ATTN_EMU=full` adds random configurations.
+fn fa3_cases() -> Vec<Case> {
+    let o = ForwardOptions::default;
+    let fa3 = |c: Case| Case { fa3: true, ..c };
+    let mut v = vec![
+        fa3(Case::new(DType::F16, [1, 100, 2, 64], [1, 100, 2, 64], o())),
+        fa3(Case::new(DType::BF16, [2, 130, 3, 64], [2, 67, 1, 64], o().causal(true))),
+        fa3(Case::new(DType::BF16, [1, 70, 4, 128], [1, 200, 2, 128], o().causal(true))),
+        fa3(Case { deterministic: true, ..Case::new(DType::F16, [1, 90, 4, 128], [1, 150, 2, 128], o().causal(true)) }),
+        fa3(Case::new(DType::F16, [1, 10, 2, 64], [1, 300, 2, 64], o().mask(Mask::causal_window(30)))),
+    ];
+    if full() {
+        let mut rng = Rng::new(matrix_seed("fa3 backward full matrix", 0xfa3b_ad00));
+        for &d in &[64usize, 128] {
+            for dt in [DType::F16, DType::BF16] {
+                for _ in 0..2 {
+                    let pick = |rng: &mut Rng, n: u64| (rng.next_u64() % n) as usize;
+                    let hk = 1 + pick(&mut rng, 2);
+                    let hq = hk * (1 + pick(&mut rng, 3));
+                    let (sq, sk) = (1 + pick(&mut rng, 300), 1 + pick(&mut rng, 300));
+                    let opts = match pick(&mut rng, 4) {
+                        0 => o(),
+                        1 => o().causal(true),
+                        2 => o().mask(Mask::window(pick(&mut rng, 60) as i64, pick(&mut rng, 20) as i64)),
+                        _ => o().mask(Mask::causal_window(pick(&mut rng, 60) as i64)),
+                    };
+                    let b = 1 + pick(&mut rng, 2);
+                    let deterministic = pick(&mut rng, 2) == 0;
+                    v.push(fa3(Case { deterministic, ..Case::new(dt, [b, sq, hq, d], [b, sk, hk, d], opts) }));
+                }
+            }
+        }
+    }
+    v
+}
+
+/// The standalone row's `cpu_emulation` (build/instances.rs "fa3_bwd").
+#[test]
+fn fa3_backward_matches_f64_reference() {
+    run_all(&fa3_cases());
+}
+
+/// Mutations the checks must catch in the FA3-style kernel: a consumer that reads the Q / dO slot
+/// without waiting for its mbarrier (the emulator's happens-before check), and dS without D.
+#[test]
+fn fa3_backward_mutations_are_caught() {
+    let mutations = [
+        Mutation {
+            name: "fa3bwd-no-q-wait",
+            file: "cuda/fa3/bwd_mainloop.cuh",
+            from: "mbar_wait(&bars.q_full[slot], (it / S) & 1);",
+            to: "// (q_full wait removed)",
+            defines: &[],
+        },
+        Mutation {
+            name: "fa3bwd-no-d",
+            file: "cuda/fa3/bwd_mainloop.cuh",
+            from: "pr * (dp[i] - dsum)",
+            to: "pr * dp[i]",
+            defines: &[],
+        },
+    ];
+    let c = Case { fa3: true, deterministic: true, ..Case::new(DType::F16, [1, 200, 2, 64], [1, 100, 2, 64], ForwardOptions::default()) };
     for m in &mutations {
         match run_case(&c, Some(m)) {
             Ok(r) => panic!("the mutation {} was not caught (err/bound {r:.3})", m.name),
