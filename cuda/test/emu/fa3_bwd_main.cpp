@@ -3,7 +3,7 @@
 // launch sequence the kernel's header describes, on one emulated stream, under several scheduler
 // seeds whose outputs must be bit-identical; outputs are poisoned and guarded as in
 // fa2_bwd_main.cpp. The four tensor maps (Q, K, V, dO) are encoded here from the params (the
-// layout of docs/fa3.md: {head_dim, heads, seqlen, batch}, 128-byte swizzle). tests/emulator_backward.rs
+// layout of docs/fa3.md: {head_dim, heads, seqlen, batch}, 128-byte swizzle). tests/emulator/backward.rs
 // writes the launch file and compares dq, dk, dv with the float64 reference gradient.
 //
 // Launch file: as fa2_bwd_main.cpp (params, seeds, launch ..., in / out ...).
