@@ -20,6 +20,7 @@ pub(crate) mod native;
 pub(crate) mod parallel;
 pub(crate) mod pool;
 pub(crate) mod row_products;
+pub mod row_state;
 pub(crate) mod rows;
 pub(crate) mod score;
 pub(crate) mod simd;
