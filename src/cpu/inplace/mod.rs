@@ -49,7 +49,7 @@ mod lanes;
 mod scratch;
 mod sweep;
 
-use super::check_head_dim;
+use super::head_dim::check_head_dim;
 use super::gemm::NR;
 use super::isa::{detect_isa, isa, Isa};
 use super::parallel;
