@@ -14,39 +14,24 @@
 
 pub(crate) mod backward;
 pub(crate) mod gemm;
+pub(crate) mod head_dim;
 pub(crate) mod inplace;
 pub(crate) mod isa;
 pub(crate) mod native;
 pub(crate) mod parallel;
 pub(crate) mod pool;
 pub(crate) mod row_products;
+pub mod row_state;
 pub(crate) mod rows;
 pub(crate) mod score;
 pub(crate) mod simd;
 pub mod softmax;
 pub(crate) mod tiled;
 
-use crate::error::{Error, Result};
-use crate::problem::Problem;
-
+pub use head_dim::MAX_HEAD_DIM;
 pub(crate) use native::Native;
 pub(crate) use parallel::threads;
 #[cfg(any(test, feature = "bench"))]
 pub(crate) use tiled::forward_with;
 pub(crate) use tiled::{path_name, run, run_into};
 
-/// Largest head_dim the CPU backend accepts.
-pub const MAX_HEAD_DIM: usize = 512;
-
-/// [`Error::UnsupportedHeadDim`] past [`MAX_HEAD_DIM`], which both paths check before reading
-/// any input (the tiled path's row of zeros is `MAX_HEAD_DIM` long).
-pub(crate) fn check_head_dim(p: &Problem) -> Result<()> {
-    if p.head_dim > MAX_HEAD_DIM {
-        return Err(Error::UnsupportedHeadDim {
-            head_dim: p.head_dim,
-            backend: "the CPU backend".into(),
-            supported: format!("1..={MAX_HEAD_DIM}"),
-        });
-    }
-    Ok(())
-}

@@ -20,20 +20,8 @@
 //! in `online_softmax` keeps `-inf - (-inf)` (NaN) from ever being formed.
 
 use super::gemm::NR;
+pub use super::row_state::RowState;
 use crate::numerics::softmax_math::Exp2Math;
-
-/// Running state of one query row.
-#[derive(Clone, Copy, Debug)]
-pub struct RowState {
-    /// Running max (log2 units), possibly stale under lazy rescaling.
-    pub m: f32,
-    /// Running sum of `exp2(s - m + offset)`.
-    pub l: f32,
-}
-
-impl RowState {
-    pub const EMPTY: RowState = RowState { m: f32::NEG_INFINITY, l: 0.0 };
-}
 
 /// Per-query max of a `[keys][NR]` panel. NaN scores are skipped here and propagated by `exp2`.
 #[inline(always)]

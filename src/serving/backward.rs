@@ -1,6 +1,8 @@
 //! `backward_varlen`: the backward pass of [`super::forward_varlen`].
 
-use super::{check_view, prepare, KvLayout, QueryLayout, Varlen};
+use super::layout::{KvLayout, QueryLayout};
+use super::validate::{check_view, prepare};
+use super::varlen::Varlen;
 use crate::backward::{check_lse, check_like_q, cpu_dispatch, route, run_cpu, Gradients};
 use crate::cpu::backward::{Inputs, Span};
 use crate::error::{Operand, Result};

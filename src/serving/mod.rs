@@ -46,12 +46,15 @@
 //! ```
 
 mod backward;
+mod validate;
+mod varlen;
 pub mod layout;
 // The merge is shared with the backends, which sit below this API: it lives in `numerics`.
 pub(crate) use crate::numerics::merge;
 
 pub use backward::backward_varlen;
 pub use layout::{BatchLayout, KvLayout, QueryLayout};
+pub use varlen::Varlen;
 pub use merge::{merge_states, merge_states_n, AttentionState};
 
 use crate::output::{Dispatch, Output};
@@ -59,23 +62,10 @@ use crate::cpu;
 use crate::cpu::inplace;
 use crate::error::{Error, Operand, Result};
 use crate::numerics::softmax_math::SoftmaxMath;
-use crate::options::{Backend, ForwardOptions, Precision, Variant};
+use crate::options::{Backend, ForwardOptions};
 use crate::problem::Problem;
 use crate::tensor::{numel, AsTensorView, Data, Element, OwnedData, Shape, TensorView};
-
-/// The sequence offsets of a variable-length batch (FlashAttention's `cu_seqlens_q`,
-/// `cu_seqlens_k`, `max_seqlen_q`, `max_seqlen_k`).
-#[derive(Clone, Copy, Debug)]
-pub struct Varlen<'a> {
-    /// `batch + 1` offsets into q's rows: sequence `b` is rows `cu_seqlens_q[b]..cu_seqlens_q[b + 1]`.
-    pub cu_seqlens_q: &'a [i32],
-    /// `batch + 1` offsets into k's and v's rows.
-    pub cu_seqlens_k: &'a [i32],
-    /// At least the longest query sequence.
-    pub max_seqlen_q: usize,
-    /// At least the longest key sequence.
-    pub max_seqlen_k: usize,
-}
+use validate::{check_view, prepare};
 
 /// A paged cache's block table: `[batch, max_blocks_per_seq]` block ids, row-major.
 #[derive(Clone, Copy, Debug)]
@@ -407,83 +397,6 @@ fn store<T: Element>(dst: &mut [T], src: &[f32]) {
     for (d, &x) in dst.iter_mut().zip(src) {
         *d = T::from_f32(x);
     }
-}
-
-/// Checks a tensor's memory; with `packed`, the seqlen dimension may be 0 (nothing is read).
-fn check_view(t: &TensorView<'_>, op: Operand, packed: bool) -> Result<()> {
-    let [b, s, h, d] = t.shape();
-    if packed && s == 0 && b > 0 && h > 0 && d > 0 {
-        return Ok(());
-    }
-    t.check_layout(op)
-}
-
-/// Everything a serving call validates, in the order a caller would fix it: memory, dtypes,
-/// shapes, the sequence layout, then the options.
-fn prepare<'a>(
-    q: &TensorView<'a>,
-    k: &TensorView<'a>,
-    v: &TensorView<'a>,
-    ql: QueryLayout<'a>,
-    kl: KvLayout<'a>,
-    opts: &ForwardOptions,
-) -> Result<(Problem, BatchLayout<'a>)> {
-    let q_packed = matches!(ql, QueryLayout::Varlen { .. });
-    // A packed k and a dense cache may have 0 rows (nothing is read: the layout checks the
-    // lengths); a paged cache with page size 0 is reported by the layout.
-    let k_empty_ok = matches!(
-        kl,
-        KvLayout::Varlen { .. } | KvLayout::Cache { .. } | KvLayout::Paged { .. }
-    );
-    check_view(q, Operand::Q, q_packed)?;
-    check_view(k, Operand::K, k_empty_ok)?;
-    check_view(v, Operand::V, k_empty_ok)?;
-    let dtype = q.dtype();
-    for (op, t) in [(Operand::K, k), (Operand::V, v)] {
-        if t.dtype() != dtype {
-            return Err(Error::DTypeMismatch {
-                operand: op,
-                got: t.dtype(),
-                expected: dtype,
-            });
-        }
-    }
-    if v.shape() != k.shape() {
-        return Err(Error::ShapeMismatch {
-            what: "v".into(),
-            got: format!("{:?}", v.shape()),
-            expected: format!("{:?} (the shape of k)", k.shape()),
-        });
-    }
-    let [_, _, hq, d] = q.shape();
-    let [_, _, hkv, kd] = k.shape();
-    if kd != d {
-        return Err(Error::ShapeMismatch {
-            what: "k".into(),
-            got: format!("{:?}", k.shape()),
-            expected: format!("head_dim {d} (the head_dim of q)"),
-        });
-    }
-    let layout = BatchLayout::new(ql, q.shape(), kl, k.shape())?;
-    let p = layout.launch_problem(hq, hkv, d, dtype, opts)?;
-    if let Precision::Fp8 { .. } = p.precision {
-        return Err(Error::InvalidOption {
-            option: "precision",
-            got: "Precision::Fp8".into(),
-            expected: "Precision::Native on the varlen / KV-cache paths (the FP8 emulation runs on the dense forward)"
-                .into(),
-        });
-    }
-    crate::problem::check_num_splits(opts)?;
-    if opts.variant != Variant::Auto && !matches!(opts.backend, Backend::Cuda(_)) {
-        return Err(Error::VariantUnavailable {
-            variant: opts.variant,
-            reason: "GPU kernel families run only on a CUDA backend (Backend::Cuda); under Backend::Auto / Cpu the \
-                     varlen / KV-cache paths run on the CPU (use Variant::Auto)"
-                .into(),
-        });
-    }
-    Ok((p, layout))
 }
 
 fn run(

@@ -3,7 +3,8 @@
 
 use super::scratch::Scratch;
 use super::sweep::{same_span, Sweep};
-use super::{Ctx, Item, ItemSpan, CHUNK_KEYS, SWEEP_CHUNK_KEYS};
+use super::item::{Ctx, Item, ItemSpan};
+use super::sizes::{CHUNK_KEYS, SWEEP_CHUNK_KEYS};
 use crate::convert::Widen;
 use crate::cpu::gemm::NR;
 use crate::cpu::row_products::{pv_panel, qk_panel};

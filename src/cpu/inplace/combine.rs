@@ -1,7 +1,7 @@
 //! The in-place path's second pass: each query row's split partials merged (or its one partial
 //! copied) into the output in q's dtype.
 
-use super::ITEM_ROWS;
+use super::sizes::ITEM_ROWS;
 use crate::cpu::parallel;
 use crate::serving::layout::BatchLayout;
 use crate::serving::merge::merge_row;

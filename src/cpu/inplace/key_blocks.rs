@@ -3,7 +3,8 @@
 use super::chunks::prefetch_rows;
 use super::scratch::Scratch;
 use super::sweep::{same_span, span, Sweep};
-use super::{lanes, Ctx, Item, ItemSpan};
+use super::item::{Ctx, Item, ItemSpan};
+use super::lanes;
 use crate::cpu::gemm::NR;
 use crate::cpu::isa::{detect_isa, Isa};
 use crate::cpu::rows::{heads_side_by_side, prefetch_row_with};

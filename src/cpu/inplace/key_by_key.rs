@@ -2,7 +2,8 @@
 
 use super::scratch::Scratch;
 use super::sweep::{same_span, span, Sweep};
-use super::{Ctx, Item, ItemSpan, SWEEP_CHUNK_KEYS};
+use super::item::{Ctx, Item, ItemSpan};
+use super::sizes::SWEEP_CHUNK_KEYS;
 use crate::convert::Widen;
 use crate::cpu::row_products::{dot_widen, fma};
 use crate::cpu::rows::prefetch_row;

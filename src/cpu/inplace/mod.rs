@@ -4,8 +4,8 @@
 //! Unlike the tiled path (`cpu::tiled`), nothing is repacked per call: a work item takes a block
 //! of up to [`ITEM_ROWS`] query rows that share one kv head (every query head of the GQA group and the
 //! sequence's query positions, flattened as `row = i · group + head_in_group`) and streams over
-//! that kv head's keys in chunks of [`CHUNK_KEYS`], reading each K and V row once per item (f16/bf16
-//! rows are widened into a chunk-sized L1 buffer, f32 rows are used in place). Products are
+//! that kv head's keys in chunks of [`CHUNK_KEYS`](sizes::CHUNK_KEYS), reading each K and V row
+//! once per item (f16/bf16 rows are widened into a chunk-sized L1 buffer, f32 rows are used in place). Products are
 //! vectorised over head_dim with small register tiles (4 rows × 2 keys for `Q·Kᵀ`, 4 rows × 16
 //! columns for `P·V`); scores are held as panels of [`NR`] = 16 rows per key, the layout of the
 //! shared online-softmax verbs (`cpu::softmax`), which run unchanged.
@@ -44,13 +44,15 @@
 
 mod chunks;
 mod combine;
+mod item;
 mod key_blocks;
 mod key_by_key;
 mod lanes;
 mod scratch;
+mod sizes;
 mod sweep;
 
-use super::check_head_dim;
+use super::head_dim::check_head_dim;
 use super::gemm::NR;
 use super::isa::{detect_isa, isa, Isa};
 use super::parallel;
@@ -65,22 +67,14 @@ use crate::serving::layout::BatchLayout;
 use crate::splits::{num_splits, MIN_SPLIT_KEYS};
 use crate::tensor::{numel, try_filled, OwnedData, Tensor, TensorView};
 use combine::{combine, Parts, SeqPlan};
+use item::{Ctx, Item, ItemSpan};
 use chunks::{ChunksAlone, ChunksTogether};
 use key_blocks::KeyBlocks;
 use key_by_key::KeyByKey;
 use scratch::{Scratch, Scratches};
+use sizes::ITEM_ROWS;
 use sweep::Sweep;
 
-/// Query rows per work item (4 panels of 16): each chunk of K/V rows an item reads serves them all.
-pub const ITEM_ROWS: usize = 64;
-/// Keys per chunk: the K and V rows of a chunk stay in L1/L2 while every panel of the item uses
-/// them.
-pub const CHUNK_KEYS: usize = 64;
-/// Keys per chunk when the items of all kv heads sweep the keys together (decode): a chunk of
-/// every head then spans this many whole rows of all heads (`[.., seqlen, heads, head_dim]`),
-/// few enough concurrent streams for the hardware prefetchers, and each head's chunk is
-/// prefetched while the previous head's is computed.
-pub const SWEEP_CHUNK_KEYS: usize = 16;
 /// Multiply-adds a thread must get before another thread is started (roughly 50 µs of work).
 const MIN_WORK_PER_THREAD: u64 = 1 << 18;
 /// The dense forward takes this path when `seqlen_q` is at most this: the tiled path packs all of
@@ -99,44 +93,6 @@ pub(crate) struct InplaceOutput {
     pub lse: Vec<f32>,
     /// Largest number of key splits any sequence used.
     pub splits: usize,
-}
-
-/// Everything an item reads.
-pub(super) struct Ctx<'a, M> {
-    pub(super) p: &'a Problem,
-    pub(super) layout: &'a BatchLayout<'a>,
-    pub(super) q: TensorView<'a>,
-    pub(super) k: TensorView<'a>,
-    pub(super) v: TensorView<'a>,
-    pub(super) sm: ScoreMod,
-    pub(super) math: M,
-    pub(super) group: usize,
-    /// The instruction set to run (the CPU's best unless a test asks for a lesser one).
-    pub(super) isa: Isa,
-}
-
-/// One work item: rows `r0..r1` of the (sequence `b`, kv head `hk`) group, keys `k0..k1` (a
-/// split), writing normalised outputs `[rows][d]` and LSEs. The LSEs are kept in f64 until the
-/// splits are merged: an f32 LSE of a large score is off by up to half its ulp (5e-4 at 1e4),
-/// which the merge would turn into a relative error of each split's weight.
-pub(super) struct Item<'o> {
-    pub(super) b: usize,
-    pub(super) hk: usize,
-    pub(super) r0: usize,
-    pub(super) r1: usize,
-    pub(super) k0: usize,
-    pub(super) k1: usize,
-    pub(super) cost: u64,
-    pub(super) o: &'o mut [f32],
-    pub(super) lse: &'o mut [f64],
-}
-
-/// What an item keeps between its chunks: its sequence's own problem (masks, ALiBi and causal
-/// alignment are per sequence) and the keys any of its rows sees.
-pub(super) struct ItemSpan {
-    pub(super) ps: Problem,
-    pub(super) lo_all: usize,
-    pub(super) hi_all: usize,
 }
 
 /// Runs a group of items (see the module documentation): items of one sequence, row block and

@@ -1,6 +1,7 @@
 //! The in-place path's per-worker scratch, kept by each thread between calls.
 
-use super::{lanes, CHUNK_KEYS};
+use super::lanes;
+use super::sizes::CHUNK_KEYS;
 use crate::cpu::gemm::NR;
 use crate::cpu::softmax::RowState;
 

@@ -2,7 +2,7 @@
 //! in order of speed: the first that applies runs the unit.
 
 use super::scratch::Scratch;
-use super::{Ctx, Item, ItemSpan};
+use super::item::{Ctx, Item, ItemSpan};
 use crate::numerics::softmax_math::Exp2Math;
 
 /// One way to run a unit's items (begun: their `spans` set) to the end of their keys.

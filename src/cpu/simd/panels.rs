@@ -3,7 +3,7 @@
 #![allow(clippy::incompatible_msrv)]
 
 #[cfg(target_arch = "x86_64")]
-use super::{first_lanes, load_columns, transpose16};
+use super::lanes::{first_lanes, load_columns, transpose16};
 use crate::cpu::gemm::{MR, NR};
 
 /// Rows `0..n` of one Oᵀ panel (`op`: `[head_dim_pad >= d][NR]`, query `r` in lane `r`) as the

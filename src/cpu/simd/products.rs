@@ -3,7 +3,7 @@
 #![allow(clippy::incompatible_msrv)]
 
 #[cfg(target_arch = "x86_64")]
-use super::running_max;
+use super::lanes::running_max;
 use crate::cpu::gemm::{MR, NR};
 
 /// The first product for `N` (1 to 4) query panels over one key tile, with the softmax's max

@@ -2,9 +2,9 @@
 #![allow(clippy::incompatible_msrv)]
 
 #[cfg(target_arch = "x86_64")]
-use super::{first_lanes, running_max};
+use super::lanes::{first_lanes, running_max};
 use crate::cpu::gemm::NR;
-use crate::cpu::softmax::RowState;
+use crate::cpu::row_state::RowState;
 
 /// The online softmax of one `[keys][NR]` score panel with the native arithmetic (`cpu::Native`:
 /// the degree-5 `exp2_fast`, no P offset, no P rounding, eager rescaling): the panel max, the

@@ -4,7 +4,7 @@
 use super::output::{write_rows, BlockOut};
 use super::pack::{prefetch_rows, row_f32, PackedKv, ZEROS};
 use super::scratch::Scratch;
-use super::{round_up, TILE_KEYS, BLOCK_ROWS};
+use super::sizes::{round_up, TILE_KEYS, BLOCK_ROWS};
 use crate::cpu::gemm::{micro_kernel, micro_kernel_skip_zero_b, Acc, MR, NR};
 use crate::cpu::score::ScoreMod;
 use crate::cpu::simd::{self, KTile};

@@ -18,8 +18,9 @@ mod block;
 mod output;
 mod pack;
 mod scratch;
+mod sizes;
 
-use super::check_head_dim;
+use super::head_dim::check_head_dim;
 use super::gemm::MR;
 use super::isa::{detect_isa, isa, Isa};
 use super::native::Native;
@@ -38,14 +39,9 @@ use block::attend_block;
 use output::{rows_by_head, store_rows, BlockOut};
 use pack::{pack_heads, PackedKv, Sizes};
 use scratch::Scratch;
+use sizes::BLOCK_ROWS;
 use std::ops::Range;
 
-/// Query rows per work item, a multiple of the 16-query panels: every packed K/V tile the block
-/// reads serves all of its panels.
-pub(crate) const BLOCK_ROWS: usize = 96;
-/// Keys per tile, a multiple of the micro-kernel's 6-key strips: the products and the softmax
-/// step of one tile run on every panel of the block before the next tile is read.
-pub(crate) const TILE_KEYS: usize = 96;
 /// Upper bound on the packed K/V held at once; larger problems are processed in chunks of kv heads.
 const PACK_BUDGET_BYTES: usize = 256 << 20;
 
@@ -70,10 +66,6 @@ pub(crate) struct CpuOutput {
     pub o: Tensor,
     pub lse: Vec<f32>,
     pub kernel: &'static str,
-}
-
-pub(super) fn round_up(x: usize, m: usize) -> usize {
-    x.div_ceil(m) * m
 }
 
 /// The output element types: f32 rows are written straight from the Oᵀ panels

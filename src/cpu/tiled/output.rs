@@ -1,7 +1,7 @@
 //! The tiled path's output: a block's normalised rows out of its Oᵀ panels, straight into the
 //! caller's rows (f32) or converted from a staged block (f16/bf16).
 
-use super::{round_up, BLOCK_ROWS};
+use super::sizes::{round_up, BLOCK_ROWS};
 use crate::convert::{narrow_bf16, narrow_f16};
 use crate::cpu::gemm::{MR, NR};
 use crate::cpu::rows::prefetch_row_with;

@@ -1,10 +1,11 @@
 //! K and V of one (batch, kv head) packed into the micro-kernel's A-operand layouts, and the
 //! sizes of the tiled path's buffers, checked before anything is allocated.
 
-use super::round_up;
+use super::sizes::round_up;
 use crate::cpu::gemm::MR;
 use crate::cpu::rows::prefetch_row_with;
-use crate::cpu::{pool, simd, MAX_HEAD_DIM};
+use crate::cpu::head_dim::MAX_HEAD_DIM;
+use crate::cpu::{pool, simd};
 use crate::error::{Error, Result};
 use crate::problem::Problem;
 use crate::tensor::{Data, TensorView};

@@ -1,6 +1,6 @@
 //! A worker's scratch for the tiled path: the Qᵀ, Sᵀ and Oᵀ panels, on cache lines.
 
-use super::{round_up, TILE_KEYS, BLOCK_ROWS};
+use super::sizes::{round_up, TILE_KEYS, BLOCK_ROWS};
 use crate::cpu::gemm::{MR, NR};
 use crate::cpu::softmax::RowState;
 

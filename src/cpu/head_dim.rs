@@ -1,0 +1,20 @@
+//! The CPU backend's head_dim limit, checked by every path before it reads any input.
+
+use crate::error::{Error, Result};
+use crate::problem::Problem;
+
+/// Largest head_dim the CPU backend accepts.
+pub const MAX_HEAD_DIM: usize = 512;
+
+/// [`Error::UnsupportedHeadDim`] past [`MAX_HEAD_DIM`], which both paths check before reading
+/// any input (the tiled path's row of zeros is `MAX_HEAD_DIM` long).
+pub(crate) fn check_head_dim(p: &Problem) -> Result<()> {
+    if p.head_dim > MAX_HEAD_DIM {
+        return Err(Error::UnsupportedHeadDim {
+            head_dim: p.head_dim,
+            backend: "the CPU backend".into(),
+            supported: format!("1..={MAX_HEAD_DIM}"),
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,85 @@
+//! What every serving entry point validates before it runs, forward and backward: the tensors'
+//! memory, dtypes and shapes, the sequence layout and the options.
+
+use super::layout::{BatchLayout, KvLayout, QueryLayout};
+use crate::error::{Error, Operand, Result};
+use crate::options::{Backend, ForwardOptions, Precision, Variant};
+use crate::problem::Problem;
+use crate::tensor::TensorView;
+
+/// Checks a tensor's memory; with `packed`, the seqlen dimension may be 0 (nothing is read).
+pub(super) fn check_view(t: &TensorView<'_>, op: Operand, packed: bool) -> Result<()> {
+    let [b, s, h, d] = t.shape();
+    if packed && s == 0 && b > 0 && h > 0 && d > 0 {
+        return Ok(());
+    }
+    t.check_layout(op)
+}
+
+/// Everything a serving call validates, in the order a caller would fix it: memory, dtypes,
+/// shapes, the sequence layout, then the options.
+pub(super) fn prepare<'a>(
+    q: &TensorView<'a>,
+    k: &TensorView<'a>,
+    v: &TensorView<'a>,
+    ql: QueryLayout<'a>,
+    kl: KvLayout<'a>,
+    opts: &ForwardOptions,
+) -> Result<(Problem, BatchLayout<'a>)> {
+    let q_packed = matches!(ql, QueryLayout::Varlen { .. });
+    // A packed k and a dense cache may have 0 rows (nothing is read: the layout checks the
+    // lengths); a paged cache with page size 0 is reported by the layout.
+    let k_empty_ok = matches!(
+        kl,
+        KvLayout::Varlen { .. } | KvLayout::Cache { .. } | KvLayout::Paged { .. }
+    );
+    check_view(q, Operand::Q, q_packed)?;
+    check_view(k, Operand::K, k_empty_ok)?;
+    check_view(v, Operand::V, k_empty_ok)?;
+    let dtype = q.dtype();
+    for (op, t) in [(Operand::K, k), (Operand::V, v)] {
+        if t.dtype() != dtype {
+            return Err(Error::DTypeMismatch {
+                operand: op,
+                got: t.dtype(),
+                expected: dtype,
+            });
+        }
+    }
+    if v.shape() != k.shape() {
+        return Err(Error::ShapeMismatch {
+            what: "v".into(),
+            got: format!("{:?}", v.shape()),
+            expected: format!("{:?} (the shape of k)", k.shape()),
+        });
+    }
+    let [_, _, hq, d] = q.shape();
+    let [_, _, hkv, kd] = k.shape();
+    if kd != d {
+        return Err(Error::ShapeMismatch {
+            what: "k".into(),
+            got: format!("{:?}", k.shape()),
+            expected: format!("head_dim {d} (the head_dim of q)"),
+        });
+    }
+    let layout = BatchLayout::new(ql, q.shape(), kl, k.shape())?;
+    let p = layout.launch_problem(hq, hkv, d, dtype, opts)?;
+    if let Precision::Fp8 { .. } = p.precision {
+        return Err(Error::InvalidOption {
+            option: "precision",
+            got: "Precision::Fp8".into(),
+            expected: "Precision::Native on the varlen / KV-cache paths (the FP8 emulation runs on the dense forward)"
+                .into(),
+        });
+    }
+    crate::problem::check_num_splits(opts)?;
+    if opts.variant != Variant::Auto && !matches!(opts.backend, Backend::Cuda(_)) {
+        return Err(Error::VariantUnavailable {
+            variant: opts.variant,
+            reason: "GPU kernel families run only on a CUDA backend (Backend::Cuda); under Backend::Auto / Cpu the \
+                     varlen / KV-cache paths run on the CPU (use Variant::Auto)"
+                .into(),
+        });
+    }
+    Ok((p, layout))
+}
