@@ -57,9 +57,37 @@ cargo package --allow-dirty --no-verify --quiet
 cargo publish --dry-run --allow-dirty --no-verify --quiet
 version="$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)"
 pkg="$target/package-test/flash_attn-$version"
-rm -rf "$pkg"
-mkdir -p "$target/package-test"
-tar -xzf "$target/package/flash_attn-$version.crate" -C "$target/package-test"
+# The tarball stores one fixed mtime for every file, and cargo decides what to rebuild by mtime:
+# extracted over a previous copy, a changed build.rs or source would look older than its last
+# build and be skipped. So the copy is updated file by file: a file whose content changed is
+# rewritten (its mtime is now), an unchanged one keeps its mtime (and its build is reused).
+staging="$target/package-staging"
+rm -rf "$staging"
+# A copy extracted whole (by an older version of this script) may hold builds older than their
+# sources: start that one afresh.
+[ -f "$target/package-test/.copied-by-content" ] || rm -rf "$pkg"
+mkdir -p "$staging" "$pkg"
+tar -xzf "$target/package/flash_attn-$version.crate" -C "$staging"
+python3 - "$staging/flash_attn-$version" "$pkg" <<'PY'
+import filecmp, os, shutil, sys
+src, dst = sys.argv[1], sys.argv[2]
+for root, _, files in os.walk(src):
+    for f in files:
+        a = os.path.join(root, f)
+        b = os.path.join(dst, os.path.relpath(a, src))
+        if not (os.path.isfile(b) and filecmp.cmp(a, b, shallow=False)):
+            os.makedirs(os.path.dirname(b), exist_ok=True)
+            shutil.copyfile(a, b)
+for root, _, files in os.walk(dst, topdown=False):
+    for f in files:
+        b = os.path.join(root, f)
+        if not os.path.exists(os.path.join(src, os.path.relpath(b, dst))):
+            os.remove(b)
+    if root != dst and not os.listdir(root):
+        os.rmdir(root)
+PY
+touch "$target/package-test/.copied-by-content"
+rm -rf "$staging"
 
 # Every test, from the packaged copy. Publishing strips the self dev-dependency that turns on
 # `bench` in the repository, so the copy asks for the feature itself. --all-targets --no-run
