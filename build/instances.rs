@@ -574,6 +574,12 @@ pub const STANDALONE: &[Standalone] = &[Standalone {
     cpu_emulation: "fa3_backward_matches_f64_reference",
 }];
 
+/// Whether `Variant::Auto` may pick a backward kernel (the "fa2_bwd" and "fa3_bwd" rows) on the
+/// GPU, as `Family::auto` does for a forward family: `false` until a GPU run of
+/// tests/gpu/backward.rs (scripts/check/gpu.sh) verifies them. Until then an explicit
+/// `Variant::Fa2` / `Variant::Fa3` reaches them and `Variant::Auto` runs the CPU backward.
+pub const BACKWARD_AUTO: bool = false;
+
 /// The highest stage of the FA4 ladder built so far (docs/fa4.md).
 pub const FA4_MAX_STAGE: u8 = 3;
 

@@ -55,8 +55,16 @@ pub(crate) fn check_lse(lse: &[f32], n: usize, layout: &str) -> Result<()> {
     Ok(())
 }
 
-/// The options the backward refuses, and where it runs: the reason for the CPU.
-pub(crate) fn route(opts: &ForwardOptions) -> Result<String> {
+/// Where a backward runs: the CPU with the reason, or a CUDA device (an explicit variant).
+pub(crate) enum Route {
+    Cpu(String),
+    Gpu(usize),
+}
+
+/// The options the backward refuses, and where it runs. `Variant::Auto` runs the CPU backward
+/// (on `Backend::Cuda` the engine refuses it until a GPU run verifies the kernels); an explicit
+/// `Variant::Fa2` / `Variant::Fa3` runs the GPU kernels and needs a CUDA backend.
+pub(crate) fn route(opts: &ForwardOptions) -> Result<Route> {
     if opts.precision != Precision::Native {
         return Err(Error::InvalidOption {
             option: "precision",
@@ -71,19 +79,40 @@ pub(crate) fn route(opts: &ForwardOptions) -> Result<String> {
             expected: "no sinks (the backward has no gradient for the sink logits)".into(),
         });
     }
-    if opts.variant != Variant::Auto {
-        return Err(Error::VariantUnavailable {
-            variant: opts.variant,
-            reason: "the backward runs on the CPU backend only (use Variant::Auto)".into(),
-        });
-    }
-    match opts.backend {
-        Backend::Cuda(dev) => Err(Error::BackendUnavailable {
-            backend: format!("cuda:{dev}"),
-            reason: "the backward runs on the CPU backend only (use Backend::Auto or Backend::Cpu)".into(),
+    match (opts.variant, opts.backend) {
+        (_, Backend::Cuda(dev)) => Ok(Route::Gpu(dev)),
+        (Variant::Auto, Backend::Cpu) => Ok(Route::Cpu("Backend::Cpu requested".into())),
+        (Variant::Auto, _) => Ok(Route::Cpu(
+            "Variant::Auto runs the CPU backward (the GPU backward kernels are not verified on a GPU yet: name \
+             Variant::Fa2 or Variant::Fa3 to run them)"
+                .into(),
+        )),
+        (variant, Backend::Cpu) => Err(Error::VariantUnavailable {
+            variant,
+            reason: "GPU kernel families run only on a CUDA backend; this call asks for Backend::Cpu (use Variant::Auto)".into(),
         }),
-        Backend::Cpu => Ok("Backend::Cpu requested".into()),
-        _ => Ok("the backward runs on the CPU backend".into()),
+        (variant, _) => crate::cuda_host::any_device().map(Route::Gpu).map_err(|why| Error::VariantUnavailable {
+            variant,
+            reason: format!("the GPU backward kernels need a CUDA device: {why} (use Variant::Auto for the CPU backward)"),
+        }),
+    }
+}
+
+/// The route of a call that runs on the CPU only (the varlen backward): its reason, or the error
+/// of a GPU route.
+pub(crate) fn route_cpu_only(opts: &ForwardOptions) -> Result<String> {
+    match route(opts)? {
+        Route::Cpu(why) => Ok(why),
+        Route::Gpu(dev) => Err(match opts.variant {
+            Variant::Auto => Error::BackendUnavailable {
+                backend: format!("cuda:{dev}"),
+                reason: "this backward runs on the CPU backend only (use Backend::Auto or Backend::Cpu)".into(),
+            },
+            variant => Error::VariantUnavailable {
+                variant,
+                reason: "this backward runs on the CPU backend only (use Variant::Auto)".into(),
+            },
+        }),
     }
 }
 
@@ -105,7 +134,7 @@ struct Checked<'a> {
     p: Problem,
     x: Inputs<'a>,
     spans: Vec<Span>,
-    why: String,
+    route: Route,
 }
 
 fn check<'a>(
@@ -119,7 +148,7 @@ fn check<'a>(
         t.check_layout(op)?;
     }
     check_lse(lse, p.batch * p.heads_q * p.seqlen_q, "[batch, heads_q, seqlen_q]")?;
-    let why = route(opts)?;
+    let route = route(opts)?;
     let spans = (0..p.batch)
         .map(|b| Span {
             b,
@@ -131,7 +160,7 @@ fn check<'a>(
             lse_head: p.seqlen_q,
         })
         .collect();
-    Ok(Checked { p, x: Inputs { q, k, v, o, d_o, lse }, spans, why })
+    Ok(Checked { p, x: Inputs { q, k, v, o, d_o, lse }, spans, route })
 }
 
 /// The CPU backward of validated inputs into the gradient buffers (of the inputs' dtype).
@@ -166,8 +195,14 @@ pub(crate) fn run_cpu(
 /// gradients. `opts` must be those of the forward call; `return_lse`, `exp2`, `rescale` and
 /// `num_splits` do not matter here (P is recomputed with the accurate exp2).
 ///
-/// Runs on the CPU backend, deterministic: the gradients are bit-identical from run to run and
-/// for any `cpu_threads` (see [`ForwardOptions::deterministic`]).
+/// With `Variant::Auto` (the default) it runs on the CPU backend, deterministic: the gradients
+/// are bit-identical from run to run and for any `cpu_threads` (see
+/// [`ForwardOptions::deterministic`]). An explicit `Variant::Fa2` or `Variant::Fa3` runs the
+/// GPU backward kernels on `Backend::Cuda(n)` (or the first device with `Backend::Auto`) through
+/// [`crate::cuda::Engine::backward`]: the inputs are uploaded, the gradients downloaded, and
+/// `Dispatch` says which kernel ran and whether dq was summed with f32 atomics (the default) or
+/// deterministically (`opts.deterministic(true)`). Those kernels ran in the CPU emulator and
+/// were compile-checked; none has run on a GPU, which is why `Variant::Auto` does not pick them.
 ///
 /// ```
 /// use flash_attn::{backward, forward, ForwardOptions, Tensor};
@@ -187,7 +222,9 @@ pub(crate) fn run_cpu(
 /// / [`Error::InvalidLayout`] when `o` or `d_o` is not q's shape, dtype and a valid view, or
 /// `lse` is not `batch · heads_q · seqlen_q` values; [`Error::InvalidOption`] for an LSE holding
 /// NaN or +inf, or an FP8 precision; [`Error::BackendUnavailable`] / [`Error::VariantUnavailable`]
-/// for a GPU backend or kernel family. Nothing panics.
+/// when the GPU route cannot run (no `cuda` feature, driver or device; `Variant::Auto` on
+/// `Backend::Cuda`; a kernel family without a backward, or one the device or problem rules out);
+/// the engine's errors on the GPU route. Nothing panics.
 pub fn backward(
     q: &impl AsTensorView,
     k: &impl AsTensorView,
@@ -203,8 +240,19 @@ pub fn backward(
     let mut dk = Tensor::zeros(p.dtype, [p.batch, p.seqlen_k, p.heads_kv, p.head_dim])?;
     let mut dv = Tensor::zeros(p.dtype, [p.batch, p.seqlen_k, p.heads_kv, p.head_dim])?;
     let out = (dq.data_mut().as_data_mut(), dk.data_mut().as_data_mut(), dv.data_mut().as_data_mut());
-    let kernel = run_cpu(p, &c.spans, &c.x, opts, out)?;
-    Ok(Gradients { dq, dk, dv, dispatch: cpu_dispatch(kernel, c.why) })
+    let dispatch = run(&c, opts, out)?;
+    Ok(Gradients { dq, dk, dv, dispatch })
+}
+
+/// Runs a checked dense backward where its route says, into `out`.
+fn run(c: &Checked<'_>, opts: &ForwardOptions, out: (DataMut<'_>, DataMut<'_>, DataMut<'_>)) -> Result<Dispatch> {
+    match &c.route {
+        Route::Cpu(why) => Ok(cpu_dispatch(run_cpu(&c.p, &c.spans, &c.x, opts, out)?, why.clone())),
+        Route::Gpu(dev) => {
+            let x = &c.x;
+            crate::cuda_host::backward_host_into([&x.q, &x.k, &x.v, &x.o, &x.d_o], x.lse, out, opts, *dev)
+        }
+    }
 }
 
 /// Checks a caller's gradient buffer: `T` is the inputs' dtype, `len` the elements of `shape`.
@@ -247,6 +295,5 @@ pub fn backward_into<T: Element>(
     check_grad_buffer("dq", dq, [p.batch, p.seqlen_q, p.heads_q, p.head_dim], p.dtype)?;
     check_grad_buffer("dk", dk, [p.batch, p.seqlen_k, p.heads_kv, p.head_dim], p.dtype)?;
     check_grad_buffer("dv", dv, [p.batch, p.seqlen_k, p.heads_kv, p.head_dim], p.dtype)?;
-    let kernel = run_cpu(p, &c.spans, &c.x, opts, (T::wrap_mut(dq), T::wrap_mut(dk), T::wrap_mut(dv)))?;
-    Ok(cpu_dispatch(kernel, c.why))
+    run(&c, opts, (T::wrap_mut(dq), T::wrap_mut(dk), T::wrap_mut(dv)))
 }

@@ -161,3 +161,65 @@ pub(crate) fn serving_host(
         reason: "the crate was built without the `cuda` feature".into(),
     })
 }
+
+/// A host-memory backward on CUDA device `dev` (an explicit variant): upload, the backward
+/// launches (`cuda::Engine::backward`), download into `out` (contiguous, lengths checked by the
+/// caller). Compile-checked only.
+#[cfg(feature = "cuda")]
+pub(crate) fn backward_host_into(
+    views: [&TensorView; 5],
+    lse: &[f32],
+    out: (DataMut<'_>, DataMut<'_>, DataMut<'_>),
+    opts: &ForwardOptions,
+    dev: usize,
+) -> Result<crate::Dispatch> {
+    use crate::tensor::Data;
+    let engine = crate::cuda::Engine::new(dev)?;
+    let [q, k, v, o, d_o] = views;
+    match ([q.data(), k.data(), v.data(), o.data(), d_o.data()], out) {
+        ([Data::F16(a), Data::F16(b), Data::F16(c), Data::F16(d), Data::F16(e)], (DataMut::F16(x), DataMut::F16(y), DataMut::F16(z))) => {
+            crate::cuda::backward_host_into_typed(&engine, views, [a, b, c, d, e], lse, (x, y, z), opts)
+        }
+        (
+            [Data::BF16(a), Data::BF16(b), Data::BF16(c), Data::BF16(d), Data::BF16(e)],
+            (DataMut::BF16(x), DataMut::BF16(y), DataMut::BF16(z)),
+        ) => crate::cuda::backward_host_into_typed(&engine, views, [a, b, c, d, e], lse, (x, y, z), opts),
+        _ => Err(Error::UnsupportedDType {
+            dtype: q.dtype(),
+            backend: format!("cuda:{dev}"),
+            supported: "F16, BF16 (convert f32 inputs, or run the CPU backward)".into(),
+        }),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+pub(crate) fn backward_host_into(
+    _views: [&TensorView; 5],
+    _lse: &[f32],
+    _out: (DataMut<'_>, DataMut<'_>, DataMut<'_>),
+    _opts: &ForwardOptions,
+    dev: usize,
+) -> Result<crate::Dispatch> {
+    Err(Error::BackendUnavailable {
+        backend: format!("cuda:{dev}"),
+        reason: "the crate was built without the `cuda` feature".into(),
+    })
+}
+
+/// The device an explicit-variant backward with `Backend::Auto` runs on, or why none.
+#[cfg(feature = "cuda")]
+pub(crate) fn any_device() -> std::result::Result<usize, String> {
+    use crate::cuda::{device_count, why_unusable};
+    if let Some(why) = why_unusable() {
+        return Err(why);
+    }
+    if device_count() == 0 {
+        return Err("the CUDA driver reports no device".into());
+    }
+    Ok(0)
+}
+
+#[cfg(not(feature = "cuda"))]
+pub(crate) fn any_device() -> std::result::Result<usize, String> {
+    Err("the crate was built without the `cuda` feature".into())
+}

@@ -256,6 +256,12 @@ impl Device {
     /// A kernel of a standalone image (build/instances.rs `STANDALONE`: the combine), by symbol,
     /// loading its module at first use. It takes no dynamic shared memory.
     pub(crate) fn standalone_function(&self, row: &'static Standalone, symbol: &'static str) -> Result<Loaded> {
+        self.standalone_function_smem(row, symbol, 0)
+    }
+
+    /// As [`Device::standalone_function`] for a kernel that takes `smem_bytes` of dynamic shared
+    /// memory (a backward plan's launch; one size per symbol), opted in at its first load.
+    pub(crate) fn standalone_function_smem(&self, row: &'static Standalone, symbol: &'static str, smem_bytes: u32) -> Result<Loaded> {
         let key = (row.name, STANDALONE_HEAD_DIM, symbol, Symbol::Standalone);
         let mut functions = self.functions.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(f) = functions.get(&key) {
@@ -263,6 +269,7 @@ impl Device {
         }
         let module = self.module(row.name, STANDALONE_HEAD_DIM)?;
         let func = get_function(&module, symbol.to_string())?;
+        opt_in_smem(func, smem_bytes)?;
         let loaded = Loaded { func, _module: module };
         functions.insert(key, loaded.clone());
         Ok(loaded)
@@ -311,21 +318,28 @@ impl Device {
         let func = get_function(&module, symbol)?;
         // The pre-pass and the append take no dynamic shared memory.
         let smem_bytes = if sym == Symbol::Forward { family.smem_bytes(tile) } else { 0 };
-        if smem_bytes > DEFAULT_SMEM_LIMIT {
-            // SAFETY: `func` is a function of the loaded module above.
-            unsafe {
-                result::function::set_function_attribute(
-                    func,
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem_bytes as i32,
-                )
-            }
-            .map_err(cuda_err("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)"))?;
-        }
+        opt_in_smem(func, smem_bytes)?;
         let loaded = Loaded { func, _module: module };
         functions.insert(key, loaded.clone());
         Ok(loaded)
     }
+}
+
+/// Opts `func` (a function of a loaded module, its context current) in to `smem_bytes` of
+/// dynamic shared memory when that is above the default limit.
+fn opt_in_smem(func: sys::CUfunction, smem_bytes: u32) -> Result<()> {
+    if smem_bytes > DEFAULT_SMEM_LIMIT {
+        // SAFETY: `func` is a function of a loaded module (the caller's contract).
+        unsafe {
+            result::function::set_function_attribute(
+                func,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem_bytes as i32,
+            )
+        }
+        .map_err(cuda_err("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)"))?;
+    }
+    Ok(())
 }
 
 /// The function `symbol` of a loaded module; its context is current (the engine binds it before

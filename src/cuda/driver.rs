@@ -1,9 +1,11 @@
-//! The driver calls of a launch: [`launch`] (a forward `LaunchPlan`), [`launch_fp8_prepass`] and
-//! [`launch_combine`] end in the one `cuLaunchKernel` of the crate, after encoding the plan's
-//! tensor maps with `cuTensorMapEncodeTiled`. Every `Engine` entry point (`forward`, `launch`,
-//! `launch_raw`, serving, `merge_states`) ends here.
+//! The driver calls of a launch: [`launch`] (a forward `LaunchPlan`), [`launch_fp8_prepass`],
+//! [`launch_combine`] and [`launch_backward`] end in the one `cuLaunchKernel` of the crate, after
+//! encoding the plan's tensor maps with `cuTensorMapEncodeTiled`. Every `Engine` entry point
+//! (`forward`, `launch`, `launch_raw`, serving, `merge_states`, `backward`) ends here.
 
+use super::bwd_params::BwdParams;
 use super::combine::{CombineLaunch, CombineParams};
+use super::fa2_bwd::BwdLaunch;
 use super::device::{cuda_err, Loaded};
 use super::fp8::{PrepassLaunch, PrepassParams};
 use super::launch::{
@@ -54,6 +56,26 @@ pub(crate) fn launch_combine(f: &Loaded, stream: sys::CUstream, plan: &CombineLa
     launch_kernel(f, stream, ((plan.grid, 1, 1), (plan.block, 1, 1), 0), Params::Combine(&plan.params), &[])
 }
 
+/// Launches one kernel of a backward plan (`fa2_bwd::plan`, `fa3_bwd::plan`) with `f` (its
+/// kernel of the fa2_bwd / fa3_bwd standalone image, shared-memory opt-in set) on `stream`, with
+/// `tensor_maps` after the parameters (the FA3-style main kernel's Q, K, V, dO; else none).
+///
+/// # Errors
+/// [`Error::Cuda`] when encoding a tensor map or the launch fails.
+pub(crate) fn launch_backward(
+    f: &Loaded,
+    stream: sys::CUstream,
+    l: &BwdLaunch,
+    params: BwdParams,
+    tensor_maps: &[TensorMapArgs],
+) -> Result<()> {
+    launch_kernel(f, stream, (l.grid, l.block, l.smem_bytes), Params::Backward(params), tensor_maps)
+}
+
+/// The most tensor maps a kernel takes after its parameters (the FA3-style backward: Q, K, V, dO).
+const MAX_KERNEL_MAPS: usize = 4;
+const _: () = assert!(MAX_TENSOR_MAPS <= MAX_KERNEL_MAPS);
+
 /// The parameter struct a kernel takes first, by value.
 #[derive(Clone, Copy)]
 enum Params<'a> {
@@ -64,6 +86,8 @@ enum Params<'a> {
     /// The combine: `const __grid_constant__ CombineParams`.
     /// (by reference: 2.7 KB, read by the driver during the call only)
     Combine(&'a CombineParams),
+    /// Every backward kernel: `const __grid_constant__ BwdParams`.
+    Backward(BwdParams),
 }
 
 /// Grid, block and dynamic shared memory of a launch.
@@ -77,21 +101,22 @@ fn launch_kernel(
     mut params: Params<'_>,
     tensor_maps: &[TensorMapArgs],
 ) -> Result<()> {
-    let mut maps = [TensorMap([0; 16]); MAX_TENSOR_MAPS];
-    for ((map, args), op) in maps.iter_mut().zip(tensor_maps).zip([Operand::Q, Operand::K, Operand::V]) {
+    let mut maps = [TensorMap([0; 16]); MAX_KERNEL_MAPS];
+    for ((map, args), op) in maps.iter_mut().zip(tensor_maps).zip([Operand::Q, Operand::K, Operand::V, Operand::DO]) {
         *map = encode(args, op)?;
     }
-    let mut args = [std::ptr::null_mut::<c_void>(); 1 + MAX_TENSOR_MAPS];
+    let mut args = [std::ptr::null_mut::<c_void>(); 1 + MAX_KERNEL_MAPS];
     args[0] = match &mut params {
         Params::Forward(p) => p as *mut FwdParams as *mut c_void,
         Params::Fp8Prepass(p) => p as *mut PrepassParams as *mut c_void,
         // The driver only reads the argument values.
         Params::Combine(p) => *p as *const CombineParams as *mut c_void,
+        Params::Backward(p) => p as *mut BwdParams as *mut c_void,
     };
     for (arg, map) in args[1..].iter_mut().zip(maps.iter_mut()) {
         *arg = map as *mut TensorMap as *mut c_void;
     }
-    let args = &mut args[..1 + tensor_maps.len().min(MAX_TENSOR_MAPS)];
+    let args = &mut args[..1 + tensor_maps.len().min(MAX_KERNEL_MAPS)];
     // SAFETY: every forward kernel takes `const __grid_constant__ FwdParams`, followed by one
     // `const __grid_constant__ CUtensorMap` per tensor map its family's host rules give (FA3
     // stages 2-5, FA4 and the FP8 consumer: Q, K, V); the FP8 pre-pass takes `const
@@ -101,10 +126,11 @@ fn launch_kernel(
     // cuda/common/fp8_prepass_params.h and CombineParams cuda/common/combine_params.h (size and
     // offsets asserted on both sides),
     // TensorMap is the 128-byte map. The engine checked that every address covers the elements
-    // the shapes and strides reach (the FP8 scratch is sized by `Fp8Scratch`), and the family's
-    // layout rules; block and dynamic shared memory are the table row's (the pre-pass: its own
-    // block, none), which the kernel static_asserts against its traits, and `f`'s shared-memory
-    // opt-in was set when it was loaded.
+    // the shapes and strides reach (the FP8 scratch is sized by `Fp8Scratch`, the backward's by
+    // its plan), and the family's layout rules; block and dynamic shared memory are the table
+    // row's (the pre-pass: its own block, none; the backward: its plan's), which the kernel
+    // static_asserts against its traits, and `f`'s shared-memory opt-in was set when it was
+    // loaded.
     unsafe { result::launch_kernel(f.func, grid, block, smem_bytes, stream, args) }.map_err(cuda_err("cuLaunchKernel"))
 }
 

@@ -2,8 +2,9 @@
 //! build/instances.rs; docs/fa2-backward.md): three kernels on one stream sharing one
 //! [`BwdParams`]: the preprocess (D = rowsum(dO ∘ O), the dq accumulator zeroed), the main kernel
 //! over key blocks (dK, dV, dQ accumulated), the dq conversion. The CPU emulator runs exactly
-//! these plans (`tests/emulator/backward.rs`); the kernels have run in the emulator and been
-//! compile-checked, never on a GPU, so no dispatch path picks them.
+//! these plans (`tests/emulator/backward.rs`), and `Engine::backward` launches them for an
+//! explicit `Variant::Fa2`; the kernels have run in the emulator and been compile-checked, never
+//! on a GPU, so `Variant::Auto` does not pick them (build/instances.rs `BACKWARD_AUTO`).
 //!
 //! Preconditions the plan checks (typed errors, never a panic): f16/bf16; head_dim one of the
 //! instance dims (no tail masking); every tensor 16-byte aligned with strides that are multiples

@@ -14,7 +14,8 @@
 //! | `fa1`, `fa2`, `fa3`, `fa4`, `fp8` | the families' host rules (FA1: its serving paths) |
 //! | `hosts` | the map from a row's `Pipeline` to its family's `FamilyHost` |
 //! | `params` | `FwdParams`, the FFI struct mirrored from `cuda/common/params.h` |
-//! | `bwd_params`, `fa2_bwd` | `BwdParams` (`cuda/common/bwd_params.h`) and the FA2 backward's launches as data (emulator only: no dispatch) |
+//! | `bwd_params`, `fa2_bwd`, `fa3_bwd` | `BwdParams` (`cuda/common/bwd_params.h`) and the FA2 / FA3-style backward's launches as data (the `Engine` and the CPU emulator run the same plans) |
+//! | `bwd_select` | (SM, problem, variant) -> backward kernel; `Variant::Auto` refused until a GPU run verifies them |
 //! | `launch` | the launch vocabulary, data only: `LaunchPlan`, tensor-map arguments |
 //! | `plan` | building `LaunchPlan`s: of a chosen instance (`Engine`), of a named family (the CPU emulator) |
 //! | `driver` | the driver calls of a launch: tensor-map encoding and the one `cuLaunchKernel` |
@@ -32,6 +33,9 @@ mod fa1;
 mod fa2;
 #[doc(hidden)]
 pub mod fa2_bwd;
+#[doc(hidden)]
+pub mod fa3_bwd;
+mod bwd_select;
 mod fa3;
 mod fa4;
 mod family;
@@ -50,9 +54,10 @@ pub mod table;
 
 pub use device::{device_count, driver_present, Device};
 pub use engine::{
-    DeviceAppend, DeviceIndex, DeviceKv, DeviceLse, DeviceLseRef, DeviceTensor, DeviceTensorMut, Engine, Fp8Codes,
+    BackwardGrads, BackwardInputs, DeviceAppend, DeviceIndex, DeviceKv, DeviceLse, DeviceLseRef, DeviceTensor,
+    DeviceTensorMut, Engine, Fp8Codes,
 };
 
 pub(crate) use device::why_unusable;
-pub(crate) use engine::{forward_host_into_typed, forward_host_typed, serving_host_typed};
+pub(crate) use engine::{backward_host_into_typed, forward_host_into_typed, forward_host_typed, serving_host_typed};
 pub(crate) use select::choose;

@@ -3,7 +3,7 @@
 use super::layout::{KvLayout, QueryLayout};
 use super::validate::{check_view, prepare};
 use super::varlen::Varlen;
-use crate::backward::{check_lse, check_like_q, cpu_dispatch, route, run_cpu, Gradients};
+use crate::backward::{check_lse, check_like_q, cpu_dispatch, route_cpu_only, run_cpu, Gradients};
 use crate::cpu::backward::{Inputs, Span};
 use crate::error::{Operand, Result};
 use crate::options::ForwardOptions;
@@ -40,7 +40,7 @@ pub fn backward_varlen(
     let (p, layout) = prepare(&q, &k, &v, ql, kl, opts)?;
     let total_q = q.shape()[1];
     check_lse(lse, p.heads_q * total_q, "[heads_q, total_q]")?;
-    let why = route(opts)?;
+    let why = route_cpu_only(opts)?;
     let spans: Vec<Span> = (0..layout.batch())
         .map(|b| {
             let q0 = layout.q_row(b, 0).1;

@@ -17,7 +17,8 @@
 use crate::support::emu::{matrix_seed, tool_exe_with, Mutation};
 use crate::support::{floor_for, randn, Rng};
 use flash_attn::cuda::bwd_params::BwdOperands;
-use flash_attn::cuda::fa2_bwd::{plan, BwdLaunch, BwdPlan};
+use flash_attn::cuda::fa2_bwd::{plan, BwdPlan};
+use flash_attn::cuda::fa3_bwd;
 use flash_attn::reference::{attention_backward_f64, attention_backward_naive, attention_f64, max_abs_diff};
 use flash_attn::{DType, Data, ForwardOptions, Mask, Problem, Tensor};
 use std::fmt::Write as _;
@@ -122,10 +123,13 @@ fn run_case(c: &Case, mutation: Option<&Mutation>) -> Outcome {
         dq_accum: addr::DQ_ACC,
         alibi: if c.opts.alibi_slopes.is_some() { addr::ALIBI } else { 0 },
     };
-    let mut pl: BwdPlan = plan(&p, &ops, c.deterministic).map_err(|e| format!("plan: {e}"))?;
-    if c.fa3 {
-        pl.launches[1] = fa3_main_launch(&pl, c);
-    }
+    // The engine's plans: FA2's, or the FA3-style one (FA2's preprocess and conversion around
+    // the sm_90a main kernel; the emulator encodes the main kernel's tensor maps itself).
+    let pl: BwdPlan = if c.fa3 {
+        fa3_bwd::plan(&p, &ops, c.deterministic).map_err(|e| format!("fa3 plan: {e}"))?.bwd
+    } else {
+        plan(&p, &ops, c.deterministic).map_err(|e| format!("plan: {e}"))?
+    };
     let exe = tool_exe_with(if c.fa3 { "fa3_bwd_main.cpp" } else { "fa2_bwd_main.cpp" }, mutation)?;
 
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
@@ -198,25 +202,6 @@ fn run_case(c: &Case, mutation: Option<&Mutation>) -> Outcome {
         worst = worst.max(err / bound);
     }
     Ok(worst)
-}
-
-/// Dynamic shared memory of the FA3-style main kernel per head dim (cuda/fa3_bwd_sm90.cu's table).
-const FA3_BWD_SMEM: [(usize, u32); 2] = [(64, 85032), (128, 150568)];
-
-/// The FA3-style main kernel's launch in place of FA2's: one CTA per 128 keys, 384 threads. The
-/// preprocess and the dq conversion stay FA2's; the conversion sums 64-key partials, the width
-/// FA2's plan already gives the params at head dims 64 and 128.
-fn fa3_main_launch(pl: &BwdPlan, c: &Case) -> BwdLaunch {
-    assert_eq!(pl.params.block_n, 64, "the FA3 consumers write 64-key dq partials");
-    let d = c.q[3];
-    let smem = FA3_BWD_SMEM.iter().find(|t| t.0 == d).expect("fa3 backward head dim").1;
-    let dt = pl.launches[1].kernel.rsplit('_').next().unwrap();
-    BwdLaunch {
-        kernel: format!("fa3_bwd_hd{d}_{dt}"),
-        grid: (c.k[1].div_ceil(128) as u32, c.k[2] as u32, c.k[0] as u32),
-        block: (384, 1, 1),
-        smem_bytes: smem,
-    }
 }
 
 fn run_all(cases: &[Case]) {

@@ -1,8 +1,10 @@
-//! Host-memory problems on the GPU (`crate::forward` with `Backend::Auto` / `Backend::Cuda`):
-//! upload, launch through an [`Engine`], download.
+//! Host-memory problems on the GPU (`crate::forward` with `Backend::Auto` / `Backend::Cuda`,
+//! `crate::backward` with an explicit variant on a CUDA backend): upload, launch through an
+//! [`Engine`], download.
 
+use super::backward::{BackwardGrads, BackwardInputs};
 use super::handle::Engine;
-use super::tensors::{DeviceTensor, DeviceTensorMut, DeviceLse};
+use super::tensors::{DeviceLse, DeviceLseRef, DeviceTensor, DeviceTensorMut};
 use crate::cuda::device::cuda_err;
 use crate::error::Result;
 use crate::options::ForwardOptions;
@@ -72,6 +74,46 @@ where
     if let (Some(l), Some(dst)) = (&d_lse, lse_dst) {
         stream.memcpy_dtoh(l, dst).map_err(cuda_err("cuMemcpyDtoHAsync(lse)"))?;
     }
+    // Kernel faults surface here, as an error of the synchronize.
+    stream.synchronize().map_err(cuda_err("cuStreamSynchronize"))?;
+    Ok(dispatch)
+}
+
+/// A host-memory backward on the GPU (`crate::backward` / `backward_into` with an explicit
+/// variant on a CUDA backend): uploads q, k, v, o, dO (each view's buffer, its strides kept) and
+/// the LSE, runs [`Engine::backward`], downloads dq, dk, dv into the caller's contiguous buffers
+/// (lengths checked by the caller). Compile-checked only.
+pub(crate) fn backward_host_into_typed<T>(
+    engine: &Engine,
+    views: [&crate::tensor::TensorView; 5],
+    data: [&[T]; 5],
+    lse: &[f32],
+    (dq_dst, dk_dst, dv_dst): (&mut [T], &mut [T], &mut [T]),
+    opts: &ForwardOptions,
+) -> Result<Dispatch>
+where
+    T: Element + DeviceRepr + cudarc::driver::ValidAsZeroBits,
+{
+    let stream = engine.device().default_stream();
+    let up = |s: &[T]| stream.clone_htod(s).map_err(cuda_err("cuMemcpyHtoDAsync"));
+    let d_in = [up(data[0])?, up(data[1])?, up(data[2])?, up(data[3])?, up(data[4])?];
+    let d_lse = stream.clone_htod(lse).map_err(cuda_err("cuMemcpyHtoDAsync(lse)"))?;
+    let zeros = |n: usize| stream.alloc_zeros::<T>(n).map_err(cuda_err("cuMemAllocAsync(gradient)"));
+    let (mut d_dq, mut d_dk, mut d_dv) = (zeros(dq_dst.len())?, zeros(dk_dst.len())?, zeros(dv_dst.len())?);
+    let (q_shape, k_shape) = (views[0].shape(), views[1].shape());
+    let dispatch = {
+        let t: Vec<DeviceTensor> =
+            views.iter().zip(&d_in).map(|(v, d)| DeviceTensor::new(d, &stream, v.shape()).with_strides(v.strides())).collect();
+        let tl = DeviceLseRef::new(&d_lse, &stream);
+        let x = BackwardInputs { q: &t[0], k: &t[1], v: &t[2], o: &t[3], d_o: &t[4], lse: &tl };
+        let mut tdq = DeviceTensorMut::new(&mut d_dq, &stream, q_shape);
+        let mut tdk = DeviceTensorMut::new(&mut d_dk, &stream, k_shape);
+        let mut tdv = DeviceTensorMut::new(&mut d_dv, &stream, k_shape);
+        engine.backward(&stream, x, BackwardGrads { dq: &mut tdq, dk: &mut tdk, dv: &mut tdv }, opts)?
+    };
+    stream.memcpy_dtoh(&d_dq, dq_dst).map_err(cuda_err("cuMemcpyDtoHAsync(dq)"))?;
+    stream.memcpy_dtoh(&d_dk, dk_dst).map_err(cuda_err("cuMemcpyDtoHAsync(dk)"))?;
+    stream.memcpy_dtoh(&d_dv, dv_dst).map_err(cuda_err("cuMemcpyDtoHAsync(dv)"))?;
     // Kernel faults surface here, as an error of the synchronize.
     stream.synchronize().map_err(cuda_err("cuStreamSynchronize"))?;
     Ok(dispatch)

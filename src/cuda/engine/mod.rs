@@ -35,10 +35,12 @@
 //! | `tensors` | the borrowed device buffers and their checks |
 //! | `handle` | [`Engine`]: device, dispatch, stream checks, ALiBi slopes on the device |
 //! | `forward` | `forward`, `launch`, `launch_raw`, `launch_fp8_codes_raw` |
+//! | `backward` | `backward`, `backward_dispatch`: the FA2 / FA3-style backward kernels |
 //! | `merge` | `merge_states`, `merge_states_n` |
 //! | `serving` | `serving`, `launch_serving_raw`, the device index and KV types |
-//! | `host` | host-memory problems through an engine (`crate::forward` on the GPU) |
+//! | `host` | host-memory problems through an engine (`crate::forward`, `crate::backward` on the GPU) |
 
+mod backward;
 mod forward;
 mod handle;
 mod host;
@@ -47,7 +49,8 @@ mod serving;
 mod tensors;
 
 pub use handle::Engine;
-pub(crate) use host::{forward_host_into_typed, forward_host_typed};
+pub use backward::{BackwardGrads, BackwardInputs};
+pub(crate) use host::{backward_host_into_typed, forward_host_into_typed, forward_host_typed};
 pub use serving::{DeviceAppend, DeviceIndex, DeviceKv};
 pub(crate) use serving::serving_host_typed;
 pub use tensors::{DeviceLse, DeviceLseRef, DeviceTensor, DeviceTensorMut, Fp8Codes};
