@@ -8,6 +8,8 @@
 #      that timed out is rerun once with bin/hang-check/gpu (kernels built with
 #      FLASH_ATTN_HANG_CHECK=1: a wait stuck for 1 s prints block, warp, barrier and parity, then
 #      traps after 2 s), so the window yields a message instead of only a timeout,
+#   1c. the backward kernels (gpu backward::: FA2 and the FA3-style kernel against the float64
+#      reference gradient, deterministic and atomic dq) under their own timeout, into tests.log,
 #   2. compute-sanitizer memcheck (and racecheck) on the short `sanitizer_subset` test, and
 #      memcheck on `fa3_sanitizer_subset` for each FA3 stage that passed (own timeout each),
 #   3. each bench binary briefly (criterion: 0.5 s warm-up, 1 s measurement; the GPU one on
@@ -51,7 +53,7 @@ for b in "$here"/bin/gpu; do
   [ -x "$b" ] || continue
   name="$(basename "$b")"
   t0=$SECONDS
-  timeout 200 "$b" --include-ignored --test-threads=4 --skip fa3_ >>"$out/tests.log" 2>&1
+  timeout 200 "$b" --include-ignored --test-threads=4 --skip fa3_ --skip backward:: >>"$out/tests.log" 2>&1
   rc=$?
   res="$(grep -E '^test result:' "$out/tests.log" | tail -1 | sed 's/test result: //')"
   row "$name (--include-ignored)" "$([ $rc = 0 ] && echo PASS || echo FAIL)" $((SECONDS - t0)) "rc=$rc ${res}"
@@ -93,6 +95,16 @@ if [ -x "$here/bin/gpu" ]; then
         | head -12 | sed "s/^/fa3 stage $s: /")"$'\n'
     fi
   done
+fi
+
+# 1c. The backward kernels (never run on a GPU before this check): their own timeout, same log.
+if [ -x "$here/bin/gpu" ]; then
+  t0=$SECONDS
+  echo "== backward::" >>"$out/tests.log"
+  timeout "${BACKWARD_TIMEOUT:-150}" "$here/bin/gpu" --ignored --test-threads=4 backward:: --nocapture >>"$out/tests.log" 2>&1
+  rc=$?
+  res="$(sed -n '/^== backward::$/,$p' "$out/tests.log" | grep -E '^test result:' | tail -1 | sed 's/test result: //')"
+  row "gpu backward:: (fa2, fa3 bwd)" "$([ $rc = 0 ] && echo PASS || echo FAIL)" $((SECONDS - t0)) "rc=$rc ${res}"
 fi
 grep -E '^test .* FAILED|panicked' "$out/tests.log" "$out/fa3.log" | head -20 >>"$summary"
 

@@ -10,6 +10,7 @@
 //!
 //! | module | concern |
 //! |---|---|
+//! | `backward` | the backward kernels (`Engine::backward`, FA2 and FA3-style) against the float64 reference gradient |
 //! | `matrix` | FA1/FA2 and Auto: random matrix, edge shapes, strided inputs, host path, dispatch |
 //! | `edges` | the edges of the input domain (huge bounds, scores near f32::MAX, infinite V) |
 //! | `streams` | engines' own streams and contexts, CUDA graph capture |
@@ -20,6 +21,7 @@
 
 #[path = "../support/mod.rs"]
 mod support;
+mod backward;
 mod edges;
 mod fp8;
 mod matrix;
