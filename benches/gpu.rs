@@ -1,6 +1,8 @@
 //! GPU benchmarks: every available kernel family on the GPU sweep (`bench::support::gpu::sweep`),
 //! timed with CUDA events around batches of launches over rotating input sets larger than L2,
-//! median reported, throughput in FLOP/s (criterion "elements" = FLOPs).
+//! median reported, throughput in FLOP/s (criterion "elements" = FLOPs); then the backward
+//! kernels (FA2, FA3-style; atomic and deterministic dq) on the same sweep, FLOPs = 2.5 × the
+//! forward's.
 //!
 //! Without a usable GPU it prints "no CUDA GPU present: nothing to benchmark" and exits 0.
 //! `FA_BENCH_QUICK=1` runs the short sweep of the one-command GPU check; `FA_BENCH_TOKENS`
@@ -98,6 +100,42 @@ fn main() {
                 }
             }
             group.throughput(Throughput::Elements(cost.flops));
+            group.bench_function(format!("{label}/{}", case.id()), |b| {
+                b.iter_custom(|iters| {
+                    let t = bench_launches(harness.as_mut(), &case, iters);
+                    Duration::from_secs_f64(t * 1e-3)
+                })
+            });
+        }
+    }
+    group.finish();
+
+    // The backward (Engine::backward) on the same sweep, FLOPs = 2.5 x the forward's
+    // (FlashAttention's convention: five products of the forward's size, none of them skipped by
+    // recomputation), beside torch SDPA's backward (scripts/bench/gpu-peers-torch.py --backward).
+    // The kernels ran in the emulator and were compile-checked; a GPU run of this bench is their
+    // first timing.
+    let mut group = c.benchmark_group(format!("backward_{}", info.name.replace(' ', "_")));
+    group.sampling_mode(SamplingMode::Flat);
+    let bwd_runs = [("Fa2", Variant::Fa2, false), ("Fa2-det", Variant::Fa2, true), ("Fa3", Variant::Fa3, false), ("Fa3-det", Variant::Fa3, true)];
+    for case in gpu::sweep(DType::BF16, tokens, quick) {
+        let (q, k, v) = case.inputs(1);
+        let base = ForwardOptions::default().mask(case.mask).backend(Backend::Cuda(info.ordinal));
+        let p = case.problem(&q, &k, &v, &base);
+        let cost = flops::cost(&p);
+        let bwd_flops = (2.5 * cost.flops as f64) as u64;
+        // q, k, v, o, dO read and dq, dk, dv written: about twice the forward's bytes.
+        let sets = gpu::rotating_sets(2 * cost.bytes, info.l2_bytes);
+        for &(label, variant, deterministic) in &bwd_runs {
+            let opts = base.clone().variant(variant).deterministic(deterministic);
+            match harness.prepare_backward(&q, &k, &v, &opts, sets) {
+                Ok(d) => println!("backward {label} {}: {} ({})", case.id(), d.kernel, d.reason),
+                Err(why) => {
+                    println!("skip backward {label} {}: {why}", case.id());
+                    continue;
+                }
+            }
+            group.throughput(Throughput::Elements(bwd_flops));
             group.bench_function(format!("{label}/{}", case.id()), |b| {
                 b.iter_custom(|iters| {
                     let t = bench_launches(harness.as_mut(), &case, iters);

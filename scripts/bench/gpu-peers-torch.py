@@ -2,7 +2,7 @@
 """The peers on the GPU machine: torch SDPA with the flash and cuDNN backends, same shapes,
 same JSON line per run as `examples/bench.rs` (read by scripts/bench/report.py).
 
-    python3 scripts/bench/gpu-peers-torch.py [--quick] [--tokens 16384] [--dtype bf16] > peers.jsonl
+    python3 scripts/bench/gpu-peers-torch.py [--quick] [--backward] [--tokens 16384] [--dtype bf16] > peers.jsonl
 
 Timing as our GPU bench: inputs in our [batch, seqlen, heads, head_dim] layout (torch sees the
 [b, h, s, d] transpose, last dim contiguous), enough rotating input sets that one pass is at
@@ -11,6 +11,11 @@ the median per-launch time is reported. FLOPs count only unmasked pairs (square 
 n(n+1)/2 per head), as flash_attn::flops. The max error is against a float64 reference on
 sampled (batch, head, row) triples. The roofline comes from the table in src/bench/roofline.rs
 (parsed, so there is one table) with the bandwidth measured by a device-to-device copy here.
+
+`--backward` times SDPA's backward instead (`torch.autograd.grad` of the output against q, k,
+v with a random output gradient, the forward's graph kept), FLOPs 2.5x the forward's
+(FlashAttention's convention, as benches/gpu.rs and benches/cpu_backward.rs), "direction":
+"backward" in each line and no error check (max_err null).
 
 torch's is_causal is top-left aligned, so only square causal shapes are compared (the sweep
 has only those); sliding windows and FP8 are not SDPA features and are not run.
@@ -145,13 +150,25 @@ def bench(name, backend, b, s, h, d, causal, dtype, args, l2, roof, meta):
         for _ in range(sets)
     ]
 
-    def launch(i):
+    def forward(i):
         q, k, v = data[i % sets]
         return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
 
+    graphs = []
+
+    def backward(i):
+        x, out, d_o = graphs[i % sets]
+        return torch.autograd.grad(out, x, d_o, retain_graph=True)
+
+    launch = backward if args.backward else forward
     try:
         with sdpa_kernel([backend]):
-            out = launch(0).transpose(1, 2)
+            if args.backward:
+                for q, k, v in data:
+                    x = tuple(t.requires_grad_(True) for t in (q, k, v))
+                    out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in x), is_causal=causal)
+                    graphs.append((x, out, torch.randn(out.shape, generator=dev_gen, device="cuda", dtype=dtype)))
+            out = forward(0).transpose(1, 2).detach()
             for i in range(args.warmup):
                 launch(i)
             torch.cuda.synchronize()
@@ -169,11 +186,14 @@ def bench(name, backend, b, s, h, d, causal, dtype, args, l2, roof, meta):
         return None
     times.sort()
     ms = times[len(times) // 2] if len(times) % 2 else 0.5 * (times[len(times) // 2 - 1] + times[len(times) // 2])
-    q, k, v = data[0]
-    err = sampled_error(q, k, v, out, causal, args.check_rows, gen)
+    q, k, v = (t.detach() for t in data[0])
+    err = None if args.backward else sampled_error(q, k, v, out, causal, args.check_rows, gen)
     elem = torch.finfo(dtype).bits // 8
     flops = 4 * d * b * h * visible_pairs(s, causal)
     nbytes = 4 * b * s * h * d * elem
+    if args.backward:
+        # q, k, v, o, dO read; dq, dk, dv written.
+        flops, nbytes = int(2.5 * flops), 8 * b * s * h * d * elem
     ai = flops / nbytes
     rate = flops / (ms * 1e-3)
     rec = {
@@ -183,14 +203,15 @@ def bench(name, backend, b, s, h, d, causal, dtype, args, l2, roof, meta):
         "window_left": None, "window_right": None, "flops": flops, "bytes": nbytes, "intensity": ai, "ms": ms,
         "runs": len(times), "tflops": rate / 1e12, "peak_tflops": None, "bandwidth_tbs": None,
         "pct_roofline": None, "roofline_source": None, "gemm_tflops": None, "max_err": err,
-        "err_rows": args.check_rows, "rotating_sets": sets,
+        "err_rows": 0 if args.backward else args.check_rows, "rotating_sets": sets,
+        "direction": "backward" if args.backward else "forward",
     }
     rec.update(meta)
     if roof:
         pk, bw, src = roof
         rec.update(peak_tflops=pk / 1e12, bandwidth_tbs=bw / 1e12, roofline_source=src,
                    pct_roofline=100 * rate / min(pk, bw * ai))
-    del data
+    del data, graphs
     return rec
 
 
@@ -203,6 +224,7 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--launches", type=int, default=20, help="launches between two events")
     ap.add_argument("--check-rows", type=int, default=16)
+    ap.add_argument("--backward", action="store_true", help="time SDPA's backward (FLOPs 2.5x the forward's)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA GPU present: nothing to benchmark", file=sys.stderr)

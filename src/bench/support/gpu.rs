@@ -79,6 +79,19 @@ pub trait GpuHarness {
         sets: usize,
     ) -> Result<Dispatch, String>;
 
+    /// As [`GpuHarness::prepare`] for the backward (`Engine::backward`, the variant `opts`
+    /// names): each set also gets an output gradient (q's values), the forward's output and LSE
+    /// (one forward per set, `Variant::Auto`) and the gradient buffers; the probe is one
+    /// backward. `time` then times backward launches.
+    fn prepare_backward(
+        &mut self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        opts: &ForwardOptions,
+        sets: usize,
+    ) -> Result<Dispatch, String>;
+
     /// Times the prepared case: `warmup` launches, then `reps` repetitions, each an event,
     /// `launches_per_rep` launches cycling through the input sets, another event; per-launch ms
     /// = elapsed / launches_per_rep.
@@ -122,7 +135,7 @@ mod cuda {
     use super::{GpuHarness, GpuInfo, GpuTiming};
     use cudarc::driver::sys::{self, CUdevice_attribute as Attr};
     use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
-    use crate::cuda::{DeviceTensor, DeviceTensorMut, Engine};
+    use crate::cuda::{BackwardGrads, BackwardInputs, DeviceLse, DeviceLseRef, DeviceTensor, DeviceTensorMut, Engine};
     use crate::{Dispatch, Element, ForwardOptions, Output, OwnedData, Shape, Tensor};
     use half::{bf16, f16};
     use std::sync::Arc;
@@ -136,6 +149,17 @@ mod cuda {
         k: CudaSlice<T>,
         v: CudaSlice<T>,
         o: CudaSlice<T>,
+        /// The backward's extra buffers (a backward case only).
+        bwd: Option<BwdSet<T>>,
+    }
+
+    /// A backward set's output gradient, the forward's LSE and the gradients.
+    struct BwdSet<T> {
+        d_o: CudaSlice<T>,
+        lse: CudaSlice<f32>,
+        dq: CudaSlice<T>,
+        dk: CudaSlice<T>,
+        dv: CudaSlice<T>,
     }
 
     /// The device buffers of the prepared case, by dtype.
@@ -230,6 +254,57 @@ mod cuda {
             Ok(Harness { info, engine, stream, case: None })
         }
 
+        /// A forward or backward case: the dispatch asked first, the sets uploaded (with the
+        /// backward's buffers), one probe launch waited for.
+        fn prepare_case(
+            &mut self,
+            q: &Tensor,
+            k: &Tensor,
+            v: &Tensor,
+            opts: &ForwardOptions,
+            sets: usize,
+            backward: bool,
+        ) -> Result<Dispatch, String> {
+            self.case = None; // free the previous case's buffers first
+            self.stream.synchronize().map_err(err("cuStreamSynchronize"))?;
+            let dispatch = if backward {
+                self.engine.backward_dispatch(q.shape(), k.shape(), q.dtype(), opts)
+            } else {
+                self.engine.dispatch(q.shape(), k.shape(), q.dtype(), opts)
+            }
+            .map_err(|e| e.to_string())?;
+            let sets = sets.max(1);
+            let mut sets = match (q.data(), k.data(), v.data()) {
+                (OwnedData::F16(q), OwnedData::F16(k), OwnedData::F16(v)) => {
+                    Sets::F16(upload(&self.stream, q, k, v, sets)?)
+                }
+                (OwnedData::BF16(q), OwnedData::BF16(k), OwnedData::BF16(v)) => {
+                    Sets::BF16(upload(&self.stream, q, k, v, sets)?)
+                }
+                _ => return Err(format!("the GPU kernels take f16 or bf16 (one dtype), not {:?}", q.dtype())),
+            };
+            let shapes = (q.shape(), k.shape(), v.shape());
+            if backward {
+                match &mut sets {
+                    Sets::F16(s) => add_backward(&self.engine, &self.stream, s, shapes, opts)?,
+                    Sets::BF16(s) => add_backward(&self.engine, &self.stream, s, shapes, opts)?,
+                }
+            }
+            self.case = Some(Prepared {
+                sets,
+                q_shape: q.shape(),
+                k_shape: k.shape(),
+                v_shape: v.shape(),
+                opts: opts.clone(),
+                dispatch: dispatch.clone(),
+                next: 0,
+            });
+            // The probe: loads the module, and a fault shows here rather than in the timing.
+            self.launch(0)?;
+            self.stream.synchronize().map_err(err("cuStreamSynchronize (probe launch)"))?;
+            Ok(dispatch)
+        }
+
         fn event(&self) -> Result<cudarc::driver::CudaEvent, String> {
             self.stream.context().new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(err("cuEventCreate"))
         }
@@ -238,9 +313,10 @@ mod cuda {
         fn launch(&mut self, i: usize) -> Result<(), String> {
             let c = self.case.as_mut().ok_or("nothing prepared")?;
             let (engine, stream) = (&self.engine, &self.stream);
+            let shapes = (c.q_shape, c.k_shape, c.v_shape);
             match &mut c.sets {
-                Sets::F16(s) => launch_set(engine, stream, &mut s[i], c.q_shape, c.k_shape, c.v_shape, &c.opts),
-                Sets::BF16(s) => launch_set(engine, stream, &mut s[i], c.q_shape, c.k_shape, c.v_shape, &c.opts),
+                Sets::F16(s) => launch_set(engine, stream, &mut s[i], shapes, &c.opts),
+                Sets::BF16(s) => launch_set(engine, stream, &mut s[i], shapes, &c.opts),
             }
         }
 
@@ -253,21 +329,65 @@ mod cuda {
         }
     }
 
-    /// Enqueues one forward on `set` (no allocation, no synchronization: `Engine::launch`).
+    /// Enqueues one forward on `set` (no allocation, no synchronization: `Engine::launch`), or
+    /// one backward on a backward set (`Engine::backward`: its scratch is allocated and freed
+    /// on the stream).
     fn launch_set<T: Element + DeviceRepr>(
         engine: &Engine,
         stream: &Arc<CudaStream>,
         set: &mut Set<T>,
-        q_shape: Shape,
-        k_shape: Shape,
-        v_shape: Shape,
+        (q_shape, k_shape, v_shape): (Shape, Shape, Shape),
         opts: &ForwardOptions,
     ) -> Result<(), String> {
         let q = DeviceTensor::new(&set.q, stream, q_shape);
         let k = DeviceTensor::new(&set.k, stream, k_shape);
         let v = DeviceTensor::new(&set.v, stream, v_shape);
-        let mut o = DeviceTensorMut::new(&mut set.o, stream, q_shape);
-        engine.launch(stream, &q, &k, &v, &mut o, None, opts).map_err(|e| e.to_string())
+        let Some(b) = &mut set.bwd else {
+            let mut o = DeviceTensorMut::new(&mut set.o, stream, q_shape);
+            return engine.launch(stream, &q, &k, &v, &mut o, None, opts).map_err(|e| e.to_string());
+        };
+        let o = DeviceTensor::new(&set.o, stream, q_shape);
+        let d_o = DeviceTensor::new(&b.d_o, stream, q_shape);
+        let lse = DeviceLseRef::new(&b.lse, stream);
+        let x = BackwardInputs { q: &q, k: &k, v: &v, o: &o, d_o: &d_o, lse: &lse };
+        let mut dq = DeviceTensorMut::new(&mut b.dq, stream, q_shape);
+        let mut dk = DeviceTensorMut::new(&mut b.dk, stream, k_shape);
+        let mut dv = DeviceTensorMut::new(&mut b.dv, stream, k_shape);
+        engine.backward(stream, x, BackwardGrads { dq: &mut dq, dk: &mut dk, dv: &mut dv }, opts).map(|_| ()).map_err(|e| e.to_string())
+    }
+
+    /// Gives every set of a forward case the backward's buffers: dO (q's values), the forward's
+    /// output and LSE (one `Variant::Auto` forward per set, waited for) and the gradients.
+    fn add_backward<T: Element + DeviceRepr + ValidAsZeroBits>(
+        engine: &Engine,
+        stream: &Arc<CudaStream>,
+        sets: &mut [Set<T>],
+        (q_shape, k_shape, v_shape): (Shape, Shape, Shape),
+        opts: &ForwardOptions,
+    ) -> Result<(), String> {
+        let fwd = ForwardOptions { variant: crate::Variant::Auto, ..opts.clone() };
+        let rows = q_shape[0] * q_shape[1] * q_shape[2];
+        for set in sets {
+            let mut lse = stream.alloc_zeros::<f32>(rows).map_err(err("cuMemAlloc(lse)"))?;
+            {
+                let q = DeviceTensor::new(&set.q, stream, q_shape);
+                let k = DeviceTensor::new(&set.k, stream, k_shape);
+                let v = DeviceTensor::new(&set.v, stream, v_shape);
+                let mut o = DeviceTensorMut::new(&mut set.o, stream, q_shape);
+                let mut l = DeviceLse::new(&mut lse, stream);
+                engine.forward(stream, &q, &k, &v, &mut o, Some(&mut l), &fwd).map_err(|e| format!("the forward before the backward: {e}"))?;
+            }
+            let mut d_o = stream.alloc_zeros(set.q.len()).map_err(err("cuMemAlloc(d_o)"))?;
+            stream.memcpy_dtod(&set.q, &mut d_o).map_err(err("cuMemcpyDtoD"))?;
+            set.bwd = Some(BwdSet {
+                d_o,
+                lse,
+                dq: stream.alloc_zeros(set.q.len()).map_err(err("cuMemAlloc(dq)"))?,
+                dk: stream.alloc_zeros(set.k.len()).map_err(err("cuMemAlloc(dk)"))?,
+                dv: stream.alloc_zeros(set.v.len()).map_err(err("cuMemAlloc(dv)"))?,
+            });
+        }
+        stream.synchronize().map_err(err("cuStreamSynchronize (forward before the backward)"))
     }
 
     /// `sets` copies of (q, k, v) on the device, each with a zeroed output.
@@ -283,6 +403,7 @@ mod cuda {
             k: stream.clone_htod(k).map_err(err("cuMemcpyHtoD(k)"))?,
             v: stream.clone_htod(v).map_err(err("cuMemcpyHtoD(v)"))?,
             o: stream.alloc_zeros(q.len()).map_err(err("cuMemAlloc(o)"))?,
+            bwd: None,
         };
         let mut all = Vec::with_capacity(sets);
         for _ in 1..sets.max(1) {
@@ -298,6 +419,7 @@ mod cuda {
                 k: copy(&first.k)?,
                 v: copy(&first.v)?,
                 o: stream.alloc_zeros(q.len()).map_err(err("cuMemAlloc(o)"))?,
+                bwd: None,
             });
         }
         all.insert(0, first);
@@ -333,32 +455,18 @@ mod cuda {
             opts: &ForwardOptions,
             sets: usize,
         ) -> Result<Dispatch, String> {
-            self.case = None; // free the previous case's buffers first
-            self.stream.synchronize().map_err(err("cuStreamSynchronize"))?;
-            let dispatch = self.engine.dispatch(q.shape(), k.shape(), q.dtype(), opts).map_err(|e| e.to_string())?;
-            let sets = sets.max(1);
-            let sets = match (q.data(), k.data(), v.data()) {
-                (OwnedData::F16(q), OwnedData::F16(k), OwnedData::F16(v)) => {
-                    Sets::F16(upload(&self.stream, q, k, v, sets)?)
-                }
-                (OwnedData::BF16(q), OwnedData::BF16(k), OwnedData::BF16(v)) => {
-                    Sets::BF16(upload(&self.stream, q, k, v, sets)?)
-                }
-                _ => return Err(format!("the GPU kernels take f16 or bf16 (one dtype), not {:?}", q.dtype())),
-            };
-            self.case = Some(Prepared {
-                sets,
-                q_shape: q.shape(),
-                k_shape: k.shape(),
-                v_shape: v.shape(),
-                opts: opts.clone(),
-                dispatch: dispatch.clone(),
-                next: 0,
-            });
-            // The probe: loads the module, and a fault shows here rather than in the timing.
-            self.launch(0)?;
-            self.stream.synchronize().map_err(err("cuStreamSynchronize (probe launch)"))?;
-            Ok(dispatch)
+            self.prepare_case(q, k, v, opts, sets, false)
+        }
+
+        fn prepare_backward(
+            &mut self,
+            q: &Tensor,
+            k: &Tensor,
+            v: &Tensor,
+            opts: &ForwardOptions,
+            sets: usize,
+        ) -> Result<Dispatch, String> {
+            self.prepare_case(q, k, v, opts, sets, true)
         }
 
         fn time(&mut self, warmup: usize, reps: usize, launches_per_rep: usize) -> Result<GpuTiming, String> {
