@@ -8,7 +8,8 @@ use crate::output::Dispatch;
 use crate::problem::Problem;
 use crate::tensor::{numel, AsTensorView, DType, DataMut, Element, Tensor, TensorView};
 
-/// The result of [`backward`]: the gradients of the loss with respect to q, k and v.
+/// The result of [`backward`]: the gradients of the loss with respect to q, k and v, and to the
+/// attention sinks' logits when the call has them.
 #[derive(Clone, Debug)]
 pub struct Gradients {
     /// `[batch, seqlen_q, heads_q, head_dim]`, q's dtype.
@@ -17,6 +18,9 @@ pub struct Gradients {
     pub dk: Tensor,
     /// As `dk`.
     pub dv: Tensor,
+    /// `[heads_q]`: the gradient of each head's sink logit (`opts.sinks`), summed over batch and
+    /// rows (0 for a head whose sink is −inf); `None` without sinks.
+    pub d_sinks: Option<Vec<f32>>,
     pub dispatch: Dispatch,
 }
 
@@ -70,13 +74,6 @@ pub(crate) fn route(opts: &ForwardOptions) -> Result<Route> {
             option: "precision",
             got: format!("{:?}", opts.precision),
             expected: "Precision::Native (the backward has no FP8 path)".into(),
-        });
-    }
-    if let Some(sinks) = &opts.sinks {
-        return Err(Error::InvalidOption {
-            option: "sinks",
-            got: format!("{} sink logits", sinks.len()),
-            expected: "no sinks (the backward has no gradient for the sink logits)".into(),
         });
     }
     match (opts.variant, opts.backend) {
@@ -163,20 +160,26 @@ fn check<'a>(
     Ok(Checked { p, x: Inputs { q, k, v, o, d_o, lse }, spans, route })
 }
 
-/// The CPU backward of validated inputs into the gradient buffers (of the inputs' dtype).
+/// The CPU backward of validated inputs into the gradient buffers (of the inputs' dtype), and
+/// the sink gradient into `d_sinks` (`heads_q` values) when given.
 pub(crate) fn run_cpu(
     p: &Problem,
     spans: &[Span],
     x: &Inputs<'_>,
     opts: &ForwardOptions,
     out: (DataMut<'_>, DataMut<'_>, DataMut<'_>),
+    d_sinks: Option<&mut [f32]>,
 ) -> Result<&'static str> {
     let threads = cpu::threads(opts.cpu_threads);
     match out {
-        (DataMut::F32(dq), DataMut::F32(dk), DataMut::F32(dv)) => cpu::backward::run(p, spans, x, threads, GradsOut { dq, dk, dv }),
-        (DataMut::F16(dq), DataMut::F16(dk), DataMut::F16(dv)) => cpu::backward::run(p, spans, x, threads, GradsOut { dq, dk, dv }),
+        (DataMut::F32(dq), DataMut::F32(dk), DataMut::F32(dv)) => {
+            cpu::backward::run(p, spans, x, threads, GradsOut { dq, dk, dv, d_sinks })
+        }
+        (DataMut::F16(dq), DataMut::F16(dk), DataMut::F16(dv)) => {
+            cpu::backward::run(p, spans, x, threads, GradsOut { dq, dk, dv, d_sinks })
+        }
         (DataMut::BF16(dq), DataMut::BF16(dk), DataMut::BF16(dv)) => {
-            cpu::backward::run(p, spans, x, threads, GradsOut { dq, dk, dv })
+            cpu::backward::run(p, spans, x, threads, GradsOut { dq, dk, dv, d_sinks })
         }
         (dq, _, _) => Err(Error::DTypeMismatch { operand: Operand::O, got: dq.dtype(), expected: p.dtype }),
     }
@@ -240,14 +243,20 @@ pub fn backward(
     let mut dk = Tensor::zeros(p.dtype, [p.batch, p.seqlen_k, p.heads_kv, p.head_dim])?;
     let mut dv = Tensor::zeros(p.dtype, [p.batch, p.seqlen_k, p.heads_kv, p.head_dim])?;
     let out = (dq.data_mut().as_data_mut(), dk.data_mut().as_data_mut(), dv.data_mut().as_data_mut());
-    let dispatch = run(&c, opts, out)?;
-    Ok(Gradients { dq, dk, dv, dispatch })
+    let mut d_sinks = p.sinks.as_ref().map(|_| vec![0.0f32; p.heads_q]);
+    let dispatch = run(&c, opts, out, d_sinks.as_deref_mut())?;
+    Ok(Gradients { dq, dk, dv, d_sinks, dispatch })
 }
 
-/// Runs a checked dense backward where its route says, into `out`.
-fn run(c: &Checked<'_>, opts: &ForwardOptions, out: (DataMut<'_>, DataMut<'_>, DataMut<'_>)) -> Result<Dispatch> {
+/// Runs a checked dense backward where its route says, into `out` (and `d_sinks`).
+fn run(
+    c: &Checked<'_>,
+    opts: &ForwardOptions,
+    out: (DataMut<'_>, DataMut<'_>, DataMut<'_>),
+    d_sinks: Option<&mut [f32]>,
+) -> Result<Dispatch> {
     match &c.route {
-        Route::Cpu(why) => Ok(cpu_dispatch(run_cpu(&c.p, &c.spans, &c.x, opts, out)?, why.clone())),
+        Route::Cpu(why) => Ok(cpu_dispatch(run_cpu(&c.p, &c.spans, &c.x, opts, out, d_sinks)?, why.clone())),
         Route::Gpu(dev) => {
             let x = &c.x;
             crate::cuda_host::backward_host_into([&x.q, &x.k, &x.v, &x.o, &x.d_o], x.lse, out, opts, *dev)
@@ -295,5 +304,14 @@ pub fn backward_into<T: Element>(
     check_grad_buffer("dq", dq, [p.batch, p.seqlen_q, p.heads_q, p.head_dim], p.dtype)?;
     check_grad_buffer("dk", dk, [p.batch, p.seqlen_k, p.heads_kv, p.head_dim], p.dtype)?;
     check_grad_buffer("dv", dv, [p.batch, p.seqlen_k, p.heads_kv, p.head_dim], p.dtype)?;
-    run(&c, opts, (T::wrap_mut(dq), T::wrap_mut(dk), T::wrap_mut(dv)))
+    if let Some(sinks) = &p.sinks {
+        return Err(Error::InvalidOption {
+            option: "sinks",
+            got: format!("{} sink logits", sinks.len()),
+            expected: "no sinks in backward_into (it has no buffer for the sink gradient: use backward, whose \
+                       Gradients::d_sinks holds it)"
+                .into(),
+        });
+    }
+    run(&c, opts, (T::wrap_mut(dq), T::wrap_mut(dk), T::wrap_mut(dv)), None)
 }

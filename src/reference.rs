@@ -287,12 +287,14 @@ pub(crate) fn naive(p: &Problem, a: &impl NaiveSteps) -> Result<Vec<f64>> {
 }
 
 /// Gradients of a reference backward: `dq` as `[batch, seqlen_q, heads_q, head_dim]`, `dk` and
-/// `dv` as `[batch, seqlen_k, heads_kv, head_dim]` (summed over each GQA group's query heads).
+/// `dv` as `[batch, seqlen_k, heads_kv, head_dim]` (summed over each GQA group's query heads),
+/// and with attention sinks the gradient of each head's sink logit, `[heads_q]`.
 #[derive(Clone, Debug)]
 pub struct RefGradients {
     pub dq: Vec<f64>,
     pub dk: Vec<f64>,
     pub dv: Vec<f64>,
+    pub d_sinks: Option<Vec<f64>>,
 }
 
 /// Checks `d_o` against `p` (q's shape, inside its buffer) on top of [`check_views`].
@@ -314,7 +316,10 @@ fn check_backward_views(p: &Problem, q: &TensorView, k: &TensorView, v: &TensorV
 /// the loss with respect to `o`), with the full score matrix per (batch, head):
 /// `P = softmax(s)`, `dV = Pᵀ·dO`, `dP = dO·Vᵀ`, `dS = P ∘ (dP − rowsum(dP ∘ P))`, through the
 /// softcap `dS · (1 − tanh²)` (ALiBi slopes are constants), then `dQ = scale · dS·K` and
-/// `dK = scale · dSᵀ·Q`. Rows that see no key have zero gradients.
+/// `dK = scale · dSᵀ·Q`. Rows that see no key have zero gradients. With attention sinks the
+/// softmax denominator has the sink's term `exp(s_h − m)` (no value), dq, dk and dv follow with
+/// that P, and the sink's gradient is `d_s_h = −Σ_rows P_sink · D` with `P_sink = exp(s_h −
+/// LSE)` and `D = rowsum(P ∘ dP) = rowsum(dO ∘ O)` (the sink has no value, so no dP of its own).
 ///
 /// # Errors
 /// As [`attention_f64`], and [`Error::ShapeMismatch`] / [`Error::InvalidLayout`] for a `d_o`
@@ -333,6 +338,7 @@ pub fn attention_backward_f64(
     let mut dq = try_filled(n_q, 0.0f64, || "float64 reference dq".into())?;
     let mut dk = try_filled(n_k, 0.0f64, || "float64 reference dk".into())?;
     let mut dv = try_filled(n_k, 0.0f64, || "float64 reference dv".into())?;
+    let mut d_sinks = p.sinks.as_ref().map(|_| vec![0.0f64; p.heads_q]);
     let scale = p.scale as f64;
     for b in 0..p.batch {
         for h in 0..p.heads_q {
@@ -359,15 +365,20 @@ pub fn attention_backward_f64(
                         Some((s + p.alibi_bias(h, i, j) as f64, t))
                     })
                     .collect();
-                let m = st.iter().flatten().fold(f64::NEG_INFINITY, |a, &(x, _)| a.max(x));
+                let sink = p.sink(h).map(f64::from);
+                let m = st.iter().flatten().map(|&(x, _)| x).chain(sink).fold(f64::NEG_INFINITY, f64::max);
                 if m == f64::NEG_INFINITY {
-                    continue; // no visible key: zero gradients
+                    continue; // no visible key and no sink: zero gradients
                 }
                 let e: Vec<f64> = st.iter().map(|x| x.map_or(0.0, |(s, _)| (s - m).exp())).collect();
-                let l: f64 = e.iter().sum();
+                let e_sink = sink.map_or(0.0, |z| (z - m).exp());
+                let l: f64 = e.iter().sum::<f64>() + e_sink;
                 let pr: Vec<f64> = e.iter().map(|x| x / l).collect();
                 let dp: Vec<f64> = vs.iter().map(|vj| doi.iter().zip(vj).map(|(a, b)| a * b).sum()).collect();
                 let delta: f64 = pr.iter().zip(&dp).map(|(a, b)| a * b).sum();
+                if let Some(ds) = d_sinks.as_mut() {
+                    ds[h] -= e_sink / l * delta;
+                }
                 let dqi = &mut dq[((b * p.seqlen_q + i) * p.heads_q + h) * d..][..d];
                 for j in 0..p.seqlen_k {
                     let Some((_, t)) = st[j] else { continue };
@@ -386,7 +397,7 @@ pub fn attention_backward_f64(
             }
         }
     }
-    Ok(RefGradients { dq, dk, dv })
+    Ok(RefGradients { dq, dk, dv, d_sinks })
 }
 
 /// The straightforward backward in `dtype`, as a framework's autograd computes it through
@@ -414,6 +425,7 @@ pub fn attention_backward_naive(
     let mut dq = try_filled(n_q, 0.0f64, || "naive reference dq".into())?;
     let mut dk32 = try_filled(n_k, 0.0f32, || "naive reference dk".into())?;
     let mut dv32 = try_filled(n_k, 0.0f32, || "naive reference dv".into())?;
+    let mut d_sinks = p.sinks.as_ref().map(|_| vec![0.0f64; p.heads_q]);
     let read = |t: &TensorView, b: usize, s: usize, h: usize| -> Vec<f32> {
         let mut out = vec![0.0f32; d];
         t.read_row(b, s, h, &mut out);
@@ -445,15 +457,20 @@ pub fn attention_backward_naive(
                         r(s + p.alibi_bias(h, i, j))
                     })
                     .collect();
-                let m = s.iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
+                let sink = p.sink(h);
+                let m = s.iter().copied().chain(sink).fold(f32::NEG_INFINITY, f32::max);
                 if m == f32::NEG_INFINITY {
                     continue;
                 }
                 let e: Vec<f32> = s.iter().map(|&x| (x - m).exp()).collect();
-                let l: f32 = e.iter().sum();
+                let e_sink = sink.map_or(0.0, |z| (z - m).exp());
+                let l: f32 = e.iter().sum::<f32>() + e_sink;
                 let pr: Vec<f32> = e.iter().map(|x| r(x / l)).collect();
                 let dp: Vec<f32> = vs.iter().map(|vj| r(dot(&doi, vj))).collect();
                 let delta: f32 = pr.iter().zip(&dp).map(|(a, b)| a * b).sum();
+                if let Some(ds) = d_sinks.as_mut() {
+                    ds[h] -= r(r(e_sink / l) * delta) as f64;
+                }
                 let mut dqi = vec![0.0f32; d];
                 for j in 0..p.seqlen_k {
                     if pr[j] == 0.0 && !p.visible(i, j) {
@@ -488,7 +505,7 @@ pub fn attention_backward_naive(
         }
     }
     let widen = |v: Vec<f32>| v.into_iter().map(|x| r(x) as f64).collect();
-    Ok(RefGradients { dq, dk: widen(dk32), dv: widen(dv32) })
+    Ok(RefGradients { dq, dk: widen(dk32), dv: widen(dv32), d_sinks })
 }
 
 /// Largest absolute difference, NaN-aware: a NaN on one side only counts as infinite error, a NaN
@@ -557,7 +574,23 @@ mod tests {
             (6, 4, 4, 2, 3, ForwardOptions::default().mask(Mask::Causal)),
             (7, 7, 2, 2, 4, ForwardOptions::default().mask(Mask::window(2, 1)).softcap(1.5)),
             (4, 6, 4, 1, 5, ForwardOptions::default().alibi_slopes(slopes.clone()).mask(Mask::causal_window(2))),
-            (5, 5, 4, 4, 4, ForwardOptions::default().softcap(0.8).alibi_slopes(slopes).softmax_scale(0.9)),
+            (5, 5, 4, 4, 4, ForwardOptions::default().softcap(0.8).alibi_slopes(slopes.clone()).softmax_scale(0.9)),
+            // Sinks: with GQA; causal with sq > sk (rows that see no key but the sink); with
+            // softcap, ALiBi and a window; one head's sink -inf (no sink).
+            (5, 7, 2, 1, 4, ForwardOptions::default().sinks(vec![0.3f32, -0.7])),
+            (6, 4, 4, 2, 3, ForwardOptions::default().mask(Mask::Causal).sinks(vec![1.5f32, -0.2, 0.0, 2.0])),
+            (
+                5,
+                6,
+                4,
+                2,
+                4,
+                ForwardOptions::default()
+                    .mask(Mask::window(2, 1))
+                    .softcap(1.5)
+                    .alibi_slopes(slopes)
+                    .sinks(vec![0.5f32, f32::NEG_INFINITY, -1.0, 0.25]),
+            ),
         ];
         for (ci, (sq, sk, hq, hkv, d, opts)) in cases.into_iter().enumerate() {
             let q = Tensor::from_vec(gen(sq * hq * d, 1 + ci), [1, sq, hq, d]).unwrap();
@@ -588,6 +621,25 @@ mod tests {
                 }
             }
             assert_eq!(checked, sq * hq * d + 2 * sk * hkv * d);
+            assert_eq!(g.d_sinks.is_some(), opts.sinks.is_some());
+            if let (Some(sinks), Some(ds)) = (&opts.sinks, &g.d_sinks) {
+                for h in 0..hq {
+                    if sinks[h] == f32::NEG_INFINITY {
+                        assert_eq!(ds[h], 0.0, "case {ci}: a -inf sink has no gradient");
+                        continue;
+                    }
+                    let at = |delta: f32| {
+                        let mut s = sinks.to_vec();
+                        s[h] += delta;
+                        let pp = Problem::new(&q.view(), &k.view(), &v.view(), &opts.clone().sinks(s.clone())).unwrap();
+                        (loss(&pp, &q, &k, &v, &d_o), s[h] as f64)
+                    };
+                    let ((lp, xp), (lm, xm)) = (at(1e-3), at(-1e-3));
+                    let fd = (lp - lm) / (xp - xm);
+                    assert!((fd - ds[h]).abs() <= 1e-5 * (1.0 + fd.abs()), "case {ci} sink {h}: finite difference {fd}, analytic {}", ds[h]);
+                    assert!(ds[h] != 0.0, "case {ci} sink {h}: a zero gradient checks nothing");
+                }
+            }
             if ci == 1 {
                 // sq 6 > sk 4, causal: the first two rows see no key and have zero gradients.
                 assert!(g.dq[..2 * hq * d].iter().all(|&x| x == 0.0));

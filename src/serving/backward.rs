@@ -60,6 +60,8 @@ pub fn backward_varlen(
     let mut dv = Tensor::zeros(p.dtype, k.shape())?;
     let x = Inputs { q, k, v, o, d_o, lse };
     let out = (dq.data_mut().as_data_mut(), dk.data_mut().as_data_mut(), dv.data_mut().as_data_mut());
-    let kernel = run_cpu(&p, &spans, &x, opts, out)?;
-    Ok(Gradients { dq, dk, dv, dispatch: cpu_dispatch(kernel, format!("{why}; varlen: {} sequences", layout.batch())) })
+    let mut d_sinks = p.sinks.as_ref().map(|_| vec![0.0f32; p.heads_q]);
+    let kernel = run_cpu(&p, &spans, &x, opts, out, d_sinks.as_deref_mut())?;
+    let dispatch = cpu_dispatch(kernel, format!("{why}; varlen: {} sequences", layout.batch()));
+    Ok(Gradients { dq, dk, dv, d_sinks, dispatch })
 }

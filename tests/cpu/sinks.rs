@@ -437,22 +437,108 @@ fn rows_that_see_no_key_get_the_sink_as_lse() {
     }
 }
 
-/// The backward has no gradient for the sink logits: a call with sinks is a typed error, not
-/// gradients that silently leave the sinks out.
+/// The backward with sinks against the float64 reference extended with them (its sink gradient
+/// is checked by central finite differences in src/reference.rs): dq, dk, dv and `d_sinks` with
+/// FlashAttention's rule for gradients (`max|ours − ref| ≤ 2·max|naive − ref| + floor·max(1,
+/// max|ref|)`), over masks (rows that see no key but the sink), GQA, softcap, ALiBi, −inf and
+/// large sink logits and the three dtypes.
 #[test]
-fn the_backward_refuses_sinks() {
-    let (b, s, h, d) = (1, 4, 2, 8);
-    let mut rng = Rng::new(7);
-    let shape = [b, s, h, d];
+fn backward_matches_the_reference() {
+    use flash_attn::reference::{attention_backward_f64, attention_backward_naive, max_abs_diff};
+    let config = props::config("sinks backward", file!(), 32);
+    let mut runner = proptest::test_runner::TestRunner::new(config);
+    runner
+        .run(&dense_strategy(), |(c, sinks)| {
+            let mut rng = Rng::new(c.seed | 1);
+            let hq = c.heads_kv * c.ratio;
+            let q = randn(&mut rng, c.dtype, [c.batch, c.sq, hq, c.d]);
+            let k = randn(&mut rng, c.dtype, [c.batch, c.sk, c.heads_kv, c.d]);
+            let v = randn(&mut rng, c.dtype, [c.batch, c.sk, c.heads_kv, c.d]);
+            let d_o = randn(&mut rng, c.dtype, [c.batch, c.sq, hq, c.d]);
+            let opts = opts_for(c.mask, c.softcap, c.alibi, &sinks, None).backend(Backend::Cpu);
+            let out = forward(&q, &k, &v, &opts).unwrap();
+            let g = flash_attn::backward(&q, &k, &v, &out.o, &d_o, out.lse.as_deref().unwrap(), &opts).unwrap();
+            let p = flash_attn::Problem::new(&q.view(), &k.view(), &v.view(), &opts).unwrap();
+            let (qv, kv, vv, dov) = (q.view(), k.view(), v.view(), d_o.view());
+            let r = attention_backward_f64(&p, &qv, &kv, &vv, &dov).unwrap();
+            let n = attention_backward_naive(&p, &qv, &kv, &vv, &dov, c.dtype).unwrap();
+            let f64s = |t: &Tensor| t.to_f32_vec().iter().map(|&x| x as f64).collect::<Vec<_>>();
+            let has_sink = sinks.iter().any(|s| *s != f32::NEG_INFINITY);
+            prop_assert_eq!(g.d_sinks.is_some(), has_sink);
+            let ours_ds: Vec<f64> = g.d_sinks.iter().flatten().map(|&x| x as f64).collect();
+            let none = Vec::new();
+            for (name, ours, rf, nv) in [
+                ("dq", f64s(&g.dq), &r.dq, &n.dq),
+                ("dk", f64s(&g.dk), &r.dk, &n.dk),
+                ("dv", f64s(&g.dv), &r.dv, &n.dv),
+                ("d_sinks", ours_ds, r.d_sinks.as_ref().unwrap_or(&none), n.d_sinks.as_ref().unwrap_or(&none)),
+            ] {
+                prop_assert!(ours.iter().all(|x| x.is_finite()), "{c:?} {sinks:?}: {name} not finite");
+                let err = max_abs_diff(&ours, rf);
+                let scale = rf.iter().fold(1.0f64, |m, x| m.max(x.abs()));
+                let bound = 2.0 * max_abs_diff(nv, rf) + crate::support::floor_for(c.dtype) * scale;
+                prop_assert!(err <= bound, "{c:?} {sinks:?}: max|{name} - ref| {err:.3e} > {bound:.3e}");
+            }
+            for (h, s) in sinks.iter().enumerate() {
+                if *s == f32::NEG_INFINITY && has_sink {
+                    prop_assert_eq!(g.d_sinks.as_ref().unwrap()[h], 0.0, "a -inf sink has no gradient");
+                }
+            }
+            Ok(())
+        })
+        .unwrap();
+}
+
+/// `backward_varlen`'s sink gradient is the sum of its sequences' dense ones; `backward_into`
+/// (no buffer for `d_sinks`) and a GPU kernel family refuse sinks with typed errors.
+#[test]
+fn backward_varlen_and_refusals() {
+    let (hq, d) = (2, 16);
+    let lens = [5usize, 9, 1];
+    let total: usize = lens.iter().sum();
+    let mut rng = Rng::new(11);
+    let shape = [1, total, hq, d];
     let (q, k, v, d_o) = (
         randn(&mut rng, DType::F32, shape),
         randn(&mut rng, DType::F32, shape),
         randn(&mut rng, DType::F32, shape),
         randn(&mut rng, DType::F32, shape),
     );
-    let opts = ForwardOptions::default().backend(Backend::Cpu).sinks(vec![0.5f32, -1.0]);
-    let out = forward(&q, &k, &v, &opts.clone().return_lse(true)).unwrap();
+    let sinks = vec![0.5f32, -1.0];
+    let opts = ForwardOptions::default().backend(Backend::Cpu).causal(true).return_lse(true).sinks(sinks.clone());
+    let mut cu = vec![0i32];
+    for l in lens {
+        cu.push(cu.last().unwrap() + l as i32);
+    }
+    let seqs = Varlen { cu_seqlens_q: &cu, cu_seqlens_k: &cu, max_seqlen_q: 9, max_seqlen_k: 9 };
+    let out = forward_varlen(&q, &k, &v, &seqs, &opts).unwrap();
     let lse = out.lse.clone().unwrap();
-    let err = flash_attn::backward(&q, &k, &v, &out.o, &d_o, &lse, &opts).unwrap_err();
-    assert!(matches!(err, Error::InvalidOption { option: "sinks", .. }), "{err:?}");
+    let g = flash_attn::serving::backward_varlen(&q, &k, &v, &out.o, &d_o, &lse, &seqs, &opts).unwrap();
+    let mut sum = [0.0f64; 2];
+    for (s, w) in cu.windows(2).enumerate() {
+        let (a, n) = (w[0] as usize, (w[1] - w[0]) as usize);
+        let slice = |t: &Tensor| Tensor::from_vec(t.to_f32_vec()[a * hq * d..(a + n) * hq * d].to_vec(), [1, n, hq, d]).unwrap();
+        let (qs, ks, vs, ds) = (slice(&q), slice(&k), slice(&v), slice(&d_o));
+        let o1 = forward(&qs, &ks, &vs, &opts).unwrap();
+        let g1 = flash_attn::backward(&qs, &ks, &vs, &o1.o, &ds, o1.lse.as_deref().unwrap(), &opts).unwrap();
+        for (acc, x) in sum.iter_mut().zip(g1.d_sinks.unwrap()) {
+            *acc += x as f64;
+        }
+        assert!(n > 0, "sequence {s}");
+    }
+    let ds = g.d_sinks.unwrap();
+    for h in 0..hq {
+        assert!((ds[h] as f64 - sum[h]).abs() <= 1e-5 * (1.0 + sum[h].abs()), "head {h}: {} vs {}", ds[h], sum[h]);
+        assert!(ds[h] != 0.0);
+    }
+    let dense = ForwardOptions::default().backend(Backend::Cpu).sinks(sinks);
+    let q1 = randn(&mut rng, DType::F32, [1, 4, hq, d]);
+    let o1 = forward(&q1, &q1, &q1, &dense.clone().return_lse(true)).unwrap();
+    let lse1 = o1.lse.unwrap();
+    let (mut a, mut b, mut c) = (vec![0.0f32; 4 * hq * d], vec![0.0f32; 4 * hq * d], vec![0.0f32; 4 * hq * d]);
+    let e = flash_attn::backward_into(&q1, &q1, &q1, &o1.o, &q1, &lse1, (&mut a, &mut b, &mut c), &dense).unwrap_err();
+    assert!(matches!(e, Error::InvalidOption { option: "sinks", .. }), "{e:?}");
+    let gpu = dense.clone().backend(Backend::Cuda(0)).variant(flash_attn::Variant::Fa2);
+    let e = flash_attn::backward(&q1, &q1, &q1, &o1.o, &q1, &lse1, &gpu).unwrap_err();
+    assert!(matches!(e, Error::InvalidOption { .. } | Error::BackendUnavailable { .. } | Error::UnsupportedDType { .. }), "{e:?}");
 }

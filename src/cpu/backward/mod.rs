@@ -65,11 +65,13 @@ pub(crate) struct Inputs<'a> {
     pub lse: &'a [f32],
 }
 
-/// The caller's gradient buffers: `dq` contiguous in q's shape, `dk` and `dv` in k's.
+/// The caller's gradient buffers: `dq` contiguous in q's shape, `dk` and `dv` in k's, and with
+/// attention sinks the sink logits' gradient, one per query head.
 pub(crate) struct GradsOut<'a, T> {
     pub dq: &'a mut [T],
     pub dk: &'a mut [T],
     pub dv: &'a mut [T],
+    pub d_sinks: Option<&'a mut [f32]>,
 }
 
 fn round_up(x: usize, m: usize) -> usize {
@@ -304,7 +306,10 @@ pub(crate) fn run<T: Element>(
         .collect();
     let (q_rows, k_rows) = (x.q.shape()[1], x.k.shape()[1]);
     let (hq, hkv) = (p.heads_q, p.heads_kv);
-    let GradsOut { dq, dk, dv } = out;
+    let GradsOut { dq, dk, dv, d_sinks } = out;
+    if let Some(ds) = d_sinks {
+        sink_gradients(p, spans, &off, &lse2, &delta, ds);
+    }
     let mut dq_rows = rows(dq, d);
     let mut dk_rows = rows(dk, d);
     let mut dv_rows = rows(dv, d);
@@ -407,6 +412,29 @@ pub(crate) fn run<T: Element>(
         pool::give(b);
     }
     Ok(path_name())
+}
+
+/// The sink logits' gradient `d_s_h = −Σ_rows exp(s_h − LSE) · D` per query head (the sink
+/// enters the softmax denominator only: its probability is `exp(s_h − LSE)` and it has no value,
+/// so its dP is 0 and its dS is `P_sink · (0 − D)`), from the rows' LSE (log2 units) and D of
+/// step 1, summed in f64 in span and row order (deterministic). A head without a sink (−inf)
+/// gets 0.
+fn sink_gradients(p: &Problem, spans: &[Span], off: &Offsets, lse2: &[f32], delta: &[f32], out: &mut [f32]) {
+    for (h, o) in out.iter_mut().enumerate().take(p.heads_q) {
+        let Some(sink) = p.sink(h) else {
+            *o = 0.0;
+            continue;
+        };
+        let sink2 = sink as f64 * LOG2E as f64;
+        let mut sum = 0.0f64;
+        for (s, sp) in spans.iter().enumerate() {
+            let at = off.row[s] + h * round_up(sp.sq, BR);
+            for (l, dd) in lse2[at..][..sp.sq].iter().zip(&delta[at..][..sp.sq]) {
+                sum += (sink2 - *l as f64).exp2() * *dd as f64;
+            }
+        }
+        *o = -sum as f32;
+    }
 }
 
 /// [`item`] compiled for the best instruction set this CPU has (and `isa` allows).
