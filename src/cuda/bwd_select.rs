@@ -138,3 +138,87 @@ pub(crate) fn reason(dev: &impl Gpu, c: &BwdChoice, variant: Variant, determinis
     };
     format!("{variant:?} requested: {} on {} sm_{}, {} image; {dq}{verified}", c.row.name, dev.name(), dev.sm(), c.image.target.name())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::device::pick_image;
+    use crate::cuda::table::Target;
+    use crate::ForwardOptions;
+
+    const fn image(family: &'static str, target: Target) -> Image {
+        Image { family, head_dim: STANDALONE_HEAD_DIM, target, bytes: &[], report: "" }
+    }
+    static IMAGES: &[Image] =
+        &[image("fa2_bwd", Target::Sm80), image("fa2_bwd", Target::Sm90a), image("fa3_bwd", Target::Sm90a)];
+
+    struct Fake(u32, &'static [Image]);
+    impl Gpu for Fake {
+        fn ordinal(&self) -> usize {
+            0
+        }
+        fn name(&self) -> &str {
+            "fake"
+        }
+        fn sm(&self) -> u32 {
+            self.0
+        }
+        fn max_smem_optin(&self) -> u32 {
+            227 * 1024
+        }
+        fn image_for(&self, family: &str, head_dim: u32) -> Option<&'static Image> {
+            pick_image(self.1, family, head_dim, ((self.0 / 10) as i32, (self.0 % 10) as i32))
+        }
+    }
+    const H100: Fake = Fake(90, IMAGES);
+    const A100: Fake = Fake(80, IMAGES);
+
+    fn problem(dtype: DType, head_dim: usize, opts: &ForwardOptions) -> Problem {
+        Problem::from_shapes([1, 100, 4, head_dim], [1, 130, 2, head_dim], [1, 130, 2, head_dim], dtype, opts).unwrap()
+    }
+    fn pick(gpu: &Fake, dtype: DType, head_dim: usize, opts: ForwardOptions) -> Result<BwdChoice> {
+        let variant = opts.variant;
+        choose(gpu, &problem(dtype, head_dim, &opts), variant)
+    }
+    fn unavailable(r: Result<BwdChoice>, variant: Variant, needle: &str) {
+        match r {
+            Err(Error::VariantUnavailable { variant: v, reason }) if v == variant && reason.contains(needle) => {}
+            other => panic!("expected {variant:?} refused with {needle:?}: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn explicit_variants_reach_their_kernels() {
+        let o = ForwardOptions::default;
+        let c = pick(&A100, DType::BF16, 128, o().variant(Variant::Fa2).softcap(5.0)).unwrap();
+        assert_eq!((c.family, c.row.name, c.image.target), (BwdFamily::Fa2, "fa2_bwd", Target::Sm80));
+        let c = pick(&H100, DType::F16, 64, o().variant(Variant::Fa3).causal(true)).unwrap();
+        assert_eq!((c.family, c.row.name, c.image.target), (BwdFamily::Fa3, "fa3_bwd", Target::Sm90a));
+        let why = reason(&H100, &c, Variant::Fa3, false);
+        assert!(why.contains("f32 atomics") && why.contains("not yet verified on a GPU"), "{why}");
+        assert!(reason(&H100, &c, Variant::Fa3, true).contains("dq deterministic"));
+    }
+
+    /// Auto is refused while no GPU run verified the kernels; what a device or a kernel cannot
+    /// run is a typed error naming why, never a fallback.
+    #[test]
+    fn refusals_are_typed() {
+        let o = ForwardOptions::default;
+        const { assert!(!BACKWARD_AUTO, "flip this test with the table once a GPU run verified the backward") };
+        unavailable(pick(&H100, DType::BF16, 64, o()), Variant::Auto, "no GPU run has verified");
+        unavailable(pick(&A100, DType::BF16, 64, o().variant(Variant::Fa3)), Variant::Fa3, "sm_90a");
+        unavailable(pick(&Fake(75, IMAGES), DType::BF16, 64, o().variant(Variant::Fa2)), Variant::Fa2, "sm_80");
+        unavailable(pick(&H100, DType::BF16, 64, o().variant(Variant::Fa3).softcap(5.0)), Variant::Fa3, "softcap");
+        unavailable(pick(&H100, DType::BF16, 64, o().variant(Variant::Fa3).alibi_slopes(vec![0.5f32; 4])), Variant::Fa3, "ALiBi");
+        unavailable(pick(&H100, DType::BF16, 96, o().variant(Variant::Fa3)), Variant::Fa3, "head_dim 96");
+        for v in [Variant::Fa1, Variant::Fa4] {
+            unavailable(pick(&H100, DType::BF16, 64, o().variant(v)), v, "no backward kernel");
+        }
+        let e = pick(&H100, DType::F32, 64, o().variant(Variant::Fa2)).unwrap_err();
+        assert!(matches!(e, Error::UnsupportedDType { .. }), "{e:?}");
+        let e = pick(&H100, DType::BF16, 64, o().variant(Variant::Fa2).sinks(vec![0.5f32; 4])).unwrap_err();
+        assert!(matches!(e, Error::InvalidOption { option: "sinks", .. }), "{e:?}");
+        let e = pick(&Fake(90, &[]), DType::BF16, 64, o().variant(Variant::Fa2)).unwrap_err();
+        assert!(matches!(e, Error::BackendUnavailable { .. }), "{e:?}");
+    }
+}
