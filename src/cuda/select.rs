@@ -140,7 +140,8 @@ fn instance_for(fam: &'static Family, dev: &impl Gpu, p: &Problem) -> std::resul
     }
     let dims: Vec<u32> = fam.tiles.iter().map(|t| t.head_dim).collect();
     Err(if too_big {
-        format!("supports head_dim up to {:?}", dims.last())
+        let list: Vec<String> = dims.iter().map(|d| d.to_string()).collect();
+        format!("supports head_dim up to {} (instances {}), not {}", dims.last().unwrap_or(&0), list.join(", "), p.head_dim)
     } else {
         format!("has no image built for head_dim {} on sm_{} (FLASH_ATTN_HDIMS/ARCHS pruned it?)", p.head_dim, dev.sm())
     })
