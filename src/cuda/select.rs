@@ -270,11 +270,14 @@ fn choose_explicit(families: &'static [Family], dev: &impl Gpu, p: &Problem, var
     let Some(best) = admitted().max_by_key(key) else {
         // The table's refusal of the highest-ranked candidate built for this GPU, else of the
         // highest-ranked one (the FA3 stages refuse alike; of the FA4 rows, those of another
-        // architecture say least).
+        // architecture say least), a row of the problem's precision first (an FP8 row refusing a
+        // 16-bit problem for its precision would hide why the 16-bit rows refuse it).
+        let fp8 = needed_options(p).contains(KernelOptions::FP8);
+        let key = |f: &&Family| (f.options.contains(KernelOptions::FP8) == fp8, f.rank);
         let fam = candidates()
             .filter(|f| builds_for(f, dev))
-            .max_by_key(|f| f.rank)
-            .or_else(|| candidates().max_by_key(|f| f.rank))
+            .max_by_key(key)
+            .or_else(|| candidates().max_by_key(key))
             .expect("checked non-empty above");
         let why = instance_for(fam, dev, p).err().unwrap_or_default();
         return Err(unavailable(format!("{}: {why}", on(fam, dev))));
