@@ -346,7 +346,7 @@ fn fa2_smem_bytes(_stage: Option<u8>, t: &Tile) -> u32 {
     (t.block_m + 2 * STAGES * t.block_n) * (t.head_dim + PAD) * ELEM_BYTES
 }
 
-/// FA2 threads: 4 warps split the query rows (split-Q), for every head dim.
+/// FA2 threads: 4 warps, for every head dim (split-Q; at hd 512 two row groups x two column halves).
 const FA2_THREADS: u32 = 128;
 
 /// The highest stage of the FA3 ladder (docs/fa3.md).
@@ -792,7 +792,8 @@ pub const FAMILIES: &[Family] = &[
         source: Pipeline::Fa2.source(),
         // Mirrors fa2::Fa2Traits<D> (the unit static_asserts it). 128 rows = 4 warps x 2 m16 tiles
         // up to hd 128 (each K/V fragment feeds two mma); hd 128 takes 32-key tiles (64 spilled at
-        // 255 registers); hd 192/256 take 64x32 (4 warps x 1 m-tile) to fit 99 KB with the K/V ring.
+        // 255 registers); hd 192/256 take 64x32 (4 warps x 1 m-tile) to fit 99 KB with the K/V ring;
+        // hd 512 splits O's columns over two warps per 16 rows (docs/fa2.md "Head dim 512").
         // The kernel runs only its exact head dims (no tail masking, 16-byte row chunks): its host
         // module refuses the rest (src/cuda/fa2.rs).
         tiles: &[
@@ -802,6 +803,8 @@ pub const FAMILIES: &[Family] = &[
             Tile { head_dim: 128, block_m: 128, block_n: 32, threads: FA2_THREADS },
             Tile { head_dim: 192, block_m: 64, block_n: 32, threads: FA2_THREADS },
             Tile { head_dim: 256, block_m: 64, block_n: 32, threads: FA2_THREADS },
+            // 2 row groups x 2 column halves of O (Fa2Traits kColSplit): 99840 B, every sm_80+ part.
+            Tile { head_dim: 512, block_m: 32, block_n: 16, threads: FA2_THREADS },
         ],
         min_sm: 80,
         // Set once scripts/check/gpu.sh passes on a GPU (docs/fa2.md has the status).

@@ -1,14 +1,16 @@
 // FA2 forward: FlashAttention-2 (Dao, arXiv 2307.08691) on mma.sync tensor cores, sm_80 and newer.
 //
 // One CTA computes kBlockM query rows of one (batch, head): split-Q, each warp owns 16 * kMTiles
-// rows and never talks to the other warps except through shared-memory barriers. K/V tiles of
+// rows and never talks to the other warps except through shared-memory barriers. At hdim 512 two
+// warps share each 16 rows (Fa2Traits kColSplit): both compute the rows' S and softmax, each
+// accumulates half of O's columns. K/V tiles of
 // kBlockN keys stream through a two-stage shared-memory ring with cp.async (tile j-1 lands while
 // tile j is computed; one barrier per tile). S stays in registers, becomes P in place
 // (the accumulator fragment of Q K^T is the A fragment of P V, see fa2/layout.h), and O is
 // normalised once at the end, staged through shared memory and written with 16-byte stores.
 //
 // Launch contract (the host mirrors fa2::Fa2Traits<D>, table in docs/fa2.md):
-//   symbol      fa2_fwd_hd<D>_<f16|bf16>, D in {32, 64, 96, 128, 192, 256}
+//   symbol      fa2_fwd_hd<D>_<f16|bf16>, D in {32, 64, 96, 128, 192, 256, 512}
 //   grid        (ceil(seqlen_q / kBlockM), heads_q, batch)
 //   block       (kNWarps * 32, 1, 1)
 //   dyn. smem   kSmemBytes; above 48 KiB set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES first
@@ -19,6 +21,7 @@
 //    128    128     32     4     128     69632      (2)
 //    192     64     32     4     128     76800      (1)
 //    256     64     32     4     128    101376      (1)
+//    512     32     16     4     128     99840      (1; 2 row groups x 2 column halves of O)
 //   (static_asserted at the bottom of this file, so the table cannot drift from the traits)
 // Preconditions checked by the host: head_dim == D; q/k/v/o 16-byte aligned and every stride a
 // multiple of 8 elements (16-byte cp.async and stores); heads_q % heads_kv == 0; seqlen_q >= 1;
@@ -173,8 +176,9 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
     if (n_max > n_min) load_kv<T>(sK, sV, p, (n_max - 1) * kBlockN, tid);
     cp_async_commit();
 
-    // Per lane: O accumulators (f32) and the softmax state of its 2 rows per m-tile (row g and
-    // g + 8; the sums are reduced over the quad only at the end).
+    // Per lane: O accumulators (f32) of this warp's columns [col0, col0 + kOCols) and the softmax
+    // state of its 2 rows per m-tile (row g and g + 8; the sums are reduced over the quad only at
+    // the end).
     using Frag = AccFrag<kMTiles, kNTiles, kDTiles>;
     const Frag frag{lane};
     float acc_o[kMTiles][kDTiles][4];
@@ -187,7 +191,13 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc_o[mt][dt][i] = 0.f;
 
-    const int wrow = warp_row0(warp, kMTiles);  // first CTA row of this warp
+    // First CTA row and first O column of this warp (whole rows, column 0, unless kColSplit > 1:
+    // written so that the other instances compile exactly as without the split).
+    constexpr bool kSplitCols = T::kColSplit > 1;
+    const int wrow = warp_row0(kSplitCols ? warp_row_group(warp, T::kRowWarps) : warp, kMTiles);
+    const int col0 = kSplitCols ? warp_col0(warp, T::kRowWarps, T::kOCols) : 0;
+    // With split columns the warps of a row group compute the same S and softmax state; one writes the LSE.
+    const bool lse_writer = col0 == 0;
     const uint32_t sQ_u32 = smem_u32(sQ), sK_u32 = smem_u32(sK), sV_u32 = smem_u32(sV);
     // Per-lane ldmatrix row addresses (bytes), fixed parts; the loops add the tile offsets.
     const uint32_t q_lane = ((wrow + ldsm_q_row(lane)) * kStride + ldsm_q_col(lane)) * 2;
@@ -259,7 +269,7 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
 #pragma unroll
             for (int dp = 0; dp < kDTiles / 2; ++dp) {
                 uint32_t vb[4];  // B fragments of d-tiles 2dp (vb[0], vb[1]) and 2dp+1 (vb[2], vb[3])
-                ldmatrix_x4_trans(vb, sV_stage + v_lane + (kk * 16 * kStride + dp * 16) * 2);
+                ldmatrix_x4_trans(vb, sV_stage + v_lane + (kk * 16 * kStride + col0 + dp * 16) * 2);
 #pragma unroll
                 for (int mt = 0; mt < kMTiles; ++mt) {
                     M::run(acc_o[mt][2 * dp], pa[mt], vb[0], vb[1]);
@@ -290,12 +300,12 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
             const FaRowEnd end = softmax.finalize(r, to_natural);
             const int row = m0 + wrow + frag.row(r);
             if (row >= seqlen_q) continue;
-            if ((lane & 3) == 0) gLseAcc[row] = end.lse;
+            if (lse_writer && (lane & 3) == 0) gLseAcc[row] = end.lse;
 #pragma unroll
             for (int j = 0; j < Frag::kOCols; j += 2) {
                 const float o0 = end.empty ? 0.f : Frag::o(acc_o, r, j) * end.inv_l;
                 const float o1 = end.empty ? 0.f : Frag::o(acc_o, r, j + 1) * end.inv_l;
-                float* dst = gOAcc + static_cast<int64_t>(row) * kHeadDim + frag.col(j);
+                float* dst = gOAcc + static_cast<int64_t>(row) * kHeadDim + col0 + frag.col(j);
                 dst[0] = o0;
                 dst[1] = o1;
             }
@@ -309,12 +319,12 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
     for (int r = 0; r < Frag::kRows; ++r) {
         const FaRowEnd end = softmax.finalize(r, to_natural);
         const int srow = wrow + frag.row(r);  // row inside the CTA tile
-        if (write_lse && (lane & 3) == 0 && m0 + srow < seqlen_q) gLse[m0 + srow] = end.lse;
+        if (write_lse && lse_writer && (lane & 3) == 0 && m0 + srow < seqlen_q) gLse[m0 + srow] = end.lse;
 #pragma unroll
         for (int j = 0; j < Frag::kOCols; j += 2) {
             const float o0 = end.empty ? 0.f : Frag::o(acc_o, r, j) * end.inv_l;
             const float o1 = end.empty ? 0.f : Frag::o(acc_o, r, j + 1) * end.inv_l;
-            *reinterpret_cast<uint32_t*>(sO + srow * kStride + frag.col(j)) = fa_pack2<Elem>(o0, o1);
+            *reinterpret_cast<uint32_t*>(sO + srow * kStride + col0 + frag.col(j)) = fa_pack2<Elem>(o0, o1);
         }
     }
     __syncthreads();
@@ -381,3 +391,4 @@ FA2_CHECK(96, 128, 64, 4, 79872)
 FA2_CHECK(128, 128, 32, 4, 69632)
 FA2_CHECK(192, 64, 32, 4, 76800)
 FA2_CHECK(256, 64, 32, 4, 101376)
+FA2_CHECK(512, 32, 16, 4, 99840)

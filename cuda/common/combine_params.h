@@ -23,8 +23,8 @@ extern "C" {
 #define FA_COMBINE_WARPS 4
 // Input descriptors one launch carries (the list form of merge_states_n).
 #define FA_COMBINE_MAX_INPUTS 64
-// Largest head_dim (8 columns per lane).
-#define FA_COMBINE_MAX_HEAD_DIM 256
+// Largest head_dim (16 columns per lane): the FA2 forward's largest instance.
+#define FA_COMBINE_MAX_HEAD_DIM 512
 
 typedef struct CombineInput {
     uint64_t o;             // device address of the outputs (f32, f16 or bf16: the kernel's input type)

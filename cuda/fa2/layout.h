@@ -25,7 +25,7 @@
 // Shared memory tiles are row-major [rows][kStride] with kStride = head_dim + 8 elements (16 bytes
 // of padding per row): the 8 row addresses of one ldmatrix phase then start 16*(r*(kStride/8) mod
 // 8) bytes into a 128-byte bank line, which are 8 distinct 16-byte bank groups for every head dim
-// here (kStride*2 mod 128 is 16 (hd 64/128/192/256 -> 144, 272, 400, 528 bytes) or 80 (hd 32/96 ->
+// here (kStride*2 mod 128 is 16 (hd 64/128/192/256/512 -> 144, 272, 400, 528, 1040 bytes) or 80 (hd 32/96 ->
 // 80, 208 bytes), both odd multiples of 16), so ldmatrix is conflict-free.
 #pragma once
 
@@ -90,6 +90,10 @@ FA2_HD constexpr int ldsm_v_col(int lane) { return (lane >> 4) * 8; }
 // Warp w owns query rows [w * 16 * kMTiles, (w + 1) * 16 * kMTiles) of the CTA's kBlockM rows;
 // its m-tile mt covers the 16 rows starting at warp_row0 + 16 * mt.
 FA2_HD constexpr int warp_row0(int warp, int m_tiles) { return warp * 16 * m_tiles; }
+// With O's columns split over warps (Fa2Traits kColSplit > 1): warp w is row group
+// w % row_warps and owns the o_cols columns of O starting at warp_col0.
+FA2_HD constexpr int warp_row_group(int warp, int row_warps) { return warp % row_warps; }
+FA2_HD constexpr int warp_col0(int warp, int row_warps, int o_cols) { return (warp / row_warps) * o_cols; }
 
 // A warp's m16n8k16 accumulator blocks S[kMTiles][kNTiles][4] and O[kMTiles][kDTiles][4] seen
 // as rows and columns, the fragment layout of the shared softmax and mask (softmax.cuh): row r is

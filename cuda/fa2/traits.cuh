@@ -13,6 +13,13 @@
 //  - K/V use a two-stage ring (one barrier per tile, each load overlapping a whole tile of
 //    compute) instead of FA2's single K and V buffers; to fit 99 KiB with the ring, hdim 192/256
 //    take 32-key tiles (FA2: 64x64 single-buffered).
+// hdim 512 splits O's columns over warps (kColSplit = 2): one warp of 16 rows holding all 512
+// columns of O would need 256 f32 accumulators per thread. Two warps share each 16 rows, each
+// computes the rows' full S = Q K^T (the same instructions on the same data, so both hold the
+// same S, softmax state and P bit for bit) and accumulates O for its own 256 columns: 128 O
+// registers per thread, as at hdim 256. The cost is QK^T twice per row (1.5x the tensor-core work
+// of one pass). 32x16 tiles with 4 warps (2 row groups x 2 column halves) take 99840 bytes, within
+// the 99 KiB of sm_86/sm_89 (32x32 would need 166400: A100 and Hopper only; docs/fa2.md "Head dim 512").
 // Every instance fits the 99 KiB opt-in limit of sm_86/sm_89, so one cubin runs on all sm_80+ parts.
 #pragma once
 
@@ -21,17 +28,22 @@ namespace fa2 {
 // Largest dynamic shared memory per block of the smallest sm_8x part (sm_86/sm_89: 99 KiB opt-in).
 constexpr int kSmemLimitSm8x = 99 * 1024;
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kColSplit_ = 1>
 struct Fa2TraitsBase {
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kBlockM = kBlockM_;  // query rows per CTA
     static constexpr int kBlockN = kBlockN_;  // keys per K/V tile
     static constexpr int kNWarps = kNWarps_;
     static constexpr int kNThreads = kNWarps * 32;
-    // Each warp owns kMTiles consecutive m16 tiles of the CTA's rows (split-Q, no cross-warp sums).
-    static constexpr int kMTiles = kBlockM / (16 * kNWarps);
+    // kColSplit warps share each row group, each owning kOCols consecutive columns of O (1: a
+    // warp owns whole rows). Warp w is row group w % kRowWarps, column part w / kRowWarps.
+    static constexpr int kColSplit = kColSplit_;
+    static constexpr int kRowWarps = kNWarps / kColSplit;
+    static constexpr int kOCols = kHeadDim / kColSplit;
+    // Each row group owns kMTiles consecutive m16 tiles of the CTA's rows (split-Q, no cross-warp sums).
+    static constexpr int kMTiles = kBlockM / (16 * kRowWarps);
     static constexpr int kNTiles = kBlockN / 8;   // n8 tiles of S per m-tile
-    static constexpr int kDTiles = kHeadDim / 8;  // n8 tiles of O per m-tile
+    static constexpr int kDTiles = kOCols / 8;    // n8 tiles of O per m-tile, this warp's columns
     static constexpr int kKSteps = kHeadDim / 16; // k16 steps of Q K^T
     // Row pitch of every shared tile, in elements: 16 bytes of padding keep ldmatrix conflict-free
     // (see fa2/layout.h) and keep each row 16-byte aligned for cp.async and the 16-byte O stores.
@@ -48,7 +60,8 @@ struct Fa2TraitsBase {
 
     static_assert(kHeadDim % 16 == 0, "head dim must be a multiple of the mma k (16)");
     static_assert(kBlockN % 16 == 0, "K/V tile must be a multiple of 16 keys (ldmatrix.x4 pairs)");
-    static_assert(kBlockM == 16 * kNWarps * kMTiles, "kBlockM must split into m16 tiles per warp");
+    static_assert(kNWarps % kColSplit == 0 && kOCols % 16 == 0, "O columns must split into d16 pairs per warp");
+    static_assert(kBlockM == 16 * kRowWarps * kMTiles, "kBlockM must split into m16 tiles per row group");
     static_assert(kSmemBytes <= kSmemLimitSm8x, "shared memory above the sm_86/89 opt-in limit");
     static_assert((kStride * kElemBytes) % 16 == 0, "rows must stay 16-byte aligned");
 };
@@ -61,5 +74,6 @@ template <> struct Fa2Traits<96> : Fa2TraitsBase<96, 128, 64, 4> {};
 template <> struct Fa2Traits<128> : Fa2TraitsBase<128, 128, 32, 4> {};
 template <> struct Fa2Traits<192> : Fa2TraitsBase<192, 64, 32, 4> {};
 template <> struct Fa2Traits<256> : Fa2TraitsBase<256, 64, 32, 4> {};
+template <> struct Fa2Traits<512> : Fa2TraitsBase<512, 32, 16, 4, 2> {};
 
 }  // namespace fa2

@@ -130,7 +130,8 @@ static void check_warp(int warp, unsigned seed) {
     for (int r = 0; r < BN; ++r)
         for (int c = 0; c < D; ++c) { sK[r * S + c] = rnd(); sV[r * S + c] = rnd(); }
 
-    const int wrow = fa2::warp_row0(warp, MT);
+    const int wrow = fa2::warp_row0(fa2::warp_row_group(warp, T::kRowWarps), MT);
+    const int col0 = fa2::warp_col0(warp, T::kRowWarps, T::kOCols);  // this warp's O columns
     static double acc_s[32][MT][NT][4];
     static double acc_o[32][MT][DT][4];
     for (int l = 0; l < 32; ++l) {
@@ -196,7 +197,7 @@ static void check_warp(int warp, unsigned seed) {
         for (int dp = 0; dp < DT / 2; ++dp) {
             Reg vb[32][4];
             for (int l = 0; l < 32; ++l)
-                addr[l] = fa2::ldsm_v_row(l) * S + fa2::ldsm_v_col(l) + kk * 16 * S + dp * 16;
+                addr[l] = fa2::ldsm_v_row(l) * S + fa2::ldsm_v_col(l) + kk * 16 * S + col0 + dp * 16;
             ldmatrix(vb, sV, addr, true);
             Reg b0[32], b1[32], b2[32], b3[32];
             for (int l = 0; l < 32; ++l) { b0[l] = vb[l][0]; b1[l] = vb[l][1]; b2[l] = vb[l][2]; b3[l] = vb[l][3]; }
@@ -211,7 +212,7 @@ static void check_warp(int warp, unsigned seed) {
             }
         }
     }
-    // Epilogue mapping: srow = wrow + 16 mt + 8 hr + lane/4, col = 8 dt + acc_col(lane, 2 hr) (+1).
+    // Epilogue mapping: srow = wrow + 16 mt + 8 hr + lane/4, col = col0 + 8 dt + acc_col(lane, 2 hr) (+1).
     std::vector<double> sO(BM * S, 1e30);
     std::vector<int> hits(BM * D, 0);
     for (int l = 0; l < 32; ++l)
@@ -219,7 +220,7 @@ static void check_warp(int warp, unsigned seed) {
             for (int hr = 0; hr < 2; ++hr)
                 for (int dt = 0; dt < DT; ++dt) {
                     const int srow = wrow + mt * 16 + hr * 8 + (l >> 2);
-                    const int col = dt * 8 + fa2::acc_col(l, 2 * hr);
+                    const int col = col0 + dt * 8 + fa2::acc_col(l, 2 * hr);
                     CHECK(fa2::acc_row(l, 2 * hr) + wrow + mt * 16 == srow, "epilogue row");
                     sO[srow * S + col] = acc_o[l][mt][dt][2 * hr];
                     sO[srow * S + col + 1] = acc_o[l][mt][dt][2 * hr + 1];
@@ -227,7 +228,7 @@ static void check_warp(int warp, unsigned seed) {
                     ++hits[srow * D + col + 1];
                 }
     for (int i = wrow; i < wrow + 16 * MT; ++i)
-        for (int c = 0; c < D; ++c) {
+        for (int c = col0; c < col0 + T::kOCols; ++c) {
             double acc = 0;
             for (int j = 0; j < BN; ++j) acc += Sref[i * BN + j] * sV[j * S + c];
             CHECK(hits[i * D + c] == 1, "hd%d O(%d,%d) written %d times", D, i, c, hits[i * D + c]);
@@ -284,8 +285,8 @@ static void check_hdim() {
     check_load_cover<T>(T::kBlockN);
     check_warp<T>(0, 1234u + D);
     check_warp<T>(T::kNWarps - 1, 4321u + D);
-    std::printf("hd%-3d: %dx%d tile, %d warps x %d m-tiles, smem %d B: layout OK so far (%d failures)\n", D,
-                T::kBlockM, T::kBlockN, T::kNWarps, T::kMTiles, T::kSmemBytes, failures);
+    std::printf("hd%-3d: %dx%d tile, %d warps (%d column parts) x %d m-tiles, smem %d B: layout OK so far (%d failures)\n",
+                D, T::kBlockM, T::kBlockN, T::kNWarps, T::kColSplit, T::kMTiles, T::kSmemBytes, failures);
 }
 
 int main() {
@@ -296,6 +297,7 @@ int main() {
     check_hdim<128>();
     check_hdim<192>();
     check_hdim<256>();
+    check_hdim<512>();
     if (failures) {
         std::printf("fa2_layout_test: %d FAILURES\n", failures);
         return 1;

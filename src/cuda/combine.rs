@@ -20,7 +20,7 @@ pub const WARPS: u32 = 4;
 /// form (`merge_states_n`).
 pub const MAX_INPUTS: usize = 64;
 /// Largest head_dim (FA_COMBINE_MAX_HEAD_DIM).
-pub const MAX_HEAD_DIM: usize = 256;
+pub const MAX_HEAD_DIM: usize = 512;
 /// Most states of a stacked input (split-KV partials): FlashAttention's split limit, and the
 /// CPU's (`ForwardOptions::num_splits`).
 pub const MAX_SPLITS: usize = crate::splits::MAX_SPLITS;
@@ -376,7 +376,7 @@ mod tests {
             Err(Error::InvalidOption { .. })
         ));
         assert!(matches!(
-            merge_plan([1, 1, 1, 257], DType::F32, DType::F32, &[st], out, 0),
+            merge_plan([1, 1, 1, 513], DType::F32, DType::F32, &[st], out, 0),
             Err(Error::UnsupportedHeadDim { .. })
         ));
         assert!(matches!(splits_plan([1, 1, 1, 8], 0, 1, 1, DType::F16, out, 0), Err(Error::InvalidOption { .. })));

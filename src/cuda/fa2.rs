@@ -29,7 +29,7 @@ pub(crate) struct Fa2;
 impl FamilyHost for Fa2 {
     fn refusal(&self, _fam: &Family, tile: &Tile, p: &Problem) -> Option<&'static str> {
         (p.head_dim != tile.head_dim as usize)
-            .then_some("runs only its exact head dims (32, 64, 96, 128, 192, 256: no tail masking)")
+            .then_some("runs only its exact head dims (32, 64, 96, 128, 192, 256, 512: no tail masking)")
     }
 
     /// Every serving layout runs (cuda/common/seqlen.cuh): packed q and k/v, a dense cache with

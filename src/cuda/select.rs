@@ -140,7 +140,8 @@ fn instance_for(fam: &'static Family, dev: &impl Gpu, p: &Problem) -> std::resul
     }
     let dims: Vec<u32> = fam.tiles.iter().map(|t| t.head_dim).collect();
     Err(if too_big {
-        format!("supports head_dim up to {:?}", dims.last())
+        let list: Vec<String> = dims.iter().map(|d| d.to_string()).collect();
+        format!("supports head_dim up to {} (instances {}), not {}", dims.last().unwrap_or(&0), list.join(", "), p.head_dim)
     } else {
         format!("has no image built for head_dim {} on sm_{} (FLASH_ATTN_HDIMS/ARCHS pruned it?)", p.head_dim, dev.sm())
     })
@@ -269,11 +270,14 @@ fn choose_explicit(families: &'static [Family], dev: &impl Gpu, p: &Problem, var
     let Some(best) = admitted().max_by_key(key) else {
         // The table's refusal of the highest-ranked candidate built for this GPU, else of the
         // highest-ranked one (the FA3 stages refuse alike; of the FA4 rows, those of another
-        // architecture say least).
+        // architecture say least), a row of the problem's precision first (an FP8 row refusing a
+        // 16-bit problem for its precision would hide why the 16-bit rows refuse it).
+        let fp8 = needed_options(p).contains(KernelOptions::FP8);
+        let key = |f: &&Family| (f.options.contains(KernelOptions::FP8) == fp8, f.rank);
         let fam = candidates()
             .filter(|f| builds_for(f, dev))
-            .max_by_key(|f| f.rank)
-            .or_else(|| candidates().max_by_key(|f| f.rank))
+            .max_by_key(key)
+            .or_else(|| candidates().max_by_key(key))
             .expect("checked non-empty above");
         let why = instance_for(fam, dev, p).err().unwrap_or_default();
         return Err(unavailable(format!("{}: {why}", on(fam, dev))));

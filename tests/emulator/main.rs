@@ -24,6 +24,9 @@ mod fa3_layout;
 /// Every forward family (FA1-FA4) and the emulator's self-tests, layout checks and mutations.
 #[cfg(feature = "cuda")]
 mod forward;
+/// FA2's head_dim 512 instance: prefill and decode (split-KV through the combine, paged caches).
+#[cfg(feature = "cuda")]
+mod head_dim_512;
 /// The FP8 pre-pass and consumers bit for bit against the CPU oracle, and FA3's FP8 accuracy.
 #[cfg(all(feature = "cuda", feature = "bench"))]
 mod fp8;

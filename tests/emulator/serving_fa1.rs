@@ -7,6 +7,9 @@
 //! seeds; each sequence is compared with the float64 reference run on that sequence alone, with
 //! the GPU tests' rule. `FLASH_ATTN_EMU=full` adds random configurations.
 //!
+//! The runner (`Case`, `run`, `check`) takes the family from the case: `head_dim_512` runs FA2's
+//! hd 512 instance through it.
+//!
 //! Only g++ is needed: these ran in the emulator; nothing here ran on a GPU.
 use crate::support::emu::{run_launch, tool_exe, unit_exe, LaunchBuf, LSE_TOL};
 use crate::support::emu::addr::{CU_K, CU_Q, K, LSE, LSE_ACC, O, O_ACC, Q, SEQUSED, TABLE, V};
@@ -27,7 +30,7 @@ fn full() -> bool {
 
 /// Where the keys live.
 #[derive(Clone, Copy, Debug, PartialEq)]
-enum Kv {
+pub(crate) enum Kv {
     /// Packed k/v with cu_seqlens_k.
     Varlen,
     /// A dense cache `[batch, capacity, hkv, d]` with cache_seqlens.
@@ -37,34 +40,36 @@ enum Kv {
 }
 
 #[derive(Clone, Debug)]
-struct Case {
-    name: String,
-    dtype: DType,
-    d: usize,
-    hq: usize,
-    hkv: usize,
+pub(crate) struct Case {
+    /// The table row whose kernel runs ("fa1", "fa2").
+    pub(crate) family: &'static str,
+    pub(crate) name: String,
+    pub(crate) dtype: DType,
+    pub(crate) d: usize,
+    pub(crate) hq: usize,
+    pub(crate) hkv: usize,
     /// Packed q (cu_seqlens_q) with these lengths, or dense q of `sq[0]` rows for every sequence.
-    packed_q: bool,
-    sq: Vec<usize>,
-    sk: Vec<usize>,
-    kv: Kv,
-    splits: usize,
-    opts: ForwardOptions,
-    seed: u64,
+    pub(crate) packed_q: bool,
+    pub(crate) sq: Vec<usize>,
+    pub(crate) sk: Vec<usize>,
+    pub(crate) kv: Kv,
+    pub(crate) splits: usize,
+    pub(crate) opts: ForwardOptions,
+    pub(crate) seed: u64,
 }
 
 fn bits(dt: DType, v: &[f32]) -> Vec<u8> {
     match dt {
         DType::F16 => v.iter().flat_map(|x| f16::from_f32(*x).to_le_bytes()).collect(),
         DType::BF16 => v.iter().flat_map(|x| bf16::from_f32(*x).to_le_bytes()).collect(),
-        other => panic!("FA1 takes f16/bf16, not {other:?}"),
+        other => panic!("the kernels take f16/bf16, not {other:?}"),
     }
 }
 fn values(dt: DType, b: &[u8]) -> Vec<f32> {
     match dt {
         DType::F16 => b.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
         DType::BF16 => b.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-        other => panic!("FA1 takes f16/bf16, not {other:?}"),
+        other => panic!("the kernels take f16/bf16, not {other:?}"),
     }
 }
 fn f32s(b: &[u8]) -> Vec<f32> {
@@ -175,10 +180,10 @@ fn run(c: &Case) -> Result<String, String> {
         lse_accum: LSE_ACC,
         ..ServingOperands::default()
     };
-    let pl = plan_serving("fa1", &p, &layout, &ops, &sops, c.splits, 1).map_err(|e| e.to_string())?;
-    let fam = FAMILIES.iter().find(|f| f.name == "fa1").unwrap();
+    let pl = plan_serving(c.family, &p, &layout, &ops, &sops, c.splits, 1).map_err(|e| e.to_string())?;
+    let fam = FAMILIES.iter().find(|f| f.name == c.family).unwrap();
     let exe = unit_exe(fam, pl.tile, None)?;
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("fa1_serving").join(&c.name);
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{}_serving", c.family)).join(&c.name);
     let mut bufs = vec![
         LaunchBuf::input("q", Q, bits(dt, &q)),
         LaunchBuf::input("k", K, bits(dt, &k)),
@@ -199,7 +204,7 @@ fn run(c: &Case) -> Result<String, String> {
         bufs.push(LaunchBuf::output("o_accum", O_ACC, c.splits * lse_rows * d * 4));
         bufs.push(LaunchBuf::output("lse_accum", LSE_ACC, c.splits * lse_rows * 4));
     }
-    let (_, mut outs) = run_launch(&exe, &dir, &pl, "fa1", &[1, 2, 3], &bufs)?;
+    let (_, mut outs) = run_launch(&exe, &dir, &pl, c.family, &[1, 2, 3], &bufs)?;
     if c.splits > 1 {
         // A split launch writes only the accumulators: o and lse keep the driver's NaN poison.
         for name in ["o", "lse"].into_iter().filter(|n| outs.contains_key(*n)) {
@@ -317,8 +322,8 @@ fn run(c: &Case) -> Result<String, String> {
     Ok(format!("{b} sequences, worst {worst:.3} of the bound"))
 }
 
-fn check(cases: &[Case]) {
-    crate::support::check_each("FA1 serving launches", cases, |c| c.name.clone(), run);
+pub(crate) fn check(cases: &[Case]) {
+    crate::support::check_each("serving launches", cases, |c| c.name.clone(), run);
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -335,7 +340,7 @@ fn case(
     opts: ForwardOptions,
     seed: u64,
 ) -> Case {
-    Case { name: name.into(), dtype, d: 64, hq, hkv, packed_q, sq, sk, kv, splits, opts, seed }
+    Case { family: "fa1", name: name.into(), dtype, d: 64, hq, hkv, packed_q, sq, sk, kv, splits, opts, seed }
 }
 
 /// The CI subset: every layout, page sizes 1/3/16/256 with shuffled and shared tables, lengths

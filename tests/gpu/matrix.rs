@@ -164,7 +164,7 @@ fn dispatch_record_and_errors() {
     let d = engine.dispatch([1, 128, 8, 128], [1, 128, 8, 128], DType::BF16, &ForwardOptions::default()).unwrap();
     println!("{d:?}");
     assert!(d.backend == "cuda:0" && !d.kernel.is_empty() && d.reason.starts_with("Auto"));
-    let e = engine.dispatch([1, 8, 1, 512], [1, 8, 1, 512], DType::BF16, &ForwardOptions::default());
+    let e = engine.dispatch([1, 8, 1, 1024], [1, 8, 1, 1024], DType::BF16, &ForwardOptions::default());
     assert!(matches!(e, Err(Error::UnsupportedHeadDim { .. })), "{e:?}");
 }
 

@@ -17,14 +17,14 @@ impl Engine {
     /// exp(lse_b − lse)·o_b`; a state with LSE −inf weighs nothing (its o is not read), all −inf
     /// gives o = 0 and LSE −inf, NaN in an LSE makes the row NaN. `o_a`, `o_b` and `o` are
     /// `[batch, seqlen, heads, head_dim]` (strides allowed) of one dtype (f32, f16 or bf16),
-    /// head_dim at most 256; the LSEs `[batch, heads, seqlen]` f32 (packed: `[1, total_q, ..]`
+    /// head_dim at most 512; the LSEs `[batch, heads, seqlen]` f32 (packed: `[1, total_q, ..]`
     /// and `[heads, total_q]`), as the forward writes them; `lse` (optional) receives the
     /// merged one. Computed in f32 (the host merges in f64; docs/serving.md gives the bound).
     /// One launch of the combine kernel on `stream`, without waiting.
     ///
     /// # Errors
     /// As the host `merge_states` ([`Error::ShapeMismatch`], [`Error::DTypeMismatch`],
-    /// [`Error::InvalidLayout`]), for the output too; [`Error::UnsupportedHeadDim`] above 256;
+    /// [`Error::InvalidLayout`]), for the output too; [`Error::UnsupportedHeadDim`] above 512;
     /// [`Error::StreamMismatch`]; [`Error::Cuda`].
     #[allow(clippy::too_many_arguments)]
     pub fn merge_states(

@@ -225,7 +225,7 @@ fn fa3_refusals() {
     refused(fa3(TABLE, &H100, 128, &none.clone().alibi_slopes(vec![0.25; 4])), "ALiBi");
     refused(fa3(TABLE, &H100, 96, &none), "exactly");
     refused(fa3(TABLE, &H100, 32, &none), "exactly");
-    refused(fa3(TABLE, &H100, 512, &none), "head_dim up to");
+    refused(fa3(TABLE, &H100, 512, &none), "head_dim up to 256 (instances 64, 128, 256), not 512");
     refused(fa3(TABLE, &A100, 128, &none), "sm_90");
     refused(fa3(TABLE, &B200, 128, &none), "built only for sm_90a");
     refused(fa3(TABLE, &RTX5090, 128, &none), "built only for sm_90a");
@@ -302,7 +302,7 @@ impl Gpu for Built {
         Some(Box::leak(Box::new(image(fam.name, head_dim, target))))
     }
 }
-const FA2_DIMS: [usize; 6] = [32, 64, 96, 128, 192, 256];
+const FA2_DIMS: [usize; 7] = [32, 64, 96, 128, 192, 256, 512];
 /// (GPU, expected SASS target): A100, RTX 3090 (sm_86, 99 KB opt-in), RTX 4090, H100/H200.
 const FA2_GPUS: [(Built, Target); 4] = [
     (Built(FakeGpu { cc: (8, 0), smem: 163 * 1024 }), Target::Sm80),
@@ -359,6 +359,31 @@ fn head_dims_fa2_lacks_fall_back_to_fa1_under_auto_and_fail_when_forced() {
         assert!(why.contains("fa2 passed over") && why.contains("exact head dims"), "{why}");
         let e = real(a100, DType::F16, d, Variant::Fa2).unwrap_err();
         assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("exact head dims")), "{e:?}");
+    }
+}
+
+/// head_dim 512 is FA2's alone: Auto takes it on every sm_80+ GPU (99840 B fits sm_86/89's
+/// 99 KiB, `auto_picks_fa2_on_ampere_ada_and_hopper`), a forced FA1 or FA3 is refused with the
+/// head dims it has; 257..=511 has no kernel.
+#[test]
+fn head_dim_512_runs_on_fa2_only() {
+    let (a100, h100) = (&FA2_GPUS[0].0, &FA2_GPUS[3].0);
+    let e = real(a100, DType::F16, 512, Variant::Fa1).unwrap_err();
+    assert!(
+        matches!(&e, Error::VariantUnavailable { variant: Variant::Fa1, reason }
+            if reason.contains("up to 256") && reason.contains("32, 64, 96, 128, 192, 256")),
+        "{e:?}"
+    );
+    let e = real(h100, DType::BF16, 512, Variant::Fa3).unwrap_err();
+    assert!(
+        matches!(&e, Error::VariantUnavailable { variant: Variant::Fa3, reason }
+            if reason.contains("fa3s5") && reason.contains("up to 256 (instances 64, 128, 256), not 512")),
+        "{e:?}"
+    );
+    for d in [300, 511] {
+        let e = real(a100, DType::F16, d, Variant::Fa2).unwrap_err();
+        assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("512")), "{e:?}");
+        assert!(real(a100, DType::F16, d, Variant::Auto).is_err(), "hd{d}");
     }
 }
 
