@@ -236,9 +236,10 @@ pub struct Family {
     pub softmax: SoftmaxParams,
     /// Auto preference: higher wins among the families that can run a problem.
     pub rank: u32,
-    /// The test of tests/emulator/forward.rs (tests/emulator/fp8.rs for an FP8 family) that runs this family's kernel source, unchanged, in the
-    /// CPU emulator (cuda/test/emu, docs/emulator.md); `None` for a family the emulator cannot
-    /// run yet (tests/emulator/forward.rs requires every row to name its test).
+    /// The test of the emulator's `forward` module (`fp8` for an FP8 family: tests/emulator/) that
+    /// runs this family's kernel source, unchanged, in the CPU emulator (cuda/test/emu,
+    /// docs/emulator.md); `None` for a family the emulator cannot run yet
+    /// (tests/emulator/forward/emulator.rs requires every row to name its test).
     pub cpu_emulation: Option<&'static str>,
     /// Dynamic shared memory of a tile's launch, in bytes, given the row's stage (use
     /// [`Family::smem_bytes`]). The build passes it to the kernel as FA_SMEM_BYTES, which
@@ -288,7 +289,7 @@ pub fn image_stem(family: &str, head_dim: u32, target: Target) -> String {
 /// The compile unit of (family, tile): the row as macros, optionally the hang-check define (in
 /// the text, so anything keyed on the unit tells the two builds apart), the family's source at
 /// `source_path`, then one instance per dtype. build.rs compiles it with nvcc; the emulator
-/// (tests/support/emu.rs) and tests/emulator/hang_check.rs compile the same text.
+/// (tests/support/emu/build.rs) and tests/emulator/hang_check.rs compile the same text.
 pub fn unit_source(fam: &Family, tile: &Tile, source_path: &str, hang_check: bool) -> String {
     let mut s = format!("// Generated from build/instances.rs: {} head_dim {}.\n", fam.name, tile.head_dim);
     let mut defines = vec![
