@@ -213,10 +213,9 @@ pub struct Family {
     /// The rung of a ladder of families of one variant (FA3 stages 1..=5), `None` for a single
     /// family. The build passes it to the kernel as FA_STAGE (0 for `None`).
     pub stage: Option<u8>,
-    /// The pipeline its kernel runs (source and host rules).
+    /// The pipeline its kernel runs: its source ([`Family::source`]) and host rules. Rows of one
+    /// pipeline share its source; the row's stage, tiles and options tell their units apart.
     pub pipeline: Pipeline,
-    /// The source, relative to the crate root: `pipeline.source()`.
-    pub source: &'static str,
     /// One row per instantiated head dim, ascending.
     pub tiles: &'static [Tile],
     /// Lowest compute capability (major * 10 + minor) it runs on.
@@ -248,6 +247,11 @@ pub struct Family {
 }
 
 impl Family {
+    /// The kernel source, relative to the crate root: its pipeline's.
+    pub const fn source(&self) -> &'static str {
+        self.pipeline.source()
+    }
+
     /// Dynamic shared memory of a launch of `tile`, in bytes.
     pub fn smem_bytes(&self, tile: &Tile) -> u32 {
         (self.smem)(self.stage, tile)
@@ -406,7 +410,6 @@ const fn fa3_family(
         variant: KernelVariant::Fa3,
         stage: Some(stage),
         pipeline: Pipeline::Fa3,
-        source: Pipeline::Fa3.source(),
         tiles,
         min_sm: 90,
         gpu_verified: false,
@@ -455,7 +458,6 @@ const fn fa3_fp8_family(name: &'static str, stage: u8) -> Family {
         variant: KernelVariant::Fa3,
         stage: Some(stage),
         pipeline: Pipeline::Fa3Fp8,
-        source: Pipeline::Fa3Fp8.source(),
         tiles: FA3_FP8_TILES,
         min_sm: 90,
         gpu_verified: false,
@@ -636,7 +638,6 @@ const fn fa4_family(
         variant: KernelVariant::Fa4,
         stage: Some(stage),
         pipeline: Pipeline::Fa4,
-        source: Pipeline::Fa4.source(),
         tiles,
         min_sm: 100,
         gpu_verified: false,
@@ -686,7 +687,6 @@ const fn fa4_fa2_family(name: &'static str, softmax: SoftmaxParams, cpu_emulatio
         variant: KernelVariant::Fa4,
         stage: None,
         pipeline: Pipeline::Fa2,
-        source: Pipeline::Fa2.source(),
         tiles,
         min_sm: 80,
         gpu_verified: false,
@@ -716,7 +716,6 @@ const fn fa4_fa3_family(
         variant: KernelVariant::Fa4,
         stage: Some(FA4_FA3_STAGE),
         pipeline: Pipeline::Fa3,
-        source: Pipeline::Fa3.source(),
         tiles,
         min_sm: 90,
         gpu_verified: false,
@@ -756,7 +755,6 @@ pub const FAMILIES: &[Family] = &[
         variant: KernelVariant::Fa1,
         stage: None,
         pipeline: Pipeline::Fa1,
-        source: Pipeline::Fa1.source(),
         // Tiles sized so Q, K, V and P (f32 in shared memory) stay under 99 KB, the opt-in limit of
         // sm_86/sm_89, and the per-thread f32 accumulator stays at most 64 registers.
         tiles: &[
@@ -784,7 +782,6 @@ pub const FAMILIES: &[Family] = &[
         variant: KernelVariant::Fa2,
         stage: None,
         pipeline: Pipeline::Fa2,
-        source: Pipeline::Fa2.source(),
         // Mirrors fa2::Fa2Traits<D> (the unit static_asserts it). 128 rows = 4 warps x 2 m16 tiles
         // up to hd 128 (each K/V fragment feeds two mma); hd 128 takes 32-key tiles (64 spilled at
         // 255 registers); hd 192/256 take 64x32 (4 warps x 1 m-tile) to fit 99 KB with the K/V ring.

@@ -198,7 +198,7 @@ pub fn unit_exe(fam: &Family, tile: &Tile, mutation: Option<&Mutation>) -> Resul
     let name = format!("emu_{}_hd{}-{tag}", fam.name, tile.head_dim);
     let objs = runtime_objects()?;
     cached(&name, |out| {
-        let source = cuda_root.parent().unwrap().join(fam.source);
+        let source = cuda_root.parent().unwrap().join(fam.source());
         let mut unit = unit_source(fam, tile, &source.display().to_string(), false);
         for dt in DTYPE_NAMES {
             writeln!(unit, "EMU_KERNEL({})", kernel_symbol(fam.name, tile.head_dim, dt)).unwrap();
@@ -266,7 +266,7 @@ pub fn tool_exe_with(src: &str, mutation: Option<&Mutation>) -> Result<PathBuf, 
 pub fn entry_regs(family: &str, head_dim: u32, kernel: &str) -> u32 {
     // The image the emulated GPU loads: the first target of the family's source.
     let Some(fam) = FAMILIES.iter().find(|f| f.name == family) else { return 0 };
-    let target = targets_for(fam.source)[0];
+    let target = targets_for(fam.source())[0];
     let Some(img) = IMAGES.iter().find(|i| i.family == family && i.head_dim == head_dim && i.target == target) else {
         return 0;
     };
