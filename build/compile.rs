@@ -81,8 +81,8 @@ pub(crate) fn jobs(
             if hdims.as_ref().is_some_and(|h| !h.contains(&tile.head_dim.to_string())) {
                 continue;
             }
-            let text = unit_source(fam, tile, &root.join(fam.source).display().to_string(), hang_check);
-            units.push((fam.name, tile.head_dim, fam.source, format!("{}_hd{}.cu", fam.name, tile.head_dim), text));
+            let text = unit_source(fam, tile, &root.join(fam.source()).display().to_string(), hang_check);
+            units.push((fam.name, tile.head_dim, fam.source(), format!("{}_hd{}.cu", fam.name, tile.head_dim), text));
         }
     }
     for s in STANDALONE {

@@ -213,10 +213,9 @@ pub struct Family {
     /// The rung of a ladder of families of one variant (FA3 stages 1..=5), `None` for a single
     /// family. The build passes it to the kernel as FA_STAGE (0 for `None`).
     pub stage: Option<u8>,
-    /// The pipeline its kernel runs (source and host rules).
+    /// The pipeline its kernel runs: its source ([`Family::source`]) and host rules. Rows of one
+    /// pipeline share its source; the row's stage, tiles and options tell their units apart.
     pub pipeline: Pipeline,
-    /// The source, relative to the crate root: `pipeline.source()`.
-    pub source: &'static str,
     /// One row per instantiated head dim, ascending.
     pub tiles: &'static [Tile],
     /// Lowest compute capability (major * 10 + minor) it runs on.
@@ -236,9 +235,10 @@ pub struct Family {
     pub softmax: SoftmaxParams,
     /// Auto preference: higher wins among the families that can run a problem.
     pub rank: u32,
-    /// The test of tests/emulator/forward.rs (tests/emulator/fp8.rs for an FP8 family) that runs this family's kernel source, unchanged, in the
-    /// CPU emulator (cuda/test/emu, docs/emulator.md); `None` for a family the emulator cannot
-    /// run yet (tests/emulator/forward.rs requires every row to name its test).
+    /// The test of the emulator's `forward` module (`fp8` for an FP8 family: tests/emulator/) that
+    /// runs this family's kernel source, unchanged, in the CPU emulator (cuda/test/emu,
+    /// docs/emulator.md); `None` for a family the emulator cannot run yet
+    /// (tests/emulator/forward/emulator.rs requires every row to name its test).
     pub cpu_emulation: Option<&'static str>,
     /// Dynamic shared memory of a tile's launch, in bytes, given the row's stage (use
     /// [`Family::smem_bytes`]). The build passes it to the kernel as FA_SMEM_BYTES, which
@@ -247,6 +247,11 @@ pub struct Family {
 }
 
 impl Family {
+    /// The kernel source, relative to the crate root: its pipeline's.
+    pub const fn source(&self) -> &'static str {
+        self.pipeline.source()
+    }
+
     /// Dynamic shared memory of a launch of `tile`, in bytes.
     pub fn smem_bytes(&self, tile: &Tile) -> u32 {
         (self.smem)(self.stage, tile)
@@ -288,7 +293,7 @@ pub fn image_stem(family: &str, head_dim: u32, target: Target) -> String {
 /// The compile unit of (family, tile): the row as macros, optionally the hang-check define (in
 /// the text, so anything keyed on the unit tells the two builds apart), the family's source at
 /// `source_path`, then one instance per dtype. build.rs compiles it with nvcc; the emulator
-/// (tests/support/emu.rs) and tests/emulator/hang_check.rs compile the same text.
+/// (tests/support/emu/build.rs) and tests/emulator/hang_check.rs compile the same text.
 pub fn unit_source(fam: &Family, tile: &Tile, source_path: &str, hang_check: bool) -> String {
     let mut s = format!("// Generated from build/instances.rs: {} head_dim {}.\n", fam.name, tile.head_dim);
     let mut defines = vec![
@@ -405,7 +410,6 @@ const fn fa3_family(
         variant: KernelVariant::Fa3,
         stage: Some(stage),
         pipeline: Pipeline::Fa3,
-        source: Pipeline::Fa3.source(),
         tiles,
         min_sm: 90,
         gpu_verified: false,
@@ -454,7 +458,6 @@ const fn fa3_fp8_family(name: &'static str, stage: u8) -> Family {
         variant: KernelVariant::Fa3,
         stage: Some(stage),
         pipeline: Pipeline::Fa3Fp8,
-        source: Pipeline::Fa3Fp8.source(),
         tiles: FA3_FP8_TILES,
         min_sm: 90,
         gpu_verified: false,
@@ -641,7 +644,6 @@ const fn fa4_family(
         variant: KernelVariant::Fa4,
         stage: Some(stage),
         pipeline: Pipeline::Fa4,
-        source: Pipeline::Fa4.source(),
         tiles,
         min_sm: 100,
         gpu_verified: false,
@@ -691,7 +693,6 @@ const fn fa4_fa2_family(name: &'static str, softmax: SoftmaxParams, cpu_emulatio
         variant: KernelVariant::Fa4,
         stage: None,
         pipeline: Pipeline::Fa2,
-        source: Pipeline::Fa2.source(),
         tiles,
         min_sm: 80,
         gpu_verified: false,
@@ -721,7 +722,6 @@ const fn fa4_fa3_family(
         variant: KernelVariant::Fa4,
         stage: Some(FA4_FA3_STAGE),
         pipeline: Pipeline::Fa3,
-        source: Pipeline::Fa3.source(),
         tiles,
         min_sm: 90,
         gpu_verified: false,
@@ -761,7 +761,6 @@ pub const FAMILIES: &[Family] = &[
         variant: KernelVariant::Fa1,
         stage: None,
         pipeline: Pipeline::Fa1,
-        source: Pipeline::Fa1.source(),
         // Tiles sized so Q, K, V and P (f32 in shared memory) stay under 99 KB, the opt-in limit of
         // sm_86/sm_89, and the per-thread f32 accumulator stays at most 64 registers.
         tiles: &[
@@ -789,7 +788,6 @@ pub const FAMILIES: &[Family] = &[
         variant: KernelVariant::Fa2,
         stage: None,
         pipeline: Pipeline::Fa2,
-        source: Pipeline::Fa2.source(),
         // Mirrors fa2::Fa2Traits<D> (the unit static_asserts it). 128 rows = 4 warps x 2 m16 tiles
         // up to hd 128 (each K/V fragment feeds two mma); hd 128 takes 32-key tiles (64 spilled at
         // 255 registers); hd 192/256 take 64x32 (4 warps x 1 m-tile) to fit 99 KB with the K/V ring;

@@ -2,9 +2,9 @@
 //! mirrored field for field from `cuda/common/bwd_params.h`. Both sides assert the size and the
 //! offsets, so a change on one side alone fails the build.
 
-use super::params::{FLAG_ALIBI, FLAG_SOFTCAP};
+use super::params::{assert_c_layout, FLAG_ALIBI, FLAG_SOFTCAP};
 use crate::problem::Problem;
-use std::mem::{offset_of, size_of};
+use std::mem::size_of;
 
 /// dq accumulated without floating-point atomics (FA_BWD_FLAG_DETERMINISTIC): per-key-block f32
 /// partials summed in key-block order by the convert kernel.
@@ -66,22 +66,21 @@ pub struct BwdParams {
 }
 
 // The same numbers as the static_asserts in cuda/common/bwd_params.h, plus every other offset.
-const _: () = {
-    assert!(size_of::<BwdParams>() == 344);
-    assert!(offset_of!(BwdParams, d_o) == 32);
-    assert!(offset_of!(BwdParams, dq_accum) == 56);
-    assert!(offset_of!(BwdParams, dv) == 80);
-    assert!(offset_of!(BwdParams, alibi_slopes) == 88);
-    assert!(offset_of!(BwdParams, strides) == 96);
-    assert!(offset_of!(BwdParams, batch) == 288);
-    assert!(offset_of!(BwdParams, head_dim) == 308);
-    assert!(offset_of!(BwdParams, window_left) == 312);
-    assert!(offset_of!(BwdParams, softmax_scale) == 320);
-    assert!(offset_of!(BwdParams, softcap) == 328);
-    assert!(offset_of!(BwdParams, flags) == 332);
-    assert!(offset_of!(BwdParams, dq_accum_splits) == 336);
-    assert!(offset_of!(BwdParams, block_n) == 340);
-};
+assert_c_layout!(BwdParams, size 344, {
+    d_o: 32,
+    dq_accum: 56,
+    dv: 80,
+    alibi_slopes: 88,
+    strides: 96,
+    batch: 288,
+    head_dim: 308,
+    window_left: 312,
+    softmax_scale: 320,
+    softcap: 328,
+    flags: 332,
+    dq_accum_splits: 336,
+    block_n: 340,
+});
 
 impl BwdParams {
     /// The parameters of `p`'s backward over `ops`; `splits` and `block_n` as the plan chose.

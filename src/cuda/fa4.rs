@@ -96,7 +96,7 @@ mod tests {
         assert_eq!(FA4_MAX_STAGE, crate::problem::FA4_MAX_STAGE);
         for (f, want_stage) in rows.into_iter().zip(1..) {
             assert_eq!((f.stage, f.name), (Some(want_stage), format!("fa4s{want_stage}").as_str()));
-            assert_eq!((f.source, f.min_sm), ("cuda/fa4_fwd_sm100.cu", 100));
+            assert_eq!((f.source(), f.min_sm), ("cuda/fa4_fwd_sm100.cu", 100));
             assert!(!f.auto && !f.gpu_verified, "{}: no Blackwell GPU has run it", f.name);
             assert!(f.sass_expect.contains(&"UTCHMMA"), "{}", f.name);
             // Stage 3 runs FA4's softmax, with the parameters the build passes to the kernel.

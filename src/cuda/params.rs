@@ -6,7 +6,7 @@
 use crate::error::{Error, Result};
 use crate::problem::Problem;
 use crate::batch_layout::{BatchLayout, KvLayout, QueryLayout};
-use std::mem::{offset_of, size_of};
+use std::mem::size_of;
 
 /// Bits of [`FwdParams::flags`] (FA_FLAG_* in cuda/common/params.h).
 pub const FLAG_RETURN_LSE: u32 = 1;
@@ -42,6 +42,25 @@ pub struct ServingOperands {
     pub vnew: u64,
     pub new_strides: [[usize; 3]; 2],
 }
+
+/// Asserts at compile time the size of a `#[repr(C)]` parameter struct and the offset of each
+/// named field: the numbers of its C header's static_asserts, plus every other offset, so that a
+/// change on one side alone fails the build (and the failure names the field).
+macro_rules! assert_c_layout {
+    ($ty:ident, size $size:literal, { $($field:ident: $offset:literal),* $(,)? }) => {
+        const _: () = {
+            assert!(
+                ::std::mem::size_of::<$ty>() == $size,
+                concat!("size of ", stringify!($ty), " is not ", stringify!($size))
+            );
+            $(assert!(
+                ::std::mem::offset_of!($ty, $field) == $offset,
+                concat!(stringify!($ty), "::", stringify!($field), " is not at offset ", stringify!($offset))
+            );)*
+        };
+    };
+}
+pub(crate) use assert_c_layout;
 
 /// Kernel parameters, passed by value as `const __grid_constant__ FwdParams`.
 #[repr(C)]
@@ -136,47 +155,46 @@ pub struct FwdParams {
 }
 
 // The same numbers as the static_asserts in cuda/common/params.h, plus every other offset.
-const _: () = {
-    assert!(size_of::<FwdParams>() == 368);
-    assert!(offset_of!(FwdParams, q) == 0);
-    assert!(offset_of!(FwdParams, lse) == 32);
-    assert!(offset_of!(FwdParams, alibi_slopes) == 40);
-    assert!(offset_of!(FwdParams, v_descale) == 64);
-    assert!(offset_of!(FwdParams, q_batch_stride) == 72);
-    assert!(offset_of!(FwdParams, k_batch_stride) == 96);
-    assert!(offset_of!(FwdParams, v_batch_stride) == 120);
-    assert!(offset_of!(FwdParams, o_batch_stride) == 144);
-    assert!(offset_of!(FwdParams, o_head_stride) == 160);
-    assert!(offset_of!(FwdParams, batch) == 168);
-    assert!(offset_of!(FwdParams, head_dim) == 188);
-    assert!(offset_of!(FwdParams, window_left) == 192);
-    assert!(offset_of!(FwdParams, window_right) == 196);
-    assert!(offset_of!(FwdParams, descale_block) == 200);
-    assert!(offset_of!(FwdParams, softmax_scale) == 204);
-    assert!(offset_of!(FwdParams, softmax_scale_log2) == 208);
-    assert!(offset_of!(FwdParams, softcap) == 212);
-    assert!(offset_of!(FwdParams, flags) == 216);
-    assert!(offset_of!(FwdParams, reserved) == 220);
-    assert!(offset_of!(FwdParams, cu_seqlens_q) == 224);
-    assert!(offset_of!(FwdParams, cu_seqlens_k) == 232);
-    assert!(offset_of!(FwdParams, seqused_k) == 240);
-    assert!(offset_of!(FwdParams, block_table) == 248);
-    assert!(offset_of!(FwdParams, knew) == 256);
-    assert!(offset_of!(FwdParams, vnew) == 264);
-    assert!(offset_of!(FwdParams, o_accum) == 272);
-    assert!(offset_of!(FwdParams, lse_accum) == 280);
-    assert!(offset_of!(FwdParams, knew_batch_stride) == 288);
-    assert!(offset_of!(FwdParams, vnew_batch_stride) == 312);
-    assert!(offset_of!(FwdParams, vnew_head_stride) == 328);
-    assert!(offset_of!(FwdParams, block_table_batch_stride) == 336);
-    assert!(offset_of!(FwdParams, page_size) == 340);
-    assert!(offset_of!(FwdParams, num_splits) == 344);
-    assert!(offset_of!(FwdParams, seqlen_new) == 348);
-    assert!(offset_of!(FwdParams, total_q) == 352);
-    assert!(offset_of!(FwdParams, kv_rows) == 356);
-    assert!(offset_of!(FwdParams, kv_batches) == 360);
-    assert!(offset_of!(FwdParams, reserved2) == 364);
-};
+assert_c_layout!(FwdParams, size 368, {
+    q: 0,
+    lse: 32,
+    alibi_slopes: 40,
+    v_descale: 64,
+    q_batch_stride: 72,
+    k_batch_stride: 96,
+    v_batch_stride: 120,
+    o_batch_stride: 144,
+    o_head_stride: 160,
+    batch: 168,
+    head_dim: 188,
+    window_left: 192,
+    window_right: 196,
+    descale_block: 200,
+    softmax_scale: 204,
+    softmax_scale_log2: 208,
+    softcap: 212,
+    flags: 216,
+    reserved: 220,
+    cu_seqlens_q: 224,
+    cu_seqlens_k: 232,
+    seqused_k: 240,
+    block_table: 248,
+    knew: 256,
+    vnew: 264,
+    o_accum: 272,
+    lse_accum: 280,
+    knew_batch_stride: 288,
+    vnew_batch_stride: 312,
+    vnew_head_stride: 328,
+    block_table_batch_stride: 336,
+    page_size: 340,
+    num_splits: 344,
+    seqlen_new: 348,
+    total_q: 352,
+    kv_rows: 356,
+    kv_batches: 360,
+    reserved2: 364,
+});
 
 impl FwdParams {
     /// The parameters of a launch of `p` on `ops`: the one place they are built, for
@@ -430,6 +448,7 @@ unsafe impl cudarc::driver::DeviceRepr for FwdParams {}
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::mem::offset_of;
 
     /// Every field lands at the offset the layout asserts say (bytes written in field order).
     #[test]

@@ -106,8 +106,8 @@ fn instance_for(fam: &'static Family, dev: &impl Gpu, p: &Problem) -> std::resul
         return Err(format!("needs sm_{} or newer, this GPU is sm_{}", fam.min_sm, dev.sm()));
     }
     let (major, minor) = ((dev.sm() / 10) as i32, (dev.sm() % 10) as i32);
-    if !targets_for(fam.source).iter().any(|t| t.runs_on(major, minor)) {
-        let names: Vec<&str> = targets_for(fam.source).iter().map(|t| t.name()).collect();
+    if !targets_for(fam.source()).iter().any(|t| t.runs_on(major, minor)) {
+        let names: Vec<&str> = targets_for(fam.source()).iter().map(|t| t.name()).collect();
         return Err(format!("is built only for sm_{} (arch-specific features), this GPU is sm_{}", names.join("/sm_"), dev.sm()));
     }
     let dtype = dtype_name(p.dtype).ok_or_else(|| format!("takes f16/bf16, not {:?}", p.dtype))?;
@@ -150,7 +150,7 @@ fn instance_for(fam: &'static Family, dev: &impl Gpu, p: &Problem) -> std::resul
 /// Whether `fam` has a target this GPU runs, at its minimum SM.
 fn builds_for(fam: &Family, dev: &impl Gpu) -> bool {
     let (major, minor) = ((dev.sm() / 10) as i32, (dev.sm() % 10) as i32);
-    dev.sm() >= fam.min_sm && targets_for(fam.source).iter().any(|t| t.runs_on(major, minor))
+    dev.sm() >= fam.min_sm && targets_for(fam.source()).iter().any(|t| t.runs_on(major, minor))
 }
 
 /// The family's own problem refusal of a table-admitted choice.

@@ -34,20 +34,11 @@ struct Case {
     seed: u64,
 }
 
-fn mask_strategy() -> impl Strategy<Value = Mask> {
-    prop_oneof![
-        Just(Mask::None),
-        Just(Mask::Causal),
-        (-1i64..40, -1i64..40).prop_map(|(l, r)| Mask::window(l, r)),
-        (-1i64..40).prop_map(Mask::causal_window),
-    ]
-}
-
 fn case_strategy() -> impl Strategy<Value = Case> {
     (
         (1usize..=2, 1usize..=2, prop::sample::select(vec![1usize, 2, 3, 4])),
         (1usize..=150, 1usize..=150, prop::sample::select(vec![8usize, 13, 32, 64, 80, 128])),
-        mask_strategy(),
+        props::mask_strategy(40),
         (prop::option::weighted(0.3, 2.0f32..50.0), prop::bool::weighted(0.3), any::<u64>()),
     )
         .prop_map(|((batch, heads_kv, ratio), (sq, sk, d), mask, (softcap, alibi, seed))| {

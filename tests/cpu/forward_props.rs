@@ -31,20 +31,11 @@ struct Case {
     seed: u64,
 }
 
-fn mask_strategy() -> impl Strategy<Value = Mask> {
-    prop_oneof![
-        Just(Mask::None),
-        Just(Mask::Causal),
-        (-1i64..40, -1i64..40).prop_map(|(l, r)| Mask::window(l, r)),
-        (-1i64..40).prop_map(Mask::causal_window),
-    ]
-}
-
 fn case_strategy() -> impl Strategy<Value = Case> {
     (
         (1usize..=3, 1usize..=2, prop::sample::select(vec![1usize, 2, 4, 7])),
         (1usize..=300, 1usize..=300, prop::sample::select(vec![32usize, 64, 80, 96, 128, 192, 256])),
-        mask_strategy(),
+        props::mask_strategy(40),
         (prop::option::weighted(0.3, 5.0f32..50.0), prop::bool::weighted(0.3), any::<bool>(), any::<u64>()),
         any::<bool>(),
     )

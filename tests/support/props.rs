@@ -11,8 +11,12 @@
 //!
 //! The seed and the case count are printed (the test harness shows them with a failure), so a
 //! failing run is reproduced by setting the same seed.
+//!
+//! Beside it, the strategies several modules draw from ([`mask_strategy`]).
 #![allow(dead_code)]
 
+use flash_attn::Mask;
+use proptest::prelude::*;
 use proptest::test_runner::{Config, FileFailurePersistence, RngSeed};
 
 /// The seed of a run that sets none.
@@ -69,4 +73,15 @@ pub fn config(name: &str, source_file: &'static str, cases: u32) -> Config {
         max_local_rejects: defaults.max_local_rejects.max(cases.saturating_mul(16)),
         ..defaults
     }
+}
+
+/// Every mask kind: none, causal, and windows (plain and causal) whose sides run from -1
+/// (unbounded) to `bound - 1`.
+pub fn mask_strategy(bound: i64) -> impl Strategy<Value = Mask> {
+    prop_oneof![
+        Just(Mask::None),
+        Just(Mask::Causal),
+        (-1i64..bound, -1i64..bound).prop_map(|(l, r)| Mask::window(l, r)),
+        (-1i64..bound).prop_map(Mask::causal_window),
+    ]
 }

@@ -6,6 +6,7 @@ use flash_attn::{DType, ForwardOptions, Mask, Problem, Tensor};
 use proptest::prelude::*;
 
 pub use super::{floor_for, Rng};
+use super::props;
 
 /// `n` normal values rounded to `dtype` (so every copy of them is exact).
 pub fn values(rng: &mut Rng, n: usize, dtype: DType) -> Vec<f32> {
@@ -138,14 +139,10 @@ impl Opts {
     }
 }
 
-/// Every mask kind, windows of -1 (unbounded) to 29.
+/// Every mask kind, windows of -1 (unbounded) to 29: [`props::mask_strategy`] at the serving
+/// properties' bound.
 pub fn mask_strategy() -> impl Strategy<Value = Mask> {
-    prop_oneof![
-        Just(Mask::None),
-        Just(Mask::Causal),
-        (-1i64..30, -1i64..30).prop_map(|(l, r)| Mask::window(l, r)),
-        (-1i64..30).prop_map(Mask::causal_window),
-    ]
+    props::mask_strategy(30)
 }
 
 /// Options with 1-2 kv heads, GQA ratios 1, 2, 4, 7, head dims 16 to 128, every mask, softcap,

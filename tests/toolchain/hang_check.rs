@@ -18,7 +18,7 @@ use std::process::Command;
 fn unit(family: &str, head_dim: u32, hang: bool) -> String {
     let fam = FAMILIES.iter().find(|f| f.name == family).expect("family in the table");
     let tile = fam.tiles.iter().find(|t| t.head_dim == head_dim).expect("tile");
-    unit_source(fam, tile, &root().join(fam.source).display().to_string(), hang)
+    unit_source(fam, tile, &root().join(fam.source()).display().to_string(), hang)
 }
 
 fn nvcc(args: &[&str], input: &Path, output: &Path) {

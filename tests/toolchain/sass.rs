@@ -124,7 +124,7 @@ fn every_kernel_of_the_table_is_built() {
     let mut expected: Vec<(&str, u32, Target)> = Vec::new();
     for fam in FAMILIES {
         for tile in fam.tiles.iter().filter(|t| keep(HDIMS_FILTER, &t.head_dim.to_string())) {
-            for &t in targets_for(fam.source).iter().filter(|t| keep(ARCHS_FILTER, t.name()) && !TARGETS_SKIPPED.contains(t)) {
+            for &t in targets_for(fam.source()).iter().filter(|t| keep(ARCHS_FILTER, t.name()) && !TARGETS_SKIPPED.contains(t)) {
                 expected.push((fam.name, tile.head_dim, t));
             }
         }
@@ -242,7 +242,7 @@ fn fa3_warp_specialised_stages_enter_with_168_registers() {
     const ENTRY_REGISTERS: u32 = 168;
     let mut checked = 0;
     // The FA3 ladder's rows and those that run FA4's softmax on its pipeline (variant Fa4).
-    let ws_stage = |f: &Family| f.source.starts_with("cuda/fa3") && f.stage.is_some_and(|s| s >= 3);
+    let ws_stage = |f: &Family| f.source().starts_with("cuda/fa3") && f.stage.is_some_and(|s| s >= 3);
     for img in cubins().filter(|i| standalone(i).is_none() && ws_stage(family(i.family))) {
         // The forward kernels (not the FP8 pre-pass an FP8 family's image also holds).
         let forward: Vec<String> = DTYPE_NAMES.iter().map(|dt| kernel_symbol(img.family, img.head_dim, dt)).collect();
@@ -273,7 +273,7 @@ fn fa3_overlapped_stages_pass_the_token_and_keep_one_gemm_in_flight() {
     // The 16-bit stages 4-5 (FA3's own rows and the FA4-softmax rows compiled at stage 5) and the
     // FP8 consumer's (its image also holds the pre-pass: skipped).
     let overlapped = |f: &Family| {
-        (f.source == "cuda/fa3_fwd_sm90.cu" || f.source == "cuda/fa3_fp8_fwd_sm90.cu") && f.stage.is_some_and(|s| s >= 4)
+        (f.source() == "cuda/fa3_fwd_sm90.cu" || f.source() == "cuda/fa3_fp8_fwd_sm90.cu") && f.stage.is_some_and(|s| s >= 4)
     };
     for img in cubins().filter(|i| standalone(i).is_none() && overlapped(family(i.family))) {
         for (name, sass) in sass_by_kernel(img).into_iter().filter(|(n, _)| !n.starts_with("fa_fp8_prepass")) {
@@ -313,7 +313,7 @@ fn fa4_softmax_rows_take_their_share_off_mufu() {
     let mut checked = 0;
     for img in cubins().filter(|i| standalone(i).is_none()) {
         let fam = family(img.family);
-        let (base, s, t) = match fam.source {
+        let (base, s, t) = match fam.source() {
             _ if fam.variant != KernelVariant::Fa4 => continue,
             "cuda/fa2_fwd.cu" => ("fa2", 1, 1),
             "cuda/fa3_fwd_sm90.cu" => ("fa3s5", 2, 0),

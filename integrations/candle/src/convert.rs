@@ -101,6 +101,20 @@ pub(crate) fn index_vec(t: &Tensor, what: &str) -> Result<Vec<i32>> {
         .collect()
 }
 
+/// The sequence offsets of a varlen call: `seqlens_q`, `seqlens_k` cumulative (`batch + 1`
+/// entries, u32 as candle-flash-attn takes them, or i32/i64), on any device.
+pub(crate) fn cumulative(seqlens_q: &Tensor, seqlens_k: &Tensor) -> Result<(Vec<i32>, Vec<i32>)> {
+    let (cu_q, cu_k) = (index_vec(seqlens_q, "seqlens_q")?, index_vec(seqlens_k, "seqlens_k")?);
+    if cu_q.len() != cu_k.len() {
+        bail!(
+            "flash_attn: seqlens_q and seqlens_k must have the same number of entries (batch + 1), got {} and {}",
+            cu_q.len(),
+            cu_k.len()
+        )
+    }
+    Ok((cu_q, cu_k))
+}
+
 /// ALiBi slopes as candle-flash-attn takes them: an f32 tensor of shape `(num_heads_q)`.
 pub(crate) fn slopes_vec(t: &Tensor) -> Result<Vec<f32>> {
     if t.dtype() != DType::F32 {

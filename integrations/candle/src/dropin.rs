@@ -10,8 +10,9 @@
 //! What differs: CPU tensors work (flash_attn's CPU backend; candle-flash-attn has none), f32
 //! too, any head size and page size, and the dense functions are differentiable.
 
-use crate::convert::{dropin_options, index_vec};
-use crate::op::{Attention, Keys};
+use crate::convert::{cumulative, dropin_options, index_vec};
+use crate::op::{flash_attn_with_options, Attention, Keys};
+use crate::serving::flash_attn_varlen_lse;
 use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
 /// candle-flash-attn's op struct, with its public fields; as a `CustomOp3` it runs
@@ -91,7 +92,7 @@ fn dense(
     softcap: Option<f32>,
 ) -> Result<Tensor> {
     let opts = dropin_options(softmax_scale, window.0, window.1, alibi_slopes, softcap)?;
-    Ok(Attention::new(opts).run(q, k, v)?.0)
+    flash_attn_with_options(q, k, v, &opts)
 }
 
 fn causal_window(causal: bool) -> (Option<usize>, Option<usize>) {
@@ -160,20 +161,6 @@ pub fn flash_attn_alibi_windowed_softcap(
     dense(q, k, v, alibi_slopes, softmax_scale, (window_size_left, window_size_right), Some(softcap))
 }
 
-/// The sequence offsets of a varlen call: `seqlens_q`, `seqlens_k` cumulative (`batch + 1`
-/// entries, u32 as candle-flash-attn takes them, or i32/i64), on any device.
-pub(crate) fn cumulative(seqlens_q: &Tensor, seqlens_k: &Tensor) -> Result<(Vec<i32>, Vec<i32>)> {
-    let (cu_q, cu_k) = (index_vec(seqlens_q, "seqlens_q")?, index_vec(seqlens_k, "seqlens_k")?);
-    if cu_q.len() != cu_k.len() {
-        bail!(
-            "flash_attn: seqlens_q and seqlens_k must have the same number of entries (batch + 1), got {} and {}",
-            cu_q.len(),
-            cu_k.len()
-        )
-    }
-    Ok((cu_q, cu_k))
-}
-
 #[allow(clippy::too_many_arguments)]
 fn varlen(
     q: &Tensor,
@@ -187,9 +174,7 @@ fn varlen(
     softcap: Option<f32>,
 ) -> Result<Tensor> {
     let opts = dropin_options(softmax_scale, window.0, window.1, alibi_slopes, softcap)?;
-    let (cu_q, cu_k) = cumulative(seqlens_q, seqlens_k)?;
-    let keys = Keys::Varlen { cu_q, cu_k, max_q, max_k };
-    Ok(Attention::with_keys(opts, keys).run(q, k, v)?.0)
+    Ok(flash_attn_varlen_lse(q, k, v, seqlens_q, seqlens_k, max_q, max_k, &opts)?.0)
 }
 
 /// Attention over a variable-length batch: q `(total_q, num_heads_q, head_size)`, k, v

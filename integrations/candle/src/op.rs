@@ -184,7 +184,7 @@ impl CustomOp3 for Attention {
 /// `[batch, seqlen, heads, head_dim]` (f32, f16 or bf16 on the CPU; f16 or bf16 on CUDA), GQA by
 /// fewer k/v heads. Differentiable.
 pub fn flash_attn_with_options(q: &Tensor, k: &Tensor, v: &Tensor, opts: &ForwardOptions) -> Result<Tensor> {
-    Ok(Attention::new(opts.clone()).run(q, k, v)?.0)
+    Ok(flash_attn_lse(q, k, v, opts)?.0)
 }
 
 /// [`flash_attn_with_options`] returning `(o, lse)`: the LSE `[batch, heads_q, seqlen_q]` f32,

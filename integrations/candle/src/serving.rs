@@ -9,8 +9,7 @@
 //! flash_attn's serving kernels on candle's stream and `merge_states` its combine kernel
 //! (compile-checked only); `append_kv` alone takes CPU tensors.
 
-use crate::convert::{bshd, contiguous_range, err, index_vec, same_dtype, view, with_float, Float};
-use crate::dropin::cumulative;
+use crate::convert::{bshd, contiguous_range, cumulative, err, index_vec, same_dtype, view, with_float, Float};
 use crate::op::{Attention, Keys};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, Device, InplaceOp1, Layout, Result, Storage, Tensor};

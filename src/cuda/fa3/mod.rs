@@ -143,13 +143,13 @@ mod tests {
     #[test]
     fn table_rows_match_the_traits() {
         // The 16-bit ladder (the FP8 rows, fa3fp8s3..fa3fp8s5, have their own checks in src/cuda/fp8.rs).
-        let rows: Vec<_> = FAMILIES.iter().filter(|f| f.variant == KernelVariant::Fa3 && f.source == "cuda/fa3_fwd_sm90.cu").collect();
+        let rows: Vec<_> = FAMILIES.iter().filter(|f| f.variant == KernelVariant::Fa3 && f.source() == "cuda/fa3_fwd_sm90.cu").collect();
         assert_eq!(rows.len(), FA3_MAX_STAGE as usize);
         assert_eq!(FA3_MAX_STAGE, crate::problem::FA3_MAX_STAGE);
         for (f, want_stage) in rows.into_iter().zip(1..) {
             let stage = f.stage.expect("every FA3 row has a stage");
             assert_eq!((stage, f.name), (want_stage, format!("fa3s{want_stage}").as_str()));
-            assert_eq!((f.source, f.min_sm), ("cuda/fa3_fwd_sm90.cu", 90));
+            assert_eq!((f.source(), f.min_sm), ("cuda/fa3_fwd_sm90.cu", 90));
             assert!(!f.auto && !f.gpu_verified, "{}: not verified on a GPU yet", f.name);
             assert_eq!(f.tiles.iter().map(|t| t.head_dim as usize).collect::<Vec<_>>(), tma::FA3_HEAD_DIMS);
             for t in f.tiles {

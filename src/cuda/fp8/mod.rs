@@ -63,7 +63,7 @@ mod tests {
         ]);
         assert_eq!(row().stage, Some(CONSUMER_MAX_STAGE as u8), "the top row is the highest stage");
         for f in rows {
-            assert_eq!((f.source, f.min_sm), ("cuda/fa3_fp8_fwd_sm90.cu", 90));
+            assert_eq!((f.source(), f.min_sm), ("cuda/fa3_fp8_fwd_sm90.cu", 90));
             assert!(!f.auto && !f.gpu_verified, "never ran on a GPU");
             assert_eq!(f.tiles.iter().map(|t| t.head_dim as usize).collect::<Vec<_>>(), CONSUMER_HEAD_DIMS);
             let stage = f.stage.unwrap() as u32;

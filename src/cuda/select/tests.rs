@@ -19,7 +19,6 @@ const fn family(name: &'static str, variant: KernelVariant, min_sm: u32, auto: b
         variant,
         stage: None,
         pipeline,
-        source: pipeline.source(),
         tiles: TILES,
         min_sm,
         gpu_verified: false,
@@ -293,7 +292,7 @@ impl Gpu for Built {
         let fam = FAMILIES.iter().find(|f| f.name == family)?;
         fam.tiles.iter().find(|t| t.head_dim == head_dim)?;
         let (major, minor) = self.0.cc;
-        let targets = targets_for(fam.source);
+        let targets = targets_for(fam.source());
         let target = targets
             .iter()
             .copied()
