@@ -537,12 +537,13 @@ pub fn run_case(c: &Case, mutation: Option<&Mutation>) -> Outcome {
     }
     let (qv, kv, vv) = (view(&q, c.q, c.bhsd), view(&k, c.k, c.bhsd), view(&v, c.k, c.bhsd));
     let p = Problem::new(&qv, &kv, &vv, &opts).map_err(|e| format!("problem: {e}"))?;
-    use addr::{ALIBI, K, LSE, O, Q, V};
+    use addr::{ALIBI, K, LSE, O, Q, SINKS, V};
     let ops = Operands {
         ptrs: [Q, K, V, O],
         strides: [qv.strides(), kv.strides(), vv.strides(), qv.strides()],
         lse: if c.opts.return_lse { LSE } else { 0 },
         alibi: if c.opts.alibi_slopes.is_some() { ALIBI } else { 0 },
+        sinks: if p.sinks.is_some() { SINKS } else { 0 },
     };
     let pl: LaunchPlan = plan(c.family, &p, &ops, c.sm_count).map_err(|e| format!("plan: {e}"))?;
     let fam = FAMILIES.iter().find(|f| f.name == c.family).unwrap();
@@ -562,6 +563,9 @@ pub fn run_case(c: &Case, mutation: Option<&Mutation>) -> Outcome {
     }
     if let Some(s) = &c.opts.alibi_slopes {
         bufs.push(LaunchBuf::input("alibi", ALIBI, s.iter().flat_map(|x| x.to_le_bytes()).collect()));
+    }
+    if let Some(s) = &p.sinks {
+        bufs.push(LaunchBuf::input("sinks", SINKS, s.iter().flat_map(|x| x.to_le_bytes()).collect()));
     }
     let (log, outs) = run_launch(&exe, &dir, &pl, c.family, &c.seeds, &bufs)?;
     // Outputs against the float64 reference, with the GPU tests' rule.
@@ -804,6 +808,7 @@ pub mod addr {
     pub const LSE_ACC: u64 = 0x75_0000_0000;
     pub const KNEW: u64 = 0x76_0000_0000;
     pub const VNEW: u64 = 0x77_0000_0000;
+    pub const SINKS: u64 = 0x78_0000_0000;
 }
 
 /// The seed of a full matrix's random configurations: `FLASH_ATTN_EMU_SEED` (a u64, or `random`
