@@ -11,8 +11,9 @@
 //! the serving batches a sequence without keys, so some rows see no key: O = 0 and LSE = the
 //! head's sink (-inf without one).
 //!
-//! `cargo test --test emulator sinks::` runs the CI subset (8 dense launches over FA1, FA2 and
-//! FA3 stage 5, the stage `Variant::Fa3` runs, both dtypes, head dims 64 and 128 and every mask;
+//! `cargo test --test emulator sinks::` runs the CI subset (12 dense launches: FA1, FA2 and FA3
+//! stage 5, the stage `Variant::Fa3` runs, over both dtypes, head dims 64 and 128 and every mask,
+//! and one launch of each FA3 stage 1-4;
 //! 3 FA1 and 2 FA2 serving launches, 3 of them split-KV); `FLASH_ATTN_EMU=full` runs every
 //! family x f16/bf16 x head dim 64/128/256 x no mask/causal/window and 5 serving launches more.
 //! These ran in the emulator; nothing here ran on a GPU.
@@ -110,6 +111,12 @@ fn sinks_dense_launches() {
             sink_case("fa3s5", DType::BF16, 64, Shape::Causal),
             sink_case("fa3s5", DType::F16, 128, Shape::Window),
             sink_case("fa3s5", DType::BF16, 128, Shape::NoMask),
+            // Stages 1-4 share stage 5's epilogue; one launch each (their units are the ones
+            // forward::'s subset builds too).
+            sink_case("fa3s1", DType::F16, 64, Shape::NoMask),
+            sink_case("fa3s2", DType::BF16, 128, Shape::Causal),
+            sink_case("fa3s3", DType::F16, 64, Shape::Window),
+            sink_case("fa3s4", DType::BF16, 128, Shape::Causal),
         ];
     }
     check("sinks, dense launches", &cases);
