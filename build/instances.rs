@@ -157,7 +157,8 @@ impl KernelOptions {
     /// FA4's conditional (lazy) rescaling.
     pub const LAZY_RESCALE: KernelOptions = KernelOptions(4);
     /// Attention sinks (`ForwardOptions::sinks`): a logit per query head in the softmax
-    /// denominator. No row has it yet, so every family refuses a problem with sinks.
+    /// denominator (`FwdParams::sinks`, folded by the epilogue, or by the combine kernel after
+    /// split-KV). The FA1, FA2 and FA3 (stages 1-5) rows have it.
     pub const SINKS: KernelOptions = KernelOptions(8);
     /// Every option with the name errors and docs use.
     pub const NAMED: [(KernelOptions, &'static str); 4] = [
@@ -415,7 +416,7 @@ const fn fa3_family(
         gpu_verified: false,
         auto: false,
         sass_expect,
-        options: KernelOptions::NONE,
+        options: KernelOptions::SINKS,
         softmax: SoftmaxParams::NONE,
         rank: 30 + stage as u32,
         cpu_emulation: Some(cpu_emulation),
@@ -777,7 +778,7 @@ pub const FAMILIES: &[Family] = &[
         // The fallback of last resort: Auto may always pick it.
         auto: true,
         sass_expect: &["FFMA", "MUFU.EX2"],
-        options: KernelOptions::NONE,
+        options: KernelOptions::SINKS,
         softmax: SoftmaxParams::NONE,
         rank: 1,
         cpu_emulation: Some("fa1_all_instances"),
@@ -811,7 +812,7 @@ pub const FAMILIES: &[Family] = &[
         auto: true,
         // Tensor-core mma.sync, ldmatrix (and its .trans form for V), cp.async global->shared.
         sass_expect: &["HMMA.16816.F32", "LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS"],
-        options: KernelOptions::NONE,
+        options: KernelOptions::SINKS,
         softmax: SoftmaxParams::NONE,
         rank: 2,
         cpu_emulation: Some("fa2_all_instances"),

@@ -8,6 +8,8 @@
 //   o = 0, lse = −inf; otherwise e_i = exp(lse_i − m) over the states with lse_i ≠ −inf (the
 //   others are not read: their o may be anything), sum = Σ e_i,
 //   o = Σ (e_i / sum) · o_i, lse = m + log(sum).
+// A sink logit z of the row's head (CombineParams::sinks) is the state (o = 0, lse = z): in m and
+// the sum (last), never in o; so a row whose states all saw no key gets o = 0 and lse = z.
 // The host forms w_i = exp(lse_i − lse) in f64; e_i / sum is the same number, and in f32 it
 // avoids subtracting two large LSEs (exp of a difference rounded at |lse|'s ulp). m = +inf (an
 // overflowed input) gives NaN weights, as on the host. Sums run over the states in order, each
@@ -72,7 +74,9 @@ __device__ __forceinline__ void combine(const CombineParams& p) {
         return reinterpret_cast<const Tin*>(in.o) + (i % per) * p.o_state_stride + at(in.o_strides, b, s, h);
     };
 
-    float m = -INFINITY;
+    // The head's sink logit is one more state (o = 0, lse = sink): in m and the sum, not in o.
+    const float sink = p.sinks != 0 ? reinterpret_cast<const float*>(p.sinks)[h] : -INFINITY;
+    float m = sink;
     bool nan = false;
     for (int i = 0; i < n; ++i) {
         const float l = lse_of(i);
@@ -91,6 +95,7 @@ __device__ __forceinline__ void combine(const CombineParams& p) {
             const float l = lse_of(i);
             if (l != -INFINITY) sum += expf(l - m);
         }
+        if (sink != -INFINITY) sum += expf(sink - m);
         const float inv = 1.0f / sum;
 #pragma unroll
         for (int k = 0; k < kColsPerLane; ++k) acc[k] = 0.0f;

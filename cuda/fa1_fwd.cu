@@ -222,9 +222,10 @@ __device__ __forceinline__ void forward(const FwdParams& p) {
     const bool write_lse = (p.flags & FA_FLAG_RETURN_LSE) != 0;
     const float u = fa_to_natural(p);  // score units -> natural (LSE)
     const FaSeq out_seq = fa_seq(p, bsplit.b);  // read again: not held in registers across the loop
+    const float sink = splits > 1 ? -INFINITY : fa_sink(p, head);  // split-KV: the combine folds it
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
-        const FaRowEnd end = softmax.finalize(i, u);  // every lane of the row takes part
+        const FaRowEnd end = softmax.finalize(i, u, sink);  // every lane of the row takes part
         const int row = m0 + frag.row(i);
         if (row >= out_seq.sq) continue;
         const long long lse_at = fa_lse_index(out_seq, head, row);

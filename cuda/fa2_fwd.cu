@@ -313,11 +313,12 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
         return;
     }
     float* gLse = write_lse ? reinterpret_cast<float*>(p.lse) + lse_row0 : nullptr;
+    const float sink = fa_sink(p, head);  // split-KV above leaves it to the combine kernel
     Elem* sO = sQ;
     Elem* gO = reinterpret_cast<Elem*>(p.o) + fa_o_offset(p, seq_out, head, 0);
 #pragma unroll
     for (int r = 0; r < Frag::kRows; ++r) {
-        const FaRowEnd end = softmax.finalize(r, to_natural);
+        const FaRowEnd end = softmax.finalize(r, to_natural, sink);
         const int srow = wrow + frag.row(r);  // row inside the CTA tile
         if (write_lse && lse_writer && (lane & 3) == 0 && m0 + srow < seqlen_q) gLse[m0 + srow] = end.lse;
 #pragma unroll

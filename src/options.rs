@@ -126,8 +126,9 @@ pub struct ForwardOptions {
     /// in natural units, added to every row's softmax denominator as `exp(sink − max)` with no
     /// value, so `p_j = exp(s_j) / (Σ_i exp(s_i) + exp(sink))`; the LSE includes it, and a row
     /// that sees no key gets output 0 and LSE `sink`. `−inf` is no sink; NaN, `+inf` or another
-    /// length than `heads_q` is [`crate::Error::InvalidOption`]. The CPU runs it; the GPU kernel
-    /// families refuse it (an explicit variant is an error, `Auto` runs on the CPU).
+    /// length than `heads_q` is [`crate::Error::InvalidOption`]. The CPU runs it, and so do the
+    /// FA1, FA2 and FA3 kernels (dense and serving); FA4's rows refuse it (an explicit
+    /// `Variant::Fa4` is an error).
     pub sinks: Option<Arc<[f32]>>,
     /// Return the softmax log-sum-exp (natural log), `[batch, heads_q, seqlen_q]`.
     pub return_lse: bool,

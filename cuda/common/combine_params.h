@@ -43,6 +43,8 @@ typedef struct CombineParams {
     int32_t batch, seqlen, heads, head_dim;
     int32_t n_inputs;          // 1..=FA_COMBINE_MAX_INPUTS
     int32_t states_per_input;  // >= 1
+    uint64_t sinks;            // f32 [heads]: a sink logit per head merged as the state (o = 0, lse = sink),
+                               // -inf: none; 0: no sinks (split-KV folds the forward's sinks here, once)
     CombineInput in[FA_COMBINE_MAX_INPUTS];
 } CombineParams;
 
@@ -58,8 +60,9 @@ static_assert(offsetof(CombineParams, lse_strides) == 64, "CombineParams layout"
 static_assert(offsetof(CombineParams, o_state_stride) == 88, "CombineParams layout");
 static_assert(offsetof(CombineParams, batch) == 104, "CombineParams layout");
 static_assert(offsetof(CombineParams, n_inputs) == 120, "CombineParams layout");
-static_assert(offsetof(CombineParams, in) == 128, "CombineParams layout");
-static_assert(sizeof(CombineParams) == 128 + 40 * FA_COMBINE_MAX_INPUTS, "CombineParams size: update src/cuda/combine.rs too");
+static_assert(offsetof(CombineParams, sinks) == 128, "CombineParams layout");
+static_assert(offsetof(CombineParams, in) == 136, "CombineParams layout");
+static_assert(sizeof(CombineParams) == 136 + 40 * FA_COMBINE_MAX_INPUTS, "CombineParams size: update src/cuda/combine.rs too");
 // Kernel parameters are limited to 4 KiB on every driver the crate supports.
 static_assert(sizeof(CombineParams) <= 4096, "CombineParams must fit the 4 KiB kernel parameter space");
 #endif

@@ -61,6 +61,11 @@ typedef struct FwdParams {
     int32_t kv_rows;
     int32_t kv_batches;
     uint32_t reserved2;                // keeps the size a multiple of 8
+
+    // Attention sinks: f32 [heads_q], one logit per query head (natural units, -inf: none) in
+    // every row's softmax denominator with no value (common/softmax.cuh fa_softmax_finalize_sink);
+    // 0: no sinks. A split-KV launch's splits do not fold it: the combine kernel does, once.
+    uint64_t sinks;
 } FwdParams;
 
 #ifdef __cplusplus
@@ -69,7 +74,7 @@ typedef struct FwdParams {
 
 #ifdef __cplusplus
 #include <cstddef>
-static_assert(sizeof(FwdParams) == 368, "FwdParams size: update src/cuda/params.rs too");
+static_assert(sizeof(FwdParams) == 376, "FwdParams size: update src/cuda/params.rs too");
 static_assert(offsetof(FwdParams, q_batch_stride) == 72, "FwdParams layout");
 static_assert(offsetof(FwdParams, batch) == 168, "FwdParams layout");
 static_assert(offsetof(FwdParams, window_left) == 192, "FwdParams layout");
@@ -85,4 +90,5 @@ static_assert(offsetof(FwdParams, num_splits) == 344, "FwdParams layout");
 static_assert(offsetof(FwdParams, total_q) == 352, "FwdParams layout");
 static_assert(offsetof(FwdParams, kv_rows) == 356, "FwdParams layout");
 static_assert(offsetof(FwdParams, kv_batches) == 360, "FwdParams layout");
+static_assert(offsetof(FwdParams, sinks) == 368, "FwdParams layout");
 #endif

@@ -80,6 +80,23 @@ FA_HD FaRowEnd fa_softmax_finalize(float m, float l, float u) {
     return FaRowEnd{1.f / l, m * u + log2f(l) * FA_LN2, false};
 }
 
+// fa_softmax_finalize with an attention sink: the logit `sink` (natural units; -inf: none) joins
+// the row's denominator with no value, i.e. the row's state gains (o = 0, lse = sink). In closed
+// form, as the CPU's fold_sink (src/numerics/merge.rs): lse = lse_keys + softplus(sink - lse_keys)
+// and 1/l times exp(-softplus), which never forms exp(sink - m) (it overflows once the sink is far
+// above the scores). softplus(x) = max(x, 0) + log(1 + exp(-|x|)), taken in log2 units with
+// exp2f / log2f only (log1pf cost FA3 stage 5's consumers a spill at head_dim 128); 1 + exp(-|x|)
+// loses exp(-|x|) < 2^-24 to rounding, an absolute error below 2^-24 in the LSE. A row that saw
+// no key gets output 0 and LSE `sink`; a NaN row stays NaN.
+FA_HD FaRowEnd fa_softmax_finalize_sink(float m, float l, float u, float sink) {
+    const FaRowEnd keys = fa_softmax_finalize(m, l, u);
+    if (sink == -INFINITY) return keys;
+    if (keys.empty) return FaRowEnd{0.f, sink, true};
+    const float x = (sink - keys.lse) * FA_LOG2E;
+    const float softplus = fmaxf(x, 0.f) + log2f(1.f + exp2f(-fabsf(x)));  // log2 units
+    return FaRowEnd{keys.inv_l * exp2f(-softplus), keys.lse + softplus * FA_LN2, false};
+}
+
 // Whether scores are in natural units (softcap or ALiBi on) rather than raw q.k, and the factor
 // that converts the max's score units to natural units for the LSE.
 FA_HD bool fa_natural_scores(const FwdParams& p) { return (p.flags & (FA_FLAG_SOFTCAP | FA_FLAG_ALIBI)) != 0u; }
@@ -92,6 +109,11 @@ FA_HD float fa_to_natural(const FwdParams& p) { return fa_natural_scores(p) ? 1.
 // The ALiBi slope of a query head (0 without ALiBi).
 __device__ __forceinline__ float fa_alibi_slope(const FwdParams& p, int head) {
     return (p.flags & FA_FLAG_ALIBI) ? reinterpret_cast<const float*>(p.alibi_slopes)[head] : 0.f;
+}
+
+// The sink logit of a query head (FwdParams::sinks; -inf where there are none).
+__device__ __forceinline__ float fa_sink(const FwdParams& p, int head) {
+    return p.sinks != 0 ? reinterpret_cast<const float*>(p.sinks)[head] : -INFINITY;
 }
 
 // Raw q.k -> natural units in place, called only when fa_natural_scores(p) (the common case keeps
@@ -264,9 +286,10 @@ struct FaOnlineSoftmax {
             for (int j = 0; j < Frag::kOCols; ++j) Frag::o(o, r, j) *= corr[r];
     }
 
-    // The end of row r (u: score units -> natural units). Every lane of the row must call it.
-    __device__ __forceinline__ FaRowEnd finalize(int r, float u) const {
-        return fa_softmax_finalize(m[r], fa_lanes_sum<Frag::kLanes>(l[r]), u);
+    // The end of row r (u: score units -> natural units), with the row's sink logit (natural
+    // units; -inf: none). Every lane of the row must call it.
+    __device__ __forceinline__ FaRowEnd finalize(int r, float u, float sink = -INFINITY) const {
+        return fa_softmax_finalize_sink(m[r], fa_lanes_sum<Frag::kLanes>(l[r]), u, sink);
     }
 };
 

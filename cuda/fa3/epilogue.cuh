@@ -14,15 +14,18 @@ namespace fa3 {
 // Normalise and write this thread's part of O (and LSE) straight from registers: rows
 // [0, seq.sq) of one sequence (common/seqlen.cuh: a dense launch's batch entry, or one sequence
 // of a packed batch, whose LSE is FlashAttention's packed [heads_q, total_q]). Rows past seq.sq
-// are never stored: predicated register stores, no TMA store of a partial tile.
+// are never stored: predicated register stores, no TMA store of a partial tile. `sink`: the
+// head's sink logit (fa_sink), read by the caller from the kernel's own parameters: a serving
+// launch's `p` is a per-sequence copy, and its `sinks` kept live through the mainloop cost stage 5
+// a spill at head_dim 128.
 template <class Tr, class T>
 __device__ __forceinline__ void write_output(const FwdParams& p, Acc<Tr>& acc, const typename Acc<Tr>::Frag& frag,
-                                             int m_first, const FaSeq& seq, int head) {
+                                             int m_first, const FaSeq& seq, int head, float sink) {
     using Frag = typename Acc<Tr>::Frag;
     const float u = fa_to_natural(p);
 #pragma unroll
     for (int r = 0; r < Frag::kRows; ++r) {
-        const FaRowEnd end = acc.softmax.finalize(r, u);  // every lane of the row takes part
+        const FaRowEnd end = acc.softmax.finalize(r, u, sink);  // every lane of the row takes part
         const int i = m_first + frag.row(r);
         if (i >= seq.sq) continue;
         T* orow = reinterpret_cast<T*>(p.o) + fa_o_offset(p, seq, head, i);
@@ -40,7 +43,7 @@ __device__ __forceinline__ void write_output(const FwdParams& p, Acc<Tr>& acc, c
 template <class Tr, class T>
 __device__ __forceinline__ void write_output(const FwdParams& p, Acc<Tr>& acc, const typename Acc<Tr>::Frag& frag,
                                              int m_first, int batch, int head) {
-    write_output<Tr, T>(p, acc, frag, m_first, fa_seq_dense(p, batch), head);
+    write_output<Tr, T>(p, acc, frag, m_first, fa_seq_dense(p, batch), head, fa_sink(p, head));
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

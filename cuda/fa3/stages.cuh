@@ -123,7 +123,8 @@ __device__ __forceinline__ void stage3_of(const FwdParams& p, const TmaDesc* tq,
     acc.init();
     mainloop_ring<Tr, T, Op>(ps, cta, bars, acc, frag, smem_u32(cta.sq) + Tr::q_warpgroup_offset(cw), m_first, tile,
                              [&](int, int slot) { mbar_arrive(&bars.kv_empty[slot]); });
-    write_output<Tr, T>(ps, acc, frag, m_first, seq_of<kServing>(p, bc.batch), bc.head);  // re-read: as stage45
+    write_output<Tr, T>(ps, acc, frag, m_first, seq_of<kServing>(p, bc.batch), bc.head,
+                        fa_sink(p, bc.head));  // re-read: as stage45
 }
 
 // The 16-bit stages 1-3.
@@ -199,7 +200,7 @@ __device__ __forceinline__ void stage45_of(const FwdParams& p, const TmaDesc* tq
         mainloop_overlapped<Tr, T, Op>(ps, cta, bars, acc, frag, m_first, bc, kv_range<Tr>(ps, bc), pos, cw, turn);
         // The sequence's view again, read after the mainloop rather than kept through it (its
         // offsets would take registers the consumers do not have to spare: stage 4 spilled).
-        write_output<Tr, T>(ps, acc, frag, m_first, seq_of<kServing>(p, bc.batch), bc.head);
+        write_output<Tr, T>(ps, acc, frag, m_first, seq_of<kServing>(p, bc.batch), bc.head, fa_sink(p, bc.head));
     }
     turn.finish();
 }

@@ -55,6 +55,9 @@ pub struct CombineParams {
     pub head_dim: i32,
     pub n_inputs: i32,
     pub states_per_input: i32,
+    /// f32 `[heads]`: a sink logit per head, merged into each row as the state `(o = 0, lse =
+    /// sink)` (−inf: none); 0: no sinks. Split-KV passes the forward's sinks here.
+    pub sinks: u64,
     pub inputs: [CombineInput; MAX_INPUTS],
 }
 
@@ -66,8 +69,9 @@ const _: () = {
     assert!(offset_of!(CombineParams, o_state_stride) == 88);
     assert!(offset_of!(CombineParams, batch) == 104);
     assert!(offset_of!(CombineParams, n_inputs) == 120);
-    assert!(offset_of!(CombineParams, inputs) == 128);
-    assert!(size_of::<CombineParams>() == 128 + 40 * MAX_INPUTS);
+    assert!(offset_of!(CombineParams, sinks) == 128);
+    assert!(offset_of!(CombineParams, inputs) == 136);
+    assert!(size_of::<CombineParams>() == 136 + 40 * MAX_INPUTS);
 };
 
 impl CombineParams {
@@ -89,6 +93,7 @@ impl CombineParams {
         for x in [self.batch, self.seqlen, self.heads, self.head_dim, self.n_inputs, self.states_per_input] {
             put(&x.to_ne_bytes());
         }
+        put(&self.sinks.to_ne_bytes());
         for i in &self.inputs {
             put(&i.o.to_ne_bytes());
             put(&i.lse.to_ne_bytes());
@@ -212,6 +217,7 @@ fn base(
         head_dim: int(d, "head_dim")?,
         n_inputs: 0,
         states_per_input: 1,
+        sinks: 0,
         inputs: [CombineInput::default(); MAX_INPUTS],
     };
     Ok((kernel, grid as u32, params))
@@ -263,10 +269,13 @@ pub fn merge_plan(
 /// seqlen, d]` and `lse_accum [splits, batch, heads, seqlen]` (contiguous; `shape` is the
 /// output's `[batch, seqlen, heads, d]`, a packed varlen batch being batch 1, seqlen total_q),
 /// merged into `out` (`output` dtype) and `out_lse` (the forward's LSE layout; 0: none).
+/// `sinks`: the forward's f32 sink logits `[heads]` (0: none), folded here once per row, since
+/// each split's state is of its own keys only.
 ///
 /// # Errors
 /// [`Error::InvalidOption`] for 0 or more than [`MAX_SPLITS`] splits; the kernel's dtype,
 /// head_dim and size errors.
+#[allow(clippy::too_many_arguments)]
 pub fn splits_plan(
     shape: Shape,
     splits: usize,
@@ -275,6 +284,7 @@ pub fn splits_plan(
     output: DType,
     out: Rows,
     out_lse: u64,
+    sinks: u64,
 ) -> Result<CombineLaunch> {
     if splits == 0 || splits > MAX_SPLITS {
         return Err(Error::InvalidOption {
@@ -298,6 +308,7 @@ pub fn splits_plan(
     params.lse_state_stride = lse_per_split as i64;
     params.n_inputs = 1;
     params.states_per_input = splits as i32;
+    params.sinks = sinks;
     params.inputs[0] =
         CombineInput { o: o_accum, lse: lse_accum, o_strides: strides_i64([h * s * d, d, s * d], "o_accum stride")? };
     Ok(CombineLaunch { kernel, grid, block: WARPS * 32, params })
@@ -358,7 +369,7 @@ mod tests {
         // LSE [batch, heads, seqlen]: (b, s, h) strides (h·s, 1, s).
         assert_eq!((u64_at(40), u64_at(48), u64_at(56)), (12, 1, 3));
         assert_eq!((i32_at(104), i32_at(116), i32_at(120), i32_at(124)), (2, 5, 2, 1));
-        assert_eq!((u64_at(128), u64_at(136), u64_at(144), u64_at(168)), (0x2000, 0x3000, 9, 0x2000));
+        assert_eq!((u64_at(128), u64_at(136), u64_at(144), u64_at(152), u64_at(176)), (0, 0x2000, 0x3000, 9, 0x2000));
         assert_eq!((l.grid, l.block, l.kernel), (6, 128, "fa_combine_f16_f16"));
     }
 
@@ -379,9 +390,9 @@ mod tests {
             merge_plan([1, 1, 1, 513], DType::F32, DType::F32, &[st], out, 0),
             Err(Error::UnsupportedHeadDim { .. })
         ));
-        assert!(matches!(splits_plan([1, 1, 1, 8], 0, 1, 1, DType::F16, out, 0), Err(Error::InvalidOption { .. })));
-        assert!(matches!(splits_plan([1, 1, 1, 8], 129, 1, 1, DType::F16, out, 0), Err(Error::InvalidOption { .. })));
-        let l = splits_plan([2, 1, 8, 64], 3, 0x10, 0x20, DType::BF16, out, 0).unwrap();
+        assert!(matches!(splits_plan([1, 1, 1, 8], 0, 1, 1, DType::F16, out, 0, 0), Err(Error::InvalidOption { .. })));
+        assert!(matches!(splits_plan([1, 1, 1, 8], 129, 1, 1, DType::F16, out, 0, 0), Err(Error::InvalidOption { .. })));
+        let l = splits_plan([2, 1, 8, 64], 3, 0x10, 0x20, DType::BF16, out, 0, 0).unwrap();
         assert_eq!(
             (l.params.o_state_stride, l.params.lse_state_stride, l.params.states_per_input),
             (2 * 8 * 64, 16, 3)

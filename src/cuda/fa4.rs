@@ -126,6 +126,7 @@ mod tests {
             strides: [st(q), st(k), st(k), st(q)],
             lse: 0,
             alibi: 0,
+            sinks: 0,
         }
     }
 

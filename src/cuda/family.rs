@@ -117,7 +117,7 @@ mod tests {
     use super::*;
 
     fn ops(ptrs: [u64; 4], strides: [[usize; 3]; 4]) -> Operands {
-        Operands { ptrs, strides, lse: 0, alibi: 0 }
+        Operands { ptrs, strides, lse: 0, alibi: 0, sinks: 0 }
     }
 
     #[test]

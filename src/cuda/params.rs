@@ -1,7 +1,7 @@
 //! `FwdParams`: the one FFI struct between Rust and every forward kernel, mirrored field for
 //! field from `cuda/common/params.h`. Both sides assert the size and the offsets, so a change
-//! on one side alone fails the build. [`Operands`]: where q, k, v, o, the LSE and the ALiBi
-//! slopes live, from which the parameters are built.
+//! on one side alone fails the build. [`Operands`]: where q, k, v, o, the LSE, the ALiBi
+//! slopes and the sink logits live, from which the parameters are built.
 
 use crate::error::{Error, Result};
 use crate::problem::Problem;
@@ -14,13 +14,15 @@ pub const FLAG_SOFTCAP: u32 = 2;
 pub const FLAG_ALIBI: u32 = 4;
 
 /// Where q, k, v, o live: device addresses and element strides of (batch, seqlen, heads), plus
-/// the LSE and ALiBi buffers (0: none).
+/// the LSE, ALiBi and sink buffers (0: none).
 #[derive(Clone, Copy, Debug)]
 pub struct Operands {
     pub ptrs: [u64; 4],
     pub strides: [[usize; 3]; 4],
     pub lse: u64,
     pub alibi: u64,
+    /// f32 `[heads_q]` sink logits (`Problem::sinks`), or 0.
+    pub sinks: u64,
 }
 
 /// Where a serving launch's index and split buffers live (device addresses, 0: none), beside
@@ -152,10 +154,13 @@ pub struct FwdParams {
     pub kv_rows: i32,
     pub kv_batches: i32,
     pub reserved2: u32,
+    /// f32 `[heads_q]`: one attention-sink logit per query head (natural units, -inf: none), or
+    /// 0. A split-KV launch's splits leave it to the combine kernel, which folds it once.
+    pub sinks: u64,
 }
 
 // The same numbers as the static_asserts in cuda/common/params.h, plus every other offset.
-assert_c_layout!(FwdParams, size 368, {
+assert_c_layout!(FwdParams, size 376, {
     q: 0,
     lse: 32,
     alibi_slopes: 40,
@@ -194,6 +199,7 @@ assert_c_layout!(FwdParams, size 368, {
     kv_rows: 356,
     kv_batches: 360,
     reserved2: 364,
+    sinks: 368,
 });
 
 impl FwdParams {
@@ -201,7 +207,7 @@ impl FwdParams {
     /// `Engine`'s launches and for the emulator's launch plans. The caller has checked that
     /// seqlens fit `i32` and that the strides address inside their buffers (so they fit `i64`).
     pub(crate) fn for_launch(p: &Problem, ops: &Operands) -> Self {
-        let Operands { ptrs, strides, lse, alibi } = *ops;
+        let Operands { ptrs, strides, lse, alibi, sinks } = *ops;
         let st = |s: usize| s as i64;
         // An unbounded side is -1. Problem::new clamps bounds to the sequence (<= 2^30 on the
         // GPU); a bound past i32::MAX would see the same keys as i32::MAX, and mask.cuh forms
@@ -249,6 +255,7 @@ impl FwdParams {
             softmax_scale_log2: p.score_units().to_log2,
             softcap: p.softcap.unwrap_or(0.0),
             flags,
+            sinks,
             ..FwdParams::default()
         }
     }
@@ -435,6 +442,7 @@ impl FwdParams {
             put(&x.to_ne_bytes());
         }
         put(&self.reserved2.to_ne_bytes());
+        put(&self.sinks.to_ne_bytes());
         debug_assert_eq!(at, size_of::<FwdParams>());
         out
     }
@@ -540,7 +548,7 @@ mod tests {
         let l = BatchLayout::new(ql, [1, 5, 4, 8], kv, [3, 3, 2, 8]).unwrap();
         let p = Problem::from_shapes([2, 3, 4, 8], [2, 8, 2, 8], [2, 8, 2, 8], DType::F16, &ForwardOptions::default())
             .unwrap();
-        let ops = Operands { ptrs: [0x100, 0x200, 0x300, 0x400], strides: [[0, 32, 8], [48, 16, 8], [48, 16, 8], [0, 32, 8]], lse: 0x500, alibi: 0 };
+        let ops = Operands { ptrs: [0x100, 0x200, 0x300, 0x400], strides: [[0, 32, 8], [48, 16, 8], [48, 16, 8], [0, 32, 8]], lse: 0x500, alibi: 0, sinks: 0 };
         let s = ServingOperands {
             cu_seqlens_q: 0x600,
             seqused_k: 0x700,

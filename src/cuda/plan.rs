@@ -162,6 +162,7 @@ mod tests {
             strides: [contiguous(q), contiguous(k), contiguous(k), contiguous(q)],
             lse: 0x5_0000_0000,
             alibi: 0,
+            sinks: 0,
         }
     }
 

@@ -256,7 +256,7 @@ fn run_with(c: &Case, mutation: Option<&Mutation>) -> Result<String, String> {
             let l: Vec<f32> = states.iter().flat_map(|st| st.lse.iter().copied()).collect();
             buffers.push(("o_accum".into(), o_base, to_bytes(DType::F32, &o)));
             buffers.push(("lse_accum".into(), lse_base, to_bytes(DType::F32, &l)));
-            splits_plan(c.shape, c.n, o_base, lse_base, c.output, out, out_lse_base).map_err(|e| e.to_string())?
+            splits_plan(c.shape, c.n, o_base, lse_base, c.output, out, out_lse_base, 0).map_err(|e| e.to_string())?
         }
     };
     let hex: String = plan.params.to_bytes().iter().map(|b| format!("{b:02x}")).collect();
@@ -452,7 +452,7 @@ fn combine_plans_refuse_what_the_kernel_cannot_run() {
     assert!(matches!(e, Error::InvalidOption { option: "merge_states_n states", .. }), "{e}");
     let e = merge_plan([1, 1, 1, 64], DType::BF16, DType::F16, &[st], out, 0).unwrap_err();
     assert!(matches!(e, Error::UnsupportedDType { .. }), "{e}");
-    let e = splits_plan([1, 1, 1, 600], 2, 0x10, 0x20, DType::F16, out, 0).unwrap_err();
+    let e = splits_plan([1, 1, 1, 600], 2, 0x10, 0x20, DType::F16, out, 0, 0).unwrap_err();
     assert!(matches!(e, Error::UnsupportedHeadDim { head_dim: 600, .. }), "{e}");
     assert_eq!(lse_strides([2, 5, 3, 64]), [15, 1, 5]);
 }

@@ -34,6 +34,9 @@ mod fp8;
 mod hang_check;
 /// The header build.rs generates for the kernels holds exactly the Rust constants.
 mod numerics_header;
+/// Attention sinks in FA1, FA2 and FA3 (dense), and in FA1's serving and split-KV launches.
+#[cfg(feature = "cuda")]
+mod sinks;
 /// FA1 on the serving layouts, split-KV through the combine kernel.
 #[cfg(feature = "cuda")]
 mod serving_fa1;

@@ -12,7 +12,7 @@
 //!
 //! Only g++ is needed: these ran in the emulator; nothing here ran on a GPU.
 use crate::support::emu::{run_launch, tool_exe, unit_exe, LaunchBuf, LSE_TOL};
-use crate::support::emu::addr::{CU_K, CU_Q, K, LSE, LSE_ACC, O, O_ACC, Q, SEQUSED, TABLE, V};
+use crate::support::emu::addr::{CU_K, CU_Q, K, LSE, LSE_ACC, O, O_ACC, Q, SEQUSED, SINKS, TABLE, V};
 use crate::support::{floor_for, Rng};
 use flash_attn::cuda::combine::{splits_plan, Rows};
 use flash_attn::cuda::plan::{plan_serving, Operands, ServingOperands};
@@ -83,7 +83,8 @@ fn cu(lens: &[usize]) -> Vec<i32> {
     v
 }
 
-/// Runs one case; returns a summary (worst error / bound over the sequences).
+/// Runs one case; returns a summary (worst error / bound over the sequences). Sinks
+/// (`opts.sinks`) go to the attention and, with split-KV, to the combine kernel, which folds them.
 fn run(c: &Case) -> Result<String, String> {
     let mut rng = Rng::new(c.seed);
     let (b, d, hq, hkv, dt) = (c.sq.len(), c.d, c.hq, c.hkv, c.dtype);
@@ -170,6 +171,7 @@ fn run(c: &Case) -> Result<String, String> {
         strides: [st(q_shape), st(k_shape), st(k_shape), st(q_shape)],
         lse: if c.opts.return_lse { LSE } else { 0 },
         alibi: 0,
+        sinks: if p.sinks.is_some() { SINKS } else { 0 },
     };
     let sops = ServingOperands {
         cu_seqlens_q: if c.packed_q { CU_Q } else { 0 },
@@ -195,6 +197,10 @@ fn run(c: &Case) -> Result<String, String> {
     if let Some(cuq) = &cu_q {
         bufs.push(LaunchBuf::i32s("cu_q", CU_Q, cuq));
     }
+    let sink_bytes: Option<Vec<u8>> = p.sinks.as_ref().map(|s| s.iter().flat_map(|x| x.to_le_bytes()).collect());
+    if let Some(sb) = &sink_bytes {
+        bufs.push(LaunchBuf::input("sinks", SINKS, sb.clone()));
+    }
     let n_o = q.len() * 2;
     bufs.push(LaunchBuf::output("o", O, n_o));
     if c.opts.return_lse {
@@ -216,7 +222,7 @@ fn run(c: &Case) -> Result<String, String> {
         let out = Rows { ptr: O, strides: st(q_shape) };
         let shape = if c.packed_q { q_shape } else { [b, q_shape[1], hq, d] };
         let lse_out = if c.opts.return_lse { LSE } else { 0 };
-        let cl = splits_plan(shape, c.splits, O_ACC, LSE_ACC, dt, out, lse_out).map_err(|e| e.to_string())?;
+        let cl = splits_plan(shape, c.splits, O_ACC, LSE_ACC, dt, out, lse_out, ops.sinks).map_err(|e| e.to_string())?;
         let hex: String = cl.params.to_bytes().iter().map(|b| format!("{b:02x}")).collect();
         let cdir = dir.join("combine");
         std::fs::create_dir_all(&cdir).unwrap();
@@ -225,6 +231,11 @@ fn run(c: &Case) -> Result<String, String> {
             let path = cdir.join(name);
             std::fs::write(&path, &outs[name]).unwrap();
             writeln!(lf, "in {name} {addr:#x} {} {}", outs[name].len(), path.display()).unwrap();
+        }
+        if let Some(sb) = &sink_bytes {
+            let path = cdir.join("sinks");
+            std::fs::write(&path, sb).unwrap();
+            writeln!(lf, "in sinks {SINKS:#x} {} {}", sb.len(), path.display()).unwrap();
         }
         writeln!(lf, "out o {O:#x} {n_o} {}", cdir.join("o").display()).unwrap();
         writeln!(lf, "out lse {LSE:#x} {} {}", lse_rows * 4, cdir.join("lse").display()).unwrap();
@@ -273,14 +284,16 @@ fn run(c: &Case) -> Result<String, String> {
             &got_o[at..at + hq * d]
         };
         if sk == 0 {
+            // No key: 0, with LSE -inf, or the head's sink logit where it has one.
             for i in 0..sq {
                 if got_row(i).iter().any(|&x| x != 0.0) {
                     return Err(format!("sequence {bi} has no key: row {i} must be 0, got {:?}", &got_row(i)[..4]));
                 }
                 if let Some(l) = &got_lse {
                     for h in 0..hq {
-                        if l[lse_at(h, i)] != f32::NEG_INFINITY {
-                            return Err(format!("sequence {bi} has no key: lse must be -inf, got {}", l[lse_at(h, i)]));
+                        let want = p.sink(h).unwrap_or(f32::NEG_INFINITY);
+                        if l[lse_at(h, i)] != want {
+                            return Err(format!("sequence {bi} has no key: lse must be {want}, got {}", l[lse_at(h, i)]));
                         }
                     }
                 }
@@ -327,7 +340,7 @@ pub(crate) fn check(cases: &[Case]) {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn case(
+pub(super) fn case(
     name: &str,
     dtype: DType,
     packed_q: bool,

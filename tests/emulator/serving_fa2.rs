@@ -11,14 +11,14 @@
 //! adds a seeded random matrix (docs/emulator.md).
 
 use crate::support::emu::{run_launch, unit_exe, LaunchBuf, Mutation, LSE_TOL};
-use crate::support::emu::addr::{ALIBI, CU_K, CU_Q, K, KNEW, LSE, LSE_ACC, O, O_ACC, Q, SEQUSED, TABLE, V, VNEW};
+use crate::support::emu::addr::{ALIBI, CU_K, CU_Q, K, KNEW, LSE, LSE_ACC, O, O_ACC, Q, SEQUSED, SINKS, TABLE, V, VNEW};
 use flash_attn::cuda::plan::{plan_append, plan_serving, FwdParams, LaunchPlan, Operands, ServingOperands};
 use flash_attn::cuda::table::FAMILIES;
 use flash_attn::reference::{attention_f64, attention_naive, max_abs_diff};
 use flash_attn::serving::layout::{BatchLayout, KvLayout, QueryLayout};
 use flash_attn::serving::merge_states_n;
 use flash_attn::{DType, ForwardOptions, Mask, Problem, Tensor, TensorView};
-use crate::support::serving::{floor_for, slopes, values, Rng};
+use crate::support::serving::{floor_for, sinks, slopes, values, Rng};
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -28,7 +28,7 @@ fn full() -> bool {
 
 /// Where the keys of a case live.
 #[derive(Clone, Debug)]
-enum Kv {
+pub(super) enum Kv {
     /// Packed `[1, total_k, hkv, d]` with these lengths.
     Varlen(Vec<usize>),
     /// A dense cache `[batch, max + extra, hkv, d]` holding these lengths.
@@ -48,29 +48,32 @@ impl Kv {
 
 /// One emulated serving launch.
 #[derive(Clone, Debug)]
-struct SCase {
-    dtype: DType,
-    d: usize,
-    hq: usize,
-    hkv: usize,
+pub(super) struct SCase {
+    pub(super) dtype: DType,
+    pub(super) d: usize,
+    pub(super) hq: usize,
+    pub(super) hkv: usize,
     /// `Err(sq)`: a dense q of `sq` rows per sequence; `Ok(lens)`: packed with these lengths.
-    q: Result<Vec<usize>, usize>,
-    kv: Kv,
-    mask: Mask,
-    softcap: Option<f32>,
-    alibi: bool,
-    lse: bool,
-    splits: usize,
+    pub(super) q: Result<Vec<usize>, usize>,
+    pub(super) kv: Kv,
+    pub(super) mask: Mask,
+    pub(super) softcap: Option<f32>,
+    pub(super) alibi: bool,
+    /// Sink logits (support/serving.rs `sinks`): in the unsplit epilogue, or in the merge of the
+    /// splits (which leave them out).
+    pub(super) sinks: bool,
+    pub(super) lse: bool,
+    pub(super) splits: usize,
     /// Rows appended by this call (a cache layout): the lengths in `kv` include them; the append
     /// kernel writes them first, then the attention reads the cache.
-    new: usize,
-    seed: u64,
+    pub(super) new: usize,
+    pub(super) seed: u64,
 }
 
 impl SCase {
     fn name(&self) -> String {
         format!(
-            "fa2 {:?} d{} h{}/{} q{:?} kv{:?} {:?}{}{}{} splits{} new{}",
+            "fa2 {:?} d{} h{}/{} q{:?} kv{:?} {:?}{}{}{}{} splits{} new{}",
             self.dtype,
             self.d,
             self.hq,
@@ -80,6 +83,7 @@ impl SCase {
             self.mask,
             self.softcap.map_or(String::new(), |c| format!(" softcap{c}")),
             if self.alibi { " alibi" } else { "" },
+            if self.sinks { " sinks" } else { "" },
             if self.lse { " lse" } else { "" },
             self.splits,
             self.new
@@ -93,6 +97,9 @@ impl SCase {
         o.softcap = self.softcap;
         if self.alibi {
             o.alibi_slopes = Some(slopes(self.hq).into());
+        }
+        if self.sinks {
+            o = o.sinks(sinks(self.hq));
         }
         o
     }
@@ -240,6 +247,7 @@ fn run_mutated(c: &SCase, mutation: Option<&Mutation>) -> Result<f64, String> {
         strides: [contiguous(q_shape), contiguous(st.shape), contiguous(st.shape), contiguous(q_shape)],
         lse: if c.lse { LSE } else { 0 },
         alibi: if c.alibi { ALIBI } else { 0 },
+        sinks: if p.sinks.is_some() { SINKS } else { 0 },
     };
     let new_shape = [batch, c.new, hkv, d];
     let sops = ServingOperands {
@@ -286,6 +294,9 @@ fn run_mutated(c: &SCase, mutation: Option<&Mutation>) -> Result<f64, String> {
     if let Some(s) = &opts.alibi_slopes {
         bufs.push(LaunchBuf::input("alibi", ALIBI, s.iter().flat_map(|x| x.to_le_bytes()).collect()));
     }
+    if let Some(s) = &p.sinks {
+        bufs.push(LaunchBuf::input("sinks", SINKS, s.iter().flat_map(|x| x.to_le_bytes()).collect()));
+    }
     if fp.cu_seqlens_q != 0 {
         bufs.push(LaunchBuf::i32s("cu_seqlens_q", CU_Q, &cu_q));
     }
@@ -313,7 +324,7 @@ fn run_mutated(c: &SCase, mutation: Option<&Mutation>) -> Result<f64, String> {
         if outs["o"].iter().any(|&b| b != 0xFF) {
             return Err(format!("a split-KV launch wrote o (the combine's job)\n{log}"));
         }
-        merge_splits(&outs, c.splits, lse_rows, q_shape, &fp, &cu_q)?
+        merge_splits(&outs, c.splits, lse_rows, q_shape, &fp, &p)?
     } else {
         let lse = if c.lse { f32s(&outs["lse"]) } else { Vec::new() };
         (from_bits(&outs["o"], dtype), lse)
@@ -343,8 +354,10 @@ fn run_mutated(c: &SCase, mutation: Option<&Mutation>) -> Result<f64, String> {
             if ob.iter().any(|&x| x != 0.0) {
                 return Err(format!("{}: no keys but O != 0\n{log}", name()));
             }
-            if c.lse && (0..hq).any(|h| (0..sq).any(|i| lse_at(h, i) != f32::NEG_INFINITY)) {
-                return Err(format!("{}: no keys but LSE != -inf\n{log}", name()));
+            // LSE -inf, or the head's sink logit where it has one.
+            let want = |h: usize| p.sink(h).unwrap_or(f32::NEG_INFINITY);
+            if c.lse && (0..hq).any(|h| (0..sq).any(|i| lse_at(h, i) != want(h))) {
+                return Err(format!("{}: no keys but LSE is not -inf / the sink\n{log}", name()));
             }
             continue;
         }
@@ -442,14 +455,15 @@ fn append(
 
 /// Merges the split-KV partial states (docs/serving.md: o_accum `[splits, lse rows, d]`,
 /// lse_accum `[splits, lse rows]`, rows in the LSE's order) with `merge_states_n`, into o in q's
-/// layout (f32) and the LSE.
+/// layout (f32) and the LSE. The problem's sinks join as one more state, `(0, sink of the row's
+/// head)`, as docs/serving.md says a caller merging states adds them: the splits carry none.
 fn merge_splits(
     outs: &HashMap<String, Vec<u8>>,
     splits: usize,
     lse_rows: usize,
     q_shape: [usize; 4],
     fp: &FwdParams,
-    cu_q: &[i32],
+    p: &Problem,
 ) -> Result<(Vec<f32>, Vec<f32>), String> {
     let (oacc, lacc) = (f32s(&outs["o_accum"]), f32s(&outs["lse_accum"]));
     let (hq, d) = (q_shape[2], q_shape[3]);
@@ -465,7 +479,6 @@ fn merge_splits(
             ((b * total + i) * hq + h) * d
         }
     };
-    let _ = cu_q;
     let mut states: Vec<(Tensor, Vec<f32>)> = Vec::new();
     for s in 0..splits {
         let mut o = vec![0.0f32; q_shape.iter().product()];
@@ -475,16 +488,21 @@ fn merge_splits(
         let lse = lacc[s * lse_rows..(s + 1) * lse_rows].to_vec();
         states.push((Tensor::from_f32(&o, DType::F32, q_shape).unwrap(), lse));
     }
+    if p.sinks.is_some() {
+        let head = |r: usize| if packed { r / total } else { (r / total) % hq };
+        let lse = (0..lse_rows).map(|r| p.sink(head(r)).unwrap_or(f32::NEG_INFINITY)).collect();
+        states.push((Tensor::zeros(DType::F32, q_shape).unwrap(), lse));
+    }
     let views: Vec<(TensorView, &[f32])> = states.iter().map(|(o, l)| (o.view(), l.as_slice())).collect();
     let m = merge_states_n(&views).map_err(|e| format!("merge: {e}"))?;
     Ok((m.o.to_f32_vec(), m.lse))
 }
 
-fn check(cases: &[SCase]) {
+pub(super) fn check(cases: &[SCase]) {
     crate::support::check_each("serving cases", cases, SCase::name, |c| run(c).map(|r| format!("err/bound {r:.3}")));
 }
 
-fn base(dtype: DType, d: usize, hq: usize, hkv: usize, q: Result<Vec<usize>, usize>, kv: Kv) -> SCase {
+pub(super) fn base(dtype: DType, d: usize, hq: usize, hkv: usize, q: Result<Vec<usize>, usize>, kv: Kv) -> SCase {
     SCase {
         dtype,
         d,
@@ -495,6 +513,7 @@ fn base(dtype: DType, d: usize, hq: usize, hkv: usize, q: Result<Vec<usize>, usi
         mask: Mask::None,
         softcap: None,
         alibi: false,
+        sinks: false,
         lse: true,
         splits: 1,
         new: 0,
@@ -502,7 +521,7 @@ fn base(dtype: DType, d: usize, hq: usize, hkv: usize, q: Result<Vec<usize>, usi
     }
 }
 
-fn paged(lens: &[usize], page: usize, share: bool) -> Kv {
+pub(super) fn paged(lens: &[usize], page: usize, share: bool) -> Kv {
     Kv::Paged { lens: lens.to_vec(), page, share, spare: 2, extra_table: 1 }
 }
 

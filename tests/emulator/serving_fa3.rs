@@ -235,6 +235,7 @@ fn run_mutated(c: &Case, execute: bool, mutation: Option<&Mutation>) -> Result<(
         strides: [st(q_shape), st(k_shape), st(k_shape), st(q_shape)],
         lse: if c.opts.return_lse { LSE } else { 0 },
         alibi: 0,
+        sinks: 0,
     };
     let sops = ServingOperands {
         cu_seqlens_q: if c.q_packed { CU_Q } else { 0 },

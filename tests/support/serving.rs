@@ -101,6 +101,12 @@ pub fn slopes(hq: usize) -> Vec<f32> {
     (0..hq).map(|h| 2f32.powf(-8.0 * (h + 1) as f32 / hq as f32)).collect()
 }
 
+/// Attention-sink logits of `hq` query heads, cycling through one far above any score (the
+/// keys weigh ~e^-97; exp(sink - max) overflows f32), none (-inf), and two near the scores.
+pub fn sinks(hq: usize) -> Vec<f32> {
+    (0..hq).map(|h| [100.0, f32::NEG_INFINITY, 0.7, -2.0][h % 4]).collect()
+}
+
 /// The attention options of a random serving case, and the seed of its values.
 #[derive(Debug, Clone)]
 pub struct Opts {

@@ -77,6 +77,7 @@ int main(int argc, char** argv) {
     if (p.n_inputs < 1 || p.n_inputs > FA_COMBINE_MAX_INPUTS || p.states_per_input < 1) usage_error("params: states");
     p.out_o = translate(p.out_o, "params.out_o");
     p.out_lse = translate(p.out_lse, "params.out_lse");
+    p.sinks = translate(p.sinks, "params.sinks");
     for (int i = 0; i < p.n_inputs; ++i) {
         p.in[i].o = translate(p.in[i].o, "params.in.o");
         p.in[i].lse = translate(p.in[i].lse, "params.in.lse");

@@ -146,6 +146,7 @@ int main(int argc, char** argv) {
     p.vnew = translate(p.vnew, "params.vnew");
     p.o_accum = translate(p.o_accum, "params.o_accum");
     p.lse_accum = translate(p.lse_accum, "params.lse_accum");
+    p.sinks = translate(p.sinks, "params.sinks");
 
     struct alignas(128) Map {
         unsigned char b[128];

@@ -129,13 +129,18 @@ impl Engine {
             strides: [q.strides, k.strides, v.strides, o.strides],
             lse: 0,
             alibi: 0,
+            sinks: 0,
         };
         let c = select::choose_for(&*self.dev, &p, opts.variant, &ops)?;
 
         ops.lse = lse_address(lse.as_deref(), &p, sid)?;
         self.dev.context().bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
         ops.alibi = match &p.alibi {
-            Some(slopes) => self.alibi_on_device(slopes, stream)?,
+            Some(slopes) => self.head_list_on_device(slopes, "alibi_slopes", stream)?,
+            None => 0,
+        };
+        ops.sinks = match &p.sinks {
+            Some(sinks) => self.head_list_on_device(sinks, "sinks", stream)?,
             None => 0,
         };
         // Kernels index rows, keys and tiles in int32: seqlens up to 2^30 leave room for a row

@@ -1,5 +1,5 @@
-//! The [`Engine`]: one device (one CUDA context), its kernels, its stream checks and the ALiBi
-//! slope sets it keeps on the device.
+//! The [`Engine`]: one device (one CUDA context), its kernels, its stream checks and the
+//! per-head f32 lists (ALiBi slopes, sink logits) it keeps on the device.
 
 use super::tensors::{StreamId, stream_id};
 use crate::cuda::device::{cuda_err, Device};
@@ -17,17 +17,17 @@ use std::sync::{Arc, Mutex};
 #[derive(Debug)]
 pub struct Engine {
     pub(super) dev: Arc<Device>,
-    /// ALiBi slope sets already uploaded, each kept while the engine lives (a kernel still
-    /// reading an older set never sees it freed).
-    pub(super) alibi: Mutex<Vec<AlibiOnDevice>>,
+    /// Per-head f32 lists (ALiBi slope sets, sink logits) already uploaded, each kept while the
+    /// engine lives (a kernel still reading an older list never sees it freed).
+    pub(super) head_lists: Mutex<Vec<HeadListOnDevice>>,
 }
 
-/// A slope set on the device: uploaded once, asynchronously, on the stream of the call that
-/// first used it; `ready` is recorded after the copy so a launch on another stream can wait for
-/// it while it is still in flight.
+/// A per-head f32 list on the device: uploaded once, asynchronously, on the stream of the call
+/// that first used it; `ready` is recorded after the copy so a launch on another stream can wait
+/// for it while it is still in flight. Lists are found by content, whatever option they came from.
 #[derive(Debug)]
-pub(super) struct AlibiOnDevice {
-    /// The host copy: compared with later sets, and the source of the asynchronous copy (so it
+pub(super) struct HeadListOnDevice {
+    /// The host copy: compared with later lists, and the source of the asynchronous copy (so it
     /// must outlive it).
     host: Arc<[f32]>,
     ptr: sys::CUdeviceptr,
@@ -37,15 +37,15 @@ pub(super) struct AlibiOnDevice {
 }
 
 // SAFETY: the device pointer and the event are driver handles of `ctx`, used only through
-// driver calls (thread-safe) with the context bound; the host slopes are immutable.
-unsafe impl Send for AlibiOnDevice {}
+// driver calls (thread-safe) with the context bound; the host list is immutable.
+unsafe impl Send for HeadListOnDevice {}
 
-impl Drop for AlibiOnDevice {
+impl Drop for HeadListOnDevice {
     fn drop(&mut self) {
         if self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: `ptr` and `ready` were created in `ctx` by `Engine::alibi_on_device` and are
-            // released once, here. cuMemFree waits for the device work that may still read the
-            // slopes (it synchronizes), so no kernel sees them freed.
+            // SAFETY: `ptr` and `ready` were created in `ctx` by `Engine::head_list_on_device` and
+            // are released once, here. cuMemFree waits for the device work that may still read the
+            // list (it synchronizes), so no kernel sees it freed.
             unsafe {
                 let _ = result::event::destroy(self.ready);
                 let _ = result::free_sync(self.ptr);
@@ -61,7 +61,7 @@ impl Engine {
     /// # Errors
     /// [`Error::BackendUnavailable`] without a driver, built kernels or such a device.
     pub fn new(ordinal: usize) -> Result<Self> {
-        Ok(Engine { dev: Device::get(ordinal)?, alibi: Mutex::new(Vec::new()) })
+        Ok(Engine { dev: Device::get(ordinal)?, head_lists: Mutex::new(Vec::new()) })
     }
 
     /// An engine on a context the caller already holds, e.g. candle's
@@ -72,7 +72,7 @@ impl Engine {
     /// # Errors
     /// As [`Engine::new`].
     pub fn from_context(ctx: Arc<CudaContext>) -> Result<Self> {
-        Ok(Engine { dev: Device::for_context(ctx)?, alibi: Mutex::new(Vec::new()) })
+        Ok(Engine { dev: Device::for_context(ctx)?, head_lists: Mutex::new(Vec::new()) })
     }
 
     pub fn device(&self) -> &Arc<Device> {
@@ -149,46 +149,48 @@ impl Engine {
         }
         let raw = self.own_stream(stream)?;
         self.dev.context().bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
-        self.alibi_on_device(&Arc::from(slopes), raw).map(|_| ())
+        self.head_list_on_device(&Arc::from(slopes), "alibi_slopes", raw).map(|_| ())
     }
 
-    /// The device copy of a slope set: uploaded on `stream` (no synchronization) the first time
-    /// the set is seen; a launch on another stream waits (on the device) for that upload while
-    /// it is still in flight. The context is current.
-    pub(super) fn alibi_on_device(&self, slopes: &Arc<[f32]>, stream: sys::CUstream) -> Result<u64> {
-        let mut cache = self.alibi.lock().unwrap_or_else(|e| e.into_inner());
-        let found = cache.iter().position(|a| Arc::ptr_eq(&a.host, slopes) || a.host[..] == slopes[..]);
+    /// The device copy of a per-head f32 list (`option` names it in errors: "alibi_slopes",
+    /// "sinks"): uploaded on `stream` (no synchronization) the first time the list is seen; a
+    /// launch on another stream waits (on the device) for that upload while it is still in
+    /// flight. The context is current.
+    pub(super) fn head_list_on_device(&self, list: &Arc<[f32]>, option: &'static str, stream: sys::CUstream) -> Result<u64> {
+        let mut cache = self.head_lists.lock().unwrap_or_else(|e| e.into_inner());
+        let found = cache.iter().position(|a| Arc::ptr_eq(&a.host, list) || a.host[..] == list[..]);
         let Some(i) = found else {
             // SAFETY: `stream` is a valid stream of the current context (checked by the caller).
             let capturing = unsafe { result::stream::is_capturing(stream) }.map_err(cuda_err("cuStreamIsCapturing"))?;
             if capturing != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
                 return Err(Error::InvalidOption {
-                    option: "alibi_slopes",
-                    got: format!("a slope set of {} heads first seen while the stream is being captured", slopes.len()),
-                    expected: "slopes uploaded before the capture (Engine::prepare_alibi, or one launch with them)".into(),
+                    option,
+                    got: format!("a list of {} heads first seen while the stream is being captured", list.len()),
+                    expected: "the list uploaded before the capture (one launch with it; Engine::prepare_alibi for slopes)"
+                        .into(),
                 });
             }
-            let bytes = std::mem::size_of_val(&slopes[..]);
-            // SAFETY: plain driver calls in the current context; `host` (an Arc of the slopes,
+            let bytes = std::mem::size_of_val(&list[..]);
+            // SAFETY: plain driver calls in the current context; `host` (an Arc of the list,
             // kept in the cache entry) outlives the asynchronous copy, and `ptr` holds `bytes`.
             let entry = unsafe {
-                let ptr = result::malloc_sync(bytes).map_err(cuda_err("cuMemAlloc(alibi)"))?;
+                let ptr = result::malloc_sync(bytes).map_err(cuda_err("cuMemAlloc(per-head list)"))?;
                 let ready = match result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING) {
                     Ok(e) => e,
                     Err(e) => {
                         let _ = result::free_sync(ptr);
-                        return Err(cuda_err("cuEventCreate(alibi)")(e));
+                        return Err(cuda_err("cuEventCreate(per-head list)")(e));
                     }
                 };
-                let entry = AlibiOnDevice {
-                    host: slopes.clone(),
+                let entry = HeadListOnDevice {
+                    host: list.clone(),
                     ptr,
                     ready,
                     uploaded_on: stream_id(stream),
                     ctx: self.dev.context().clone(),
                 };
-                result::memcpy_htod_async(entry.ptr, &entry.host[..], stream).map_err(cuda_err("cuMemcpyHtoDAsync(alibi)"))?;
-                result::event::record(entry.ready, stream).map_err(cuda_err("cuEventRecord(alibi)"))?;
+                result::memcpy_htod_async(entry.ptr, &entry.host[..], stream).map_err(cuda_err("cuMemcpyHtoDAsync(per-head list)"))?;
+                result::event::record(entry.ready, stream).map_err(cuda_err("cuEventRecord(per-head list)"))?;
                 entry
             };
             let ptr = entry.ptr;
@@ -203,9 +205,9 @@ impl Engine {
                 Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_READY => {
                     // SAFETY: as above; `stream` is a valid stream of the current context.
                     unsafe { result::stream::wait_event(stream, a.ready, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
-                        .map_err(cuda_err("cuStreamWaitEvent(alibi)"))?;
+                        .map_err(cuda_err("cuStreamWaitEvent(per-head list)"))?;
                 }
-                Err(e) => return Err(cuda_err("cuEventQuery(alibi)")(e)),
+                Err(e) => return Err(cuda_err("cuEventQuery(per-head list)")(e)),
             }
         }
         Ok(a.ptr)

@@ -1,8 +1,8 @@
 //! The device-memory API for engines: borrowed device tensors, the caller's stream (a cudarc
 //! `CudaStream` of any `Arc` of the same context, e.g. candle's, or a raw `CUstream` for
 //! engines that do not use cudarc), output into a caller-provided buffer. After the first call
-//! of a given kernel (module load) and of a given ALiBi slope set (one asynchronous upload on
-//! the caller's stream, or [`Engine::prepare_alibi`] beforehand), `Engine::launch` allocates
+//! of a given kernel (module load) and of a given ALiBi slope set or sink list (one asynchronous
+//! upload on the caller's stream, or [`Engine::prepare_alibi`] beforehand), `Engine::launch` allocates
 //! nothing and never synchronizes: it validates, picks the kernel (a table lookup) and enqueues
 //! one launch, so it can be captured in a CUDA graph.
 //!

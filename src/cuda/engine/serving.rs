@@ -208,6 +208,7 @@ impl Engine {
             strides: [qb.strides, kb.strides, vb.strides, ob.strides],
             lse: 0,
             alibi: 0,
+            sinks: 0,
         };
         // A family with a serving path: under Auto, FA2 when the fastest one has none.
         let mut c = select::choose_for(&*self.dev, &p, opts.variant, &ops)?;
@@ -231,7 +232,11 @@ impl Engine {
             ops.lse = l.b.ptr;
         }
         ops.alibi = match &p.alibi {
-            Some(slopes) => self.alibi_on_device(slopes, stream)?,
+            Some(slopes) => self.head_list_on_device(slopes, "alibi_slopes", stream)?,
+            None => 0,
+        };
+        ops.sinks = match &p.sinks {
+            Some(sinks) => self.head_list_on_device(sinks, "sinks", stream)?,
             None => 0,
         };
         // Split-KV (flash-decoding): the caller's count, else the one heuristic on this GPU's
@@ -304,7 +309,7 @@ impl Engine {
             let plan = plan_instance(c.family, c.tile, p.dtype, params, self.dev.sm_count())?;
             launch(&self.dev.plan_function(&plan)?, stream, &plan)?;
             let out = combine::Rows { ptr: ops.ptrs[3], strides: ops.strides[3] };
-            let merge = combine::splits_plan(shape, splits, sops.o_accum, sops.lse_accum, p.dtype, out, ops.lse)?;
+            let merge = combine::splits_plan(shape, splits, sops.o_accum, sops.lse_accum, p.dtype, out, ops.lse, ops.sinks)?;
             let f = self.dev.standalone_function(combine::row(), merge.kernel)?;
             launch_combine(&f, stream, &merge)
         };

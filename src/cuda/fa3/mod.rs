@@ -192,14 +192,14 @@ mod tests {
         let (q, kv) = ([2, 100, 4, 128], [2, 300, 2, 128]);
         let p = Problem::from_shapes(q, kv, kv, DType::BF16, &ForwardOptions::default()).unwrap();
         let st = |s: [usize; 4]| [s[1] * s[2] * s[3], s[2] * s[3], s[3]];
-        let ops = Operands { ptrs: [0x1000, 0x2000, 0x3000, 0x4000], strides: [st(q), st(kv), st(kv), st(q)], lse: 0, alibi: 0 };
+        let ops = Operands { ptrs: [0x1000, 0x2000, 0x3000, 0x4000], strides: [st(q), st(kv), st(kv), st(q)], lse: 0, alibi: 0, sinks: 0 };
         FwdParams::for_launch(&p, &ops)
     }
 
     #[test]
     fn layout_refusals_name_the_operand() {
         let (q, kv) = ([100 * 4 * 128, 4 * 128, 128], [300 * 2 * 128, 2 * 128, 128]);
-        let ok = Operands { ptrs: [0x1000, 0x2000, 0x3000, 0x4000], strides: [q, kv, kv, q], lse: 0, alibi: 0 };
+        let ok = Operands { ptrs: [0x1000, 0x2000, 0x3000, 0x4000], strides: [q, kv, kv, q], lse: 0, alibi: 0, sinks: 0 };
         assert_eq!(Fa3.layout_refusal(&ok), None);
         let misaligned = Operands { ptrs: [0x1000, 0x2008, 0x3000, 0x4000], ..ok };
         assert_eq!(Fa3.layout_refusal(&misaligned).map(|r| r.operand), Some(Operand::K));

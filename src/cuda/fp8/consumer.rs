@@ -181,6 +181,7 @@ pub fn consumer_plan(p: &Problem, ops: &ConsumerOperands, stage: u32, sm_count: 
         strides: [ops.q_strides, ops.k_strides, ops.vt_strides, ops.o_strides],
         lse: ops.lse,
         alibi: 0,
+        sinks: 0,
     };
     let mut params = FwdParams::for_launch(p, &operands);
     [params.q_descale, params.k_descale, params.v_descale] = ops.descales;

@@ -180,6 +180,7 @@ mod tests {
             strides: [contiguous(100, 4), contiguous(90, 2), contiguous(90, 2), contiguous(100, 4)],
             lse: 0x50_0000,
             alibi: 0,
+            sinks: 0,
         };
         let base = 0x100_0000u64;
         let (qk, v, params) = forward_plans(&p, &ops, base, &l).unwrap();

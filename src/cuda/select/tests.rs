@@ -387,7 +387,7 @@ fn head_dim_512_runs_on_fa2_only() {
 }
 
 fn operands(ptrs: [u64; 4], strides: [[usize; 3]; 4]) -> Operands {
-    Operands { ptrs, strides, lse: 0, alibi: 0 }
+    Operands { ptrs, strides, lse: 0, alibi: 0, sinks: 0 }
 }
 
 #[test]
@@ -681,24 +681,38 @@ fn fa4_softmax_sweep_rows_are_reached_by_their_knobs() {
     assert!(matches!(e, Error::InvalidOption { option: "fa4_exp2_share", .. }), "{e:?}");
 }
 
-/// No kernel family implements attention sinks: every explicit variant is refused, and `Auto`
-/// finds no kernel, saying why (so `Backend::Auto` runs the call on the CPU), on
-/// every GPU of the real table. A sinks list of only −inf is no sink and runs as before.
+/// Attention sinks run on the families whose rows have `SINKS` (FA1, FA2, every 16-bit FA3
+/// stage): Auto picks what it picks without sinks, on every GPU of the real table; an explicit
+/// FA1 / FA2 / FA3 (any `fa3_stage`) runs them; FA4's rows (its own stages and FA4's softmax in
+/// the FA2 / FA3 pipelines) refuse them, naming the option. A sinks list of only −inf is no sink.
 #[test]
-fn every_family_refuses_sinks() {
+fn sinks_run_on_fa1_fa2_and_fa3() {
     let blackwell = Built(FakeGpu { cc: (10, 0), smem: 227 * 1024 });
     let opts = ForwardOptions::default().sinks(vec![0.5f32, -1.0, 2.0, f32::NEG_INFINITY]);
     for gpu in FA2_GPUS.iter().map(|(g, _)| g).chain([&blackwell]) {
         for dtype in [DType::F16, DType::BF16] {
             let p = problem(dtype, 128, &opts);
-            let e = choose_in(FAMILIES, gpu, &p, Variant::Auto).unwrap_err();
-            assert!(matches!(&e, Error::BackendUnavailable { reason, .. } if reason.contains("sinks")), "{e:?}");
-            for variant in [Variant::Fa1, Variant::Fa2, Variant::Fa3, Variant::Fa4] {
-                let e = choose_in(FAMILIES, gpu, &p, variant).unwrap_err();
-                assert!(matches!(&e, Error::VariantUnavailable { .. }), "sm_{} {variant:?}: {e:?}", gpu.sm());
+            let plain = choose_in(FAMILIES, gpu, &problem(dtype, 128, &ForwardOptions::default()), Variant::Auto).unwrap();
+            let auto = choose_in(FAMILIES, gpu, &p, Variant::Auto).unwrap();
+            assert_eq!(auto.family.name, plain.family.name, "sm_{}", gpu.sm());
+            for variant in [Variant::Fa1, Variant::Fa2] {
+                let c = choose_in(FAMILIES, gpu, &p, variant).unwrap();
+                assert!(c.family.options.contains(KernelOptions::SINKS), "{}", c.family.name);
             }
+            match choose_in(FAMILIES, gpu, &p, Variant::Fa3) {
+                Ok(c) => assert_eq!((gpu.sm(), c.family.name), (90, "fa3s5")),
+                Err(e) => assert_ne!(gpu.sm(), 90, "{e:?}"),
+            }
+            let e = choose_in(FAMILIES, gpu, &p, Variant::Fa4).unwrap_err();
+            assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("sinks")), "{e:?}");
         }
         let none = ForwardOptions::default().sinks(vec![f32::NEG_INFINITY; 4]);
         assert!(choose_in(FAMILIES, gpu, &problem(DType::BF16, 128, &none), Variant::Auto).is_ok());
+    }
+    let hopper = &FA2_GPUS[3].0;
+    for stage in 1..=5u8 {
+        let o = opts.clone().variant(Variant::Fa3).fa3_stage(stage);
+        let c = choose_in(FAMILIES, hopper, &problem(DType::BF16, 128, &o), Variant::Fa3).unwrap();
+        assert_eq!(c.family.stage, Some(stage));
     }
 }

@@ -149,12 +149,13 @@ pub fn run_case(c: &Case, mutation: Option<&Mutation>) -> Outcome {
     }
     let (qv, kv, vv) = (view(&q, c.q, c.bhsd), view(&k, c.k, c.bhsd), view(&v, c.k, c.bhsd));
     let p = Problem::new(&qv, &kv, &vv, &opts).map_err(|e| format!("problem: {e}"))?;
-    use addr::{ALIBI, K, LSE, O, Q, V};
+    use addr::{ALIBI, K, LSE, O, Q, SINKS, V};
     let ops = Operands {
         ptrs: [Q, K, V, O],
         strides: [qv.strides(), kv.strides(), vv.strides(), qv.strides()],
         lse: if c.opts.return_lse { LSE } else { 0 },
         alibi: if c.opts.alibi_slopes.is_some() { ALIBI } else { 0 },
+        sinks: if p.sinks.is_some() { SINKS } else { 0 },
     };
     let pl: LaunchPlan = plan(c.family, &p, &ops, c.sm_count).map_err(|e| format!("plan: {e}"))?;
     let fam = FAMILIES.iter().find(|f| f.name == c.family).unwrap();
@@ -174,6 +175,9 @@ pub fn run_case(c: &Case, mutation: Option<&Mutation>) -> Outcome {
     }
     if let Some(s) = &c.opts.alibi_slopes {
         bufs.push(LaunchBuf::input("alibi", ALIBI, s.iter().flat_map(|x| x.to_le_bytes()).collect()));
+    }
+    if let Some(s) = &p.sinks {
+        bufs.push(LaunchBuf::input("sinks", SINKS, s.iter().flat_map(|x| x.to_le_bytes()).collect()));
     }
     let (log, outs) = run_launch(&exe, &dir, &pl, c.family, &c.seeds, &bufs)?;
     // Outputs against the float64 reference, with the GPU tests' rule.

@@ -97,4 +97,5 @@ pub mod addr {
     pub const LSE_ACC: u64 = 0x75_0000_0000;
     pub const KNEW: u64 = 0x76_0000_0000;
     pub const VNEW: u64 = 0x77_0000_0000;
+    pub const SINKS: u64 = 0x78_0000_0000;
 }
