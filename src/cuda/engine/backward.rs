@@ -195,7 +195,7 @@ impl Engine {
             functions.push(self.dev.standalone_function_smem(c.row, symbol, l.smem_bytes)?);
         }
         if let Some(slopes) = &p.alibi {
-            ops.alibi = self.alibi_on_device(slopes, stream)?;
+            ops.alibi = self.head_list_on_device(slopes, "alibi_slopes", stream)?;
         }
         let offset = dq_accum_offset(sized.bwd.d_sum_floats);
         let bytes = sized
