@@ -43,7 +43,7 @@ impl<'a> Rotary<'a> {
     /// tables `[seqlen_ro, rotary_dim / 2]`.
     pub(super) fn check(&self, head_dim: usize) -> Result<()> {
         let r = self.rotary_dim;
-        if r < 2 || r % 2 != 0 || r > head_dim {
+        if r < 2 || !r.is_multiple_of(2) || r > head_dim {
             return Err(Error::InvalidOption {
                 option: "rotary_dim",
                 got: r.to_string(),
@@ -52,7 +52,7 @@ impl<'a> Rotary<'a> {
         }
         let half = r / 2;
         for (option, t) in [("rotary_cos", self.cos), ("rotary_sin", self.sin)] {
-            if t.len() % half != 0 || t.len() != self.cos.len() {
+            if !t.len().is_multiple_of(half) || t.len() != self.cos.len() {
                 return Err(Error::InvalidOption {
                     option,
                     got: format!("{} values", t.len()),
