@@ -350,18 +350,17 @@ fn append_then_attend<T: Element>(
 ) -> Result<Output> {
     let slots = check_append(cache, k_new, v_new)?;
     let new = k_new.seqlen();
-    let layout = (QueryLayout::Dense, cache.kv_layout(new), cache.rows());
-    let advance = {
+    // Everything is checked, and q's rotated copy made, before the first write.
+    let q_rot = {
         let (kc, vc) = cache.views();
-        prepare(q, &kc, &vc, layout, opts)?;
+        prepare(q, &kc, &vc, (QueryLayout::Dense, cache.kv_layout(new), cache.rows()), opts)?;
         match rotary {
-            Some(rot) => Some(check_rotary(rot, q, new, cache, opts)?),
+            Some(rot) => {
+                let advance = check_rotary(rot, q, new, cache, opts)?;
+                Some(rotary::rotated_q(q, rot, cache.seqlens, advance)?)
+            }
             None => None,
         }
-    };
-    let q_rot = match (rotary, advance) {
-        (Some(rot), Some(adv)) => Some(rotary::rotated_q(q, rot, cache.seqlens, adv)?),
-        _ => None,
     };
     write_rows(cache, k_new, v_new, &slots, rotary);
     let (kc, vc) = cache.views();
@@ -386,10 +385,10 @@ fn check_rotary<T: Element>(
     };
     let advance = rotary::q_rows_advance(opts.mask, capacity);
     let sq = q.seqlen();
-    let q_span = if advance { sq } else { sq.min(1) };
-    for (b, &s) in cache.seqlens.iter().enumerate() {
-        let span = new.max(q_span);
-        if span > 0 {
+    // Positions seqlens[b] + i for the new keys, and for q's rows (or seqlens[b] alone).
+    let span = new.max(if advance { sq } else { sq.min(1) });
+    if span > 0 {
+        for (b, &s) in cache.seqlens.iter().enumerate() {
             rot.check_covers(b, s as usize + span - 1)?;
         }
     }
