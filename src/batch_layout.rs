@@ -33,7 +33,8 @@ pub enum KvLayout<'a> {
     /// `cu_seqlens[b]..cu_seqlens[b + 1]`.
     Varlen { cu_seqlens: &'a [i32], max_seqlen: usize },
     /// k, v are caches `[batch, capacity, heads_kv, head_dim]`: sequence `b` uses its first
-    /// `seqlens[b] + new` rows (`new`: the rows appended by this call).
+    /// `seqlens[b] + new` rows (`new`: the rows appended by this call), or the rows from
+    /// [`CacheRows::leftpad`] of the cache row [`CacheRows::batch_idx`] names.
     Cache { seqlens: &'a [i32], new: usize },
     /// k, v are paged caches `[num_blocks, page_size, heads_kv, head_dim]`: key `j` of sequence
     /// `b` is slot `j % page_size` of block `block_table[b * max_blocks_per_seq + j / page_size]`;
@@ -46,12 +47,33 @@ pub enum KvLayout<'a> {
     },
 }
 
+/// Which row of a dense cache each sequence reads and writes, and the row its keys start at
+/// (FlashAttention's `cache_batch_idx` and `cache_leftpad`). Both are per sequence of the
+/// batch, and only a dense cache ([`KvLayout::Cache`]) takes them, as in FlashAttention: a
+/// paged cache's block table already says where each sequence's keys are.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CacheRows<'a> {
+    /// Sequence `b` uses cache row `batch_idx[b]` (`None`: row `b`). The cache's batch
+    /// dimension may then differ from the batch: a pool of cache rows, some unused.
+    pub batch_idx: Option<&'a [i32]>,
+    /// Sequence `b`'s keys are cache positions `leftpad[b]..seqlens[b] + new` (`None`: from 0).
+    /// Masks and ALiBi count keys from `leftpad[b]`; `cache_seqlens` counts from row 0.
+    pub leftpad: Option<&'a [i32]>,
+}
+
+impl CacheRows<'_> {
+    fn is_none(&self) -> bool {
+        self.batch_idx.is_none() && self.leftpad.is_none()
+    }
+}
+
 /// A validated batch layout (see [`BatchLayout::new`] for the rules).
 #[derive(Clone, Copy, Debug)]
 pub struct BatchLayout<'a> {
     batch: usize,
     q: QueryLayout<'a>,
     kv: KvLayout<'a>,
+    rows: CacheRows<'a>,
     /// Rows of q's seqlen dimension: seqlen_q (dense) or total_q (varlen).
     q_rows: usize,
     /// k's first two dimensions: (batch, seqlen_k), (1, total_k), (batch, capacity) or
@@ -159,6 +181,49 @@ fn check_seqlens(seqlens: &[i32], batch: usize, new: usize, capacity: usize, cap
     Ok(max_len)
 }
 
+/// Checks `cache_batch_idx`: one cache row in `0..cache_rows` per sequence.
+fn check_batch_idx(idx: &[i32], batch: usize, cache_rows: usize) -> Result<()> {
+    if idx.len() != batch {
+        return Err(bad(
+            "cache_batch_idx",
+            format!("{} entries", idx.len()),
+            format!("{batch} (one cache row per sequence of the batch)"),
+        ));
+    }
+    if let Some((b, &r)) = idx.iter().enumerate().find(|(_, &r)| usize::try_from(r).map_or(true, |r| r >= cache_rows)) {
+        return Err(bad(
+            "cache_batch_idx",
+            format!("cache_batch_idx[{b}] = {r}"),
+            format!("a row of the cache in 0..{cache_rows} (its batch dimension)"),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks `cache_leftpad` (`0 <= leftpad[b] <= cache_seqlens[b]`, seqlens already checked);
+/// returns the most keys a sequence sees, `seqlens[b] + new - leftpad[b]`.
+fn check_leftpad(pad: &[i32], seqlens: &[i32], new: usize) -> Result<usize> {
+    if pad.len() != seqlens.len() {
+        return Err(bad(
+            "cache_leftpad",
+            format!("{} entries", pad.len()),
+            format!("{} (one per sequence of the batch)", seqlens.len()),
+        ));
+    }
+    let mut max_len = 0usize;
+    for (b, (&p, &s)) in pad.iter().zip(seqlens).enumerate() {
+        if p < 0 || p > s {
+            return Err(bad(
+                "cache_leftpad",
+                format!("cache_leftpad[{b}] = {p} with cache_seqlens[{b}] = {s}"),
+                "0 <= cache_leftpad[b] <= cache_seqlens[b] (the keys start at row leftpad, before the cached end)".into(),
+            ));
+        }
+        max_len = max_len.max((s - p) as usize + new);
+    }
+    Ok(max_len)
+}
+
 impl<'a> BatchLayout<'a> {
     /// Validates a layout against the shapes of q and k (v must have k's shape; the caller
     /// checks that).
@@ -176,6 +241,22 @@ impl<'a> BatchLayout<'a> {
     ///   entries, and every entry a sequence uses (the first `ceil(len / page_size)` of its row)
     ///   is a block id in `0..num_blocks`; unused entries are not read (engines pad with -1).
     pub fn new(q: QueryLayout<'a>, q_shape: Shape, kv: KvLayout<'a>, k_shape: Shape) -> Result<Self> {
+        Self::with_cache_rows(q, q_shape, kv, k_shape, CacheRows::default())
+    }
+
+    /// [`BatchLayout::new`] with each sequence's cache row and first key ([`CacheRows`]).
+    /// Further rules:
+    /// - Only a dense cache takes them (FlashAttention refuses them with a paged cache).
+    /// - `batch_idx` has `batch` entries, each a row of the cache (`0..k_shape[0]`); rows may
+    ///   repeat when nothing is appended (the append refuses two sequences on one row).
+    /// - `leftpad` has `batch` entries with `0 <= leftpad[b] <= cache_seqlens[b]`.
+    pub fn with_cache_rows(
+        q: QueryLayout<'a>,
+        q_shape: Shape,
+        kv: KvLayout<'a>,
+        k_shape: Shape,
+        rows: CacheRows<'a>,
+    ) -> Result<Self> {
         let (batch, q_rows, max_seqlen_q) = match q {
             QueryLayout::Dense => (q_shape[0], q_shape[1], q_shape[1]),
             QueryLayout::Varlen { cu_seqlens, max_seqlen } => {
@@ -195,6 +276,20 @@ impl<'a> BatchLayout<'a> {
             }
             Ok(())
         };
+        if !rows.is_none() && !matches!(kv, KvLayout::Cache { .. }) {
+            let what = if rows.batch_idx.is_some() { "cache_batch_idx" } else { "cache_leftpad" };
+            let got = match kv {
+                KvLayout::Paged { .. } => "a paged cache (block_table)",
+                _ => "packed or dense k/v",
+            };
+            return Err(bad(
+                what,
+                got.into(),
+                "a dense cache [batch, capacity, heads_kv, head_dim] (FlashAttention takes cache_batch_idx and \
+                 cache_leftpad only there; a block table already places each sequence's keys)"
+                    .into(),
+            ));
+        }
         let max_seqlen_k = match kv {
             KvLayout::Dense => {
                 same_batch("k")?;
@@ -213,14 +308,21 @@ impl<'a> BatchLayout<'a> {
                 m
             }
             KvLayout::Cache { seqlens, new } => {
-                same_batch("k_cache")?;
-                check_seqlens(
+                match rows.batch_idx {
+                    None => same_batch("k_cache")?,
+                    Some(idx) => check_batch_idx(idx, batch, k_shape[0])?,
+                }
+                let max_len = check_seqlens(
                     seqlens,
                     batch,
                     new,
                     k_shape[1],
                     "the cache's capacity (its seqlen dimension)",
-                )?
+                )?;
+                match rows.leftpad {
+                    None => max_len,
+                    Some(pad) => check_leftpad(pad, seqlens, new)?,
+                }
             }
             KvLayout::Paged {
                 block_table,
@@ -271,6 +373,7 @@ impl<'a> BatchLayout<'a> {
             batch,
             q,
             kv,
+            rows,
             q_rows,
             k_dims,
             max_seqlen_q,
@@ -284,6 +387,7 @@ impl<'a> BatchLayout<'a> {
             batch,
             q: QueryLayout::Dense,
             kv: KvLayout::Dense,
+            rows: CacheRows::default(),
             q_rows: seqlen_q,
             k_dims: [batch, seqlen_k],
             max_seqlen_q: seqlen_q,
@@ -339,6 +443,24 @@ impl<'a> BatchLayout<'a> {
         self.q_rows
     }
 
+    /// Each sequence's cache row and first key (none unless the call gave them).
+    pub fn cache_rows(&self) -> CacheRows<'a> {
+        self.rows
+    }
+
+    /// The first cache position of sequence `b`'s keys (`cache_leftpad[b]`, else 0).
+    #[inline]
+    pub fn leftpad(&self, b: usize) -> usize {
+        self.rows.leftpad.map_or(0, |p| p[b] as usize)
+    }
+
+    /// The cache row (k's first index) of sequence `b` of a dense cache (`cache_batch_idx[b]`,
+    /// else `b`).
+    #[inline]
+    pub fn cache_row(&self, b: usize) -> usize {
+        self.rows.batch_idx.map_or(b, |i| i[b] as usize)
+    }
+
     /// k's first two dimensions: `(batch, seqlen_k)`, `(1, total_k)`, `(batch, capacity)` or
     /// `(num_blocks, page_size)`.
     pub fn k_dims(&self) -> [usize; 2] {
@@ -368,7 +490,8 @@ impl<'a> BatchLayout<'a> {
         match self.kv {
             KvLayout::Dense => self.k_dims[1],
             KvLayout::Varlen { cu_seqlens, .. } => (cu_seqlens[b + 1] - cu_seqlens[b]) as usize,
-            KvLayout::Cache { seqlens, new } | KvLayout::Paged { seqlens, new, .. } => seqlens[b] as usize + new,
+            KvLayout::Cache { seqlens, new } => seqlens[b] as usize + new - self.leftpad(b),
+            KvLayout::Paged { seqlens, new, .. } => seqlens[b] as usize + new,
         }
     }
 
@@ -394,7 +517,11 @@ impl<'a> BatchLayout<'a> {
     #[inline]
     pub(crate) fn for_kv_rows(&self, b: usize, j0: usize, j1: usize, mut f: impl FnMut(usize, usize, usize)) {
         match self.kv {
-            KvLayout::Dense | KvLayout::Cache { .. } => (j0..j1).enumerate().for_each(|(jl, j)| f(jl, b, j)),
+            KvLayout::Dense => (j0..j1).enumerate().for_each(|(jl, j)| f(jl, b, j)),
+            KvLayout::Cache { .. } => {
+                let (row, pad) = (self.cache_row(b), self.leftpad(b));
+                (j0..j1).enumerate().for_each(|(jl, j)| f(jl, row, pad + j));
+            }
             KvLayout::Varlen { cu_seqlens, .. } => {
                 let start = cu_seqlens[b] as usize;
                 (j0..j1).enumerate().for_each(|(jl, j)| f(jl, 0, start + j));

@@ -522,6 +522,22 @@ pub fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// The rotary embedding of one head's row in float64 (FlashAttention's `apply_rotary_emb`):
+/// the first `2 * cos_row.len()` features turn by the angles whose cosines and sines are
+/// `cos_row`, `sin_row` (one table row, the row's position), paired as adjacent features
+/// `(2t, 2t + 1)` with `interleaved`, else as `t` and `t + cos_row.len()`; the rest pass through.
+pub fn rotary_f64(x: &[f64], cos_row: &[f32], sin_row: &[f32], interleaved: bool) -> Vec<f64> {
+    let half = cos_row.len();
+    let mut out = x.to_vec();
+    for (t, (&c, &s)) in cos_row.iter().zip(sin_row).enumerate() {
+        let (a, b) = if interleaved { (2 * t, 2 * t + 1) } else { (t, t + half) };
+        let (c, s) = (c as f64, s as f64);
+        out[a] = x[a] * c - x[b] * s;
+        out[b] = x[a] * s + x[b] * c;
+    }
+    out
+}
+
 /// Root-mean-square difference.
 pub fn rmse(a: &[f64], b: &[f64]) -> f64 {
     let n = a.len().max(1) as f64;
@@ -532,6 +548,20 @@ pub fn rmse(a: &[f64], b: &[f64]) -> f64 {
 mod tests {
     use super::*;
     use crate::{ForwardOptions, Mask, Tensor};
+
+    #[test]
+    fn rotary_turns_each_pair_by_its_angle() {
+        let (c, s) = (0.6f32, 0.8f32); // cos and sin of one angle
+        let x = [1.0, 2.0, 3.0, 4.0, 5.0];
+        // Half-split: pairs (0, 2) and (1, 3) of rotary_dim 4; feature 4 passes through.
+        let r = rotary_f64(&x, &[c, 1.0], &[s, 0.0], false);
+        let want = [1.0 * 0.6 - 3.0 * 0.8, 2.0, 1.0 * 0.8 + 3.0 * 0.6, 4.0, 5.0];
+        assert!(r.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-6), "{r:?}");
+        // Interleaved: pairs (0, 1) and (2, 3).
+        let r = rotary_f64(&x, &[c, 1.0], &[s, 0.0], true);
+        let want = [1.0 * 0.6 - 2.0 * 0.8, 1.0 * 0.8 + 2.0 * 0.6, 3.0, 4.0, 5.0];
+        assert!(r.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-6), "{r:?}");
+    }
 
     #[test]
     fn sampled_rows_match_the_full_reference() {

@@ -1,6 +1,6 @@
 //! `backward_varlen`: the backward pass of [`super::forward_varlen`].
 
-use super::layout::{KvLayout, QueryLayout};
+use super::layout::{CacheRows, KvLayout, QueryLayout};
 use super::validate::{check_view, prepare};
 use super::varlen::Varlen;
 use crate::backward::{check_lse, check_like_q, cpu_dispatch, route_cpu_only, run_cpu, Gradients};
@@ -37,7 +37,7 @@ pub fn backward_varlen(
     }
     let ql = QueryLayout::Varlen { cu_seqlens: seqs.cu_seqlens_q, max_seqlen: seqs.max_seqlen_q };
     let kl = KvLayout::Varlen { cu_seqlens: seqs.cu_seqlens_k, max_seqlen: seqs.max_seqlen_k };
-    let (p, layout) = prepare(&q, &k, &v, ql, kl, opts)?;
+    let (p, layout) = prepare(&q, &k, &v, (ql, kl, CacheRows::default()), opts)?;
     let total_q = q.shape()[1];
     check_lse(lse, p.heads_q * total_q, "[heads_q, total_q]")?;
     let why = route_cpu_only(opts)?;

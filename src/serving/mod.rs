@@ -9,12 +9,15 @@
 //! | [`forward_kvcache`] | `flash_attn_with_kvcache` | `[batch, seqlen_q, hq, d]` | dense or paged cache |
 //! | [`forward_varlen_kvcache`] | `flash_attn_varlen_func(block_table=..)` | packed | dense or paged cache |
 //! | [`forward_kvcache_append`] | `flash_attn_with_kvcache(k=.., v=..)` | `[batch, seqlen_new, hq, d]` | cache, written then read |
+//! | [`forward_kvcache_append_rotary`] | the same with `rotary_cos`, `rotary_sin` | `[batch, seqlen_new, hq, d]` | cache, written then read |
 //! | [`merge_states`], [`merge_states_n`] | `merge_state`, `merge_states` | | |
 //! | [`backward_varlen`] | `flash_attn_varlen_func` (backward) | packed | packed |
 //!
 //! Every mask, softcap, ALiBi slope, GQA group and LSE applies per sequence, with causal and
 //! window masks aligned to the bottom-right of each sequence's own score matrix. Sequences of
 //! length 0 are allowed (no output rows; a query that sees no key gives 0 and LSE −inf).
+//! A dense cache also takes FlashAttention's `cache_batch_idx` and `cache_leftpad`
+//! ([`KvCache::batch_idx`], [`KvCache::leftpad`]).
 //!
 //! These run on the CPU backend (the in-place path: no repack of the cache per call, all
 //! query heads of a GQA group in one pass over their K/V, split-KV when the workers would idle).
@@ -37,6 +40,8 @@
 //!     shape: [8, page, hkv, d],
 //!     seqlens: &seqlens,
 //!     block_table: Some(BlockTable { ids: &table, max_blocks_per_seq: 4 }),
+//!     batch_idx: None,
+//!     leftpad: None,
 //! };
 //! let opts = ForwardOptions::default().mask(Mask::Causal).return_lse(true);
 //! let out = forward_kvcache_append(&q, &mut cache, &k_new, &k_new, &opts)?;
@@ -46,6 +51,7 @@
 //! ```
 
 mod backward;
+mod rotary;
 mod validate;
 mod varlen;
 pub mod layout;
@@ -53,7 +59,8 @@ pub mod layout;
 pub(crate) use crate::numerics::merge;
 
 pub use backward::backward_varlen;
-pub use layout::{BatchLayout, KvLayout, QueryLayout};
+pub use layout::{BatchLayout, CacheRows, KvLayout, QueryLayout};
+pub use rotary::Rotary;
 pub use varlen::Varlen;
 pub use merge::{merge_states, merge_states_n, AttentionState};
 
@@ -65,7 +72,7 @@ use crate::numerics::softmax_math::SoftmaxMath;
 use crate::options::{Backend, ForwardOptions};
 use crate::problem::Problem;
 use crate::tensor::{numel, AsTensorView, Data, Element, OwnedData, Shape, TensorView};
-use validate::{check_view, prepare};
+use validate::{check_view, prepare, refuse_on_gpu};
 
 /// A paged cache's block table: `[batch, max_blocks_per_seq]` block ids, row-major.
 #[derive(Clone, Copy, Debug)]
@@ -80,13 +87,23 @@ pub struct BlockTable<'a> {
 ///   `seqlens[b]` rows.
 /// - Paged: `k`, `v` are `[num_blocks, page_size, heads_kv, head_dim]` (any page size),
 ///   `block_table` maps each sequence's pages to blocks, in any order, shared or not.
+///
+/// `batch_idx` and `leftpad` (dense caches only, as in FlashAttention) place each sequence in
+/// the cache: see [`CacheRows`].
 #[derive(Clone, Copy, Debug)]
 pub struct KvCache<'a> {
     pub k: TensorView<'a>,
     pub v: TensorView<'a>,
-    /// Keys per sequence (FlashAttention's `cache_seqlens`).
+    /// Keys per sequence (FlashAttention's `cache_seqlens`), counted from cache position 0.
     pub seqlens: &'a [i32],
     pub block_table: Option<BlockTable<'a>>,
+    /// Sequence `b` uses cache row `batch_idx[b]` (FlashAttention's `cache_batch_idx`; `None`:
+    /// row `b`). The cache may then hold more rows than the batch has sequences.
+    pub batch_idx: Option<&'a [i32]>,
+    /// Sequence `b`'s keys start at cache position `leftpad[b] <= seqlens[b]` (FlashAttention's
+    /// `cache_leftpad`; `None`: 0): it sees `seqlens[b] - leftpad[b]` keys, and masks and ALiBi
+    /// count them from there.
+    pub leftpad: Option<&'a [i32]>,
 }
 
 impl<'a> KvCache<'a> {
@@ -97,6 +114,8 @@ impl<'a> KvCache<'a> {
             v,
             seqlens,
             block_table: None,
+            batch_idx: None,
+            leftpad: None,
         }
     }
     /// A paged cache `[num_blocks, page_size, heads_kv, head_dim]` with its block table.
@@ -106,13 +125,22 @@ impl<'a> KvCache<'a> {
             v,
             seqlens,
             block_table: Some(block_table),
+            batch_idx: None,
+            leftpad: None,
+        }
+    }
+    fn rows(&self) -> CacheRows<'a> {
+        CacheRows {
+            batch_idx: self.batch_idx,
+            leftpad: self.leftpad,
         }
     }
 }
 
 /// A KV cache this call may write (contiguous buffers), for [`append_kv`] and
 /// [`forward_kvcache_append`]. `shape` is `[batch, capacity, heads_kv, head_dim]` (dense) or
-/// `[num_blocks, page_size, heads_kv, head_dim]` (paged, with `block_table`).
+/// `[num_blocks, page_size, heads_kv, head_dim]` (paged, with `block_table`). `batch_idx` and
+/// `leftpad` as [`KvCache`]'s (dense caches only).
 #[derive(Debug)]
 pub struct KvCacheMut<'a, T: Element> {
     pub k: &'a mut [T],
@@ -122,6 +150,12 @@ pub struct KvCacheMut<'a, T: Element> {
     /// by the call (as FlashAttention's `cache_seqlens`): add the appended count yourself.
     pub seqlens: &'a [i32],
     pub block_table: Option<BlockTable<'a>>,
+    /// Sequence `b` reads and writes cache row `batch_idx[b]` (FlashAttention's
+    /// `cache_batch_idx`); an append refuses two sequences on one row.
+    pub batch_idx: Option<&'a [i32]>,
+    /// Sequence `b`'s keys start at cache position `leftpad[b]` (FlashAttention's
+    /// `cache_leftpad`); new rows still go to `seqlens[b]..`.
+    pub leftpad: Option<&'a [i32]>,
 }
 
 impl<T: Element> KvCacheMut<'_, T> {
@@ -137,6 +171,12 @@ impl<T: Element> KvCacheMut<'_, T> {
                 seqlens: self.seqlens,
                 new,
             },
+        }
+    }
+    fn rows(&self) -> CacheRows<'_> {
+        CacheRows {
+            batch_idx: self.batch_idx,
+            leftpad: self.leftpad,
         }
     }
     fn views(&self) -> (TensorView<'_>, TensorView<'_>) {
@@ -182,24 +222,26 @@ pub fn forward_varlen(
         cu_seqlens: seqs.cu_seqlens_k,
         max_seqlen: seqs.max_seqlen_k,
     };
-    run(&q.as_view(), &k.as_view(), &v.as_view(), ql, kl, opts, "varlen")
+    let rows = CacheRows::default();
+    run(&q.as_view(), &k.as_view(), &v.as_view(), (ql, kl, rows), opts, "varlen")
 }
 
 /// Attention of `q` `[batch, seqlen_q, heads_q, head_dim]` over a KV cache, sequence `b` seeing
-/// its `cache.seqlens[b]` keys, causal masks aligned to each sequence's last key
-/// (FlashAttention's `flash_attn_with_kvcache` without `k`/`v`). LSE as `[batch, heads_q,
-/// seqlen_q]`.
+/// its `cache.seqlens[b]` keys (from `cache.leftpad[b]`, in row `cache.batch_idx[b]`), causal
+/// masks aligned to each sequence's last key (FlashAttention's `flash_attn_with_kvcache`
+/// without `k`/`v`). LSE as `[batch, heads_q, seqlen_q]`.
 ///
 /// # Errors
-/// As [`forward_varlen`]; a `cache_seqlens` beyond the cache or a block id outside it is an
-/// [`Error::InvalidSeqLayout`].
+/// As [`forward_varlen`]; a `cache_seqlens` beyond the cache, a block id or `batch_idx` entry
+/// outside it, a `leftpad` above its `seqlens`, and `batch_idx` or `leftpad` with a paged cache
+/// are [`Error::InvalidSeqLayout`]. `batch_idx` or `leftpad` under `Backend::Cuda` is
+/// [`Error::BackendUnavailable`] (the GPU kernels do not take them yet).
 pub fn forward_kvcache(q: &impl AsTensorView, cache: &KvCache<'_>, opts: &ForwardOptions) -> Result<Output> {
     run(
         &q.as_view(),
         &cache.k,
         &cache.v,
-        QueryLayout::Dense,
-        cache_layout(cache),
+        (QueryLayout::Dense, cache_layout(cache), cache.rows()),
         opts,
         "kvcache",
     )
@@ -207,7 +249,8 @@ pub fn forward_kvcache(q: &impl AsTensorView, cache: &KvCache<'_>, opts: &Forwar
 
 /// A packed batch of queries `[1, total_q, heads_q, head_dim]` (`cu_seqlens_q`,
 /// `max_seqlen_q`) over a KV cache (chunked prefill against a paged cache; FlashAttention's
-/// `flash_attn_varlen_func` with `block_table`). Output and LSE as [`forward_varlen`].
+/// `flash_attn_varlen_func` with `block_table`). Output and LSE as [`forward_varlen`]. A dense
+/// cache's `batch_idx` and `leftpad` apply as in [`forward_kvcache`].
 ///
 /// # Errors
 /// As [`forward_varlen`] and [`forward_kvcache`].
@@ -226,8 +269,7 @@ pub fn forward_varlen_kvcache(
         &q.as_view(),
         &cache.k,
         &cache.v,
-        ql,
-        cache_layout(cache),
+        (ql, cache_layout(cache), cache.rows()),
         opts,
         "varlen-kvcache",
     )
@@ -235,14 +277,15 @@ pub fn forward_varlen_kvcache(
 
 /// Writes this step's keys and values into the cache: row `i` of sequence `b` of `k_new`,
 /// `v_new` (`[batch, seqlen_new, heads_kv, head_dim]`, the cache's dtype) goes to key position
-/// `cache.seqlens[b] + i`, in the block the block table names for it. `cache.seqlens` is not
-/// changed.
+/// `cache.seqlens[b] + i`, in the block the block table names for it (or in row
+/// `cache.batch_idx[b]` of a dense cache). `cache.seqlens` is not changed.
 ///
 /// Everything is validated before the first write: on error the cache is untouched.
 ///
 /// # Errors
-/// Shapes and dtypes as [`crate::forward`]; positions past the cache's capacity, block ids out of
-/// range, and two sequences writing the same slot (a block shared by both) are
+/// Shapes and dtypes as [`crate::forward`]; positions past the cache's capacity, block ids or
+/// `batch_idx` entries out of range, two sequences writing the same slot (a block shared by
+/// both) or the same cache row (`batch_idx`), and `leftpad` as in [`forward_kvcache`] are
 /// [`Error::InvalidSeqLayout`].
 pub fn append_kv<T: Element>(
     cache: &mut KvCacheMut<'_, T>,
@@ -251,14 +294,14 @@ pub fn append_kv<T: Element>(
 ) -> Result<()> {
     let (k_new, v_new) = (k_new.as_view(), v_new.as_view());
     let slots = check_append(cache, &k_new, &v_new)?;
-    write_rows(cache, &k_new, &v_new, &slots);
+    write_rows(cache, &k_new, &v_new, &slots, None);
     Ok(())
 }
 
 /// `flash_attn_with_kvcache` with `k`, `v`: appends `k_new`, `v_new` to the cache as
 /// [`append_kv`] does, then attends `q` `[batch, seqlen_q, heads_q, head_dim]` over the
 /// `seqlens[b] + seqlen_new` keys of each sequence (old and new), in one call. Output and LSE as
-/// [`forward_kvcache`].
+/// [`forward_kvcache`]. With a rotary embedding: [`forward_kvcache_append_rotary`].
 ///
 /// Every argument (the attention's too) is validated before the cache is written.
 ///
@@ -271,26 +314,85 @@ pub fn forward_kvcache_append<T: Element>(
     v_new: &impl AsTensorView,
     opts: &ForwardOptions,
 ) -> Result<Output> {
-    let (q, k_new, v_new) = (q.as_view(), k_new.as_view(), v_new.as_view());
-    let slots = check_append(cache, &k_new, &v_new)?;
+    append_then_attend(&q.as_view(), cache, &k_new.as_view(), &v_new.as_view(), None, opts)
+}
+
+/// [`forward_kvcache_append`] with a rotary embedding (`flash_attn_with_kvcache` with
+/// `rotary_cos`, `rotary_sin`, `rotary_interleaved`): row `i` of `k_new` for sequence `b` is
+/// rotated to position `seqlens[b] + i` before it is written, and q is rotated before the
+/// attention (in a copy: the caller's q is not changed), row `i` to `seqlens[b] + i` under a
+/// causal or window mask, every row to `seqlens[b]` otherwise (FlashAttention's rule). Positions
+/// count cache rows from 0, `leftpad` included. v is not rotated.
+///
+/// # Errors
+/// As [`forward_kvcache_append`]; a `rotary_dim` that is odd or above head_dim, tables of
+/// another shape, and tables without a row for every position rotated at are
+/// [`Error::InvalidOption`]; under `Backend::Cuda` it is [`Error::BackendUnavailable`] (the GPU
+/// kernels do not rotate yet). The cache is untouched on error.
+pub fn forward_kvcache_append_rotary<T: Element>(
+    q: &impl AsTensorView,
+    cache: &mut KvCacheMut<'_, T>,
+    k_new: &impl AsTensorView,
+    v_new: &impl AsTensorView,
+    rotary: &Rotary<'_>,
+    opts: &ForwardOptions,
+) -> Result<Output> {
+    append_then_attend(&q.as_view(), cache, &k_new.as_view(), &v_new.as_view(), Some(rotary), opts)
+}
+
+fn append_then_attend<T: Element>(
+    q: &TensorView<'_>,
+    cache: &mut KvCacheMut<'_, T>,
+    k_new: &TensorView<'_>,
+    v_new: &TensorView<'_>,
+    rotary: Option<&Rotary<'_>>,
+    opts: &ForwardOptions,
+) -> Result<Output> {
+    let slots = check_append(cache, k_new, v_new)?;
     let new = k_new.seqlen();
-    {
+    // Everything is checked, and q's rotated copy made, before the first write.
+    let q_rot = {
         let (kc, vc) = cache.views();
-        prepare(&q, &kc, &vc, QueryLayout::Dense, cache.kv_layout(new), opts)?;
-    }
-    // Rotary embedding goes here when it comes: rotate k_new before the write and q before the
-    // attention, at positions seqlens[b] + i (docs/serving.md).
-    write_rows(cache, &k_new, &v_new, &slots);
+        prepare(q, &kc, &vc, (QueryLayout::Dense, cache.kv_layout(new), cache.rows()), opts)?;
+        match rotary {
+            Some(rot) => {
+                let advance = check_rotary(rot, q, new, cache, opts)?;
+                Some(rotary::rotated_q(q, rot, cache.seqlens, advance)?)
+            }
+            None => None,
+        }
+    };
+    write_rows(cache, k_new, v_new, &slots, rotary);
     let (kc, vc) = cache.views();
-    run(
-        &q,
-        &kc,
-        &vc,
-        QueryLayout::Dense,
-        cache.kv_layout(new),
-        opts,
-        "kvcache-append",
-    )
+    let q = q_rot.as_ref().map_or(*q, |t| t.view());
+    run(&q, &kc, &vc, (QueryLayout::Dense, cache.kv_layout(new), cache.rows()), opts, "kvcache-append")
+}
+
+/// Validates a rotary embedding against the call (`new` rows appended); returns whether q's
+/// rows advance (see [`rotary::q_rows_advance`]).
+fn check_rotary<T: Element>(
+    rot: &Rotary<'_>,
+    q: &TensorView<'_>,
+    new: usize,
+    cache: &KvCacheMut<'_, T>,
+    opts: &ForwardOptions,
+) -> Result<bool> {
+    refuse_on_gpu(opts, "a rotary embedding")?;
+    rot.check(q.head_dim())?;
+    let capacity = match cache.block_table {
+        Some(bt) => bt.max_blocks_per_seq.saturating_mul(cache.shape[1]),
+        None => cache.shape[1],
+    };
+    let advance = rotary::q_rows_advance(opts.mask, capacity);
+    let sq = q.seqlen();
+    // Positions seqlens[b] + i for the new keys, and for q's rows (or seqlens[b] alone).
+    let span = new.max(if advance { sq } else { sq.min(1) });
+    if span > 0 {
+        for (b, &s) in cache.seqlens.iter().enumerate() {
+            rot.check_covers(b, s as usize + span - 1)?;
+        }
+    }
+    Ok(advance)
 }
 
 /// Validates an append; returns the element offset of every row to write, in (b, i) order.
@@ -341,11 +443,22 @@ fn check_append<T: Element>(
             expected: format!("[batch, seqlen_new, {ch}, {cd}] (heads_kv and head_dim of the cache)"),
         });
     }
-    let layout = BatchLayout::new(QueryLayout::Dense, k_new.shape(), cache.kv_layout(new), cache.shape)?;
+    let layout = BatchLayout::with_cache_rows(
+        QueryLayout::Dense,
+        k_new.shape(),
+        cache.kv_layout(new),
+        cache.shape,
+        cache.rows(),
+    )?;
+    if let (Some(idx), true) = (cache.batch_idx, new > 0) {
+        check_distinct_rows(idx)?;
+    }
     let mut slots = Vec::with_capacity(batch * new);
     let mut owner = Vec::with_capacity(batch * new);
     for b in 0..batch {
-        let start = cache.seqlens[b] as usize;
+        // The new keys follow the cached ones: positions seqlens[b].. of the cache, keys
+        // seqlens[b] - leftpad[b].. of the sequence.
+        let start = layout.seqlen_k(b) - new;
         layout.for_kv_rows(b, start, start + new, |i, outer, row| {
             slots.push(kc.offset(outer, row, 0));
             owner.push((outer, row, b, i));
@@ -370,11 +483,28 @@ fn check_append<T: Element>(
     Ok(slots)
 }
 
+/// Two sequences of an append on one cache row (`batch_idx`) would write each other's keys.
+fn check_distinct_rows(idx: &[i32]) -> Result<()> {
+    let mut seen: Vec<(i32, usize)> = idx.iter().copied().zip(0..).collect();
+    seen.sort_unstable();
+    match seen.windows(2).find(|w| w[0].0 == w[1].0) {
+        Some(w) => Err(Error::InvalidSeqLayout {
+            what: "cache_batch_idx".into(),
+            got: format!("sequences {} and {} both append to cache row {}", w[0].1, w[1].1, w[0].0),
+            expected: "a distinct cache row for every sequence of an append".into(),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Writes the validated rows; with `rotary`, each k row rotated to its cache position first
+/// (`seqlens[b] + i`), in f32, rounded once to the cache's dtype.
 fn write_rows<T: Element>(
     cache: &mut KvCacheMut<'_, T>,
     k_new: &TensorView<'_>,
     v_new: &TensorView<'_>,
     slots: &[usize],
+    rotary: Option<&Rotary<'_>>,
 ) {
     let [batch, new, hkv, d] = k_new.shape();
     let mut row = vec![0.0f32; d];
@@ -385,6 +515,9 @@ fn write_rows<T: Element>(
             for h in 0..hkv {
                 let at = base + h * d;
                 k_new.read_row(b, i, h, &mut row);
+                if let Some(rot) = rotary {
+                    rot.rotate(&mut row, cache.seqlens[b] as usize + i);
+                }
                 store(&mut cache.k[at..at + d], &row);
                 v_new.read_row(b, i, h, &mut row);
                 store(&mut cache.v[at..at + d], &row);
@@ -403,12 +536,11 @@ fn run(
     q: &TensorView<'_>,
     k: &TensorView<'_>,
     v: &TensorView<'_>,
-    ql: QueryLayout<'_>,
-    kl: KvLayout<'_>,
+    (ql, kl, rows): (QueryLayout<'_>, KvLayout<'_>, CacheRows<'_>),
     opts: &ForwardOptions,
     what: &str,
 ) -> Result<Output> {
-    let (p, layout) = prepare(q, k, v, ql, kl, opts)?;
+    let (p, layout) = prepare(q, k, v, (ql, kl, rows), opts)?;
     if let Backend::Cuda(dev) = opts.backend {
         // The FA2 serving kernels (docs/serving.md "GPU"; this path is compile-checked only).
         return crate::cuda_host::serving_host((q, k, v), ql, kl, opts, dev);

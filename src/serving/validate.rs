@@ -1,7 +1,7 @@
 //! What every serving entry point validates before it runs, forward and backward: the tensors'
 //! memory, dtypes and shapes, the sequence layout and the options.
 
-use super::layout::{BatchLayout, KvLayout, QueryLayout};
+use super::layout::{BatchLayout, CacheRows, KvLayout, QueryLayout};
 use crate::error::{Error, Operand, Result};
 use crate::options::{Backend, ForwardOptions, Precision, Variant};
 use crate::problem::Problem;
@@ -16,14 +16,27 @@ pub(super) fn check_view(t: &TensorView<'_>, op: Operand, packed: bool) -> Resul
     t.check_layout(op)
 }
 
+/// Refuses an option the GPU serving kernels do not take yet (`what`) under `Backend::Cuda`,
+/// before anything is written.
+pub(super) fn refuse_on_gpu(opts: &ForwardOptions, what: &str) -> Result<()> {
+    match opts.backend {
+        Backend::Cuda(dev) => Err(Error::BackendUnavailable {
+            backend: format!("cuda:{dev}"),
+            reason: format!(
+                "the GPU serving kernels do not take {what}; Backend::Auto or Backend::Cpu runs it on the CPU"
+            ),
+        }),
+        _ => Ok(()),
+    }
+}
+
 /// Everything a serving call validates, in the order a caller would fix it: memory, dtypes,
-/// shapes, the sequence layout, then the options.
+/// shapes, the sequence layout (with each sequence's cache row and first key), then the options.
 pub(super) fn prepare<'a>(
     q: &TensorView<'a>,
     k: &TensorView<'a>,
     v: &TensorView<'a>,
-    ql: QueryLayout<'a>,
-    kl: KvLayout<'a>,
+    (ql, kl, rows): (QueryLayout<'a>, KvLayout<'a>, CacheRows<'a>),
     opts: &ForwardOptions,
 ) -> Result<(Problem, BatchLayout<'a>)> {
     let q_packed = matches!(ql, QueryLayout::Varlen { .. });
@@ -62,7 +75,7 @@ pub(super) fn prepare<'a>(
             expected: format!("head_dim {d} (the head_dim of q)"),
         });
     }
-    let layout = BatchLayout::new(ql, q.shape(), kl, k.shape())?;
+    let layout = BatchLayout::with_cache_rows(ql, q.shape(), kl, k.shape(), rows)?;
     let p = layout.launch_problem(hq, hkv, d, dtype, opts)?;
     if let Precision::Fp8 { .. } = p.precision {
         return Err(Error::InvalidOption {
@@ -73,6 +86,9 @@ pub(super) fn prepare<'a>(
         });
     }
     crate::problem::check_num_splits(opts)?;
+    if rows != CacheRows::default() {
+        refuse_on_gpu(opts, "cache_batch_idx or cache_leftpad")?;
+    }
     if opts.variant != Variant::Auto && !matches!(opts.backend, Backend::Cuda(_)) {
         return Err(Error::VariantUnavailable {
             variant: opts.variant,

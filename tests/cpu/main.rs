@@ -26,6 +26,8 @@ mod fp8_accuracy;
 /// `forward_into` and buffers handed out without a copy.
 #[cfg(feature = "bench")]
 mod host_api;
+/// Rotary embedding in the append, cache_batch_idx and cache_leftpad against float64 (properties).
+mod kvcache_rotary;
 /// `merge_states` is the exact softmax recombination (properties).
 mod merge_states;
 /// FP8 codecs, block quantisation, Hadamard, software exp2, lazy rescaling.

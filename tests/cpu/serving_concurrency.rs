@@ -186,6 +186,8 @@ fn calls(s: &Shared, t: usize) -> Vec<Bits> {
             shape: [2, 600, HKV, D],
             seqlens: &lens,
             block_table: None,
+            batch_idx: None,
+            leftpad: None,
         };
         let r = forward_kvcache_append(&q, &mut cache, &s.k_new, &s.v_new, &masked).unwrap();
         out.push(bits(r, Some((&k, &v))));

@@ -248,6 +248,8 @@ fn appends_are_checked_before_any_write() {
             ids: &table,
             max_blocks_per_seq: 2,
         }),
+        batch_idx: None,
+        leftpad: None,
     };
     let e = append_kv(&mut cache, &knew, &knew).unwrap_err();
     seq_err(
@@ -265,6 +267,8 @@ fn appends_are_checked_before_any_write() {
             ids: &[0, 1, 2, 2],
             max_blocks_per_seq: 2,
         }),
+        batch_idx: None,
+        leftpad: None,
     };
     let e = append_kv(&mut cache, &knew, &knew).unwrap_err();
     seq_err(
@@ -280,6 +284,8 @@ fn appends_are_checked_before_any_write() {
         shape,
         seqlens: &[0, 0],
         block_table: None,
+        batch_idx: None,
+        leftpad: None,
     };
     let e = append_kv(&mut cache, &kbf, &kbf).unwrap_err();
     assert!(
@@ -316,6 +322,8 @@ fn appends_are_checked_before_any_write() {
         shape,
         seqlens: &[0, 0],
         block_table: None,
+        batch_idx: None,
+        leftpad: None,
     };
     let e = append_kv(&mut cache, &knew, &knew).unwrap_err();
     assert!(
@@ -335,6 +343,8 @@ fn appends_are_checked_before_any_write() {
         shape,
         seqlens: &[4, 0, 1],
         block_table: None,
+        batch_idx: None,
+        leftpad: None,
     };
     append_kv(&mut cache, &t([3, 0, 1, 8]), &t([3, 0, 1, 8])).unwrap();
     // An attention option refused after a valid append: nothing was written either.
@@ -347,6 +357,8 @@ fn appends_are_checked_before_any_write() {
             ids: &[0, 1, 2, 1],
             max_blocks_per_seq: 2,
         }),
+        batch_idx: None,
+        leftpad: None,
     };
     let e = forward_kvcache_append(&t([2, 1, 2, 8]), &mut cache, &knew, &knew, &opts().softcap(-1.0)).unwrap_err();
     assert_eq!(e, Error::InvalidSoftcap(-1.0));

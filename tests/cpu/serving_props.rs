@@ -305,6 +305,8 @@ fn cache_case_typed<T: Element>(c: &CacheCase, dtype: DType) -> Result<f64, Test
             shape: built.shape,
             seqlens: &seqlens,
             block_table: table,
+            batch_idx: None,
+            leftpad: None,
         };
         forward_kvcache_append(&q, &mut cache, &kn, &vn, &opts).map_err(fail)?
     } else {
@@ -315,6 +317,8 @@ fn cache_case_typed<T: Element>(c: &CacheCase, dtype: DType) -> Result<f64, Test
             v: vc,
             seqlens: &seqlens,
             block_table: table,
+            batch_idx: None,
+            leftpad: None,
         };
         match &c.varlen_q {
             None => {

@@ -253,7 +253,7 @@ fn cache_mut<'a, T: Float>(
     let k = slice_mut::<T>(kc)?.get_mut(rk).unwrap_or_default();
     let v = slice_mut::<T>(vc)?.get_mut(rv).unwrap_or_default();
     let block_table = table.map(|(ids, m)| BlockTable { ids, max_blocks_per_seq: *m });
-    Ok(KvCacheMut { k, v, shape, seqlens, block_table })
+    Ok(KvCacheMut { k, v, shape, seqlens, block_table, batch_idx: None, leftpad: None })
 }
 
 fn slice_mut<T: Float>(s: &mut CpuStorage) -> Result<&mut [T]> {

@@ -231,6 +231,8 @@ fn cache_case<T: Bits>(c: &CacheCase, worst: &Worst) -> Result<(), TestCaseError
                 ids,
                 max_blocks_per_seq: *mb,
             }),
+            batch_idx: None,
+            leftpad: None,
         };
         let r = forward_kvcache_append(&q, &mut cache, &kn, &vn, &opts);
         // The explicit append: row i of sequence b at the slot of key seqlens[b] + i, when the
@@ -273,6 +275,8 @@ fn cache_case<T: Bits>(c: &CacheCase, worst: &Worst) -> Result<(), TestCaseError
                 ids,
                 max_blocks_per_seq: *mb,
             }),
+            batch_idx: None,
+            leftpad: None,
         };
         let ra = append_kv(&mut cache, &kn, &vn);
         match &ra {
