@@ -70,7 +70,7 @@ fn check_all(what: &str, cases: &[Case], known: &[(&str, &str)]) {
 
 #[test]
 fn emulator_self_tests() {
-    let exe = tool_exe("selftest.cpp").unwrap_or_else(|e| panic!("{e}"));
+    let exe = tool_exe("selftest").unwrap_or_else(|e| panic!("{e}"));
     let out = Command::new(&exe).output().unwrap();
     let log = String::from_utf8_lossy(&out.stdout);
     println!("{log}");

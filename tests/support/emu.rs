@@ -149,7 +149,7 @@ fn cached(name: &str, build: impl FnOnce(&Path) -> Result<(), String>) -> Result
 }
 
 /// A C++ unit, written beside `out`, that includes every `.cpp` under `dir` (the emulator's
-/// runtime): the files keep one job each and compile in one g++ run, which
+/// runtime, the self-tests): the files keep one job each and compile in one g++ run, which
 /// parses their shared headers once (a run per file takes about twice the CPU time).
 fn unity_unit(dir: &Path, out: &Path) -> Result<PathBuf, String> {
     let sources: Vec<PathBuf> =
@@ -270,7 +270,8 @@ pub fn unit_exe(fam: &Family, tile: &Tile, mutation: Option<&Mutation>) -> Resul
     })
 }
 
-/// A standalone emulator program (self-tests): `src` under cuda/test/emu, with emu.h.
+/// A standalone emulator program (self-tests): `src` under cuda/test/emu, a file or a directory
+/// (every `.cpp` in it, one unit), with emu.h.
 pub fn tool_exe(src: &str) -> Result<PathBuf, String> {
     tool_exe_with(src, None)
 }
@@ -291,7 +292,9 @@ pub fn tool_exe_with(src: &str, mutation: Option<&Mutation>) -> Result<PathBuf, 
         // emu.h from the same tree as the driver, so the headers both include are one file.
         a.extend(["-include".into(), cuda_root.join("test/emu/emu.h").display().to_string()]);
         a.extend(includes(&cuda_root));
-        a.extend(["-c".into(), cuda_root.join("test/emu").join(src).display().to_string(), "-o".into(), obj.display().to_string()]);
+        let path = cuda_root.join("test/emu").join(src);
+        let unit = if path.is_dir() { unity_unit(&path, out)? } else { path };
+        a.extend(["-c".into(), unit.display().to_string(), "-o".into(), obj.display().to_string()]);
         gxx(&a, src)?;
         let mut l = vec!["-no-pie".to_string(), obj.display().to_string()];
         // The self-tests have their own main: link the runtime only.
