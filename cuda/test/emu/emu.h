@@ -7,7 +7,7 @@
 // The headers' other code (descriptor builders, layouts, mbar_wait, ...) is used as is.
 //
 // Build a kernel unit: g++ -std=c++20 -include cuda/test/emu/emu.h -isystem cuda/test/emu/include
-//   -I cuda -I $OUT_DIR/include -x c++ <unit> + runtime.cpp + driver.cpp (tests/emulator/forward.rs does it).
+//   -I cuda -I $OUT_DIR/include -x c++ <unit> + runtime/*.cpp + driver.cpp (tests/support/emu.rs does it).
 #pragma once
 #define FA_HOST_EMULATION 1
 // The kernels' sm_90a code paths are compiled (their wrappers come from here, not from PTX).

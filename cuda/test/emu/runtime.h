@@ -6,8 +6,81 @@
 // Every rule the emulator checks fails the run with a diagnosis (emu::fail); a run where every
 // fiber is blocked is diagnosed as a deadlock, per warp, and fails, never hangs.
 //
-// Implementation and the list of checks: runtime.cpp. Layout decoding: sm80_layouts.h,
-// sm90_layouts.h.
+// Semantics are modelled from the PTX ISA 9.0 and the CUDA driver API documentation; layouts come
+// only from sm80_layouts.h, sm90_layouts.h and sm100_layouts.h. The implementation is runtime/, one
+// job per file (runtime/state.h holds the state and helpers they share; every .cpp there is built
+// into the runtime):
+//   scheduler.cpp      fibers and their x86-64 context switch, the seeded scheduler, landing
+//                      asynchronous work at random steps
+//   diagnostics.cpp    emu::fail with the thread's symbolised call stack, the deadlock report, the
+//                      SIGSEGV/SIGBUS handler
+//   smem_tracking.cpp  shared-memory range checks; happens-before of asynchronous writes and of
+//                      ordinary stores (write-protected window); fence.proxy.async
+//   sync.cpp           __syncthreads, bar.sync/bar.arrive, warp collectives, setmaxnreg
+//   mbarrier.cpp       mbarrier init, arrivals, phases, try_wait
+//   async_copy.cpp     cp.async and TMA loads
+//   tensor_map.cpp     the tensor-map encoding (cuTensorMapEncodeTiled's checks) and decoding
+//   mma.cpp            ldmatrix.x4 and mma.sync.m16n8k16
+//   wgmma.cpp          wgmma issue, execution, retirement
+//   tcgen05.cpp        tensor memory, UMMA, tcgen05.commit/ld/st
+//   launch.cpp         launch over the grid and the end-of-CTA checks, threadIdx/blockIdx,
+//                      stateless instructions, the kernel registry
+//
+// Threads and scheduling. One CTA runs at a time on the calling OS thread; each CUDA thread is a
+// fiber (own mmap'ed stack with a guard page, x86-64 context switch). Every emulated
+// primitive is a scheduling point: the fiber returns to the scheduler, which picks the next
+// runnable fiber at random (seeded; a per-seed "stay" probability keeps some runs long) and, at
+// every step, may complete asynchronous work that is in flight (a per-seed probability: from
+// "land at once" to "land as late as possible"): TMA boxes, wgmma instructions, cp.async copies.
+// A fiber that must wait blocks on a wait list and is woken when the state it waits for changes.
+// When no fiber can run and no asynchronous work is left, the run is a deadlock: every warp's
+// state is printed and the run fails.
+//
+// Checks (each fails the run with a message naming the thread, the object and the call stack):
+//  shared memory  accesses through wgmma/TMA/ldmatrix/cp.async/mbarrier outside the dynamic
+//                 allocation; the redzone after it overwritten; generic pointers that are not
+//                 shared memory; wgmma reading bytes that ordinary stores changed after the last
+//                 fence.proxy.async (approximation: one snapshot per fence of any thread).
+//  barriers       __syncthreads / bar.sync / bar.arrive: one count per barrier phase, no thread
+//                 arriving twice in a phase, whole warps only, nothing pending at exit;
+//                 __syncthreads after a thread of the CTA exited.
+//  warp collectives (shfl, ldmatrix, mma.sync, __syncwarp, elect.sync): full mask, every lane
+//                 executes the same operation.
+//  mbarrier       use before init, init twice, use by the async proxy before fence.mbarrier_init,
+//                 the 8 bytes overwritten by ordinary stores or TMA, arrival underflow (an
+//                 arrival when the phase has all its arrivals and waits for bytes), a TMA copy
+//                 completing in a later phase than the one it was issued in (expect_tx too
+//                 small), phases left incomplete (arrivals or tx bytes) at exit.
+//  TMA            tensor map decoded (bad map: fail), destination 128-byte aligned and inside
+//                 the allocation, box written at a scheduler-chosen time with zero fill out of
+//                 bounds and the swizzle applied to absolute shared addresses, full box bytes
+//                 completed on the mbarrier; the destination written by someone else while the
+//                 copy was in flight; a copy landing on bytes an unretired wgmma reads; copies
+//                 pending at exit.
+//  wgmma          all 128 threads of the warpgroup issue the same instruction with the same
+//                 descriptors in the same commit group; wgmma.fence before the first wgmma after
+//                 a wait_group (or at start); accumulator registers poisoned while in flight and
+//                 written back only when wait_group retires their group (a thread writing one in
+//                 between, an A register changing, or fence_regs on a register still in flight
+//                 fail); operands read at a scheduler-chosen time between issue and retirement,
+//                 through the real descriptor bits; reading bytes a TMA/cp.async copy in flight
+//                 will still write; the operand bytes changing before every thread retired the
+//                 instruction (slot released early); ops uncommitted or unretired at exit.
+//  setmaxnreg     warpgroup-uniform, inc/dec direction, a per-CTA pool of threads x entry
+//                 registers (an inc that the pool cannot satisfy waits; if nothing frees
+//                 registers it is a deadlock).
+//  cp.async       copies land between issue and the wait_group that covers them; pending at exit.
+//  happens-before of shared memory (every run, whatever the schedule): each TMA box and cp.async
+//                 copy is the recorded writer of its 16-byte granules; a read through ldmatrix,
+//                 a wgmma operand (per issuing thread: its warp's A rows, all of B) or a UMMA
+//                 operand (the issuing thread) must have acquired the write's completion (TMA:
+//                 the mbarrier phase it completes, through try_wait; cp.async: the copying
+//                 thread's wait_group, then a release of that thread). Once the launch uses the
+//                 async proxy, ordinary stores are seen too (the window is write-protected while
+//                 fibers run; a written page is diffed when the fiber switches out): the async
+//                 proxy may read them only after a fence.proxy.async of the storing thread and a
+//                 release of it after the fence; ldmatrix after a release after the store; a
+//                 store into bytes a wgmma reads needs every reading thread's retirement acquired.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -95,7 +168,7 @@ void wgmma_issue(const WgmmaInstr& ins, float* d, const uint32_t* a_regs);
 void wgmma_check_regs(const float* d, int n);
 void setmaxnreg(bool inc, int regs);
 
-// ---- sm_100 tcgen05 (tensor memory, UMMA; implemented in tcgen05.inc) ----
+// ---- sm_100 tcgen05 (tensor memory, UMMA; implemented in tcgen05.cpp) ----
 // Warp-collective allocation of `ncols` tensor-memory columns; the base address is written to the
 // shared word at `dst`.
 void tmem_alloc(uint32_t dst, uint32_t ncols);

@@ -1,7 +1,7 @@
 // The emulator's reading of the sm_100a (tcgen05) data layouts, as pure functions: the UMMA
 // shared-memory matrix descriptor, the instruction descriptor of kind::f16, tensor-memory
 // addresses, and where tcgen05.mma / tcgen05.ld / tcgen05.st put elements in tensor memory.
-// Everything the emulator's tcgen05 model (tcgen05.inc) does with these layouts goes through this
+// Everything the emulator's tcgen05 model (tcgen05.cpp) does with these layouts goes through this
 // header, so CuTe's definitions can check exactly these functions (cuda/test/oracle/check_sm100.cpp).
 //
 // Written from the PTX ISA 9.0 ("Tensor Core 5th Generation Family Instructions": shared memory

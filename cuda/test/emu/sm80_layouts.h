@@ -1,6 +1,6 @@
 // The emulator's reading of the sm_80 warp-level data layouts, as pure functions: mma.sync
 // m16n8k16 fragments and ldmatrix .x4 (with and without .trans). The emulator
-// (cuda/test/emu/runtime.cpp) moves data only through these, so an independent oracle (CuTe's
+// (cuda/test/emu/runtime/mma.cpp) moves data only through these, so an independent oracle (CuTe's
 // SM80 MMA traits and copy atoms) can check exactly these functions.
 //
 // Written from the PTX ISA 9.0, "Matrix Fragments for mma.m16n8k16 with floating point type"

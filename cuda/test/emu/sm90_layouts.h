@@ -1,8 +1,8 @@
 // The emulator's reading of the sm_90a data layouts, as pure functions: how wgmma finds an
 // operand element in shared memory from its 64-bit matrix descriptor, where the accumulator and
 // the register-A fragments live, and the shared-memory swizzle TMA and wgmma apply. Everything
-// the emulator (cuda/test/emu/runtime.cpp) does with these layouts goes through this header, so
-// an independent oracle (CuTe's tables) can check exactly these functions.
+// the emulator (cuda/test/emu/runtime/: async_copy.cpp, wgmma.cpp) does with these layouts goes
+// through this header, so an independent oracle (CuTe's tables) can check exactly these functions.
 //
 // Written from the PTX ISA 9.0 ("Asynchronous Warpgroup Level Matrix Multiply-Accumulate":
 // matrix descriptor format, shared memory matrix layouts, register fragments) and the CUDA driver

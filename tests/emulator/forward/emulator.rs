@@ -6,7 +6,7 @@ use super::mutations::kernel_sources;
 
 #[test]
 fn emulator_self_tests() {
-    let exe = tool_exe("selftest.cpp").unwrap_or_else(|e| panic!("{e}"));
+    let exe = tool_exe("selftest").unwrap_or_else(|e| panic!("{e}"));
     let out = Command::new(&exe).output().unwrap();
     let log = String::from_utf8_lossy(&out.stdout);
     println!("{log}");

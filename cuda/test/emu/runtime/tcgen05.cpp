@@ -1,6 +1,6 @@
-// The emulator's model of the sm_100a tcgen05 instructions the FA4 kernels use (included at the
-// end of runtime.cpp: it shares the runtime's CTA, fibers, scheduler, shared memory, mbarriers and
-// checks). Layouts come only from sm100_layouts.h.
+// The emulator's model of the sm_100a tcgen05 instructions the FA4 kernels use (it shares the
+// runtime's CTA, fibers, scheduler, shared memory, mbarriers and checks through state.h).
+// Layouts come only from sm100_layouts.h.
 //
 //  tensor memory  128 lanes x 512 columns of 32 bits per CTA, poisoned (NaN) at CTA start and at
 //                 dealloc. tcgen05.alloc (warp-collective; ncols a power of 2 in 32..512) places
@@ -29,9 +29,10 @@
 //                 loads/stores pending at exit all fail.
 //  fences         tcgen05.fence::before/after_thread_sync are scheduling points (ordering is
 //                 checked through the rules above, not through the fences themselves).
+#include "state.h"
 #include "sm100_layouts.h"
 
-namespace emu {
+namespace emu::rt {
 namespace {
 
 constexpr uint32_t kTmemPoison = 0x7FBADBADu;  // a NaN
@@ -197,7 +198,9 @@ void tc_fire_commit() {
     mbar_complete_if_done(m);
 }
 
-// ---- the hooks runtime.cpp calls ----
+}  // namespace
+
+// ---- the hooks the scheduler and launch call ----
 
 size_t tc_pending() { return (g_tc.ops.empty() ? 0 : 1) + (tc_commit_ready() ? 1 : 0); }
 
@@ -244,6 +247,8 @@ void tc_check_tma_dst(uint32_t lo, uint32_t hi) {
                      std::max(lo, op.lo[k]), std::min(hi, op.hi[k]), op.seq, op.tid);
 }
 
+namespace {
+
 // The k-th warp-collective op of this lane in `list`: the first lane creates it (returns true).
 bool warp_op(std::vector<std::vector<TcWarpOp>>& list, uint64_t k, uint32_t dst, uint32_t ncols, const char* what) {
     Fiber& f = me();
@@ -283,8 +288,12 @@ void check_lane_quarter(uint32_t taddr, const char* what) {
 }
 
 }  // namespace
+}  // namespace emu::rt
 
 // ================================================================== public API
+
+namespace emu {
+using namespace rt;
 
 void tmem_alloc(uint32_t dst, uint32_t ncols) {
     sched_point();
