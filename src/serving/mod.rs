@@ -19,6 +19,10 @@
 //! These run on the CPU backend (the in-place path: no repack of the cache per call, all
 //! query heads of a GQA group in one pass over their K/V, split-KV when the workers would idle).
 //!
+//! Every cache entry point also takes an FP8 cache ([`Fp8KvCache`], [`Fp8KvCacheMut`]: e4m3
+//! codes with per-tensor or per-(token, head) f32 scales), dequantised as it is read and
+//! quantised as rows are appended; see [`Fp8KvCache`] and docs/serving.md.
+//!
 //! ```
 //! # fn main() -> Result<(), flash_attn::Error> {
 //! use flash_attn::serving::{forward_kvcache_append, BlockTable, KvCacheMut};
@@ -46,6 +50,8 @@
 //! ```
 
 mod backward;
+mod cache_source;
+mod fp8_cache;
 mod validate;
 mod varlen;
 pub mod layout;
@@ -53,6 +59,8 @@ pub mod layout;
 pub(crate) use crate::numerics::merge;
 
 pub use backward::backward_varlen;
+pub use cache_source::{ReadKvCache, WriteKvCache};
+pub use fp8_cache::{Fp8KvCache, Fp8KvCacheMut, KvScales, KvScalesMut};
 pub use layout::{BatchLayout, KvLayout, QueryLayout};
 pub use varlen::Varlen;
 pub use merge::{merge_states, merge_states_n, AttentionState};
@@ -65,7 +73,8 @@ use crate::numerics::softmax_math::SoftmaxMath;
 use crate::options::{Backend, ForwardOptions};
 use crate::problem::Problem;
 use crate::tensor::{numel, AsTensorView, Data, Element, OwnedData, Shape, TensorView};
-use validate::{check_view, prepare};
+use cache_source::{cache_layout, sealed, KvSource};
+use validate::{check_view, prepare_source};
 
 /// A paged cache's block table: `[batch, max_blocks_per_seq]` block ids, row-major.
 #[derive(Clone, Copy, Debug)]
@@ -125,37 +134,30 @@ pub struct KvCacheMut<'a, T: Element> {
 }
 
 impl<T: Element> KvCacheMut<'_, T> {
-    fn kv_layout(&self, new: usize) -> KvLayout<'_> {
-        match self.block_table {
-            None => KvLayout::Cache {
-                seqlens: self.seqlens,
-                new,
-            },
-            Some(bt) => KvLayout::Paged {
-                block_table: bt.ids,
-                max_blocks_per_seq: bt.max_blocks_per_seq,
-                seqlens: self.seqlens,
-                new,
-            },
-        }
-    }
     fn views(&self) -> (TensorView<'_>, TensorView<'_>) {
         (TensorView::new(self.k, self.shape), TensorView::new(self.v, self.shape))
     }
 }
 
-fn cache_layout<'a>(c: &KvCache<'a>) -> KvLayout<'a> {
-    match c.block_table {
-        None => KvLayout::Cache {
-            seqlens: c.seqlens,
-            new: 0,
-        },
-        Some(bt) => KvLayout::Paged {
-            block_table: bt.ids,
-            max_blocks_per_seq: bt.max_blocks_per_seq,
-            seqlens: c.seqlens,
-            new: 0,
-        },
+impl sealed::Read for KvCache<'_> {
+    fn source(&self, new: usize) -> (KvSource<'_>, KvLayout<'_>) {
+        (KvSource::Views(self.k, self.v), cache_layout(self.seqlens, self.block_table, new))
+    }
+}
+
+impl<T: Element> sealed::Read for KvCacheMut<'_, T> {
+    fn source(&self, new: usize) -> (KvSource<'_>, KvLayout<'_>) {
+        let (k, v) = self.views();
+        (KvSource::Views(k, v), cache_layout(self.seqlens, self.block_table, new))
+    }
+}
+
+impl<T: Element> sealed::Write for KvCacheMut<'_, T> {
+    fn check_append(&self, k_new: &TensorView<'_>, v_new: &TensorView<'_>) -> Result<Vec<usize>> {
+        check_append(self, k_new, v_new)
+    }
+    fn write_rows(&mut self, k_new: &TensorView<'_>, v_new: &TensorView<'_>, slots: &[usize]) {
+        write_rows(self, k_new, v_new, slots)
     }
 }
 
@@ -182,7 +184,8 @@ pub fn forward_varlen(
         cu_seqlens: seqs.cu_seqlens_k,
         max_seqlen: seqs.max_seqlen_k,
     };
-    run(&q.as_view(), &k.as_view(), &v.as_view(), ql, kl, opts, "varlen")
+    let src = KvSource::Views(k.as_view(), v.as_view());
+    run(&q.as_view(), &src, ql, kl, 0, opts, "varlen")
 }
 
 /// Attention of `q` `[batch, seqlen_q, heads_q, head_dim]` over a KV cache, sequence `b` seeing
@@ -192,17 +195,12 @@ pub fn forward_varlen(
 ///
 /// # Errors
 /// As [`forward_varlen`]; a `cache_seqlens` beyond the cache or a block id outside it is an
-/// [`Error::InvalidSeqLayout`].
-pub fn forward_kvcache(q: &impl AsTensorView, cache: &KvCache<'_>, opts: &ForwardOptions) -> Result<Output> {
-    run(
-        &q.as_view(),
-        &cache.k,
-        &cache.v,
-        QueryLayout::Dense,
-        cache_layout(cache),
-        opts,
-        "kvcache",
-    )
+/// [`Error::InvalidSeqLayout`]; an FP8 cache's scale that is not a finite number > 0 (per
+/// tensor, or of a slot the call reads) is an [`Error::InvalidScale`], and `Backend::Cuda`
+/// refuses an FP8 cache ([`Error::BackendUnavailable`]).
+pub fn forward_kvcache(q: &impl AsTensorView, cache: &impl ReadKvCache, opts: &ForwardOptions) -> Result<Output> {
+    let (src, kl) = cache.source(0);
+    run(&q.as_view(), &src, QueryLayout::Dense, kl, 0, opts, "kvcache")
 }
 
 /// A packed batch of queries `[1, total_q, heads_q, head_dim]` (`cu_seqlens_q`,
@@ -215,26 +213,20 @@ pub fn forward_varlen_kvcache(
     q: &impl AsTensorView,
     cu_seqlens_q: &[i32],
     max_seqlen_q: usize,
-    cache: &KvCache<'_>,
+    cache: &impl ReadKvCache,
     opts: &ForwardOptions,
 ) -> Result<Output> {
     let ql = QueryLayout::Varlen {
         cu_seqlens: cu_seqlens_q,
         max_seqlen: max_seqlen_q,
     };
-    run(
-        &q.as_view(),
-        &cache.k,
-        &cache.v,
-        ql,
-        cache_layout(cache),
-        opts,
-        "varlen-kvcache",
-    )
+    let (src, kl) = cache.source(0);
+    run(&q.as_view(), &src, ql, kl, 0, opts, "varlen-kvcache")
 }
 
 /// Writes this step's keys and values into the cache: row `i` of sequence `b` of `k_new`,
-/// `v_new` (`[batch, seqlen_new, heads_kv, head_dim]`, the cache's dtype) goes to key position
+/// `v_new` (`[batch, seqlen_new, heads_kv, head_dim]`, the cache's dtype; any one float dtype
+/// for an FP8 cache, which quantises them) goes to key position
 /// `cache.seqlens[b] + i`, in the block the block table names for it. `cache.seqlens` is not
 /// changed.
 ///
@@ -243,15 +235,12 @@ pub fn forward_varlen_kvcache(
 /// # Errors
 /// Shapes and dtypes as [`crate::forward`]; positions past the cache's capacity, block ids out of
 /// range, and two sequences writing the same slot (a block shared by both) are
-/// [`Error::InvalidSeqLayout`].
-pub fn append_kv<T: Element>(
-    cache: &mut KvCacheMut<'_, T>,
-    k_new: &impl AsTensorView,
-    v_new: &impl AsTensorView,
-) -> Result<()> {
+/// [`Error::InvalidSeqLayout`]; an FP8 cache's per-tensor scale that is not a finite number > 0
+/// is an [`Error::InvalidScale`].
+pub fn append_kv(cache: &mut impl WriteKvCache, k_new: &impl AsTensorView, v_new: &impl AsTensorView) -> Result<()> {
     let (k_new, v_new) = (k_new.as_view(), v_new.as_view());
-    let slots = check_append(cache, &k_new, &v_new)?;
-    write_rows(cache, &k_new, &v_new, &slots);
+    let slots = cache.check_append(&k_new, &v_new)?;
+    cache.write_rows(&k_new, &v_new, &slots);
     Ok(())
 }
 
@@ -264,33 +253,27 @@ pub fn append_kv<T: Element>(
 ///
 /// # Errors
 /// As [`append_kv`] and [`forward_kvcache`].
-pub fn forward_kvcache_append<T: Element>(
+pub fn forward_kvcache_append(
     q: &impl AsTensorView,
-    cache: &mut KvCacheMut<'_, T>,
+    cache: &mut impl WriteKvCache,
     k_new: &impl AsTensorView,
     v_new: &impl AsTensorView,
     opts: &ForwardOptions,
 ) -> Result<Output> {
     let (q, k_new, v_new) = (q.as_view(), k_new.as_view(), v_new.as_view());
-    let slots = check_append(cache, &k_new, &v_new)?;
+    let slots = cache.check_append(&k_new, &v_new)?;
     let new = k_new.seqlen();
     {
-        let (kc, vc) = cache.views();
-        prepare(&q, &kc, &vc, QueryLayout::Dense, cache.kv_layout(new), opts)?;
+        // The rows about to be written are not checked (an FP8 cache's scales for them are
+        // set by the write).
+        let (src, kl) = cache.source(new);
+        prepare_source(&q, &src, QueryLayout::Dense, kl, new, opts)?;
     }
     // Rotary embedding goes here when it comes: rotate k_new before the write and q before the
     // attention, at positions seqlens[b] + i (docs/serving.md).
-    write_rows(cache, &k_new, &v_new, &slots);
-    let (kc, vc) = cache.views();
-    run(
-        &q,
-        &kc,
-        &vc,
-        QueryLayout::Dense,
-        cache.kv_layout(new),
-        opts,
-        "kvcache-append",
-    )
+    cache.write_rows(&k_new, &v_new, &slots);
+    let (src, kl) = cache.source(new);
+    run(&q, &src, QueryLayout::Dense, kl, 0, opts, "kvcache-append")
 }
 
 /// Validates an append; returns the element offset of every row to write, in (b, i) order.
@@ -314,8 +297,6 @@ fn check_append<T: Element>(
     // A cache of capacity 0 and an append of 0 rows are allowed (nothing is written).
     let (kc, _) = cache.views();
     check_view(&kc, Operand::K, true)?;
-    check_view(k_new, Operand::K, true)?;
-    check_view(v_new, Operand::V, true)?;
     for (op, t) in [(Operand::K, k_new), (Operand::V, v_new)] {
         if t.dtype() != T::DTYPE {
             return Err(Error::DTypeMismatch {
@@ -325,6 +306,21 @@ fn check_append<T: Element>(
             });
         }
     }
+    append_slots(cache.shape, cache_layout(cache.seqlens, cache.block_table, k_new.seqlen()), cache.seqlens, k_new, v_new)
+}
+
+/// The shape and slot checks of an append to a contiguous cache of `shape` whose sequences
+/// have `seqlens` keys (`layout`: with the new rows); returns the element offset of every row
+/// to write, in (b, i) order.
+pub(super) fn append_slots(
+    shape: Shape,
+    layout: KvLayout<'_>,
+    seqlens: &[i32],
+    k_new: &TensorView<'_>,
+    v_new: &TensorView<'_>,
+) -> Result<Vec<usize>> {
+    check_view(k_new, Operand::K, true)?;
+    check_view(v_new, Operand::V, true)?;
     if v_new.shape() != k_new.shape() {
         return Err(Error::ShapeMismatch {
             what: "v_new".into(),
@@ -333,7 +329,7 @@ fn check_append<T: Element>(
         });
     }
     let [batch, new, hkv, d] = k_new.shape();
-    let [_, _, ch, cd] = cache.shape;
+    let [_, cap, ch, cd] = shape;
     if (hkv, d) != (ch, cd) {
         return Err(Error::ShapeMismatch {
             what: "k_new".into(),
@@ -341,13 +337,14 @@ fn check_append<T: Element>(
             expected: format!("[batch, seqlen_new, {ch}, {cd}] (heads_kv and head_dim of the cache)"),
         });
     }
-    let layout = BatchLayout::new(QueryLayout::Dense, k_new.shape(), cache.kv_layout(new), cache.shape)?;
+    let layout = BatchLayout::new(QueryLayout::Dense, k_new.shape(), layout, shape)?;
     let mut slots = Vec::with_capacity(batch * new);
     let mut owner = Vec::with_capacity(batch * new);
     for b in 0..batch {
-        let start = cache.seqlens[b] as usize;
+        let start = seqlens[b] as usize;
         layout.for_kv_rows(b, start, start + new, |i, outer, row| {
-            slots.push(kc.offset(outer, row, 0));
+            // The cache is contiguous (checked by the caller) and the layout bounds every index.
+            slots.push((outer * cap + row) * ch * cd);
             owner.push((outer, row, b, i));
         });
     }
@@ -376,18 +373,26 @@ fn write_rows<T: Element>(
     v_new: &TensorView<'_>,
     slots: &[usize],
 ) {
-    let [batch, new, hkv, d] = k_new.shape();
+    let d = k_new.head_dim();
     let mut row = vec![0.0f32; d];
+    for_new_rows(k_new, slots, |b, i, h, at| {
+        k_new.read_row(b, i, h, &mut row);
+        store(&mut cache.k[at..at + d], &row);
+        v_new.read_row(b, i, h, &mut row);
+        store(&mut cache.v[at..at + d], &row);
+    });
+}
+
+/// Calls `f(b, i, h, at)` for row `i` of sequence `b`, kv head `h` of an accepted append
+/// (`slots` from [`append_slots`]), `at` its element offset in the cache.
+pub(super) fn for_new_rows(k_new: &TensorView<'_>, slots: &[usize], mut f: impl FnMut(usize, usize, usize, usize)) {
+    let [batch, new, hkv, d] = k_new.shape();
     let mut it = slots.iter();
     for b in 0..batch {
         for i in 0..new {
             let Some(&base) = it.next() else { return };
             for h in 0..hkv {
-                let at = base + h * d;
-                k_new.read_row(b, i, h, &mut row);
-                store(&mut cache.k[at..at + d], &row);
-                v_new.read_row(b, i, h, &mut row);
-                store(&mut cache.v[at..at + d], &row);
+                f(b, i, h, base + h * d);
             }
         }
     }
@@ -399,30 +404,46 @@ fn store<T: Element>(dst: &mut [T], src: &[f32]) {
     }
 }
 
+/// Attention of `q` over `src` (`unwritten`: see [`prepare_source`]).
 fn run(
     q: &TensorView<'_>,
-    k: &TensorView<'_>,
-    v: &TensorView<'_>,
+    src: &KvSource<'_>,
     ql: QueryLayout<'_>,
     kl: KvLayout<'_>,
+    unwritten: usize,
     opts: &ForwardOptions,
     what: &str,
 ) -> Result<Output> {
-    let (p, layout) = prepare(q, k, v, ql, kl, opts)?;
+    let (p, layout) = prepare_source(q, src, ql, kl, unwritten, opts)?;
+    let (k, v) = &src.views();
+    let fp8 = match *src {
+        KvSource::Views(..) => None,
+        KvSource::Fp8 { k, v, scales, .. } => Some(fp8_cache::rows(k, v, scales)),
+    };
     if let Backend::Cuda(dev) = opts.backend {
+        if fp8.is_some() {
+            return Err(Error::BackendUnavailable {
+                backend: format!("Cuda({dev})"),
+                reason: "the GPU serving kernels read f32 / f16 / bf16 caches; an FP8 KV cache runs on the CPU \
+                         (Backend::Auto or Backend::Cpu)"
+                    .into(),
+            });
+        }
         // The FA2 serving kernels (docs/serving.md "GPU"; this path is compile-checked only).
         return crate::cuda_host::serving_host((q, k, v), ql, kl, opts, dev);
     }
     let threads = cpu::threads(opts.cpu_threads);
     // Long query sequences whose keys lie in one contiguous run (packed k/v or a dense cache)
-    // go to the tiled path one by one: with many rows its packing pays off. The rest, and every
-    // paged sequence, run in place in one call.
-    let tiled: Vec<bool> = (0..layout.batch()).map(|b| tiled_fits(&layout, b)).collect();
+    // go to the tiled path one by one: with many rows its packing pays off. The rest, every
+    // paged sequence and every FP8 cache (its rows are dequantised as the in-place path reads
+    // them), run in place in one call.
+    let tiled: Vec<bool> = (0..layout.batch()).map(|b| fp8.is_none() && tiled_fits(&layout, b)).collect();
     let n_tiled = tiled.iter().filter(|&&t| t).count();
     let run = inplace::RunOpts {
         threads,
         splits: opts.num_splits,
         skip: &tiled,
+        fp8,
     };
     let mut out = run_inplace(&p, &layout, (q, k, v), run)?;
     for b in (0..layout.batch()).filter(|&b| tiled[b]) {

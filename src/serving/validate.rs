@@ -1,11 +1,13 @@
 //! What every serving entry point validates before it runs, forward and backward: the tensors'
 //! memory, dtypes and shapes, the sequence layout and the options.
 
+use super::cache_source::KvSource;
+use super::fp8_cache::{check_buffers, check_read_scales};
 use super::layout::{BatchLayout, KvLayout, QueryLayout};
 use crate::error::{Error, Operand, Result};
 use crate::options::{Backend, ForwardOptions, Precision, Variant};
 use crate::problem::Problem;
-use crate::tensor::TensorView;
+use crate::tensor::{Shape, TensorView};
 
 /// Checks a tensor's memory; with `packed`, the seqlen dimension may be 0 (nothing is read).
 pub(super) fn check_view(t: &TensorView<'_>, op: Operand, packed: bool) -> Result<()> {
@@ -14,6 +16,29 @@ pub(super) fn check_view(t: &TensorView<'_>, op: Operand, packed: bool) -> Resul
         return Ok(());
     }
     t.check_layout(op)
+}
+
+/// [`prepare`] for any source of K and V. An FP8 cache's codes and scales are checked before the
+/// shapes; the per (slot, kv head) scales of every key the call reads, after the layout, except
+/// each sequence's last `unwritten` keys (rows an append is about to write, and so to scale).
+pub(super) fn prepare_source<'a>(
+    q: &TensorView<'a>,
+    src: &KvSource<'a>,
+    ql: QueryLayout<'a>,
+    kl: KvLayout<'a>,
+    unwritten: usize,
+    opts: &ForwardOptions,
+) -> Result<(Problem, BatchLayout<'a>)> {
+    match src {
+        KvSource::Views(k, v) => prepare(q, k, v, ql, kl, opts),
+        KvSource::Fp8 { k, v, shape, scales } => {
+            check_view(q, Operand::Q, matches!(ql, QueryLayout::Varlen { .. }))?;
+            check_buffers(k.len(), v.len(), *shape, scales)?;
+            let (p, layout) = problem(q, *shape, ql, kl, opts)?;
+            check_read_scales(&layout, *shape, scales, unwritten)?;
+            Ok((p, layout))
+        }
+    }
 }
 
 /// Everything a serving call validates, in the order a caller would fix it: memory, dtypes,
@@ -53,16 +78,29 @@ pub(super) fn prepare<'a>(
             expected: format!("{:?} (the shape of k)", k.shape()),
         });
     }
+    problem(q, k.shape(), ql, kl, opts)
+}
+
+/// The second half of [`prepare`], once k's and v's memory is known good (views, or an FP8
+/// cache's codes): shapes, the sequence layout, then the options.
+pub(super) fn problem<'a>(
+    q: &TensorView<'a>,
+    k_shape: Shape,
+    ql: QueryLayout<'a>,
+    kl: KvLayout<'a>,
+    opts: &ForwardOptions,
+) -> Result<(Problem, BatchLayout<'a>)> {
+    let dtype = q.dtype();
     let [_, _, hq, d] = q.shape();
-    let [_, _, hkv, kd] = k.shape();
+    let [_, _, hkv, kd] = k_shape;
     if kd != d {
         return Err(Error::ShapeMismatch {
             what: "k".into(),
-            got: format!("{:?}", k.shape()),
+            got: format!("{k_shape:?}"),
             expected: format!("head_dim {d} (the head_dim of q)"),
         });
     }
-    let layout = BatchLayout::new(ql, q.shape(), kl, k.shape())?;
+    let layout = BatchLayout::new(ql, q.shape(), kl, k_shape)?;
     let p = layout.launch_problem(hq, hkv, d, dtype, opts)?;
     if let Precision::Fp8 { .. } = p.precision {
         return Err(Error::InvalidOption {
