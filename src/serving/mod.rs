@@ -340,8 +340,8 @@ pub(super) fn append_slots(
     let layout = BatchLayout::new(QueryLayout::Dense, k_new.shape(), layout, shape)?;
     let mut slots = Vec::with_capacity(batch * new);
     let mut owner = Vec::with_capacity(batch * new);
-    for b in 0..batch {
-        let start = seqlens[b] as usize;
+    for (b, &len) in seqlens.iter().enumerate().take(batch) {
+        let start = len as usize;
         layout.for_kv_rows(b, start, start + new, |i, outer, row| {
             // The cache is contiguous (checked by the caller) and the layout bounds every index.
             slots.push((outer * cap + row) * ch * cd);
