@@ -6,11 +6,17 @@
 //! [`KvCacheMut`](super::KvCacheMut)) and the FP8 ones ([`Fp8KvCache`](super::Fp8KvCache),
 //! [`Fp8KvCacheMut`](super::Fp8KvCacheMut)).
 
-use super::fp8_cache::KvScales;
+use super::kv_scales::KvScales;
 use super::layout::KvLayout;
-use super::BlockTable;
 use crate::error::Result;
 use crate::tensor::{Shape, TensorView};
+
+/// A paged cache's block table: `[batch, max_blocks_per_seq]` block ids, row-major.
+#[derive(Clone, Copy, Debug)]
+pub struct BlockTable<'a> {
+    pub ids: &'a [i32],
+    pub max_blocks_per_seq: usize,
+}
 
 /// Where a call reads K and V.
 #[derive(Clone, Copy, Debug)]

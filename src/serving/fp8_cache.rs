@@ -9,42 +9,14 @@
 //! and NaN stays NaN (what [`crate::numerics::quant`] does): an infinite input becomes the
 //! largest value the row's scale can stand for, a NaN is read back as NaN.
 
-use super::cache_source::{cache_layout, sealed, KvSource};
+use super::append::{append_slots, for_new_rows};
+use super::cache_source::{cache_layout, sealed, BlockTable, KvSource};
+use super::kv_scales::{KvScales, KvScalesMut};
 use super::layout::{BatchLayout, KvLayout};
-use super::{append_slots, for_new_rows, BlockTable};
 use crate::cpu::inplace::{Fp8Kv, Fp8Rows, RowScales};
 use crate::error::{Error, Operand, Result};
 use crate::numerics::quant::{block_scale, encode_e4m3, finite_amax};
 use crate::tensor::{numel, Shape, TensorView};
-
-/// The scales of an FP8 cache.
-#[derive(Clone, Copy, Debug)]
-pub enum KvScales<'a> {
-    /// One scale for all of K and one for all of V.
-    PerTensor { k: f32, v: f32 },
-    /// One scale per (slot, kv head), laid out as the cache without head_dim: `[batch,
-    /// capacity, heads_kv]` (dense) or `[num_blocks, page_size, heads_kv]` (paged).
-    PerTokenHead { k: &'a [f32], v: &'a [f32] },
-}
-
-/// The scales of an FP8 cache this call may write: per (slot, kv head) scales are set for the
-/// rows it appends.
-#[derive(Debug)]
-pub enum KvScalesMut<'a> {
-    /// One scale for all of K and one for all of V, fixed by the caller.
-    PerTensor { k: f32, v: f32 },
-    /// One scale per (slot, kv head), laid out as [`KvScales::PerTokenHead`].
-    PerTokenHead { k: &'a mut [f32], v: &'a mut [f32] },
-}
-
-impl KvScalesMut<'_> {
-    fn reborrow(&self) -> KvScales<'_> {
-        match self {
-            KvScalesMut::PerTensor { k, v } => KvScales::PerTensor { k: *k, v: *v },
-            KvScalesMut::PerTokenHead { k, v } => KvScales::PerTokenHead { k, v },
-        }
-    }
-}
 
 /// An FP8 KV cache to attend over (read only): `k`, `v` are contiguous e4m3 codes
 /// `[batch, capacity, heads_kv, head_dim]` (dense) or `[num_blocks, page_size, heads_kv,

@@ -49,9 +49,11 @@
 //! # }
 //! ```
 
+mod append;
 mod backward;
 mod cache_source;
 mod fp8_cache;
+mod kv_scales;
 mod validate;
 mod varlen;
 pub mod layout;
@@ -59,8 +61,9 @@ pub mod layout;
 pub(crate) use crate::numerics::merge;
 
 pub use backward::backward_varlen;
-pub use cache_source::{ReadKvCache, WriteKvCache};
-pub use fp8_cache::{Fp8KvCache, Fp8KvCacheMut, KvScales, KvScalesMut};
+pub use cache_source::{BlockTable, ReadKvCache, WriteKvCache};
+pub use fp8_cache::{Fp8KvCache, Fp8KvCacheMut};
+pub use kv_scales::{KvScales, KvScalesMut};
 pub use layout::{BatchLayout, KvLayout, QueryLayout};
 pub use varlen::Varlen;
 pub use merge::{merge_states, merge_states_n, AttentionState};
@@ -73,15 +76,10 @@ use crate::numerics::softmax_math::SoftmaxMath;
 use crate::options::{Backend, ForwardOptions};
 use crate::problem::Problem;
 use crate::tensor::{numel, AsTensorView, Data, Element, OwnedData, Shape, TensorView};
+use append::{append_slots, for_new_rows};
 use cache_source::{cache_layout, sealed, KvSource};
-use validate::{check_view, prepare_source};
-
-/// A paged cache's block table: `[batch, max_blocks_per_seq]` block ids, row-major.
-#[derive(Clone, Copy, Debug)]
-pub struct BlockTable<'a> {
-    pub ids: &'a [i32],
-    pub max_blocks_per_seq: usize,
-}
+use fp8_cache::{check_buffers, check_read_scales};
+use validate::{check_view, prepare, problem};
 
 /// A KV cache to attend over (read only).
 ///
@@ -309,64 +307,6 @@ fn check_append<T: Element>(
     append_slots(cache.shape, cache_layout(cache.seqlens, cache.block_table, k_new.seqlen()), cache.seqlens, k_new, v_new)
 }
 
-/// The shape and slot checks of an append to a contiguous cache of `shape` whose sequences
-/// have `seqlens` keys (`layout`: with the new rows); returns the element offset of every row
-/// to write, in (b, i) order.
-pub(super) fn append_slots(
-    shape: Shape,
-    layout: KvLayout<'_>,
-    seqlens: &[i32],
-    k_new: &TensorView<'_>,
-    v_new: &TensorView<'_>,
-) -> Result<Vec<usize>> {
-    check_view(k_new, Operand::K, true)?;
-    check_view(v_new, Operand::V, true)?;
-    if v_new.shape() != k_new.shape() {
-        return Err(Error::ShapeMismatch {
-            what: "v_new".into(),
-            got: format!("{:?}", v_new.shape()),
-            expected: format!("{:?} (the shape of k_new)", k_new.shape()),
-        });
-    }
-    let [batch, new, hkv, d] = k_new.shape();
-    let [_, cap, ch, cd] = shape;
-    if (hkv, d) != (ch, cd) {
-        return Err(Error::ShapeMismatch {
-            what: "k_new".into(),
-            got: format!("{:?}", k_new.shape()),
-            expected: format!("[batch, seqlen_new, {ch}, {cd}] (heads_kv and head_dim of the cache)"),
-        });
-    }
-    let layout = BatchLayout::new(QueryLayout::Dense, k_new.shape(), layout, shape)?;
-    let mut slots = Vec::with_capacity(batch * new);
-    let mut owner = Vec::with_capacity(batch * new);
-    for (b, &len) in seqlens.iter().enumerate().take(batch) {
-        let start = len as usize;
-        layout.for_kv_rows(b, start, start + new, |i, outer, row| {
-            // The cache is contiguous (checked by the caller) and the layout bounds every index.
-            slots.push((outer * cap + row) * ch * cd);
-            owner.push((outer, row, b, i));
-        });
-    }
-    // Two sequences writing one slot (a shared block appended to by both) is a caller bug whose
-    // result would depend on the write order.
-    owner.sort_unstable();
-    for w in owner.windows(2) {
-        let ((o, r, b0, i0), (_, _, b1, i1)) = (w[0], w[1]);
-        if (w[0].0, w[0].1) == (w[1].0, w[1].1) {
-            return Err(Error::InvalidSeqLayout {
-                what: "block_table".into(),
-                got: format!(
-                    "sequence {b0} (new row {i0}) and sequence {b1} (new row {i1}) both write slot {r} of block {o}"
-                ),
-                expected: "distinct cache slots for every appended row (a block shared between sequences is read-only)"
-                    .into(),
-            });
-        }
-    }
-    Ok(slots)
-}
-
 fn write_rows<T: Element>(
     cache: &mut KvCacheMut<'_, T>,
     k_new: &TensorView<'_>,
@@ -383,24 +323,32 @@ fn write_rows<T: Element>(
     });
 }
 
-/// Calls `f(b, i, h, at)` for row `i` of sequence `b`, kv head `h` of an accepted append
-/// (`slots` from [`append_slots`]), `at` its element offset in the cache.
-pub(super) fn for_new_rows(k_new: &TensorView<'_>, slots: &[usize], mut f: impl FnMut(usize, usize, usize, usize)) {
-    let [batch, new, hkv, d] = k_new.shape();
-    let mut it = slots.iter();
-    for b in 0..batch {
-        for i in 0..new {
-            let Some(&base) = it.next() else { return };
-            for h in 0..hkv {
-                f(b, i, h, base + h * d);
-            }
-        }
-    }
-}
-
 fn store<T: Element>(dst: &mut [T], src: &[f32]) {
     for (d, &x) in dst.iter_mut().zip(src) {
         *d = T::from_f32(x);
+    }
+}
+
+/// [`prepare`] for any source of K and V. An FP8 cache's codes and scales are checked before the
+/// shapes; the per (slot, kv head) scales of every key the call reads, after the layout, except
+/// each sequence's last `unwritten` keys (rows an append is about to write, and so to scale).
+fn prepare_source<'a>(
+    q: &TensorView<'a>,
+    src: &KvSource<'a>,
+    ql: QueryLayout<'a>,
+    kl: KvLayout<'a>,
+    unwritten: usize,
+    opts: &ForwardOptions,
+) -> Result<(Problem, BatchLayout<'a>)> {
+    match src {
+        KvSource::Views(k, v) => prepare(q, k, v, ql, kl, opts),
+        KvSource::Fp8 { k, v, shape, scales } => {
+            check_view(q, Operand::Q, matches!(ql, QueryLayout::Varlen { .. }))?;
+            check_buffers(k.len(), v.len(), *shape, scales)?;
+            let (p, layout) = problem(q, *shape, ql, kl, opts)?;
+            check_read_scales(&layout, *shape, scales, unwritten)?;
+            Ok((p, layout))
+        }
     }
 }
 

@@ -1,8 +1,6 @@
 //! What every serving entry point validates before it runs, forward and backward: the tensors'
 //! memory, dtypes and shapes, the sequence layout and the options.
 
-use super::cache_source::KvSource;
-use super::fp8_cache::{check_buffers, check_read_scales};
 use super::layout::{BatchLayout, KvLayout, QueryLayout};
 use crate::error::{Error, Operand, Result};
 use crate::options::{Backend, ForwardOptions, Precision, Variant};
@@ -16,29 +14,6 @@ pub(super) fn check_view(t: &TensorView<'_>, op: Operand, packed: bool) -> Resul
         return Ok(());
     }
     t.check_layout(op)
-}
-
-/// [`prepare`] for any source of K and V. An FP8 cache's codes and scales are checked before the
-/// shapes; the per (slot, kv head) scales of every key the call reads, after the layout, except
-/// each sequence's last `unwritten` keys (rows an append is about to write, and so to scale).
-pub(super) fn prepare_source<'a>(
-    q: &TensorView<'a>,
-    src: &KvSource<'a>,
-    ql: QueryLayout<'a>,
-    kl: KvLayout<'a>,
-    unwritten: usize,
-    opts: &ForwardOptions,
-) -> Result<(Problem, BatchLayout<'a>)> {
-    match src {
-        KvSource::Views(k, v) => prepare(q, k, v, ql, kl, opts),
-        KvSource::Fp8 { k, v, shape, scales } => {
-            check_view(q, Operand::Q, matches!(ql, QueryLayout::Varlen { .. }))?;
-            check_buffers(k.len(), v.len(), *shape, scales)?;
-            let (p, layout) = problem(q, *shape, ql, kl, opts)?;
-            check_read_scales(&layout, *shape, scales, unwritten)?;
-            Ok((p, layout))
-        }
-    }
 }
 
 /// Everything a serving call validates, in the order a caller would fix it: memory, dtypes,
