@@ -24,6 +24,10 @@
 //! K/V cache: the in-place path, dense and paged with shuffled blocks) with throughput in bytes
 //! of K/V read, the figure that matters for decode; its summary table gives K/V GB/s and its
 //! JSON lines go to `target/bench/cpu-decode.jsonl` (or `FA_BENCH_DECODE_JSON`).
+//!
+//! A third, `decode_fp8_cpu`, times one decode step over an FP8 KV cache (e4m3 codes, per-tensor
+//! and per-(token, head) scales) beside the same step over an f16 cache, and prints the ratio
+//! (`cargo bench --bench cpu -- decode_fp8`).
 
 use flash_attn::bench::support;
 
@@ -238,10 +242,96 @@ fn main() {
     }
     group.finish();
     let decode = decode_group(&mut c, &samples);
+    let fp8 = fp8_decode_group(&mut c, &samples);
     c.final_summary();
 
     summary(threads, &gemm_rates, &roof, &records);
     decode_summary(&decode);
+    fp8_decode_summary(&fp8);
+}
+
+/// One decode step (batch 8, 32 query heads on 8 kv heads, head_dim 128, 4096 cached keys, f16
+/// queries) over an f16 cache and over FP8 caches of the same values (filled by `append_kv`,
+/// which quantises): (id, K/V bytes read, median ms, best ms).
+fn fp8_decode_group(c: &mut Criterion, samples: &Samples) -> Vec<(String, u64, f64, f64)> {
+    use flash_attn::numerics::quant::{block_scale, finite_amax};
+    use flash_attn::serving::{append_kv, forward_kvcache, Fp8KvCache, Fp8KvCacheMut, KvCache, KvScales, KvScalesMut};
+    let (batch, sk, hq, hkv, d) = (8, 4096, 32, 8, 128);
+    let shape = [batch, sk, hkv, d];
+    let n = batch * sk * hkv * d;
+    let mut rng = flash_attn::numerics::rng::SplitMix64::new(9);
+    let mut randn = |n: usize| (0..n).map(|_| rng.normal() as f32).collect::<Vec<f32>>();
+    let (k, v, q) = (randn(n), randn(n), randn(batch * hq * d));
+    let tensor = |x: &[f32], dt: DType, s: [usize; 4]| flash_attn::Tensor::from_f32(x, dt, s).expect("consistent shape");
+    let (k16, v16, q16) = (tensor(&k, DType::F16, shape), tensor(&v, DType::F16, shape), tensor(&q, DType::F16, [batch, 1, hq, d]));
+    let (kt, vt) = (tensor(&k, DType::F32, shape), tensor(&v, DType::F32, shape));
+    let seqlens = vec![sk as i32; batch];
+    let no_keys = vec![0i32; batch];
+    let (ts_k, ts_v) = (block_scale(finite_amax(&k)), block_scale(finite_amax(&v)));
+    // Per-tensor and per-(token, head) FP8 caches of the same values.
+    let (mut kc1, mut vc1, mut kc2, mut vc2) = (vec![0u8; n], vec![0u8; n], vec![0u8; n], vec![0u8; n]);
+    let (mut ks, mut vs) = (vec![0f32; n / d], vec![0f32; n / d]);
+    let fill = |k: &mut [u8], v: &mut [u8], scales: KvScalesMut<'_>| {
+        let mut cache = Fp8KvCacheMut { k, v, shape, scales, seqlens: &no_keys, block_table: None };
+        append_kv(&mut cache, &kt, &vt).expect("the FP8 cache takes the rows");
+    };
+    fill(&mut kc1, &mut vc1, KvScalesMut::PerTensor { k: ts_k, v: ts_v });
+    fill(&mut kc2, &mut vc2, KvScalesMut::PerTokenHead { k: &mut ks, v: &mut vs });
+    let caches: [(&str, u64); 3] = [
+        ("f16_cache", 2 * 2 * n as u64),
+        ("fp8_per_tensor", 2 * n as u64),
+        ("fp8_per_token_head", 2 * (n + 4 * n / d) as u64),
+    ];
+    let opts = ForwardOptions::default().backend(Backend::Cpu);
+    let mut out = Vec::new();
+    let mut group = c.benchmark_group("decode_fp8_cpu");
+    group.sampling_mode(SamplingMode::Flat);
+    for (name, bytes) in caches {
+        let id = format!("b{batch}_sk{sk}_hq{hq}_hkv{hkv}_d{d}_{name}");
+        group.throughput(Throughput::Bytes(bytes));
+        group.bench_function(&id, |b| {
+            b.iter_custom(|iters| {
+                let t = Instant::now();
+                for _ in 0..iters {
+                    let o = match name {
+                        "f16_cache" => forward_kvcache(&q16, &KvCache::dense(k16.view(), v16.view(), &seqlens), &opts),
+                        "fp8_per_tensor" => {
+                            let scales = KvScales::PerTensor { k: ts_k, v: ts_v };
+                            let cache = Fp8KvCache { k: &kc1, v: &vc1, shape, scales, seqlens: &seqlens, block_table: None };
+                            forward_kvcache(&q16, &cache, &opts)
+                        }
+                        _ => {
+                            let scales = KvScales::PerTokenHead { k: &ks, v: &vs };
+                            let cache = Fp8KvCache { k: &kc2, v: &vc2, shape, scales, seqlens: &seqlens, block_table: None };
+                            forward_kvcache(&q16, &cache, &opts)
+                        }
+                    };
+                    std::hint::black_box(o.expect("CPU decode runs"));
+                }
+                let e = t.elapsed();
+                record(samples, &id, e, iters);
+                e
+            })
+        });
+        if let Some((ms, ms_min, _)) = measured(samples, &id, SAMPLES) {
+            out.push((id, bytes, ms, ms_min));
+        }
+    }
+    group.finish();
+    out
+}
+
+fn fp8_decode_summary(recs: &[(String, u64, f64, f64)]) {
+    let Some(base) = recs.iter().find(|r| r.0.ends_with("f16_cache")).map(|r| r.2) else {
+        return;
+    };
+    println!("\n## CPU decode over an FP8 KV cache beside an f16 cache (median and best of the last {SAMPLES} samples)");
+    println!("\n| case | ms (median) | ms (best) | K/V GB/s median | time / f16 cache's |");
+    println!("|---|---:|---:|---:|---:|");
+    for (id, bytes, ms, best) in recs {
+        let gbs = *bytes as f64 / (ms * 1e-3) / 1e9;
+        println!("| {id} | {ms:.3} | {best:.3} | {gbs:.1} | {:.2} |", ms / base);
+    }
 }
 
 /// Decode shapes: one query row per sequence against a long cache, dense (`forward`) or paged

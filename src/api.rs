@@ -76,7 +76,7 @@ fn cpu_dense_inplace(
         return Ok(None);
     }
     let layout = crate::serving::BatchLayout::dense(p.batch, p.seqlen_q, p.seqlen_k);
-    let run = cpu::inplace::RunOpts { threads, splits: opts.num_splits, skip: &[] };
+    let run = cpu::inplace::RunOpts { threads, splits: opts.num_splits, skip: &[], fp8: None };
     let out = crate::serving::run_inplace(p, &layout, (q, k, v), run)?;
     Ok(Some(Output {
         o: out.o,

@@ -68,6 +68,8 @@ pub enum Error {
     /// A sequence-layout argument of the varlen / paged / KV-cache API is malformed: `cu_seqlens`,
     /// `block_table`, `cache_seqlens`, page size, max seqlens, cache capacity (docs/serving.md).
     InvalidSeqLayout { what: String, got: String, expected: String },
+    /// A quantisation scale (an FP8 KV cache's, docs/serving.md) is not a finite number > 0.
+    InvalidScale { what: String, got: String, expected: String },
     /// A CUDA driver call failed.
     Cuda { call: String, message: String },
     /// A stream of another CUDA context than the engine's, or a device tensor bound to another
@@ -132,6 +134,9 @@ impl fmt::Display for Error {
             Error::TooLarge { what } => write!(f, "too large: {what}"),
             Error::InvalidSeqLayout { what, got, expected } => {
                 write!(f, "invalid {what}: got {got}, expected {expected}")
+            }
+            Error::InvalidScale { what, got, expected } => {
+                write!(f, "invalid scale {what}: got {got}, expected {expected}")
             }
             Error::Cuda { call, message } => write!(f, "CUDA error in {call}: {message}"),
             Error::StreamMismatch { what, got, expected } => {

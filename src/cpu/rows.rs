@@ -32,6 +32,19 @@ pub(crate) fn prefetch_row_with(data: Data<'_>, ofs: usize, d: usize, fetch: imp
         Data::F16(x) => (x.as_ptr().wrapping_add(ofs) as *const i8, 2 * d),
         Data::BF16(x) => (x.as_ptr().wrapping_add(ofs) as *const i8, 2 * d),
     };
+    prefetch_lines(ptr, bytes, fetch);
+}
+
+/// Prefetches (into L1) the cache lines of the `d` bytes from byte `ofs` of `codes` (a row of
+/// an FP8 cache).
+#[inline(always)]
+pub(crate) fn prefetch_codes(codes: &[u8], ofs: usize, d: usize) {
+    prefetch_lines(codes.as_ptr().wrapping_add(ofs) as *const i8, d, simd::prefetch);
+}
+
+/// Prefetches the cache lines of `bytes` bytes from `ptr`.
+#[inline(always)]
+fn prefetch_lines(ptr: *const i8, bytes: usize, fetch: impl Fn(*const i8)) {
     // Every line the row touches, once: from the line holding its first byte (a row need not
     // start on a line boundary) to the one holding its last.
     let lead = ptr as usize % 64;

@@ -31,6 +31,30 @@ pub fn e4m3_to_f32(code: u8) -> f32 {
     F8E4M3::from_bits(code).to_f32()
 }
 
+/// The value of every e4m3 code, `E4M3_VALUES[code] == e4m3_to_f32(code)` (NaN for the two NaN
+/// codes): the decoder of an FP8 KV cache's inner loop, one load per element.
+pub static E4M3_VALUES: [f32; 256] = e4m3_values();
+
+/// Builds [`E4M3_VALUES`] from the format's fields: sign, 4 exponent bits (bias 7), 3 mantissa
+/// bits; exponent 0 is subnormal (`m · 2^-9`), `S.1111.111` is NaN.
+const fn e4m3_values() -> [f32; 256] {
+    let mut t = [0.0f32; 256];
+    let mut code = 0;
+    while code < 256 {
+        let (sign, e, m) = ((code as u32 >> 7) << 31, (code as u32 >> 3) & 0xF, code as u32 & 0x7);
+        let mag = if e == 0xF && m == 0x7 {
+            f32::NAN.to_bits()
+        } else if e == 0 {
+            (m as f32 * E4M3_SUBNORMAL_STEP).to_bits()
+        } else {
+            ((e + 127 - 7) << 23) | (m << E4M3_DROPPED_BITS)
+        };
+        t[code] = f32::from_bits(sign | mag);
+        code += 1;
+    }
+    t
+}
+
 /// Encodes `x` as e5m2 (satfinite, round to nearest even).
 #[inline]
 pub fn e5m2_from_f32(x: f32) -> u8 {
@@ -69,6 +93,18 @@ pub fn round_e4m3(x: f32) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn value_table_matches_codec() {
+        for code in 0..=255u8 {
+            let (want, got) = (e4m3_to_f32(code), E4M3_VALUES[code as usize]);
+            if want.is_nan() {
+                assert!(got.is_nan(), "code {code:#x}");
+            } else {
+                assert_eq!(got.to_bits(), want.to_bits(), "code {code:#x}");
+            }
+        }
+    }
 
     #[test]
     fn fast_rounding_matches_codec_on_a_dense_sweep() {

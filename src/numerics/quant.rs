@@ -32,6 +32,30 @@ pub fn block_scale(amax: f32) -> f32 {
     }
 }
 
+/// The largest finite magnitude of `x` (0 when it has none): the `amax` of [`block_scale`]. NaN
+/// and ±inf are left out, so that one of them does not decide the scale of every finite value.
+#[inline]
+pub fn finite_amax(x: &[f32]) -> f32 {
+    // NaN fails the comparison; infinity is excluded.
+    x.iter().fold(0.0f32, |m, &v| {
+        let a = v.abs();
+        if a > m && a != f32::INFINITY {
+            a
+        } else {
+            m
+        }
+    })
+}
+
+/// Encodes `x / scale` as e4m3 into `codes` (satfinite: ±inf and anything past ±448 become
+/// ±448; NaN stays NaN), the code of each value as [`quantize_e4m3`] makes it.
+#[inline]
+pub fn encode_e4m3(x: &[f32], scale: f32, codes: &mut [u8]) {
+    for (c, &v) in codes.iter_mut().zip(x) {
+        *c = e4m3_from_f32(v / scale);
+    }
+}
+
 /// Rows per scale block for `scaling` over a sequence of `seqlen` positions.
 pub fn block_rows(scaling: Fp8Scaling, seqlen: usize) -> usize {
     match scaling {
@@ -125,20 +149,11 @@ pub fn quantize_e4m3(x: &[f32], shape: [usize; 4], block_rows: usize) -> Result<
             for blk in 0..blocks {
                 let rows = blk * block_rows..((blk + 1) * block_rows).min(s_n);
                 let row_at = |s: usize| ((b * s_n + s) * h_n + h) * d;
-                let mut amax = 0.0f32;
-                for s in rows.clone() {
-                    for &v in &x[row_at(s)..row_at(s) + d] {
-                        let a = v.abs();
-                        // Finite values only (NaN fails the comparison; infinity is excluded).
-                        amax = if a > amax && a != f32::INFINITY { a } else { amax };
-                    }
-                }
+                let amax = rows.clone().map(|s| finite_amax(&x[row_at(s)..row_at(s) + d])).fold(0.0, f32::max);
                 let sc = block_scale(amax);
                 scales[(b * h_n + h) * blocks + blk] = sc;
                 for s in rows {
-                    for i in row_at(s)..row_at(s) + d {
-                        codes[i] = e4m3_from_f32(x[i] / sc);
-                    }
+                    encode_e4m3(&x[row_at(s)..row_at(s) + d], sc, &mut codes[row_at(s)..row_at(s) + d]);
                 }
             }
         }

@@ -22,6 +22,10 @@
 //! These run on the CPU backend (the in-place path: no repack of the cache per call, all
 //! query heads of a GQA group in one pass over their K/V, split-KV when the workers would idle).
 //!
+//! Every cache entry point also takes an FP8 cache ([`Fp8KvCache`], [`Fp8KvCacheMut`]: e4m3
+//! codes with per-tensor or per-(token, head) f32 scales), dequantised as it is read and
+//! quantised as rows are appended; see [`Fp8KvCache`] and docs/serving.md.
+//!
 //! ```
 //! # fn main() -> Result<(), flash_attn::Error> {
 //! use flash_attn::serving::{forward_kvcache_append, BlockTable, KvCacheMut};
@@ -50,7 +54,11 @@
 //! # }
 //! ```
 
+mod append;
 mod backward;
+mod cache_source;
+mod fp8_cache;
+mod kv_scales;
 mod rotary;
 mod validate;
 mod varlen;
@@ -59,6 +67,9 @@ pub mod layout;
 pub(crate) use crate::numerics::merge;
 
 pub use backward::backward_varlen;
+pub use cache_source::{BlockTable, ReadKvCache, WriteKvCache};
+pub use fp8_cache::{Fp8KvCache, Fp8KvCacheMut};
+pub use kv_scales::{KvScales, KvScalesMut};
 pub use layout::{BatchLayout, CacheRows, KvLayout, QueryLayout};
 pub use rotary::Rotary;
 pub use varlen::Varlen;
@@ -72,14 +83,10 @@ use crate::numerics::softmax_math::SoftmaxMath;
 use crate::options::{Backend, ForwardOptions};
 use crate::problem::Problem;
 use crate::tensor::{numel, AsTensorView, Data, Element, OwnedData, Shape, TensorView};
-use validate::{check_view, prepare, refuse_on_gpu};
-
-/// A paged cache's block table: `[batch, max_blocks_per_seq]` block ids, row-major.
-#[derive(Clone, Copy, Debug)]
-pub struct BlockTable<'a> {
-    pub ids: &'a [i32],
-    pub max_blocks_per_seq: usize,
-}
+use append::{append_slots, for_new_rows};
+use cache_source::{cache_layout, sealed, KvSource};
+use fp8_cache::{check_buffers, check_read_scales};
+use validate::{check_view, prepare, problem, refuse_on_gpu};
 
 /// A KV cache to attend over (read only).
 ///
@@ -129,12 +136,6 @@ impl<'a> KvCache<'a> {
             leftpad: None,
         }
     }
-    fn rows(&self) -> CacheRows<'a> {
-        CacheRows {
-            batch_idx: self.batch_idx,
-            leftpad: self.leftpad,
-        }
-    }
 }
 
 /// A KV cache this call may write (contiguous buffers), for [`append_kv`] and
@@ -159,19 +160,14 @@ pub struct KvCacheMut<'a, T: Element> {
 }
 
 impl<T: Element> KvCacheMut<'_, T> {
-    fn kv_layout(&self, new: usize) -> KvLayout<'_> {
-        match self.block_table {
-            None => KvLayout::Cache {
-                seqlens: self.seqlens,
-                new,
-            },
-            Some(bt) => KvLayout::Paged {
-                block_table: bt.ids,
-                max_blocks_per_seq: bt.max_blocks_per_seq,
-                seqlens: self.seqlens,
-                new,
-            },
-        }
+    fn views(&self) -> (TensorView<'_>, TensorView<'_>) {
+        (TensorView::new(self.k, self.shape), TensorView::new(self.v, self.shape))
+    }
+}
+
+impl sealed::Read for KvCache<'_> {
+    fn source(&self, new: usize) -> (KvSource<'_>, KvLayout<'_>) {
+        (KvSource::Views(self.k, self.v), cache_layout(self.seqlens, self.block_table, new))
     }
     fn rows(&self) -> CacheRows<'_> {
         CacheRows {
@@ -179,23 +175,27 @@ impl<T: Element> KvCacheMut<'_, T> {
             leftpad: self.leftpad,
         }
     }
-    fn views(&self) -> (TensorView<'_>, TensorView<'_>) {
-        (TensorView::new(self.k, self.shape), TensorView::new(self.v, self.shape))
+}
+
+impl<T: Element> sealed::Read for KvCacheMut<'_, T> {
+    fn source(&self, new: usize) -> (KvSource<'_>, KvLayout<'_>) {
+        let (k, v) = self.views();
+        (KvSource::Views(k, v), cache_layout(self.seqlens, self.block_table, new))
+    }
+    fn rows(&self) -> CacheRows<'_> {
+        CacheRows {
+            batch_idx: self.batch_idx,
+            leftpad: self.leftpad,
+        }
     }
 }
 
-fn cache_layout<'a>(c: &KvCache<'a>) -> KvLayout<'a> {
-    match c.block_table {
-        None => KvLayout::Cache {
-            seqlens: c.seqlens,
-            new: 0,
-        },
-        Some(bt) => KvLayout::Paged {
-            block_table: bt.ids,
-            max_blocks_per_seq: bt.max_blocks_per_seq,
-            seqlens: c.seqlens,
-            new: 0,
-        },
+impl<T: Element> sealed::Write for KvCacheMut<'_, T> {
+    fn check_append(&self, k_new: &TensorView<'_>, v_new: &TensorView<'_>) -> Result<Vec<usize>> {
+        check_append(self, k_new, v_new)
+    }
+    fn write_rows(&mut self, k_new: &TensorView<'_>, v_new: &TensorView<'_>, slots: &[usize], rotary: Option<&Rotary<'_>>) {
+        write_rows(self, k_new, v_new, slots, rotary)
     }
 }
 
@@ -222,8 +222,8 @@ pub fn forward_varlen(
         cu_seqlens: seqs.cu_seqlens_k,
         max_seqlen: seqs.max_seqlen_k,
     };
-    let rows = CacheRows::default();
-    run(&q.as_view(), &k.as_view(), &v.as_view(), (ql, kl, rows), opts, "varlen")
+    let src = KvSource::Views(k.as_view(), v.as_view());
+    run(&q.as_view(), &src, (ql, kl, CacheRows::default()), 0, opts, "varlen")
 }
 
 /// Attention of `q` `[batch, seqlen_q, heads_q, head_dim]` over a KV cache, sequence `b` seeing
@@ -234,17 +234,13 @@ pub fn forward_varlen(
 /// # Errors
 /// As [`forward_varlen`]; a `cache_seqlens` beyond the cache, a block id or `batch_idx` entry
 /// outside it, a `leftpad` above its `seqlens`, and `batch_idx` or `leftpad` with a paged cache
-/// are [`Error::InvalidSeqLayout`]. `batch_idx` or `leftpad` under `Backend::Cuda` is
-/// [`Error::BackendUnavailable`] (the GPU kernels do not take them yet).
-pub fn forward_kvcache(q: &impl AsTensorView, cache: &KvCache<'_>, opts: &ForwardOptions) -> Result<Output> {
-    run(
-        &q.as_view(),
-        &cache.k,
-        &cache.v,
-        (QueryLayout::Dense, cache_layout(cache), cache.rows()),
-        opts,
-        "kvcache",
-    )
+/// are [`Error::InvalidSeqLayout`]; an FP8 cache's scale that is not a finite number > 0 (per
+/// tensor, or of a slot the call reads) is an [`Error::InvalidScale`]. Under `Backend::Cuda`,
+/// `batch_idx`, `leftpad` and an FP8 cache are [`Error::BackendUnavailable`] (the GPU kernels do
+/// not take them yet).
+pub fn forward_kvcache(q: &impl AsTensorView, cache: &impl ReadKvCache, opts: &ForwardOptions) -> Result<Output> {
+    let (src, kl) = cache.source(0);
+    run(&q.as_view(), &src, (QueryLayout::Dense, kl, cache.rows()), 0, opts, "kvcache")
 }
 
 /// A packed batch of queries `[1, total_q, heads_q, head_dim]` (`cu_seqlens_q`,
@@ -258,27 +254,22 @@ pub fn forward_varlen_kvcache(
     q: &impl AsTensorView,
     cu_seqlens_q: &[i32],
     max_seqlen_q: usize,
-    cache: &KvCache<'_>,
+    cache: &impl ReadKvCache,
     opts: &ForwardOptions,
 ) -> Result<Output> {
     let ql = QueryLayout::Varlen {
         cu_seqlens: cu_seqlens_q,
         max_seqlen: max_seqlen_q,
     };
-    run(
-        &q.as_view(),
-        &cache.k,
-        &cache.v,
-        (ql, cache_layout(cache), cache.rows()),
-        opts,
-        "varlen-kvcache",
-    )
+    let (src, kl) = cache.source(0);
+    run(&q.as_view(), &src, (ql, kl, cache.rows()), 0, opts, "varlen-kvcache")
 }
 
 /// Writes this step's keys and values into the cache: row `i` of sequence `b` of `k_new`,
-/// `v_new` (`[batch, seqlen_new, heads_kv, head_dim]`, the cache's dtype) goes to key position
-/// `cache.seqlens[b] + i`, in the block the block table names for it (or in row
-/// `cache.batch_idx[b]` of a dense cache). `cache.seqlens` is not changed.
+/// `v_new` (`[batch, seqlen_new, heads_kv, head_dim]`, the cache's dtype; any one float dtype
+/// for an FP8 cache, which quantises them) goes to key position `cache.seqlens[b] + i`, in the
+/// block the block table names for it (or in row `cache.batch_idx[b]` of a dense cache).
+/// `cache.seqlens` is not changed.
 ///
 /// Everything is validated before the first write: on error the cache is untouched.
 ///
@@ -286,15 +277,12 @@ pub fn forward_varlen_kvcache(
 /// Shapes and dtypes as [`crate::forward`]; positions past the cache's capacity, block ids or
 /// `batch_idx` entries out of range, two sequences writing the same slot (a block shared by
 /// both) or the same cache row (`batch_idx`), and `leftpad` as in [`forward_kvcache`] are
-/// [`Error::InvalidSeqLayout`].
-pub fn append_kv<T: Element>(
-    cache: &mut KvCacheMut<'_, T>,
-    k_new: &impl AsTensorView,
-    v_new: &impl AsTensorView,
-) -> Result<()> {
+/// [`Error::InvalidSeqLayout`]; an FP8 cache's per-tensor scale that is not a finite number > 0
+/// is an [`Error::InvalidScale`].
+pub fn append_kv(cache: &mut impl WriteKvCache, k_new: &impl AsTensorView, v_new: &impl AsTensorView) -> Result<()> {
     let (k_new, v_new) = (k_new.as_view(), v_new.as_view());
-    let slots = check_append(cache, &k_new, &v_new)?;
-    write_rows(cache, &k_new, &v_new, &slots, None);
+    let slots = cache.check_append(&k_new, &v_new)?;
+    cache.write_rows(&k_new, &v_new, &slots, None);
     Ok(())
 }
 
@@ -307,9 +295,9 @@ pub fn append_kv<T: Element>(
 ///
 /// # Errors
 /// As [`append_kv`] and [`forward_kvcache`].
-pub fn forward_kvcache_append<T: Element>(
+pub fn forward_kvcache_append(
     q: &impl AsTensorView,
-    cache: &mut KvCacheMut<'_, T>,
+    cache: &mut impl WriteKvCache,
     k_new: &impl AsTensorView,
     v_new: &impl AsTensorView,
     opts: &ForwardOptions,
@@ -329,9 +317,9 @@ pub fn forward_kvcache_append<T: Element>(
 /// another shape, and tables without a row for every position rotated at are
 /// [`Error::InvalidOption`]; under `Backend::Cuda` it is [`Error::BackendUnavailable`] (the GPU
 /// kernels do not rotate yet). The cache is untouched on error.
-pub fn forward_kvcache_append_rotary<T: Element>(
+pub fn forward_kvcache_append_rotary(
     q: &impl AsTensorView,
-    cache: &mut KvCacheMut<'_, T>,
+    cache: &mut impl WriteKvCache,
     k_new: &impl AsTensorView,
     v_new: &impl AsTensorView,
     rotary: &Rotary<'_>,
@@ -340,59 +328,65 @@ pub fn forward_kvcache_append_rotary<T: Element>(
     append_then_attend(&q.as_view(), cache, &k_new.as_view(), &v_new.as_view(), Some(rotary), opts)
 }
 
-fn append_then_attend<T: Element>(
+fn append_then_attend(
     q: &TensorView<'_>,
-    cache: &mut KvCacheMut<'_, T>,
+    cache: &mut impl WriteKvCache,
     k_new: &TensorView<'_>,
     v_new: &TensorView<'_>,
     rotary: Option<&Rotary<'_>>,
     opts: &ForwardOptions,
 ) -> Result<Output> {
-    let slots = check_append(cache, k_new, v_new)?;
+    let slots = cache.check_append(k_new, v_new)?;
     let new = k_new.seqlen();
-    // Everything is checked, and q's rotated copy made, before the first write.
+    // Everything is checked, and q's rotated copy made, before the first write. The rows about
+    // to be written are not checked (an FP8 cache's scales for them are set by the write).
     let q_rot = {
-        let (kc, vc) = cache.views();
-        prepare(q, &kc, &vc, (QueryLayout::Dense, cache.kv_layout(new), cache.rows()), opts)?;
+        let (src, kl) = cache.source(new);
+        prepare_source(q, &src, (QueryLayout::Dense, kl, cache.rows()), new, opts)?;
         match rotary {
             Some(rot) => {
-                let advance = check_rotary(rot, q, new, cache, opts)?;
-                Some(rotary::rotated_q(q, rot, cache.seqlens, advance)?)
+                let (advance, seqlens) = check_rotary(rot, q, new, &src, kl, opts)?;
+                Some(rotary::rotated_q(q, rot, seqlens, advance)?)
             }
             None => None,
         }
     };
-    write_rows(cache, k_new, v_new, &slots, rotary);
-    let (kc, vc) = cache.views();
+    cache.write_rows(k_new, v_new, &slots, rotary);
+    let (src, kl) = cache.source(new);
     let q = q_rot.as_ref().map_or(*q, |t| t.view());
-    run(&q, &kc, &vc, (QueryLayout::Dense, cache.kv_layout(new), cache.rows()), opts, "kvcache-append")
+    run(&q, &src, (QueryLayout::Dense, kl, cache.rows()), 0, opts, "kvcache-append")
 }
 
-/// Validates a rotary embedding against the call (`new` rows appended); returns whether q's
-/// rows advance (see [`rotary::q_rows_advance`]).
-fn check_rotary<T: Element>(
+/// Validates a rotary embedding against the call (`new` rows appended to the cache `src` laid
+/// out as `kl`); returns whether q's rows advance (see [`rotary::q_rows_advance`]) and the
+/// cache's `seqlens`.
+fn check_rotary<'a>(
     rot: &Rotary<'_>,
     q: &TensorView<'_>,
     new: usize,
-    cache: &KvCacheMut<'_, T>,
+    src: &KvSource<'_>,
+    kl: KvLayout<'a>,
     opts: &ForwardOptions,
-) -> Result<bool> {
+) -> Result<(bool, &'a [i32])> {
     refuse_on_gpu(opts, "a rotary embedding")?;
     rot.check(q.head_dim())?;
-    let capacity = match cache.block_table {
-        Some(bt) => bt.max_blocks_per_seq.saturating_mul(cache.shape[1]),
-        None => cache.shape[1],
+    let page = src.views().0.shape()[1];
+    let (capacity, seqlens) = match kl {
+        KvLayout::Paged { max_blocks_per_seq, seqlens, .. } => (max_blocks_per_seq.saturating_mul(page), seqlens),
+        KvLayout::Cache { seqlens, .. } => (page, seqlens),
+        // A writable cache is laid out as one of the two above.
+        KvLayout::Dense | KvLayout::Varlen { .. } => (page, &[][..]),
     };
     let advance = rotary::q_rows_advance(opts.mask, capacity);
     let sq = q.seqlen();
     // Positions seqlens[b] + i for the new keys, and for q's rows (or seqlens[b] alone).
     let span = new.max(if advance { sq } else { sq.min(1) });
     if span > 0 {
-        for (b, &s) in cache.seqlens.iter().enumerate() {
+        for (b, &s) in seqlens.iter().enumerate() {
             rot.check_covers(b, s as usize + span - 1)?;
         }
     }
-    Ok(advance)
+    Ok((advance, seqlens))
 }
 
 /// Validates an append; returns the element offset of every row to write, in (b, i) order.
@@ -416,8 +410,6 @@ fn check_append<T: Element>(
     // A cache of capacity 0 and an append of 0 rows are allowed (nothing is written).
     let (kc, _) = cache.views();
     check_view(&kc, Operand::K, true)?;
-    check_view(k_new, Operand::K, true)?;
-    check_view(v_new, Operand::V, true)?;
     for (op, t) in [(Operand::K, k_new), (Operand::V, v_new)] {
         if t.dtype() != T::DTYPE {
             return Err(Error::DTypeMismatch {
@@ -427,74 +419,13 @@ fn check_append<T: Element>(
             });
         }
     }
-    if v_new.shape() != k_new.shape() {
-        return Err(Error::ShapeMismatch {
-            what: "v_new".into(),
-            got: format!("{:?}", v_new.shape()),
-            expected: format!("{:?} (the shape of k_new)", k_new.shape()),
-        });
-    }
-    let [batch, new, hkv, d] = k_new.shape();
-    let [_, _, ch, cd] = cache.shape;
-    if (hkv, d) != (ch, cd) {
-        return Err(Error::ShapeMismatch {
-            what: "k_new".into(),
-            got: format!("{:?}", k_new.shape()),
-            expected: format!("[batch, seqlen_new, {ch}, {cd}] (heads_kv and head_dim of the cache)"),
-        });
-    }
-    let layout = BatchLayout::with_cache_rows(
-        QueryLayout::Dense,
-        k_new.shape(),
-        cache.kv_layout(new),
+    append_slots(
         cache.shape,
-        cache.rows(),
-    )?;
-    if let (Some(idx), true) = (cache.batch_idx, new > 0) {
-        check_distinct_rows(idx)?;
-    }
-    let mut slots = Vec::with_capacity(batch * new);
-    let mut owner = Vec::with_capacity(batch * new);
-    for b in 0..batch {
-        // The new keys follow the cached ones: positions seqlens[b].. of the cache, keys
-        // seqlens[b] - leftpad[b].. of the sequence.
-        let start = layout.seqlen_k(b) - new;
-        layout.for_kv_rows(b, start, start + new, |i, outer, row| {
-            slots.push(kc.offset(outer, row, 0));
-            owner.push((outer, row, b, i));
-        });
-    }
-    // Two sequences writing one slot (a shared block appended to by both) is a caller bug whose
-    // result would depend on the write order.
-    owner.sort_unstable();
-    for w in owner.windows(2) {
-        let ((o, r, b0, i0), (_, _, b1, i1)) = (w[0], w[1]);
-        if (w[0].0, w[0].1) == (w[1].0, w[1].1) {
-            return Err(Error::InvalidSeqLayout {
-                what: "block_table".into(),
-                got: format!(
-                    "sequence {b0} (new row {i0}) and sequence {b1} (new row {i1}) both write slot {r} of block {o}"
-                ),
-                expected: "distinct cache slots for every appended row (a block shared between sequences is read-only)"
-                    .into(),
-            });
-        }
-    }
-    Ok(slots)
-}
-
-/// Two sequences of an append on one cache row (`batch_idx`) would write each other's keys.
-fn check_distinct_rows(idx: &[i32]) -> Result<()> {
-    let mut seen: Vec<(i32, usize)> = idx.iter().copied().zip(0..).collect();
-    seen.sort_unstable();
-    match seen.windows(2).find(|w| w[0].0 == w[1].0) {
-        Some(w) => Err(Error::InvalidSeqLayout {
-            what: "cache_batch_idx".into(),
-            got: format!("sequences {} and {} both append to cache row {}", w[0].1, w[1].1, w[0].0),
-            expected: "a distinct cache row for every sequence of an append".into(),
-        }),
-        None => Ok(()),
-    }
+        cache_layout(cache.seqlens, cache.block_table, k_new.seqlen()),
+        sealed::Read::rows(cache),
+        k_new,
+        v_new,
+    )
 }
 
 /// Writes the validated rows; with `rotary`, each k row rotated to its cache position first
@@ -506,24 +437,17 @@ fn write_rows<T: Element>(
     slots: &[usize],
     rotary: Option<&Rotary<'_>>,
 ) {
-    let [batch, new, hkv, d] = k_new.shape();
+    let d = k_new.head_dim();
     let mut row = vec![0.0f32; d];
-    let mut it = slots.iter();
-    for b in 0..batch {
-        for i in 0..new {
-            let Some(&base) = it.next() else { return };
-            for h in 0..hkv {
-                let at = base + h * d;
-                k_new.read_row(b, i, h, &mut row);
-                if let Some(rot) = rotary {
-                    rot.rotate(&mut row, cache.seqlens[b] as usize + i);
-                }
-                store(&mut cache.k[at..at + d], &row);
-                v_new.read_row(b, i, h, &mut row);
-                store(&mut cache.v[at..at + d], &row);
-            }
+    for_new_rows(k_new, slots, |b, i, h, at| {
+        k_new.read_row(b, i, h, &mut row);
+        if let Some(rot) = rotary {
+            rot.rotate(&mut row, cache.seqlens[b] as usize + i);
         }
-    }
+        store(&mut cache.k[at..at + d], &row);
+        v_new.read_row(b, i, h, &mut row);
+        store(&mut cache.v[at..at + d], &row);
+    });
 }
 
 fn store<T: Element>(dst: &mut [T], src: &[f32]) {
@@ -532,29 +456,68 @@ fn store<T: Element>(dst: &mut [T], src: &[f32]) {
     }
 }
 
+/// [`prepare`] for any source of K and V. An FP8 cache's codes and scales are checked before the
+/// shapes; the per (slot, kv head) scales of every key the call reads, after the layout, except
+/// each sequence's last `unwritten` keys (rows an append is about to write, and so to scale).
+fn prepare_source<'a>(
+    q: &TensorView<'a>,
+    src: &KvSource<'a>,
+    layouts: (QueryLayout<'a>, KvLayout<'a>, CacheRows<'a>),
+    unwritten: usize,
+    opts: &ForwardOptions,
+) -> Result<(Problem, BatchLayout<'a>)> {
+    match src {
+        KvSource::Views(k, v) => prepare(q, k, v, layouts, opts),
+        KvSource::Fp8 { k, v, shape, scales } => {
+            check_view(q, Operand::Q, matches!(layouts.0, QueryLayout::Varlen { .. }))?;
+            check_buffers(k.len(), v.len(), *shape, scales)?;
+            let (p, layout) = problem(q, *shape, layouts, opts)?;
+            check_read_scales(&layout, *shape, scales, unwritten)?;
+            Ok((p, layout))
+        }
+    }
+}
+
+/// Attention of `q` over `src` (`unwritten`: see [`prepare_source`]).
 fn run(
     q: &TensorView<'_>,
-    k: &TensorView<'_>,
-    v: &TensorView<'_>,
-    (ql, kl, rows): (QueryLayout<'_>, KvLayout<'_>, CacheRows<'_>),
+    src: &KvSource<'_>,
+    layouts: (QueryLayout<'_>, KvLayout<'_>, CacheRows<'_>),
+    unwritten: usize,
     opts: &ForwardOptions,
     what: &str,
 ) -> Result<Output> {
-    let (p, layout) = prepare(q, k, v, (ql, kl, rows), opts)?;
+    let (ql, kl, _) = layouts;
+    let (p, layout) = prepare_source(q, src, layouts, unwritten, opts)?;
+    let (k, v) = &src.views();
+    let fp8 = match *src {
+        KvSource::Views(..) => None,
+        KvSource::Fp8 { k, v, scales, .. } => Some(fp8_cache::rows(k, v, scales)),
+    };
     if let Backend::Cuda(dev) = opts.backend {
+        if fp8.is_some() {
+            return Err(Error::BackendUnavailable {
+                backend: format!("Cuda({dev})"),
+                reason: "the GPU serving kernels read f32 / f16 / bf16 caches; an FP8 KV cache runs on the CPU \
+                         (Backend::Auto or Backend::Cpu)"
+                    .into(),
+            });
+        }
         // The FA2 serving kernels (docs/serving.md "GPU"; this path is compile-checked only).
         return crate::cuda_host::serving_host((q, k, v), ql, kl, opts, dev);
     }
     let threads = cpu::threads(opts.cpu_threads);
     // Long query sequences whose keys lie in one contiguous run (packed k/v or a dense cache)
-    // go to the tiled path one by one: with many rows its packing pays off. The rest, and every
-    // paged sequence, run in place in one call.
-    let tiled: Vec<bool> = (0..layout.batch()).map(|b| tiled_fits(&layout, b)).collect();
+    // go to the tiled path one by one: with many rows its packing pays off. The rest, every
+    // paged sequence and every FP8 cache (its rows are dequantised as the in-place path reads
+    // them), run in place in one call.
+    let tiled: Vec<bool> = (0..layout.batch()).map(|b| fp8.is_none() && tiled_fits(&layout, b)).collect();
     let n_tiled = tiled.iter().filter(|&&t| t).count();
     let run = inplace::RunOpts {
         threads,
         splits: opts.num_splits,
         skip: &tiled,
+        fp8,
     };
     let mut out = run_inplace(&p, &layout, (q, k, v), run)?;
     for b in (0..layout.batch()).filter(|&b| tiled[b]) {

@@ -5,7 +5,7 @@ use super::layout::{BatchLayout, CacheRows, KvLayout, QueryLayout};
 use crate::error::{Error, Operand, Result};
 use crate::options::{Backend, ForwardOptions, Precision, Variant};
 use crate::problem::Problem;
-use crate::tensor::TensorView;
+use crate::tensor::{Shape, TensorView};
 
 /// Checks a tensor's memory; with `packed`, the seqlen dimension may be 0 (nothing is read).
 pub(super) fn check_view(t: &TensorView<'_>, op: Operand, packed: bool) -> Result<()> {
@@ -66,16 +66,28 @@ pub(super) fn prepare<'a>(
             expected: format!("{:?} (the shape of k)", k.shape()),
         });
     }
+    problem(q, k.shape(), (ql, kl, rows), opts)
+}
+
+/// The second half of [`prepare`], once k's and v's memory is known good (views, or an FP8
+/// cache's codes): shapes, the sequence layout, then the options.
+pub(super) fn problem<'a>(
+    q: &TensorView<'a>,
+    k_shape: Shape,
+    (ql, kl, rows): (QueryLayout<'a>, KvLayout<'a>, CacheRows<'a>),
+    opts: &ForwardOptions,
+) -> Result<(Problem, BatchLayout<'a>)> {
+    let dtype = q.dtype();
     let [_, _, hq, d] = q.shape();
-    let [_, _, hkv, kd] = k.shape();
+    let [_, _, hkv, kd] = k_shape;
     if kd != d {
         return Err(Error::ShapeMismatch {
             what: "k".into(),
-            got: format!("{:?}", k.shape()),
+            got: format!("{k_shape:?}"),
             expected: format!("head_dim {d} (the head_dim of q)"),
         });
     }
-    let layout = BatchLayout::with_cache_rows(ql, q.shape(), kl, k.shape(), rows)?;
+    let layout = BatchLayout::with_cache_rows(ql, q.shape(), kl, k_shape, rows)?;
     let p = layout.launch_problem(hq, hkv, d, dtype, opts)?;
     if let Precision::Fp8 { .. } = p.precision {
         return Err(Error::InvalidOption {

@@ -20,6 +20,8 @@ mod errors;
 /// The dense forward over random shapes and options (properties).
 #[cfg(feature = "bench")]
 mod forward_props;
+/// FP8 KV caches: reads against the reference on the dequantised cache, appends, bad scales.
+mod fp8_kv_cache;
 /// FlashAttention-3's FP8 accuracy claim on the CPU FP8 path.
 #[cfg(feature = "bench")]
 mod fp8_accuracy;

@@ -8,7 +8,7 @@ use super::sizes::{CHUNK_KEYS, SWEEP_CHUNK_KEYS};
 use crate::convert::Widen;
 use crate::cpu::gemm::NR;
 use crate::cpu::row_products::{pv_panel, qk_panel};
-use crate::cpu::rows::prefetch_row;
+use crate::cpu::rows::{prefetch_codes, prefetch_row};
 use crate::cpu::softmax::{online_softmax, panel_max, panel_scales, row_probs, RowState};
 use crate::numerics::softmax_math::Exp2Math;
 use crate::problem::Problem;
@@ -101,8 +101,7 @@ pub(super) fn chunk_rows<'r>(data: Data<'r>, ofs: &[usize], d: usize, buf: &'r m
                     *a = h.widen();
                 }
             }
-            let mut it = buf.chunks_exact(d);
-            std::array::from_fn(|j| if j < n { it.next().unwrap_or(&[]) } else { &[] })
+            buffered_rows(buf, n, d)
         }
         Data::BF16(x) => {
             for (dst, &o) in buf.chunks_exact_mut(d).zip(ofs) {
@@ -110,10 +109,16 @@ pub(super) fn chunk_rows<'r>(data: Data<'r>, ofs: &[usize], d: usize, buf: &'r m
                     *a = b.widen();
                 }
             }
-            let mut it = buf.chunks_exact(d);
-            std::array::from_fn(|j| if j < n { it.next().unwrap_or(&[]) } else { &[] })
+            buffered_rows(buf, n, d)
         }
     }
+}
+
+/// The first `n` rows of `d` elements of `buf` (the rest empty).
+#[inline(always)]
+fn buffered_rows(buf: &[f32], n: usize, d: usize) -> [&[f32]; CHUNK_KEYS] {
+    let mut it = buf.chunks_exact(d);
+    std::array::from_fn(|j| if j < n { it.next().unwrap_or(&[]) } else { &[] })
 }
 
 /// Asks the cache for the K and V rows of kv head `hk`, keys `j0..j1` of sequence `b`: the
@@ -122,8 +127,17 @@ pub(super) fn chunk_rows<'r>(data: Data<'r>, ofs: &[usize], d: usize, buf: &'r m
 pub(super) fn prefetch_rows<M>(c: &Ctx<'_, M>, b: usize, (hk, j0, j1): (usize, usize, usize)) {
     let d = c.p.head_dim;
     c.layout.for_kv_rows(b, j0, j1, |_, outer, row| {
-        prefetch_row(c.k.data(), c.k.offset(outer, row, hk), d);
-        prefetch_row(c.v.data(), c.v.offset(outer, row, hk), d);
+        let (ko, vo) = (c.k.offset(outer, row, hk), c.v.offset(outer, row, hk));
+        match &c.fp8 {
+            Some(f) => {
+                prefetch_codes(f.k.codes, ko, d);
+                prefetch_codes(f.v.codes, vo, d);
+            }
+            None => {
+                prefetch_row(c.k.data(), ko, d);
+                prefetch_row(c.v.data(), vo, d);
+            }
+        }
     });
 }
 
@@ -164,13 +178,19 @@ pub(super) fn attend_chunk<M: Exp2Math, const FMA: bool>(
     if let Some(next) = next {
         prefetch_rows(c, b, next);
     }
-    let half = !matches!(c.k.data(), Data::F32(_)) || !matches!(c.v.data(), Data::F32(_));
-    if half && kbuf.len() < CHUNK_KEYS * d {
+    let widened = c.fp8.is_some() || !matches!(c.k.data(), Data::F32(_)) || !matches!(c.v.data(), Data::F32(_));
+    if widened && kbuf.len() < CHUNK_KEYS * d {
         kbuf.resize(CHUNK_KEYS * d, 0.0);
         vbuf.resize(CHUNK_KEYS * d, 0.0);
     }
-    let krows = chunk_rows(c.k.data(), &kofs[..n], d, kbuf);
-    let vrows = chunk_rows(c.v.data(), &vofs[..n], d, vbuf);
+    let (krows, vrows) = match &c.fp8 {
+        Some(f) => {
+            f.k.dequantize(&kofs[..n], d, kbuf);
+            f.v.dequantize(&vofs[..n], d, vbuf);
+            (buffered_rows(kbuf, n, d), buffered_rows(vbuf, n, d))
+        }
+        None => (chunk_rows(c.k.data(), &kofs[..n], d, kbuf), chunk_rows(c.v.data(), &vofs[..n], d, vbuf)),
+    };
 
     for l0 in (0..nrows).step_by(NR) {
         let nl = NR.min(nrows - l0);

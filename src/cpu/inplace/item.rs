@@ -1,6 +1,7 @@
 //! A work item of the in-place path: what it reads (`Ctx`), what it writes (`Item`) and what it
 //! keeps between its chunks (`ItemSpan`).
 
+use super::fp8_rows::Fp8Kv;
 use crate::cpu::isa::Isa;
 use crate::cpu::score::ScoreMod;
 use crate::problem::Problem;
@@ -19,6 +20,9 @@ pub(super) struct Ctx<'a, M> {
     pub(super) group: usize,
     /// The instruction set to run (the CPU's best unless a test asks for a lesser one).
     pub(super) isa: Isa,
+    /// An FP8 cache's K and V (then `k` and `v` hold no elements: they give the shape and
+    /// strides); the chunked sweeps dequantise its rows as they read them.
+    pub(super) fp8: Option<Fp8Kv<'a>>,
 }
 
 /// One work item: rows `r0..r1` of the (sequence `b`, kv head `hk`) group, keys `k0..k1` (a

@@ -21,7 +21,7 @@ pub(super) struct KeyBlocks;
 impl Sweep for KeyBlocks {
     #[inline(always)]
     fn run<M: Exp2Math, const FMA: bool>(c: &Ctx<'_, M>, items: &mut [Item<'_>], scrs: &mut [Scratch], spans: &[ItemSpan]) -> bool {
-        if !same_span(spans) {
+        if !same_span(spans) || c.fp8.is_some() {
             return false;
         }
         let span = span(spans);

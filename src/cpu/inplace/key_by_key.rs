@@ -22,7 +22,7 @@ pub(super) struct KeyByKey;
 impl Sweep for KeyByKey {
     #[inline(always)]
     fn run<M: Exp2Math, const FMA: bool>(c: &Ctx<'_, M>, items: &mut [Item<'_>], scrs: &mut [Scratch], spans: &[ItemSpan]) -> bool {
-        if !same_span(spans) || !items.iter().all(|it| it.r1 - it.r0 == 1) {
+        if !same_span(spans) || !items.iter().all(|it| it.r1 - it.r0 == 1) || c.fp8.is_some() {
             return false;
         }
         let span = span(spans);

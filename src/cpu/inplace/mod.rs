@@ -36,14 +36,20 @@
 //! split count is [`num_splits`]'s heuristic or the caller's `num_splits`. An attention sink is
 //! merged there too, once per row as the state `(0, sink)`: the splits' states carry none.
 //!
+//! An FP8 KV cache (e4m3 codes with f32 scales, `RunOpts::fp8`) runs on the chunked sweeps: each
+//! chunk's K/V rows are dequantised into the chunk buffer the 16-bit rows are widened into
+//! (`fp8_rows`), so no f32 copy of the cache is made; the blocked and one-key sweeps decline it.
+//!
 //! All parallel work goes through `cpu::parallel::for_each`.
 //!
 //! Files: this driver (items, units, splits); the ways to sweep a unit's keys behind one trait
 //! (`sweep`), tried in order: `key_blocks` (its products in `lanes`), `key_by_key`, `chunks`;
-//! the merge of the splits (`combine`); the per-worker buffers (`scratch`).
+//! the merge of the splits (`combine`); the per-worker buffers (`scratch`); an FP8 cache's rows
+//! (`fp8_rows`).
 
 mod chunks;
 mod combine;
+mod fp8_rows;
 mod item;
 mod key_blocks;
 mod key_by_key;
@@ -74,6 +80,8 @@ use key_by_key::KeyByKey;
 use scratch::{Scratch, Scratches};
 use sizes::ITEM_ROWS;
 use sweep::Sweep;
+
+pub(crate) use fp8_rows::{Fp8Kv, Fp8Rows, RowScales};
 
 /// Multiply-adds a thread must get before another thread is started (roughly 50 µs of work).
 const MIN_WORK_PER_THREAD: u64 = 1 << 18;
@@ -235,6 +243,9 @@ pub(crate) struct RunOpts<'a> {
     pub splits: Option<usize>,
     /// Sequences another path computes (`true`): no items; their output rows stay 0.
     pub skip: &'a [bool],
+    /// An FP8 cache: K and V are read (dequantised) from these codes, and the `k`, `v` views
+    /// give only the cache's shape and strides (views of no elements).
+    pub fp8: Option<Fp8Kv<'a>>,
 }
 
 /// The in-place forward pass on a validated problem and layout.
@@ -257,7 +268,7 @@ fn forward_isa<M: Exp2Math>(
     run: RunOpts<'_>,
     want: Isa,
 ) -> Result<InplaceOutput> {
-    let RunOpts { threads, splits, skip } = run;
+    let RunOpts { threads, splits, skip, fp8 } = run;
     let seqlen_q = |b: usize| {
         if skip.get(b).copied().unwrap_or(false) {
             0
@@ -402,6 +413,7 @@ fn forward_isa<M: Exp2Math>(
             math,
             group: g,
             isa: want,
+            fp8,
         };
         parallel::for_each(
             &mut units,
@@ -523,7 +535,7 @@ mod tests {
             let isas = [Isa::Avx512, Isa::Avx2Fma, Isa::Portable];
             for (isa, (qx, kx, vx, threads)) in isas.into_iter().flat_map(|i| runs.iter().map(move |r| (i, r))) {
                 let isa = (isa, kx.strides(), threads);
-                let run = RunOpts { threads: *threads, splits: opts.num_splits, skip: &[] };
+                let run = RunOpts { threads: *threads, splits: opts.num_splits, skip: &[], fp8: None };
                 let out = forward_isa(&p, &layout, (qx, kx, vx), super::super::Native, run, isa.0).unwrap();
                 let o: Vec<f64> = out.o.to_f32_vec().iter().map(|&x| x as f64).collect();
                 let same_inf = o.iter().zip(&r.o).all(|(a, b)| a.is_finite() == b.is_finite());
@@ -550,7 +562,7 @@ mod tests {
             // kv head per unit, each item its whole block in turn) runs the same operations per
             // row: the same bits. (The chunked path, where the blocked one does not apply, takes
             // chunks of different lengths in the two.)
-            let one = RunOpts { threads: 1, splits: Some(1), skip: &[] };
+            let one = RunOpts { threads: 1, splits: Some(1), skip: &[], fp8: None };
             let blocked = sq == 1 && d % 32 == 0 && d <= 256;
             let has = detect_isa();
             let runs_blocked = |isa: Isa| match isa {
