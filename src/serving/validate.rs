@@ -46,11 +46,16 @@ pub(super) fn prepare<'a>(
             });
         }
     }
-    if v.shape() != k.shape() {
+    // v may have its own head_dim (the output's); its other dimensions are k's.
+    let [kb, ks, kh, _] = k.shape();
+    if v.shape()[..3] != k.shape()[..3] {
         return Err(Error::ShapeMismatch {
             what: "v".into(),
             got: format!("{:?}", v.shape()),
-            expected: format!("{:?} (the shape of k)", k.shape()),
+            expected: format!(
+                "{:?} (the shape of k), or [{kb}, {ks}, {kh}, head_dim_v] for a head_dim of v's own",
+                k.shape()
+            ),
         });
     }
     let [_, _, hq, d] = q.shape();
@@ -63,7 +68,7 @@ pub(super) fn prepare<'a>(
         });
     }
     let layout = BatchLayout::new(ql, q.shape(), kl, k.shape())?;
-    let p = layout.launch_problem(hq, hkv, d, dtype, opts)?;
+    let p = layout.launch_problem_v(hq, hkv, (d, v.shape()[3]), dtype, opts)?;
     if let Precision::Fp8 { .. } = p.precision {
         return Err(Error::InvalidOption {
             option: "precision",
