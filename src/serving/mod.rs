@@ -150,13 +150,13 @@ impl<T: Element> KvCacheMut<'_, T> {
 
     /// v's head_dim: its buffer's length over the cache's rows (`shape[0] · shape[1] ·
     /// shape[2]`), or k's head_dim for a cache without rows; `None` when the rows do not divide
-    /// the length (a buffer of no shape of these rows).
+    /// the length or it is 0 (a buffer of no shape of these rows).
     pub fn head_dim_v(&self) -> Option<usize> {
         let [n, cap, h, d] = self.shape;
         let rows = n.checked_mul(cap)?.checked_mul(h)?;
         match rows {
             0 => self.v.is_empty().then_some(d),
-            _ => self.v.len().is_multiple_of(rows).then_some(self.v.len() / rows),
+            _ => (!self.v.is_empty() && self.v.len().is_multiple_of(rows)).then_some(self.v.len() / rows),
         }
     }
 }
@@ -361,12 +361,11 @@ fn check_append<T: Element>(
             expected: format!("{:?} (k_new's batch, rows and heads; the cache's v head_dim {cdv})", [batch, new, hkv, cdv]),
         });
     }
-    let ch = chk;
-    if (hkv, d) != (ch, cd) {
+    if (hkv, d) != (chk, cd) {
         return Err(Error::ShapeMismatch {
             what: "k_new".into(),
             got: format!("{:?}", k_new.shape()),
-            expected: format!("[batch, seqlen_new, {ch}, {cd}] (heads_kv and head_dim of the cache)"),
+            expected: format!("[batch, seqlen_new, {chk}, {cd}] (heads_kv and head_dim of the cache)"),
         });
     }
     let layout = BatchLayout::new(QueryLayout::Dense, k_new.shape(), cache.kv_layout(new), cache.shape)?;
