@@ -52,8 +52,11 @@ pub(super) struct Scratches {
 /// Most bytes of scratch a thread keeps between calls.
 pub(super) const SCRATCH_KEEP_BYTES: usize = 4 << 20;
 
+/// A thread's kept scratches: their head_dims (q/k, v), row count, and the scratches.
+type Kept = ((usize, usize), usize, Vec<Scratch>);
+
 thread_local! {
-    static KEPT: std::cell::RefCell<Option<((usize, usize), usize, Vec<Scratch>)>> = const { std::cell::RefCell::new(None) };
+    static KEPT: std::cell::RefCell<Option<Kept>> = const { std::cell::RefCell::new(None) };
 }
 
 impl Scratches {
