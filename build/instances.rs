@@ -160,12 +160,16 @@ impl KernelOptions {
     /// denominator (`FwdParams::sinks`, folded by the epilogue, or by the combine kernel after
     /// split-KV). The FA1, FA2 and FA3 (stages 1-5) rows have it.
     pub const SINKS: KernelOptions = KernelOptions(8);
+    /// A V head_dim different from Q/K's (DeepSeek's MLA). No row has it yet, so every family
+    /// refuses such a problem (`Variant::Auto` runs it on the CPU).
+    pub const HEAD_DIM_V: KernelOptions = KernelOptions(16);
     /// Every option with the name errors and docs use.
-    pub const NAMED: [(KernelOptions, &'static str); 4] = [
+    pub const NAMED: [(KernelOptions, &'static str); 5] = [
         (Self::FP8, "fp8"),
         (Self::EXP2_POLY, "exp2_poly"),
         (Self::LAZY_RESCALE, "lazy_rescale"),
         (Self::SINKS, "sinks"),
+        (Self::HEAD_DIM_V, "head_dim_v != head_dim"),
     ];
 
     pub const fn union(self, other: KernelOptions) -> KernelOptions {

@@ -95,7 +95,7 @@ fn cpu_dense_inplace(
 }
 
 /// As [`forward`], writing the output into the caller's buffer instead of allocating one:
-/// `out` is contiguous `[batch, seqlen_q, heads_q, head_dim]` of q's element type (e.g. a
+/// `out` is contiguous `[batch, seqlen_q, heads_q, head_dim_v]` (v's head_dim) of q's element type (e.g. a
 /// candle CPU tensor's storage, or an engine's reused activation buffer). `lse`, when given,
 /// receives the natural-log LSE `[batch, heads_q, seqlen_q]` (`opts.return_lse` is then
 /// implied). The CPU backend writes the output straight into `out`; a GPU run downloads into it.
@@ -117,7 +117,7 @@ pub fn forward_into<T: Element>(
     if T::DTYPE != p.dtype {
         return Err(Error::DTypeMismatch { operand: Operand::O, got: T::DTYPE, expected: p.dtype });
     }
-    let o_shape = [p.batch, p.seqlen_q, p.heads_q, p.head_dim];
+    let o_shape = [p.batch, p.seqlen_q, p.heads_q, p.head_dim_v];
     let n_o = numel(o_shape, "output")?;
     if out.len() != n_o {
         return Err(Error::ShapeMismatch {

@@ -16,7 +16,7 @@ pub struct Gradients {
     pub dq: Tensor,
     /// `[batch, seqlen_k, heads_kv, head_dim]`, summed over each GQA group's query heads.
     pub dk: Tensor,
-    /// As `dk`.
+    /// As `dk`, with v's head_dim: `[batch, seqlen_k, heads_kv, head_dim_v]`.
     pub dv: Tensor,
     /// `[heads_q]`: the gradient of each head's sink logit (`opts.sinks`), summed over batch and
     /// rows (0 for a head whose sink is −inf); `None` without sinks.
@@ -24,14 +24,20 @@ pub struct Gradients {
     pub dispatch: Dispatch,
 }
 
-/// Checks a forward output or output gradient against q: same shape and dtype (its layout is
-/// the caller's to check).
-pub(crate) fn check_like_q(t: &TensorView, q: &TensorView, op: Operand) -> Result<()> {
-    if t.shape() != q.shape() {
+/// Checks a forward output or output gradient against q and v: q's batch, seqlen and heads, v's
+/// head_dim, q's dtype (its layout is the caller's to check).
+pub(crate) fn check_like_o(t: &TensorView, q: &TensorView, v: &TensorView, op: Operand) -> Result<()> {
+    let [b, s, h, d] = q.shape();
+    let want = [b, s, h, v.head_dim()];
+    if t.shape() != want {
         return Err(Error::ShapeMismatch {
             what: op.to_string(),
             got: format!("{:?}", t.shape()),
-            expected: format!("{:?} (the shape of q)", q.shape()),
+            expected: if want[3] == d {
+                format!("{:?} (the shape of q)", q.shape())
+            } else {
+                format!("{want:?} (q's batch, seqlen and heads; v's head_dim)")
+            },
         });
     }
     if t.dtype() != q.dtype() {
@@ -141,7 +147,7 @@ fn check<'a>(
 ) -> Result<Checked<'a>> {
     let p = Problem::new(&q, &k, &v, opts)?;
     for (t, op) in [(&o, Operand::O), (&d_o, Operand::DO)] {
-        check_like_q(t, &q, op)?;
+        check_like_o(t, &q, &v, op)?;
         t.check_layout(op)?;
     }
     check_lse(lse, p.batch * p.heads_q * p.seqlen_q, "[batch, heads_q, seqlen_q]")?;
@@ -187,7 +193,8 @@ pub(crate) fn run_cpu(
 
 /// The backward pass of [`crate::forward`]: given q, k, v, the forward's output `o` and LSE, and
 /// `d_o` (the gradient of the loss with respect to `o`), the gradients dq, dk, dv in the inputs'
-/// dtype (f32 accumulation), contiguous `[batch, seqlen, heads, head_dim]`.
+/// dtype (f32 accumulation), contiguous `[batch, seqlen, heads, head_dim]` (dv, like v, o and
+/// `d_o`, with v's head_dim, which may differ from q/k's).
 ///
 /// FlashAttention-2's algorithm: `D = rowsum(dO ∘ O)`; per block of keys, S and P are recomputed
 /// from the LSE, `dV += Pᵀ·dO`, `dP = dO·Vᵀ`, `dS = P ∘ (dP − D)`, `dK += dSᵀ·Q`,
@@ -222,7 +229,8 @@ pub(crate) fn run_cpu(
 ///
 /// # Errors
 /// Everything [`crate::forward`] refuses; [`Error::ShapeMismatch`] / [`Error::DTypeMismatch`]
-/// / [`Error::InvalidLayout`] when `o` or `d_o` is not q's shape, dtype and a valid view, or
+/// / [`Error::InvalidLayout`] when `o` or `d_o` is not o's shape (q's, with v's head_dim), q's
+/// dtype and a valid view, or
 /// `lse` is not `batch · heads_q · seqlen_q` values; [`Error::InvalidOption`] for an LSE holding
 /// NaN or +inf, or an FP8 precision; [`Error::BackendUnavailable`] / [`Error::VariantUnavailable`]
 /// when the GPU route cannot run (no `cuda` feature, driver or device; `Variant::Auto` on
@@ -241,7 +249,7 @@ pub fn backward(
     let p = &c.p;
     let mut dq = Tensor::zeros(p.dtype, [p.batch, p.seqlen_q, p.heads_q, p.head_dim])?;
     let mut dk = Tensor::zeros(p.dtype, [p.batch, p.seqlen_k, p.heads_kv, p.head_dim])?;
-    let mut dv = Tensor::zeros(p.dtype, [p.batch, p.seqlen_k, p.heads_kv, p.head_dim])?;
+    let mut dv = Tensor::zeros(p.dtype, [p.batch, p.seqlen_k, p.heads_kv, p.head_dim_v])?;
     let out = (dq.data_mut().as_data_mut(), dk.data_mut().as_data_mut(), dv.data_mut().as_data_mut());
     let mut d_sinks = p.sinks.as_ref().map(|_| vec![0.0f32; p.heads_q]);
     let dispatch = run(&c, opts, out, d_sinks.as_deref_mut())?;
@@ -281,8 +289,8 @@ pub(crate) fn check_grad_buffer<T: Element>(what: &str, buf: &[T], shape: [usize
 }
 
 /// As [`backward`], writing the gradients into the caller's buffers: `dq` contiguous
-/// `[batch, seqlen_q, heads_q, head_dim]`, `dk` and `dv` contiguous `[batch, seqlen_k,
-/// heads_kv, head_dim]`, all of q's element type (e.g. an engine's reused gradient buffers).
+/// `[batch, seqlen_q, heads_q, head_dim]`, `dk` contiguous `[batch, seqlen_k, heads_kv,
+/// head_dim]` and `dv` `[batch, seqlen_k, heads_kv, head_dim_v]`, all of q's element type (e.g. an engine's reused gradient buffers).
 /// Every element is written.
 ///
 /// # Errors
@@ -303,7 +311,7 @@ pub fn backward_into<T: Element>(
     let p = &c.p;
     check_grad_buffer("dq", dq, [p.batch, p.seqlen_q, p.heads_q, p.head_dim], p.dtype)?;
     check_grad_buffer("dk", dk, [p.batch, p.seqlen_k, p.heads_kv, p.head_dim], p.dtype)?;
-    check_grad_buffer("dv", dv, [p.batch, p.seqlen_k, p.heads_kv, p.head_dim], p.dtype)?;
+    check_grad_buffer("dv", dv, [p.batch, p.seqlen_k, p.heads_kv, p.head_dim_v], p.dtype)?;
     if let Some(sinks) = &p.sinks {
         return Err(Error::InvalidOption {
             option: "sinks",

@@ -410,11 +410,24 @@ impl<'a> BatchLayout<'a> {
         dtype: crate::tensor::DType,
         opts: &crate::options::ForwardOptions,
     ) -> Result<crate::problem::Problem> {
+        self.launch_problem_v(heads_q, heads_kv, (head_dim, head_dim), dtype, opts)
+    }
+
+    /// As [`launch_problem`](Self::launch_problem), with v's (and o's) own head_dim:
+    /// `(head_dim, head_dim_v)`.
+    pub fn launch_problem_v(
+        &self,
+        heads_q: usize,
+        heads_kv: usize,
+        (head_dim, head_dim_v): (usize, usize),
+        dtype: crate::tensor::DType,
+        opts: &crate::options::ForwardOptions,
+    ) -> Result<crate::problem::Problem> {
         let (b, msq, msk) = (self.batch, self.max_seqlen_q, self.max_seqlen_k);
         crate::problem::Problem::from_shapes(
             [b, msq, heads_q, head_dim],
             [b, msk, heads_kv, head_dim],
-            [b, msk, heads_kv, head_dim],
+            [b, msk, heads_kv, head_dim_v],
             dtype,
             opts,
         )

@@ -23,7 +23,11 @@ pub struct Problem {
     pub seqlen_k: usize,
     pub heads_q: usize,
     pub heads_kv: usize,
+    /// head_dim of q and k (the dot products' length).
     pub head_dim: usize,
+    /// head_dim of v and of the output o (DeepSeek's MLA: 128 beside a q/k head_dim of 192).
+    /// Equal to `head_dim` unless v's last dimension differs.
+    pub head_dim_v: usize,
     pub dtype: DType,
     /// Softmax scale in natural units (multiplies q·k).
     pub scale: f32,
@@ -106,11 +110,15 @@ impl Problem {
                 expected: format!("[{batch}, seqlen_k, heads_kv, {head_dim}] (batch and head_dim of q)"),
             });
         }
-        if v_shape != k_shape {
+        // v may have its own head_dim (the output's); every other dimension is k's.
+        let head_dim_v = v_shape[3];
+        if v_shape[..3] != k_shape[..3] {
             return Err(Error::ShapeMismatch {
                 what: "v".into(),
                 got: format!("{v_shape:?}"),
-                expected: format!("{k_shape:?} (the shape of k)"),
+                expected: format!(
+                    "{k_shape:?} (the shape of k), or [{kb}, {seqlen_k}, {heads_kv}, head_dim_v] for a head_dim of v's own"
+                ),
             });
         }
         if heads_q % heads_kv != 0 {
@@ -118,8 +126,10 @@ impl Problem {
         }
         // Every backend materialises (or addresses) q, k, v and o by their logical shapes: a
         // broadcast view whose logical size cannot exist is refused here, before anything runs.
-        crate::tensor::check_size(q_shape, dtype.size(), "q (and the output o)")?;
-        crate::tensor::check_size(k_shape, dtype.size(), "k and v")?;
+        crate::tensor::check_size(q_shape, dtype.size(), "q")?;
+        crate::tensor::check_size([batch, seqlen_q, heads_q, head_dim_v], dtype.size(), "the output o")?;
+        crate::tensor::check_size(k_shape, dtype.size(), "k")?;
+        crate::tensor::check_size(v_shape, dtype.size(), "v")?;
         let scale = opts.softmax_scale.unwrap_or(1.0 / (head_dim as f32).sqrt());
         if !(scale.is_finite() && scale >= MIN_SOFTMAX_SCALE && (scale * LOG2E).is_finite()) {
             return Err(Error::InvalidSoftmaxScale(scale));
@@ -210,6 +220,7 @@ impl Problem {
             heads_q,
             heads_kv,
             head_dim,
+            head_dim_v,
             dtype,
             scale,
             left,

@@ -14,8 +14,9 @@ use crate::tensor::{try_filled, DType, TensorView};
 /// it is handed (its fields are public).
 pub(crate) fn check_views(p: &Problem, q: &TensorView, k: &TensorView, v: &TensorView) -> Result<()> {
     let want_q = [p.batch, p.seqlen_q, p.heads_q, p.head_dim];
-    let want_kv = [p.batch, p.seqlen_k, p.heads_kv, p.head_dim];
-    for (op, t, want) in [(Operand::Q, q, want_q), (Operand::K, k, want_kv), (Operand::V, v, want_kv)] {
+    let want_k = [p.batch, p.seqlen_k, p.heads_kv, p.head_dim];
+    let want_v = [p.batch, p.seqlen_k, p.heads_kv, p.head_dim_v];
+    for (op, t, want) in [(Operand::Q, q, want_q), (Operand::K, k, want_k), (Operand::V, v, want_v)] {
         if t.shape() != want {
             return Err(Error::ShapeMismatch {
                 what: format!("{op} (against the problem)"),
@@ -33,11 +34,12 @@ pub(crate) fn check_views(p: &Problem, q: &TensorView, k: &TensorView, v: &Tenso
             return Err(Error::InvalidAlibi { got: s.len(), expected: p.heads_q, reason: "wrong length".into() });
         }
     }
-    crate::tensor::check_size(want_q, 8, "float64 reference output")?;
+    crate::tensor::check_size(want_q, 8, "float64 reference q")?;
+    crate::tensor::check_size([p.batch, p.seqlen_q, p.heads_q, p.head_dim_v], 8, "float64 reference output")?;
     Ok(())
 }
 
-/// Output of a reference: `o` as `[batch, seqlen_q, heads_q, head_dim]`, `lse` as
+/// Output of a reference: `o` as `[batch, seqlen_q, heads_q, head_dim_v]`, `lse` as
 /// `[batch, heads_q, seqlen_q]` (natural log; −inf for rows that see no key, the sink logit
 /// for such a row of a head with a sink).
 #[derive(Clone, Debug)]
@@ -81,7 +83,7 @@ fn row64(t: &TensorView, b: usize, s: usize, h: usize) -> Vec<f64> {
 /// describes, [`Error::TooLarge`] when the float64 output cannot be allocated.
 pub fn attention_f64(p: &Problem, q: &TensorView, k: &TensorView, v: &TensorView) -> Result<RefOutput> {
     check_views(p, q, k, v)?;
-    let d = p.head_dim;
+    let d = p.head_dim_v;
     let n_o = p.batch * p.seqlen_q * p.heads_q * d; // checked by check_views
     let mut o = try_filled(n_o, 0.0f64, || "float64 reference output".into())?;
     let mut lse = try_filled(n_o / d, f64::NEG_INFINITY, || "float64 reference LSE".into())?;
@@ -120,7 +122,7 @@ pub fn attention_f64(p: &Problem, q: &TensorView, k: &TensorView, v: &TensorView
 
 /// Float64 reference output for a few sampled `(batch, head, query row)` triples only: each row
 /// costs O(seqlen_k · head_dim), so the bench can check a large problem cheaply. Returns one
-/// `head_dim` vector per triple with the values [`attention_f64`] gives for that row (zeros for a
+/// `head_dim_v` vector per triple with the values [`attention_f64`] gives for that row (zeros for a
 /// row that sees no key).
 ///
 /// # Errors
@@ -140,7 +142,7 @@ pub fn attention_f64_rows(
             expected: format!("batch < {}, head < {}, query < {}", p.batch, p.heads_q, p.seqlen_q),
         });
     }
-    let d = p.head_dim;
+    let d = p.head_dim_v;
     Ok(rows
         .iter()
         .map(|&(b, h, i)| {
@@ -230,9 +232,9 @@ impl NaiveSteps for InDtype<'_> {
 }
 
 /// The naive attention of `a`'s arithmetic on `p` (views checked by the caller). Rows with no
-/// visible key give 0. Returns `o` as f64 `[batch, seqlen_q, heads_q, head_dim]`.
+/// visible key give 0. Returns `o` as f64 `[batch, seqlen_q, heads_q, head_dim_v]`.
 pub(crate) fn naive(p: &Problem, a: &impl NaiveSteps) -> Result<Vec<f64>> {
-    let d = p.head_dim;
+    let d = p.head_dim_v;
     let r = |x: f32| a.dtype().round(x);
     let mut o = try_filled(p.batch * p.seqlen_q * p.heads_q * d, 0.0f64, || "naive reference output".into())?;
     for b in 0..p.batch {
@@ -286,9 +288,10 @@ pub(crate) fn naive(p: &Problem, a: &impl NaiveSteps) -> Result<Vec<f64>> {
     Ok(o)
 }
 
-/// Gradients of a reference backward: `dq` as `[batch, seqlen_q, heads_q, head_dim]`, `dk` and
-/// `dv` as `[batch, seqlen_k, heads_kv, head_dim]` (summed over each GQA group's query heads),
-/// and with attention sinks the gradient of each head's sink logit, `[heads_q]`.
+/// Gradients of a reference backward: `dq` as `[batch, seqlen_q, heads_q, head_dim]`, `dk` as
+/// `[batch, seqlen_k, heads_kv, head_dim]` and `dv` as `[batch, seqlen_k, heads_kv, head_dim_v]`
+/// (summed over each GQA group's query heads), and with attention sinks the gradient of each
+/// head's sink logit, `[heads_q]`.
 #[derive(Clone, Debug)]
 pub struct RefGradients {
     pub dq: Vec<f64>,
@@ -297,18 +300,20 @@ pub struct RefGradients {
     pub d_sinks: Option<Vec<f64>>,
 }
 
-/// Checks `d_o` against `p` (q's shape, inside its buffer) on top of [`check_views`].
+/// Checks `d_o` against `p` (o's shape, inside its buffer) on top of [`check_views`].
 fn check_backward_views(p: &Problem, q: &TensorView, k: &TensorView, v: &TensorView, d_o: &TensorView) -> Result<()> {
     check_views(p, q, k, v)?;
-    if d_o.shape() != q.shape() {
+    let want_o = [p.batch, p.seqlen_q, p.heads_q, p.head_dim_v];
+    if d_o.shape() != want_o {
         return Err(Error::ShapeMismatch {
             what: "d_o (against the problem)".into(),
             got: format!("{:?}", d_o.shape()),
-            expected: format!("{:?} (the shape of q)", q.shape()),
+            expected: format!("{want_o:?} (the shape of o)"),
         });
     }
     d_o.check_layout(Operand::DO)?;
     crate::tensor::check_size([p.batch, p.seqlen_k, p.heads_kv, p.head_dim], 8, "float64 reference dk")?;
+    crate::tensor::check_size([p.batch, p.seqlen_k, p.heads_kv, p.head_dim_v], 8, "float64 reference dv")?;
     Ok(())
 }
 
@@ -332,12 +337,13 @@ pub fn attention_backward_f64(
     d_o: &TensorView,
 ) -> Result<RefGradients> {
     check_backward_views(p, q, k, v, d_o)?;
-    let d = p.head_dim;
+    let (d, dvd) = (p.head_dim, p.head_dim_v);
     let n_q = p.batch * p.seqlen_q * p.heads_q * d;
     let n_k = p.batch * p.seqlen_k * p.heads_kv * d;
+    let n_v = p.batch * p.seqlen_k * p.heads_kv * dvd;
     let mut dq = try_filled(n_q, 0.0f64, || "float64 reference dq".into())?;
     let mut dk = try_filled(n_k, 0.0f64, || "float64 reference dk".into())?;
-    let mut dv = try_filled(n_k, 0.0f64, || "float64 reference dv".into())?;
+    let mut dv = try_filled(n_v, 0.0f64, || "float64 reference dv".into())?;
     let mut d_sinks = p.sinks.as_ref().map(|_| vec![0.0f64; p.heads_q]);
     let scale = p.scale as f64;
     for b in 0..p.batch {
@@ -383,7 +389,8 @@ pub fn attention_backward_f64(
                 for j in 0..p.seqlen_k {
                     let Some((_, t)) = st[j] else { continue };
                     let kv_row = ((b * p.seqlen_k + j) * p.heads_kv + hk) * d;
-                    for (x, o) in dv[kv_row..][..d].iter_mut().zip(&doi) {
+                    let v_row = ((b * p.seqlen_k + j) * p.heads_kv + hk) * dvd;
+                    for (x, o) in dv[v_row..][..dvd].iter_mut().zip(&doi) {
                         *x += pr[j] * o;
                     }
                     let ds = pr[j] * (dp[j] - delta) * (1.0 - t * t) * scale;
@@ -418,16 +425,17 @@ pub fn attention_backward_naive(
     dtype: DType,
 ) -> Result<RefGradients> {
     check_backward_views(p, q, k, v, d_o)?;
-    let d = p.head_dim;
+    let (d, dvd) = (p.head_dim, p.head_dim_v);
     let r = |x: f32| dtype.round(x);
     let n_q = p.batch * p.seqlen_q * p.heads_q * d;
     let n_k = p.batch * p.seqlen_k * p.heads_kv * d;
+    let n_v = p.batch * p.seqlen_k * p.heads_kv * dvd;
     let mut dq = try_filled(n_q, 0.0f64, || "naive reference dq".into())?;
     let mut dk32 = try_filled(n_k, 0.0f32, || "naive reference dk".into())?;
-    let mut dv32 = try_filled(n_k, 0.0f32, || "naive reference dv".into())?;
+    let mut dv32 = try_filled(n_v, 0.0f32, || "naive reference dv".into())?;
     let mut d_sinks = p.sinks.as_ref().map(|_| vec![0.0f64; p.heads_q]);
     let read = |t: &TensorView, b: usize, s: usize, h: usize| -> Vec<f32> {
-        let mut out = vec![0.0f32; d];
+        let mut out = vec![0.0f32; t.head_dim()];
         t.read_row(b, s, h, &mut out);
         out.iter().map(|&x| r(x)).collect()
     };
@@ -439,7 +447,7 @@ pub fn attention_backward_naive(
             let vs: Vec<Vec<f32>> = (0..p.seqlen_k).map(|j| read(v, b, j, hk)).collect();
             // Per head: the group's dk/dv contributions in f32, as an autograd's per-head tensors.
             let mut dk_h = vec![0.0f32; p.seqlen_k * d];
-            let mut dv_h = vec![0.0f32; p.seqlen_k * d];
+            let mut dv_h = vec![0.0f32; p.seqlen_k * dvd];
             for i in 0..p.seqlen_q {
                 let qi = read(q, b, i, h);
                 let doi = read(d_o, b, i, h);
@@ -476,7 +484,7 @@ pub fn attention_backward_naive(
                     if pr[j] == 0.0 && !p.visible(i, j) {
                         continue;
                     }
-                    for (x, o) in dv_h[j * d..][..d].iter_mut().zip(&doi) {
+                    for (x, o) in dv_h[j * dvd..][..dvd].iter_mut().zip(&doi) {
                         *x += pr[j] * o;
                     }
                     let mut ds = r(pr[j] * (dp[j] - delta));
@@ -499,7 +507,10 @@ pub fn attention_backward_naive(
                 let row = ((b * p.seqlen_k + j) * p.heads_kv + hk) * d;
                 for x in 0..d {
                     dk32[row + x] += r(dk_h[j * d + x]);
-                    dv32[row + x] += r(dv_h[j * d + x]);
+                }
+                let row = ((b * p.seqlen_k + j) * p.heads_kv + hk) * dvd;
+                for x in 0..dvd {
+                    dv32[row + x] += r(dv_h[j * dvd + x]);
                 }
             }
         }

@@ -39,8 +39,11 @@ impl Cost {
 
 /// FLOPs of the two products, counting only the unmasked (query, key) pairs (saturating at
 /// `u64::MAX`, like every count here: a model of a problem too large to run must not panic).
+/// Q·Kᵀ runs over q/k's head_dim and P·V over v's: each pair costs half the per-element count
+/// on each.
 pub fn flops(p: &Problem) -> u64 {
-    FLOPS_PER_PAIR_ELEMENT.saturating_mul(p.head_dim as u64).saturating_mul(p.visible_pairs())
+    let dims = (p.head_dim as u64).saturating_add(p.head_dim_v as u64);
+    (FLOPS_PER_PAIR_ELEMENT / 2).saturating_mul(dims).saturating_mul(p.visible_pairs())
 }
 
 /// Minimum bytes: q, k, v read once, o written once, plus the LSE when returned.
@@ -48,8 +51,8 @@ pub fn min_bytes(p: &Problem) -> u64 {
     let prod = |xs: &[usize]| xs.iter().fold(1u64, |a, &x| a.saturating_mul(x as u64));
     let elem = p.dtype.size();
     let q_rows = prod(&[p.batch, p.seqlen_q, p.heads_q]);
-    let qo = prod(&[2, p.batch, p.seqlen_q, p.heads_q, p.head_dim, elem]); // q read, o written
-    let kv = prod(&[2, p.batch, p.seqlen_k, p.heads_kv, p.head_dim, elem]); // k and v read
+    let qo = prod(&[p.batch, p.seqlen_q, p.heads_q, p.head_dim + p.head_dim_v, elem]); // q read, o written
+    let kv = prod(&[p.batch, p.seqlen_k, p.heads_kv, p.head_dim + p.head_dim_v, elem]); // k and v read
     let lse = if p.return_lse { q_rows.saturating_mul(LSE_BYTES) } else { 0 };
     qo.saturating_add(kv).saturating_add(lse)
 }

@@ -60,7 +60,8 @@ pub(crate) const AUTO_REFUSAL: &str = "no GPU run has verified the backward kern
 /// # Errors
 /// [`Error::UnsupportedDType`] for f32; [`Error::InvalidOption`] for an FP8 precision or sinks;
 /// [`Error::VariantUnavailable`] for Auto (until verified), FA1/FA4 (no backward kernel), a
-/// family this device cannot run, or a problem its kernel lacks (FA3: head dim, softcap, ALiBi);
+/// family this device cannot run, a V head_dim other than Q/K's, or a problem its kernel lacks
+/// (FA3: head dim, softcap, ALiBi);
 /// [`Error::BackendUnavailable`] when no image of the family loads here.
 pub(crate) fn choose(dev: &impl Gpu, p: &Problem, variant: Variant) -> Result<BwdChoice> {
     if p.dtype == DType::F32 {
@@ -82,6 +83,16 @@ pub(crate) fn choose(dev: &impl Gpu, p: &Problem, variant: Variant) -> Result<Bw
             option: "sinks",
             got: format!("{} sink logits", s.len()),
             expected: "no sinks (the GPU backward kernels have no sink gradient)".into(),
+        });
+    }
+    if p.head_dim_v != p.head_dim {
+        return Err(Error::VariantUnavailable {
+            variant,
+            reason: format!(
+                "the backward kernels take one head_dim for q, k and v, and v's is {} where q/k's is {} (the CPU \
+                 backward takes it)",
+                p.head_dim_v, p.head_dim
+            ),
         });
     }
     let family = match variant {
@@ -218,6 +229,9 @@ mod tests {
         assert!(matches!(e, Error::UnsupportedDType { .. }), "{e:?}");
         let e = pick(&H100, DType::BF16, 64, o().variant(Variant::Fa2).sinks(vec![0.5f32; 4])).unwrap_err();
         assert!(matches!(e, Error::InvalidOption { option: "sinks", .. }), "{e:?}");
+        let mut mla = problem(DType::BF16, 192, &o());
+        mla.head_dim_v = 128;
+        unavailable(choose(&H100, &mla, Variant::Fa2), Variant::Fa2, "one head_dim");
         let e = pick(&Fake(90, &[]), DType::BF16, 64, o().variant(Variant::Fa2)).unwrap_err();
         assert!(matches!(e, Error::BackendUnavailable { .. }), "{e:?}");
     }

@@ -67,6 +67,7 @@ fn needed_options(p: &Problem) -> KernelOptions {
         (matches!(p.exp2, Exp2::Poly(_)), KernelOptions::EXP2_POLY),
         (matches!(p.rescale, Rescale::Lazy { .. }), KernelOptions::LAZY_RESCALE),
         (p.sinks.is_some(), KernelOptions::SINKS),
+        (p.head_dim_v != p.head_dim, KernelOptions::HEAD_DIM_V),
     ] {
         if needed {
             o = o.union(opt);

@@ -6,11 +6,13 @@ use super::validate::check_view;
 use crate::error::{Error, Operand, Result};
 use crate::tensor::{Shape, TensorView};
 
-/// The shape and slot checks of an append to a contiguous cache of `shape` (`layout`: with the
-/// new rows; `rows`: each sequence's cache row and first key); returns the element offset of
+/// The shape and slot checks of an append to a contiguous cache of `shape` (k's; v's rows have
+/// `head_dim_v` elements) (`layout`: with the new rows; `rows`: each sequence's cache row and
+/// first key); returns the element offset of
 /// every row to write, in (b, i) order.
 pub(super) fn append_slots(
     shape: Shape,
+    head_dim_v: usize,
     layout: KvLayout<'_>,
     rows: CacheRows<'_>,
     k_new: &TensorView<'_>,
@@ -18,14 +20,17 @@ pub(super) fn append_slots(
 ) -> Result<Vec<usize>> {
     check_view(k_new, Operand::K, true)?;
     check_view(v_new, Operand::V, true)?;
-    if v_new.shape() != k_new.shape() {
+    let [batch, new, hkv, d] = k_new.shape();
+    if v_new.shape() != [batch, new, hkv, head_dim_v] {
         return Err(Error::ShapeMismatch {
             what: "v_new".into(),
             got: format!("{:?}", v_new.shape()),
-            expected: format!("{:?} (the shape of k_new)", k_new.shape()),
+            expected: format!(
+                "{:?} (k_new's batch, rows and heads; the cache's v head_dim {head_dim_v})",
+                [batch, new, hkv, head_dim_v]
+            ),
         });
     }
-    let [batch, new, hkv, d] = k_new.shape();
     let [_, cap, ch, cd] = shape;
     if (hkv, d) != (ch, cd) {
         return Err(Error::ShapeMismatch {

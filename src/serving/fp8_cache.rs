@@ -83,7 +83,7 @@ impl sealed::Write for Fp8KvCacheMut<'_> {
             });
         }
         let layout = cache_layout(self.seqlens, self.block_table, k_new.seqlen());
-        append_slots(self.shape, layout, CacheRows::default(), k_new, v_new)
+        append_slots(self.shape, self.shape[3], layout, CacheRows::default(), k_new, v_new)
     }
 
     fn write_rows(&mut self, k_new: &TensorView<'_>, v_new: &TensorView<'_>, slots: &[usize], rotary: Option<&Rotary<'_>>) {

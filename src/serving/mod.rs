@@ -139,8 +139,11 @@ impl<'a> KvCache<'a> {
 }
 
 /// A KV cache this call may write (contiguous buffers), for [`append_kv`] and
-/// [`forward_kvcache_append`]. `shape` is `[batch, capacity, heads_kv, head_dim]` (dense) or
-/// `[num_blocks, page_size, heads_kv, head_dim]` (paged, with `block_table`). `batch_idx` and
+/// [`forward_kvcache_append`]. `shape` is k's: `[batch, capacity, heads_kv, head_dim]` (dense) or
+/// `[num_blocks, page_size, heads_kv, head_dim]` (paged, with `block_table`). v has the same
+/// rows with its own head_dim, the one its buffer's length gives (`v.len() / (shape[0] ·
+/// shape[1] · shape[2])`, which must divide exactly): `head_dim` for the usual cache, another
+/// for a V head_dim that differs from Q/K's (see [`KvCacheMut::head_dim_v`]). `batch_idx` and
 /// `leftpad` as [`KvCache`]'s (dense caches only).
 #[derive(Debug)]
 pub struct KvCacheMut<'a, T: Element> {
@@ -161,7 +164,21 @@ pub struct KvCacheMut<'a, T: Element> {
 
 impl<T: Element> KvCacheMut<'_, T> {
     fn views(&self) -> (TensorView<'_>, TensorView<'_>) {
-        (TensorView::new(self.k, self.shape), TensorView::new(self.v, self.shape))
+        let [n, cap, h, d] = self.shape;
+        let dv = self.head_dim_v().unwrap_or(d);
+        (TensorView::new(self.k, self.shape), TensorView::new(self.v, [n, cap, h, dv]))
+    }
+
+    /// v's head_dim: its buffer's length over the cache's rows (`shape[0] · shape[1] ·
+    /// shape[2]`), or k's head_dim for a cache without rows; `None` when the rows do not divide
+    /// the length or it is 0 (a buffer of no shape of these rows).
+    pub fn head_dim_v(&self) -> Option<usize> {
+        let [n, cap, h, d] = self.shape;
+        let rows = n.checked_mul(cap)?.checked_mul(h)?;
+        match rows {
+            0 => self.v.is_empty().then_some(d),
+            _ => (!self.v.is_empty() && self.v.len().is_multiple_of(rows)).then_some(self.v.len() / rows),
+        }
     }
 }
 
@@ -396,17 +413,28 @@ fn check_append<T: Element>(
     v_new: &TensorView<'_>,
 ) -> Result<Vec<usize>> {
     let n = numel(cache.shape, "cache")?;
-    for (op, buf) in [(Operand::K, cache.k.len()), (Operand::V, cache.v.len())] {
-        if buf != n {
-            return Err(Error::InvalidLayout {
-                operand: op,
-                reason: format!(
-                    "the cache buffer holds {buf} elements, but its shape {:?} needs {n} (a writable cache is contiguous)",
-                    cache.shape
-                ),
-            });
-        }
+    if cache.k.len() != n {
+        return Err(Error::InvalidLayout {
+            operand: Operand::K,
+            reason: format!(
+                "the cache buffer holds {} elements, but its shape {:?} needs {n} (a writable cache is contiguous)",
+                cache.k.len(),
+                cache.shape
+            ),
+        });
     }
+    let [cn, ccap, chk, cd] = cache.shape;
+    let Some(cdv) = cache.head_dim_v() else {
+        return Err(Error::InvalidLayout {
+            operand: Operand::V,
+            reason: format!(
+                "the cache buffer holds {} elements, not a whole number of rows of {:?} (a writable cache is \
+                 contiguous [{cn}, {ccap}, {chk}, head_dim_v]; {n} elements for head_dim_v {cd})",
+                cache.v.len(),
+                [cn, ccap, chk]
+            ),
+        });
+    };
     // A cache of capacity 0 and an append of 0 rows are allowed (nothing is written).
     let (kc, _) = cache.views();
     check_view(&kc, Operand::K, true)?;
@@ -421,6 +449,7 @@ fn check_append<T: Element>(
     }
     append_slots(
         cache.shape,
+        cdv,
         cache_layout(cache.seqlens, cache.block_table, k_new.seqlen()),
         sealed::Read::rows(cache),
         k_new,
@@ -437,16 +466,19 @@ fn write_rows<T: Element>(
     slots: &[usize],
     rotary: Option<&Rotary<'_>>,
 ) {
-    let d = k_new.head_dim();
-    let mut row = vec![0.0f32; d];
+    let (d, dv) = (k_new.head_dim(), v_new.head_dim());
+    let (mut krow, mut vrow) = (vec![0.0f32; d], vec![0.0f32; dv]);
     for_new_rows(k_new, slots, |b, i, h, at| {
-        k_new.read_row(b, i, h, &mut row);
+        // `at`: the row's offset in k; the same row of v (the same slot and kv head) is at
+        // `at / d * dv`.
+        let vat = at / d.max(1) * dv;
+        k_new.read_row(b, i, h, &mut krow);
         if let Some(rot) = rotary {
-            rot.rotate(&mut row, cache.seqlens[b] as usize + i);
+            rot.rotate(&mut krow, cache.seqlens[b] as usize + i);
         }
-        store(&mut cache.k[at..at + d], &row);
-        v_new.read_row(b, i, h, &mut row);
-        store(&mut cache.v[at..at + d], &row);
+        store(&mut cache.k[at..at + d], &krow);
+        v_new.read_row(b, i, h, &mut vrow);
+        store(&mut cache.v[vat..vat + dv], &vrow);
     });
 }
 
@@ -471,7 +503,7 @@ fn prepare_source<'a>(
         KvSource::Fp8 { k, v, shape, scales } => {
             check_view(q, Operand::Q, matches!(layouts.0, QueryLayout::Varlen { .. }))?;
             check_buffers(k.len(), v.len(), *shape, scales)?;
-            let (p, layout) = problem(q, *shape, layouts, opts)?;
+            let (p, layout) = problem(q, *shape, shape[3], layouts, opts)?;
             check_read_scales(&layout, *shape, scales, unwritten)?;
             Ok((p, layout))
         }
@@ -599,7 +631,7 @@ fn run_tiled(
         ..p.clone()
     };
     let r = cpu::run(&ps, &qs, &ks, &vs, threads)?;
-    let (hq, d, q_rows) = (p.heads_q, p.head_dim, layout.q_rows());
+    let (hq, d, q_rows) = (p.heads_q, p.head_dim_v, layout.q_rows());
     let t0 = (qo * q_rows + q0) * hq * d;
     let n = sq * hq * d;
     match (out.o.data_mut(), r.o.data()) {

@@ -59,21 +59,27 @@ pub(super) fn prepare<'a>(
             });
         }
     }
-    if v.shape() != k.shape() {
+    // v may have its own head_dim (the output's); its other dimensions are k's.
+    let [kb, ks, kh, _] = k.shape();
+    if v.shape()[..3] != k.shape()[..3] {
         return Err(Error::ShapeMismatch {
             what: "v".into(),
             got: format!("{:?}", v.shape()),
-            expected: format!("{:?} (the shape of k)", k.shape()),
+            expected: format!(
+                "{:?} (the shape of k), or [{kb}, {ks}, {kh}, head_dim_v] for a head_dim of v's own",
+                k.shape()
+            ),
         });
     }
-    problem(q, k.shape(), (ql, kl, rows), opts)
+    problem(q, k.shape(), v.shape()[3], (ql, kl, rows), opts)
 }
 
 /// The second half of [`prepare`], once k's and v's memory is known good (views, or an FP8
-/// cache's codes): shapes, the sequence layout, then the options.
+/// cache's codes): shapes, the sequence layout, then the options. `head_dim_v`: v's head_dim.
 pub(super) fn problem<'a>(
     q: &TensorView<'a>,
     k_shape: Shape,
+    head_dim_v: usize,
     (ql, kl, rows): (QueryLayout<'a>, KvLayout<'a>, CacheRows<'a>),
     opts: &ForwardOptions,
 ) -> Result<(Problem, BatchLayout<'a>)> {
@@ -88,7 +94,7 @@ pub(super) fn problem<'a>(
         });
     }
     let layout = BatchLayout::with_cache_rows(ql, q.shape(), kl, k_shape, rows)?;
-    let p = layout.launch_problem(hq, hkv, d, dtype, opts)?;
+    let p = layout.launch_problem_v(hq, hkv, (d, head_dim_v), dtype, opts)?;
     if let Precision::Fp8 { .. } = p.precision {
         return Err(Error::InvalidOption {
             option: "precision",

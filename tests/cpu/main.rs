@@ -17,6 +17,8 @@ mod domain_edges;
 mod edge_cases;
 /// Every bad input of `forward` is a typed error naming what was given and expected.
 mod errors;
+/// A V head_dim different from Q/K's on every CPU path against float64, and its refusals.
+mod head_dim_v;
 /// The dense forward over random shapes and options (properties).
 #[cfg(feature = "bench")]
 mod forward_props;

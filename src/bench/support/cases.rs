@@ -170,7 +170,7 @@ pub fn sampled_max_error(p: &Problem, q: &Tensor, k: &Tensor, v: &Tensor, out: &
     }
     let want = attention_f64_rows(p, &q.view(), &k.view(), &v.view(), &rows).expect("float64 reference");
     let o = out.o.data().as_data();
-    let d = p.head_dim;
+    let d = p.head_dim_v;
     let mut err = 0.0f64;
     for (&(b, h, i), w) in rows.iter().zip(&want) {
         let base = ((b * p.seqlen_q + i) * p.heads_q + h) * d;

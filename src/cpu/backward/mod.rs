@@ -34,7 +34,8 @@ use tile::{product, ALayout, Dims, MR};
 pub(crate) const BR: usize = 48;
 /// Keys per tile (a multiple of the 6-row tiles and of the widest column panel, 32).
 pub(crate) const BC: usize = 96;
-/// head_dim is padded to a multiple of this (the widest column panel).
+/// head_dim is padded to a multiple of this (the widest column panel): the larger of q/k's and
+/// v's, so that q, k, v and dO rows share one padded width (zeros past their own head_dim).
 const DPAD: usize = 32;
 /// The most key chunks of one (sequence, kv head): work items, and dq partials per row.
 pub(crate) const MAX_KEY_CHUNKS: usize = 8;
@@ -65,8 +66,8 @@ pub(crate) struct Inputs<'a> {
     pub lse: &'a [f32],
 }
 
-/// The caller's gradient buffers: `dq` contiguous in q's shape, `dk` and `dv` in k's, and with
-/// attention sinks the sink logits' gradient, one per query head.
+/// The caller's gradient buffers: `dq` contiguous in q's shape, `dk` in k's and `dv` in v's, and
+/// with attention sinks the sink logits' gradient, one per query head.
 pub(crate) struct GradsOut<'a, T> {
     pub dq: &'a mut [T],
     pub dk: &'a mut [T],
@@ -134,7 +135,9 @@ struct Ctx<'a> {
     problems: Vec<Problem>,
     spans: &'a [Span],
     off: Offsets,
+    /// head_dim of q and k, of v, and the padded width of every f32 row.
     d: usize,
+    d_v: usize,
     dp: usize,
     q: &'a [f32],
     d_o: &'a [f32],
@@ -206,14 +209,17 @@ pub(crate) fn run<T: Element>(
     threads: usize,
     out: GradsOut<'_, T>,
 ) -> Result<&'static str> {
-    if p.head_dim > MAX_HEAD_DIM {
-        return Err(Error::UnsupportedHeadDim {
-            head_dim: p.head_dim,
-            backend: "the CPU backward".into(),
-            supported: format!("1..={MAX_HEAD_DIM}"),
-        });
+    for (head_dim, of) in [(p.head_dim, "q and k"), (p.head_dim_v, "v")] {
+        if head_dim > MAX_HEAD_DIM {
+            return Err(Error::UnsupportedHeadDim {
+                head_dim,
+                backend: "the CPU backward".into(),
+                supported: format!("1..={MAX_HEAD_DIM} (for the head_dim of {of})"),
+            });
+        }
     }
-    let (d, dp) = (p.head_dim, round_up(p.head_dim, DPAD));
+    let (d, d_v) = (p.head_dim, p.head_dim_v);
+    let dp = round_up(d.max(d_v), DPAD);
     let group = p.group();
     let off = Offsets::new(p, spans, dp)?;
     let [nq, nrow, nk, npart] = off.totals;
@@ -251,7 +257,7 @@ pub(crate) fn run<T: Element>(
                 items.push(QItem { s, h, q, d_o, lse2: l, delta: dd });
             }
         }
-        parallel::for_each(&mut items, threads, || vec![0.0f32; d], |orow, it| {
+        parallel::for_each(&mut items, threads, || vec![0.0f32; d_v], |orow, it| {
             let sp = spans[it.s];
             it.q.fill(0.0);
             it.d_o.fill(0.0);
@@ -260,7 +266,7 @@ pub(crate) fn run<T: Element>(
             for i in 0..sp.sq {
                 let row = sp.q0 + i;
                 x.q.read_row(sp.b, row, it.h, &mut it.q[i * dp..][..d]);
-                let dorow = &mut it.d_o[i * dp..][..d];
+                let dorow = &mut it.d_o[i * dp..][..d_v];
                 x.d_o.read_row(sp.b, row, it.h, dorow);
                 x.o.read_row(sp.b, row, it.h, orow);
                 it.delta[i] = dorow.iter().zip(orow.iter()).map(|(a, b)| a * b).sum();
@@ -290,7 +296,7 @@ pub(crate) fn run<T: Element>(
             it.v.fill(0.0);
             for j in 0..sp.sk {
                 x.k.read_row(sp.b, sp.k0 + j, it.hk, &mut it.k[j * dp..][..d]);
-                x.v.read_row(sp.b, sp.k0 + j, it.hk, &mut it.v[j * dp..][..d]);
+                x.v.read_row(sp.b, sp.k0 + j, it.hk, &mut it.v[j * dp..][..d_v]);
             }
         });
     }
@@ -312,7 +318,7 @@ pub(crate) fn run<T: Element>(
     }
     let mut dq_rows = rows(dq, d);
     let mut dk_rows = rows(dk, d);
-    let mut dv_rows = rows(dv, d);
+    let mut dv_rows = rows(dv, d_v);
 
     // 2. The main pass over key chunks.
     let ctx = Ctx {
@@ -320,6 +326,7 @@ pub(crate) fn run<T: Element>(
         spans,
         off,
         d,
+        d_v,
         dp,
         q: &qb,
         d_o: &dob,
@@ -473,7 +480,7 @@ fn item<T: Element, const N: usize, const FMA: bool>(ctx: &Ctx, scr: &mut Scratc
     let (s, hk) = (it.s, it.hk);
     let sp = ctx.spans[s];
     let ps = &ctx.problems[s];
-    let (d, dp) = (ctx.d, ctx.dp);
+    let (d, d_v, dp) = (ctx.d, ctx.d_v, ctx.dp);
     let group = ps.group();
     let sqp = round_up(sp.sq, BR);
     let kv_at = ctx.off.k[s] + hk * sp.sk * dp;
@@ -485,8 +492,8 @@ fn item<T: Element, const N: usize, const FMA: bool>(ctx: &Ctx, scr: &mut Scratc
         let j0 = blk * BC;
         let nj = BC.min(sp.sk - j0);
         let njp = round_up(nj, MR);
-        // Kᵀ and Vᵀ of the block, [d][BC], zero past the last key.
-        for (t, src) in [(&mut scr.kt, kh), (&mut scr.vt, vh)] {
+        // Kᵀ and Vᵀ of the block, [d][BC] and [d_v][BC], zero past the last key.
+        for (t, src, d) in [(&mut scr.kt, kh, d), (&mut scr.vt, vh, d_v)] {
             for x in 0..d {
                 let row = &mut t[x * BC..][..BC];
                 for (j, y) in row[..nj].iter_mut().enumerate() {
@@ -521,7 +528,8 @@ fn item<T: Element, const N: usize, const FMA: bool>(ctx: &Ctx, scr: &mut Scratc
                 }
                 let dims = Dims { m: nip, n: BC, k: d };
                 product::<N, FMA, false>(dims, &qh[i0 * dp..], ALayout::RowMajor(dp), &scr.kt, BC, &mut scr.s, BC);
-                product::<N, FMA, false>(dims, &doh[i0 * dp..], ALayout::RowMajor(dp), &scr.vt, BC, &mut scr.dp, BC);
+                let vdims = Dims { m: nip, n: BC, k: d_v };
+                product::<N, FMA, false>(vdims, &doh[i0 * dp..], ALayout::RowMajor(dp), &scr.vt, BC, &mut scr.dp, BC);
                 // P into `s`, dS into `dp`; zero where masked, past the keys and past the rows.
                 let c = scale * LOG2E;
                 for (r, &(lo, hi)) in ranges.iter().enumerate().take(nip) {
@@ -577,7 +585,7 @@ fn item<T: Element, const N: usize, const FMA: bool>(ctx: &Ctx, scr: &mut Scratc
                 for (o, &y) in dk.iter_mut().zip(&scr.dk[j * dp..][..d]) {
                     *o = T::from_f32(y * scale);
                 }
-                for (o, &y) in dv.iter_mut().zip(&scr.dv[j * dp..][..d]) {
+                for (o, &y) in dv.iter_mut().zip(&scr.dv[j * dp..][..d_v]) {
                     *o = T::from_f32(y);
                 }
             }

@@ -125,17 +125,17 @@ fn buffered_rows(buf: &[f32], n: usize, d: usize) -> [&[f32]; CHUNK_KEYS] {
 /// rows a worker reads next, fetched while it computes on the current ones.
 #[inline(always)]
 pub(super) fn prefetch_rows<M>(c: &Ctx<'_, M>, b: usize, (hk, j0, j1): (usize, usize, usize)) {
-    let d = c.p.head_dim;
+    let (d, dv) = (c.p.head_dim, c.p.head_dim_v);
     c.layout.for_kv_rows(b, j0, j1, |_, outer, row| {
         let (ko, vo) = (c.k.offset(outer, row, hk), c.v.offset(outer, row, hk));
         match &c.fp8 {
             Some(f) => {
                 prefetch_codes(f.k.codes, ko, d);
-                prefetch_codes(f.v.codes, vo, d);
+                prefetch_codes(f.v.codes, vo, dv);
             }
             None => {
                 prefetch_row(c.k.data(), ko, d);
-                prefetch_row(c.v.data(), vo, d);
+                prefetch_row(c.v.data(), vo, dv);
             }
         }
     });
@@ -152,7 +152,7 @@ pub(super) fn attend_chunk<M: Exp2Math, const FMA: bool>(
     (j0, j1): (usize, usize),
     next: Option<(usize, usize, usize)>,
 ) {
-    let d = c.p.head_dim;
+    let (d, dv) = (c.p.head_dim, c.p.head_dim_v);
     let (b, hk) = (it.b, it.hk);
     let nrows = it.r1 - it.r0;
     let Scratch {
@@ -179,17 +179,17 @@ pub(super) fn attend_chunk<M: Exp2Math, const FMA: bool>(
         prefetch_rows(c, b, next);
     }
     let widened = c.fp8.is_some() || !matches!(c.k.data(), Data::F32(_)) || !matches!(c.v.data(), Data::F32(_));
-    if widened && kbuf.len() < CHUNK_KEYS * d {
+    if widened && (kbuf.len() < CHUNK_KEYS * d || vbuf.len() < CHUNK_KEYS * dv) {
         kbuf.resize(CHUNK_KEYS * d, 0.0);
-        vbuf.resize(CHUNK_KEYS * d, 0.0);
+        vbuf.resize(CHUNK_KEYS * dv, 0.0);
     }
     let (krows, vrows) = match &c.fp8 {
         Some(f) => {
             f.k.dequantize(&kofs[..n], d, kbuf);
-            f.v.dequantize(&vofs[..n], d, vbuf);
-            (buffered_rows(kbuf, n, d), buffered_rows(vbuf, n, d))
+            f.v.dequantize(&vofs[..n], dv, vbuf);
+            (buffered_rows(kbuf, n, d), buffered_rows(vbuf, n, dv))
         }
-        None => (chunk_rows(c.k.data(), &kofs[..n], d, kbuf), chunk_rows(c.v.data(), &vofs[..n], d, vbuf)),
+        None => (chunk_rows(c.k.data(), &kofs[..n], d, kbuf), chunk_rows(c.v.data(), &vofs[..n], dv, vbuf)),
     };
 
     for l0 in (0..nrows).step_by(NR) {
@@ -222,13 +222,13 @@ pub(super) fn attend_chunk<M: Exp2Math, const FMA: bool>(
                 row[nl..].iter_mut().for_each(|x| *x = f32::NEG_INFINITY);
             }
         }
-        let op = &mut o[l0 * d..(l0 + NR) * d];
+        let op = &mut o[l0 * dv..(l0 + NR) * dv];
         if nl == 1 {
             // One real row (group-1 decode): its softmax alone, vectorised over the keys, not
             // over 16 lanes of which 15 are padding.
             let sc = softmax_one_row::<M, FMA>(&mut rows[l0], sp, c.sm.c, &c.math);
             if sc != 1.0 {
-                op[..d].iter_mut().for_each(|x| *x *= sc);
+                op[..dv].iter_mut().for_each(|x| *x *= sc);
             }
         } else {
             // The online softmax, the verbs of the tiled path.
@@ -238,7 +238,7 @@ pub(super) fn attend_chunk<M: Exp2Math, const FMA: bool>(
             online_softmax::<M, FMA>(states, &scales, sp.as_flattened_mut(), c.sm.c, &c.math);
             for (l, &sc) in scales.iter().enumerate().take(nl) {
                 if sc != 1.0 {
-                    op[l * d..(l + 1) * d].iter_mut().for_each(|x| *x *= sc);
+                    op[l * dv..(l + 1) * dv].iter_mut().for_each(|x| *x *= sc);
                 }
             }
         }
@@ -246,9 +246,9 @@ pub(super) fn attend_chunk<M: Exp2Math, const FMA: bool>(
         // skipped so that key's V (possibly inf/NaN) cannot reach that row.
         let vr = &vrows[c0..c1];
         if full {
-            pv_panel::<FMA, false>(op, d, nl, sp, vr);
+            pv_panel::<FMA, false>(op, dv, nl, sp, vr);
         } else {
-            pv_panel::<FMA, true>(op, d, nl, sp, vr);
+            pv_panel::<FMA, true>(op, dv, nl, sp, vr);
         }
     }
 }

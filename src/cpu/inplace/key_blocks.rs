@@ -53,7 +53,8 @@ fn sweep_key_blocks<M: Exp2Math, T: lanes::Elem>(
     #[cfg(target_arch = "x86_64")]
     if M::NATIVE {
         let d = c.p.head_dim;
-        let fits = d.is_multiple_of(32) && (1..=lanes::MAX_W).contains(&(d / 32));
+        // Specialised per head_dim (`W`), for q/k and v alike: an unequal pair takes the chunks.
+        let fits = d == c.p.head_dim_v && d.is_multiple_of(32) && (1..=lanes::MAX_W).contains(&(d / 32));
         let rows_fit = items.iter().all(|it| it.r1 - it.r0 <= NR);
         let whole = items.iter().zip(scrs.iter()).all(|(it, scr)| {
             let n = it.r1 - it.r0;

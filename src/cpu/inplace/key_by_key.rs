@@ -60,7 +60,7 @@ fn sweep_key_by_key<M: Exp2Math, const FMA: bool, T: Widen>(
     let Some(b) = items.first().map(|it| it.b) else {
         return true;
     };
-    let d = c.p.head_dim;
+    let (d, dv) = (c.p.head_dim, c.p.head_dim_v);
     let cc = c.sm.c;
     // Key positions `(outer, row)` of the current and the next chunk of keys.
     let fill = |pos: &mut [(usize, usize); SWEEP_CHUNK_KEYS], j0: usize| {
@@ -84,7 +84,7 @@ fn sweep_key_by_key<M: Exp2Math, const FMA: bool, T: Widen>(
                 let hk = it.hk;
                 if let Some((po, pr)) = ahead.filter(|_| PREFETCH_KEYS_AHEAD > 0) {
                     prefetch_row(c.k.data(), c.k.offset(po, pr, hk), d);
-                    prefetch_row(c.v.data(), c.v.offset(po, pr, hk), d);
+                    prefetch_row(c.v.data(), c.v.offset(po, pr, hk), dv);
                 }
                 let (ko, vo) = (c.k.offset(outer, row, hk), c.v.offset(outer, row, hk));
                 let mut x = dot_widen::<FMA, T>(&scr.q[..d], &k[ko..ko + d]);
@@ -96,11 +96,11 @@ fn sweep_key_by_key<M: Exp2Math, const FMA: bool, T: Widen>(
                 let ([p], scale) = row_probs::<M, 1, FMA>(st, &[x], 1, cc, &c.math);
                 st.l = st.l * scale + p;
                 let p = c.math.round_p(p);
-                let o = &mut scr.o[..d];
+                let o = &mut scr.o[..dv];
                 if scale != 1.0 {
                     o.iter_mut().for_each(|y| *y *= scale);
                 }
-                for (y, w) in o.iter_mut().zip(&v[vo..vo + d]) {
+                for (y, w) in o.iter_mut().zip(&v[vo..vo + dv]) {
                     *y = fma::<FMA>(p, w.widen(), *y);
                 }
             }

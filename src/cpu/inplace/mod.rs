@@ -94,7 +94,7 @@ pub(crate) fn prefers_dense(p: &Problem) -> bool {
     p.seqlen_q <= DENSE_MAX_SEQLEN_Q && matches!(p.precision, crate::options::Precision::Native)
 }
 
-/// The result of the in-place path: `o` as `[q batch dim, q rows, heads_q, head_dim]` in q's
+/// The result of the in-place path: `o` as `[q batch dim, q rows, heads_q, head_dim_v]` in q's
 /// dtype, `lse` as `[q batch dim, heads_q, q rows]`.
 pub(crate) struct InplaceOutput {
     pub o: Tensor,
@@ -127,7 +127,7 @@ fn attend<M: Exp2Math, const FMA: bool>(c: &Ctx<'_, M>, items: &mut [Item<'_>], 
 /// An item's queries, key ranges and cleared state.
 #[inline(always)]
 fn attend_begin<M: Exp2Math>(c: &Ctx<'_, M>, it: &mut Item<'_>, scr: &mut Scratch) -> ItemSpan {
-    let d = c.p.head_dim;
+    let (d, dv) = (c.p.head_dim, c.p.head_dim_v);
     let g = c.group;
     let (b, hk) = (it.b, it.hk);
     let nrows = it.r1 - it.r0;
@@ -161,7 +161,7 @@ fn attend_begin<M: Exp2Math>(c: &Ctx<'_, M>, it: &mut Item<'_>, scr: &mut Scratc
     // decode call has heads × splits items.
     let padded = if nrows == 1 { 1 } else { nrows.div_ceil(NR) * NR };
     q[nrows * d..padded * d].iter_mut().for_each(|x| *x = 0.0);
-    o[..padded * d].iter_mut().for_each(|x| *x = 0.0);
+    o[..padded * dv].iter_mut().for_each(|x| *x = 0.0);
     rows[..nrows.div_ceil(NR) * NR].iter_mut().for_each(|r| *r = RowState::EMPTY);
 
     let lo_all = lo[..nrows].iter().copied().min().unwrap_or(0);
@@ -173,7 +173,7 @@ fn attend_begin<M: Exp2Math>(c: &Ctx<'_, M>, it: &mut Item<'_>, scr: &mut Scratc
 /// An item's normalised outputs and LSEs.
 #[inline(always)]
 fn attend_end<M: Exp2Math>(c: &Ctx<'_, M>, it: &mut Item<'_>, scr: &mut Scratch) {
-    let d = c.p.head_dim;
+    let d = c.p.head_dim_v;
     let nrows = it.r1 - it.r0;
     let Scratch { o, rows, .. } = scr;
     for rl in 0..nrows {
@@ -277,7 +277,8 @@ fn forward_isa<M: Exp2Math>(
         }
     };
     check_head_dim(p)?;
-    let (d, g, hkv, hq) = (p.head_dim, p.group(), p.heads_kv, p.heads_q);
+    // `d`: the head_dim of v, o and the partial outputs; q·k runs over `p.head_dim`.
+    let (d, g, hkv, hq) = (p.head_dim_v, p.group(), p.heads_kv, p.heads_q);
     let batch = layout.batch();
     // The outputs first (fallibly): a problem whose output cannot exist (a broadcast q of 2^40
     // sequences) fails here, before any per-sequence bookkeeping is allocated.
@@ -314,7 +315,7 @@ fn forward_isa<M: Exp2Math>(
                 let span = if lo < hi { (lo, hi) } else { (0, 0) };
                 max_span = max_span.max(span.1 - span.0);
                 let pairs = ((r1 - r0) * hkv) as u64 * (span.1 - span.0) as u64;
-                work = work.saturating_add(pairs.saturating_mul(d as u64));
+                work = work.saturating_add(pairs.saturating_mul(p.head_dim.max(d) as u64));
                 span
             })
             .collect();
@@ -418,7 +419,7 @@ fn forward_isa<M: Exp2Math>(
         parallel::for_each(
             &mut units,
             threads,
-            || Scratches::take(d, max_rows),
+            || Scratches::take((p.head_dim, d), max_rows),
             |scrs, (_, unit)| {
                 let scrs = scrs.at_least(unit.len());
                 attend_any(&ctx, unit, scrs);

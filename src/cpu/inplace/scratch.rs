@@ -7,9 +7,9 @@ use crate::cpu::softmax::RowState;
 
 /// Per-worker buffers, sized once.
 pub(super) struct Scratch {
-    /// Query rows `[ITEM_ROWS][d]`.
+    /// Query rows `[ITEM_ROWS][d]` (`d`: q/k's head_dim).
     pub(super) q: Vec<f32>,
-    /// Unnormalised outputs `[ITEM_ROWS][d]`.
+    /// Unnormalised outputs `[ITEM_ROWS][dv]` (`dv`: v's head_dim).
     pub(super) o: Vec<f32>,
     /// One panel's scores, then probabilities: `[CHUNK_KEYS][NR]`.
     pub(super) s: Vec<[f32; NR]>,
@@ -19,7 +19,8 @@ pub(super) struct Scratch {
     pub(super) hi: Vec<usize>,
     pub(super) qi: Vec<usize>,
     pub(super) head: Vec<usize>,
-    /// Widened K and V rows of one chunk (16-bit inputs only): `[CHUNK_KEYS][d]`, sized on first use
+    /// Widened K and V rows of one chunk (16-bit inputs only): `[CHUNK_KEYS][d]` and
+    /// `[CHUNK_KEYS][dv]`, sized on first use
     /// (the group-1 sweeps never use them, and a decode unit holds one scratch per kv head:
     /// zeroing 2 × 32 KiB for each on every call would cost as much as a short decode call).
     pub(super) kbuf: Vec<f32>,
@@ -40,9 +41,10 @@ pub(super) struct Scratch {
 
 /// A worker's scratches for one call, kept by its thread for the next call, because a decode
 /// unit holds one per kv head and allocating and zeroing them on every call is a visible part
-/// of a short decode call's time. Only scratches for the same head_dim and row count are reused.
+/// of a short decode call's time. Only scratches for the same head_dims and row count are reused.
 pub(super) struct Scratches {
-    pub(super) d: usize,
+    /// The head_dims of q/k and of v.
+    pub(super) d: (usize, usize),
     pub(super) rows: usize,
     pub(super) v: Vec<Scratch>,
 }
@@ -50,12 +52,15 @@ pub(super) struct Scratches {
 /// Most bytes of scratch a thread keeps between calls.
 pub(super) const SCRATCH_KEEP_BYTES: usize = 4 << 20;
 
+/// A thread's kept scratches: their head_dims (q/k, v), row count, and the scratches.
+type Kept = ((usize, usize), usize, Vec<Scratch>);
+
 thread_local! {
-    static KEPT: std::cell::RefCell<Option<(usize, usize, Vec<Scratch>)>> = const { std::cell::RefCell::new(None) };
+    static KEPT: std::cell::RefCell<Option<Kept>> = const { std::cell::RefCell::new(None) };
 }
 
 impl Scratches {
-    pub(super) fn take(d: usize, rows: usize) -> Self {
+    pub(super) fn take(d: (usize, usize), rows: usize) -> Self {
         let kept = KEPT.try_with(|k| k.try_borrow_mut().ok().and_then(|mut s| s.take())).ok().flatten();
         match kept {
             Some((kd, kr, v)) if (kd, kr) == (d, rows) => Scratches { d, rows, v },
@@ -76,8 +81,9 @@ impl Drop for Scratches {
     fn drop(&mut self) {
         let rb = self.rows.div_ceil(NR).max(1) * NR;
         let dec = self.rows.clamp(1, NR);
-        let floats = 2 * rb * self.d + CHUNK_KEYS * NR + 2 * dec * self.d + dec * (2 * lanes::BLOCK_KEYS + 1);
-        let each = 4 * floats + 2 * 4 * CHUNK_KEYS * self.d;
+        let (d, dv) = self.d;
+        let floats = rb * (d + dv) + CHUNK_KEYS * NR + 2 * dec * d + dec * (2 * lanes::BLOCK_KEYS + 1);
+        let each = 4 * floats + 4 * CHUNK_KEYS * (d + dv);
         if self.v.is_empty() || self.v.len().saturating_mul(each) > SCRATCH_KEEP_BYTES {
             return;
         }
@@ -95,12 +101,14 @@ impl Drop for Scratches {
 }
 
 impl Scratch {
-    /// For items of up to `rows` query rows (at most [`ITEM_ROWS`]).
-    pub(super) fn new(d: usize, rows: usize) -> Self {
+    /// For items of up to `rows` query rows (at most [`ITEM_ROWS`]) of q/k head_dim `d` and v
+    /// head_dim `dv`. The blocked decode's `qp` and `op` are sized for `d`: it runs only where
+    /// `dv == d`.
+    pub(super) fn new((d, dv): (usize, usize), rows: usize) -> Self {
         let rb = rows.div_ceil(NR).max(1) * NR;
         Scratch {
             q: vec![0.0; rb * d],
-            o: vec![0.0; rb * d],
+            o: vec![0.0; rb * dv],
             s: vec![[0.0; NR]; CHUNK_KEYS],
             rows: vec![RowState::EMPTY; rb],
             lo: vec![0; rb],

@@ -196,7 +196,7 @@ pub(super) fn attend_block<M: Exp2Math, const FMA: bool, const PAIR: bool>(
         prefetch_next_q(q, (b, h, i1));
     }
 
-    write_rows::<M, PAIR>(&scr.o, &scr.rows[..nrows], (d, p.sink(h)), sm.u, math, (o_out, lse_out));
+    write_rows::<M, PAIR>(&scr.o, &scr.rows[..nrows], (p.head_dim_v, p.sink(h)), sm.u, math, (o_out, lse_out));
 }
 
 /// Where a key tile lies in a block: its first key, whether every row of the block sees all of
@@ -228,8 +228,8 @@ pub(super) fn panel_group<M: Exp2Math, const FMA: bool, const WIDE: bool, const 
     tile: &TileAt,
     (pn, (c0, c1), fresh): (usize, (usize, usize), &mut u32),
 ) {
-    let d = p.head_dim;
-    let dv = round_up(d, MR);
+    let (d, d_v) = (p.head_dim, p.head_dim_v);
+    let dv = round_up(d_v, MR);
     let sk_pad = round_up(p.seqlen_k, MR);
     let (k0, k1) = (tile.j0 + c0, tile.j0 + c1);
     let mut s_panels = scr.s.chunks_exact_mut(TILE_KEYS * NR).skip(pn);
@@ -280,7 +280,7 @@ pub(super) fn panel_group<M: Exp2Math, const FMA: bool, const WIDE: bool, const 
     // Oᵀ = Oᵀ·diag(scale) + Vᵀ·Pᵀ, six columns of V at a time.
     let finite = kv.v_finite;
     let pp: [&[f32]; G] = sp.map(|s| &*s);
-    let v_tile = (&kv.v[k0 * MR..], sk_pad * MR, d);
+    let v_tile = (&kv.v[k0 * MR..], sk_pad * MR, d_v);
     let scs: [&[f32; NR]; G] = std::array::from_fn(|t| &sc[t]);
     let wide = WIDE
         && if finite {

@@ -60,7 +60,7 @@ const K_IN_PLACE_READS: usize = 3;
 /// prefetched.
 const PACK_ITEM_BYTES: usize = 4 << 20;
 
-/// The CPU result: `o` as `[batch, seqlen_q, heads_q, head_dim]` in q's dtype, `lse` as
+/// The CPU result: `o` as `[batch, seqlen_q, heads_q, head_dim_v]` in q's dtype, `lse` as
 /// `[batch, heads_q, seqlen_q]`.
 pub(crate) struct CpuOutput {
     pub o: Tensor,
@@ -94,7 +94,7 @@ impl OutElem for half::bf16 {
 }
 
 /// A block's output: straight into the caller's rows `o` (f32), else staged in `blk` (the
-/// worker's `BLOCK_ROWS × head_dim` f32) and converted.
+/// worker's `BLOCK_ROWS × head_dim_v` f32) and converted.
 #[allow(clippy::too_many_arguments)]
 fn attend_into<M: Exp2Math, T: OutElem>(
     p: &Problem,
@@ -107,7 +107,7 @@ fn attend_into<M: Exp2Math, T: OutElem>(
     (o, blk, lse): (&mut [&mut [T]], &mut [f32], &mut [f32]),
     isa: Isa,
 ) {
-    let d = p.head_dim;
+    let d = p.head_dim_v;
     match T::as_f32_rows(o) {
         Some(rows) => attend_any(p, q, kv, at, sm, math, scr, (BlockOut::Rows(rows), lse), isa),
         None => {
@@ -125,9 +125,9 @@ type HeadItem<'r, 'o, T> = ((usize, Range<usize>), &'r mut [&'o mut [T]], &'r mu
 type Item<'r, 'o, T> = ((usize, usize, usize, usize, usize), &'r mut [&'o mut [T]], &'r mut [f32]);
 
 /// A worker's scratch: the tiled path's panels, a block's normalised f32 output rows for an
-/// f16/bf16 output (`BLOCK_ROWS × head_dim`, converted into the caller's rows as soon as the block is
-/// done; f32 rows are written in place), and `MR × head_dim` f32 for widening a strip of
-/// f16/bf16 K/V.
+/// f16/bf16 output (`BLOCK_ROWS × head_dim_v`, converted into the caller's rows as soon as the
+/// block is done; f32 rows are written in place), and `MR × max(head_dim, head_dim_v)` f32 for
+/// widening a strip of f16/bf16 K/V.
 type Worker = (Scratch, Vec<f32>, Vec<f32>);
 
 /// One work item, compiled for `isa` (AVX-512: the products on up to three or four panels at once)
@@ -198,13 +198,13 @@ pub(crate) fn forward_with<M: Exp2Math>(
     nthreads: usize,
 ) -> Result<CpuOutput> {
     check_head_dim(p)?;
-    let mut o = Tensor::zeros(p.dtype, [p.batch, p.seqlen_q, p.heads_q, p.head_dim])?;
+    let mut o = Tensor::zeros(p.dtype, [p.batch, p.seqlen_q, p.heads_q, p.head_dim_v])?;
     let lse = forward_with_into(p, q, k, v, math, nthreads, o.data_mut().as_data_mut(), isa())?;
     Ok(CpuOutput { o, lse, kernel: path_name() })
 }
 
 /// As [`forward_with`], writing the output into `dst` (contiguous `[batch, seqlen_q, heads_q,
-/// head_dim]` of the problem's dtype, checked by the caller); returns the LSE.
+/// head_dim_v]` of the problem's dtype, checked by the caller); returns the LSE.
 #[allow(clippy::too_many_arguments)]
 fn forward_with_into<M: Exp2Math>(
     p: &Problem,
@@ -233,13 +233,13 @@ fn tiled<M: Exp2Math, T: OutElem>(
     isa: Isa,
 ) -> Result<Vec<f32>> {
     check_head_dim(p)?;
-    let d = p.head_dim;
+    let (d, d_v) = (p.head_dim, p.head_dim_v);
     let sm = ScoreMod::new(p);
     // Every size first: a problem too large for this machine fails here, before any work.
     let sz = Sizes::new(p)?;
     let mut rows = rows_by_head(p, dst)?;
     let mut lse = try_filled(sz.n_lse, f32::NEG_INFINITY, || "LSE".into())?;
-    let worker = || -> Worker { (Scratch::new(d), vec![0.0; BLOCK_ROWS * d], vec![0.0; MR * d]) };
+    let worker = || -> Worker { (Scratch::new(d, d_v), vec![0.0; BLOCK_ROWS * d_v], vec![0.0; MR * d.max(d_v)]) };
 
     let kv_bytes = 4 * (sz.k_pack + sz.v_pack);
     let chunk = (PACK_BUDGET_BYTES / kv_bytes.max(1)).clamp(1, p.batch * p.heads_kv);
@@ -331,7 +331,7 @@ fn tiled<M: Exp2Math, T: OutElem>(
             parallel::for_each(
                 &mut jobs,
                 nthreads,
-                || vec![0.0; MR * d],
+                || vec![0.0; MR * d.max(d_v)],
                 |buf, j| {
                     let packed = pack_heads(p, &sz, (k, v), j.0, j.1..j.1 + 1, buf, k_in_place);
                     j.2 = packed.map(|h| h.into_iter().next()).transpose()
@@ -389,13 +389,13 @@ fn tiled<M: Exp2Math, T: OutElem>(
 /// (optionally) and fake-quantises Q, K, V (`numerics::quant::fake_quantize`).
 pub(crate) fn run(p: &Problem, q: &TensorView, k: &TensorView, v: &TensorView, nthreads: usize) -> Result<CpuOutput> {
     check_head_dim(p)?; // before the FP8 preprocessing reads anything
-    let mut o = Tensor::zeros(p.dtype, [p.batch, p.seqlen_q, p.heads_q, p.head_dim])?;
+    let mut o = Tensor::zeros(p.dtype, [p.batch, p.seqlen_q, p.heads_q, p.head_dim_v])?;
     let (lse, kernel) = run_into(p, q, k, v, nthreads, o.data_mut().as_data_mut())?;
     Ok(CpuOutput { o, lse, kernel })
 }
 
-/// As [`run`], writing the output into `dst` (contiguous `[batch, seqlen_q, heads_q, head_dim]`
-/// of the problem's dtype, checked by the caller); returns the LSE and the path's name.
+/// As [`run`], writing the output into `dst` (contiguous `[batch, seqlen_q, heads_q,
+/// head_dim_v]` of the problem's dtype, checked by the caller); returns the LSE and the path's name.
 pub(crate) fn run_into(
     p: &Problem,
     q: &TensorView,

@@ -22,8 +22,8 @@ pub(super) enum BlockOut<'a, 'o> {
     Rows(&'a mut [&'o mut [f32]]),
 }
 
-/// A block's normalised output rows (`o_out`, `rows.len()` rows of `d`) out of its Oᵀ panels
-/// (`o`: `[panel][head_dim_pad][NR]`), and its LSEs. `WIDE`: AVX-512 transposes 16×16 blocks
+/// A block's normalised output rows (`o_out`, `rows.len()` rows of `d`, the head_dim of v) out
+/// of its Oᵀ panels (`o`: `[panel][head_dim_v_pad][NR]`), and its LSEs. `WIDE`: AVX-512 transposes 16×16 blocks
 /// in registers (`simd::write_panel_rows`) where the scalar loop reads with a 16-float stride.
 ///
 /// Every panel's normaliser and LSEs first, then every panel's rows: the rows' stores miss the
@@ -111,12 +111,12 @@ pub(super) fn write_panel<const WIDE: bool>(op: &[f32], (inv, live): (&[f32; NR]
     }
 }
 
-/// The rows of `dst` (`[batch, seqlen_q, heads_q, head_dim]`, one `&mut` slice of head_dim
+/// The rows of `dst` (`[batch, seqlen_q, heads_q, head_dim_v]`, one `&mut` slice of head_dim_v
 /// elements per (batch, query, head)) in the order `[batch, heads_q, seqlen_q]`, so that the
 /// work items can own consecutive runs of them: each item writes its output once, in the final
 /// layout and type, where an item's part of the output is not contiguous. Allocated fallibly.
 pub(super) fn rows_by_head<'o, T>(p: &Problem, dst: &'o mut [T]) -> Result<Vec<&'o mut [T]>> {
-    let (hq, sq, d) = (p.heads_q, p.seqlen_q, p.head_dim);
+    let (hq, sq, d) = (p.heads_q, p.seqlen_q, p.head_dim_v);
     let n = p.batch * sq * hq; // dst holds n * d elements (checked by the caller)
     let mut rows = Vec::new();
     if n == 0 {

@@ -19,7 +19,7 @@ pub(super) struct PackedKv<'a> {
     /// An f32 K read in place (the AVX-512 path): the input's elements, the offset of key 0's
     /// row of this head, and the key stride.
     pub(super) k_rows: Option<(&'a [f32], usize, usize)>,
-    /// `[head_dim_pad / MR][seqlen_k_pad][MR]`: strips of 6 columns of V (i.e. rows of Vᵀ).
+    /// `[head_dim_v_pad / MR][seqlen_k_pad][MR]`: strips of 6 columns of V (i.e. rows of Vᵀ).
     pub(super) v: Vec<f32>,
     /// Every element of V is finite. Otherwise `Oᵀ += Vᵀ·Pᵀ` skips the zeros of P, so a key's
     /// infinite or NaN V reaches only the queries that see it (`0 · inf` is NaN).
@@ -71,10 +71,10 @@ pub(super) fn prefetch_rows(t: &TensorView, (b, s0, heads): (usize, usize, Range
 pub(super) static ZEROS: [f32; MAX_HEAD_DIM] = [0.0; MAX_HEAD_DIM];
 
 /// One head's packed K and V buffers (reused ones keep old contents), their padding zeroed:
-/// keys past seqlen_k, and columns past head_dim of the last column strip of V. The scatter of
-/// `pack_heads` writes every other element.
+/// keys past seqlen_k, and columns past head_dim_v of the last column strip of V. The scatter
+/// of `pack_heads` writes every other element.
 pub(super) fn packed_buffers(p: &Problem, sz: &Sizes, pack_k: bool) -> Result<(Vec<f32>, Vec<f32>)> {
-    let d = p.head_dim;
+    let (d, d_v) = (p.head_dim, p.head_dim_v);
     let sk_pad = sz.sk_pad;
     let mut kp = if pack_k { pool::take_dirty(sz.k_pack, "packed K of one head")? } else { Vec::new() };
     let mut vp = pool::take_dirty(sz.v_pack, "packed V of one head")?;
@@ -85,11 +85,11 @@ pub(super) fn packed_buffers(p: &Problem, sz: &Sizes, pack_k: bool) -> Result<(V
     for strip in vp.chunks_exact_mut(sk_pad * MR) {
         strip[p.seqlen_k * MR..].fill(0.0);
     }
-    if dv > d {
-        // Columns d..dv of the last column strip, for every key.
+    if dv > d_v {
+        // Columns d_v..dv of the last column strip, for every key.
         let last = &mut vp[(dv / MR - 1) * sk_pad * MR..];
         for key in last.chunks_exact_mut(MR) {
-            key[d % MR..].fill(0.0);
+            key[d_v % MR..].fill(0.0);
         }
     }
     Ok((kp, vp))
@@ -99,8 +99,8 @@ pub(super) fn packed_buffers(p: &Problem, sz: &Sizes, pack_k: bool) -> Result<(V
 /// in the `[batch, seqlen, heads, head_dim]` layout the rows of one key's heads lie side by side,
 /// so each key is one contiguous run (a whole row when `heads` is every kv head), which the
 /// hardware prefetchers stream, where a pass per head reads head_dim elements out of every row
-/// of all heads, each a separate miss. `buf`: `MR × head_dim` f32 of scratch (the widened rows
-/// of an f16/bf16 input).
+/// of all heads, each a separate miss. `buf`: `MR × max(head_dim, head_dim_v)` f32 of scratch
+/// (the widened rows of an f16/bf16 input).
 pub(super) fn pack_heads<'a>(
     p: &Problem,
     sz: &Sizes,
@@ -110,7 +110,7 @@ pub(super) fn pack_heads<'a>(
     buf: &mut [f32],
     k_in_place: bool,
 ) -> Result<Vec<PackedKv<'a>>> {
-    let d = p.head_dim;
+    let (d, d_v) = (p.head_dim, p.head_dim_v);
     let sk_pad = sz.sk_pad;
     // K read in place by the first product (see `KTile::Rows`): an f32 input, when asked for.
     let k_rows = match k.data() {
@@ -124,7 +124,6 @@ pub(super) fn pack_heads<'a>(
     // Per head: every V value packed by `simd::pack_v_strip` is finite (`None`: the scalar
     // copy ran, the packed V is checked afterwards).
     let mut finite: Vec<Option<bool>> = vec![Some(true); heads.len()];
-    let buf = &mut buf[..MR * d];
     let fetch_strip = |strip: usize| {
         prefetch_rows(k, (b, strip * MR, heads.clone()), MR, false);
         prefetch_rows(v, (b, strip * MR, heads.clone()), MR, false);
@@ -141,7 +140,7 @@ pub(super) fn pack_heads<'a>(
             // The strip's six rows (zeros past seqlen_k), interleaved column by column: each
             // column's six values are written contiguously.
             let mut rows: [&[f32]; MR] = [&ZEROS[..d]; MR];
-            for (lane, (row, lane_buf)) in rows.iter_mut().zip(buf.chunks_exact_mut(d)).take(n).enumerate() {
+            for (lane, (row, lane_buf)) in rows.iter_mut().zip(buf[..MR * d].chunks_exact_mut(d)).take(n).enumerate() {
                 *row = row_f32(k, (b, strip * MR + lane, h), lane_buf);
             }
             let kdst = &mut kp[strip * d * MR..(strip + 1) * d * MR];
@@ -155,13 +154,13 @@ pub(super) fn pack_heads<'a>(
             }
         }
         for ((h, (_, vp)), fin) in heads.clone().zip(bufs.iter_mut()).zip(finite.iter_mut()) {
-            let mut rows: [&[f32]; MR] = [&ZEROS[..d]; MR];
-            for (lane, (row, lane_buf)) in rows.iter_mut().zip(buf.chunks_exact_mut(d)).take(n).enumerate() {
+            let mut rows: [&[f32]; MR] = [&ZEROS[..d_v]; MR];
+            for (lane, (row, lane_buf)) in rows.iter_mut().zip(buf[..MR * d_v].chunks_exact_mut(d_v)).take(n).enumerate() {
                 *row = row_f32(v, (b, strip * MR + lane, h), lane_buf);
             }
             // Per column strip, the strip's six keys are 36 consecutive f32: six columns of
-            // each key (fixed-size copies; the last column strip holds d % 6 columns).
-            if let Some(f) = simd::pack_v_strip(&rows, d, &mut vp[strip * MR * MR..], sk_pad * MR) {
+            // each key (fixed-size copies; the last column strip holds d_v % 6 columns).
+            if let Some(f) = simd::pack_v_strip(&rows, d_v, &mut vp[strip * MR * MR..], sk_pad * MR) {
                 *fin = fin.map(|x| x && f);
                 continue;
             }
@@ -218,8 +217,7 @@ pub(super) struct Sizes {
 impl Sizes {
     pub(super) fn new(p: &Problem) -> Result<Self> {
         let too_large = |what: &str| Error::TooLarge { what: format!("the CPU backend's {what} for this problem") };
-        let d = p.head_dim;
-        let dv = round_up(d, MR); // d <= MAX_HEAD_DIM
+        let (d, dv) = (p.head_dim, round_up(p.head_dim_v, MR)); // both <= MAX_HEAD_DIM
         let sk_pad = p.seqlen_k.checked_next_multiple_of(MR).ok_or_else(|| too_large("padded key count"))?;
         let f32s = |n: Option<usize>, what: &str| {
             n.filter(|&n| n <= isize::MAX as usize / 4).ok_or_else(|| too_large(what))

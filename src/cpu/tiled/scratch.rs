@@ -12,7 +12,7 @@ pub(super) struct Scratch {
     pub(super) q: LineAligned,
     /// Sᵀ (then Pᵀ) panels `[BLOCK_ROWS / NR][TILE_KEYS][NR]`.
     pub(super) s: LineAligned,
-    /// Oᵀ panels `[BLOCK_ROWS / NR][head_dim_pad][NR]`.
+    /// Oᵀ panels `[BLOCK_ROWS / NR][head_dim_v_pad][NR]`.
     pub(super) o: LineAligned,
     pub(super) rows: Vec<RowState>,
     /// `NR × head_dim`: a panel's Q rows widened from f16/bf16.
@@ -52,11 +52,12 @@ impl std::ops::DerefMut for LineAligned {
 }
 
 impl Scratch {
-    pub(super) fn new(d: usize) -> Self {
+    /// For q/k head_dim `d` and v head_dim `d_v`.
+    pub(super) fn new(d: usize, d_v: usize) -> Self {
         Scratch {
             q: LineAligned::new(BLOCK_ROWS * d),
             s: LineAligned::new(BLOCK_ROWS * TILE_KEYS),
-            o: LineAligned::new(BLOCK_ROWS * round_up(d, MR)),
+            o: LineAligned::new(BLOCK_ROWS * round_up(d_v, MR)),
             rows: vec![RowState::EMPTY; BLOCK_ROWS],
             q_row: vec![0.0; NR * d],
         }
@@ -70,7 +71,7 @@ mod tests {
     #[test]
     fn scratch_panels_start_on_cache_lines() {
         for d in [1, 16, 64, 100, 128, 256] {
-            let mut scr = Scratch::new(d);
+            let mut scr = Scratch::new(d, d);
             for buf in [&mut scr.q, &mut scr.s, &mut scr.o] {
                 assert_eq!(buf.as_ptr() as usize % 64, 0, "d {d}");
                 assert!(buf.iter().all(|&x| x == 0.0));

@@ -116,14 +116,16 @@ impl Engine {
                 return Err(Error::DTypeMismatch { operand: op, got: dt, expected: q.dtype });
             }
         }
-        if o.shape != q.shape {
+        let p = Problem::from_shapes(q.shape, k.shape, v.shape, q.dtype, opts)?;
+        // o is q's shape with v's head_dim.
+        let want_o = [p.batch, p.seqlen_q, p.heads_q, p.head_dim_v];
+        if o.shape != want_o {
             return Err(Error::ShapeMismatch {
                 what: "o".into(),
                 got: format!("{:?}", o.shape),
-                expected: format!("{:?} (the shape of q)", q.shape),
+                expected: format!("{want_o:?} (q's batch, seqlen and heads; v's head_dim)"),
             });
         }
-        let p = Problem::from_shapes(q.shape, k.shape, v.shape, q.dtype, opts)?;
         let mut ops = Operands {
             ptrs: [q.ptr, k.ptr, v.ptr, o.ptr],
             strides: [q.strides, k.strides, v.strides, o.strides],

@@ -716,3 +716,24 @@ fn sinks_run_on_fa1_fa2_and_fa3() {
         assert_eq!(c.family.stage, Some(stage));
     }
 }
+
+/// No kernel family implements a V head_dim different from Q/K's: every explicit variant is
+/// refused and `Auto` finds no kernel, saying why (so `Backend::Auto` runs the call on the CPU),
+/// on every GPU of the real table, for MLA's pairs; equal head dims still pick a kernel.
+#[test]
+fn every_family_refuses_a_v_head_dim_unlike_qk() {
+    let blackwell = Built(FakeGpu { cc: (10, 0), smem: 227 * 1024 });
+    let opts = ForwardOptions::default();
+    for gpu in FA2_GPUS.iter().map(|(g, _)| g).chain([&blackwell]) {
+        for (d, dv) in [(192, 128), (128, 64), (64, 128)] {
+            let p = Problem::from_shapes([1, 100, 4, d], [1, 100, 2, d], [1, 100, 2, dv], DType::BF16, &opts).unwrap();
+            let e = choose_in(FAMILIES, gpu, &p, Variant::Auto).unwrap_err();
+            assert!(matches!(&e, Error::BackendUnavailable { reason, .. } if reason.contains("head_dim_v")), "{e:?}");
+            for variant in [Variant::Fa1, Variant::Fa2, Variant::Fa3, Variant::Fa4] {
+                let e = choose_in(FAMILIES, gpu, &p, variant).unwrap_err();
+                assert!(matches!(&e, Error::VariantUnavailable { .. }), "sm_{} {variant:?}: {e:?}", gpu.sm());
+            }
+        }
+        assert!(choose_in(FAMILIES, gpu, &problem(DType::BF16, 128, &opts), Variant::Auto).is_ok());
+    }
+}
