@@ -298,10 +298,11 @@ fn fa3_overlapped_stages_pass_the_token_and_keep_one_gemm_in_flight() {
 /// 32, C = block_n / 4; FA3: R = 2, C = block_n / 4), S places the tile softmax is compiled (FA2:
 /// 1, the tile loop; FA3 stage 5: 2, the first tile and the overlapped loop), L of them with a
 /// possibly finite running max (1: the first tile of FA3 starts from -inf, where the lazy rule
-/// returns 1 with no exponential), and T other MUFU.EX2 per score element (FA2's softcap tanhf:
-/// 1; FA3's tanh.approx is MUFU.TANH: 0):
-///   pipeline row  MUFU.EX2 = S R C (1 + T) + S R          (the factor on MUFU at every place)
-///   FA4 row       MUFU.EX2 = S R (C - C/E) + S R C T + [factor on MUFU] L R
+/// returns 1 with no exponential), T other MUFU.EX2 per score element (FA2's softcap tanhf:
+/// 1; FA3's tanh.approx is MUFU.TANH: 0), and 2 R in the epilogue of both rows (the attention
+/// sink's fold, `fa_softmax_finalize_sink`: exp2 of the softplus's argument and of its result):
+///   pipeline row  MUFU.EX2 = S R C (1 + T) + S R + 2 R    (the factor on MUFU at every place)
+///   FA4 row       MUFU.EX2 = S R (C - C/E) + S R C T + [factor on MUFU] L R + 2 R
 ///                 FADD.RM  = S R C/E + [factor by the polynomial] L R
 /// FADD.RM is the software exp2's floor (add.rm of 2^23 + 2^22), one per polynomial exp2 and in
 /// no pipeline row; FFMA (its Horner steps) must be there too. The lazy factor uses the
@@ -339,8 +340,9 @@ fn fa4_softmax_rows_take_their_share_off_mufu() {
             // The pipeline row's forward kernel (an FA2 image also holds the append kernel).
             let base_name = kernel_symbol(base, img.head_dim, dt);
             let (_, base_sass) = base_kernels.iter().find(|(n, _)| *n == base_name).unwrap();
-            let want_base = s * r * c * (1 + t) + s * r;
-            let want = s * r * (c - poly) + s * r * c * t + mufu_factor;
+            let sink = 2 * r;
+            let want_base = s * r * c * (1 + t) + s * r + sink;
+            let want = s * r * (c - poly) + s * r * c * t + mufu_factor + sink;
             let want_floor = s * r * poly + poly_factor;
             let got = (count(base_sass, "MUFU.EX2"), count(&sass, "MUFU.EX2"), count(&sass, "FADD.RM"));
             println!(
