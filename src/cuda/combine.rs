@@ -9,10 +9,11 @@
 //! Arithmetic: `numerics::merge::merge_row`'s recombination and −inf / NaN rules, in f32 on the
 //! device (the host's is f64); docs/serving.md gives the tolerance.
 
+use super::params::assert_c_layout;
 use super::table::{Standalone, STANDALONE};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Shape};
-use std::mem::{offset_of, size_of};
+use std::mem::size_of;
 
 /// Warps per CTA (FA_COMBINE_WARPS); each merges one row.
 pub const WARPS: u32 = 4;
@@ -62,17 +63,16 @@ pub struct CombineParams {
 }
 
 // The same numbers as the static_asserts of cuda/common/combine_params.h.
-const _: () = {
-    assert!(size_of::<CombineInput>() == 40);
-    assert!(offset_of!(CombineParams, out_strides) == 16);
-    assert!(offset_of!(CombineParams, lse_strides) == 64);
-    assert!(offset_of!(CombineParams, o_state_stride) == 88);
-    assert!(offset_of!(CombineParams, batch) == 104);
-    assert!(offset_of!(CombineParams, n_inputs) == 120);
-    assert!(offset_of!(CombineParams, sinks) == 128);
-    assert!(offset_of!(CombineParams, inputs) == 136);
-    assert!(size_of::<CombineParams>() == 136 + 40 * MAX_INPUTS);
-};
+assert_c_layout!(CombineInput, size 40, {});
+assert_c_layout!(CombineParams, size 136 + 40 * MAX_INPUTS, {
+    out_strides: 16,
+    lse_strides: 64,
+    o_state_stride: 88,
+    batch: 104,
+    n_inputs: 120,
+    sinks: 128,
+    inputs: 136,
+});
 
 impl CombineParams {
     /// The struct's bytes as the kernel receives them (native endianness).

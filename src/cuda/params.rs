@@ -49,7 +49,7 @@ pub struct ServingOperands {
 /// named field: the numbers of its C header's static_asserts, plus every other offset, so that a
 /// change on one side alone fails the build (and the failure names the field).
 macro_rules! assert_c_layout {
-    ($ty:ident, size $size:literal, { $($field:ident: $offset:literal),* $(,)? }) => {
+    ($ty:ident, size $size:expr, { $($field:ident: $offset:literal),* $(,)? }) => {
         const _: () = {
             assert!(
                 ::std::mem::size_of::<$ty>() == $size,

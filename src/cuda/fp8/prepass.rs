@@ -6,7 +6,8 @@ use crate::error::{Error, Result};
 use crate::numerics::quant::block_rows;
 use crate::options::Fp8Scaling;
 use crate::DType;
-use std::mem::{offset_of, size_of};
+use crate::cuda::params::assert_c_layout;
+use std::mem::size_of;
 
 /// Warps per CTA of the pre-pass (FA_FP8_PREPASS_WARPS); each quantises one scale block.
 pub const PREPASS_WARPS: u32 = 4;
@@ -52,17 +53,16 @@ pub struct PrepassParams {
 }
 
 // The same numbers as the static_asserts of cuda/common/fp8_prepass_params.h.
-
-const _: () = {
-    assert!(size_of::<PrepassOperand>() == 104);
-    assert!(offset_of!(PrepassOperand, x_batch_stride) == 24);
-    assert!(offset_of!(PrepassOperand, c_batch_stride) == 48);
-    assert!(offset_of!(PrepassOperand, batch) == 80);
-    assert!(offset_of!(PrepassOperand, flags) == 100);
-    assert!(size_of::<PrepassParams>() == 224);
-    assert!(offset_of!(PrepassParams, hadamard_seed) == 208);
-    assert!(offset_of!(PrepassParams, n_ops) == 220);
-};
+assert_c_layout!(PrepassOperand, size 104, {
+    x_batch_stride: 24,
+    c_batch_stride: 48,
+    batch: 80,
+    flags: 100,
+});
+assert_c_layout!(PrepassParams, size 224, {
+    hadamard_seed: 208,
+    n_ops: 220,
+});
 
 impl PrepassParams {
     /// The struct's bytes as the kernel receives them (native endianness).
