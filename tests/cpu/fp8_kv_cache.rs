@@ -11,8 +11,8 @@ use flash_attn::numerics::fp8::{e4m3_from_f32, E4M3_MAX, E4M3_VALUES};
 use flash_attn::numerics::quant::{block_scale, encode_e4m3, finite_amax};
 use flash_attn::reference::{attention_f64, max_abs_diff};
 use flash_attn::serving::{
-    append_kv, forward_kvcache, forward_kvcache_append, forward_varlen_kvcache, BlockTable, Fp8KvCache,
-    Fp8KvCacheMut, KvCache, KvScales, KvScalesMut,
+    append_kv, forward_kvcache, forward_kvcache_append, forward_kvcache_append_rotary, forward_varlen_kvcache,
+    BlockTable, Fp8KvCache, Fp8KvCacheMut, KvCache, KvCacheMut, KvScales, KvScalesMut, Rotary,
 };
 use flash_attn::{Backend, DType, Error, ForwardOptions, Mask, Problem, Tensor};
 
@@ -633,5 +633,63 @@ fn decode_error_table() {
         println!("| {name} (q and o f32) | {m:.2e} | {a:.2e} | {m8:.2e} |");
         assert!(m8 < 1e-5, "{name}: {m8:e} from the reference on the dequantised cache");
         assert!(m > m16, "{name}: the quantisation should show");
+    }
+}
+
+/// The rotary append into an FP8 cache rotates k_new in f32 and then quantises: its codes are
+/// exactly those of an f32 cache's rotated rows encoded with the same per-tensor scale, and v is
+/// encoded unrotated (the attention that follows is the FP8 cache's own, tested above).
+#[test]
+fn rotary_append_quantises_the_rotated_rows() {
+    let (batch, cap, hkv, hq, d, new) = (2usize, 8usize, 2usize, 4usize, 16usize, 2usize);
+    let (rd, seqlen_ro) = (8usize, 16usize);
+    let mut rng = Rng::new(0x0f8_407a);
+    let mut draw = |n: usize| (0..n).map(|_| rng.normal() as f32).collect::<Vec<f32>>();
+    let angles: Vec<f32> = (0..seqlen_ro * rd / 2).map(|i| 0.37 * i as f32).collect();
+    let cos: Vec<f32> = angles.iter().map(|a| a.cos()).collect();
+    let sin: Vec<f32> = angles.iter().map(|a| a.sin()).collect();
+    let seqlens = [3i32, 5];
+    let shape = [batch, cap, hkv, d];
+    let n = batch * cap * hkv * d;
+    let (k0, v0) = (draw(n), draw(n));
+    let q = Tensor::from_vec(draw(batch * new * hq * d), [batch, new, hq, d]).unwrap();
+    let k_new = Tensor::from_vec(draw(batch * new * hkv * d), [batch, new, hkv, d]).unwrap();
+    let v_new = Tensor::from_vec(draw(batch * new * hkv * d), [batch, new, hkv, d]).unwrap();
+    let opts = ForwardOptions::default().mask(Mask::Causal);
+    let scale = 0.02f32;
+    for interleaved in [false, true] {
+        let rot = Rotary::new(&cos, &sin, rd, interleaved);
+        // The f32 cache: the rotated rows as written, before any quantisation.
+        let (mut kf, mut vf) = (k0.clone(), v0.clone());
+        let mut cache = KvCacheMut {
+            k: &mut kf,
+            v: &mut vf,
+            shape,
+            seqlens: &seqlens,
+            block_table: None,
+            batch_idx: None,
+            leftpad: None,
+        };
+        forward_kvcache_append_rotary(&q, &mut cache, &k_new, &v_new, &rot, &opts).unwrap();
+        // The FP8 cache of the same old values, appended to by the same call.
+        let (mut kc, mut vc) = (vec![0u8; n], vec![0u8; n]);
+        encode_e4m3(&k0, scale, &mut kc);
+        encode_e4m3(&v0, scale, &mut vc);
+        let mut cache = Fp8KvCacheMut {
+            k: &mut kc,
+            v: &mut vc,
+            shape,
+            scales: KvScalesMut::PerTensor { k: scale, v: scale },
+            seqlens: &seqlens,
+            block_table: None,
+        };
+        let out = forward_kvcache_append_rotary(&q, &mut cache, &k_new, &v_new, &rot, &opts).unwrap();
+        assert_eq!(out.o.shape(), [batch, new, hq, d]);
+        let (mut want_k, mut want_v) = (vec![0u8; n], vec![0u8; n]);
+        encode_e4m3(&kf, scale, &mut want_k);
+        encode_e4m3(&vf, scale, &mut want_v);
+        assert!(kc == want_k, "interleaved {interleaved}: k codes are not the rotated rows' codes");
+        assert!(vc == want_v, "interleaved {interleaved}: v codes are not the unrotated rows' codes");
+        assert!(kf != k0, "interleaved {interleaved}: the f32 append wrote nothing");
     }
 }
