@@ -9,6 +9,7 @@
 //! domain edges (typed errors, no panic).
 
 use crate::support::props;
+use crate::support::cu_seqlens;
 use crate::support::*;
 use crate::support::Rng;
 use flash_attn::reference::{attention_backward_f64, attention_backward_naive, max_abs_diff};
@@ -231,8 +232,7 @@ fn varlen_matches_per_sequence_calls() {
     let hq = hkv * ratio;
     let seqs_q = [37usize, 0, 120, 5];
     let seqs_k = [50usize, 17, 120, 0];
-    let cu = |s: &[usize]| -> Vec<i32> { std::iter::once(0).chain(s.iter().scan(0, |a, &x| { *a += x; Some(*a as i32) })).collect() };
-    let (cu_q, cu_k) = (cu(&seqs_q), cu(&seqs_k));
+    let (cu_q, cu_k) = (cu_seqlens(&seqs_q), cu_seqlens(&seqs_k));
     let (tq, tk) = (*cu_q.last().unwrap() as usize, *cu_k.last().unwrap() as usize);
     let mut rng = Rng::new(5);
     let q = randn(&mut rng, DType::F32, [1, tq, hq, d]);

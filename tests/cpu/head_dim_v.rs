@@ -6,6 +6,7 @@
 //! what was given and expected).
 
 use crate::support::props;
+use crate::support::cu_seqlens;
 use crate::support::serving::{mask_strategy, paged_table, slopes, values};
 use crate::support::{check_forward, floor_for, randn, Rng};
 use flash_attn::reference::{
@@ -252,10 +253,7 @@ fn varlen_caches_and_append_match_the_reference() {
             let fail = |what: &str, b: usize, e: String| TestCaseError::fail(format!("{what} {c:?} seq {b}: {e}"));
 
             // Varlen.
-            let cu = |lens: &[usize]| -> Vec<i32> {
-                std::iter::once(0).chain(lens.iter().scan(0, |s, &n| { *s += n as i32; Some(*s) })).collect()
-            };
-            let (cu_q, cu_k) = (cu(&c.lens_q), cu(&c.lens_k));
+            let (cu_q, cu_k) = (cu_seqlens(&c.lens_q), cu_seqlens(&c.lens_k));
             let (tq, tk) = (*cu_q.last().unwrap() as usize, *cu_k.last().unwrap() as usize);
             let q = Tensor::from_f32(&qs.concat(), c.dtype, [1, tq, hq, d]).unwrap();
             let k = Tensor::from_f32(&ks.concat(), c.dtype, [1, tk, hkv, d]).unwrap();
@@ -479,8 +477,7 @@ fn backward_varlen_is_the_dense_backward_per_sequence() {
     let k = randn(&mut rng, DType::F32, [1, tk, hkv, d]);
     let v = randn(&mut rng, DType::F32, [1, tk, hkv, dv]);
     let d_o = randn(&mut rng, DType::F32, [1, tq, hq, dv]);
-    let cu = |l: &[usize]| -> Vec<i32> { std::iter::once(0).chain(l.iter().scan(0, |s, &n| { *s += n as i32; Some(*s) })).collect() };
-    let (cu_q, cu_k) = (cu(&lens_q), cu(&lens_k));
+    let (cu_q, cu_k) = (cu_seqlens(&lens_q), cu_seqlens(&lens_k));
     let seqs = Varlen { cu_seqlens_q: &cu_q, cu_seqlens_k: &cu_k, max_seqlen_q: 23, max_seqlen_k: 30 };
     let opts = ForwardOptions::default().causal(true).return_lse(true);
     let out = forward_varlen(&q, &k, &v, &seqs, &opts).unwrap();

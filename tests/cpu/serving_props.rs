@@ -7,6 +7,7 @@
 //! `cargo test --test cpu serving_props -- --nocapture` prints the largest error margin per run.
 
 use crate::support::props;
+use crate::support::cu_seqlens;
 use flash_attn::serving::{
     forward_kvcache, forward_kvcache_append, forward_varlen, forward_varlen_kvcache, BlockTable, KvCache, KvCacheMut,
     Varlen,
@@ -46,15 +47,7 @@ fn ratio(c: &SeqCheck, dtype: DType) -> f64 {
 
 fn varlen_case(o: &Opts, lens_q: &[usize], lens_k: &[usize], dtype: DType) -> Result<f64, TestCaseError> {
     let (hq, hkv, d) = (o.hq(), o.heads_kv, o.d);
-    let cu = |lens: &[usize]| -> Vec<i32> {
-        std::iter::once(0)
-            .chain(lens.iter().scan(0, |a, &l| {
-                *a += l as i32;
-                Some(*a)
-            }))
-            .collect()
-    };
-    let (cu_q, cu_k) = (cu(lens_q), cu(lens_k));
+    let (cu_q, cu_k) = (cu_seqlens(lens_q), cu_seqlens(lens_k));
     let (tq, tk) = (*cu_q.last().unwrap() as usize, *cu_k.last().unwrap() as usize);
     let mut rng = Rng::new(o.seed | 1);
     let (qv, kv, vv) = (

@@ -5,6 +5,7 @@
 //! length, huge logits, rows that see no key).
 
 use crate::support::props;
+use crate::support::cu_seqlens;
 use crate::support::serving::{check_seq, mask_strategy, paged_table, values};
 use crate::support::{check_forward, randn, Rng};
 use flash_attn::serving::{
@@ -181,10 +182,7 @@ fn varlen_and_caches_match_the_reference() {
             let vs: Vec<Vec<f32>> = c.lens_k.iter().map(|&n| values(&mut rng, n * hkv * d, c.dtype)).collect();
 
             // Varlen.
-            let cu = |lens: &[usize]| -> Vec<i32> {
-                std::iter::once(0).chain(lens.iter().scan(0, |s, &n| { *s += n as i32; Some(*s) })).collect()
-            };
-            let (cu_q, cu_k) = (cu(&c.lens_q), cu(&c.lens_k));
+            let (cu_q, cu_k) = (cu_seqlens(&c.lens_q), cu_seqlens(&c.lens_k));
             let (tq, tk) = (*cu_q.last().unwrap() as usize, *cu_k.last().unwrap() as usize);
             let q = Tensor::from_f32(&qs.concat(), c.dtype, [1, tq, hq, d]).unwrap();
             let k = Tensor::from_f32(&ks.concat(), c.dtype, [1, tk, hkv, d]).unwrap();

@@ -12,6 +12,7 @@
 //!
 //! Only g++ is needed: these ran in the emulator; nothing here ran on a GPU.
 use crate::support::emu::{run_launch, tool_exe, unit_exe, LaunchBuf, LSE_TOL};
+use crate::support::cu_seqlens;
 use crate::support::emu::addr::{CU_K, CU_Q, K, LSE, LSE_ACC, O, O_ACC, Q, SEQUSED, SINKS, TABLE, V};
 use crate::support::{floor_for, Rng};
 use flash_attn::cuda::combine::{splits_plan, Rows};
@@ -75,13 +76,6 @@ fn values(dt: DType, b: &[u8]) -> Vec<f32> {
 fn f32s(b: &[u8]) -> Vec<f32> {
     b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
 }
-fn cu(lens: &[usize]) -> Vec<i32> {
-    let mut v = vec![0i32];
-    for l in lens {
-        v.push(v.last().unwrap() + *l as i32);
-    }
-    v
-}
 
 /// Runs one case; returns a summary (worst error / bound over the sequences). Sinks
 /// (`opts.sinks`) go to the attention and, with split-KV, to the combine kernel, which folds them.
@@ -91,14 +85,14 @@ fn run(c: &Case) -> Result<String, String> {
     let round = |x: f32| values(dt, &bits(dt, &[x]))[0];
     // q: packed [1, total_q, hq, d] or dense [b, sq, hq, d].
     let (q_shape, cu_q) = if c.packed_q {
-        ([1, c.sq.iter().sum::<usize>(), hq, d], Some(cu(&c.sq)))
+        ([1, c.sq.iter().sum::<usize>(), hq, d], Some(cu_seqlens(&c.sq)))
     } else {
         ([b, c.sq[0], hq, d], None)
     };
     let q: Vec<f32> = (0..q_shape.iter().product::<usize>()).map(|_| round(rng.normal() as f32)).collect();
     // k/v storage and the layout.
     let seqlens: Vec<i32> = c.sk.iter().map(|&x| x as i32).collect();
-    let cu_k = cu(&c.sk);
+    let cu_k = cu_seqlens(&c.sk);
     let mut table: Vec<i32> = Vec::new();
     let (k_shape, max_blocks) = match c.kv {
         Kv::Varlen => ([1, c.sk.iter().sum::<usize>(), hkv, d], 0),

@@ -11,6 +11,7 @@
 //! adds a seeded random matrix (docs/emulator.md).
 
 use crate::support::emu::{run_launch, unit_exe, LaunchBuf, Mutation, LSE_TOL};
+use crate::support::cu_seqlens;
 use crate::support::emu::addr::{ALIBI, CU_K, CU_Q, K, KNEW, LSE, LSE_ACC, O, O_ACC, Q, SEQUSED, SINKS, TABLE, V, VNEW};
 use flash_attn::cuda::plan::{plan_append, plan_serving, FwdParams, LaunchPlan, Operands, ServingOperands};
 use flash_attn::cuda::table::FAMILIES;
@@ -127,13 +128,6 @@ fn from_bits(b: &[u8], dtype: DType) -> Vec<f32> {
 fn f32s(b: &[u8]) -> Vec<f32> {
     b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
 }
-fn cu(lens: &[usize]) -> Vec<i32> {
-    let mut v = vec![0i32];
-    for &l in lens {
-        v.push(v.last().unwrap() + l as i32);
-    }
-    v
-}
 fn contiguous(s: [usize; 4]) -> [usize; 3] {
     [s[1] * s[2] * s[3], s[2] * s[3], s[3]]
 }
@@ -187,7 +181,7 @@ fn build_store(c: &SCase, rng: &mut Rng) -> Store {
     };
     let n: usize = shape.iter().product();
     let (mut k, mut v) = (vec![f32::NAN; n], vec![f32::NAN; n]);
-    let offs = cu(lens);
+    let offs = cu_seqlens(lens);
     for b in 0..batch {
         for j in 0..lens[b] {
             let at = match &c.kv {
@@ -224,9 +218,9 @@ fn run_mutated(c: &SCase, mutation: Option<&Mutation>) -> Result<f64, String> {
     };
     let qx = values(&mut rng, q_shape.iter().product(), dtype);
     let st = build_store(c, &mut rng);
-    let cu_q = cu(&qlens);
+    let cu_q = cu_seqlens(&qlens);
     let kv_lens: Vec<usize> = c.kv.lens().to_vec();
-    let cu_k = cu(&kv_lens);
+    let cu_k = cu_seqlens(&kv_lens);
     let seqlens: Vec<i32> = kv_lens.iter().map(|&l| (l - c.new) as i32).collect();
     let ql = match &c.q {
         Ok(l) => QueryLayout::Varlen { cu_seqlens: &cu_q, max_seqlen: l.iter().copied().max().unwrap_or(0) },

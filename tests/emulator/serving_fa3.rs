@@ -11,6 +11,7 @@
 //!
 //! `cargo test --test emulator serving_fa3::` runs a subset; `FLASH_ATTN_EMU=full` the matrix.
 use crate::support::emu::{run_launch, unit_exe, LaunchBuf, Mutation, LSE_TOL};
+use crate::support::cu_seqlens;
 use crate::support::emu::addr::{CU_K, CU_Q, K, KNEW, LSE, O, Q, SEQUSED, TABLE, V, VNEW};
 use flash_attn::cuda::plan::{plan_serving, LaunchPlan, Operands, ServingOperands};
 use flash_attn::cuda::table::FAMILIES;
@@ -110,13 +111,6 @@ fn from_bits(b: &[u8], dtype: DType) -> Vec<f32> {
 /// Row of the k/v storage that holds key j of sequence b.
 type KeyRow = Box<dyn Fn(usize, usize) -> usize>;
 
-fn cu(lens: &[usize]) -> Vec<i32> {
-    let mut v = vec![0i32];
-    for &l in lens {
-        v.push(v.last().unwrap() + l as i32);
-    }
-    v
-}
 
 /// Runs one case; Ok(worst err / bound over its sequences, the plan) or Err(why). With
 /// `execute` false only plans the launch (ratio 0).
@@ -137,7 +131,7 @@ fn run_mutated(c: &Case, execute: bool, mutation: Option<&Mutation>) -> Result<(
     // q: packed [1, total_q, hq, d] or dense [batch, sq, hq, d]; row r of sequence b at
     // q_row0[b] + r either way (dense: b * sq).
     let q_rows: usize = c.q_lens.iter().sum();
-    let cu_q = cu(&c.q_lens);
+    let cu_q = cu_seqlens(&c.q_lens);
     let q = values(&mut rng, q_rows * hq * d, dt);
     let sq_dense = c.q_lens[0];
     if !c.q_packed {
@@ -148,7 +142,7 @@ fn run_mutated(c: &Case, execute: bool, mutation: Option<&Mutation>) -> Result<(
     let (k_shape, key_row): ([usize; 4], KeyRow);
     let mut table: Vec<i32> = Vec::new();
     let mut max_blocks = 0;
-    let cu_k = cu(&k_lens);
+    let cu_k = cu_seqlens(&k_lens);
     let (mut k, mut v);
     match &c.kv {
         Kv::Packed(lens) => {

@@ -29,6 +29,15 @@ pub struct Check {
     pub lse_err: f64,
 }
 
+/// FlashAttention's `cu_seqlens` of a varlen batch: 0, then the running sum of `lens`.
+pub fn cu_seqlens(lens: &[usize]) -> Vec<i32> {
+    std::iter::once(0).chain(lens.iter().scan(0i32, |sum, &n| {
+        *sum += n as i32;
+        Some(*sum)
+    }))
+    .collect()
+}
+
 /// Absolute floor of the tolerance: a few ulps of the output type at the outputs' scale (|o| ≤ max|v|).
 pub fn floor_for(dtype: DType) -> f64 {
     match dtype {
