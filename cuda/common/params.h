@@ -12,6 +12,9 @@ extern "C" {
 #define FA_FLAG_RETURN_LSE 1u  // write lse[b, h, i] (natural log)
 #define FA_FLAG_SOFTCAP 2u     // s = softcap * tanh(s / softcap) before ALiBi and mask
 #define FA_FLAG_ALIBI 4u       // s += -alibi[h] * |i + seqlen_k - seqlen_q - j|
+#define FA_FLAG_ROTARY_INTERLEAVED 8u   // rotary pairs (2i, 2i+1); unset: (i, i + rotary_dim/2)
+#define FA_FLAG_KV_FP8 16u              // k, v (and the cache the append writes) hold e4m3 codes
+#define FA_FLAG_KV_SCALE_PER_TOKEN 32u  // k/v_cache_scale per (slot, kv head); unset: one each
 
 typedef struct FwdParams {
     // Device addresses. q, k, v, o: [batch, seqlen, heads, head_dim], head_dim contiguous.
@@ -66,6 +69,17 @@ typedef struct FwdParams {
     // every row's softmax denominator with no value (common/softmax.cuh fa_softmax_finalize_sink);
     // 0: no sinks. A split-KV launch's splits do not fold it: the combine kernel does, once.
     uint64_t sinks;
+
+    // ---- what engines' serving paths need beside the layout (0: off).
+    int32_t head_dim_v;  // V's and O's head dim; 0 = head_dim (Q/K's)
+    int32_t rotary_dim;  // rotary embedding of k_new (append) and q over their first rotary_dim
+                         // dims, at positions seqlens[b] + i; 0 = none (FA_FLAG_ROTARY_INTERLEAVED)
+    uint64_t rotary_cos, rotary_sin;  // f32 [seqlen_ro, rotary_dim / 2]
+    uint64_t cache_batch_idx;  // i32 [batch]: sequence b reads and writes cache row cache_batch_idx[b]
+    uint64_t cache_leftpad;    // i32 [batch]: sequence b's keys start at cache position cache_leftpad[b]
+    // FP8 KV cache (FA_FLAG_KV_FP8): a code c with scale s stands for e4m3(c) * s. f32 [1] each,
+    // or with FA_FLAG_KV_SCALE_PER_TOKEN [kv_batches, kv_rows, heads_kv] (the cache without dim).
+    uint64_t k_cache_scale, v_cache_scale;
 } FwdParams;
 
 #ifdef __cplusplus
@@ -74,7 +88,7 @@ typedef struct FwdParams {
 
 #ifdef __cplusplus
 #include <cstddef>
-static_assert(sizeof(FwdParams) == 376, "FwdParams size: update src/cuda/params.rs too");
+static_assert(sizeof(FwdParams) == 432, "FwdParams size: update src/cuda/params.rs too");
 static_assert(offsetof(FwdParams, q_batch_stride) == 72, "FwdParams layout");
 static_assert(offsetof(FwdParams, batch) == 168, "FwdParams layout");
 static_assert(offsetof(FwdParams, window_left) == 192, "FwdParams layout");
@@ -91,4 +105,8 @@ static_assert(offsetof(FwdParams, total_q) == 352, "FwdParams layout");
 static_assert(offsetof(FwdParams, kv_rows) == 356, "FwdParams layout");
 static_assert(offsetof(FwdParams, kv_batches) == 360, "FwdParams layout");
 static_assert(offsetof(FwdParams, sinks) == 368, "FwdParams layout");
+static_assert(offsetof(FwdParams, head_dim_v) == 376, "FwdParams layout");
+static_assert(offsetof(FwdParams, rotary_cos) == 384, "FwdParams layout");
+static_assert(offsetof(FwdParams, cache_batch_idx) == 400, "FwdParams layout");
+static_assert(offsetof(FwdParams, k_cache_scale) == 416, "FwdParams layout");
 #endif

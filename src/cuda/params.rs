@@ -157,10 +157,27 @@ pub struct FwdParams {
     /// f32 `[heads_q]`: one attention-sink logit per query head (natural units, -inf: none), or
     /// 0. A split-KV launch's splits leave it to the combine kernel, which folds it once.
     pub sinks: u64,
+    // ---- what engines' serving paths need beside the layout (0: off).
+    /// V's and O's head dim; 0 = `head_dim` (Q/K's).
+    pub head_dim_v: i32,
+    /// Rotary embedding of k_new (append) and q over their first `rotary_dim` dims, at
+    /// positions `seqlens[b] + i`; 0 = none. Pairing: FA_FLAG_ROTARY_INTERLEAVED.
+    pub rotary_dim: i32,
+    /// f32 `[seqlen_ro, rotary_dim / 2]`.
+    pub rotary_cos: u64,
+    pub rotary_sin: u64,
+    /// i32 `[batch]`: sequence b reads and writes cache row `cache_batch_idx[b]`.
+    pub cache_batch_idx: u64,
+    /// i32 `[batch]`: sequence b's keys start at cache position `cache_leftpad[b]`.
+    pub cache_leftpad: u64,
+    /// FP8 KV cache (FA_FLAG_KV_FP8): a code c with scale s stands for e4m3(c)·s. f32 `[1]`
+    /// each, or with FA_FLAG_KV_SCALE_PER_TOKEN `[kv_batches, kv_rows, heads_kv]`.
+    pub k_cache_scale: u64,
+    pub v_cache_scale: u64,
 }
 
 // The same numbers as the static_asserts in cuda/common/params.h, plus every other offset.
-assert_c_layout!(FwdParams, size 376, {
+assert_c_layout!(FwdParams, size 432, {
     q: 0,
     lse: 32,
     alibi_slopes: 40,
@@ -200,6 +217,14 @@ assert_c_layout!(FwdParams, size 376, {
     kv_batches: 360,
     reserved2: 364,
     sinks: 368,
+    head_dim_v: 376,
+    rotary_dim: 380,
+    rotary_cos: 384,
+    rotary_sin: 392,
+    cache_batch_idx: 400,
+    cache_leftpad: 408,
+    k_cache_scale: 416,
+    v_cache_scale: 424,
 });
 
 impl FwdParams {
