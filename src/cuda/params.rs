@@ -281,6 +281,7 @@ impl FwdParams {
             softcap: p.softcap.unwrap_or(0.0),
             flags,
             sinks,
+            head_dim_v: if p.head_dim_v == p.head_dim { 0 } else { p.head_dim_v as i32 },
             ..FwdParams::default()
         }
     }
