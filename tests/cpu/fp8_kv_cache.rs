@@ -7,7 +7,7 @@
 //! crate's e4m3 codec, and every bad scale is a typed error that leaves the cache untouched.
 
 use crate::support::serving::{check_seq, paged_table, Rng};
-use flash_attn::numerics::fp8::{e4m3_from_f32, E4M3_MAX, E4M3_VALUES};
+use flash_attn::numerics::fp8::{e4m3_from_f32, e4m3_to_f32, E4M3_MAX};
 use flash_attn::numerics::quant::{block_scale, encode_e4m3, finite_amax};
 use flash_attn::reference::{attention_f64, max_abs_diff};
 use flash_attn::serving::{
@@ -114,7 +114,7 @@ fn build(lens: &[usize], hkv: usize, d: usize, paged: Option<usize>, cap: usize,
                     row_scales[side][at / d] = s;
                     encode_e4m3(x, s, &mut codes[side][at..at + d]);
                     for (y, &c) in deq[b][side][src..src + d].iter_mut().zip(&codes[side][at..at + d]) {
-                        *y = E4M3_VALUES[c as usize] * s;
+                        *y = e4m3_to_f32(c) * s;
                     }
                 }
             }
@@ -351,12 +351,12 @@ fn append_quantises_and_round_trips() {
                         for (t, &xv) in x.iter().enumerate() {
                             let (got, want) = (codes[side][at + t], e4m3_from_f32(xv / s));
                             if xv.is_nan() {
-                                assert!(E4M3_VALUES[got as usize].is_nan(), "NaN must stay NaN");
+                                assert!(e4m3_to_f32(got).is_nan(), "NaN must stay NaN");
                             } else {
                                 assert_eq!(got, want, "{scaling:?} side {side} seq {b} row {i} head {h} elem {t}");
                             }
                             if xv.is_infinite() || xv.abs() / s > E4M3_MAX {
-                                assert_eq!(E4M3_VALUES[got as usize], E4M3_MAX.copysign(xv), "saturation");
+                                assert_eq!(e4m3_to_f32(got), E4M3_MAX.copysign(xv), "saturation");
                             }
                         }
                     }
@@ -399,7 +399,7 @@ fn append_quantises_and_round_trips() {
                         Scaling::PerTokenHead => scales[side][at / d],
                     };
                     for t in 0..d {
-                        x[(j * hkv + h) * d + t] = E4M3_VALUES[codes[side][at + t] as usize] * s;
+                        x[(j * hkv + h) * d + t] = e4m3_to_f32(codes[side][at + t]) * s;
                     }
                 }
             }
@@ -619,7 +619,7 @@ fn decode_error_table() {
         };
         let o8 = forward_kvcache(&qt, &read, &opts).unwrap().o.to_f32_vec();
         let deq = |side: usize, codes: &[u8]| {
-            let x = codes.iter().enumerate().map(|(i, &c)| E4M3_VALUES[c as usize] * scale(side, i / D)).collect();
+            let x = codes.iter().enumerate().map(|(i, &c)| e4m3_to_f32(c) * scale(side, i / D)).collect();
             Tensor::from_vec(x, shape).unwrap()
         };
         let (kd, vd) = (deq(0, &kc), deq(1, &vc));

@@ -1,8 +1,8 @@
 //! K and V of an FP8 KV cache: e4m3 codes with f32 scales, dequantised a chunk of rows at a time
-//! as the sweeps read them (a table lookup per element, times the row's scale), so that no f32
-//! copy of the cache is ever made.
+//! as the sweeps read them (each code decoded from its bits, vectorised, times the row's scale),
+//! so that no f32 copy of the cache is ever made.
 
-use crate::numerics::fp8::E4M3_VALUES;
+use crate::numerics::fp8::e4m3_decode;
 
 /// The scales of one side (K or V) of an FP8 cache.
 #[derive(Clone, Copy, Debug)]
@@ -46,7 +46,7 @@ impl Fp8Rows<'_> {
         for (dst, &o) in buf.chunks_exact_mut(d).zip(ofs) {
             let s = self.scale(o, d);
             for (x, &c) in dst.iter_mut().zip(&self.codes[o..o + d]) {
-                *x = E4M3_VALUES[c as usize] * s;
+                *x = e4m3_decode(c) * s;
             }
         }
     }
