@@ -472,7 +472,9 @@ fn matrix(families: &[&'static str], fixed: u64, n: u64) -> Vec<Case> {
             let family = families[rng.below(families.len())];
             let d = [64, 128][rng.below(2)];
             let batch = 1 + rng.below(4);
-            let rows = batch + rng.below(3);
+            // cache_batch_idx: distinct rows of a pool of up to batch + 2 (without it, one per sequence).
+            let with_idx = rng.below(3) != 0;
+            let rows = if with_idx { batch + rng.below(3) } else { batch };
             let mut perm: Vec<usize> = (0..rows).collect();
             rng.shuffle(&mut perm);
             let cached: Vec<usize> = (0..batch).map(|_| [0, 1, 1 + rng.below(40), 100 + rng.below(160)][rng.below(4)]).collect();
@@ -488,7 +490,7 @@ fn matrix(families: &[&'static str], fixed: u64, n: u64) -> Vec<Case> {
                 hq: hkv * [1, 2, 4][rng.below(3)],
                 hkv,
                 leftpad: (rng.below(3) != 0).then(|| cached.iter().map(|&c| rng.below(c + 1)).collect()),
-                batch_idx: (rng.below(3) != 0).then(|| perm[..batch].to_vec()),
+                batch_idx: with_idx.then(|| perm[..batch].to_vec()),
                 cached,
                 rows,
                 capacity,
