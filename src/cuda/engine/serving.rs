@@ -107,7 +107,9 @@ impl Engine {
     /// Runs on the FA2 kernels (under `Variant::Auto` a family without a serving path is passed
     /// over; `Variant::Fa1` runs FA1's). Split-KV: `opts.num_splits`, or the split heuristic on
     /// this GPU's SMs; the splits' partial states go to stream-ordered scratch, the combine
-    /// kernel merges them.
+    /// kernel merges them. A dense cache may place each sequence (`DeviceKv::Cache`'s
+    /// `batch_idx`, `leftpad`); with `DeviceAppend::rotary` the append kernel rotates k_new as it
+    /// writes it and q into stream-ordered scratch the attention reads (the caller's q is kept).
     ///
     /// # Safety
     /// As [`Engine::launch_raw`]; the index arrays as [`DeviceIndex::from_raw`] says; with
