@@ -426,6 +426,9 @@ impl Engine {
     }
 }
 
+/// A cache's k and v buffers as an append left them, downloaded.
+pub(crate) type HostCache<T> = (Vec<T>, Vec<T>);
+
 /// The append half of a host-memory serving call on the GPU: k_new and v_new (views and their
 /// buffers) and the rotary, as plain tables (`cos`, `sin`, `rotary_dim`, `interleaved`).
 pub(crate) struct HostAppend<'a, T> {
@@ -450,7 +453,7 @@ pub(crate) fn serving_host_typed<T>(
     rows: CacheRows<'_>,
     append: Option<HostAppend<'_, T>>,
     opts: &ForwardOptions,
-) -> Result<(crate::output::Output, Option<(Vec<T>, Vec<T>)>)>
+) -> Result<(crate::output::Output, Option<HostCache<T>>)>
 where
     T: crate::tensor::Element + cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits,
 {
