@@ -200,6 +200,20 @@ fn check_batch_idx(idx: &[i32], batch: usize, cache_rows: usize) -> Result<()> {
     Ok(())
 }
 
+/// Two sequences of an append on one cache row (`cache_batch_idx`) would write each other's keys.
+pub(crate) fn check_distinct_cache_rows(idx: &[i32]) -> Result<()> {
+    let mut seen: Vec<(i32, usize)> = idx.iter().copied().zip(0..).collect();
+    seen.sort_unstable();
+    match seen.windows(2).find(|w| w[0].0 == w[1].0) {
+        Some(w) => Err(Error::InvalidSeqLayout {
+            what: "cache_batch_idx".into(),
+            got: format!("sequences {} and {} both append to cache row {}", w[0].1, w[1].1, w[0].0),
+            expected: "a distinct cache row for every sequence of an append".into(),
+        }),
+        None => Ok(()),
+    }
+}
+
 /// Checks `cache_leftpad` (`0 <= leftpad[b] <= cache_seqlens[b]`, seqlens already checked);
 /// returns the most keys a sequence sees, `seqlens[b] + new - leftpad[b]`.
 fn check_leftpad(pad: &[i32], seqlens: &[i32], new: usize) -> Result<usize> {

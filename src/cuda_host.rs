@@ -120,13 +120,14 @@ pub(crate) fn forward_host(
     })
 }
 
-/// Runs a serving call (varlen / KV cache, host memory) on CUDA device `dev`: upload, the FA2
+/// Runs a serving call (varlen / KV cache, host memory) on CUDA device `dev`: upload, the
 /// serving launch, download (`cuda::Engine::launch_serving_raw`). Compile-checked only.
 #[cfg(feature = "cuda")]
 pub(crate) fn serving_host(
     views: (&TensorView, &TensorView, &TensorView),
     ql: crate::batch_layout::QueryLayout<'_>,
     kl: crate::batch_layout::KvLayout<'_>,
+    rows: crate::batch_layout::CacheRows<'_>,
     opts: &ForwardOptions,
     dev: usize,
 ) -> Result<crate::Output> {
@@ -135,16 +136,62 @@ pub(crate) fn serving_host(
     let (q, k, v) = views;
     match (q.data(), k.data(), v.data()) {
         (Data::F16(a), Data::F16(b), Data::F16(c)) => {
-            crate::cuda::serving_host_typed(&engine, views, [a, b, c], ql, kl, opts)
+            crate::cuda::serving_host_typed(&engine, views, [a, b, c], ql, kl, rows, None, opts).map(|(o, _)| o)
         }
         (Data::BF16(a), Data::BF16(b), Data::BF16(c)) => {
-            crate::cuda::serving_host_typed(&engine, views, [a, b, c], ql, kl, opts)
+            crate::cuda::serving_host_typed(&engine, views, [a, b, c], ql, kl, rows, None, opts).map(|(o, _)| o)
         }
-        _ => Err(Error::UnsupportedDType {
-            dtype: q.dtype(),
-            backend: format!("cuda:{dev}"),
-            supported: "F16, BF16 (convert f32 inputs, or use Backend::Cpu)".into(),
-        }),
+        _ => Err(unsupported_serving_dtype(q.dtype(), dev)),
+    }
+}
+
+/// A KV append then attention (host memory) on CUDA device `dev`: the cache (`views.1`,
+/// `views.2`: k's and v's whole buffers) uploaded, the append kernel writing `new` (k_new, v_new)
+/// into it (rotating k_new and q with `rotary`: cos, sin, rotary_dim, interleaved), the attention,
+/// and the cache downloaded; returns the output and the cache as the kernels left it (the caller
+/// writes it back). Compile-checked only.
+#[cfg(feature = "cuda")]
+#[allow(clippy::type_complexity)]
+pub(crate) fn serving_append_host(
+    views: (&TensorView, &TensorView, &TensorView),
+    new: (&TensorView, &TensorView),
+    rotary: Option<(&[f32], &[f32], usize, bool)>,
+    (ql, kl, rows): (crate::batch_layout::QueryLayout<'_>, crate::batch_layout::KvLayout<'_>, crate::batch_layout::CacheRows<'_>),
+    opts: &ForwardOptions,
+    dev: usize,
+) -> Result<(crate::Output, crate::tensor::OwnedData, crate::tensor::OwnedData)> {
+    use crate::cuda::HostAppend;
+    use crate::tensor::{Data, OwnedData};
+    let engine = crate::cuda::Engine::new(dev)?;
+    let (q, k, v) = views;
+    let (kn, vn) = new;
+    let no_cache = || Error::BackendUnavailable {
+        backend: format!("cuda:{dev}"),
+        reason: "the append launch returned no cache".into(),
+    };
+    match (q.data(), k.data(), v.data(), kn.data(), vn.data()) {
+        (Data::F16(a), Data::F16(b), Data::F16(c), Data::F16(d), Data::F16(e)) => {
+            let app = HostAppend { k_new: (kn, d), v_new: (vn, e), rotary };
+            let (o, cache) = crate::cuda::serving_host_typed(&engine, views, [a, b, c], ql, kl, rows, Some(app), opts)?;
+            let (ck, cv) = cache.ok_or_else(no_cache)?;
+            Ok((o, OwnedData::F16(ck), OwnedData::F16(cv)))
+        }
+        (Data::BF16(a), Data::BF16(b), Data::BF16(c), Data::BF16(d), Data::BF16(e)) => {
+            let app = HostAppend { k_new: (kn, d), v_new: (vn, e), rotary };
+            let (o, cache) = crate::cuda::serving_host_typed(&engine, views, [a, b, c], ql, kl, rows, Some(app), opts)?;
+            let (ck, cv) = cache.ok_or_else(no_cache)?;
+            Ok((o, OwnedData::BF16(ck), OwnedData::BF16(cv)))
+        }
+        _ => Err(unsupported_serving_dtype(q.dtype(), dev)),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn unsupported_serving_dtype(dtype: crate::DType, dev: usize) -> Error {
+    Error::UnsupportedDType {
+        dtype,
+        backend: format!("cuda:{dev}"),
+        supported: "F16, BF16 (convert f32 inputs, or use Backend::Cpu)".into(),
     }
 }
 
@@ -153,9 +200,26 @@ pub(crate) fn serving_host(
     _views: (&TensorView, &TensorView, &TensorView),
     _ql: crate::batch_layout::QueryLayout<'_>,
     _kl: crate::batch_layout::KvLayout<'_>,
+    _rows: crate::batch_layout::CacheRows<'_>,
     _opts: &ForwardOptions,
     dev: usize,
 ) -> Result<crate::Output> {
+    Err(Error::BackendUnavailable {
+        backend: format!("cuda:{dev}"),
+        reason: "the crate was built without the `cuda` feature".into(),
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+#[allow(clippy::type_complexity)]
+pub(crate) fn serving_append_host(
+    _views: (&TensorView, &TensorView, &TensorView),
+    _new: (&TensorView, &TensorView),
+    _rotary: Option<(&[f32], &[f32], usize, bool)>,
+    _layouts: (crate::batch_layout::QueryLayout<'_>, crate::batch_layout::KvLayout<'_>, crate::batch_layout::CacheRows<'_>),
+    _opts: &ForwardOptions,
+    dev: usize,
+) -> Result<(crate::Output, crate::tensor::OwnedData, crate::tensor::OwnedData)> {
     Err(Error::BackendUnavailable {
         backend: format!("cuda:{dev}"),
         reason: "the crate was built without the `cuda` feature".into(),

@@ -57,6 +57,7 @@ mod options;
 mod output;
 mod problem;
 pub mod reference;
+mod rotary_positions;
 pub mod serving;
 mod splits;
 mod tensor;

@@ -15,6 +15,7 @@ extern "C" {
 #define FA_FLAG_ROTARY_INTERLEAVED 8u   // rotary pairs (2i, 2i+1); unset: (i, i + rotary_dim/2)
 #define FA_FLAG_KV_FP8 16u              // k, v (and the cache the append writes) hold e4m3 codes
 #define FA_FLAG_KV_SCALE_PER_TOKEN 32u  // k/v_cache_scale per (slot, kv head); unset: one each
+#define FA_FLAG_ROTARY_Q_ADVANCE 64u    // q row i rotates at seqlens[b] + i; unset: every row at seqlens[b]
 
 typedef struct FwdParams {
     // Device addresses. q, k, v, o: [batch, seqlen, heads, head_dim], head_dim contiguous.

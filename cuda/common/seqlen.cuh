@@ -9,7 +9,10 @@
 //   LSE    dense [batch, heads_q, seqlen_q]; packed [heads_q, total_q] (FlashAttention's layouts)
 //   k/v    dense [batch, seqlen_k, ..]: key j of b is (b, j), sk_b = seqlen_k;
 //          packed (cu_seqlens_k): (0, cu_seqlens_k[b] + j), sk_b the offsets' difference;
-//          cache (seqused_k): (b, j), sk_b = seqused_k[b] + seqlen_new;
+//          cache (seqused_k): (b, j), sk_b = seqused_k[b] + seqlen_new; with cache_batch_idx the
+//          row is (cache_batch_idx[b], j), with cache_leftpad (cache_leftpad[b] = pad) key j is
+//          cache position pad + j and sk_b = seqused_k[b] + seqlen_new - pad (masks and ALiBi
+//          count keys from pad, as BatchLayout does; dense caches only);
 //          paged (page_size > 0, block_table): slot j % page_size of block
 //          block_table[b * block_table_batch_stride + j / page_size], sk_b as a cache's.
 //   split-KV (num_splits > 1): split s of a sequence takes the key tiles fa_split_tiles gives and
@@ -69,6 +72,11 @@ FA_SEQ_FN FaSeq fa_seq(const FwdParams& p, int b) {
     }
     if (p.seqused_k != 0) {
         s.sk = reinterpret_cast<const int32_t*>(p.seqused_k)[b] + p.seqlen_new;
+        if (p.cache_batch_idx != 0) s.kv_batch = reinterpret_cast<const int32_t*>(p.cache_batch_idx)[b];
+        if (p.cache_leftpad != 0) {
+            s.kv_row0 = reinterpret_cast<const int32_t*>(p.cache_leftpad)[b];
+            s.sk -= s.kv_row0;
+        }
     } else if (p.cu_seqlens_k != 0) {
         const int32_t* cu = reinterpret_cast<const int32_t*>(p.cu_seqlens_k);
         s.kv_batch = 0;

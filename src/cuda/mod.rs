@@ -54,10 +54,10 @@ pub mod table;
 
 pub use device::{device_count, driver_present, Device};
 pub use engine::{
-    BackwardGrads, BackwardInputs, DeviceAppend, DeviceIndex, DeviceKv, DeviceLse, DeviceLseRef, DeviceTensor,
+    BackwardGrads, BackwardInputs, DeviceAppend, DeviceIndex, DeviceKv, DeviceLse, DeviceRotary, DeviceLseRef, DeviceTensor,
     DeviceTensorMut, Engine, Fp8Codes,
 };
 
 pub(crate) use device::why_unusable;
-pub(crate) use engine::{backward_host_into_typed, forward_host_into_typed, forward_host_typed, serving_host_typed};
+pub(crate) use engine::{backward_host_into_typed, forward_host_into_typed, forward_host_typed, serving_host_typed, HostAppend};
 pub(crate) use select::choose;

@@ -12,6 +12,10 @@ use std::mem::size_of;
 pub const FLAG_RETURN_LSE: u32 = 1;
 pub const FLAG_SOFTCAP: u32 = 2;
 pub const FLAG_ALIBI: u32 = 4;
+/// Rotary pairs `(2t, 2t + 1)`; unset: `(t, t + rotary_dim / 2)`.
+pub const FLAG_ROTARY_INTERLEAVED: u32 = 8;
+/// The append launch rotates q's row `i` at `seqlens[b] + i`; unset: every row at `seqlens[b]`.
+pub const FLAG_ROTARY_Q_ADVANCE: u32 = 64;
 
 /// Where q, k, v, o live: device addresses and element strides of (batch, seqlen, heads), plus
 /// the LSE, ALiBi and sink buffers (0: none).
@@ -43,6 +47,26 @@ pub struct ServingOperands {
     pub knew: u64,
     pub vnew: u64,
     pub new_strides: [[usize; 3]; 2],
+    /// i32 `[batch]`: each sequence's cache row and first key of a dense cache
+    /// (`cache_batch_idx`, `cache_leftpad`); 0 when the layout has none.
+    pub cache_batch_idx: u64,
+    pub cache_leftpad: u64,
+    /// The rotary embedding of an append (the append launch rotates k_new and q).
+    pub rotary: Option<RotaryOperands>,
+}
+
+/// The rotary embedding of an append launch (cuda/common/append_kv.cuh): f32 tables
+/// `[seqlen_ro, rotary_dim / 2]`, the pairing, whether q's rows advance (`seqlens[b] + i`) or
+/// all rotate at `seqlens[b]`, and the q-shaped scratch (contiguous `[batch, seqlen_q, heads_q,
+/// head_dim]`, q's dtype) the launch writes the rotated q into, which the attention reads.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct RotaryOperands {
+    pub cos: u64,
+    pub sin: u64,
+    pub rotary_dim: usize,
+    pub interleaved: bool,
+    pub q_rows_advance: bool,
+    pub q_rot: u64,
 }
 
 /// Asserts at compile time the size of a `#[repr(C)]` parameter struct and the offset of each
@@ -361,6 +385,31 @@ impl FwdParams {
             (f.knew_batch_stride, f.knew_row_stride, f.knew_head_stride) = (st(kn[0]), st(kn[1]), st(kn[2]));
             (f.vnew_batch_stride, f.vnew_row_stride, f.vnew_head_stride) = (st(vn[0]), st(vn[1]), st(vn[2]));
         }
+        let rows = layout.cache_rows();
+        if rows.batch_idx.is_some() {
+            f.cache_batch_idx = need(s.cache_batch_idx, "cache_batch_idx")?;
+        }
+        if rows.leftpad.is_some() {
+            f.cache_leftpad = need(s.cache_leftpad, "cache_leftpad")?;
+        }
+        if let (Some(r), true) = (s.rotary, new > 0) {
+            if r.rotary_dim < 2 || !r.rotary_dim.is_multiple_of(2) || r.rotary_dim > p.head_dim {
+                return Err(Error::InvalidOption {
+                    option: "rotary_dim",
+                    got: r.rotary_dim.to_string(),
+                    expected: format!("an even number in 2..={} (head_dim)", p.head_dim),
+                });
+            }
+            f.rotary_dim = i32_of(r.rotary_dim, "rotary_dim")?;
+            f.rotary_cos = need(r.cos, "rotary_cos")?;
+            f.rotary_sin = need(r.sin, "rotary_sin")?;
+            if r.interleaved {
+                f.flags |= FLAG_ROTARY_INTERLEAVED;
+            }
+            if r.q_rows_advance {
+                f.flags |= FLAG_ROTARY_Q_ADVANCE;
+            }
+        }
         if num_splits > 1 {
             f.num_splits = i32_of(num_splits, "num_splits")?;
             f.o_accum = need(s.o_accum, "o_accum")?;
@@ -571,6 +620,72 @@ mod tests {
         assert_eq!(i32_at(offset_of!(FwdParams, kv_batches)), 24);
         assert_eq!(i32_at(offset_of!(FwdParams, reserved2)), 22);
         assert!(p.is_serving() && !FwdParams::default().is_serving());
+    }
+
+    /// The fields after the sinks land at their offsets too (the kernels read every one).
+    #[test]
+    fn engine_fields_follow_the_c_layout() {
+        let p = FwdParams {
+            head_dim_v: 31,
+            rotary_dim: 32,
+            rotary_cos: 0xB1,
+            rotary_sin: 0xB2,
+            cache_batch_idx: 0xB3,
+            cache_leftpad: 0xB4,
+            k_cache_scale: 0xB5,
+            v_cache_scale: 0xB6,
+            ..FwdParams::default()
+        };
+        let b = p.to_bytes();
+        let u64_at = |o: usize| u64::from_ne_bytes(b[o..o + 8].try_into().unwrap());
+        let i32_at = |o: usize| i32::from_ne_bytes(b[o..o + 4].try_into().unwrap());
+        assert_eq!(i32_at(offset_of!(FwdParams, head_dim_v)), 31);
+        assert_eq!(i32_at(offset_of!(FwdParams, rotary_dim)), 32);
+        assert_eq!(u64_at(offset_of!(FwdParams, rotary_cos)), 0xB1);
+        assert_eq!(u64_at(offset_of!(FwdParams, rotary_sin)), 0xB2);
+        assert_eq!(u64_at(offset_of!(FwdParams, cache_batch_idx)), 0xB3);
+        assert_eq!(u64_at(offset_of!(FwdParams, cache_leftpad)), 0xB4);
+        assert_eq!(u64_at(offset_of!(FwdParams, k_cache_scale)), 0xB5);
+        assert_eq!(u64_at(offset_of!(FwdParams, v_cache_scale)), 0xB6);
+    }
+
+    /// A dense cache's rows and an append's rotary become their fields and flags; a rotary_dim
+    /// the kernel cannot take and a missing index buffer are refused.
+    #[test]
+    fn for_serving_sets_cache_rows_and_rotary() {
+        use crate::batch_layout::CacheRows;
+        use crate::options::ForwardOptions;
+        use crate::tensor::DType;
+        let (seqlens, idx, pad) = ([3, 5], [2, 0], [1, 0]);
+        let kv = KvLayout::Cache { seqlens: &seqlens, new: 2 };
+        let rows = CacheRows { batch_idx: Some(&idx), leftpad: Some(&pad) };
+        let l = BatchLayout::with_cache_rows(QueryLayout::Dense, [2, 2, 4, 8], kv, [3, 9, 2, 8], rows).unwrap();
+        let p = l.launch_problem(4, 2, 8, DType::F16, &ForwardOptions::default().mask(crate::Mask::Causal)).unwrap();
+        let ops = Operands { ptrs: [0x100, 0x200, 0x300, 0x400], strides: [[64, 32, 8], [144, 16, 8], [144, 16, 8], [64, 32, 8]], lse: 0, alibi: 0, sinks: 0 };
+        let rot = RotaryOperands { cos: 0xC1, sin: 0xC2, rotary_dim: 4, interleaved: true, q_rows_advance: true, q_rot: 0xC3 };
+        let s = ServingOperands {
+            seqused_k: 0x700,
+            knew: 0x900,
+            vnew: 0xA00,
+            new_strides: [[32, 16, 8]; 2],
+            cache_batch_idx: 0xD1,
+            cache_leftpad: 0xD2,
+            rotary: Some(rot),
+            ..ServingOperands::default()
+        };
+        let f = FwdParams::for_serving(&p, &l, &ops, &s, 1).unwrap();
+        assert_eq!((f.cache_batch_idx, f.cache_leftpad), (0xD1, 0xD2));
+        assert_eq!((f.rotary_dim, f.rotary_cos, f.rotary_sin), (4, 0xC1, 0xC2));
+        assert_eq!(f.flags & (FLAG_ROTARY_INTERLEAVED | FLAG_ROTARY_Q_ADVANCE), FLAG_ROTARY_INTERLEAVED | FLAG_ROTARY_Q_ADVANCE);
+        let half = RotaryOperands { interleaved: false, q_rows_advance: false, ..rot };
+        let f = FwdParams::for_serving(&p, &l, &ops, &ServingOperands { rotary: Some(half), ..s }, 1).unwrap();
+        assert_eq!(f.flags & (FLAG_ROTARY_INTERLEAVED | FLAG_ROTARY_Q_ADVANCE), 0);
+        for rd in [0, 3, 10] {
+            let bad = ServingOperands { rotary: Some(RotaryOperands { rotary_dim: rd, ..rot }), ..s };
+            assert!(matches!(FwdParams::for_serving(&p, &l, &ops, &bad, 1), Err(Error::InvalidOption { .. })), "{rd}");
+        }
+        let e = FwdParams::for_serving(&p, &l, &ops, &ServingOperands { cache_leftpad: 0, ..s }, 1).unwrap_err();
+        assert!(matches!(e, Error::InvalidSeqLayout { .. }), "{e}");
     }
 
     /// A paged, appending, split layout becomes the matching fields; missing buffers are refused.

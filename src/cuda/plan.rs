@@ -9,7 +9,7 @@
 use super::hosts::family_host;
 use super::launch::dtype_name;
 pub use super::launch::{LaunchPlan, TensorMapArgs};
-pub use super::params::{FwdParams, Operands, ServingOperands};
+pub use super::params::{FwdParams, Operands, RotaryOperands, ServingOperands};
 use super::select::layout_error;
 use super::table::{Family, Tile, FAMILIES};
 use crate::error::{Error, Result};
@@ -53,7 +53,10 @@ pub fn plan_serving(
 /// rows: grid (seqlen_new, heads_kv, batch), `kFaAppendThreads` threads, no shared memory, in the
 /// `APPEND_KV_FAMILY` (FA2) image of the smallest head dim unit that holds `p.head_dim` (the
 /// kernel copies `head_dim` elements per row, element by element: any head dim, any alignment).
-/// It runs before the attention launch on the same stream.
+/// It runs before the attention launch on the same stream. With `s.rotary` it also rotates q
+/// into the scratch `q_rot` (the launch's o, contiguous): grid (max(seqlen_new, seqlen_q),
+/// heads_kv + heads_q, batch), the blocks past heads_kv rotating q's rows; the attention then
+/// reads q from `q_rot`.
 ///
 /// # Errors
 /// `for_serving`'s errors; `Error::InvalidSeqLayout` when the layout appends nothing or is not a
@@ -71,13 +74,27 @@ pub fn plan_append(p: &Problem, layout: &BatchLayout<'_>, ops: &Operands, s: &Se
             expected: "a dense or paged cache with seqlen_new >= 1 rows to append".into(),
         });
     }
-    let params = FwdParams::for_serving(p, layout, ops, s, 1)?;
+    let mut params = FwdParams::for_serving(p, layout, ops, s, 1)?;
     let fam = FAMILIES.iter().find(|f| f.name == super::table::APPEND_KV_FAMILY).expect("the append family is in the table");
     let tile = fam.tiles.iter().filter(|t| t.head_dim as usize >= p.head_dim).min_by_key(|t| t.head_dim).ok_or_else(|| {
         Error::VariantUnavailable { variant: Variant::Auto, reason: format!("no append kernel unit holds head_dim {}", p.head_dim) }
     })?;
+    let (mut rows, mut heads) = (new, p.heads_kv);
+    if let Some(r) = s.rotary.filter(|_| params.rotary_dim > 0) {
+        if r.q_rot == 0 {
+            return Err(Error::InvalidSeqLayout {
+                what: "q_rot".into(),
+                got: "no device address (0)".into(),
+                expected: "the q-shaped scratch the append launch rotates q into".into(),
+            });
+        }
+        let (hq, d) = (p.heads_q as i64, p.head_dim as i64);
+        params.o = r.q_rot;
+        (params.o_batch_stride, params.o_row_stride, params.o_head_stride) = (p.seqlen_q as i64 * hq * d, hq * d, d);
+        (rows, heads) = (new.max(p.seqlen_q), p.heads_kv + p.heads_q);
+    }
     let mut pl = plan_instance(fam, tile, p.dtype, params, 1)?;
-    pl.grid = (new as u32, p.heads_kv as u32, p.batch as u32);
+    pl.grid = (rows as u32, heads as u32, p.batch as u32);
     pl.block = (APPEND_KV_THREADS, 1, 1);
     pl.smem_bytes = 0;
     pl.tensor_maps = Default::default();
@@ -220,6 +237,12 @@ mod tests {
         assert_eq!((pl.params.page_size, pl.params.seqlen_new, pl.params.num_splits), (3, 1, 3));
         let ap = plan_append(&p, &l, &o, &s).unwrap();
         assert_eq!((ap.kernel(), ap.grid, ap.block, ap.smem_bytes), ("fa_append_kv_hd64_f16".to_string(), (1, 2, 2), (128, 1, 1), 0));
+        // With a rotary the append also rotates q's rows into the scratch (its o, contiguous).
+        let rot = RotaryOperands { cos: 0xC, sin: 0xD, rotary_dim: 64, q_rot: 0xE, ..Default::default() };
+        let ap = plan_append(&p, &l, &o, &ServingOperands { rotary: Some(rot), ..s }).unwrap();
+        assert_eq!((ap.grid, ap.params.o, ap.params.o_row_stride, ap.params.rotary_dim), ((1, 10, 2), 0xE, 8 * 64, 64));
+        let no_scratch = ServingOperands { rotary: Some(RotaryOperands { q_rot: 0, ..rot }), ..s };
+        assert!(matches!(plan_append(&p, &l, &o, &no_scratch), Err(Error::InvalidSeqLayout { .. })));
         // FA1 and FA2 serve every layout; FA3's stages 1-2 do not.
         let e = plan_serving("fa3s1", &p, &l, &o, &s, 1, 1).unwrap_err();
         assert!(matches!(e, Error::VariantUnavailable { .. }) && e.to_string().contains("varlen"), "{e}");

@@ -41,7 +41,7 @@ pub(super) fn append_slots(
     }
     let layout = BatchLayout::with_cache_rows(QueryLayout::Dense, k_new.shape(), layout, shape, rows)?;
     if let (Some(idx), true) = (rows.batch_idx, new > 0) {
-        check_distinct_rows(idx)?;
+        crate::batch_layout::check_distinct_cache_rows(idx)?;
     }
     let mut slots = Vec::with_capacity(batch * new);
     let mut owner = Vec::with_capacity(batch * new);
@@ -72,20 +72,6 @@ pub(super) fn append_slots(
         }
     }
     Ok(slots)
-}
-
-/// Two sequences of an append on one cache row (`batch_idx`) would write each other's keys.
-fn check_distinct_rows(idx: &[i32]) -> Result<()> {
-    let mut seen: Vec<(i32, usize)> = idx.iter().copied().zip(0..).collect();
-    seen.sort_unstable();
-    match seen.windows(2).find(|w| w[0].0 == w[1].0) {
-        Some(w) => Err(Error::InvalidSeqLayout {
-            what: "cache_batch_idx".into(),
-            got: format!("sequences {} and {} both append to cache row {}", w[0].1, w[1].1, w[0].0),
-            expected: "a distinct cache row for every sequence of an append".into(),
-        }),
-        None => Ok(()),
-    }
 }
 
 /// Calls `f(b, i, h, at)` for row `i` of sequence `b`, kv head `h` of an accepted append

@@ -10,6 +10,8 @@ use super::kv_scales::KvScales;
 use super::layout::{CacheRows, KvLayout};
 use super::rotary::Rotary;
 use crate::error::Result;
+use crate::options::ForwardOptions;
+use crate::output::Output;
 use crate::tensor::{Shape, TensorView};
 
 /// A paged cache's block table: `[batch, max_blocks_per_seq]` block ids, row-major.
@@ -81,6 +83,17 @@ pub(super) mod sealed {
         /// Writes the rows [`Write::check_append`] accepted at its `slots`; with `rotary`, each
         /// k row rotated to its cache position (`seqlens[b] + i`) first, in f32.
         fn write_rows(&mut self, k_new: &TensorView<'_>, v_new: &TensorView<'_>, slots: &[usize], rotary: Option<&Rotary<'_>>);
+        /// The append (rotating with `rotary`) and the attention of `q` on CUDA device `dev`, for
+        /// an append [`Write::check_append`] accepted: the cache is written only when every
+        /// launch succeeded.
+        fn append_on_device(
+            &mut self,
+            q: &TensorView<'_>,
+            new: (&TensorView<'_>, &TensorView<'_>),
+            rotary: Option<&Rotary<'_>>,
+            opts: &ForwardOptions,
+            dev: usize,
+        ) -> Result<Output>;
     }
 }
 

@@ -17,6 +17,8 @@ use super::rotary::Rotary;
 use crate::cpu::inplace::{Fp8Kv, Fp8Rows, RowScales};
 use crate::error::{Error, Operand, Result};
 use crate::numerics::quant::{block_scale, encode_e4m3, finite_amax};
+use crate::options::ForwardOptions;
+use crate::output::Output;
 use crate::tensor::{numel, Shape, TensorView};
 
 /// An FP8 KV cache to attend over (read only): `k`, `v` are contiguous e4m3 codes
@@ -84,6 +86,22 @@ impl sealed::Write for Fp8KvCacheMut<'_> {
         }
         let layout = cache_layout(self.seqlens, self.block_table, k_new.seqlen());
         append_slots(self.shape, self.shape[3], layout, CacheRows::default(), k_new, v_new)
+    }
+
+    fn append_on_device(
+        &mut self,
+        _q: &TensorView<'_>,
+        _new: (&TensorView<'_>, &TensorView<'_>),
+        _rotary: Option<&Rotary<'_>>,
+        _opts: &ForwardOptions,
+        dev: usize,
+    ) -> Result<Output> {
+        Err(Error::BackendUnavailable {
+            backend: format!("Cuda({dev})"),
+            reason: "the GPU serving kernels read f32 / f16 / bf16 caches; an FP8 KV cache runs on the CPU \
+                     (Backend::Auto or Backend::Cpu)"
+                .into(),
+        })
     }
 
     fn write_rows(&mut self, k_new: &TensorView<'_>, v_new: &TensorView<'_>, slots: &[usize], rotary: Option<&Rotary<'_>>) {

@@ -86,7 +86,7 @@ use crate::tensor::{numel, AsTensorView, Data, Element, OwnedData, Shape, Tensor
 use append::{append_slots, for_new_rows};
 use cache_source::{cache_layout, sealed, KvSource};
 use fp8_cache::{check_buffers, check_read_scales};
-use validate::{check_view, prepare, problem, refuse_on_gpu};
+use validate::{check_view, prepare, problem};
 
 /// A KV cache to attend over (read only).
 ///
@@ -214,6 +214,44 @@ impl<T: Element> sealed::Write for KvCacheMut<'_, T> {
     fn write_rows(&mut self, k_new: &TensorView<'_>, v_new: &TensorView<'_>, slots: &[usize], rotary: Option<&Rotary<'_>>) {
         write_rows(self, k_new, v_new, slots, rotary)
     }
+    fn append_on_device(
+        &mut self,
+        q: &TensorView<'_>,
+        new: (&TensorView<'_>, &TensorView<'_>),
+        rotary: Option<&Rotary<'_>>,
+        opts: &ForwardOptions,
+        dev: usize,
+    ) -> Result<Output> {
+        append_on_device(self, q, new, rotary, opts, dev)
+    }
+}
+
+/// [`sealed::Write::append_on_device`] of an f32 / f16 / bf16 cache: the kernels write a device
+/// copy of the cache (rotating k_new and q with a rotary), which replaces the caller's once every
+/// launch succeeded.
+fn append_on_device<T: Element>(
+    cache: &mut KvCacheMut<'_, T>,
+    q: &TensorView<'_>,
+    new: (&TensorView<'_>, &TensorView<'_>),
+    rotary: Option<&Rotary<'_>>,
+    opts: &ForwardOptions,
+    dev: usize,
+) -> Result<Output> {
+    let (out, k, v) = {
+        let (kv, vv) = cache.views();
+        let kl = cache_layout(cache.seqlens, cache.block_table, new.0.seqlen());
+        let rows = sealed::Read::rows(cache);
+        let rot = rotary.map(|r| (r.cos, r.sin, r.rotary_dim, r.interleaved));
+        crate::cuda_host::serving_append_host((q, &kv, &vv), new, rot, (QueryLayout::Dense, kl, rows), opts, dev)?
+    };
+    match (T::unwrap_owned(k), T::unwrap_owned(v)) {
+        (Ok(k), Ok(v)) if k.len() == cache.k.len() && v.len() == cache.v.len() => {
+            cache.k.copy_from_slice(&k);
+            cache.v.copy_from_slice(&v);
+            Ok(out)
+        }
+        _ => Err(Error::DTypeMismatch { operand: Operand::K, got: out.o.dtype(), expected: T::DTYPE }),
+    }
 }
 
 /// Attention over a variable-length batch: q `[1, total_q, heads_q, head_dim]`, k and v
@@ -252,9 +290,8 @@ pub fn forward_varlen(
 /// As [`forward_varlen`]; a `cache_seqlens` beyond the cache, a block id or `batch_idx` entry
 /// outside it, a `leftpad` above its `seqlens`, and `batch_idx` or `leftpad` with a paged cache
 /// are [`Error::InvalidSeqLayout`]; an FP8 cache's scale that is not a finite number > 0 (per
-/// tensor, or of a slot the call reads) is an [`Error::InvalidScale`]. Under `Backend::Cuda`,
-/// `batch_idx`, `leftpad` and an FP8 cache are [`Error::BackendUnavailable`] (the GPU kernels do
-/// not take them yet).
+/// tensor, or of a slot the call reads) is an [`Error::InvalidScale`]. Under `Backend::Cuda`, an
+/// FP8 cache is [`Error::BackendUnavailable`] (the GPU kernels do not read one yet).
 pub fn forward_kvcache(q: &impl AsTensorView, cache: &impl ReadKvCache, opts: &ForwardOptions) -> Result<Output> {
     let (src, kl) = cache.source(0);
     run(&q.as_view(), &src, (QueryLayout::Dense, kl, cache.rows()), 0, opts, "kvcache")
@@ -332,8 +369,11 @@ pub fn forward_kvcache_append(
 /// # Errors
 /// As [`forward_kvcache_append`]; a `rotary_dim` that is odd or above head_dim, tables of
 /// another shape, and tables without a row for every position rotated at are
-/// [`Error::InvalidOption`]; under `Backend::Cuda` it is [`Error::BackendUnavailable`] (the GPU
-/// kernels do not rotate yet). The cache is untouched on error.
+/// [`Error::InvalidOption`]. The cache is untouched on error.
+///
+/// Under `Backend::Cuda` the append kernel rotates and writes the rows on a device copy of the
+/// cache, the attention reads it, and the cache is written back once every launch succeeded
+/// (compile-checked only; the kernels ran in the emulator).
 pub fn forward_kvcache_append_rotary(
     q: &impl AsTensorView,
     cache: &mut impl WriteKvCache,
@@ -357,17 +397,25 @@ fn append_then_attend(
     let new = k_new.seqlen();
     // Everything is checked, and q's rotated copy made, before the first write. The rows about
     // to be written are not checked (an FP8 cache's scales for them are set by the write).
+    let on_device = match opts.backend {
+        Backend::Cuda(dev) => Some(dev),
+        _ => None,
+    };
     let q_rot = {
         let (src, kl) = cache.source(new);
         prepare_source(q, &src, (QueryLayout::Dense, kl, cache.rows()), new, opts)?;
         match rotary {
             Some(rot) => {
                 let (advance, seqlens) = check_rotary(rot, q, new, &src, kl, opts)?;
-                Some(rotary::rotated_q(q, rot, seqlens, advance)?)
+                // On the GPU the append kernel rotates q (and k_new) itself.
+                on_device.is_none().then(|| rotary::rotated_q(q, rot, seqlens, advance)).transpose()?
             }
             None => None,
         }
     };
+    if let Some(dev) = on_device {
+        return cache.append_on_device(q, (k_new, v_new), rotary, opts, dev);
+    }
     cache.write_rows(k_new, v_new, &slots, rotary);
     let (src, kl) = cache.source(new);
     let q = q_rot.as_ref().map_or(*q, |t| t.view());
@@ -375,7 +423,7 @@ fn append_then_attend(
 }
 
 /// Validates a rotary embedding against the call (`new` rows appended to the cache `src` laid
-/// out as `kl`); returns whether q's rows advance (see [`rotary::q_rows_advance`]) and the
+/// out as `kl`); returns whether q's rows advance (FlashAttention's causal-or-local rule) and the
 /// cache's `seqlens`.
 fn check_rotary<'a>(
     rot: &Rotary<'_>,
@@ -385,24 +433,16 @@ fn check_rotary<'a>(
     kl: KvLayout<'a>,
     opts: &ForwardOptions,
 ) -> Result<(bool, &'a [i32])> {
-    refuse_on_gpu(opts, "a rotary embedding")?;
     rot.check(q.head_dim())?;
-    let page = src.views().0.shape()[1];
-    let (capacity, seqlens) = match kl {
-        KvLayout::Paged { max_blocks_per_seq, seqlens, .. } => (max_blocks_per_seq.saturating_mul(page), seqlens),
-        KvLayout::Cache { seqlens, .. } => (page, seqlens),
+    let seqlens = match kl {
+        KvLayout::Paged { seqlens, .. } | KvLayout::Cache { seqlens, .. } => seqlens,
         // A writable cache is laid out as one of the two above.
-        KvLayout::Dense | KvLayout::Varlen { .. } => (page, &[][..]),
+        KvLayout::Dense | KvLayout::Varlen { .. } => &[][..],
     };
-    let advance = rotary::q_rows_advance(opts.mask, capacity);
-    let sq = q.seqlen();
+    let capacity = crate::rotary_positions::cache_capacity(kl, src.views().0.shape());
+    let advance = crate::rotary_positions::q_rows_advance(opts.mask, capacity);
     // Positions seqlens[b] + i for the new keys, and for q's rows (or seqlens[b] alone).
-    let span = new.max(if advance { sq } else { sq.min(1) });
-    if span > 0 {
-        for (b, &s) in seqlens.iter().enumerate() {
-            rot.check_covers(b, s as usize + span - 1)?;
-        }
-    }
+    crate::rotary_positions::check_covers(rot.seqlen_ro(), seqlens, new, q.seqlen(), advance)?;
     Ok((advance, seqlens))
 }
 
@@ -519,7 +559,7 @@ fn run(
     opts: &ForwardOptions,
     what: &str,
 ) -> Result<Output> {
-    let (ql, kl, _) = layouts;
+    let (ql, kl, rows) = layouts;
     let (p, layout) = prepare_source(q, src, layouts, unwritten, opts)?;
     let (k, v) = &src.views();
     let fp8 = match *src {
@@ -535,8 +575,8 @@ fn run(
                     .into(),
             });
         }
-        // The FA2 serving kernels (docs/serving.md "GPU"; this path is compile-checked only).
-        return crate::cuda_host::serving_host((q, k, v), ql, kl, opts, dev);
+        // The serving kernels (docs/serving.md "GPU"; this path is compile-checked only).
+        return crate::cuda_host::serving_host((q, k, v), ql, kl, rows, opts, dev);
     }
     let threads = cpu::threads(opts.cpu_threads);
     // Long query sequences whose keys lie in one contiguous run (packed k/v or a dense cache)

@@ -3,7 +3,6 @@
 //! positions each row rotates at, and the rotation of one row.
 
 use crate::error::{Error, Result};
-use crate::options::Mask;
 use crate::tensor::{Tensor, TensorView};
 
 /// The rotary embedding of an append: `cos`, `sin` are row-major `[seqlen_ro, rotary_dim / 2]`
@@ -35,22 +34,15 @@ impl<'a> Rotary<'a> {
     }
 
     /// Rows of the tables (positions they cover), once [`Rotary::check`] passed.
-    fn seqlen_ro(&self) -> usize {
+    pub(super) fn seqlen_ro(&self) -> usize {
         self.cos.len() / (self.rotary_dim / 2)
     }
 
     /// Checks the tables against the head dimension: `rotary_dim` even, in `2..=head_dim`, both
     /// tables `[seqlen_ro, rotary_dim / 2]`.
     pub(super) fn check(&self, head_dim: usize) -> Result<()> {
-        let r = self.rotary_dim;
-        if r < 2 || !r.is_multiple_of(2) || r > head_dim {
-            return Err(Error::InvalidOption {
-                option: "rotary_dim",
-                got: r.to_string(),
-                expected: format!("an even number in 2..={head_dim} (head_dim): features rotate in pairs"),
-            });
-        }
-        let half = r / 2;
+        crate::rotary_positions::check_dim(self.rotary_dim, head_dim)?;
+        let half = self.rotary_dim / 2;
         for (option, t) in [("rotary_cos", self.cos), ("rotary_sin", self.sin)] {
             if !t.len().is_multiple_of(half) || t.len() != self.cos.len() {
                 return Err(Error::InvalidOption {
@@ -66,18 +58,6 @@ impl<'a> Rotary<'a> {
         Ok(())
     }
 
-    /// Checks that the tables cover position `last` (the largest a row rotates at) of sequence `b`.
-    pub(super) fn check_covers(&self, b: usize, last: usize) -> Result<()> {
-        if last >= self.seqlen_ro() {
-            return Err(Error::InvalidOption {
-                option: "rotary_cos",
-                got: format!("{} positions (rows of the tables)", self.seqlen_ro()),
-                expected: format!("at least {}: sequence {b} rotates a row at position {last}", last + 1),
-            });
-        }
-        Ok(())
-    }
-
     /// Rotates the first `rotary_dim` features of `row` (one head) to position `pos`, in f32.
     pub(crate) fn rotate(&self, row: &mut [f32], pos: usize) {
         let half = self.rotary_dim / 2;
@@ -88,19 +68,6 @@ impl<'a> Rotary<'a> {
             row[a] = x0 * c - x1 * s;
             row[b] = x0 * s + x1 * c;
         }
-    }
-}
-
-/// Whether query row `i` of a sequence rotates at `seqlens[b] + i` (true) or every row at
-/// `seqlens[b]` (false): FlashAttention's "causal or local" rule. A window side counts as bounded
-/// when it is below `capacity` (the cache's keys per sequence), as FlashAttention turns larger
-/// bounds into unbounded ones before it decides.
-pub(super) fn q_rows_advance(mask: Mask, capacity: usize) -> bool {
-    let bounded = |x: i64| usize::try_from(x).is_ok_and(|x| x < capacity);
-    match mask {
-        Mask::None => false,
-        Mask::Causal => true,
-        Mask::Window { left, right, causal } => causal || bounded(left) || bounded(right),
     }
 }
 

@@ -16,20 +16,6 @@ pub(super) fn check_view(t: &TensorView<'_>, op: Operand, packed: bool) -> Resul
     t.check_layout(op)
 }
 
-/// Refuses an option the GPU serving kernels do not take yet (`what`) under `Backend::Cuda`,
-/// before anything is written.
-pub(super) fn refuse_on_gpu(opts: &ForwardOptions, what: &str) -> Result<()> {
-    match opts.backend {
-        Backend::Cuda(dev) => Err(Error::BackendUnavailable {
-            backend: format!("cuda:{dev}"),
-            reason: format!(
-                "the GPU serving kernels do not take {what}; Backend::Auto or Backend::Cpu runs it on the CPU"
-            ),
-        }),
-        _ => Ok(()),
-    }
-}
-
 /// Everything a serving call validates, in the order a caller would fix it: memory, dtypes,
 /// shapes, the sequence layout (with each sequence's cache row and first key), then the options.
 pub(super) fn prepare<'a>(
@@ -104,9 +90,6 @@ pub(super) fn problem<'a>(
         });
     }
     crate::problem::check_num_splits(opts)?;
-    if rows != CacheRows::default() {
-        refuse_on_gpu(opts, "cache_batch_idx or cache_leftpad")?;
-    }
     if opts.variant != Variant::Auto && !matches!(opts.backend, Backend::Cuda(_)) {
         return Err(Error::VariantUnavailable {
             variant: opts.variant,

@@ -411,15 +411,13 @@ fn rotary_errors_leave_the_cache_untouched() {
     // 4 positions; sequence 1's new key sits at position 4.
     let r = Rotary::new(&tables[..8], &tables[..8], 4, false);
     assert_option_err(append_err(2, &[1, 4], None, None, Some(&r), &o), "rotary_cos", "4 positions");
-    // The GPU serving kernels take neither rotary nor cache rows yet: refused before the write.
+    // Under Backend::Cuda the kernels write a device copy of the cache: a call the GPU cannot
+    // run (no device here, or f32 data) fails with the cache untouched, rotary and cache rows alike.
     let cuda = ForwardOptions::default().backend(Backend::Cuda(0));
     for (idx, rot) in [(None, Some(&r)), (Some(&[1i32, 0][..]), None)] {
         match append_err(2, &[1, 2], idx, None, rot, &cuda) {
-            Error::BackendUnavailable { reason, .. } => {
-                let what = if rot.is_some() { "rotary" } else { "cache_batch_idx" };
-                assert!(reason.contains(what), "{reason}");
-            }
-            e => panic!("expected BackendUnavailable, got {e:?}"),
+            Error::BackendUnavailable { .. } | Error::UnsupportedDType { .. } | Error::Cuda { .. } => {}
+            e => panic!("expected the GPU path's error, got {e:?}"),
         }
     }
 }

@@ -30,6 +30,9 @@ mod head_dim_512;
 /// The FP8 pre-pass and consumers bit for bit against the CPU oracle, and FA3's FP8 accuracy.
 #[cfg(all(feature = "cuda", feature = "bench"))]
 mod fp8;
+/// The rotary embedding, cache_batch_idx and cache_leftpad in the append kernel, FA2 and FA3.
+#[cfg(feature = "cuda")]
+mod kvcache_rotary;
 /// The hang-check wait policy and report text on the host, with a fake clock.
 mod hang_check;
 /// The header build.rs generates for the kernels holds exactly the Rust constants.

@@ -147,6 +147,10 @@ int main(int argc, char** argv) {
     p.o_accum = translate(p.o_accum, "params.o_accum");
     p.lse_accum = translate(p.lse_accum, "params.lse_accum");
     p.sinks = translate(p.sinks, "params.sinks");
+    p.rotary_cos = translate(p.rotary_cos, "params.rotary_cos");
+    p.rotary_sin = translate(p.rotary_sin, "params.rotary_sin");
+    p.cache_batch_idx = translate(p.cache_batch_idx, "params.cache_batch_idx");
+    p.cache_leftpad = translate(p.cache_leftpad, "params.cache_leftpad");
 
     struct alignas(128) Map {
         unsigned char b[128];

@@ -120,7 +120,7 @@ fn serving(
             (Some((ia, *max_q)), DeviceKv::Paged { seqlens: ib, block_table: ic, max_blocks_per_seq: *max_blocks })
         }
         Keys::Cache { table: Some((_, m)), .. } => (None, DeviceKv::Paged { seqlens: ib, block_table: ic, max_blocks_per_seq: *m }),
-        Keys::Cache { table: None, .. } => (None, DeviceKv::Cache { seqlens: ib }),
+        Keys::Cache { table: None, .. } => (None, DeviceKv::Cache { seqlens: ib, batch_idx: None, leftpad: None }),
         Keys::Dense => bail!("flash_attn: the dense layout has no index arrays"),
     };
     // SAFETY: `stream` is candle's live stream of the engine's context; the index arrays are as
@@ -190,9 +190,9 @@ where
         };
         let kv = match table {
             Some((_, m)) => DeviceKv::Paged { seqlens: is, block_table: it, max_blocks_per_seq: *m },
-            None => DeviceKv::Cache { seqlens: is },
+            None => DeviceKv::Cache { seqlens: is, batch_idx: None, leftpad: None },
         };
-        let append = Some(DeviceAppend { k_new: &tkn, v_new: &tvn });
+        let append = Some(DeviceAppend { k_new: &tkn, v_new: &tvn, rotary: None });
         let opts = opts.clone().return_lse(true);
         // SAFETY: `stream` is candle's live stream of the engine's context; the index arrays are as
         // `DeviceIndex::from_raw` requires (above); the caches are written, and this call holds them

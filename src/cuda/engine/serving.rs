@@ -13,14 +13,15 @@ use crate::cuda::device::cuda_err;
 use crate::cuda::combine;
 use crate::cuda::driver::{launch, launch_combine};
 use crate::cuda::hosts::family_host;
-use crate::cuda::params::{FwdParams, Operands, ServingOperands};
+use crate::cuda::params::{FwdParams, Operands, RotaryOperands, ServingOperands};
 use crate::cuda::plan::{plan_append, plan_instance};
 use crate::cuda::select;
 use crate::error::{Error, Operand, Result};
 use crate::options::{ForwardOptions, Precision, Variant};
 use crate::problem::Problem;
 use crate::output::Dispatch;
-use crate::batch_layout::{BatchLayout, KvLayout, QueryLayout};
+use crate::batch_layout::{check_distinct_cache_rows, BatchLayout, CacheRows, KvLayout, QueryLayout};
+use crate::rotary_positions;
 use crate::tensor::check_extent;
 use cudarc::driver::{result, sys};
 
@@ -48,19 +49,51 @@ impl<'a> DeviceIndex<'a> {
 pub enum DeviceKv<'a> {
     /// k, v packed `[1, total_k, heads_kv, head_dim]`.
     Varlen { cu_seqlens: DeviceIndex<'a>, max_seqlen: usize },
-    /// k, v caches `[batch, capacity, heads_kv, head_dim]` holding `seqlens[b]` keys.
-    Cache { seqlens: DeviceIndex<'a> },
+    /// k, v caches `[batch, capacity, heads_kv, head_dim]` holding `seqlens[b]` keys; with
+    /// `batch_idx` sequence b uses cache row `batch_idx[b]` (the cache may have more rows), with
+    /// `leftpad` its keys start at position `leftpad[b]` (FlashAttention's `cache_batch_idx`,
+    /// `cache_leftpad`; `serving::KvCache` says how masks and ALiBi count them).
+    Cache { seqlens: DeviceIndex<'a>, batch_idx: Option<DeviceIndex<'a>>, leftpad: Option<DeviceIndex<'a>> },
     /// k, v paged `[num_blocks, page_size, heads_kv, head_dim]` through `block_table`
     /// `[batch, max_blocks_per_seq]`.
     Paged { seqlens: DeviceIndex<'a>, block_table: DeviceIndex<'a>, max_blocks_per_seq: usize },
 }
 
 /// The rows a call appends to a cache before attending (the write half of
-/// `flash_attn_with_kvcache(k=, v=)`): `[batch, seqlen_new, heads_kv, head_dim]` each.
+/// `flash_attn_with_kvcache(k=, v=)`): `[batch, seqlen_new, heads_kv, head_dim]` each, with an
+/// optional rotary embedding of k_new and q.
 #[derive(Clone, Copy, Debug)]
 pub struct DeviceAppend<'t, 'a> {
     pub k_new: &'t DeviceTensor<'a>,
     pub v_new: &'t DeviceTensor<'a>,
+    pub rotary: Option<DeviceRotary>,
+}
+
+/// The rotary embedding of an append on device memory (`rotary_cos`, `rotary_sin`,
+/// `rotary_interleaved` of `flash_attn_with_kvcache`; `serving::Rotary` on the host): f32 tables
+/// `[seqlen_ro, rotary_dim / 2]`, row-major. The append kernel rotates k_new's row i to cache
+/// position `seqlens[b] + i` as it writes it, and q into stream-ordered scratch that the attention
+/// reads (row i at `seqlens[b] + i` under a causal or local mask, else every row at
+/// `seqlens[b]`); the caller's q is not changed.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceRotary {
+    cos: u64,
+    sin: u64,
+    seqlen_ro: usize,
+    rotary_dim: usize,
+    interleaved: bool,
+}
+
+impl DeviceRotary {
+    /// Tables of `seqlen_ro` rows of `rotary_dim / 2` f32 at `cos` and `sin`; `interleaved` pairs
+    /// features `(2t, 2t + 1)`, else `(t, t + rotary_dim / 2)`.
+    ///
+    /// # Safety
+    /// `cos` and `sin` are device addresses of the engine's context, each holding `seqlen_ro *
+    /// (rotary_dim / 2)` f32, alive and unchanged until the launches that read them have run.
+    pub unsafe fn from_raw(cos: u64, sin: u64, seqlen_ro: usize, rotary_dim: usize, interleaved: bool) -> Self {
+        DeviceRotary { cos, sin, seqlen_ro, rotary_dim, interleaved }
+    }
 }
 
 impl Engine {
@@ -74,7 +107,9 @@ impl Engine {
     /// Runs on the FA2 kernels (under `Variant::Auto` a family without a serving path is passed
     /// over; `Variant::Fa1` runs FA1's). Split-KV: `opts.num_splits`, or the split heuristic on
     /// this GPU's SMs; the splits' partial states go to stream-ordered scratch, the combine
-    /// kernel merges them.
+    /// kernel merges them. A dense cache may place each sequence (`DeviceKv::Cache`'s
+    /// `batch_idx`, `leftpad`); with `DeviceAppend::rotary` the append kernel rotates k_new as it
+    /// writes it and q into stream-ordered scratch the attention reads (the caller's q is kept).
     ///
     /// # Safety
     /// As [`Engine::launch_raw`]; the index arrays as [`DeviceIndex::from_raw`] says; with
@@ -150,7 +185,7 @@ impl Engine {
             DeviceKv::Varlen { cu_seqlens, max_seqlen } => {
                 KvLayout::Varlen { cu_seqlens: cu_seqlens.host, max_seqlen: *max_seqlen }
             }
-            DeviceKv::Cache { seqlens } => KvLayout::Cache { seqlens: seqlens.host, new },
+            DeviceKv::Cache { seqlens, .. } => KvLayout::Cache { seqlens: seqlens.host, new },
             DeviceKv::Paged { seqlens, block_table, max_blocks_per_seq } => KvLayout::Paged {
                 block_table: block_table.host,
                 max_blocks_per_seq: *max_blocks_per_seq,
@@ -158,7 +193,16 @@ impl Engine {
                 new,
             },
         };
-        let layout = BatchLayout::new(ql, qb.shape, kl, kb.shape)?;
+        let cache_rows = match &kv {
+            DeviceKv::Cache { batch_idx, leftpad, .. } => {
+                CacheRows { batch_idx: batch_idx.map(|i| i.host), leftpad: leftpad.map(|i| i.host) }
+            }
+            _ => CacheRows::default(),
+        };
+        let layout = BatchLayout::with_cache_rows(ql, qb.shape, kl, kb.shape, cache_rows)?;
+        if let (Some(idx), true) = (cache_rows.batch_idx, new > 0) {
+            check_distinct_cache_rows(idx)?;
+        }
         if let Some(a) = &append {
             if a.k_new.b.shape[0] != layout.batch() {
                 return Err(Error::ShapeMismatch {
@@ -188,12 +232,34 @@ impl Engine {
         let idx = |i: Option<&DeviceIndex>| i.map_or(0, |i| i.ptr);
         let (cu_k, seqused, table) = match &kv {
             DeviceKv::Varlen { cu_seqlens, .. } => (Some(cu_seqlens), None, None),
-            DeviceKv::Cache { seqlens } => (None, Some(seqlens), None),
+            DeviceKv::Cache { seqlens, .. } => (None, Some(seqlens), None),
             DeviceKv::Paged { seqlens, block_table, .. } => (None, Some(seqlens), Some(block_table)),
+        };
+        let (batch_idx, leftpad) = match &kv {
+            DeviceKv::Cache { batch_idx, leftpad, .. } => (batch_idx.as_ref(), leftpad.as_ref()),
+            _ => (None, None),
+        };
+        // The rotary's checks (the CPU API's), before anything is enqueued.
+        let rotary = match append.as_ref().and_then(|a| a.rotary) {
+            Some(r) => {
+                if cu_seqlens_q.is_some() {
+                    return Err(Error::InvalidOption {
+                        option: "rotary_cos",
+                        got: "a packed q (cu_seqlens_q)".into(),
+                        expected: "a dense q [batch, seqlen_q, heads_q, head_dim] (rows rotate at seqlens[b] + i)".into(),
+                    });
+                }
+                rotary_positions::check_dim(r.rotary_dim, d)?;
+                let advance = rotary_positions::q_rows_advance(opts.mask, rotary_positions::cache_capacity(kl, kb.shape));
+                let seqlens = seqused.map_or(&[][..], |s| s.host);
+                rotary_positions::check_covers(r.seqlen_ro, seqlens, new, msq, advance)?;
+                Some((r, advance))
+            }
+            None => None,
         };
         let new_ptrs = append.as_ref().map_or([0, 0], |a| [a.k_new.b.ptr, a.v_new.b.ptr]);
         let new_strides = append.as_ref().map_or([[0; 3]; 2], |a| [a.k_new.b.strides, a.v_new.b.strides]);
-        let sops = ServingOperands {
+        let mut sops = ServingOperands {
             cu_seqlens_q: idx(cu_seqlens_q.as_ref().map(|c| &c.0)),
             cu_seqlens_k: idx(cu_k),
             seqused_k: idx(seqused),
@@ -201,6 +267,8 @@ impl Engine {
             knew: new_ptrs[0],
             vnew: new_ptrs[1],
             new_strides,
+            cache_batch_idx: idx(batch_idx),
+            cache_leftpad: idx(leftpad),
             ..ServingOperands::default()
         };
         let mut ops = Operands {
@@ -250,30 +318,67 @@ impl Engine {
                 combine::gpu_num_splits(self.dev.sm_count(), ctas_per_sm, b, hq, q_tiles, msk)
             }
         };
-        if new > 0 {
-            let pl = plan_append(&p, &layout, &ops, &sops)?;
-            launch(&self.dev.plan_function(&pl)?, stream, &pl)?;
+        // With a rotary, the append launch also writes q rotated into stream-ordered scratch of
+        // q's shape (contiguous), which the attention reads as its q; freed on `stream` after.
+        let q_rot = match rotary {
+            Some(_) => {
+                let bytes = qb.shape.iter().product::<usize>() * qb.dtype.size();
+                // SAFETY: a stream-ordered allocation on a valid stream of the current context
+                // (bound above); freed below on the same stream after the launches reading it.
+                Some(unsafe { result::malloc_async(stream, bytes.max(1)) }.map_err(cuda_err("cuMemAllocAsync(rotated q)"))?)
+            }
+            None => None,
+        };
+        if let (Some((r, advance)), Some(q_rot)) = (rotary, q_rot) {
+            let (cos, sin, rotary_dim, interleaved) = (r.cos, r.sin, r.rotary_dim, r.interleaved);
+            sops.rotary = Some(RotaryOperands { cos, sin, rotary_dim, interleaved, q_rows_advance: advance, q_rot });
         }
         let rows = probe.lse_rows();
-        // What the launch did that the family's name does not say (FA3: the K/V load path).
-        let note = if splits <= 1 || rows == 0 {
-            let params = FwdParams::for_serving(&p, &layout, &ops, &sops, 1)?;
-            let plan = plan_instance(c.family, c.tile, p.dtype, params, self.dev.sm_count())?;
-            // An empty batch (no query rows) launches nothing.
-            if plan.grid.0 > 0 && plan.grid.2 > 0 {
-                launch(&self.dev.plan_function(&plan)?, stream, &plan)?;
+        let mut run = || -> Result<Option<&'static str>> {
+            if new > 0 {
+                let pl = plan_append(&p, &layout, &ops, &sops)?;
+                launch(&self.dev.plan_function(&pl)?, stream, &pl)?;
             }
-            plan.note
-        } else {
-            self.split_kv(stream, (&p, &layout, &ops, sops), &c, splits, qb.shape)?;
-            None
+            if let Some(r) = sops.rotary {
+                let [_, sq, hq, d] = qb.shape;
+                (ops.ptrs[0], ops.strides[0]) = (r.q_rot, [sq * hq * d, hq * d, d]);
+            }
+            // The attention's parameters do not carry the rotary (the append applied it).
+            let sops = ServingOperands { rotary: None, ..sops };
+            // What the launch did that the family's name does not say (FA3: the K/V load path).
+            if splits <= 1 || rows == 0 {
+                let params = FwdParams::for_serving(&p, &layout, &ops, &sops, 1)?;
+                let plan = plan_instance(c.family, c.tile, p.dtype, params, self.dev.sm_count())?;
+                // An empty batch (no query rows) launches nothing.
+                if plan.grid.0 > 0 && plan.grid.2 > 0 {
+                    launch(&self.dev.plan_function(&plan)?, stream, &plan)?;
+                }
+                Ok(plan.note)
+            } else {
+                self.split_kv(stream, (&p, &layout, &ops, sops), &c, splits, qb.shape)?;
+                Ok(None)
+            }
+        };
+        let ran = run();
+        let note = match q_rot {
+            Some(q_rot) => {
+                // SAFETY: `q_rot` came from cuMemAllocAsync on `stream` above; freeing it on the
+                // same stream orders the free after every launch enqueued there.
+                let freed = unsafe { result::free_async(q_rot, stream) }.map_err(cuda_err("cuMemFreeAsync(rotated q)"));
+                ran.and_then(|n| freed.map(|()| n))?
+            }
+            None => ran?,
         };
         let mut d = self.record(&c, opts);
         d.reason = format!(
             "{}; serving: {} sequences{}{}{}",
             d.reason,
             b,
-            if new > 0 { format!(", {new} row(s) appended first (fa_append_kv)") } else { String::new() },
+            match (new, rotary.is_some()) {
+                (0, _) => String::new(),
+                (_, false) => format!(", {new} row(s) appended first (fa_append_kv)"),
+                (_, true) => format!(", {new} row(s) appended first, k_new and q rotated (fa_append_kv)"),
+            },
             if splits > 1 { format!(", {splits} key splits merged by the combine kernel") } else { String::new() },
             note.map_or(String::new(), |n| format!("; {n}"))
         );
@@ -321,17 +426,34 @@ impl Engine {
     }
 }
 
+/// A cache's k and v buffers as an append left them, downloaded.
+pub(crate) type HostCache<T> = (Vec<T>, Vec<T>);
+
+/// The append half of a host-memory serving call on the GPU: k_new and v_new (views and their
+/// buffers) and the rotary, as plain tables (`cos`, `sin`, `rotary_dim`, `interleaved`).
+pub(crate) struct HostAppend<'a, T> {
+    pub k_new: (&'a crate::tensor::TensorView<'a>, &'a [T]),
+    pub v_new: (&'a crate::tensor::TensorView<'a>, &'a [T]),
+    pub rotary: Option<(&'a [f32], &'a [f32], usize, bool)>,
+}
+
 /// Runs a host-memory serving call on the GPU (the CPU API with `Backend::Cuda`): uploads q,
 /// k, v (each view's whole buffer, its strides kept) and the index arrays, launches
-/// [`Engine::launch_serving_raw`], downloads o and the LSE. Compile-checked only.
+/// [`Engine::launch_serving_raw`], downloads o and the LSE. With `append`, the append kernel
+/// writes the uploaded cache (rotating with a rotary) before the attention, and the cache as it
+/// left it (k's and v's whole buffers) is returned, downloaded after every launch succeeded.
+/// Compile-checked only.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn serving_host_typed<T>(
     engine: &Engine,
     views: (&crate::tensor::TensorView, &crate::tensor::TensorView, &crate::tensor::TensorView),
     data: [&[T]; 3],
     ql: QueryLayout<'_>,
     kl: KvLayout<'_>,
+    rows: CacheRows<'_>,
+    append: Option<HostAppend<'_, T>>,
     opts: &ForwardOptions,
-) -> Result<crate::output::Output>
+) -> Result<(crate::output::Output, Option<HostCache<T>>)>
 where
     T: crate::tensor::Element + cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits,
 {
@@ -348,6 +470,15 @@ where
     let up = |s: &[T]| stream.clone_htod(s).map_err(cuda_err("cuMemcpyHtoDAsync"));
     let up_i32 = |s: &[i32]| stream.clone_htod(s).map_err(cuda_err("cuMemcpyHtoDAsync(index)"));
     let (dq, dk, dv) = (up(data[0])?, up(data[1])?, up(data[2])?);
+    let d_new = match &append {
+        Some(a) => Some((up(a.k_new.1)?, up(a.v_new.1)?)),
+        None => None,
+    };
+    let up_f32 = |s: &[f32]| stream.clone_htod(s).map_err(cuda_err("cuMemcpyHtoDAsync(rotary tables)"));
+    let d_tables = match append.as_ref().and_then(|a| a.rotary) {
+        Some((cos, sin, ..)) => Some((up_f32(cos)?, up_f32(sin)?)),
+        None => None,
+    };
     let o_len = crate::tensor::numel(q.shape(), "output")?;
     let mut d_o = stream.alloc_zeros::<T>(o_len).map_err(cuda_err("cuMemAllocAsync(o)"))?;
     // The index arrays, uploaded; their host slices stay the mirrors the call is validated on.
@@ -369,9 +500,15 @@ where
         }
     };
     let (d_cu_q, d_a, d_b) = (keep(cu_q_host)?, keep(a_host)?, keep(b_host)?);
+    // cache_batch_idx / cache_leftpad (an empty batch reads neither: none is passed).
+    let rows = CacheRows {
+        batch_idx: rows.batch_idx.filter(|i| !i.is_empty()),
+        leftpad: rows.leftpad.filter(|i| !i.is_empty()),
+    };
+    let (d_idx, d_pad) = (keep(rows.batch_idx.unwrap_or(&[]))?, keep(rows.leftpad.unwrap_or(&[]))?);
     let ptr = |s: &Option<cudarc::driver::CudaSlice<i32>>| s.as_ref().map_or(0, |s| s.device_ptr(&stream).0);
     // Probe the layout for the LSE size (the same validation the launch repeats).
-    let layout = BatchLayout::new(ql, q.shape(), kl, k.shape())?;
+    let layout = BatchLayout::with_cache_rows(ql, q.shape(), kl, k.shape(), rows)?;
     let lse_rows = match ql {
         QueryLayout::Varlen { .. } => q.shape()[2] * layout.q_rows(),
         _ => layout.batch() * q.shape()[2] * layout.q_rows(),
@@ -399,14 +536,48 @@ where
                     block_table: DeviceIndex::from_raw(b_host, ptr(&d_b)),
                     max_blocks_per_seq,
                 },
-                _ => DeviceKv::Cache { seqlens: a },
+                _ => DeviceKv::Cache {
+                    seqlens: a,
+                    batch_idx: rows.batch_idx.map(|h| DeviceIndex::from_raw(h, ptr(&d_idx))),
+                    leftpad: rows.leftpad.map(|h| DeviceIndex::from_raw(h, ptr(&d_pad))),
+                },
             };
             (cu_q, kv)
         };
-        // SAFETY: as above; nothing is appended (k and v are only read).
+        let new = match (&append, &d_new) {
+            (Some(a), Some((dkn, dvn))) => Some((
+                DeviceTensor::new(dkn, &stream, a.k_new.0.shape()).with_strides(a.k_new.0.strides()),
+                DeviceTensor::new(dvn, &stream, a.v_new.0.shape()).with_strides(a.v_new.0.strides()),
+            )),
+            _ => None,
+        };
+        let rotary = match (append.as_ref().and_then(|a| a.rotary), &d_tables) {
+            (Some((cos, _, rotary_dim, interleaved)), Some((dc, ds))) => {
+                let ptr = |t: &cudarc::driver::CudaSlice<f32>| t.device_ptr(&stream).0;
+                // SAFETY: both tables were just uploaded on `stream` from these host slices
+                // (`cos.len()` f32 each, checked equal by the caller's validation) and live
+                // until after the synchronize below.
+                Some(unsafe { DeviceRotary::from_raw(ptr(dc), ptr(ds), cos.len() / (rotary_dim / 2).max(1), rotary_dim, interleaved) })
+            }
+            _ => None,
+        };
+        let dev_append = new.as_ref().map(|(k_new, v_new)| DeviceAppend { k_new, v_new, rotary });
+        // SAFETY: as above; with an append, k and v are the buffers just uploaded, written only by
+        // this call's launches.
         unsafe {
-            engine.launch_serving_raw(stream.cu_stream(), &tq, cu_q, &tk, &tv, kv, None, &mut to, tl.as_mut(), opts)?
+            engine.launch_serving_raw(stream.cu_stream(), &tq, cu_q, &tk, &tv, kv, dev_append, &mut to, tl.as_mut(), opts)?
         }
+    };
+    // The cache as the append kernel left it, downloaded before the synchronize and returned only
+    // after it succeeded.
+    let cache = match append {
+        Some(_) => {
+            let (mut k_host, mut v_host) = (vec![T::default(); data[1].len()], vec![T::default(); data[2].len()]);
+            stream.memcpy_dtoh(&dk, &mut k_host).map_err(cuda_err("cuMemcpyDtoHAsync(k cache)"))?;
+            stream.memcpy_dtoh(&dv, &mut v_host).map_err(cuda_err("cuMemcpyDtoHAsync(v cache)"))?;
+            Some((k_host, v_host))
+        }
+        None => None,
     };
     let mut o_host = vec![T::default(); o_len];
     stream.memcpy_dtoh(&d_o, &mut o_host).map_err(cuda_err("cuMemcpyDtoHAsync(o)"))?;
@@ -418,9 +589,10 @@ where
     }
     // Kernel faults surface here, as an error of the synchronize.
     stream.synchronize().map_err(cuda_err("cuStreamSynchronize"))?;
-    Ok(crate::output::Output {
+    let out = crate::output::Output {
         o: crate::tensor::Tensor::from_vec(o_host, q.shape())?,
         lse: opts.return_lse.then_some(lse_host),
         dispatch,
-    })
+    };
+    Ok((out, cache))
 }
