@@ -35,7 +35,7 @@ pub struct ServingOperands {
     /// `cache_seqlens` (i32 `[batch]`).
     pub seqused_k: u64,
     pub block_table: u64,
-    /// f32 `[num_splits, lse rows, head_dim]` and `[num_splits, lse rows]` (docs/serving.md).
+    /// f32 `[num_splits, lse rows, head_dim_v]` and `[num_splits, lse rows]` (docs/serving.md).
     pub o_accum: u64,
     pub lse_accum: u64,
     /// k_new, v_new `[batch, seqlen_new, heads_kv, head_dim]` (append) and their element strides
@@ -128,7 +128,7 @@ pub struct FwdParams {
     /// `[batch, seqlen_new, heads_kv, head_dim]`: rows the append kernel writes into the cache.
     pub knew: u64,
     pub vnew: u64,
-    /// f32 `[num_splits, lse rows, head_dim]`: split-KV partial outputs (normalised per split).
+    /// f32 `[num_splits, lse rows, head_dim_v]`: split-KV partial outputs (normalised per split).
     pub o_accum: u64,
     /// f32 `[num_splits, lse rows]`: their LSEs (natural log; -inf: the split saw no key).
     pub lse_accum: u64,
@@ -469,6 +469,18 @@ impl FwdParams {
         }
         put(&self.reserved2.to_ne_bytes());
         put(&self.sinks.to_ne_bytes());
+        put(&self.head_dim_v.to_ne_bytes());
+        put(&self.rotary_dim.to_ne_bytes());
+        for x in [
+            self.rotary_cos,
+            self.rotary_sin,
+            self.cache_batch_idx,
+            self.cache_leftpad,
+            self.k_cache_scale,
+            self.v_cache_scale,
+        ] {
+            put(&x.to_ne_bytes());
+        }
         debug_assert_eq!(at, size_of::<FwdParams>());
         out
     }
