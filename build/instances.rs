@@ -85,6 +85,9 @@ pub const DTYPE_NAMES: [&str; 2] = ["f16", "bf16"];
 pub struct Tile {
     /// The head dim of the instance: any head_dim up to it runs on it (the tail is masked).
     pub head_dim: u32,
+    /// V's (and O's) head dim: `head_dim` but in a row with `KernelOptions::HEAD_DIM_V`, whose
+    /// unit gets it as FA_HEAD_DIM_V.
+    pub head_dim_v: u32,
     /// Query rows per thread block.
     pub block_m: u32,
     /// Keys per main-loop iteration.
@@ -160,8 +163,9 @@ impl KernelOptions {
     /// denominator (`FwdParams::sinks`, folded by the epilogue, or by the combine kernel after
     /// split-KV). The FA1, FA2 and FA3 (stages 1-5) rows have it.
     pub const SINKS: KernelOptions = KernelOptions(8);
-    /// A V head_dim different from Q/K's (DeepSeek's MLA). No row has it yet, so every family
-    /// refuses such a problem (`Variant::Auto` runs it on the CPU).
+    /// A V head_dim different from Q/K's (DeepSeek's MLA): the row's tiles carry their
+    /// `head_dim_v`, and a problem runs on a tile of its exact pair (the fa2v row: (192, 128) and
+    /// (576, 512)). Every other family refuses such a problem (`Variant::Auto` runs it on the CPU).
     pub const HEAD_DIM_V: KernelOptions = KernelOptions(16);
     /// Every option with the name errors and docs use.
     pub const NAMED: [(KernelOptions, &'static str); 5] = [
@@ -311,6 +315,11 @@ pub fn unit_source(fam: &Family, tile: &Tile, source_path: &str, hang_check: boo
         ("FA_THREADS", tile.threads.to_string()),
         ("FA_SMEM_BYTES", fam.smem_bytes(tile).to_string()),
     ];
+    // V's head dim, only in the units of a row whose V head dim differs (the others' text, and
+    // so their cached images, stay as they are).
+    if tile.head_dim_v != tile.head_dim {
+        defines.push(("FA_HEAD_DIM_V", tile.head_dim_v.to_string()));
+    }
     // FA4's softmax parameters, only in the units of rows that implement them.
     if fam.options.contains(KernelOptions::EXP2_POLY) {
         defines.push(("FA_EXP2_POLY_DEGREE", fam.softmax.poly_degree.to_string()));
@@ -347,13 +356,13 @@ fn fa1_smem_bytes(_stage: Option<u8>, t: &Tile) -> u32 {
 const FA1_THREADS: u32 = 128;
 
 /// FA2's shared memory: Q (block_m rows, reused to stage O) plus a two-stage ring of K and V
-/// tiles (block_n rows each), f16/bf16 rows padded by 8 elements (16 bytes) so ldmatrix is
-/// bank-conflict free. Mirrors `Fa2Traits::kSmemBytes` in cuda/fa2/traits.cuh.
+/// tiles (block_n rows each; V's rows head_dim_v wide), f16/bf16 rows padded by 8 elements (16
+/// bytes) so ldmatrix is bank-conflict free. Mirrors `Fa2Traits::kSmemBytes` in cuda/fa2/traits.cuh.
 fn fa2_smem_bytes(_stage: Option<u8>, t: &Tile) -> u32 {
     const STAGES: u32 = 2;
     const PAD: u32 = 8;
     const ELEM_BYTES: u32 = 2;
-    (t.block_m + 2 * STAGES * t.block_n) * (t.head_dim + PAD) * ELEM_BYTES
+    ((t.block_m + STAGES * t.block_n) * (t.head_dim + PAD) + STAGES * t.block_n * (t.head_dim_v + PAD)) * ELEM_BYTES
 }
 
 /// FA2 threads: 4 warps, for every head dim (split-Q; at hd 512 two row groups x two column halves).
@@ -379,6 +388,7 @@ const fn fa3_tile(stage: u8, head_dim: u32) -> Tile {
     let producers = if stage >= 3 { 1 } else { 0 };
     Tile {
         head_dim,
+        head_dim_v: head_dim,
         block_m: FA3_ROWS_PER_CONSUMER * consumers,
         block_n: if head_dim <= 128 { 128 } else { 64 },
         threads: FA3_WARPGROUP * (consumers + producers),
@@ -437,9 +447,9 @@ const FA3_WS_SASS: &[&str] = &["HGMMA", "UTMALDG", "SYNCS", "USETMAXREG"];
 /// consumer warpgroups of 64 query rows and a producer; 128 keys per K/Vᵀ tile, 64 at head_dim
 /// 256 (128-key tiles spill there: O alone is 128 f32 registers).
 const FA3_FP8_TILES: &[Tile] = &[
-    Tile { head_dim: 64, block_m: 128, block_n: 128, threads: 384 },
-    Tile { head_dim: 128, block_m: 128, block_n: 128, threads: 384 },
-    Tile { head_dim: 256, block_m: 128, block_n: 64, threads: 384 },
+    Tile { head_dim: 64, head_dim_v: 64, block_m: 128, block_n: 128, threads: 384 },
+    Tile { head_dim: 128, head_dim_v: 128, block_m: 128, block_n: 128, threads: 384 },
+    Tile { head_dim: 256, head_dim_v: 256, block_m: 128, block_n: 64, threads: 384 },
 ];
 
 /// The FP8 consumer's shared memory (stages 3-5): e4m3 (1-byte) Q of the CTA's rows, a 2-slot
@@ -603,6 +613,7 @@ const FA4_SMEM_SLACK: u32 = 1024;
 const fn fa4_tile(stage: u8, head_dim: u32) -> Tile {
     Tile {
         head_dim,
+        head_dim_v: head_dim,
         block_m: if stage >= 3 { 2 * FA4_TILE_ROWS } else { FA4_TILE_ROWS },
         block_n: FA4_TILE_ROWS,
         threads: if stage == 1 { 128 } else { 512 },
@@ -743,8 +754,8 @@ const fn fa4_fa3_family(
 pub const FA4_FA3_STAGE: u8 = 5;
 /// Head dims of the FA4-softmax rows in the FA2 / FA3 pipelines: FlashAttention-4's (64, 128).
 const FA4_FA2_TILES: &[Tile] = &[
-    Tile { head_dim: 64, block_m: 128, block_n: 64, threads: FA2_THREADS },
-    Tile { head_dim: 128, block_m: 128, block_n: 32, threads: FA2_THREADS },
+    Tile { head_dim: 64, head_dim_v: 64, block_m: 128, block_n: 64, threads: FA2_THREADS },
+    Tile { head_dim: 128, head_dim_v: 128, block_m: 128, block_n: 32, threads: FA2_THREADS },
 ];
 const FA4_FA3_TILES: &[Tile] = &[fa3_tile(FA4_FA3_STAGE, 64), fa3_tile(FA4_FA3_STAGE, 128)];
 /// The benchmark's sweep rows: head dim 128 only (the H200 comparison beside FA3, docs/fa4.md).
@@ -769,12 +780,12 @@ pub const FAMILIES: &[Family] = &[
         // Tiles sized so Q, K, V and P (f32 in shared memory) stay under 99 KB, the opt-in limit of
         // sm_86/sm_89, and the per-thread f32 accumulator stays at most 64 registers.
         tiles: &[
-            Tile { head_dim: 32, block_m: 64, block_n: 64, threads: FA1_THREADS },
-            Tile { head_dim: 64, block_m: 64, block_n: 64, threads: FA1_THREADS },
-            Tile { head_dim: 96, block_m: 64, block_n: 32, threads: FA1_THREADS },
-            Tile { head_dim: 128, block_m: 64, block_n: 32, threads: FA1_THREADS },
-            Tile { head_dim: 192, block_m: 32, block_n: 32, threads: FA1_THREADS },
-            Tile { head_dim: 256, block_m: 32, block_n: 16, threads: FA1_THREADS },
+            Tile { head_dim: 32, head_dim_v: 32, block_m: 64, block_n: 64, threads: FA1_THREADS },
+            Tile { head_dim: 64, head_dim_v: 64, block_m: 64, block_n: 64, threads: FA1_THREADS },
+            Tile { head_dim: 96, head_dim_v: 96, block_m: 64, block_n: 32, threads: FA1_THREADS },
+            Tile { head_dim: 128, head_dim_v: 128, block_m: 64, block_n: 32, threads: FA1_THREADS },
+            Tile { head_dim: 192, head_dim_v: 192, block_m: 32, block_n: 32, threads: FA1_THREADS },
+            Tile { head_dim: 256, head_dim_v: 256, block_m: 32, block_n: 16, threads: FA1_THREADS },
         ],
         min_sm: 80,
         // Set once scripts/check/gpu.sh passes on a GPU (docs/cuda.md has the status).
@@ -800,14 +811,14 @@ pub const FAMILIES: &[Family] = &[
         // The kernel runs only its exact head dims (no tail masking, 16-byte row chunks): its host
         // module refuses the rest (src/cuda/fa2.rs).
         tiles: &[
-            Tile { head_dim: 32, block_m: 128, block_n: 64, threads: FA2_THREADS },
-            Tile { head_dim: 64, block_m: 128, block_n: 64, threads: FA2_THREADS },
-            Tile { head_dim: 96, block_m: 128, block_n: 64, threads: FA2_THREADS },
-            Tile { head_dim: 128, block_m: 128, block_n: 32, threads: FA2_THREADS },
-            Tile { head_dim: 192, block_m: 64, block_n: 32, threads: FA2_THREADS },
-            Tile { head_dim: 256, block_m: 64, block_n: 32, threads: FA2_THREADS },
+            Tile { head_dim: 32, head_dim_v: 32, block_m: 128, block_n: 64, threads: FA2_THREADS },
+            Tile { head_dim: 64, head_dim_v: 64, block_m: 128, block_n: 64, threads: FA2_THREADS },
+            Tile { head_dim: 96, head_dim_v: 96, block_m: 128, block_n: 64, threads: FA2_THREADS },
+            Tile { head_dim: 128, head_dim_v: 128, block_m: 128, block_n: 32, threads: FA2_THREADS },
+            Tile { head_dim: 192, head_dim_v: 192, block_m: 64, block_n: 32, threads: FA2_THREADS },
+            Tile { head_dim: 256, head_dim_v: 256, block_m: 64, block_n: 32, threads: FA2_THREADS },
             // 2 row groups x 2 column halves of O (Fa2Traits kColSplit): 99840 B, every sm_80+ part.
-            Tile { head_dim: 512, block_m: 32, block_n: 16, threads: FA2_THREADS },
+            Tile { head_dim: 512, head_dim_v: 512, block_m: 32, block_n: 16, threads: FA2_THREADS },
         ],
         min_sm: 80,
         // Set once scripts/check/gpu.sh passes on a GPU (docs/fa2.md has the status).
@@ -855,4 +866,30 @@ pub const FAMILIES: &[Family] = &[
     fa4_fa3_family("fa4_fa3s5_p8t0", fa4_softmax(8, 0.0), 37, "fa4_softmax_sweep", FA4_FA3_SWEEP_TILES),
     fa4_fa3_family("fa4_fa3s5_p4t0", fa4_softmax(4, 0.0), 37, "fa4_softmax_sweep", FA4_FA3_SWEEP_TILES),
     fa4_fa3_family("fa4_fa3s5_p4t8", fa4_softmax(4, 8.0), 37, "fa4_softmax_sweep", FA4_FA3_SWEEP_TILES),
+    // FA2 with V's head dim below Q/K's (DeepSeek's MLA, docs/fa2.md "V's head dim"): the
+    // prefill pair on hd 192's tile, the absorbed decode pair (576, 512) with 16 rows per CTA and
+    // O's columns split over the 4 warps (89344 B: every sm_80+ part). Each tile runs its exact
+    // pair only (src/cuda/fa2.rs); its units define FA_HEAD_DIM_V.
+    Family {
+        name: "fa2v",
+        variant: KernelVariant::Fa2,
+        stage: None,
+        pipeline: Pipeline::Fa2,
+        tiles: &[
+            Tile { head_dim: 192, head_dim_v: 128, block_m: 64, block_n: 32, threads: FA2_THREADS },
+            Tile { head_dim: 576, head_dim_v: 512, block_m: 16, block_n: 16, threads: FA2_THREADS },
+        ],
+        min_sm: 80,
+        gpu_verified: false,
+        // As the fa2 row: Auto runs the pairs on it wherever FA2 runs.
+        auto: true,
+        sass_expect: &["HMMA.16816.F32", "LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS"],
+        // Sinks are not tested on this row (tests/emulator/sinks.rs covers the others): a call
+        // with both runs on the CPU.
+        options: KernelOptions::HEAD_DIM_V,
+        softmax: SoftmaxParams::NONE,
+        rank: 2,
+        cpu_emulation: Some("fa2v_pairs"),
+        smem: fa2_smem_bytes,
+    },
 ];

@@ -10,7 +10,8 @@
 // normalised once at the end, staged through shared memory and written with 16-byte stores.
 //
 // Launch contract (the host mirrors fa2::Fa2Traits<D>, table in docs/fa2.md):
-//   symbol      fa2_fwd_hd<D>_<f16|bf16>, D in {32, 64, 96, 128, 192, 256, 512}
+//   symbol      fa2_fwd_hd<D>_<f16|bf16>, D in {32, 64, 96, 128, 192, 256, 512}; fa2v_fwd_hd<D>_<f16|bf16>,
+//               D in {192, 576}, with V's head dim DV 128, 512 (FwdParams::head_dim_v)
 //   grid        (ceil(seqlen_q / kBlockM), heads_q, batch)
 //   block       (kNWarps * 32, 1, 1)
 //   dyn. smem   kSmemBytes; above 48 KiB set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES first
@@ -22,8 +23,11 @@
 //    192     64     32     4     128     76800      (1)
 //    256     64     32     4     128    101376      (1)
 //    512     32     16     4     128     99840      (1; 2 row groups x 2 column halves of O)
+//   V's head dim below Q/K's (the fa2v row; D/DV):
+//   192/128   64     32     4     128     68608      (1)
+//   576/512   16     16     4     128     89344      (1; 4 column quarters of O)
 //   (static_asserted at the bottom of this file, so the table cannot drift from the traits)
-// Preconditions checked by the host: head_dim == D; q/k/v/o 16-byte aligned and every stride a
+// Preconditions checked by the host: head_dim == D (and V's == DV); q/k/v/o 16-byte aligned and every stride a
 // multiple of 8 elements (16-byte cp.async and stores); heads_q % heads_kv == 0; seqlen_q >= 1;
 // lse non-null when FA_FLAG_RETURN_LSE, alibi_slopes non-null when FA_FLAG_ALIBI.
 //
@@ -45,15 +49,16 @@
 
 namespace fa2 {
 
-// Copies `kRows` x kHeadDim elements (global rows row0.., pitch `row_stride`) into a shared tile
-// of pitch kStride, 16 bytes per cp.async; rows at or past `row_end` become zeros. Thread layout:
-// kChunksPerRow consecutive threads cover one row, kRowsPerPass rows per pass, so a thread's
+// Copies `kRows` x kCols elements (global rows row0.., pitch `row_stride`) into a shared tile of
+// pitch kCols + 8 (kHeadDim for Q and K, kHeadDimV for V), 16 bytes per cp.async; rows at or past
+// `row_end` become zeros. Thread layout: kCols / 8 consecutive threads cover one row,
+// kRowsPerPass rows per pass, so a thread's
 // column is fixed and its row advances by kRowsPerPass: one running pointer per thread and no
 // per-chunk index math to be hoisted into registers of the (register-bound) main loop.
-template <typename T, int kRows, typename Elem>
+template <typename T, int kRows, int kCols, typename Elem>
 __device__ __forceinline__ void load_tile(Elem* smem, const Elem* gbase, int64_t row_stride, int row0,
                                           int row_end, int tid) {
-    constexpr int kChunks = T::kChunksPerRow;
+    constexpr int kChunks = kCols / 8, kStride = kCols + 8;
     constexpr int kRowsPerPass = T::kNThreads / kChunks;  // hd96: 10 rows, 8 threads idle
     constexpr int kPasses = (kRows + kRowsPerPass - 1) / kRowsPerPass;
     static_assert(kRowsPerPass >= 1, "a pass must cover at least one row");
@@ -61,7 +66,7 @@ __device__ __forceinline__ void load_tile(Elem* smem, const Elem* gbase, int64_t
     const int col = (tid % kChunks) * 8;
     if (r >= kRowsPerPass) return;  // threads past the last full row of a pass
     const Elem* src = gbase + static_cast<int64_t>(row0 + r) * row_stride + col;
-    uint32_t dst = smem_u32(smem + r * T::kStride + col);
+    uint32_t dst = smem_u32(smem + r * kStride + col);
     // Not unrolled: an unrolled pass loop would keep kPasses 64-bit addresses live next to the
     // S and O accumulators (hdim 128 spilled that way).
 #pragma unroll 1
@@ -74,7 +79,7 @@ __device__ __forceinline__ void load_tile(Elem* smem, const Elem* gbase, int64_t
             cp_async_16(dst, in ? src : gbase, in ? 16 : 0);
         }
         src += kRowsPerPass * row_stride;
-        dst += kRowsPerPass * T::kStride * 2;
+        dst += kRowsPerPass * kStride * 2;
     }
 }
 
@@ -82,17 +87,17 @@ __device__ __forceinline__ void load_tile(Elem* smem, const Elem* gbase, int64_t
 // block table (cuda/common/seqlen.cuh fa_kv_row_offset), so any page size works, blocks in any
 // order. `ghead`: the tensor's base plus the kv head's offset. Rows at or past `row_end` (the
 // sequence's keys) are zeros and never looked up (table entries past its pages are not read).
-template <typename T, int kRows, typename Elem>
+template <typename T, int kRows, int kCols, typename Elem>
 __device__ __forceinline__ void load_tile_paged(Elem* smem, const Elem* ghead, const FwdParams& p, const FaSeq& seq,
                                                 int64_t batch_stride, int64_t row_stride, int row0, int row_end,
                                                 int tid) {
-    constexpr int kChunks = T::kChunksPerRow;
+    constexpr int kChunks = kCols / 8, kStride = kCols + 8;
     constexpr int kRowsPerPass = T::kNThreads / kChunks;
     constexpr int kPasses = (kRows + kRowsPerPass - 1) / kRowsPerPass;
     const int r = tid / kChunks;
     const int col = (tid % kChunks) * 8;
     if (r >= kRowsPerPass) return;
-    uint32_t dst = smem_u32(smem + r * T::kStride + col);
+    uint32_t dst = smem_u32(smem + r * kStride + col);
 #pragma unroll 1
     for (int pass = 0; pass < kPasses; ++pass) {
         const int rr = r + pass * kRowsPerPass;
@@ -102,7 +107,7 @@ __device__ __forceinline__ void load_tile_paged(Elem* smem, const Elem* ghead, c
             const Elem* src = in ? ghead + fa_kv_row_offset(p, seq, batch_stride, row_stride, j) + col : ghead;
             cp_async_16(dst, src, in ? 16 : 0);
         }
-        dst += kRowsPerPass * T::kStride * 2;
+        dst += kRowsPerPass * kStride * 2;
     }
 }
 
@@ -123,28 +128,30 @@ __device__ __forceinline__ void load_kv(Elem* sK_stage, Elem* sV_stage, const Fw
     const Elem* k = reinterpret_cast<const Elem*>(p.k) + hk * p.k_head_stride;
     const Elem* v = reinterpret_cast<const Elem*>(p.v) + hk * p.v_head_stride;
     if (p.page_size > 0) {
-        load_tile_paged<T, T::kBlockN>(sK_stage, k, p, seq, p.k_batch_stride, p.k_row_stride, n0, seq.sk, tid);
-        load_tile_paged<T, T::kBlockN>(sV_stage, v, p, seq, p.v_batch_stride, p.v_row_stride, n0, seq.sk, tid);
+        load_tile_paged<T, T::kBlockN, T::kHeadDim>(sK_stage, k, p, seq, p.k_batch_stride, p.k_row_stride, n0, seq.sk,
+                                                    tid);
+        load_tile_paged<T, T::kBlockN, T::kHeadDimV>(sV_stage, v, p, seq, p.v_batch_stride, p.v_row_stride, n0, seq.sk,
+                                                     tid);
     } else {
-        load_tile<T, T::kBlockN>(sK_stage, k + fa_kv_row_offset(p, seq, p.k_batch_stride, p.k_row_stride, 0),
-                                 p.k_row_stride, n0, seq.sk, tid);
-        load_tile<T, T::kBlockN>(sV_stage, v + fa_kv_row_offset(p, seq, p.v_batch_stride, p.v_row_stride, 0),
-                                 p.v_row_stride, n0, seq.sk, tid);
+        load_tile<T, T::kBlockN, T::kHeadDim>(sK_stage, k + fa_kv_row_offset(p, seq, p.k_batch_stride, p.k_row_stride, 0),
+                                              p.k_row_stride, n0, seq.sk, tid);
+        load_tile<T, T::kBlockN, T::kHeadDimV>(sV_stage, v + fa_kv_row_offset(p, seq, p.v_batch_stride, p.v_row_stride, 0),
+                                               p.v_row_stride, n0, seq.sk, tid);
     }
 }
 
-template <typename Elem, int kHeadDim>
+template <typename Elem, int kHeadDim, int kHeadDimV>
 __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
-    using T = Fa2Traits<kHeadDim>;
+    using T = Fa2Traits<kHeadDim, kHeadDimV>;
     using M = Mma<Elem>;
-    constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kStride = T::kStride;
+    constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kStride = T::kStride, kStrideV = T::kStrideV;
     constexpr int kMTiles = T::kMTiles, kNTiles = T::kNTiles, kDTiles = T::kDTiles;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    Elem* sQ = reinterpret_cast<Elem*>(smem_raw);  // [kBlockM][kStride], later O staging
+    Elem* sQ = reinterpret_cast<Elem*>(smem_raw);  // [kBlockM][kStride], later O staging ([kBlockM][kStrideV])
     Elem* sK = sQ + kBlockM * kStride;              // [kStages][kBlockN][kStride]
-    Elem* sV = sK + T::kStages * kBlockN * kStride;  // [kStages][kBlockN][kStride]
-    constexpr uint32_t kStageBytes = kBlockN * kStride * 2;  // one K (or V) stage
+    Elem* sV = sK + T::kStages * kBlockN * kStride;  // [kStages][kBlockN][kStrideV]
+    constexpr uint32_t kStageBytesK = kBlockN * kStride * 2, kStageBytesV = kBlockN * kStrideV * 2;  // one stage
 
     const int m_block = blockIdx.x, head = blockIdx.y;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -171,7 +178,7 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
     // Prologue: Q and the first K/V tile in flight, as one cp.async group. Key tiles are visited
     // from the last one down, so the diagonal/boundary tiles that need the mask come first and set
     // a sane row max early.
-    load_tile<T, kBlockM>(sQ, reinterpret_cast<const Elem*>(p.q) + fa_q_offset(p, seq, head, 0), p.q_row_stride, m0,
+    load_tile<T, kBlockM, kHeadDim>(sQ, reinterpret_cast<const Elem*>(p.q) + fa_q_offset(p, seq, head, 0), p.q_row_stride, m0,
                           seqlen_q, tid);
     if (n_max > n_min) load_kv<T>(sK, sV, p, (n_max - 1) * kBlockN, tid);
     cp_async_commit();
@@ -202,7 +209,7 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
     // Per-lane ldmatrix row addresses (bytes), fixed parts; the loops add the tile offsets.
     const uint32_t q_lane = ((wrow + ldsm_q_row(lane)) * kStride + ldsm_q_col(lane)) * 2;
     const uint32_t k_lane = (ldsm_k_row(lane) * kStride + ldsm_k_col(lane)) * 2;
-    const uint32_t v_lane = (ldsm_v_row(lane) * kStride + ldsm_v_col(lane)) * 2;
+    const uint32_t v_lane = (ldsm_v_row(lane) * kStrideV + ldsm_v_col(lane)) * 2;
 
     // Two-stage K/V ring, one barrier per tile: tile j sits in stage (n_max - 1 - j) & 1; at the top
     // of its iteration every thread waits for its own copies of tile j and the barrier makes them
@@ -213,10 +220,10 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
         cp_async_wait<0>();  // tile j (and, first time, Q) landed for this thread ...
         __syncthreads();     // ... and for every thread; every warp is done with tile j+1
         if (n_block > n_min)
-            load_kv<T>(sK + (stage ^ 1) * kBlockN * kStride, sV + (stage ^ 1) * kBlockN * kStride, p,
+            load_kv<T>(sK + (stage ^ 1) * kBlockN * kStride, sV + (stage ^ 1) * kBlockN * kStrideV, p,
                        n0 - kBlockN, tid);
         cp_async_commit();
-        const uint32_t sK_stage = sK_u32 + stage * kStageBytes, sV_stage = sV_u32 + stage * kStageBytes;
+        const uint32_t sK_stage = sK_u32 + stage * kStageBytesK, sV_stage = sV_u32 + stage * kStageBytesV;
 
         // ---- S = Q K_j^T: acc_s[mt][nt] is the 16x8 tile (rows wrow+16mt.., keys n0+8nt..) ----
         float acc_s[kMTiles][kNTiles][4];
@@ -269,7 +276,7 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
 #pragma unroll
             for (int dp = 0; dp < kDTiles / 2; ++dp) {
                 uint32_t vb[4];  // B fragments of d-tiles 2dp (vb[0], vb[1]) and 2dp+1 (vb[2], vb[3])
-                ldmatrix_x4_trans(vb, sV_stage + v_lane + (kk * 16 * kStride + col0 + dp * 16) * 2);
+                ldmatrix_x4_trans(vb, sV_stage + v_lane + (kk * 16 * kStrideV + col0 + dp * 16) * 2);
 #pragma unroll
                 for (int mt = 0; mt < kMTiles; ++mt) {
                     M::run(acc_o[mt][2 * dp], pa[mt], vb[0], vb[1]);
@@ -290,11 +297,11 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
     const float to_natural = fa_to_natural(p);  // the max's units -> natural
     if (splits > 1) {
         // Split-KV: this split's normalised partial state in f32, straight from the fragments
-        // (o_accum [splits, lse rows, head_dim], lse_accum [splits, lse rows]); the combine
+        // (o_accum [splits, lse rows, head_dim_v], lse_accum [splits, lse rows]); the combine
         // kernel merges the splits into o and lse.
         const int64_t acc_row0 = static_cast<int64_t>(fa_batch_split(p, cta_batch()).split) * fa_lse_rows(p) + lse_row0;
         float* gLseAcc = reinterpret_cast<float*>(p.lse_accum) + acc_row0;
-        float* gOAcc = reinterpret_cast<float*>(p.o_accum) + acc_row0 * kHeadDim;
+        float* gOAcc = reinterpret_cast<float*>(p.o_accum) + acc_row0 * kHeadDimV;
 #pragma unroll
         for (int r = 0; r < Frag::kRows; ++r) {
             const FaRowEnd end = softmax.finalize(r, to_natural);
@@ -305,7 +312,7 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
             for (int j = 0; j < Frag::kOCols; j += 2) {
                 const float o0 = end.empty ? 0.f : Frag::o(acc_o, r, j) * end.inv_l;
                 const float o1 = end.empty ? 0.f : Frag::o(acc_o, r, j + 1) * end.inv_l;
-                float* dst = gOAcc + static_cast<int64_t>(row) * kHeadDim + col0 + frag.col(j);
+                float* dst = gOAcc + static_cast<int64_t>(row) * kHeadDimV + col0 + frag.col(j);
                 dst[0] = o0;
                 dst[1] = o1;
             }
@@ -325,17 +332,17 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
         for (int j = 0; j < Frag::kOCols; j += 2) {
             const float o0 = end.empty ? 0.f : Frag::o(acc_o, r, j) * end.inv_l;
             const float o1 = end.empty ? 0.f : Frag::o(acc_o, r, j + 1) * end.inv_l;
-            *reinterpret_cast<uint32_t*>(sO + srow * kStride + col0 + frag.col(j)) = fa_pack2<Elem>(o0, o1);
+            *reinterpret_cast<uint32_t*>(sO + srow * kStrideV + col0 + frag.col(j)) = fa_pack2<Elem>(o0, o1);
         }
     }
     __syncthreads();
-    constexpr int kChunks = T::kChunksPerRow;
+    constexpr int kChunks = kHeadDimV / 8;  // 16-byte chunks per O row
     for (int c = tid; c < kBlockM * kChunks; c += T::kNThreads) {
         const int r = c / kChunks;
         const int col = (c % kChunks) * 8;
         if (m0 + r < seqlen_q)
             *reinterpret_cast<uint4*>(gO + static_cast<int64_t>(m0 + r) * p.o_row_stride + col) =
-                *reinterpret_cast<const uint4*>(sO + r * kStride + col);
+                *reinterpret_cast<const uint4*>(sO + r * kStrideV + col);
     }
 }
 
@@ -358,34 +365,40 @@ using elem_bf16 = __nv_bfloat16;
 #else
 #define FA2_APPEND_KV(HDIM, DT)
 #endif
-#define FA2_KERNEL(FAM, HDIM, DT)                                                                   \
-    extern "C" __global__ void __launch_bounds__(fa2::Fa2Traits<HDIM>::kNThreads, 1)               \
+#define FA2_KERNEL(FAM, HDIM, HDIM_V, DT)                                                           \
+    extern "C" __global__ void __launch_bounds__(fa2::Fa2Traits<HDIM, HDIM_V>::kNThreads, 1)       \
         FAM##_fwd_hd##HDIM##_##DT(const __grid_constant__ FwdParams p) {                            \
-        fa2::fwd_kernel<fa2::elem_##DT, HDIM>(p);                                                   \
+        fa2::fwd_kernel<fa2::elem_##DT, HDIM, HDIM_V>(p);                                           \
     }                                                                                               \
     FA2_APPEND_KV(HDIM, DT)
-#define FA2_KERNEL_(FAM, HDIM, DT) FA2_KERNEL(FAM, HDIM, DT)  // expands FA_FAMILY, FA_HEAD_DIM before pasting
+// Expands FA_FAMILY, FA_HEAD_DIM before pasting.
+#define FA2_KERNEL_(FAM, HDIM, HDIM_V, DT) FA2_KERNEL(FAM, HDIM, HDIM_V, DT)
 
 #if !defined(FA_HEAD_DIM) || !defined(FA_FAMILY)
 #error "compile through the unit build.rs generates from build/instances.rs"
 #else
+// V's head dim: the unit defines it only for a row whose V head dim differs (the fa2v row).
+#ifndef FA_HEAD_DIM_V
+#define FA_HEAD_DIM_V FA_HEAD_DIM
+#endif
 // The crate's build: build.rs generates one unit per head dim from build/instances.rs, with the
 // row's tile as macros, then writes FA_INSTANCE(f16) and FA_INSTANCE(bf16). The row must be
 // exactly what the traits compute, or the host would launch with the wrong shape.
-static_assert(fa2::Fa2Traits<FA_HEAD_DIM>::kBlockM == FA_BLOCK_M &&
-                  fa2::Fa2Traits<FA_HEAD_DIM>::kBlockN == FA_BLOCK_N &&
-                  fa2::Fa2Traits<FA_HEAD_DIM>::kNThreads == FA_THREADS,
+static_assert(fa2::Fa2Traits<FA_HEAD_DIM, FA_HEAD_DIM_V>::kBlockM == FA_BLOCK_M &&
+                  fa2::Fa2Traits<FA_HEAD_DIM, FA_HEAD_DIM_V>::kBlockN == FA_BLOCK_N &&
+                  fa2::Fa2Traits<FA_HEAD_DIM, FA_HEAD_DIM_V>::kNThreads == FA_THREADS,
               "build/instances.rs fa2 tile disagrees with fa2_traits.cuh");
-static_assert(fa2::Fa2Traits<FA_HEAD_DIM>::kSmemBytes == FA_SMEM_BYTES,
+static_assert(fa2::Fa2Traits<FA_HEAD_DIM, FA_HEAD_DIM_V>::kSmemBytes == FA_SMEM_BYTES,
               "build/instances.rs fa2_smem_bytes disagrees with fa2_traits.cuh");
-#define FA_INSTANCE(DT) FA2_KERNEL_(FA_FAMILY, FA_HEAD_DIM, DT)
+#define FA_INSTANCE(DT) FA2_KERNEL_(FA_FAMILY, FA_HEAD_DIM, FA_HEAD_DIM_V, DT)
 #endif
 
 // The launch table of the header comment, checked against the traits.
-#define FA2_CHECK(D, M, N, W, SMEM)                                                                   \
-    static_assert(fa2::Fa2Traits<D>::kBlockM == M && fa2::Fa2Traits<D>::kBlockN == N &&              \
-                      fa2::Fa2Traits<D>::kNWarps == W && fa2::Fa2Traits<D>::kSmemBytes == SMEM,      \
-                  "docs/fa2.md launch table out of date for hdim " #D);
+#define FA2_CHECK_V(D, DV, M, N, W, SMEM)                                                             \
+    static_assert(fa2::Fa2Traits<D, DV>::kBlockM == M && fa2::Fa2Traits<D, DV>::kBlockN == N &&      \
+                      fa2::Fa2Traits<D, DV>::kNWarps == W && fa2::Fa2Traits<D, DV>::kSmemBytes == SMEM, \
+                  "docs/fa2.md launch table out of date for hdim " #D "/" #DV);
+#define FA2_CHECK(D, M, N, W, SMEM) FA2_CHECK_V(D, D, M, N, W, SMEM)
 FA2_CHECK(32, 128, 64, 4, 30720)
 FA2_CHECK(64, 128, 64, 4, 55296)
 FA2_CHECK(96, 128, 64, 4, 79872)
@@ -393,3 +406,5 @@ FA2_CHECK(128, 128, 32, 4, 69632)
 FA2_CHECK(192, 64, 32, 4, 76800)
 FA2_CHECK(256, 64, 32, 4, 101376)
 FA2_CHECK(512, 32, 16, 4, 99840)
+FA2_CHECK_V(192, 128, 64, 32, 4, 68608)
+FA2_CHECK_V(576, 512, 16, 16, 4, 89344)

@@ -21,7 +21,8 @@
 // cache_batch_idx; the rotary fields, with o the rotated q's scratch). Element by element, so any
 // head_dim and any alignment (coalesced: consecutive threads copy consecutive elements of one
 // row). The host has validated the layout (slots in range, no two sequences appending to one
-// slot, tables covering every position).
+// slot, tables covering every position). K rows are head_dim wide, V rows head_dim_v (0:
+// head_dim).
 #pragma once
 #include <stdint.h>
 
@@ -75,10 +76,10 @@ __device__ __forceinline__ void fa_append_kv(const FwdParams& p) {
                      static_cast<int64_t>(i) * p.knew_row_stride + static_cast<int64_t>(hk) * p.knew_head_stride;
     const Elem* vn = reinterpret_cast<const Elem*>(p.vnew) + static_cast<int64_t>(b) * p.vnew_batch_stride +
                      static_cast<int64_t>(i) * p.vnew_row_stride + static_cast<int64_t>(hk) * p.vnew_head_stride;
-    for (int c = threadIdx.x; c < p.head_dim; c += blockDim.x) {
+    const int head_dim_v = p.head_dim_v > 0 ? p.head_dim_v : p.head_dim;  // 0: V's is Q/K's
+    for (int c = threadIdx.x; c < p.head_dim; c += blockDim.x)
         k[c] = p.rotary_dim > 0 ? fa_rotary_elem(p, kn, c, cached + i) : kn[c];
-        v[c] = vn[c];
-    }
+    for (int c = threadIdx.x; c < head_dim_v; c += blockDim.x) v[c] = vn[c];
 }
 
 // One instance: extern "C" NAME(FwdParams), the symbol build/instances.rs `append_kv_symbol` gives.

@@ -3,8 +3,9 @@
 use crate::error::{Error, Result};
 use crate::problem::Problem;
 
-/// Largest head_dim the CPU backend accepts.
-pub const MAX_HEAD_DIM: usize = 512;
+/// Largest head_dim the CPU backend accepts, on q/k's side and on v's: 576, the q/k head_dim of
+/// DeepSeek MLA's absorbed decode (a 512-wide latent plus 64 rotary dims, with v's 512).
+pub const MAX_HEAD_DIM: usize = 576;
 
 /// [`Error::UnsupportedHeadDim`] when q/k's or v's head_dim is past [`MAX_HEAD_DIM`] (each on
 /// its own: any pair within the limit runs), which both paths check before reading any input

@@ -28,7 +28,6 @@ pub(crate) mod simd;
 pub mod softmax;
 pub(crate) mod tiled;
 
-pub use head_dim::MAX_HEAD_DIM;
 pub(crate) use native::Native;
 pub(crate) use parallel::threads;
 #[cfg(any(test, feature = "bench"))]

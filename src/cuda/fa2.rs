@@ -4,7 +4,7 @@
 //! 48 KB after the opt-in attribute, which `Device::function` sets).
 //!
 //! Preconditions and where each is enforced:
-//! - head_dim equal to the instance's (the kernel has no tail masking): the problem refusal,
+//! - head_dim (and V's, in the fa2v row) equal to the instance's (the kernel has no tail masking): the problem refusal,
 //!   checked when the kernel is chosen, so `Engine::dispatch` already reports the fallback;
 //! - q/k/v/o 16-byte aligned and every batch/row/head stride a multiple of 8 elements (16-byte
 //!   cp.async loads and stores of f16/bf16 rows): the layout refusal, at launch (pointers and
@@ -19,7 +19,7 @@
 
 use super::family::{chunked_rows_refusal, FamilyHost, LayoutRefusal};
 use super::params::{FwdParams, Operands};
-use super::table::{Family, Tile};
+use super::table::{Family, KernelOptions, Tile};
 use crate::problem::Problem;
 
 /// The FA2 family's host rules.
@@ -27,9 +27,16 @@ use crate::problem::Problem;
 pub(crate) struct Fa2;
 
 impl FamilyHost for Fa2 {
-    fn refusal(&self, _fam: &Family, tile: &Tile, p: &Problem) -> Option<&'static str> {
-        (p.head_dim != tile.head_dim as usize)
-            .then_some("runs only its exact head dims (32, 64, 96, 128, 192, 256, 512: no tail masking)")
+    /// The fa2v row (V's head dim its own) runs its tiles' exact (q/k, v) pairs; the others
+    /// their exact head dims.
+    fn refusal(&self, fam: &Family, tile: &Tile, p: &Problem) -> Option<&'static str> {
+        let exact = p.head_dim == tile.head_dim as usize && p.head_dim_v == tile.head_dim_v as usize;
+        let why = if fam.options.contains(KernelOptions::HEAD_DIM_V) {
+            "runs only its exact (q/k, v) head_dim pairs ((192, 128), (576, 512): no tail masking)"
+        } else {
+            "runs only its exact head dims (32, 64, 96, 128, 192, 256, 512: no tail masking)"
+        };
+        (!exact).then_some(why)
     }
 
     /// Every serving layout runs (cuda/common/seqlen.cuh): packed q and k/v, a dense cache with
@@ -55,11 +62,30 @@ mod tests {
     #[test]
     fn exact_head_dim_only() {
         let fa2 = FAMILIES.iter().find(|f| f.name == "fa2").unwrap();
-        let tile = Tile { head_dim: 64, block_m: 128, block_n: 64, threads: 128 };
+        let tile = Tile { head_dim: 64, head_dim_v: 64, block_m: 128, block_n: 64, threads: 128 };
         let p = |d: usize| {
             Problem::from_shapes([1, 8, 2, d], [1, 8, 2, d], [1, 8, 2, d], DType::F16, &ForwardOptions::default()).unwrap()
         };
         assert_eq!(Fa2.refusal(fa2, &tile, &p(64)), None);
         assert!(Fa2.refusal(fa2, &tile, &p(40)).unwrap().contains("exact head dims"));
+    }
+
+    /// The fa2v row runs exactly the (q/k, v) pairs its tiles name, which its refusal lists.
+    #[test]
+    fn fa2v_runs_its_exact_pairs() {
+        let fa2v = FAMILIES.iter().find(|f| f.name == "fa2v").unwrap();
+        let p = |d: usize, dv: usize| {
+            Problem::from_shapes([1, 8, 2, d], [1, 8, 2, d], [1, 8, 2, dv], DType::F16, &ForwardOptions::default()).unwrap()
+        };
+        for tile in fa2v.tiles {
+            let (d, dv) = (tile.head_dim as usize, tile.head_dim_v as usize);
+            assert_eq!(Fa2.refusal(fa2v, tile, &p(d, dv)), None);
+            for (d, dv) in [(d, d), (d, dv - 16), (d - 16, dv)] {
+                let why = Fa2.refusal(fa2v, tile, &p(d, dv)).unwrap();
+                assert!(why.contains("(192, 128), (576, 512)"), "{why}");
+            }
+        }
+        let pairs: Vec<(u32, u32)> = fa2v.tiles.iter().map(|t| (t.head_dim, t.head_dim_v)).collect();
+        assert_eq!(pairs, [(192, 128), (576, 512)], "the refusal's list is the row's");
     }
 }

@@ -157,7 +157,7 @@ mod tests {
     #[test]
     fn refusals_say_what_fa4_needs() {
         let (s1, s2) = (rows()[0], rows()[1]);
-        let t = Tile { head_dim: 128, block_m: 128, block_n: 128, threads: 128 };
+        let t = Tile { head_dim: 128, head_dim_v: 128, block_m: 128, block_n: 128, threads: 128 };
         let p = |d: usize, o: ForwardOptions| {
             Problem::from_shapes([1, 100, 4, d], [1, 90, 2, d], [1, 90, 2, d], DType::BF16, &o).unwrap()
         };

@@ -76,8 +76,11 @@ pub fn plan_append(p: &Problem, layout: &BatchLayout<'_>, ops: &Operands, s: &Se
     }
     let mut params = FwdParams::for_serving(p, layout, ops, s, 1)?;
     let fam = FAMILIES.iter().find(|f| f.name == super::table::APPEND_KV_FAMILY).expect("the append family is in the table");
-    let tile = fam.tiles.iter().filter(|t| t.head_dim as usize >= p.head_dim).min_by_key(|t| t.head_dim).ok_or_else(|| {
-        Error::VariantUnavailable { variant: Variant::Auto, reason: format!("no append kernel unit holds head_dim {}", p.head_dim) }
+    // The kernel copies FwdParams::head_dim (and head_dim_v) elements per row, whatever its unit:
+    // the smallest unit that holds the head_dim, else the largest (MLA's 576 runs on hd 512's).
+    let holds = fam.tiles.iter().filter(|t| t.head_dim as usize >= p.head_dim).min_by_key(|t| t.head_dim);
+    let tile = holds.or_else(|| fam.tiles.iter().max_by_key(|t| t.head_dim)).ok_or_else(|| {
+        Error::VariantUnavailable { variant: Variant::Auto, reason: "the append family has no unit".into() }
     })?;
     let (mut rows, mut heads) = (new, p.heads_kv);
     if let Some(r) = s.rotary.filter(|_| params.rotary_dim > 0) {

@@ -1,9 +1,9 @@
-//! A V head_dim different from Q/K's (DeepSeek's MLA: 192/128 for prefill; FA3's `head_dim_v`)
-//! on every CPU path against the float64 reference with FlashAttention's rule: the dense forward
-//! (tiled and in-place decode paths), `forward_into`, varlen, dense and paged KV caches with
-//! forced split counts, the fused append, `merge_states` over v's head_dim, the backward (dense
-//! and varlen); the default softmax scale 1/sqrt(q/k's head_dim); and every refusal (typed, naming
-//! what was given and expected).
+//! A V head_dim different from Q/K's (DeepSeek's MLA: 192/128 for prefill, 576/512 for the
+//! absorbed decode; FA3's `head_dim_v`) on every CPU path against the float64 reference with
+//! FlashAttention's rule: the dense forward (tiled and in-place decode paths), `forward_into`,
+//! varlen, dense and paged KV caches with forced split counts, the fused append, `merge_states`
+//! over v's head_dim, the backward (dense and varlen); the default softmax scale 1/sqrt(q/k's
+//! head_dim); and every refusal (typed, naming what was given and expected).
 
 use crate::support::props;
 use crate::support::cu_seqlens;
@@ -22,11 +22,11 @@ use flash_attn::{
 };
 use proptest::prelude::*;
 
-/// (q/k head_dim, v head_dim) pairs: MLA's prefill pair, both orders of small and large, v of one
-/// column, unaligned widths (not multiples of the 6-column strips or 32-wide lanes), and the
-/// CPU's limit on either side.
-const PAIRS: [(usize, usize); 10] =
-    [(192, 128), (64, 32), (32, 64), (40, 1), (1, 24), (72, 40), (24, 96), (128, 64), (512, 64), (16, 512)];
+/// (q/k head_dim, v head_dim) pairs: MLA's prefill pair and its absorbed decode pair (576, 512:
+/// q/k at the CPU's limit), both orders of small and large, v of one column, unaligned widths
+/// (not multiples of the 6-column strips or 32-wide lanes), and the CPU's limit on v's side.
+const PAIRS: [(usize, usize); 11] =
+    [(192, 128), (576, 512), (64, 32), (32, 64), (40, 1), (1, 24), (72, 40), (24, 96), (128, 64), (512, 64), (16, 576)];
 
 fn dtype_strategy() -> impl Strategy<Value = DType> {
     prop::sample::select(vec![DType::F32, DType::F16, DType::BF16])
@@ -241,131 +241,172 @@ fn check_seq(
 fn varlen_caches_and_append_match_the_reference() {
     let config = props::config("head_dim_v serving", file!(), 48);
     let mut runner = proptest::test_runner::TestRunner::new(config);
-    runner
-        .run(&serving_strategy(), |c| {
-            let mut rng = Rng::new(c.seed | 1);
-            let (hq, hkv, (d, dv)) = (c.heads_kv * c.ratio, c.heads_kv, c.dims);
-            let opts = options(c.mask, c.softcap, c.alibi, hq, c.splits);
-            let batch = c.lens_q.len();
-            let qs: Vec<Vec<f32>> = c.lens_q.iter().map(|&n| values(&mut rng, n * hq * d, c.dtype)).collect();
-            let ks: Vec<Vec<f32>> = c.lens_k.iter().map(|&n| values(&mut rng, n * hkv * d, c.dtype)).collect();
-            let vs: Vec<Vec<f32>> = c.lens_k.iter().map(|&n| values(&mut rng, n * hkv * dv, c.dtype)).collect();
-            let fail = |what: &str, b: usize, e: String| TestCaseError::fail(format!("{what} {c:?} seq {b}: {e}"));
+    runner.run(&serving_strategy(), serving_case).unwrap();
+}
 
-            // Varlen.
-            let (cu_q, cu_k) = (cu_seqlens(&c.lens_q), cu_seqlens(&c.lens_k));
-            let (tq, tk) = (*cu_q.last().unwrap() as usize, *cu_k.last().unwrap() as usize);
-            let q = Tensor::from_f32(&qs.concat(), c.dtype, [1, tq, hq, d]).unwrap();
-            let k = Tensor::from_f32(&ks.concat(), c.dtype, [1, tk, hkv, d]).unwrap();
-            let v = Tensor::from_f32(&vs.concat(), c.dtype, [1, tk, hkv, dv]).unwrap();
-            let seqs = Varlen {
-                cu_seqlens_q: &cu_q,
-                cu_seqlens_k: &cu_k,
-                max_seqlen_q: c.lens_q.iter().copied().max().unwrap_or(0),
-                max_seqlen_k: c.lens_k.iter().copied().max().unwrap_or(0),
-            };
-            let out = forward_varlen(&q, &k, &v, &seqs, &opts).map_err(|e| TestCaseError::fail(e.to_string()))?;
-            prop_assert_eq!(out.o.shape(), [1, tq, hq, dv]);
-            let (o, lse) = (out.o.to_f32_vec(), out.lse.unwrap());
-            for b in 0..batch {
-                let (q0, sq, sk) = (cu_q[b] as usize, c.lens_q[b], c.lens_k[b]);
-                let rows = &o[q0 * hq * dv..(q0 + sq) * hq * dv];
-                let l = |h: usize, i: usize| lse[h * tq + q0 + i];
-                check_seq(&c, (sq, sk), (&qs[b], &ks[b], &vs[b]), rows, &l, &opts).map_err(|e| fail("varlen", b, e))?;
-            }
+/// MLA's absorbed decode pair (576, 512) on every path the decode takes, whatever the draws of
+/// the property above: decode rows over paged caches (page sizes 1, 7, 16) and a dense cache,
+/// split-KV forced (merged over v's 512 columns) and not, varlen, the fused append (f32 dense
+/// caches), GQA; each sequence against the float64 reference.
+#[test]
+fn mla_decode_pair_on_every_decode_path() {
+    let case = |lens_q: Vec<usize>, lens_k: Vec<usize>, (heads_kv, ratio), splits, dtype, page, seed| Serving {
+        lens_q,
+        lens_k,
+        heads_kv,
+        ratio,
+        dims: (576, 512),
+        mask: Mask::Causal,
+        softcap: None,
+        alibi: false,
+        splits,
+        dtype,
+        page,
+        seed,
+    };
+    let cases = [
+        case(vec![1, 1, 1], vec![70, 1, 33], (1, 4), Some(3), DType::BF16, Some(16), 1),
+        case(vec![1, 1], vec![45, 90], (2, 2), Some(5), DType::F16, Some(7), 2),
+        case(vec![2, 1], vec![60, 9], (1, 2), Some(2), DType::F32, None, 3),
+        case(vec![1, 3], vec![40, 3], (1, 1), None, DType::F32, None, 4),
+        case(vec![1], vec![25], (1, 2), Some(2), DType::F32, Some(1), 5),
+    ];
+    for c in cases {
+        let name = format!("{c:?}");
+        serving_case(c).unwrap_or_else(|e| panic!("{name}: {e}"));
+    }
+}
 
-            // KV cache: q padded to the longest sequence (padding rows checked too), the cache
-            // dense or paged; k and v rows of their own widths.
-            let sq_max = c.lens_q.iter().copied().max().unwrap_or(0).max(1);
-            let mut qd = vec![0.0f32; batch * sq_max * hq * d];
-            for b in 0..batch {
-                qd[b * sq_max * hq * d..][..qs[b].len()].copy_from_slice(&qs[b]);
-            }
-            let q = Tensor::from_f32(&qd, c.dtype, [batch, sq_max, hq, d]).unwrap();
-            let seqlens: Vec<i32> = c.lens_k.iter().map(|&n| n as i32).collect();
-            let cap = c.lens_k.iter().copied().max().unwrap_or(0).max(1);
-            let (krow, vrow) = (hkv * d, hkv * dv);
-            let (slots, table) = match c.page {
-                None => (batch * cap, None),
-                Some(ps) => {
-                    let t = paged_table(&c.lens_k, 0, ps, false, (1, 1), &mut rng);
-                    (t.num_blocks * ps, Some((t, ps)))
-                }
-            };
-            let slot = |b: usize, j: usize| match &table {
-                None => b * cap + j,
-                Some((t, ps)) => t.ids[b * t.width + j / ps] as usize * ps + j % ps,
-            };
-            let (mut kc, mut vc) = (vec![0.0f32; slots * krow], vec![0.0f32; slots * vrow]);
-            for b in 0..batch {
-                for j in 0..c.lens_k[b] {
-                    kc[slot(b, j) * krow..][..krow].copy_from_slice(&ks[b][j * krow..(j + 1) * krow]);
-                    vc[slot(b, j) * vrow..][..vrow].copy_from_slice(&vs[b][j * vrow..(j + 1) * vrow]);
-                }
-            }
-            let (outer, inner) = match &table {
-                None => (batch, cap),
-                Some((t, ps)) => (t.num_blocks, *ps),
-            };
-            let kt = Tensor::from_f32(&kc, c.dtype, [outer, inner, hkv, d]).unwrap();
-            let vt = Tensor::from_f32(&vc, c.dtype, [outer, inner, hkv, dv]).unwrap();
-            let cache = match &table {
-                Some((t, _)) => KvCache::paged(
-                    kt.view(),
-                    vt.view(),
-                    &seqlens,
-                    BlockTable { ids: &t.ids, max_blocks_per_seq: t.width },
-                ),
-                None => KvCache::dense(kt.view(), vt.view(), &seqlens),
-            };
-            let out = forward_kvcache(&q, &cache, &opts).map_err(|e| TestCaseError::fail(e.to_string()))?;
-            prop_assert_eq!(out.o.shape(), [batch, sq_max, hq, dv]);
-            let (o, lse) = (out.o.to_f32_vec(), out.lse.unwrap());
-            for b in 0..batch {
-                let rows = &o[b * sq_max * hq * dv..(b + 1) * sq_max * hq * dv];
-                let qb = &qd[b * sq_max * hq * d..(b + 1) * sq_max * hq * d];
-                let l = |h: usize, i: usize| lse[(b * hq + h) * sq_max + i];
-                check_seq(&c, (sq_max, c.lens_k[b]), (qb, &ks[b], &vs[b]), rows, &l, &opts)
-                    .map_err(|e| fail("kvcache", b, e))?;
-            }
+/// One serving draw: varlen, the dense or paged KV cache, then (f32 dense caches) the fused
+/// append, each sequence against the float64 reference.
+fn serving_case(c: Serving) -> Result<(), TestCaseError> {
+    let mut rng = Rng::new(c.seed | 1);
+    let (hq, hkv, (d, dv)) = (c.heads_kv * c.ratio, c.heads_kv, c.dims);
+    let opts = options(c.mask, c.softcap, c.alibi, hq, c.splits);
+    let batch = c.lens_q.len();
+    let qs: Vec<Vec<f32>> = c.lens_q.iter().map(|&n| values(&mut rng, n * hq * d, c.dtype)).collect();
+    let ks: Vec<Vec<f32>> = c.lens_k.iter().map(|&n| values(&mut rng, n * hkv * d, c.dtype)).collect();
+    let vs: Vec<Vec<f32>> = c.lens_k.iter().map(|&n| values(&mut rng, n * hkv * dv, c.dtype)).collect();
+    let fail = |what: &str, b: usize, e: String| TestCaseError::fail(format!("{what} {c:?} seq {b}: {e}"));
 
-            // The fused append (dense caches only, f32: the cache's element type): the last
-            // `new` keys of every sequence appended to a cache holding the rest, then attended;
-            // equal to the call on the filled cache, and the cache holds exactly those rows.
-            if c.page.is_none() && c.dtype == DType::F32 {
-                let new = c.lens_k.iter().copied().min().unwrap_or(0).min(3);
-                let before: Vec<i32> = seqlens.iter().map(|&n| n - new as i32).collect();
-                let (mut ka, mut va) = (kc.clone(), vc.clone());
-                let (mut knew, mut vnew) = (Vec::new(), Vec::new());
-                for b in 0..batch {
-                    for j in before[b] as usize..c.lens_k[b] {
-                        knew.extend_from_slice(&ka[slot(b, j) * krow..][..krow]);
-                        vnew.extend_from_slice(&va[slot(b, j) * vrow..][..vrow]);
-                        ka[slot(b, j) * krow..][..krow].fill(f32::NAN);
-                        va[slot(b, j) * vrow..][..vrow].fill(f32::NAN);
-                    }
-                }
-                let knew = Tensor::from_vec(knew, [batch, new, hkv, d]).unwrap();
-                let vnew = Tensor::from_vec(vnew, [batch, new, hkv, dv]).unwrap();
-                let mut cm = KvCacheMut { k: &mut ka, v: &mut va, shape: [batch, cap, hkv, d], seqlens: &before, block_table: None, batch_idx: None, leftpad: None };
-                prop_assert_eq!(cm.head_dim_v(), Some(dv));
-                let fused = forward_kvcache_append(&q, &mut cm, &knew, &vnew, &opts)
-                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
-                let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-                prop_assert!(same(&ka, &kc) && same(&va, &vc), "{c:?}: the append wrote other rows");
-                prop_assert_eq!(fused.o.to_f32_vec(), o, "{:?}: fused append differs", c);
+    // Varlen.
+    let (cu_q, cu_k) = (cu_seqlens(&c.lens_q), cu_seqlens(&c.lens_k));
+    let (tq, tk) = (*cu_q.last().unwrap() as usize, *cu_k.last().unwrap() as usize);
+    let q = Tensor::from_f32(&qs.concat(), c.dtype, [1, tq, hq, d]).unwrap();
+    let k = Tensor::from_f32(&ks.concat(), c.dtype, [1, tk, hkv, d]).unwrap();
+    let v = Tensor::from_f32(&vs.concat(), c.dtype, [1, tk, hkv, dv]).unwrap();
+    let seqs = Varlen {
+        cu_seqlens_q: &cu_q,
+        cu_seqlens_k: &cu_k,
+        max_seqlen_q: c.lens_q.iter().copied().max().unwrap_or(0),
+        max_seqlen_k: c.lens_k.iter().copied().max().unwrap_or(0),
+    };
+    let out = forward_varlen(&q, &k, &v, &seqs, &opts).map_err(|e| TestCaseError::fail(e.to_string()))?;
+    prop_assert_eq!(out.o.shape(), [1, tq, hq, dv]);
+    let (o, lse) = (out.o.to_f32_vec(), out.lse.unwrap());
+    for b in 0..batch {
+        let (q0, sq, sk) = (cu_q[b] as usize, c.lens_q[b], c.lens_k[b]);
+        let rows = &o[q0 * hq * dv..(q0 + sq) * hq * dv];
+        let l = |h: usize, i: usize| lse[h * tq + q0 + i];
+        check_seq(&c, (sq, sk), (&qs[b], &ks[b], &vs[b]), rows, &l, &opts).map_err(|e| fail("varlen", b, e))?;
+    }
+
+    // KV cache: q padded to the longest sequence (padding rows checked too), the cache
+    // dense or paged; k and v rows of their own widths.
+    let sq_max = c.lens_q.iter().copied().max().unwrap_or(0).max(1);
+    let mut qd = vec![0.0f32; batch * sq_max * hq * d];
+    for b in 0..batch {
+        qd[b * sq_max * hq * d..][..qs[b].len()].copy_from_slice(&qs[b]);
+    }
+    let q = Tensor::from_f32(&qd, c.dtype, [batch, sq_max, hq, d]).unwrap();
+    let seqlens: Vec<i32> = c.lens_k.iter().map(|&n| n as i32).collect();
+    let cap = c.lens_k.iter().copied().max().unwrap_or(0).max(1);
+    let (krow, vrow) = (hkv * d, hkv * dv);
+    let (slots, table) = match c.page {
+        None => (batch * cap, None),
+        Some(ps) => {
+            let t = paged_table(&c.lens_k, 0, ps, false, (1, 1), &mut rng);
+            (t.num_blocks * ps, Some((t, ps)))
+        }
+    };
+    let slot = |b: usize, j: usize| match &table {
+        None => b * cap + j,
+        Some((t, ps)) => t.ids[b * t.width + j / ps] as usize * ps + j % ps,
+    };
+    let (mut kc, mut vc) = (vec![0.0f32; slots * krow], vec![0.0f32; slots * vrow]);
+    for b in 0..batch {
+        for j in 0..c.lens_k[b] {
+            kc[slot(b, j) * krow..][..krow].copy_from_slice(&ks[b][j * krow..(j + 1) * krow]);
+            vc[slot(b, j) * vrow..][..vrow].copy_from_slice(&vs[b][j * vrow..(j + 1) * vrow]);
+        }
+    }
+    let (outer, inner) = match &table {
+        None => (batch, cap),
+        Some((t, ps)) => (t.num_blocks, *ps),
+    };
+    let kt = Tensor::from_f32(&kc, c.dtype, [outer, inner, hkv, d]).unwrap();
+    let vt = Tensor::from_f32(&vc, c.dtype, [outer, inner, hkv, dv]).unwrap();
+    let cache = match &table {
+        Some((t, _)) => KvCache::paged(
+            kt.view(),
+            vt.view(),
+            &seqlens,
+            BlockTable { ids: &t.ids, max_blocks_per_seq: t.width },
+        ),
+        None => KvCache::dense(kt.view(), vt.view(), &seqlens),
+    };
+    let out = forward_kvcache(&q, &cache, &opts).map_err(|e| TestCaseError::fail(e.to_string()))?;
+    prop_assert_eq!(out.o.shape(), [batch, sq_max, hq, dv]);
+    let (o, lse) = (out.o.to_f32_vec(), out.lse.unwrap());
+    for b in 0..batch {
+        let rows = &o[b * sq_max * hq * dv..(b + 1) * sq_max * hq * dv];
+        let qb = &qd[b * sq_max * hq * d..(b + 1) * sq_max * hq * d];
+        let l = |h: usize, i: usize| lse[(b * hq + h) * sq_max + i];
+        check_seq(&c, (sq_max, c.lens_k[b]), (qb, &ks[b], &vs[b]), rows, &l, &opts)
+            .map_err(|e| fail("kvcache", b, e))?;
+    }
+
+    // The fused append (dense caches only, f32: the cache's element type): the last
+    // `new` keys of every sequence appended to a cache holding the rest, then attended;
+    // equal to the call on the filled cache, and the cache holds exactly those rows.
+    if c.page.is_none() && c.dtype == DType::F32 {
+        let new = c.lens_k.iter().copied().min().unwrap_or(0).min(3);
+        let before: Vec<i32> = seqlens.iter().map(|&n| n - new as i32).collect();
+        let (mut ka, mut va) = (kc.clone(), vc.clone());
+        let (mut knew, mut vnew) = (Vec::new(), Vec::new());
+        for b in 0..batch {
+            for j in before[b] as usize..c.lens_k[b] {
+                knew.extend_from_slice(&ka[slot(b, j) * krow..][..krow]);
+                vnew.extend_from_slice(&va[slot(b, j) * vrow..][..vrow]);
+                ka[slot(b, j) * krow..][..krow].fill(f32::NAN);
+                va[slot(b, j) * vrow..][..vrow].fill(f32::NAN);
             }
-            Ok(())
-        })
-        .unwrap();
+        }
+        let knew = Tensor::from_vec(knew, [batch, new, hkv, d]).unwrap();
+        let vnew = Tensor::from_vec(vnew, [batch, new, hkv, dv]).unwrap();
+        let mut cm = KvCacheMut { k: &mut ka, v: &mut va, shape: [batch, cap, hkv, d], seqlens: &before, block_table: None, batch_idx: None, leftpad: None };
+        prop_assert_eq!(cm.head_dim_v(), Some(dv));
+        let fused = forward_kvcache_append(&q, &mut cm, &knew, &vnew, &opts)
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        prop_assert!(same(&ka, &kc) && same(&va, &vc), "{c:?}: the append wrote other rows");
+        prop_assert_eq!(fused.o.to_f32_vec(), o, "{:?}: fused append differs", c);
+    }
+    Ok(())
 }
 
 /// Split-KV in the open: `merge_states` of two calls over disjoint halves of the keys (outputs
-/// of v's head_dim) is the call over all of them.
+/// of v's head_dim) is the call over all of them, at MLA's prefill and decode pairs.
 #[test]
 fn merge_states_over_v_head_dim() {
+    for (d, dv) in [(192, 128), (576, 512)] {
+        merge_states_case(d, dv);
+    }
+}
+
+fn merge_states_case(d: usize, dv: usize) {
     let mut rng = Rng::new(11);
-    let (d, dv, sk) = (192, 128, 70);
+    let sk = 70;
     let q = randn(&mut rng, DType::F32, [1, 5, 4, d]);
     let k = randn(&mut rng, DType::F32, [1, sk, 2, d]);
     let v = randn(&mut rng, DType::F32, [1, sk, 2, dv]);
@@ -403,7 +444,8 @@ struct Bwd {
 fn bwd_strategy() -> impl Strategy<Value = Bwd> {
     (
         (1usize..=2, 1usize..=2, prop::sample::select(vec![1usize, 2, 3])),
-        (1usize..=70, 1usize..=110, prop::sample::select(PAIRS.to_vec())),
+        // The backward takes head dims up to 512 (MLA's 576 is a decode shape).
+        (1usize..=70, 1usize..=110, prop::sample::select(PAIRS.into_iter().filter(|&(d, dv)| d.max(dv) <= 512).collect::<Vec<_>>())),
         mask_strategy(),
         (prop::option::weighted(0.3, 2.0f32..50.0), prop::bool::weighted(0.3)),
         (dtype_strategy(), any::<u64>()),
@@ -524,11 +566,16 @@ fn every_other_mismatch_is_a_typed_error() {
         let e = forward(&q, &t([2, 8, 2, 192]), &t(v), &o).unwrap_err();
         shape_err(&e, "v", &[&format!("{v:?}"), "[2, 8, 2, 192]", "head_dim_v"]);
     }
-    // The CPU's limit, on either side (MLA's absorbed decode pair 576/512 is past it on q/k's).
-    for ((d, dv), bad, side) in [((576, 512), 576, "q and k"), ((128, 640), 640, "v")] {
+    // Past the CPU's limit (576, MLA's absorbed decode q/k), on either side.
+    for ((d, dv), bad, side) in [((577, 512), 577, "q and k"), ((128, 640), 640, "v")] {
         let e = forward(&t([1, 2, 1, d]), &t([1, 2, 1, d]), &t([1, 2, 1, dv]), &o.clone().backend(Backend::Cpu)).unwrap_err();
-        assert!(matches!(&e, Error::UnsupportedHeadDim { head_dim, supported, .. } if *head_dim == bad && supported.contains(side)), "{e:?}");
+        assert!(matches!(&e, Error::UnsupportedHeadDim { head_dim, supported, .. } if *head_dim == bad && supported.contains(side) && supported.contains("1..=576")), "{e:?}");
     }
+    // The backward's limit is 512 on either side: MLA's decode pair is forward-only.
+    let (q5, v5) = (t([1, 2, 1, 576]), t([1, 2, 1, 512]));
+    let lse = vec![0.0f32; 2];
+    let e = backward(&q5, &q5, &v5, &v5, &v5, &lse, &o).unwrap_err();
+    assert!(matches!(&e, Error::UnsupportedHeadDim { head_dim: 576, supported, .. } if supported.contains("1..=512")), "{e:?}");
     // forward_into: the output buffer has v's head_dim.
     let (k, v) = (t([2, 8, 2, 192]), t([2, 8, 2, 128]));
     let mut of_qk = vec![0.0f32; 2 * 8 * 4 * 192];
@@ -588,15 +635,16 @@ fn writable_cache_v_head_dim_is_checked() {
     }
 }
 
-/// Every GPU family refuses a V head_dim unlike Q/K's: an explicit variant is
-/// `VariantUnavailable`; `Variant::Auto` under `Backend::Auto` runs the call on the CPU.
+/// FA1, FA3 and FA4 refuse a V head_dim unlike Q/K's (FA2's fa2v row runs (192, 128) and
+/// (576, 512) on a GPU: src/cuda/fa2.rs, tests/emulator/head_dim_v.rs): an explicit variant is
+/// `VariantUnavailable`; `Variant::Auto` under `Backend::Auto` runs the call on the CPU here.
 #[test]
-fn gpu_families_refuse_and_auto_runs_on_the_cpu() {
+fn other_gpu_families_refuse_and_auto_runs_on_the_cpu() {
     let mut rng = Rng::new(3);
     let q = randn(&mut rng, DType::BF16, [1, 20, 2, 192]);
     let k = randn(&mut rng, DType::BF16, [1, 20, 2, 192]);
     let v = randn(&mut rng, DType::BF16, [1, 20, 2, 128]);
-    for variant in [Variant::Fa1, Variant::Fa2, Variant::Fa3, Variant::Fa4] {
+    for variant in [Variant::Fa1, Variant::Fa3, Variant::Fa4] {
         let e = forward(&q, &k, &v, &ForwardOptions::default().variant(variant)).unwrap_err();
         assert!(matches!(e, Error::VariantUnavailable { .. }), "{variant:?}: {e:?}");
     }

@@ -116,7 +116,7 @@ fn serving(
     opts: ForwardOptions,
     seed: u64,
 ) -> SCase {
-    SCase { family: "fa2", name: format!("hd512_{name}"), dtype, d: D, hq, hkv, packed_q, sq, sk, kv, splits, opts, seed }
+    SCase { family: "fa2", name: format!("hd512_{name}"), dtype, d: D, dv: D, hq, hkv, packed_q, sq, sk, kv, splits, opts, seed }
 }
 
 /// Decode: paged caches (shuffled, shared first block), a dense cache, packed q; split-KV merged

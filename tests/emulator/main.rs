@@ -27,6 +27,10 @@ mod forward;
 /// FA2's head_dim 512 instance: prefill and decode (split-KV through the combine, paged caches).
 #[cfg(feature = "cuda")]
 mod head_dim_512;
+/// FA2 with V's head dim below Q/K's (DeepSeek's MLA (192, 128) and (576, 512)): prefill,
+/// decode through the combine kernel, the append, mutations.
+#[cfg(feature = "cuda")]
+mod head_dim_v;
 /// The FP8 pre-pass and consumers bit for bit against the CPU oracle, and FA3's FP8 accuracy.
 #[cfg(all(feature = "cuda", feature = "bench"))]
 mod fp8;

@@ -7,8 +7,8 @@
 //! seeds; each sequence is compared with the float64 reference run on that sequence alone, with
 //! the GPU tests' rule. `FLASH_ATTN_EMU=full` adds random configurations.
 //!
-//! The runner (`Case`, `run`, `check`) takes the family from the case: `head_dim_512` runs FA2's
-//! hd 512 instance through it.
+//! The runner (`Case`, `run`, `check`) takes the family and V's head dim from the case:
+//! `head_dim_512` runs FA2's hd 512 instance through it, `head_dim_v` the fa2v row's pairs.
 //!
 //! Only g++ is needed: these ran in the emulator; nothing here ran on a GPU.
 use crate::support::emu::{run_launch, tool_exe, unit_exe, LaunchBuf, LSE_TOL};
@@ -47,6 +47,8 @@ pub(crate) struct Case {
     pub(crate) name: String,
     pub(crate) dtype: DType,
     pub(crate) d: usize,
+    /// V's (and O's) head dim: `d`, or its own (the fa2v row's pairs).
+    pub(crate) dv: usize,
     pub(crate) hq: usize,
     pub(crate) hkv: usize,
     /// Packed q (cu_seqlens_q) with these lengths, or dense q of `sq[0]` rows for every sequence.
@@ -81,7 +83,7 @@ fn f32s(b: &[u8]) -> Vec<f32> {
 /// (`opts.sinks`) go to the attention and, with split-KV, to the combine kernel, which folds them.
 fn run(c: &Case) -> Result<String, String> {
     let mut rng = Rng::new(c.seed);
-    let (b, d, hq, hkv, dt) = (c.sq.len(), c.d, c.hq, c.hkv, c.dtype);
+    let (b, d, dv, hq, hkv, dt) = (c.sq.len(), c.d, c.dv, c.hq, c.hkv, c.dtype);
     let round = |x: f32| values(dt, &bits(dt, &[x]))[0];
     // q: packed [1, total_q, hq, d] or dense [b, sq, hq, d].
     let (q_shape, cu_q) = if c.packed_q {
@@ -122,10 +124,12 @@ fn run(c: &Case) -> Result<String, String> {
             ([n_blocks, page, hkv, d], max_blocks)
         }
     };
-    let kv_len: usize = k_shape.iter().product();
+    // v: k's storage with V's head dim; o: q's with V's head dim.
+    let v_shape = [k_shape[0], k_shape[1], hkv, dv];
+    let o_shape = [q_shape[0], q_shape[1], hq, dv];
     // Slots no sequence uses stay NaN: the kernel must not read them.
-    let mut k = vec![f32::NAN; kv_len];
-    let mut v = vec![f32::NAN; kv_len];
+    let mut k = vec![f32::NAN; k_shape.iter().product()];
+    let mut v = vec![f32::NAN; v_shape.iter().product()];
     let ql = match &cu_q {
         Some(cuq) => QueryLayout::Varlen { cu_seqlens: cuq, max_seqlen: c.sq.iter().max().copied().unwrap_or(0) },
         None => QueryLayout::Dense,
@@ -138,16 +142,18 @@ fn run(c: &Case) -> Result<String, String> {
         }
     };
     let layout = BatchLayout::new(ql, q_shape, kl, k_shape).map_err(|e| e.to_string())?;
-    let row = hkv * d;
+    let (row, vrow) = (hkv * d, hkv * dv);
     for bi in 0..b {
         for j in 0..layout.seqlen_k(bi) {
             let (t0, t1) = layout.kv_row(bi, j);
-            let at = (t0 * k_shape[1] + t1) * row;
-            for x in 0..row {
-                // A shared block: the first writer's values stay (every sharer reads the same).
-                if k[at + x].is_nan() {
-                    k[at + x] = round(rng.normal() as f32);
-                    v[at + x] = round(rng.normal() as f32);
+            let slot = t0 * k_shape[1] + t1;
+            // A shared block: the first writer's values stay (every sharer reads the same).
+            if k[slot * row].is_nan() {
+                for x in &mut k[slot * row..(slot + 1) * row] {
+                    *x = round(rng.normal() as f32);
+                }
+                for x in &mut v[slot * vrow..(slot + 1) * vrow] {
+                    *x = round(rng.normal() as f32);
                 }
             }
         }
@@ -156,13 +162,14 @@ fn run(c: &Case) -> Result<String, String> {
     let (msq, msk) = (layout.max_seqlen_q(), layout.max_seqlen_k());
     let pq = Tensor::zeros(dt, [b, msq.max(1), hq, d]).unwrap();
     let pk = Tensor::zeros(dt, [b, msk.max(1), hkv, d]).unwrap();
-    let mut p = Problem::new(&pq.view(), &pk.view(), &pk.view(), &c.opts).map_err(|e| e.to_string())?;
+    let pv = Tensor::zeros(dt, [b, msk.max(1), hkv, dv]).unwrap();
+    let mut p = Problem::new(&pq.view(), &pk.view(), &pv.view(), &c.opts).map_err(|e| e.to_string())?;
     (p.seqlen_q, p.seqlen_k) = (msq, msk);
     let st = |s: [usize; 4]| [s[1] * s[2] * s[3], s[2] * s[3], s[3]];
     let lse_rows = if c.packed_q { hq * q_shape[1] } else { b * hq * q_shape[1] };
     let ops = Operands {
         ptrs: [Q, K, V, O],
-        strides: [st(q_shape), st(k_shape), st(k_shape), st(q_shape)],
+        strides: [st(q_shape), st(k_shape), st(v_shape), st(o_shape)],
         lse: if c.opts.return_lse { LSE } else { 0 },
         alibi: 0,
         sinks: if p.sinks.is_some() { SINKS } else { 0 },
@@ -195,13 +202,13 @@ fn run(c: &Case) -> Result<String, String> {
     if let Some(sb) = &sink_bytes {
         bufs.push(LaunchBuf::input("sinks", SINKS, sb.clone()));
     }
-    let n_o = q.len() * 2;
+    let n_o = o_shape.iter().product::<usize>() * 2;
     bufs.push(LaunchBuf::output("o", O, n_o));
     if c.opts.return_lse {
         bufs.push(LaunchBuf::output("lse", LSE, lse_rows * 4));
     }
     if c.splits > 1 {
-        bufs.push(LaunchBuf::output("o_accum", O_ACC, c.splits * lse_rows * d * 4));
+        bufs.push(LaunchBuf::output("o_accum", O_ACC, c.splits * lse_rows * dv * 4));
         bufs.push(LaunchBuf::output("lse_accum", LSE_ACC, c.splits * lse_rows * 4));
     }
     let (_, mut outs) = run_launch(&exe, &dir, &pl, c.family, &[1, 2, 3], &bufs)?;
@@ -213,8 +220,8 @@ fn run(c: &Case) -> Result<String, String> {
             }
         }
         // The combine kernel merges the partial states into o (and the LSE), in the emulator.
-        let out = Rows { ptr: O, strides: st(q_shape) };
-        let shape = if c.packed_q { q_shape } else { [b, q_shape[1], hq, d] };
+        let out = Rows { ptr: O, strides: st(o_shape) };
+        let shape = if c.packed_q { o_shape } else { [b, q_shape[1], hq, dv] };
         let lse_out = if c.opts.return_lse { LSE } else { 0 };
         let cl = splits_plan(shape, c.splits, O_ACC, LSE_ACC, dt, out, lse_out, ops.sinks).map_err(|e| e.to_string())?;
         let hex: String = cl.params.to_bytes().iter().map(|b| format!("{b:02x}")).collect();
@@ -274,8 +281,8 @@ fn run(c: &Case) -> Result<String, String> {
         };
         let got_row = |i: usize| {
             let (t0, t1) = layout.q_row(bi, i);
-            let at = (t0 * q_shape[1] + t1) * hq * d;
-            &got_o[at..at + hq * d]
+            let at = (t0 * q_shape[1] + t1) * hq * dv;
+            &got_o[at..at + hq * dv]
         };
         if sk == 0 {
             // No key: 0, with LSE -inf, or the head's sink logit where it has one.
@@ -297,13 +304,13 @@ fn run(c: &Case) -> Result<String, String> {
         let (mut kb, mut vb) = (Vec::new(), Vec::new());
         for j in 0..sk {
             let (t0, t1) = layout.kv_row(bi, j);
-            let at = (t0 * k_shape[1] + t1) * row;
-            kb.extend_from_slice(&k[at..at + row]);
-            vb.extend_from_slice(&v[at..at + row]);
+            let slot = t0 * k_shape[1] + t1;
+            kb.extend_from_slice(&k[slot * row..(slot + 1) * row]);
+            vb.extend_from_slice(&v[slot * vrow..(slot + 1) * vrow]);
         }
         let qt = Tensor::from_f32(&qb, dt, [1, sq, hq, d]).unwrap();
         let kt = Tensor::from_f32(&kb, dt, [1, sk, hkv, d]).unwrap();
-        let vt = Tensor::from_f32(&vb, dt, [1, sk, hkv, d]).unwrap();
+        let vt = Tensor::from_f32(&vb, dt, [1, sk, hkv, dv]).unwrap();
         let pb = Problem::new(&qt.view(), &kt.view(), &vt.view(), &c.opts).unwrap();
         let r = attention_f64(&pb, &qt.view(), &kt.view(), &vt.view()).unwrap();
         let naive = attention_naive(&pb, &qt.view(), &kt.view(), &vt.view(), dt).unwrap();
@@ -347,7 +354,7 @@ pub(super) fn case(
     opts: ForwardOptions,
     seed: u64,
 ) -> Case {
-    Case { family: "fa1", name: name.into(), dtype, d: 64, hq, hkv, packed_q, sq, sk, kv, splits, opts, seed }
+    Case { family: "fa1", name: name.into(), dtype, d: 64, dv: 64, hq, hkv, packed_q, sq, sk, kv, splits, opts, seed }
 }
 
 /// The CI subset: every layout, page sizes 1/3/16/256 with shuffled and shared tables, lengths

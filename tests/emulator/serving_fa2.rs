@@ -50,8 +50,12 @@ impl Kv {
 /// One emulated serving launch.
 #[derive(Clone, Debug)]
 pub(super) struct SCase {
+    /// The table row whose kernel runs ("fa2", or "fa2v" for V's own head dim).
+    pub(super) family: &'static str,
     pub(super) dtype: DType,
     pub(super) d: usize,
+    /// V's (and O's) head dim: `d` but in the fa2v row's pairs.
+    pub(super) dv: usize,
     pub(super) hq: usize,
     pub(super) hkv: usize,
     /// `Err(sq)`: a dense q of `sq` rows per sequence; `Ok(lens)`: packed with these lengths.
@@ -74,9 +78,11 @@ pub(super) struct SCase {
 impl SCase {
     fn name(&self) -> String {
         format!(
-            "fa2 {:?} d{} h{}/{} q{:?} kv{:?} {:?}{}{}{}{} splits{} new{}",
+            "{} {:?} d{}/{} h{}/{} q{:?} kv{:?} {:?}{}{}{}{} splits{} new{}",
+            self.family,
             self.dtype,
             self.d,
+            self.dv,
             self.hq,
             self.hkv,
             self.q,
@@ -133,8 +139,9 @@ pub(super) fn contiguous(s: [usize; 4]) -> [usize; 3] {
 }
 
 /// The cache storage of a case: shape, NaN-filled contents with each sequence's keys placed, the
-/// block table (paged), and the logical keys/values per sequence `[sk_b][hkv][d]`.
+/// block table (paged), and the logical keys/values per sequence `[sk_b][hkv][d]` (values `dv`).
 struct Store {
+    /// k's shape; v's is the same with `dv` last.
     shape: [usize; 4],
     k: Vec<f32>,
     v: Vec<f32>,
@@ -145,11 +152,11 @@ struct Store {
 }
 
 fn build_store(c: &SCase, rng: &mut Rng) -> Store {
-    let row = c.hkv * c.d;
+    let (row, vrow) = (c.hkv * c.d, c.hkv * c.dv);
     let lens = c.kv.lens();
     let batch = lens.len();
     let mut logical_k: Vec<Vec<f32>> = lens.iter().map(|&l| values(rng, l * row, c.dtype)).collect();
-    let mut logical_v: Vec<Vec<f32>> = lens.iter().map(|&l| values(rng, l * row, c.dtype)).collect();
+    let mut logical_v: Vec<Vec<f32>> = lens.iter().map(|&l| values(rng, l * vrow, c.dtype)).collect();
     let (shape, table, max_blocks) = match &c.kv {
         Kv::Varlen(_) => ([1, lens.iter().sum(), c.hkv, c.d], Vec::new(), 0),
         Kv::Cache { extra, .. } => ([batch, lens.iter().copied().max().unwrap_or(0) + extra, c.hkv, c.d], Vec::new(), 0),
@@ -171,26 +178,26 @@ fn build_store(c: &SCase, rng: &mut Rng) -> Store {
                 for p in 0..pages[b] {
                     table[b * max_blocks + p] = if p < shared[b] { table[p] } else { next.next().unwrap() };
                 }
-                let n = shared[b] * ps * row;
-                let (sk, sv) = (logical_k[0][..n].to_vec(), logical_v[0][..n].to_vec());
+                let (n, nv) = (shared[b] * ps * row, shared[b] * ps * vrow);
+                let (sk, sv) = (logical_k[0][..n].to_vec(), logical_v[0][..nv].to_vec());
                 logical_k[b][..n].copy_from_slice(&sk);
-                logical_v[b][..n].copy_from_slice(&sv);
+                logical_v[b][..nv].copy_from_slice(&sv);
             }
             ([num_blocks, ps, c.hkv, c.d], table, max_blocks)
         }
     };
-    let n: usize = shape.iter().product();
-    let (mut k, mut v) = (vec![f32::NAN; n], vec![f32::NAN; n]);
+    let slots = shape[0] * shape[1];
+    let (mut k, mut v) = (vec![f32::NAN; slots * row], vec![f32::NAN; slots * vrow]);
     let offs = cu_seqlens(lens);
     for b in 0..batch {
         for j in 0..lens[b] {
-            let at = match &c.kv {
-                Kv::Varlen(_) => (offs[b] as usize + j) * row,
-                Kv::Cache { .. } => (b * shape[1] + j) * row,
-                Kv::Paged { page, .. } => (table[b * max_blocks + j / page] as usize * page + j % page) * row,
+            let slot = match &c.kv {
+                Kv::Varlen(_) => offs[b] as usize + j,
+                Kv::Cache { .. } => b * shape[1] + j,
+                Kv::Paged { page, .. } => table[b * max_blocks + j / page] as usize * page + j % page,
             };
-            k[at..at + row].copy_from_slice(&logical_k[b][j * row..][..row]);
-            v[at..at + row].copy_from_slice(&logical_v[b][j * row..][..row]);
+            k[slot * row..][..row].copy_from_slice(&logical_k[b][j * row..][..row]);
+            v[slot * vrow..][..vrow].copy_from_slice(&logical_v[b][j * vrow..][..vrow]);
         }
     }
     Store { shape, k, v, table, max_blocks, logical_k, logical_v }
@@ -204,7 +211,7 @@ fn run(c: &SCase) -> Result<f64, String> {
 /// [`run`] on a mutated copy of the kernel sources (the mutation self-test).
 fn run_mutated(c: &SCase, mutation: Option<&Mutation>) -> Result<f64, String> {
     let mut rng = Rng::new(c.seed | 1);
-    let (hq, hkv, d, dtype) = (c.hq, c.hkv, c.d, c.dtype);
+    let (hq, hkv, d, dv, dtype) = (c.hq, c.hkv, c.d, c.dv, c.dtype);
     let batch = c.batch();
     let qlens: Vec<usize> = match &c.q {
         Ok(l) => l.clone(),
@@ -235,15 +242,16 @@ fn run_mutated(c: &SCase, mutation: Option<&Mutation>) -> Result<f64, String> {
     };
     let layout = BatchLayout::new(ql, q_shape, kl, st.shape).map_err(|e| format!("layout: {e}"))?;
     let opts = c.opts();
-    let p = layout.launch_problem(hq, hkv, d, dtype, &opts).map_err(|e| format!("problem: {e}"))?;
+    let p = layout.launch_problem_v(hq, hkv, (d, dv), dtype, &opts).map_err(|e| format!("problem: {e}"))?;
+    let (v_shape, o_shape) = ([st.shape[0], st.shape[1], hkv, dv], [q_shape[0], q_shape[1], hq, dv]);
     let ops = Operands {
         ptrs: [Q, K, V, O],
-        strides: [contiguous(q_shape), contiguous(st.shape), contiguous(st.shape), contiguous(q_shape)],
+        strides: [contiguous(q_shape), contiguous(st.shape), contiguous(v_shape), contiguous(o_shape)],
         lse: if c.lse { LSE } else { 0 },
         alibi: if c.alibi { ALIBI } else { 0 },
         sinks: if p.sinks.is_some() { SINKS } else { 0 },
     };
-    let new_shape = [batch, c.new, hkv, d];
+    let (new_shape, vnew_shape) = ([batch, c.new, hkv, d], [batch, c.new, hkv, dv]);
     let sops = ServingOperands {
         cu_seqlens_q: CU_Q,
         cu_seqlens_k: CU_K,
@@ -253,7 +261,7 @@ fn run_mutated(c: &SCase, mutation: Option<&Mutation>) -> Result<f64, String> {
         lse_accum: LSE_ACC,
         knew: KNEW,
         vnew: VNEW,
-        new_strides: [contiguous(new_shape); 2],
+        new_strides: [contiguous(new_shape), contiguous(vnew_shape)],
         ..ServingOperands::default()
     };
     if layout.max_seqlen_q() == 0 {
@@ -261,10 +269,10 @@ fn run_mutated(c: &SCase, mutation: Option<&Mutation>) -> Result<f64, String> {
         return Ok(0.0);
     }
     let pl: LaunchPlan =
-        plan_serving("fa2", &p, &layout, &ops, &sops, c.splits, 1).map_err(|e| format!("plan: {e}"))?;
+        plan_serving(c.family, &p, &layout, &ops, &sops, c.splits, 1).map_err(|e| format!("plan: {e}"))?;
     let fp: FwdParams = pl.params;
     let lse_rows = fp.lse_rows();
-    let fam = FAMILIES.iter().find(|f| f.name == "fa2").unwrap();
+    let fam = FAMILIES.iter().find(|f| f.name == c.family).unwrap();
     let exe = unit_exe(fam, pl.tile, mutation)?;
     let mut h = std::collections::hash_map::DefaultHasher::new();
     std::hash::Hash::hash(&c.name(), &mut h);
@@ -281,7 +289,7 @@ fn run_mutated(c: &SCase, mutation: Option<&Mutation>) -> Result<f64, String> {
         LaunchBuf::input("q", Q, bits(&qx, dtype)),
         LaunchBuf::input("k", K, k_bytes),
         LaunchBuf::input("v", V, v_bytes),
-        LaunchBuf::output("o", O, qx.len() * 2),
+        LaunchBuf::output("o", O, o_shape.iter().product::<usize>() * 2),
     ];
     if c.lse {
         bufs.push(LaunchBuf::output("lse", LSE, lse_rows * 4));
@@ -311,15 +319,15 @@ fn run_mutated(c: &SCase, mutation: Option<&Mutation>) -> Result<f64, String> {
         bufs.push(LaunchBuf::input("vnew", VNEW, vec![0; 16]));
     }
     if c.splits > 1 {
-        bufs.push(LaunchBuf::output("o_accum", O_ACC, c.splits * lse_rows * d * 4));
+        bufs.push(LaunchBuf::output("o_accum", O_ACC, c.splits * lse_rows * dv * 4));
         bufs.push(LaunchBuf::output("lse_accum", LSE_ACC, c.splits * lse_rows * 4));
     }
-    let (log, outs) = run_launch(&exe, &dir, &pl, "fa2", &[1, 2], &bufs)?;
+    let (log, outs) = run_launch(&exe, &dir, &pl, c.family, &[1, 2], &bufs)?;
     let (o, lse): (Vec<f32>, Vec<f32>) = if c.splits > 1 {
         if outs["o"].iter().any(|&b| b != 0xFF) {
             return Err(format!("a split-KV launch wrote o (the combine's job)\n{log}"));
         }
-        merge_splits(&outs, c.splits, lse_rows, q_shape, &fp, &p)?
+        merge_splits(&outs, c.splits, lse_rows, o_shape, &fp, &p)?
     } else {
         let lse = if c.lse { f32s(&outs["lse"]) } else { Vec::new() };
         (from_bits(&outs["o"], dtype), lse)
@@ -328,13 +336,13 @@ fn run_mutated(c: &SCase, mutation: Option<&Mutation>) -> Result<f64, String> {
     let mut worst = 0.0f64;
     for b in 0..batch {
         let (sq, sk) = (layout.seqlen_q(b), layout.seqlen_k(b));
-        let mut ob = Vec::with_capacity(sq * hq * d);
+        let mut ob = Vec::with_capacity(sq * hq * dv);
         let mut qb = Vec::with_capacity(sq * hq * d);
         for i in 0..sq {
             let (qb_i, row) = layout.q_row(b, i);
-            let at = ((qb_i * q_shape[1] + row) * hq) * d;
-            ob.extend_from_slice(&o[at..at + hq * d]);
-            qb.extend_from_slice(&qx[at..at + hq * d]);
+            let at = (qb_i * q_shape[1] + row) * hq;
+            ob.extend_from_slice(&o[at * dv..(at + hq) * dv]);
+            qb.extend_from_slice(&qx[at * d..(at + hq) * d]);
         }
         let lse_at = |h: usize, i: usize| -> f32 {
             let (qbi, row) = layout.q_row(b, i);
@@ -358,7 +366,7 @@ fn run_mutated(c: &SCase, mutation: Option<&Mutation>) -> Result<f64, String> {
         }
         let qt = Tensor::from_f32(&qb, dtype, [1, sq, hq, d]).unwrap();
         let kt = Tensor::from_f32(&st.logical_k[b], dtype, [1, sk, hkv, d]).unwrap();
-        let vt = Tensor::from_f32(&st.logical_v[b], dtype, [1, sk, hkv, d]).unwrap();
+        let vt = Tensor::from_f32(&st.logical_v[b], dtype, [1, sk, hkv, dv]).unwrap();
         let (qv, kv, vv): (TensorView, TensorView, TensorView) = (qt.view(), kt.view(), vt.view());
         let ps = Problem::new(&qv, &kv, &vv, &opts).map_err(|e| format!("{}: problem {e}", name()))?;
         let r = attention_f64(&ps, &qv, &kv, &vv).unwrap();
@@ -386,7 +394,7 @@ fn run_mutated(c: &SCase, mutation: Option<&Mutation>) -> Result<f64, String> {
 }
 
 /// The append half of `forward_kvcache_append` in the emulator: the cache with the new rows'
-/// slots still NaN, k_new / v_new `[batch, new, hkv, d]`; runs the append kernel
+/// slots still NaN, k_new / v_new `[batch, new, hkv, d / dv]`; runs the append kernel
 /// (`plan_append`) with the cache as `inout`, checks that exactly the new rows were written
 /// (every other byte unchanged, NaN slack included) and returns the cache it left.
 #[allow(clippy::too_many_arguments)]
@@ -400,19 +408,19 @@ fn append(
     dir: &Path,
     seqlens: &[i32],
 ) -> Result<(Vec<u8>, Vec<u8>), String> {
-    let (hkv, d, dtype) = (c.hkv, c.d, c.dtype);
-    let row = hkv * d;
+    let (hkv, dtype) = (c.hkv, c.dtype);
+    let (row, vrow) = (hkv * c.d, hkv * c.dv);
     let (mut pre_k, mut pre_v) = (st.k.clone(), st.v.clone());
     let (mut knew, mut vnew) = (Vec::new(), Vec::new());
     for (b, &cached) in seqlens.iter().enumerate() {
         for i in 0..c.new {
             let j = cached as usize + i;
             let (outer, r) = layout.kv_row(b, j);
-            let at = (outer * st.shape[1] + r) * row;
-            pre_k[at..at + row].fill(f32::NAN);
-            pre_v[at..at + row].fill(f32::NAN);
+            let slot = outer * st.shape[1] + r;
+            pre_k[slot * row..][..row].fill(f32::NAN);
+            pre_v[slot * vrow..][..vrow].fill(f32::NAN);
             knew.extend_from_slice(&st.logical_k[b][j * row..][..row]);
-            vnew.extend_from_slice(&st.logical_v[b][j * row..][..row]);
+            vnew.extend_from_slice(&st.logical_v[b][j * vrow..][..vrow]);
         }
     }
     let pl = plan_append(p, layout, ops, sops).map_err(|e| format!("plan_append: {e}"))?;
@@ -448,18 +456,19 @@ fn append(
     Ok((outs["k"].clone(), outs["v"].clone()))
 }
 
-/// Merges the split-KV partial states (docs/serving.md: o_accum `[splits, lse rows, d]`,
-/// lse_accum `[splits, lse rows]`, rows in the LSE's order) with `merge_states_n`, into o in q's
-/// layout (f32) and the LSE. The problem's sinks join as one more state, `(0, sink of the row's
+/// Merges the split-KV partial states (docs/serving.md: o_accum `[splits, lse rows, dv]`,
+/// lse_accum `[splits, lse rows]`, rows in the LSE's order) with `merge_states_n`, into o in its
+/// layout `o_shape` (f32) and the LSE. The problem's sinks join as one more state, `(0, sink of the row's
 /// head)`, as docs/serving.md says a caller merging states adds them: the splits carry none.
 pub(super) fn merge_splits(
     outs: &HashMap<String, Vec<u8>>,
     splits: usize,
     lse_rows: usize,
-    q_shape: [usize; 4],
+    o_shape: [usize; 4],
     fp: &FwdParams,
     p: &Problem,
 ) -> Result<(Vec<f32>, Vec<f32>), String> {
+    let q_shape = o_shape;
     let (oacc, lacc) = (f32s(&outs["o_accum"]), f32s(&outs["lse_accum"]));
     let (hq, d) = (q_shape[2], q_shape[3]);
     let packed = fp.cu_seqlens_q != 0;
@@ -499,8 +508,10 @@ pub(super) fn check(cases: &[SCase]) {
 
 pub(super) fn base(dtype: DType, d: usize, hq: usize, hkv: usize, q: Result<Vec<usize>, usize>, kv: Kv) -> SCase {
     SCase {
+        family: "fa2",
         dtype,
         d,
+        dv: d,
         hq,
         hkv,
         q,

@@ -47,7 +47,9 @@ fn sanitizer_subset() {
     let engine = engine();
     let stream = engine.device().context().new_stream().unwrap();
     let mut rng = Rng::new(13);
-    let mut dims: Vec<usize> = FAMILIES.iter().flat_map(|f| f.tiles.iter().map(|t| t.head_dim as usize)).collect();
+    // The head dims of the instances whose V head dim is Q/K's (not the fa2v pairs).
+    let mut dims: Vec<usize> =
+        FAMILIES.iter().flat_map(|f| f.tiles.iter().filter(|t| t.head_dim == t.head_dim_v).map(|t| t.head_dim as usize)).collect();
     dims.push(40);
     dims.sort_unstable();
     dims.dedup();
@@ -344,6 +346,35 @@ fn fa3_sanitizer_subset() {
                 let v = randn(&mut rng, dtype, [1, 300, 2, d]);
                 let opts = ForwardOptions::default().variant(Variant::Fa3).fa3_stage(stage).causal(true).return_lse(true);
                 check(&engine, &stream, [q.view(), k.view(), v.view()], &opts, &format!("fa3 stage {stage} {dtype:?} d{d}"));
+            }
+        }
+    }
+}
+
+/// FA2's fa2v row at DeepSeek MLA's pairs (192, 128) and (576, 512), under `Auto` and
+/// `Variant::Fa2`: causal prefill and decode rows against float64 with FlashAttention's rule.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fa2v_mla_pairs() {
+    let engine = engine();
+    let stream = engine.device().context().new_stream().unwrap();
+    let mut rng = Rng::new(0x0d0f);
+    for dtype in [DType::F16, DType::BF16] {
+        for ((d, dv), sq) in [((192, 128), 70), ((576, 512), 1), ((576, 512), 3)] {
+            let q = randn(&mut rng, dtype, [2, sq, 8, d]);
+            let k = randn(&mut rng, dtype, [2, 150, 2, d]);
+            let v = randn(&mut rng, dtype, [2, 150, 2, dv]);
+            for var in [Variant::Auto, Variant::Fa2] {
+                let opts = ForwardOptions::default().mask(Mask::Causal).return_lse(true).variant(var);
+                let what = format!("{dtype:?} {var:?} ({d}, {dv}) sq {sq}");
+                let out = run_views(&engine, &stream, [q.view(), k.view(), v.view()], &opts).unwrap_or_else(|e| panic!("{what}: {e}"));
+                assert!(out.kernel.starts_with("fa2v_"), "{what}: ran {}", out.kernel);
+                let p = flash_attn::Problem::new(&q.view(), &k.view(), &v.view(), &opts).unwrap();
+                let r = flash_attn::reference::attention_f64(&p, &q.view(), &k.view(), &v.view()).unwrap();
+                let naive = flash_attn::reference::attention_naive(&p, &q.view(), &k.view(), &v.view(), dtype).unwrap();
+                let err = flash_attn::reference::max_abs_diff(&out.o, &r.o);
+                let bound = 2.0 * flash_attn::reference::max_abs_diff(&naive, &r.o) + floor_for(dtype);
+                assert!(err <= bound, "{what}: max err {err:.3e} > bound {bound:.3e}");
             }
         }
     }

@@ -38,7 +38,10 @@ pub fn variants(engine: &Engine) -> Vec<Variant> {
     for fam in FAMILIES.iter().filter(|f| f.stage.is_none() && Variant::from(f.variant) != Variant::Fa4) {
         let var = Variant::from(fam.variant);
         if sm >= fam.min_sm {
-            out.push(var);
+            // fa2 and fa2v are one variant.
+            if !out.contains(&var) {
+                out.push(var);
+            }
         } else {
             let e = engine.dispatch([1, 8, 1, 64], [1, 8, 1, 64], DType::BF16, &ForwardOptions::default().variant(var));
             assert!(matches!(e, Err(Error::VariantUnavailable { .. })), "{} on sm_{sm}: {e:?}", fam.name);
@@ -65,7 +68,8 @@ pub fn run_typed<T: Element + DeviceRepr>(
     let [(q, qs, qst), (k, ks, kst), (v, vs, vst)] = inputs;
     let up = |x: &[T]| stream.clone_htod(x).unwrap();
     let (dq, dk, dv) = (up(q), up(k), up(v));
-    let n_o: usize = qs.iter().product();
+    let os = [qs[0], qs[1], qs[2], vs[3]]; // q's shape with v's head_dim
+    let n_o: usize = os.iter().product();
     let n_lse = qs[0] * qs[2] * qs[1];
     let mut d_o = stream.clone_htod(&vec![T::from_f32(f32::NAN); n_o]).unwrap();
     let mut d_lse = stream.clone_htod(&vec![f32::NAN; n_lse]).unwrap();
@@ -73,7 +77,7 @@ pub fn run_typed<T: Element + DeviceRepr>(
         let tq = DeviceTensor::new(&dq, stream, qs).with_strides(qst);
         let tk = DeviceTensor::new(&dk, stream, ks).with_strides(kst);
         let tv = DeviceTensor::new(&dv, stream, vs).with_strides(vst);
-        let mut to = DeviceTensorMut::new(&mut d_o, stream, qs);
+        let mut to = DeviceTensorMut::new(&mut d_o, stream, os);
         let mut tl = DeviceLse::new(&mut d_lse, stream);
         engine.forward(stream, &tq, &tk, &tv, &mut to, opts.return_lse.then_some(&mut tl), opts)?
     };

@@ -39,7 +39,7 @@ fn pack_strip_matches_the_scalar_layout() {
         eprintln!("this CPU has no AVX-512: nothing to compare");
         return;
     }
-    let max = crate::cpu::MAX_HEAD_DIM;
+    let max = crate::cpu::head_dim::MAX_HEAD_DIM;
     let zeros = vec![0.0f32; max];
     for d in (1..=40).chain([47, 48, 63, 64, 65, 72, 96, 100, 128, 200, 256, max]) {
         let stride = d + 5;
@@ -70,7 +70,7 @@ fn pack_v_strip_matches_the_scalar_layout() {
         eprintln!("this CPU has no AVX-512: nothing to compare");
         return;
     }
-    let max = crate::cpu::MAX_HEAD_DIM;
+    let max = crate::cpu::head_dim::MAX_HEAD_DIM;
     let zeros = vec![0.0f32; max];
     for d in (1..=40).chain([63, 64, 65, 72, 100, 128, 256, max]) {
         let rs = d + 3;

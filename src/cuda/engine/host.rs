@@ -27,7 +27,7 @@ pub(crate) fn forward_host_typed<T>(
 where
     T: Element + DeviceRepr + cudarc::driver::ValidAsZeroBits,
 {
-    let o_shape = q.shape();
+    let o_shape = [p.batch, p.seqlen_q, p.heads_q, p.head_dim_v]; // q's shape with v's head_dim
     let mut o_host = vec![T::default(); crate::tensor::numel(o_shape, "output")?];
     let mut lse_host = p.return_lse.then(|| vec![0f32; p.batch * p.heads_q * p.seqlen_q]);
     let dispatch = forward_host_into_typed(engine, p, q, k, v, data, &mut o_host, lse_host.as_deref_mut(), opts)?;
@@ -35,7 +35,7 @@ where
 }
 
 /// As [`forward_host_typed`], downloading into the caller's buffers (`o_dst` contiguous
-/// `[batch, seqlen_q, heads_q, head_dim]`, `lse_dst` `[batch, heads_q, seqlen_q]`; lengths
+/// `[batch, seqlen_q, heads_q, head_dim_v]`, `lse_dst` `[batch, heads_q, seqlen_q]`; lengths
 /// checked by the caller).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn forward_host_into_typed<T>(
@@ -55,7 +55,7 @@ where
     let stream = engine.device().default_stream();
     let up = |s: &[T]| stream.clone_htod(s).map_err(cuda_err("cuMemcpyHtoDAsync"));
     let (dq, dk, dv) = (up(data[0])?, up(data[1])?, up(data[2])?);
-    let o_shape = q.shape();
+    let o_shape = [p.batch, p.seqlen_q, p.heads_q, p.head_dim_v]; // q's shape with v's head_dim
     let mut d_o = stream.alloc_zeros::<T>(o_dst.len()).map_err(cuda_err("cuMemAllocAsync(o)"))?;
     let n_lse = p.batch * p.heads_q * p.seqlen_q;
     let mut d_lse = match lse_dst {

@@ -47,7 +47,7 @@ impl<'a> DeviceIndex<'a> {
 /// [`KvLayout`]).
 #[derive(Clone, Copy, Debug)]
 pub enum DeviceKv<'a> {
-    /// k, v packed `[1, total_k, heads_kv, head_dim]`.
+    /// k, v packed `[1, total_k, heads_kv, head_dim]` (v: its own head_dim, as below).
     Varlen { cu_seqlens: DeviceIndex<'a>, max_seqlen: usize },
     /// k, v caches `[batch, capacity, heads_kv, head_dim]` holding `seqlens[b]` keys; with
     /// `batch_idx` sequence b uses cache row `batch_idx[b]` (the cache may have more rows), with
@@ -60,8 +60,8 @@ pub enum DeviceKv<'a> {
 }
 
 /// The rows a call appends to a cache before attending (the write half of
-/// `flash_attn_with_kvcache(k=, v=)`): `[batch, seqlen_new, heads_kv, head_dim]` each, with an
-/// optional rotary embedding of k_new and q.
+/// `flash_attn_with_kvcache(k=, v=)`): `[batch, seqlen_new, heads_kv, head_dim]` each (v_new
+/// with v's head_dim), with an optional rotary embedding of k_new and q.
 #[derive(Clone, Copy, Debug)]
 pub struct DeviceAppend<'t, 'a> {
     pub k_new: &'t DeviceTensor<'a>,
@@ -100,7 +100,8 @@ impl Engine {
     /// Serving attention on device memory, enqueued on `stream` without waiting: a packed q
     /// (`cu_seqlens_q` with `max_seqlen_q`) or a dense one, over packed k/v or a dense or paged
     /// cache (`kv`), optionally appending `append`'s rows to the cache first (the append kernel,
-    /// then the attention, on the same stream). `o` has q's shape; `lse` holds
+    /// then the attention, on the same stream). v may have a head_dim of its own (DeepSeek's
+    /// MLA: the fa2v pairs (192, 128), (576, 512)); `o` has q's shape with v's head_dim; `lse` holds
     /// `[batch, heads_q, seqlen_q]` (dense q) or `[heads_q, total_q]` (packed) f32. Semantics
     /// as [`crate::serving`]'s CPU functions, validated the same way from the host mirrors.
     ///
@@ -145,11 +146,17 @@ impl Engine {
                 return Err(Error::DTypeMismatch { operand: op, got: t.dtype, expected: qb.dtype });
             }
         }
-        if ob.shape != qb.shape || vb.shape != kb.shape {
+        // v: k's shape with its own head_dim (d_v); o: q's shape with d_v.
+        let dv = vb.shape[3];
+        let want_o = [qb.shape[0], qb.shape[1], qb.shape[2], dv];
+        if ob.shape != want_o || vb.shape[..3] != kb.shape[..3] {
             return Err(Error::ShapeMismatch {
                 what: "o / v".into(),
                 got: format!("o {:?}, v {:?}", ob.shape, vb.shape),
-                expected: format!("o {:?} (q's shape), v {:?} (k's shape)", qb.shape, kb.shape),
+                expected: format!(
+                    "o {want_o:?} (q's shape with v's head_dim), v [{}, {}, {}, head_dim_v] (k's shape, a head_dim of its own)",
+                    kb.shape[0], kb.shape[1], kb.shape[2]
+                ),
             });
         }
         let new = match &append {
@@ -159,11 +166,11 @@ impl Engine {
                     check_stream(op, t.stream, sid)?;
                 }
                 let [b, n, hkv, d] = a.k_new.b.shape;
-                if a.v_new.b.shape != a.k_new.b.shape || hkv != kb.shape[2] || d != kb.shape[3] {
+                if a.v_new.b.shape != [b, n, hkv, dv] || hkv != kb.shape[2] || d != kb.shape[3] {
                     return Err(Error::ShapeMismatch {
                         what: "k_new / v_new".into(),
                         got: format!("{:?} / {:?}", a.k_new.b.shape, a.v_new.b.shape),
-                        expected: format!("[{b}, seqlen_new, {}, {}] both", kb.shape[2], kb.shape[3]),
+                        expected: format!("[{b}, seqlen_new, {}, {}] / [{b}, seqlen_new, {}, {dv}]", kb.shape[2], kb.shape[3], kb.shape[2]),
                     });
                 }
                 if matches!(kv, DeviceKv::Varlen { .. }) {
@@ -215,7 +222,7 @@ impl Engine {
         let [_, _, hq, d] = qb.shape;
         let [_, _, hkv, _] = kb.shape;
         let (b, msq, msk) = (layout.batch(), layout.max_seqlen_q(), layout.max_seqlen_k());
-        let p = layout.launch_problem(hq, hkv, d, qb.dtype, opts)?;
+        let p = layout.launch_problem_v(hq, hkv, (d, dv), qb.dtype, opts)?;
         if let Precision::Fp8 { .. } = p.precision {
             return Err(Error::InvalidOption {
                 option: "precision",
@@ -355,7 +362,7 @@ impl Engine {
                 }
                 Ok(plan.note)
             } else {
-                self.split_kv(stream, (&p, &layout, &ops, sops), &c, splits, qb.shape)?;
+                self.split_kv(stream, (&p, &layout, &ops, sops), &c, splits, ob.shape)?;
                 Ok(None)
             }
         };
@@ -386,9 +393,9 @@ impl Engine {
     }
 
     /// The split-KV launches of a serving call: f32 scratch for `splits` partial states
-    /// (`o_accum [splits, lse rows, d]`, `lse_accum [splits, lse rows]`) allocated on `stream`
+    /// (`o_accum [splits, lse rows, d_v]`, `lse_accum [splits, lse rows]`) allocated on `stream`
     /// (stream-ordered, no synchronisation), the attention writing them, the combine kernel
-    /// merging them into `ops`' o and LSE (`shape`: q's), the scratch freed on `stream` after.
+    /// merging them into `ops`' o and LSE (`shape`: o's), the scratch freed on `stream` after.
     /// Validation, streams and the context are the caller's.
     fn split_kv(
         &self,
@@ -399,7 +406,7 @@ impl Engine {
         shape: crate::tensor::Shape,
     ) -> Result<()> {
         let rows = FwdParams::for_serving(p, layout, ops, &sops, 1)?.lse_rows();
-        let d = p.head_dim;
+        let d = p.head_dim_v;
         let o_bytes = splits.checked_mul(rows).and_then(|n| n.checked_mul(d * 4));
         let Some(bytes) = o_bytes.and_then(|o| o.checked_add(splits * rows * 4)) else {
             return Err(Error::TooLarge { what: format!("split-KV scratch of {splits} splits x {rows} rows x {d}") });
@@ -479,7 +486,10 @@ where
         Some((cos, sin, ..)) => Some((up_f32(cos)?, up_f32(sin)?)),
         None => None,
     };
-    let o_len = crate::tensor::numel(q.shape(), "output")?;
+    // o: q's shape with v's head_dim.
+    let [qb, qs, qh, _] = q.shape();
+    let o_shape = [qb, qs, qh, v.shape()[3]];
+    let o_len = crate::tensor::numel(o_shape, "output")?;
     let mut d_o = stream.alloc_zeros::<T>(o_len).map_err(cuda_err("cuMemAllocAsync(o)"))?;
     // The index arrays, uploaded; their host slices stay the mirrors the call is validated on.
     let (cu_q_host, max_q): (&[i32], usize) = match ql {
@@ -521,7 +531,7 @@ where
         let tq = DeviceTensor::new(&dq, &stream, q.shape()).with_strides(q.strides());
         let tk = DeviceTensor::new(&dk, &stream, k.shape()).with_strides(k.strides());
         let tv = DeviceTensor::new(&dv, &stream, v.shape()).with_strides(v.strides());
-        let mut to = DeviceTensorMut::new(&mut d_o, &stream, q.shape());
+        let mut to = DeviceTensorMut::new(&mut d_o, &stream, o_shape);
         let mut tl = d_lse.as_mut().map(|l| DeviceLse::new(l, &stream));
         // SAFETY: every address below is a buffer just uploaded on `stream` from the very host
         // slices given as mirrors, alive until after the synchronize below; `stream` is the
@@ -590,7 +600,7 @@ where
     // Kernel faults surface here, as an error of the synchronize.
     stream.synchronize().map_err(cuda_err("cuStreamSynchronize"))?;
     let out = crate::output::Output {
-        o: crate::tensor::Tensor::from_vec(o_host, q.shape())?,
+        o: crate::tensor::Tensor::from_vec(o_host, o_shape)?,
         lse: opts.return_lse.then_some(lse_host),
         dispatch,
     };

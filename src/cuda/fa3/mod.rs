@@ -175,7 +175,7 @@ mod tests {
         Problem::from_shapes([1, 100, 4, head_dim], [1, 90, 2, head_dim], [1, 90, 2, head_dim], DType::BF16, opts)
             .unwrap()
     }
-    const T128: Tile = Tile { head_dim: 128, block_m: 128, block_n: 128, threads: 384 };
+    const T128: Tile = Tile { head_dim: 128, head_dim_v: 128, block_m: 128, block_n: 128, threads: 384 };
 
     #[test]
     fn refuses_alibi_and_inexact_head_dims() {
@@ -230,7 +230,7 @@ mod tests {
     #[test]
     fn serving_refusals_name_the_rule() {
         let row = |n: &str| FAMILIES.iter().find(|f| f.name == n).unwrap();
-        let t = |d: u32| Tile { head_dim: d, block_n: if d <= 128 { 128 } else { 64 }, ..T128 };
+        let t = |d: u32| Tile { head_dim: d, head_dim_v: d, block_n: if d <= 128 { 128 } else { 64 }, ..T128 };
         let varlen = FwdParams { cu_seqlens_q: 0x10, cu_seqlens_k: 0x20, ..params() };
         for s in ["fa3s3", "fa3s4", "fa3s5"] {
             assert_eq!(Fa3.serving_refusal(row(s), &t(64), &varlen), None, "{s}");

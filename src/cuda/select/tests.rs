@@ -7,7 +7,7 @@ use crate::options::{ForwardOptions, Variant};
 use crate::tensor::DType;
 
 const fn tile(head_dim: u32) -> Tile {
-    Tile { head_dim, block_m: 64, block_n: 64, threads: 128 }
+    Tile { head_dim, head_dim_v: head_dim, block_m: 64, block_n: 64, threads: 128 }
 }
 fn smem(_stage: Option<u8>, t: &Tile) -> u32 {
     t.head_dim * 512
@@ -717,23 +717,40 @@ fn sinks_run_on_fa1_fa2_and_fa3() {
     }
 }
 
-/// No kernel family implements a V head_dim different from Q/K's: every explicit variant is
-/// refused and `Auto` finds no kernel, saying why (so `Backend::Auto` runs the call on the CPU),
-/// on every GPU of the real table, for MLA's pairs; equal head dims still pick a kernel.
+/// A V head_dim different from Q/K's runs on FA2's fa2v row at MLA's pairs (192, 128) and
+/// (576, 512), under `Auto` and `Variant::Fa2`, on every GPU of the real table; FA1, FA3 and FA4
+/// refuse it. Any other pair is refused by every variant, FA2's error naming the pairs that run,
+/// and `Auto` finds no kernel (so `Backend::Auto` runs the call on the CPU); equal head dims still
+/// pick a kernel.
 #[test]
-fn every_family_refuses_a_v_head_dim_unlike_qk() {
+fn a_v_head_dim_unlike_qk_runs_on_fa2v_at_the_mla_pairs_only() {
     let blackwell = Built(FakeGpu { cc: (10, 0), smem: 227 * 1024 });
     let opts = ForwardOptions::default();
+    let mla = |d: usize, dv: usize| Problem::from_shapes([1, 100, 4, d], [1, 100, 2, d], [1, 100, 2, dv], DType::BF16, &opts).unwrap();
     for gpu in FA2_GPUS.iter().map(|(g, _)| g).chain([&blackwell]) {
-        for (d, dv) in [(192, 128), (128, 64), (64, 128)] {
-            let p = Problem::from_shapes([1, 100, 4, d], [1, 100, 2, d], [1, 100, 2, dv], DType::BF16, &opts).unwrap();
-            let e = choose_in(FAMILIES, gpu, &p, Variant::Auto).unwrap_err();
-            assert!(matches!(&e, Error::BackendUnavailable { reason, .. } if reason.contains("head_dim_v")), "{e:?}");
-            for variant in [Variant::Fa1, Variant::Fa2, Variant::Fa3, Variant::Fa4] {
+        for (d, dv) in [(192, 128), (576, 512)] {
+            let p = mla(d, dv);
+            for variant in [Variant::Auto, Variant::Fa2] {
+                let c = choose_in(FAMILIES, gpu, &p, variant).unwrap();
+                assert_eq!((c.family.name, c.tile.head_dim, c.tile.head_dim_v), ("fa2v", d as u32, dv as u32));
+            }
+            for variant in [Variant::Fa1, Variant::Fa3, Variant::Fa4] {
                 let e = choose_in(FAMILIES, gpu, &p, variant).unwrap_err();
                 assert!(matches!(&e, Error::VariantUnavailable { .. }), "sm_{} {variant:?}: {e:?}", gpu.sm());
             }
         }
-        assert!(choose_in(FAMILIES, gpu, &problem(DType::BF16, 128, &opts), Variant::Auto).is_ok());
+        for (d, dv) in [(128, 64), (64, 128), (192, 64)] {
+            let p = mla(d, dv);
+            let e = choose_in(FAMILIES, gpu, &p, Variant::Auto).unwrap_err();
+            assert!(matches!(&e, Error::BackendUnavailable { reason, .. } if reason.contains("head_dim_v")), "{e:?}");
+            let e = choose_in(FAMILIES, gpu, &p, Variant::Fa2).unwrap_err();
+            assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("(192, 128), (576, 512)")), "{e:?}");
+            for variant in [Variant::Fa1, Variant::Fa3, Variant::Fa4] {
+                let e = choose_in(FAMILIES, gpu, &p, variant).unwrap_err();
+                assert!(matches!(&e, Error::VariantUnavailable { .. }), "sm_{} {variant:?}: {e:?}", gpu.sm());
+            }
+        }
+        let c = choose_in(FAMILIES, gpu, &problem(DType::BF16, 192, &opts), Variant::Auto).unwrap();
+        assert_ne!(c.family.name, "fa2v", "equal head dims run on their own rows");
     }
 }

@@ -110,8 +110,9 @@ fn tensor_maps_reach_the_kernel_unchanged() {
 /// (build/instances.rs, `cpu_emulation`).
 #[test]
 fn every_family_runs_in_the_emulator() {
-    // FP8 families' emulator tests live in the fp8 module.
-    let me = module_text("forward") + &module_text("fp8");
+    // FP8 families' emulator tests live in the fp8 module, the fa2v row's in head_dim_v.
+    let head_dim_v = std::fs::read_to_string(root().join("tests/emulator/head_dim_v.rs")).unwrap();
+    let me = module_text("forward") + &module_text("fp8") + &head_dim_v;
     for f in FAMILIES {
         let t = f.cpu_emulation.unwrap_or_else(|| panic!("{}: no emulator test (cpu_emulation is None)", f.name));
         assert!(me.contains(&format!("fn {t}()")), "{}: cpu_emulation names {t:?}, which is not a test here", f.name);

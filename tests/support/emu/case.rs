@@ -10,6 +10,8 @@ pub struct Case {
     pub dtype: DType,
     pub q: [usize; 4],
     pub k: [usize; 4],
+    /// V's (and O's) head dim: k's, unless set (the fa2v row's pairs).
+    pub dv: usize,
     pub opts: ForwardOptions,
     /// Inputs are N(0, scale^2): large scales give large-magnitude scores.
     pub input_scale: f32,
@@ -45,6 +47,7 @@ impl Case {
             dtype,
             q,
             k,
+            dv: k[3],
             opts,
             input_scale: 1.0,
             seeds: vec![1, 2, 3],
@@ -58,11 +61,12 @@ impl Case {
     }
     pub fn name(&self) -> String {
         format!(
-            "{} {:?} q{:?} k{:?}{} {:?}{}{}{} sms{}{}",
+            "{} {:?} q{:?} k{:?}{}{} {:?}{}{}{} sms{}{}",
             self.family,
             self.dtype,
             self.q,
             self.k,
+            if self.dv == self.k[3] { String::new() } else { format!(" dv{}", self.dv) },
             if self.bhsd { " [b,h,s,d]" } else { "" },
             self.opts.mask,
             self.opts.softcap.map_or(String::new(), |c| format!(" softcap{c}")),
@@ -112,7 +116,9 @@ pub fn run_case(c: &Case, mutation: Option<&Mutation>) -> Outcome {
     };
     // [b, h, s, d] storage: generate that shape, view it as [b, s, h, d] with its strides.
     let bhsd = |s: [usize; 4]| if c.bhsd { [s[0], s[2], s[1], s[3]] } else { s };
-    let (q, k, mut v) = (gen(bhsd(c.q)), gen(bhsd(c.k)), gen(bhsd(c.k)));
+    // v: k's shape with V's head dim; o: q's with V's head dim.
+    let (v_shape, o_shape) = ([c.k[0], c.k[1], c.k[2], c.dv], [c.q[0], c.q[1], c.q[2], c.dv]);
+    let (q, k, mut v) = (gen(bhsd(c.q)), gen(bhsd(c.k)), gen(bhsd(v_shape)));
     if let Some(x) = c.v_fill {
         v = Tensor::from_f32(&vec![x; v.numel()], c.dtype, v.shape()).unwrap();
     }
@@ -147,12 +153,18 @@ pub fn run_case(c: &Case, mutation: Option<&Mutation>) -> Outcome {
             _ => unreachable!(),
         }
     }
-    let (qv, kv, vv) = (view(&q, c.q, c.bhsd), view(&k, c.k, c.bhsd), view(&v, c.k, c.bhsd));
+    let (qv, kv, vv) = (view(&q, c.q, c.bhsd), view(&k, c.k, c.bhsd), view(&v, v_shape, c.bhsd));
+    // O is laid out as Q is ([b, s, h, d] or [b, h, s, d]), with V's head dim.
+    let o_strides = if c.bhsd {
+        [o_shape[2] * o_shape[1] * o_shape[3], o_shape[3], o_shape[1] * o_shape[3]]
+    } else {
+        [o_shape[1] * o_shape[2] * o_shape[3], o_shape[2] * o_shape[3], o_shape[3]]
+    };
     let p = Problem::new(&qv, &kv, &vv, &opts).map_err(|e| format!("problem: {e}"))?;
     use addr::{ALIBI, K, LSE, O, Q, SINKS, V};
     let ops = Operands {
         ptrs: [Q, K, V, O],
-        strides: [qv.strides(), kv.strides(), vv.strides(), qv.strides()],
+        strides: [qv.strides(), kv.strides(), vv.strides(), o_strides],
         lse: if c.opts.return_lse { LSE } else { 0 },
         alibi: if c.opts.alibi_slopes.is_some() { ALIBI } else { 0 },
         sinks: if p.sinks.is_some() { SINKS } else { 0 },
@@ -162,7 +174,7 @@ pub fn run_case(c: &Case, mutation: Option<&Mutation>) -> Outcome {
     let exe = unit_exe(fam, pl.tile, mutation)?;
 
     let dir = work_dir().join("runs").join(format!("{:016x}{}", h.finish(), mutation.map_or("", |m| m.name)));
-    let n_o = c.q.iter().product::<usize>() * 2;
+    let n_o = o_shape.iter().product::<usize>() * 2;
     let mut bufs = vec![
         LaunchBuf::input("q", Q, bits_of(&q)),
         LaunchBuf::input("k", K, bits_of(&k)),
@@ -192,8 +204,8 @@ pub fn run_case(c: &Case, mutation: Option<&Mutation>) -> Outcome {
             }
         })
         .collect();
-    // O has Q's strides: back to [b, s, h, d] order for the comparison.
-    let [ob, os, oh, od] = c.q;
+    // O has Q's layout: back to [b, s, h, dv] order for the comparison.
+    let [ob, os, oh, od] = o_shape;
     let mut o = vec![0.0; stored.len()];
     for b in 0..ob {
         for si in 0..os {
@@ -211,7 +223,7 @@ pub fn run_case(c: &Case, mutation: Option<&Mutation>) -> Outcome {
     };
     if c.v_fill.is_some() {
         // Rows that see no key: exactly 0 and LSE -inf; rows that see an inf/NaN V: not finite.
-        let d = p.head_dim;
+        let d = p.head_dim_v;
         for (idx, (&got, &want)) in o.iter().zip(&r.o).enumerate() {
             let i = (idx / d / p.heads_q) % p.seqlen_q;
             let (lo, hi) = p.key_range(i);
@@ -243,7 +255,7 @@ pub fn run_case(c: &Case, mutation: Option<&Mutation>) -> Outcome {
         // Rows of a near tie may differ from the reference (near_tie_row_ok); every other row is
         // held to the bound.
         let (qx, kx, vx) = (q.to_f32_vec(), k.to_f32_vec(), v.to_f32_vec());
-        let d = p.head_dim;
+        let d = p.head_dim_v;
         let mut rest = 0.0f64;
         let mut all_ok = true;
         for (row, (got, want)) in o.chunks_exact(d).zip(r.o.chunks_exact(d)).enumerate() {
