@@ -120,25 +120,42 @@ pub(crate) fn forward_host(
     })
 }
 
+/// An FP8 KV cache's host buffers for a serving call on the GPU: e4m3 codes (contiguous, of the
+/// k/v views' shape) and f32 scales, `[1]` each or with `per_token` one per (slot, kv head).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Fp8Host<'a> {
+    pub k: &'a [u8],
+    pub v: &'a [u8],
+    pub k_scales: &'a [f32],
+    pub v_scales: &'a [f32],
+    pub per_token: bool,
+}
+
 /// Runs a serving call (varlen / KV cache, host memory) on CUDA device `dev`: upload, the FA2
-/// serving launch, download (`cuda::Engine::launch_serving_raw`). Compile-checked only.
+/// serving launch, download (`cuda::Engine::launch_serving_raw`; with `fp8`, k and v are views
+/// of the cache's shape only and the codes and scales are `fp8`'s). Compile-checked only.
 #[cfg(feature = "cuda")]
 pub(crate) fn serving_host(
     views: (&TensorView, &TensorView, &TensorView),
     ql: crate::batch_layout::QueryLayout<'_>,
     kl: crate::batch_layout::KvLayout<'_>,
+    fp8: Option<Fp8Host<'_>>,
     opts: &ForwardOptions,
     dev: usize,
 ) -> Result<crate::Output> {
     use crate::tensor::Data;
     let engine = crate::cuda::Engine::new(dev)?;
     let (q, k, v) = views;
-    match (q.data(), k.data(), v.data()) {
-        (Data::F16(a), Data::F16(b), Data::F16(c)) => {
-            crate::cuda::serving_host_typed(&engine, views, [a, b, c], ql, kl, opts)
+    match (q.data(), k.data(), v.data(), fp8) {
+        (Data::F16(a), Data::F16(b), Data::F16(c), None) => {
+            crate::cuda::serving_host_typed(&engine, views, [a, b, c], ql, kl, None, opts)
         }
-        (Data::BF16(a), Data::BF16(b), Data::BF16(c)) => {
-            crate::cuda::serving_host_typed(&engine, views, [a, b, c], ql, kl, opts)
+        (Data::BF16(a), Data::BF16(b), Data::BF16(c), None) => {
+            crate::cuda::serving_host_typed(&engine, views, [a, b, c], ql, kl, None, opts)
+        }
+        (Data::F16(a), _, _, Some(f)) => crate::cuda::serving_host_typed(&engine, views, [a, &[], &[]], ql, kl, Some(f), opts),
+        (Data::BF16(a), _, _, Some(f)) => {
+            crate::cuda::serving_host_typed(&engine, views, [a, &[], &[]], ql, kl, Some(f), opts)
         }
         _ => Err(Error::UnsupportedDType {
             dtype: q.dtype(),
@@ -153,6 +170,7 @@ pub(crate) fn serving_host(
     _views: (&TensorView, &TensorView, &TensorView),
     _ql: crate::batch_layout::QueryLayout<'_>,
     _kl: crate::batch_layout::KvLayout<'_>,
+    _fp8: Option<Fp8Host<'_>>,
     _opts: &ForwardOptions,
     dev: usize,
 ) -> Result<crate::Output> {

@@ -54,7 +54,7 @@ pub mod table;
 
 pub use device::{device_count, driver_present, Device};
 pub use engine::{
-    BackwardGrads, BackwardInputs, DeviceAppend, DeviceIndex, DeviceKv, DeviceLse, DeviceLseRef, DeviceTensor,
+    BackwardGrads, BackwardInputs, DeviceAppend, DeviceFp8Cache, DeviceIndex, DeviceKv, DeviceKvScales, DeviceLse, DeviceLseRef, DeviceTensor,
     DeviceTensorMut, Engine, Fp8Codes,
 };
 

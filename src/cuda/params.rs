@@ -12,6 +12,10 @@ use std::mem::size_of;
 pub const FLAG_RETURN_LSE: u32 = 1;
 pub const FLAG_SOFTCAP: u32 = 2;
 pub const FLAG_ALIBI: u32 = 4;
+/// k, v (and the cache an append writes) hold e4m3 codes with `k/v_cache_scale`.
+pub const FLAG_KV_FP8: u32 = 16;
+/// `k/v_cache_scale` hold one scale per (slot, kv head); unset: one each.
+pub const FLAG_KV_SCALE_PER_TOKEN: u32 = 32;
 
 /// Where q, k, v, o live: device addresses and element strides of (batch, seqlen, heads), plus
 /// the LSE, ALiBi and sink buffers (0: none).
@@ -43,6 +47,18 @@ pub struct ServingOperands {
     pub knew: u64,
     pub vnew: u64,
     pub new_strides: [[usize; 3]; 2],
+    /// An FP8 (e4m3) cache: k, v hold codes (their strides count codes) with these scales.
+    pub kv_fp8: Option<Fp8CacheScales>,
+}
+
+/// The scales of an FP8 KV cache on the device (f32; a code c with scale s stands for
+/// e4m3(c)·s): `[1]` each, or with `per_token` one per (slot, kv head), laid out as the cache
+/// without head_dim (`[batch, capacity, heads_kv]` / `[num_blocks, page_size, heads_kv]`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fp8CacheScales {
+    pub k: u64,
+    pub v: u64,
+    pub per_token: bool,
 }
 
 /// Asserts at compile time the size of a `#[repr(C)]` parameter struct and the offset of each
@@ -361,6 +377,14 @@ impl FwdParams {
             (f.knew_batch_stride, f.knew_row_stride, f.knew_head_stride) = (st(kn[0]), st(kn[1]), st(kn[2]));
             (f.vnew_batch_stride, f.vnew_row_stride, f.vnew_head_stride) = (st(vn[0]), st(vn[1]), st(vn[2]));
         }
+        if let Some(fp8) = s.kv_fp8 {
+            if !matches!(layout.kv_layout(), KvLayout::Cache { .. } | KvLayout::Paged { .. }) {
+                return Err(bad("FP8 KV", "packed or dense k/v".into(), "a dense or paged cache (the FP8 cache's layouts)"));
+            }
+            f.flags |= FLAG_KV_FP8 | if fp8.per_token { FLAG_KV_SCALE_PER_TOKEN } else { 0 };
+            f.k_cache_scale = need(fp8.k, "k_cache_scale")?;
+            f.v_cache_scale = need(fp8.v, "v_cache_scale")?;
+        }
         if num_splits > 1 {
             f.num_splits = i32_of(num_splits, "num_splits")?;
             f.o_accum = need(s.o_accum, "o_accum")?;
@@ -469,6 +493,18 @@ impl FwdParams {
         }
         put(&self.reserved2.to_ne_bytes());
         put(&self.sinks.to_ne_bytes());
+        put(&self.head_dim_v.to_ne_bytes());
+        put(&self.rotary_dim.to_ne_bytes());
+        for x in [
+            self.rotary_cos,
+            self.rotary_sin,
+            self.cache_batch_idx,
+            self.cache_leftpad,
+            self.k_cache_scale,
+            self.v_cache_scale,
+        ] {
+            put(&x.to_ne_bytes());
+        }
         debug_assert_eq!(at, size_of::<FwdParams>());
         out
     }
@@ -507,6 +543,9 @@ mod tests {
         assert_eq!(at(offset_of!(FwdParams, flags), 4), &3u32.to_ne_bytes());
         assert_eq!(at(offset_of!(FwdParams, reserved), 4), &9u32.to_ne_bytes());
         assert!(b[offset_of!(FwdParams, cu_seqlens_q)..].iter().all(|&x| x == 0), "dense: serving fields 0");
+        let fp8 = FwdParams { k_cache_scale: 0x2222, v_cache_scale: 0x3333, ..p }.to_bytes();
+        assert_eq!(&fp8[offset_of!(FwdParams, k_cache_scale)..][..8], &0x2222u64.to_ne_bytes());
+        assert_eq!(&fp8[offset_of!(FwdParams, v_cache_scale)..][..8], &0x3333u64.to_ne_bytes());
     }
 
     /// The serving fields land at their offsets too (each a distinct value).

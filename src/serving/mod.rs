@@ -253,8 +253,8 @@ pub fn forward_varlen(
 /// outside it, a `leftpad` above its `seqlens`, and `batch_idx` or `leftpad` with a paged cache
 /// are [`Error::InvalidSeqLayout`]; an FP8 cache's scale that is not a finite number > 0 (per
 /// tensor, or of a slot the call reads) is an [`Error::InvalidScale`]. Under `Backend::Cuda`,
-/// `batch_idx`, `leftpad` and an FP8 cache are [`Error::BackendUnavailable`] (the GPU kernels do
-/// not take them yet).
+/// `batch_idx` and `leftpad` are [`Error::BackendUnavailable`] (the GPU kernels do not take them
+/// yet); an FP8 cache runs on FA2's kernels.
 pub fn forward_kvcache(q: &impl AsTensorView, cache: &impl ReadKvCache, opts: &ForwardOptions) -> Result<Output> {
     let (src, kl) = cache.source(0);
     run(&q.as_view(), &src, (QueryLayout::Dense, kl, cache.rows()), 0, opts, "kvcache")
@@ -527,16 +527,13 @@ fn run(
         KvSource::Fp8 { k, v, scales, .. } => Some(fp8_cache::rows(k, v, scales)),
     };
     if let Backend::Cuda(dev) = opts.backend {
-        if fp8.is_some() {
-            return Err(Error::BackendUnavailable {
-                backend: format!("Cuda({dev})"),
-                reason: "the GPU serving kernels read f32 / f16 / bf16 caches; an FP8 KV cache runs on the CPU \
-                         (Backend::Auto or Backend::Cpu)"
-                    .into(),
-            });
-        }
-        // The FA2 serving kernels (docs/serving.md "GPU"; this path is compile-checked only).
-        return crate::cuda_host::serving_host((q, k, v), ql, kl, opts, dev);
+        // The FA2 serving kernels (docs/serving.md "GPU"; this path is compile-checked only),
+        // which dequantise an FP8 cache's tiles as they load them.
+        let host_fp8 = match src {
+            KvSource::Fp8 { k, v, scales, .. } => Some(fp8_cache::host(k, v, scales)),
+            KvSource::Views(..) => None,
+        };
+        return crate::cuda_host::serving_host((q, k, v), ql, kl, host_fp8, opts, dev);
     }
     let threads = cpu::threads(opts.cpu_threads);
     // Long query sequences whose keys lie in one contiguous run (packed k/v or a dense cache)

@@ -106,7 +106,7 @@ impl SCase {
     }
 }
 
-fn bits(x: &[f32], dtype: DType) -> Vec<u8> {
+pub(super) fn bits(x: &[f32], dtype: DType) -> Vec<u8> {
     x.iter()
         .flat_map(|&v| match dtype {
             DType::BF16 => half::bf16::from_f32(v).to_bits().to_le_bytes(),
@@ -114,7 +114,7 @@ fn bits(x: &[f32], dtype: DType) -> Vec<u8> {
         })
         .collect()
 }
-fn from_bits(b: &[u8], dtype: DType) -> Vec<f32> {
+pub(super) fn from_bits(b: &[u8], dtype: DType) -> Vec<f32> {
     b.chunks_exact(2)
         .map(|c| {
             let u = u16::from_le_bytes([c[0], c[1]]);
@@ -125,10 +125,10 @@ fn from_bits(b: &[u8], dtype: DType) -> Vec<f32> {
         })
         .collect()
 }
-fn f32s(b: &[u8]) -> Vec<f32> {
+pub(super) fn f32s(b: &[u8]) -> Vec<f32> {
     b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
 }
-fn contiguous(s: [usize; 4]) -> [usize; 3] {
+pub(super) fn contiguous(s: [usize; 4]) -> [usize; 3] {
     [s[1] * s[2] * s[3], s[2] * s[3], s[3]]
 }
 
@@ -254,6 +254,7 @@ fn run_mutated(c: &SCase, mutation: Option<&Mutation>) -> Result<f64, String> {
         knew: KNEW,
         vnew: VNEW,
         new_strides: [contiguous(new_shape); 2],
+        ..ServingOperands::default()
     };
     if layout.max_seqlen_q() == 0 {
         // No query row anywhere: the engine launches nothing (grid x would be 0).
@@ -451,7 +452,7 @@ fn append(
 /// lse_accum `[splits, lse rows]`, rows in the LSE's order) with `merge_states_n`, into o in q's
 /// layout (f32) and the LSE. The problem's sinks join as one more state, `(0, sink of the row's
 /// head)`, as docs/serving.md says a caller merging states adds them: the splits carry none.
-fn merge_splits(
+pub(super) fn merge_splits(
     outs: &HashMap<String, Vec<u8>>,
     splits: usize,
     lse_rows: usize,

@@ -147,6 +147,8 @@ int main(int argc, char** argv) {
     p.o_accum = translate(p.o_accum, "params.o_accum");
     p.lse_accum = translate(p.lse_accum, "params.lse_accum");
     p.sinks = translate(p.sinks, "params.sinks");
+    p.k_cache_scale = translate(p.k_cache_scale, "params.k_cache_scale");
+    p.v_cache_scale = translate(p.v_cache_scale, "params.v_cache_scale");
 
     struct alignas(128) Map {
         unsigned char b[128];
