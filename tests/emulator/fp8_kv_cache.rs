@@ -490,6 +490,7 @@ fn fp8_append_matches_the_cpu() {
         Case { new: 1, splits: 2, ..base(DType::BF16, 128, 4, 2, 1, &lens, None) },
     ];
     if full() {
+        let lens = [35, 4, 130, 5];
         cases.push(Case { new: 3, mask: Mask::Causal, scales: TENSOR, ..base(DType::F16, 128, 4, 1, 3, &lens, Some(1)) });
         cases.push(Case { new: 4, ..base(DType::F16, 96, 2, 1, 4, &lens, Some(256)) });
         cases.push(Case { new: 2, ..base(DType::BF16, 256, 2, 2, 2, &lens, None) });
