@@ -44,6 +44,7 @@
 #include "common/mask.cuh"
 #include "common/seqlen.cuh"
 #include "common/append_kv.cuh"
+#include "common/fp8_kv.cuh"
 #include "sm80/mma.cuh"
 #include "common/softmax.cuh"
 
@@ -111,6 +112,50 @@ __device__ __forceinline__ void load_tile_paged(Elem* smem, const Elem* ghead, c
     }
 }
 
+// load_tile_paged for an FP8 cache (FA_FLAG_KV_FP8, common/fp8_kv.cuh): the same thread layout
+// and row addresses (dense, or through the block table), but each thread reads its 8 codes with a
+// plain 8-byte load and stores their values (exact in Elem) as the 16-bit chunk itself, so the
+// ring holds a 16-bit tile as on every other launch (visible to all warps after the loop's
+// barrier); the row's scale (`gscale`: k/v_cache_scale) goes as an f32 into the row's padding
+// (element kHeadDim of the kStride pitch, which no ldmatrix reads), for fa_scale_key_columns.
+// Rows at or past `row_end` are zeros with scale 0.
+template <typename T, int kRows, typename Elem>
+__device__ __forceinline__ void load_tile_fp8(Elem* smem, const uint8_t* ghead, const float* gscale,
+                                              const FwdParams& p, const FaSeq& seq, int64_t batch_stride,
+                                              int64_t row_stride, int row0, int row_end, int hk, int tid) {
+    constexpr int kChunks = T::kChunksPerRow;
+    constexpr int kRowsPerPass = T::kNThreads / kChunks;
+    constexpr int kPasses = (kRows + kRowsPerPass - 1) / kRowsPerPass;
+    const int r = tid / kChunks;
+    const int col = (tid % kChunks) * 8;
+    if (r >= kRowsPerPass) return;
+    Elem* dst = smem + r * T::kStride + col;
+#pragma unroll 1
+    for (int pass = 0; pass < kPasses; ++pass) {
+        const int rr = r + pass * kRowsPerPass;
+        if (kRows % kRowsPerPass == 0 || rr < kRows) {
+            const int j = row0 + rr;
+            uint4 chunk = make_uint4(0u, 0u, 0u, 0u);
+            float scale = 0.f;
+            if (j < row_end) {
+                const uint8_t* src = ghead + fa_kv_row_offset(p, seq, batch_stride, row_stride, j) + col;
+                chunk = fa_e4m3x8<Elem>(*reinterpret_cast<const uint64_t*>(src));
+                if (col == 0) scale = gscale[fa_kv_scale_index(p, seq, j, hk)];
+            }
+            *reinterpret_cast<uint4*>(dst) = chunk;
+            if (col == 0) *reinterpret_cast<float*>(dst + T::kHeadDim) = scale;
+        }
+        dst += kRowsPerPass * T::kStride;
+    }
+}
+
+// The scale of row 0 of ring stage `stage` of a K or V ring that load_tile_fp8 filled (rows
+// T::kStride elements apart).
+template <typename T, typename Elem>
+__device__ __forceinline__ const unsigned char* fp8_row_scales(const Elem* ring, int stage) {
+    return reinterpret_cast<const unsigned char*>(ring + (stage * T::kBlockN) * T::kStride + T::kHeadDim);
+}
+
 __device__ __forceinline__ int kv_head(const FwdParams& p) { return cta_head() / (p.heads_q / p.heads_kv); }
 
 // This CTA's sequence, re-derived from %ctaid.z (volatile, see cta_batch) and the index arrays
@@ -120,11 +165,22 @@ __device__ __forceinline__ FaSeq cta_seq(const FwdParams& p) { return fa_seq(p, 
 
 // Issues the K and V tiles of keys [n0, n0 + kBlockN) of this CTA's sequence into one ring stage
 // (caller commits). The kv head is the shared GQA/MQA head h / (heads_q / heads_kv), so K/V are
-// never copied; it is re-read from %ctaid.y per tile (see cta_head) rather than kept live.
+// never copied; it is re-read from %ctaid.y per tile (see cta_head) rather than kept live. An
+// FP8 cache's tiles are dequantised on the way (load_tile_fp8): plain loads, so such a tile lands
+// before the call returns rather than overlapping the next tile's compute.
 template <typename T, typename Elem>
 __device__ __forceinline__ void load_kv(Elem* sK_stage, Elem* sV_stage, const FwdParams& p, int n0, int tid) {
     const FaSeq seq = cta_seq(p);
     const int hk = kv_head(p);
+    if (fa_kv_fp8(p)) {
+        const uint8_t* k8 = reinterpret_cast<const uint8_t*>(p.k) + hk * p.k_head_stride;
+        const uint8_t* v8 = reinterpret_cast<const uint8_t*>(p.v) + hk * p.v_head_stride;
+        load_tile_fp8<T, T::kBlockN>(sK_stage, k8, reinterpret_cast<const float*>(p.k_cache_scale), p, seq,
+                                     p.k_batch_stride, p.k_row_stride, n0, seq.sk, hk, tid);
+        load_tile_fp8<T, T::kBlockN>(sV_stage, v8, reinterpret_cast<const float*>(p.v_cache_scale), p, seq,
+                                     p.v_batch_stride, p.v_row_stride, n0, seq.sk, hk, tid);
+        return;
+    }
     const Elem* k = reinterpret_cast<const Elem*>(p.k) + hk * p.k_head_stride;
     const Elem* v = reinterpret_cast<const Elem*>(p.v) + hk * p.v_head_stride;
     if (p.page_size > 0) {
@@ -254,6 +310,9 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
         // ---- scores: raw q.k, or natural units with softcap / ALiBi; mask only tiles that
         // cross a boundary (some (row, key) of the CTA's real rows hidden); then the online
         // softmax in score units (softmax.cuh), S becoming P in place ----
+        // An FP8 cache's tile holds the codes' values: its keys' scales multiply S (common/fp8_kv.cuh).
+        if (fa_kv_fp8(p))
+            fa_scale_key_columns(acc_s, frag, fp8_row_scales<T>(sK, stage), T::kStride * 2);
         if (fa_natural_scores(p))
             fa_scores_to_natural<true, false>(acc_s, frag, p, slope, m0 + wrow, n0, seqlen_k - seqlen_q);
         if (fa_tile_needs_mask(mask, m0, m_last, n0, (long long)n0 + kBlockN - 1))
@@ -261,6 +320,9 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
         float corr[Frag::kRows];
         softmax.update(acc_s, p.softmax_scale_log2, corr);
         softmax.rescale(acc_o, corr);
+        // ... and V's multiply P (its row sums are taken: P V over an FP8 tile is P diag(s) V).
+        if (fa_kv_fp8(p))
+            fa_scale_key_columns(acc_s, frag, fp8_row_scales<T>(sV, stage), T::kStride * 2);
 
         // ---- O += P V_j; P's A fragment comes straight from acc_s (fa2/layout.h) ----
 #pragma unroll

@@ -120,26 +120,45 @@ pub(crate) fn forward_host(
     })
 }
 
-/// Runs a serving call (varlen / KV cache, host memory) on CUDA device `dev`: upload, the
-/// serving launch, download (`cuda::Engine::launch_serving_raw`). Compile-checked only.
+/// An FP8 KV cache's host buffers for a serving call on the GPU: e4m3 codes (contiguous, of the
+/// k/v views' shape) and f32 scales, `[1]` each or with `per_token` one per (slot, kv head).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Fp8Host<'a> {
+    pub k: &'a [u8],
+    pub v: &'a [u8],
+    pub k_scales: &'a [f32],
+    pub v_scales: &'a [f32],
+    pub per_token: bool,
+}
+
+/// Runs a serving call (varlen / KV cache, host memory) on CUDA device `dev`: upload, the FA2
+/// serving launch, download (`cuda::Engine::launch_serving_raw`; with `fp8`, k and v are views
+/// of the cache's shape only and the codes and scales are `fp8`'s). Compile-checked only.
 #[cfg(feature = "cuda")]
 pub(crate) fn serving_host(
     views: (&TensorView, &TensorView, &TensorView),
     ql: crate::batch_layout::QueryLayout<'_>,
     kl: crate::batch_layout::KvLayout<'_>,
     rows: crate::batch_layout::CacheRows<'_>,
+    fp8: Option<Fp8Host<'_>>,
     opts: &ForwardOptions,
     dev: usize,
 ) -> Result<crate::Output> {
     use crate::tensor::Data;
     let engine = crate::cuda::Engine::new(dev)?;
     let (q, k, v) = views;
-    match (q.data(), k.data(), v.data()) {
-        (Data::F16(a), Data::F16(b), Data::F16(c)) => {
-            crate::cuda::serving_host_typed(&engine, views, [a, b, c], ql, kl, rows, None, opts).map(|(o, _)| o)
+    match (q.data(), k.data(), v.data(), fp8) {
+        (Data::F16(a), Data::F16(b), Data::F16(c), None) => {
+            crate::cuda::serving_host_typed(&engine, views, [a, b, c], ql, kl, rows, None, None, opts).map(|(o, _)| o)
         }
-        (Data::BF16(a), Data::BF16(b), Data::BF16(c)) => {
-            crate::cuda::serving_host_typed(&engine, views, [a, b, c], ql, kl, rows, None, opts).map(|(o, _)| o)
+        (Data::BF16(a), Data::BF16(b), Data::BF16(c), None) => {
+            crate::cuda::serving_host_typed(&engine, views, [a, b, c], ql, kl, rows, None, None, opts).map(|(o, _)| o)
+        }
+        (Data::F16(a), _, _, Some(f)) => {
+            crate::cuda::serving_host_typed(&engine, views, [a, &[], &[]], ql, kl, rows, None, Some(f), opts).map(|(o, _)| o)
+        }
+        (Data::BF16(a), _, _, Some(f)) => {
+            crate::cuda::serving_host_typed(&engine, views, [a, &[], &[]], ql, kl, rows, None, Some(f), opts).map(|(o, _)| o)
         }
         _ => Err(unsupported_serving_dtype(q.dtype(), dev)),
     }
@@ -172,13 +191,13 @@ pub(crate) fn serving_append_host(
     match (q.data(), k.data(), v.data(), kn.data(), vn.data()) {
         (Data::F16(a), Data::F16(b), Data::F16(c), Data::F16(d), Data::F16(e)) => {
             let app = HostAppend { k_new: (kn, d), v_new: (vn, e), rotary };
-            let (o, cache) = crate::cuda::serving_host_typed(&engine, views, [a, b, c], ql, kl, rows, Some(app), opts)?;
+            let (o, cache) = crate::cuda::serving_host_typed(&engine, views, [a, b, c], ql, kl, rows, Some(app), None, opts)?;
             let (ck, cv) = cache.ok_or_else(no_cache)?;
             Ok((o, OwnedData::F16(ck), OwnedData::F16(cv)))
         }
         (Data::BF16(a), Data::BF16(b), Data::BF16(c), Data::BF16(d), Data::BF16(e)) => {
             let app = HostAppend { k_new: (kn, d), v_new: (vn, e), rotary };
-            let (o, cache) = crate::cuda::serving_host_typed(&engine, views, [a, b, c], ql, kl, rows, Some(app), opts)?;
+            let (o, cache) = crate::cuda::serving_host_typed(&engine, views, [a, b, c], ql, kl, rows, Some(app), None, opts)?;
             let (ck, cv) = cache.ok_or_else(no_cache)?;
             Ok((o, OwnedData::BF16(ck), OwnedData::BF16(cv)))
         }
@@ -201,6 +220,7 @@ pub(crate) fn serving_host(
     _ql: crate::batch_layout::QueryLayout<'_>,
     _kl: crate::batch_layout::KvLayout<'_>,
     _rows: crate::batch_layout::CacheRows<'_>,
+    _fp8: Option<Fp8Host<'_>>,
     _opts: &ForwardOptions,
     dev: usize,
 ) -> Result<crate::Output> {

@@ -23,12 +23,17 @@
 // row). The host has validated the layout (slots in range, no two sequences appending to one
 // slot, tables covering every position). K rows are head_dim wide, V rows head_dim_v (0:
 // head_dim).
+//
+// With FA_FLAG_KV_FP8 the cache holds e4m3 codes (k/v strides in codes) and the rows are
+// quantised as the CPU append quantises them, bit for bit (common/fp8_kv.cuh
+// fa_append_row_fp8); the host refuses a rotary into an FP8 cache on the GPU.
 #pragma once
 #include <stdint.h>
 
 #include "common/dtype.cuh"
 #include "common/params.h"
 #include "common/seqlen.cuh"
+#include "common/fp8_kv.cuh"
 
 constexpr int kFaAppendThreads = 128;
 
@@ -68,15 +73,26 @@ __device__ __forceinline__ void fa_append_kv(const FwdParams& p) {
     if (i >= p.seqlen_new) return;
     const int hk = blockIdx.y;
     const int j = seq.sk - p.seqlen_new + i;  // key j of the sequence: cache position cached + i
-    Elem* k = reinterpret_cast<Elem*>(p.k) + fa_kv_row_offset(p, seq, p.k_batch_stride, p.k_row_stride, j) +
-              static_cast<int64_t>(hk) * p.k_head_stride;
-    Elem* v = reinterpret_cast<Elem*>(p.v) + fa_kv_row_offset(p, seq, p.v_batch_stride, p.v_row_stride, j) +
-              static_cast<int64_t>(hk) * p.v_head_stride;
+    const int64_t k_at = fa_kv_row_offset(p, seq, p.k_batch_stride, p.k_row_stride, j) +
+                         static_cast<int64_t>(hk) * p.k_head_stride;
+    const int64_t v_at = fa_kv_row_offset(p, seq, p.v_batch_stride, p.v_row_stride, j) +
+                         static_cast<int64_t>(hk) * p.v_head_stride;
     const Elem* kn = reinterpret_cast<const Elem*>(p.knew) + static_cast<int64_t>(b) * p.knew_batch_stride +
                      static_cast<int64_t>(i) * p.knew_row_stride + static_cast<int64_t>(hk) * p.knew_head_stride;
     const Elem* vn = reinterpret_cast<const Elem*>(p.vnew) + static_cast<int64_t>(b) * p.vnew_batch_stride +
                      static_cast<int64_t>(i) * p.vnew_row_stride + static_cast<int64_t>(hk) * p.vnew_head_stride;
     const int head_dim_v = p.head_dim_v > 0 ? p.head_dim_v : p.head_dim;  // 0: V's is Q/K's
+    if (fa_kv_fp8(p)) {
+        // An FP8 cache: the rows' codes and, per (token, head), their scales (common/fp8_kv.cuh).
+        const int64_t s = fa_kv_scale_index(p, seq, j, hk);
+        fa_append_row_fp8(p, reinterpret_cast<uint8_t*>(p.k) + k_at, kn, p.head_dim,
+                          reinterpret_cast<float*>(p.k_cache_scale) + s);
+        fa_append_row_fp8(p, reinterpret_cast<uint8_t*>(p.v) + v_at, vn, head_dim_v,
+                          reinterpret_cast<float*>(p.v_cache_scale) + s);
+        return;
+    }
+    Elem* k = reinterpret_cast<Elem*>(p.k) + k_at;
+    Elem* v = reinterpret_cast<Elem*>(p.v) + v_at;
     for (int c = threadIdx.x; c < p.head_dim; c += blockDim.x)
         k[c] = p.rotary_dim > 0 ? fa_rotary_elem(p, kn, c, cached + i) : kn[c];
     for (int c = threadIdx.x; c < head_dim_v; c += blockDim.x) v[c] = vn[c];

@@ -54,7 +54,8 @@ pub mod table;
 
 pub use device::{device_count, driver_present, Device};
 pub use engine::{
-    BackwardGrads, BackwardInputs, DeviceAppend, DeviceIndex, DeviceKv, DeviceLse, DeviceRotary, DeviceLseRef, DeviceTensor,
+    BackwardGrads, BackwardInputs, DeviceAppend, DeviceFp8Cache, DeviceIndex, DeviceKv, DeviceKvScales, DeviceLse, DeviceRotary,
+    DeviceLseRef, DeviceTensor,
     DeviceTensorMut, Engine, Fp8Codes,
 };
 

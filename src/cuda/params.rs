@@ -14,6 +14,10 @@ pub const FLAG_SOFTCAP: u32 = 2;
 pub const FLAG_ALIBI: u32 = 4;
 /// Rotary pairs `(2t, 2t + 1)`; unset: `(t, t + rotary_dim / 2)`.
 pub const FLAG_ROTARY_INTERLEAVED: u32 = 8;
+/// k, v (and the cache an append writes) hold e4m3 codes with `k/v_cache_scale`.
+pub const FLAG_KV_FP8: u32 = 16;
+/// `k/v_cache_scale` hold one scale per (slot, kv head); unset: one each.
+pub const FLAG_KV_SCALE_PER_TOKEN: u32 = 32;
 /// The append launch rotates q's row `i` at `seqlens[b] + i`; unset: every row at `seqlens[b]`.
 pub const FLAG_ROTARY_Q_ADVANCE: u32 = 64;
 
@@ -53,6 +57,8 @@ pub struct ServingOperands {
     pub cache_leftpad: u64,
     /// The rotary embedding of an append (the append launch rotates k_new and q).
     pub rotary: Option<RotaryOperands>,
+    /// An FP8 (e4m3) cache: k, v hold codes (their strides count codes) with these scales.
+    pub kv_fp8: Option<Fp8CacheScales>,
 }
 
 /// The rotary embedding of an append launch (cuda/common/append_kv.cuh): f32 tables
@@ -67,6 +73,16 @@ pub struct RotaryOperands {
     pub interleaved: bool,
     pub q_rows_advance: bool,
     pub q_rot: u64,
+}
+
+/// The scales of an FP8 KV cache on the device (f32; a code c with scale s stands for
+/// e4m3(c)·s): `[1]` each, or with `per_token` one per (slot, kv head), laid out as the cache
+/// without head_dim (`[batch, capacity, heads_kv]` / `[num_blocks, page_size, heads_kv]`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fp8CacheScales {
+    pub k: u64,
+    pub v: u64,
+    pub per_token: bool,
 }
 
 /// Asserts at compile time the size of a `#[repr(C)]` parameter struct and the offset of each
@@ -410,6 +426,14 @@ impl FwdParams {
                 f.flags |= FLAG_ROTARY_Q_ADVANCE;
             }
         }
+        if let Some(fp8) = s.kv_fp8 {
+            if !matches!(layout.kv_layout(), KvLayout::Cache { .. } | KvLayout::Paged { .. }) {
+                return Err(bad("FP8 KV", "packed or dense k/v".into(), "a dense or paged cache (the FP8 cache's layouts)"));
+            }
+            f.flags |= FLAG_KV_FP8 | if fp8.per_token { FLAG_KV_SCALE_PER_TOKEN } else { 0 };
+            f.k_cache_scale = need(fp8.k, "k_cache_scale")?;
+            f.v_cache_scale = need(fp8.v, "v_cache_scale")?;
+        }
         if num_splits > 1 {
             f.num_splits = i32_of(num_splits, "num_splits")?;
             f.o_accum = need(s.o_accum, "o_accum")?;
@@ -568,6 +592,9 @@ mod tests {
         assert_eq!(at(offset_of!(FwdParams, flags), 4), &3u32.to_ne_bytes());
         assert_eq!(at(offset_of!(FwdParams, reserved), 4), &9u32.to_ne_bytes());
         assert!(b[offset_of!(FwdParams, cu_seqlens_q)..].iter().all(|&x| x == 0), "dense: serving fields 0");
+        let fp8 = FwdParams { k_cache_scale: 0x2222, v_cache_scale: 0x3333, ..p }.to_bytes();
+        assert_eq!(&fp8[offset_of!(FwdParams, k_cache_scale)..][..8], &0x2222u64.to_ne_bytes());
+        assert_eq!(&fp8[offset_of!(FwdParams, v_cache_scale)..][..8], &0x3333u64.to_ne_bytes());
     }
 
     /// The serving fields land at their offsets too (each a distinct value).

@@ -9,7 +9,7 @@
 use super::hosts::family_host;
 use super::launch::dtype_name;
 pub use super::launch::{LaunchPlan, TensorMapArgs};
-pub use super::params::{FwdParams, Operands, RotaryOperands, ServingOperands};
+pub use super::params::{Fp8CacheScales, FwdParams, Operands, RotaryOperands, ServingOperands};
 use super::select::layout_error;
 use super::table::{Family, Tile, FAMILIES};
 use crate::error::{Error, Result};

@@ -98,8 +98,8 @@ impl sealed::Write for Fp8KvCacheMut<'_> {
     ) -> Result<Output> {
         Err(Error::BackendUnavailable {
             backend: format!("Cuda({dev})"),
-            reason: "the GPU serving kernels read f32 / f16 / bf16 caches; an FP8 KV cache runs on the CPU \
-                     (Backend::Auto or Backend::Cpu)"
+            reason: "an append into an FP8 KV cache from host memory runs on the CPU (Backend::Auto or \
+                     Backend::Cpu); on device memory, Engine::launch_serving_fp8_raw appends with the kernels"
                 .into(),
         })
     }
@@ -138,6 +138,16 @@ pub(super) fn rows<'a>(k: &'a [u8], v: &'a [u8], scales: KvScales<'a>) -> Fp8Kv<
         k: Fp8Rows { codes: k, scales: ks },
         v: Fp8Rows { codes: v, scales: vs },
     }
+}
+
+/// The buffers of an FP8 source for the GPU path (`Backend::Cuda`): a per-tensor scale as a
+/// one-element slice.
+pub(super) fn host<'a>(k: &'a [u8], v: &'a [u8], scales: &'a KvScales<'a>) -> crate::cuda_host::Fp8Host<'a> {
+    let (k_scales, v_scales, per_token) = match scales {
+        KvScales::PerTensor { k, v } => (std::slice::from_ref(k), std::slice::from_ref(v), false),
+        KvScales::PerTokenHead { k, v } => (*k, *v, true),
+    };
+    crate::cuda_host::Fp8Host { k, v, k_scales, v_scales, per_token }
 }
 
 /// Checks an FP8 cache's buffers against its shape: `numel(shape)` codes each for K and V (the

@@ -290,8 +290,8 @@ pub fn forward_varlen(
 /// As [`forward_varlen`]; a `cache_seqlens` beyond the cache, a block id or `batch_idx` entry
 /// outside it, a `leftpad` above its `seqlens`, and `batch_idx` or `leftpad` with a paged cache
 /// are [`Error::InvalidSeqLayout`]; an FP8 cache's scale that is not a finite number > 0 (per
-/// tensor, or of a slot the call reads) is an [`Error::InvalidScale`]. Under `Backend::Cuda`, an
-/// FP8 cache is [`Error::BackendUnavailable`] (the GPU kernels do not read one yet).
+/// tensor, or of a slot the call reads) is an [`Error::InvalidScale`]. Under `Backend::Cuda`,
+/// an FP8 cache runs on FA2's kernels.
 pub fn forward_kvcache(q: &impl AsTensorView, cache: &impl ReadKvCache, opts: &ForwardOptions) -> Result<Output> {
     let (src, kl) = cache.source(0);
     run(&q.as_view(), &src, (QueryLayout::Dense, kl, cache.rows()), 0, opts, "kvcache")
@@ -567,16 +567,13 @@ fn run(
         KvSource::Fp8 { k, v, scales, .. } => Some(fp8_cache::rows(k, v, scales)),
     };
     if let Backend::Cuda(dev) = opts.backend {
-        if fp8.is_some() {
-            return Err(Error::BackendUnavailable {
-                backend: format!("Cuda({dev})"),
-                reason: "the GPU serving kernels read f32 / f16 / bf16 caches; an FP8 KV cache runs on the CPU \
-                         (Backend::Auto or Backend::Cpu)"
-                    .into(),
-            });
-        }
-        // The serving kernels (docs/serving.md "GPU"; this path is compile-checked only).
-        return crate::cuda_host::serving_host((q, k, v), ql, kl, rows, opts, dev);
+        // The FA2 serving kernels (docs/serving.md "GPU"; this path is compile-checked only),
+        // which dequantise an FP8 cache's tiles as they load them.
+        let host_fp8 = match src {
+            KvSource::Fp8 { k, v, scales, .. } => Some(fp8_cache::host(k, v, scales)),
+            KvSource::Views(..) => None,
+        };
+        return crate::cuda_host::serving_host((q, k, v), ql, kl, rows, host_fp8, opts, dev);
     }
     let threads = cpu::threads(opts.cpu_threads);
     // Long query sequences whose keys lie in one contiguous run (packed k/v or a dense cache)

@@ -50,6 +50,9 @@ mod serving_fa1;
 /// FA2 on the serving layouts: varlen, caches, pages, split-KV, the KV append kernel.
 #[cfg(feature = "cuda")]
 mod serving_fa2;
+/// The FP8 (e4m3) KV cache: FA2 reading dense and paged caches, the append quantising into one.
+#[cfg(feature = "cuda")]
+mod fp8_kv_cache;
 /// FA3 stages 3-5 on the serving layouts.
 #[cfg(feature = "cuda")]
 mod serving_fa3;

@@ -151,6 +151,8 @@ int main(int argc, char** argv) {
     p.rotary_sin = translate(p.rotary_sin, "params.rotary_sin");
     p.cache_batch_idx = translate(p.cache_batch_idx, "params.cache_batch_idx");
     p.cache_leftpad = translate(p.cache_leftpad, "params.cache_leftpad");
+    p.k_cache_scale = translate(p.k_cache_scale, "params.k_cache_scale");
+    p.v_cache_scale = translate(p.v_cache_scale, "params.v_cache_scale");
 
     struct alignas(128) Map {
         unsigned char b[128];

@@ -51,6 +51,6 @@ mod tensors;
 pub use handle::Engine;
 pub use backward::{BackwardGrads, BackwardInputs};
 pub(crate) use host::{backward_host_into_typed, forward_host_into_typed, forward_host_typed};
-pub use serving::{DeviceAppend, DeviceIndex, DeviceKv, DeviceRotary};
+pub use serving::{DeviceAppend, DeviceFp8Cache, DeviceIndex, DeviceKv, DeviceKvScales, DeviceRotary};
 pub(crate) use serving::{serving_host_typed, HostAppend};
 pub use tensors::{DeviceLse, DeviceLseRef, DeviceTensor, DeviceTensorMut, Fp8Codes};

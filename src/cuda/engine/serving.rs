@@ -13,7 +13,7 @@ use crate::cuda::device::cuda_err;
 use crate::cuda::combine;
 use crate::cuda::driver::{launch, launch_combine};
 use crate::cuda::hosts::family_host;
-use crate::cuda::params::{FwdParams, Operands, RotaryOperands, ServingOperands};
+use crate::cuda::params::{Fp8CacheScales, FwdParams, Operands, RotaryOperands, ServingOperands};
 use crate::cuda::plan::{plan_append, plan_instance};
 use crate::cuda::select;
 use crate::error::{Error, Operand, Result};
@@ -22,7 +22,7 @@ use crate::problem::Problem;
 use crate::output::Dispatch;
 use crate::batch_layout::{check_distinct_cache_rows, BatchLayout, CacheRows, KvLayout, QueryLayout};
 use crate::rotary_positions;
-use crate::tensor::check_extent;
+use crate::tensor::{check_extent, DType, Shape};
 use cudarc::driver::{result, sys};
 
 /// An i32 index array of a serving call (`cu_seqlens`, `cache_seqlens`, `block_table`) as the
@@ -96,6 +96,41 @@ impl DeviceRotary {
     }
 }
 
+/// An FP8 (e4m3) KV cache on the device, for [`Engine::launch_serving_fp8_raw`]: contiguous
+/// codes `[batch, capacity, heads_kv, head_dim]` (dense) or `[num_blocks, page_size, heads_kv,
+/// head_dim]` (paged) for K and V, and their f32 scales (a code c with scale s stands for
+/// e4m3(c)·s, as [`crate::serving::Fp8KvCache`]).
+#[derive(Debug)]
+pub struct DeviceFp8Cache<'a> {
+    k: DeviceTensor<'a>,
+    v: DeviceTensor<'a>,
+    scales: DeviceKvScales,
+}
+
+/// The device addresses of an FP8 cache's f32 scales.
+#[derive(Clone, Copy, Debug)]
+pub enum DeviceKvScales {
+    /// One scale each for K and V (`[1]` each).
+    PerTensor { k: u64, v: u64 },
+    /// One per (slot, kv head), `[batch, capacity, heads_kv]` / `[num_blocks, page_size,
+    /// heads_kv]` each; an append sets the ones of the rows it writes.
+    PerTokenHead { k: u64, v: u64 },
+}
+
+impl<'a> DeviceFp8Cache<'a> {
+    /// # Safety
+    /// `k` and `v` are device addresses of the engine's context holding `shape`'s element count
+    /// of e4m3 codes each (contiguous), the scales what [`DeviceKvScales`] says; all alive and
+    /// unchanged by others until the launches that use them have run (an append writes the codes
+    /// and per-(slot, kv head) scales of its rows).
+    pub unsafe fn from_raw(k: u64, v: u64, shape: Shape, scales: DeviceKvScales) -> Self {
+        let n = shape.iter().try_fold(1usize, |a, &x| a.checked_mul(x)).unwrap_or(usize::MAX);
+        // SAFETY: this function's contract; the codes' dtype is never read (FP8 is checked apart).
+        let (k, v) = unsafe { (DeviceTensor::from_raw(k, n, DType::F16, shape), DeviceTensor::from_raw(v, n, DType::F16, shape)) };
+        DeviceFp8Cache { k, v, scales }
+    }
+}
+
 impl Engine {
     /// Serving attention on device memory, enqueued on `stream` without waiting: a packed q
     /// (`cu_seqlens_q` with `max_seqlen_q`) or a dense one, over packed k/v or a dense or paged
@@ -135,6 +170,61 @@ impl Engine {
         lse: Option<&mut DeviceLse>,
         opts: &ForwardOptions,
     ) -> Result<Dispatch> {
+        // SAFETY: this function's contract.
+        unsafe { self.serving_raw(stream, q, cu_seqlens_q, (k, v, None), kv, append, o, lse, opts) }
+    }
+
+    /// [`Engine::launch_serving_raw`] over an FP8 (e4m3) KV cache: `kv` a dense or paged cache
+    /// layout, `append`'s rows (q's dtype) quantised into it as the CPU append quantises them
+    /// (per (slot, kv head) scales set for the rows written). Runs on the FA2 kernels, which
+    /// dequantise each K/V tile as they load it; under `Variant::Auto` a family that does not
+    /// read an FP8 cache (FA3, FA1) is passed over and `Dispatch::reason` says so.
+    ///
+    /// # Safety
+    /// As [`Engine::launch_serving_raw`] and [`DeviceFp8Cache::from_raw`].
+    ///
+    /// # Errors
+    /// As [`Engine::launch_serving_raw`]; packed k/v are an `Error::InvalidSeqLayout` (an FP8
+    /// cache is a dense or paged cache), head dims other than FA2's `Error::VariantUnavailable`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn launch_serving_fp8_raw(
+        &self,
+        stream: sys::CUstream,
+        q: &DeviceTensor,
+        cu_seqlens_q: Option<(DeviceIndex, usize)>,
+        cache: &DeviceFp8Cache,
+        kv: DeviceKv,
+        append: Option<DeviceAppend>,
+        o: &mut DeviceTensorMut,
+        lse: Option<&mut DeviceLse>,
+        opts: &ForwardOptions,
+    ) -> Result<Dispatch> {
+        let scales = match cache.scales {
+            DeviceKvScales::PerTensor { k, v } => Fp8CacheScales { k, v, per_token: false },
+            DeviceKvScales::PerTokenHead { k, v } => Fp8CacheScales { k, v, per_token: true },
+        };
+        // SAFETY: this function's contract.
+        unsafe { self.serving_raw(stream, q, cu_seqlens_q, (&cache.k, &cache.v, Some(scales)), kv, append, o, lse, opts) }
+    }
+
+    /// The one body of [`Engine::launch_serving_raw`] and [`Engine::launch_serving_fp8_raw`]
+    /// (`fp8`: k, v hold e4m3 codes with these scales).
+    ///
+    /// # Safety
+    /// As [`Engine::launch_serving_fp8_raw`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn serving_raw(
+        &self,
+        stream: sys::CUstream,
+        q: &DeviceTensor,
+        cu_seqlens_q: Option<(DeviceIndex, usize)>,
+        (k, v, fp8): (&DeviceTensor, &DeviceTensor, Option<Fp8CacheScales>),
+        kv: DeviceKv,
+        append: Option<DeviceAppend>,
+        o: &mut DeviceTensorMut,
+        lse: Option<&mut DeviceLse>,
+        opts: &ForwardOptions,
+    ) -> Result<Dispatch> {
         // SAFETY: `stream` is a valid handle (this function's contract).
         unsafe { self.bind_raw_stream(stream) }?;
         let sid = stream_id(stream);
@@ -142,7 +232,9 @@ impl Engine {
         for (op, t) in [(Operand::Q, qb), (Operand::K, kb), (Operand::V, vb), (Operand::O, ob)] {
             check_extent(op, t.shape, t.strides, t.len)?;
             check_stream(op, t.stream, sid)?;
-            if t.dtype != qb.dtype {
+            // An FP8 cache's k, v hold codes, not q's dtype.
+            let codes = fp8.is_some() && matches!(op, Operand::K | Operand::V);
+            if t.dtype != qb.dtype && !codes {
                 return Err(Error::DTypeMismatch { operand: op, got: t.dtype, expected: qb.dtype });
             }
         }
@@ -164,6 +256,9 @@ impl Engine {
                 for (op, t) in [(Operand::K, &a.k_new.b), (Operand::V, &a.v_new.b)] {
                     check_extent(op, t.shape, t.strides, t.len)?;
                     check_stream(op, t.stream, sid)?;
+                    if t.dtype != qb.dtype {
+                        return Err(Error::DTypeMismatch { operand: op, got: t.dtype, expected: qb.dtype });
+                    }
                 }
                 let [b, n, hkv, d] = a.k_new.b.shape;
                 if a.v_new.b.shape != [b, n, hkv, dv] || hkv != kb.shape[2] || d != kb.shape[3] {
@@ -184,6 +279,20 @@ impl Engine {
             }
             None => 0,
         };
+        // The FP8 append quantises the rows as given and the FP8 cache's scales are indexed by
+        // its own rows: a rotary or cache rows of their own are refused, as the CPU's FP8 cache
+        // takes no cache rows either.
+        if fp8.is_some() {
+            let rotary = append.as_ref().is_some_and(|a| a.rotary.is_some());
+            let rows = matches!(kv, DeviceKv::Cache { batch_idx: Some(_), .. } | DeviceKv::Cache { leftpad: Some(_), .. });
+            if rotary || rows {
+                return Err(Error::InvalidOption {
+                    option: "FP8 KV cache",
+                    got: if rotary { "a rotary in the append".into() } else { "cache_batch_idx / cache_leftpad".into() },
+                    expected: "neither on the GPU's FP8 cache (the CPU path rotates into an FP8 cache)".into(),
+                });
+            }
+        }
         let ql = match &cu_seqlens_q {
             Some((cu, max_seqlen)) => QueryLayout::Varlen { cu_seqlens: cu.host, max_seqlen: *max_seqlen },
             None => QueryLayout::Dense,
@@ -276,6 +385,7 @@ impl Engine {
             new_strides,
             cache_batch_idx: idx(batch_idx),
             cache_leftpad: idx(leftpad),
+            kv_fp8: fp8,
             ..ServingOperands::default()
         };
         let mut ops = Operands {
@@ -288,10 +398,12 @@ impl Engine {
         // A family with a serving path: under Auto, FA2 when the fastest one has none.
         let mut c = select::choose_for(&*self.dev, &p, opts.variant, &ops)?;
         let probe = FwdParams::for_serving(&p, &layout, &ops, &sops, 1)?;
+        let mut passed_over = None;
         if let Some(why) = family_host(c.family).serving_refusal(c.family, c.tile, &probe) {
             if opts.variant != Variant::Auto {
                 return Err(Error::VariantUnavailable { variant: opts.variant, reason: format!("{} {why}", c.family.name) });
             }
+            passed_over = Some(format!("{} {why}", c.family.name));
             c = select::choose_for(&*self.dev, &p, Variant::Fa2, &ops)?;
         }
         if let Some(l) = lse {
@@ -378,9 +490,14 @@ impl Engine {
         };
         let mut d = self.record(&c, opts);
         d.reason = format!(
-            "{}; serving: {} sequences{}{}{}",
+            "{}; serving: {} sequences{}{}{}{}{}",
             d.reason,
             b,
+            passed_over.map_or(String::new(), |w| format!(" ({w}: passed over for FA2)")),
+            fp8.map_or(String::new(), |s| {
+                let per = if s.per_token { "per (slot, kv head)" } else { "per tensor" };
+                format!(", an FP8 KV cache (e4m3 codes, scales {per}) dequantised as its tiles load")
+            }),
             match (new, rotary.is_some()) {
                 (0, _) => String::new(),
                 (_, false) => format!(", {new} row(s) appended first (fa_append_kv)"),
@@ -445,11 +562,12 @@ pub(crate) struct HostAppend<'a, T> {
 }
 
 /// Runs a host-memory serving call on the GPU (the CPU API with `Backend::Cuda`): uploads q,
-/// k, v (each view's whole buffer, its strides kept) and the index arrays, launches
-/// [`Engine::launch_serving_raw`], downloads o and the LSE. With `append`, the append kernel
-/// writes the uploaded cache (rotating with a rotary) before the attention, and the cache as it
-/// left it (k's and v's whole buffers) is returned, downloaded after every launch succeeded.
-/// Compile-checked only.
+/// k, v (each view's whole buffer, its strides kept; with `fp8`, the FP8 cache's codes and
+/// scales instead of k, v) and the index arrays, launches [`Engine::launch_serving_raw`] (or
+/// [`Engine::launch_serving_fp8_raw`]), downloads o and the LSE. With `append` (16-bit caches),
+/// the append kernel writes the uploaded cache (rotating with a rotary) before the attention, and
+/// the cache as it left it (k's and v's whole buffers) is returned, downloaded after every launch
+/// succeeded. Compile-checked only.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn serving_host_typed<T>(
     engine: &Engine,
@@ -459,12 +577,13 @@ pub(crate) fn serving_host_typed<T>(
     kl: KvLayout<'_>,
     rows: CacheRows<'_>,
     append: Option<HostAppend<'_, T>>,
+    fp8: Option<crate::cuda_host::Fp8Host<'_>>,
     opts: &ForwardOptions,
 ) -> Result<(crate::output::Output, Option<HostCache<T>>)>
 where
     T: crate::tensor::Element + cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits,
 {
-    use cudarc::driver::DevicePtr;
+    use cudarc::driver::{CudaSlice, DevicePtr};
     let (q, k, v) = views;
     if matches!(kl, KvLayout::Dense) {
         return Err(Error::InvalidSeqLayout {
@@ -476,7 +595,27 @@ where
     let stream = engine.device().default_stream();
     let up = |s: &[T]| stream.clone_htod(s).map_err(cuda_err("cuMemcpyHtoDAsync"));
     let up_i32 = |s: &[i32]| stream.clone_htod(s).map_err(cuda_err("cuMemcpyHtoDAsync(index)"));
-    let (dq, dk, dv) = (up(data[0])?, up(data[1])?, up(data[2])?);
+    let dq = up(data[0])?;
+    // K and V on the device: the views' buffers, or the FP8 cache's codes and scales.
+    enum Kv<T> {
+        Views(CudaSlice<T>, CudaSlice<T>),
+        Fp8(CudaSlice<u8>, CudaSlice<u8>, CudaSlice<f32>, CudaSlice<f32>, bool),
+    }
+    let d_kv = match fp8 {
+        None => Kv::Views(up(data[1])?, up(data[2])?),
+        Some(_) if append.is_some() => {
+            return Err(Error::InvalidOption {
+                option: "append",
+                got: "rows to append into an FP8 cache on the device path".into(),
+                expected: "no append on the host-memory path (an FP8 cache's append from host memory runs on the CPU)".into(),
+            })
+        }
+        Some(f) => {
+            let codes = |s: &[u8]| stream.clone_htod(s).map_err(cuda_err("cuMemcpyHtoDAsync(FP8 codes)"));
+            let scales = |s: &[f32]| stream.clone_htod(s).map_err(cuda_err("cuMemcpyHtoDAsync(FP8 scales)"));
+            Kv::Fp8(codes(f.k)?, codes(f.v)?, scales(f.k_scales)?, scales(f.v_scales)?, f.per_token)
+        }
+    };
     let d_new = match &append {
         Some(a) => Some((up(a.k_new.1)?, up(a.v_new.1)?)),
         None => None,
@@ -529,8 +668,6 @@ where
     };
     let dispatch = {
         let tq = DeviceTensor::new(&dq, &stream, q.shape()).with_strides(q.strides());
-        let tk = DeviceTensor::new(&dk, &stream, k.shape()).with_strides(k.strides());
-        let tv = DeviceTensor::new(&dv, &stream, v.shape()).with_strides(v.strides());
         let mut to = DeviceTensorMut::new(&mut d_o, &stream, o_shape);
         let mut tl = d_lse.as_mut().map(|l| DeviceLse::new(l, &stream));
         // SAFETY: every address below is a buffer just uploaded on `stream` from the very host
@@ -572,22 +709,44 @@ where
             _ => None,
         };
         let dev_append = new.as_ref().map(|(k_new, v_new)| DeviceAppend { k_new, v_new, rotary });
-        // SAFETY: as above; with an append, k and v are the buffers just uploaded, written only by
-        // this call's launches.
-        unsafe {
-            engine.launch_serving_raw(stream.cu_stream(), &tq, cu_q, &tk, &tv, kv, dev_append, &mut to, tl.as_mut(), opts)?
+        match &d_kv {
+            Kv::Views(dk, dv) => {
+                let tk = DeviceTensor::new(dk, &stream, k.shape()).with_strides(k.strides());
+                let tv = DeviceTensor::new(dv, &stream, v.shape()).with_strides(v.strides());
+                // SAFETY: as above; with an append, k and v are the buffers just uploaded, written
+                // only by this call's launches.
+                unsafe {
+                    engine.launch_serving_raw(stream.cu_stream(), &tq, cu_q, &tk, &tv, kv, dev_append, &mut to, tl.as_mut(), opts)?
+                }
+            }
+            Kv::Fp8(ck, cv, sk, sv, per_token) => {
+                let at = |c: &CudaSlice<u8>| c.device_ptr(&stream).0;
+                let at_f32 = |c: &CudaSlice<f32>| c.device_ptr(&stream).0;
+                let (sk, sv) = (at_f32(sk), at_f32(sv));
+                let scales = match per_token {
+                    true => DeviceKvScales::PerTokenHead { k: sk, v: sv },
+                    false => DeviceKvScales::PerTensor { k: sk, v: sv },
+                };
+                // SAFETY: the codes and scales were just uploaded on `stream` from the cache's
+                // host buffers (validated by the caller against its shape), alive until after
+                // the synchronize below; nothing is appended (the cache is only read).
+                unsafe {
+                    let cache = DeviceFp8Cache::from_raw(at(ck), at(cv), k.shape(), scales);
+                    engine.launch_serving_fp8_raw(stream.cu_stream(), &tq, cu_q, &cache, kv, None, &mut to, tl.as_mut(), opts)?
+                }
+            }
         }
     };
     // The cache as the append kernel left it, downloaded before the synchronize and returned only
     // after it succeeded.
-    let cache = match append {
-        Some(_) => {
+    let cache = match (&append, &d_kv) {
+        (Some(_), Kv::Views(dk, dv)) => {
             let (mut k_host, mut v_host) = (vec![T::default(); data[1].len()], vec![T::default(); data[2].len()]);
-            stream.memcpy_dtoh(&dk, &mut k_host).map_err(cuda_err("cuMemcpyDtoHAsync(k cache)"))?;
-            stream.memcpy_dtoh(&dv, &mut v_host).map_err(cuda_err("cuMemcpyDtoHAsync(v cache)"))?;
+            stream.memcpy_dtoh(dk, &mut k_host).map_err(cuda_err("cuMemcpyDtoHAsync(k cache)"))?;
+            stream.memcpy_dtoh(dv, &mut v_host).map_err(cuda_err("cuMemcpyDtoHAsync(v cache)"))?;
             Some((k_host, v_host))
         }
-        None => None,
+        _ => None,
     };
     let mut o_host = vec![T::default(); o_len];
     stream.memcpy_dtoh(&d_o, &mut o_host).map_err(cuda_err("cuMemcpyDtoHAsync(o)"))?;

@@ -9,7 +9,7 @@ pub(crate) mod tma;
 
 use super::family::{chunked_rows_refusal, tile_grid, FamilyHost, Grid, LayoutRefusal};
 use super::launch::TensorMaps;
-use super::params::{FwdParams, Operands};
+use super::params::{FwdParams, Operands, FLAG_KV_FP8};
 use super::table::{Family, Tile};
 use crate::error::Result;
 use crate::problem::Problem;
@@ -26,6 +26,13 @@ const SERVING_STAGE: u8 = 3;
 const SERVING_MAX_HEAD_DIM: u32 = 128;
 /// The first stage that loads through TMA (and takes the tensor maps).
 const TMA_STAGE: u8 = 2;
+
+/// Why an FP8 KV cache is not read by FA3: its K/V tiles reach the consumers' wgmma as 16-bit
+/// operands straight from TMA (or the producer's gather), with no step that could dequantise
+/// e4m3 codes. `Engine::launch_serving_raw` runs such a call on FA2 under `Variant::Auto`
+/// (FA2 dequantises each tile as it loads it) and says so in `Dispatch::reason`.
+pub(crate) const FP8_CACHE_REFUSAL: &str =
+    "reads 16-bit K/V tiles only (TMA or the producer's gather straight into the wgmma operands); an FP8 KV cache runs on FA2";
 
 /// The FA3 ladder's host rules (every stage).
 #[derive(Debug)]
@@ -46,7 +53,8 @@ impl FamilyHost for Fa3 {
     }
 
     /// Stages 3-5 at head_dim 64 and 128 run packed batches, dense caches with cache_seqlens and
-    /// paged caches of any page size (`cuda/fa3/serving.cuh`), after an append; not split-KV.
+    /// paged caches of any page size (`cuda/fa3/serving.cuh`), after an append; not split-KV,
+    /// not an FP8 cache ([`FP8_CACHE_REFUSAL`]).
     fn serving_refusal(&self, fam: &Family, tile: &Tile, params: &FwdParams) -> Option<&'static str> {
         if stage(fam) < SERVING_STAGE {
             return Some("stages 1-2 have no varlen / KV-cache path (stages 3-5 have: docs/fa3.md)");
@@ -56,6 +64,9 @@ impl FamilyHost for Fa3 {
                 "runs varlen / KV caches at head_dim 64 and 128 only ",
                 "(at 256 its consumers have no registers to spare)"
             ));
+        }
+        if params.flags & FLAG_KV_FP8 != 0 {
+            return Some(FP8_CACHE_REFUSAL);
         }
         // An append (seqlen_new > 0) is its own kernel, launched first (fa_append_kv): the
         // attention then reads cache_seqlens + seqlen_new keys, as fa_seq counts them.
@@ -244,6 +255,8 @@ mod tests {
         assert!(Fa3.serving_refusal(row("fa3s5"), &T128, &split).unwrap().contains("split-KV"));
         let append = FwdParams { seqlen_new: 1, seqused_k: 0x30, ..varlen };
         assert_eq!(Fa3.serving_refusal(row("fa3s5"), &T128, &append), None);
+        let fp8 = FwdParams { flags: FLAG_KV_FP8, ..append };
+        assert_eq!(Fa3.serving_refusal(row("fa3s5"), &T128, &fp8), Some(FP8_CACHE_REFUSAL));
     }
 
     /// Serving maps describe the whole tensors (packed q, paged k/v), and the plan's note names

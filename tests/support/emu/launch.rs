@@ -98,4 +98,7 @@ pub mod addr {
     pub const KNEW: u64 = 0x76_0000_0000;
     pub const VNEW: u64 = 0x77_0000_0000;
     pub const SINKS: u64 = 0x78_0000_0000;
+    /// An FP8 KV cache's k / v scales (f32).
+    pub const K_SCALE: u64 = 0x7E_0000_0000;
+    pub const V_SCALE: u64 = 0x7F_0000_0000;
 }
