@@ -120,17 +120,6 @@ pub(crate) fn forward_host(
     })
 }
 
-/// An FP8 KV cache's host buffers for a serving call on the GPU: e4m3 codes (contiguous, of the
-/// k/v views' shape) and f32 scales, `[1]` each or with `per_token` one per (slot, kv head).
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Fp8Host<'a> {
-    pub k: &'a [u8],
-    pub v: &'a [u8],
-    pub k_scales: &'a [f32],
-    pub v_scales: &'a [f32],
-    pub per_token: bool,
-}
-
 /// Runs a serving call (varlen / KV cache, host memory) on CUDA device `dev`: upload, the FA2
 /// serving launch, download (`cuda::Engine::launch_serving_raw`; with `fp8`, k and v are views
 /// of the cache's shape only and the codes and scales are `fp8`'s). Compile-checked only.
@@ -140,7 +129,7 @@ pub(crate) fn serving_host(
     ql: crate::batch_layout::QueryLayout<'_>,
     kl: crate::batch_layout::KvLayout<'_>,
     rows: crate::batch_layout::CacheRows<'_>,
-    fp8: Option<Fp8Host<'_>>,
+    fp8: Option<crate::fp8_kv_host::Fp8Host<'_>>,
     opts: &ForwardOptions,
     dev: usize,
 ) -> Result<crate::Output> {
@@ -220,7 +209,7 @@ pub(crate) fn serving_host(
     _ql: crate::batch_layout::QueryLayout<'_>,
     _kl: crate::batch_layout::KvLayout<'_>,
     _rows: crate::batch_layout::CacheRows<'_>,
-    _fp8: Option<Fp8Host<'_>>,
+    _fp8: Option<crate::fp8_kv_host::Fp8Host<'_>>,
     _opts: &ForwardOptions,
     dev: usize,
 ) -> Result<crate::Output> {

@@ -51,6 +51,7 @@ pub mod cuda;
 mod cuda_host;
 mod dtype;
 mod error;
+mod fp8_kv_host;
 mod names;
 pub mod numerics;
 mod options;

@@ -142,12 +142,12 @@ pub(super) fn rows<'a>(k: &'a [u8], v: &'a [u8], scales: KvScales<'a>) -> Fp8Kv<
 
 /// The buffers of an FP8 source for the GPU path (`Backend::Cuda`): a per-tensor scale as a
 /// one-element slice.
-pub(super) fn host<'a>(k: &'a [u8], v: &'a [u8], scales: &'a KvScales<'a>) -> crate::cuda_host::Fp8Host<'a> {
+pub(super) fn host<'a>(k: &'a [u8], v: &'a [u8], scales: &'a KvScales<'a>) -> crate::fp8_kv_host::Fp8Host<'a> {
     let (k_scales, v_scales, per_token) = match scales {
         KvScales::PerTensor { k, v } => (std::slice::from_ref(k), std::slice::from_ref(v), false),
         KvScales::PerTokenHead { k, v } => (*k, *v, true),
     };
-    crate::cuda_host::Fp8Host { k, v, k_scales, v_scales, per_token }
+    crate::fp8_kv_host::Fp8Host { k, v, k_scales, v_scales, per_token }
 }
 
 /// Checks an FP8 cache's buffers against its shape: `numel(shape)` codes each for K and V (the

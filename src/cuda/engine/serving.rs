@@ -577,7 +577,7 @@ pub(crate) fn serving_host_typed<T>(
     kl: KvLayout<'_>,
     rows: CacheRows<'_>,
     append: Option<HostAppend<'_, T>>,
-    fp8: Option<crate::cuda_host::Fp8Host<'_>>,
+    fp8: Option<crate::fp8_kv_host::Fp8Host<'_>>,
     opts: &ForwardOptions,
 ) -> Result<(crate::output::Output, Option<HostCache<T>>)>
 where
