@@ -560,12 +560,13 @@ pub const STANDALONE: &[Standalone] = &[Standalone {
     source: "cuda/fa2_bwd.cu",
     // The FA2 backward (docs/fa2-backward.md, src/cuda/fa2_bwd.rs plans the three launches):
     // fa2_bwd_preprocess_<dt> (D = rowsum(dO o O)), fa2_bwd_hd<D>_<dt> (the main kernel),
-    // fa2_bwd_convert_dq_<dt>. Ran in the emulator and compile-checked only.
+    // fa2_bwd_convert_dq_<dt>, and fa2_bwd_sink_grad (the attention sinks' gradient, any
+    // dtype). Ran in the emulator and compile-checked only.
     kernels: &[
         "fa2_bwd_preprocess_f16", "fa2_bwd_convert_dq_f16", "fa2_bwd_hd32_f16", "fa2_bwd_hd64_f16", "fa2_bwd_hd96_f16",
         "fa2_bwd_hd128_f16", "fa2_bwd_hd192_f16", "fa2_bwd_hd256_f16",
         "fa2_bwd_preprocess_bf16", "fa2_bwd_convert_dq_bf16", "fa2_bwd_hd32_bf16", "fa2_bwd_hd64_bf16", "fa2_bwd_hd96_bf16",
-        "fa2_bwd_hd128_bf16", "fa2_bwd_hd192_bf16", "fa2_bwd_hd256_bf16",
+        "fa2_bwd_hd128_bf16", "fa2_bwd_hd192_bf16", "fa2_bwd_hd256_bf16", "fa2_bwd_sink_grad",
     ],
     // Every kernel reads and writes global rows; the main kernels' tensor-core and ldmatrix
     // instructions are checked by tests/toolchain/sass.rs `fa2_backward_uses_mma_and_ldmatrix`.
