@@ -570,12 +570,13 @@ pub const STANDALONE: &[Standalone] = &[Standalone {
     source: "cuda/fa2_bwd.cu",
     // The FA2 backward (docs/fa2-backward.md, src/cuda/fa2_bwd.rs plans the three launches):
     // fa2_bwd_preprocess_<dt> (D = rowsum(dO o O)), fa2_bwd_hd<D>_<dt> (the main kernel),
-    // fa2_bwd_convert_dq_<dt>. Ran in the emulator and compile-checked only.
+    // fa2_bwd_convert_dq_<dt>, and fa2_bwd_sink_grad (the attention sinks' gradient, any
+    // dtype). Ran in the emulator and compile-checked only.
     kernels: &[
         "fa2_bwd_preprocess_f16", "fa2_bwd_convert_dq_f16", "fa2_bwd_hd32_f16", "fa2_bwd_hd64_f16", "fa2_bwd_hd96_f16",
         "fa2_bwd_hd128_f16", "fa2_bwd_hd192_f16", "fa2_bwd_hd256_f16",
         "fa2_bwd_preprocess_bf16", "fa2_bwd_convert_dq_bf16", "fa2_bwd_hd32_bf16", "fa2_bwd_hd64_bf16", "fa2_bwd_hd96_bf16",
-        "fa2_bwd_hd128_bf16", "fa2_bwd_hd192_bf16", "fa2_bwd_hd256_bf16",
+        "fa2_bwd_hd128_bf16", "fa2_bwd_hd192_bf16", "fa2_bwd_hd256_bf16", "fa2_bwd_sink_grad",
     ],
     // Every kernel reads and writes global rows; the main kernels' tensor-core and ldmatrix
     // instructions are checked by tests/toolchain/sass.rs `fa2_backward_uses_mma_and_ldmatrix`.
@@ -700,7 +701,8 @@ const fn fa4_softmax_options(s: SoftmaxParams) -> KernelOptions {
     poly.union(lazy)
 }
 
-/// FA4's softmax in the FA2 pipeline (cuda/fa2_fwd.cu, FA2's tiles): `Variant::Fa4` on sm_80,
+/// FA4's softmax in the FA2 pipeline (cuda/fa2_fwd.cu, FA2's tiles, its epilogue's sink fold
+/// included): `Variant::Fa4` on sm_80,
 /// sm_120 (PTX) and, without `fa4_stage`, on sm_100 (the tcgen05 stages need it). Ranked below
 /// the FA3-pipeline rows, so sm_90a takes those.
 const fn fa4_fa2_family(name: &'static str, softmax: SoftmaxParams, cpu_emulation: &'static str, tiles: &'static [Tile]) -> Family {
@@ -714,7 +716,7 @@ const fn fa4_fa2_family(name: &'static str, softmax: SoftmaxParams, cpu_emulatio
         gpu_verified: false,
         auto: false,
         sass_expect: FA4_FA2_SASS,
-        options: fa4_softmax_options(softmax),
+        options: fa4_softmax_options(softmax).union(KernelOptions::SINKS),
         softmax,
         rank: 36,
         cpu_emulation: Some(cpu_emulation),
@@ -723,7 +725,8 @@ const fn fa4_fa2_family(name: &'static str, softmax: SoftmaxParams, cpu_emulatio
 }
 
 /// FA4's softmax in the FA3 pipeline at its top stage (cuda/fa3_fwd_sm90.cu stage 5: TMA ring,
-/// warp specialisation, ping-pong, intra-warpgroup overlap, persistent grid): `Variant::Fa4` on
+/// warp specialisation, ping-pong, intra-warpgroup overlap, persistent grid, the shared epilogue's
+/// sink fold): `Variant::Fa4` on
 /// sm_90a. `rank` 38 for the default row, 37 for the benchmark's sweep rows (which a problem
 /// reaches by naming their share / tau: src/cuda/select.rs).
 const fn fa4_fa3_family(
@@ -743,7 +746,7 @@ const fn fa4_fa3_family(
         gpu_verified: false,
         auto: false,
         sass_expect: FA4_FA3_SASS,
-        options: fa4_softmax_options(softmax),
+        options: fa4_softmax_options(softmax).union(KernelOptions::SINKS),
         softmax,
         rank,
         cpu_emulation: Some(cpu_emulation),
@@ -850,10 +853,11 @@ pub const FAMILIES: &[Family] = &[
     // warpgroup; 2 + FA4's warp roles (load warp, MMA warp, two softmax warpgroups, a correction
     // warpgroup), P in tensor memory (A operand from TMEM); 3 + two Q tiles in ping-pong and
     // FA4's softmax: the degree-3 software exp2 (exp2_poly.cuh) for 1 element in 8, conditional
-    // rescaling with tau = 8 (common/softmax.cuh).
-    fa4_family("fa4s1", 1, "fa4_stage1", FA4_SASS, KernelOptions::NONE, FA4_S1_TILES),
-    fa4_family("fa4s2", 2, "fa4_stage2", FA4_SASS, KernelOptions::NONE, FA4_S2_TILES),
-    fa4_family("fa4s3", 3, "fa4_stage3", FA4_S3_SASS, FA4_SOFTMAX_OPTIONS, FA4_S3_TILES),
+    // rescaling with tau = 8 (common/softmax.cuh). Every stage folds attention sinks in its
+    // epilogue (fa_softmax_finalize_sink).
+    fa4_family("fa4s1", 1, "fa4_stage1", FA4_SASS, KernelOptions::SINKS, FA4_S1_TILES),
+    fa4_family("fa4s2", 2, "fa4_stage2", FA4_SASS, KernelOptions::SINKS, FA4_S2_TILES),
+    fa4_family("fa4s3", 3, "fa4_stage3", FA4_S3_SASS, FA4_SOFTMAX_OPTIONS.union(KernelOptions::SINKS), FA4_S3_TILES),
     // FA4's softmax in the FA2 and FA3 pipelines (docs/fa4.md "Part 1"): the
     // default rows (1 element in 8 on the FMA units, tau = 8, FA4_SOFTMAX), then the benchmark's
     // sweep of the share (0, 1 in 8, 1 in 4) x tau (0, 8) in the FA3 pipeline at head dim 128

@@ -15,6 +15,9 @@
 //        (static_asserted below)
 //   3. fa2_bwd_convert_dq_<dt>     dq = scale * accumulated dS K, in the dtype (fa2/bwd_convert.cuh)
 //        grid (ceil(seqlen_q / 16), heads_q, batch), 128 threads, no shared memory
+//   4. fa2_bwd_sink_grad           only when BwdParams::d_sinks is set: the attention sinks'
+//        gradient from D and the LSE (fa2/bwd_sink_grad.cuh), any dtype
+//        grid (heads_q), 128 threads, 16 bytes of dynamic shared memory
 //
 // Preconditions checked by the host: head_dim == D; every tensor 16-byte aligned and every stride
 // a multiple of 8 elements; heads_q % heads_kv == 0; lse is the forward's (natural log, -inf for
@@ -27,6 +30,7 @@
 #include "fa2/bwd_convert.cuh"
 #include "fa2/bwd_mainloop.cuh"
 #include "fa2/bwd_preprocess.cuh"
+#include "fa2/bwd_sink_grad.cuh"
 
 namespace fa2 {
 using bwd_f16 = __half;
@@ -57,6 +61,10 @@ using bwd_bf16 = __nv_bfloat16;
     FA2_BWD_KERNEL(256, DT)
 FA2_BWD_INSTANCES(f16)
 FA2_BWD_INSTANCES(bf16)
+extern "C" __global__ void __launch_bounds__(fa2::kBwdRowThreads) fa2_bwd_sink_grad(const __grid_constant__ BwdParams p) {
+    fa2::bwd_sink_grad(p);
+}
+static_assert(fa2::kBwdSinkSmemBytes == 16, "fa2_bwd_sink_grad launch table out of date");
 
 // The launch table of the header comment (and of src/cuda/fa2_bwd.rs), checked against the traits.
 #define FA2_BWD_CHECK(D, M, N, W, SMEM)                                                                \

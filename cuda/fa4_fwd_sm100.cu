@@ -23,8 +23,10 @@
 // composes them into one `forward` per stage. This file holds only the entry points.
 //
 // Semantics (same as every backend): s = scale * q.k, optional softcap, bottom-right aligned
-// causal/sliding window, GQA, LSE (natural log) on request, rows with no visible key give O = 0
-// and LSE -inf. No ALiBi (the host refuses it). Seqlens need not be multiples of the tile: TMA
+// causal/sliding window, GQA, LSE (natural log) on request, attention sinks (FwdParams::sinks,
+// folded once per row by the epilogue, common/softmax.cuh fa_softmax_finalize_sink), rows with
+// no visible key give O = 0 and LSE -inf (the head's sink with one). No ALiBi (the host refuses
+// it). Seqlens need not be multiples of the tile: TMA
 // zero-fills rows past the end and those keys are masked.
 // Host requirements (src/cuda/fa4.rs): head_dim == the instance's D; q/k/v/o strides multiples
 // of 8 elements, 16-byte aligned base addresses (TMA, 16-byte stores of O).

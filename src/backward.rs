@@ -267,7 +267,7 @@ fn run(
         Route::Cpu(why) => Ok(cpu_dispatch(run_cpu(&c.p, &c.spans, &c.x, opts, out, d_sinks)?, why.clone())),
         Route::Gpu(dev) => {
             let x = &c.x;
-            crate::cuda_host::backward_host_into([&x.q, &x.k, &x.v, &x.o, &x.d_o], x.lse, out, opts, *dev)
+            crate::cuda_host::backward_host_into([&x.q, &x.k, &x.v, &x.o, &x.d_o], x.lse, out, d_sinks, opts, *dev)
         }
     }
 }

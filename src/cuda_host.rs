@@ -236,13 +236,14 @@ pub(crate) fn serving_append_host(
 }
 
 /// A host-memory backward on CUDA device `dev` (an explicit variant): upload, the backward
-/// launches (`cuda::Engine::backward`), download into `out` (contiguous, lengths checked by the
-/// caller). Compile-checked only.
+/// launches (`cuda::Engine::backward`), download into `out` and `d_sinks` (contiguous, lengths
+/// checked by the caller). Compile-checked only.
 #[cfg(feature = "cuda")]
 pub(crate) fn backward_host_into(
     views: [&TensorView; 5],
     lse: &[f32],
     out: (DataMut<'_>, DataMut<'_>, DataMut<'_>),
+    d_sinks: Option<&mut [f32]>,
     opts: &ForwardOptions,
     dev: usize,
 ) -> Result<crate::Dispatch> {
@@ -251,12 +252,12 @@ pub(crate) fn backward_host_into(
     let [q, k, v, o, d_o] = views;
     match ([q.data(), k.data(), v.data(), o.data(), d_o.data()], out) {
         ([Data::F16(a), Data::F16(b), Data::F16(c), Data::F16(d), Data::F16(e)], (DataMut::F16(x), DataMut::F16(y), DataMut::F16(z))) => {
-            crate::cuda::backward_host_into_typed(&engine, views, [a, b, c, d, e], lse, (x, y, z), opts)
+            crate::cuda::backward_host_into_typed(&engine, views, [a, b, c, d, e], lse, (x, y, z), d_sinks, opts)
         }
         (
             [Data::BF16(a), Data::BF16(b), Data::BF16(c), Data::BF16(d), Data::BF16(e)],
             (DataMut::BF16(x), DataMut::BF16(y), DataMut::BF16(z)),
-        ) => crate::cuda::backward_host_into_typed(&engine, views, [a, b, c, d, e], lse, (x, y, z), opts),
+        ) => crate::cuda::backward_host_into_typed(&engine, views, [a, b, c, d, e], lse, (x, y, z), d_sinks, opts),
         _ => Err(Error::UnsupportedDType {
             dtype: q.dtype(),
             backend: format!("cuda:{dev}"),
@@ -270,6 +271,7 @@ pub(crate) fn backward_host_into(
     _views: [&TensorView; 5],
     _lse: &[f32],
     _out: (DataMut<'_>, DataMut<'_>, DataMut<'_>),
+    _d_sinks: Option<&mut [f32]>,
     _opts: &ForwardOptions,
     dev: usize,
 ) -> Result<crate::Dispatch> {

@@ -43,6 +43,12 @@ typedef struct BwdParams {
     uint32_t flags;            // FA_FLAG_SOFTCAP | FA_FLAG_ALIBI | FA_BWD_FLAG_DETERMINISTIC
     int32_t dq_accum_splits;   // 1, or the key blocks of the main kernel (deterministic)
     int32_t block_n;           // keys per key block of the main kernel (the partials' width)
+    // Attention sinks (the forward's FwdParams::sinks): f32 [heads_q] logits (natural units, -inf:
+    // none), or 0. Their gradient goes to d_sinks (f32 [heads_q], written by fa2_bwd_sink_grad,
+    // cuda/fa2/bwd_sink_grad.cuh), or 0 when the caller takes none. dq, dk, dv need neither:
+    // the LSE already holds the sink's term.
+    uint64_t sinks;
+    uint64_t d_sinks;
 } BwdParams;
 
 #ifdef __cplusplus
@@ -51,7 +57,7 @@ typedef struct BwdParams {
 
 #ifdef __cplusplus
 #include <cstddef>
-static_assert(sizeof(BwdParams) == 344, "BwdParams size: update src/cuda/bwd_params.rs too");
+static_assert(sizeof(BwdParams) == 360, "BwdParams size: update src/cuda/bwd_params.rs too");
 static_assert(offsetof(BwdParams, alibi_slopes) == 88, "BwdParams layout");
 static_assert(offsetof(BwdParams, q_batch_stride) == 96, "BwdParams layout");
 static_assert(offsetof(BwdParams, dv_head_stride) == 280, "BwdParams layout");
@@ -61,4 +67,6 @@ static_assert(offsetof(BwdParams, softmax_scale) == 320, "BwdParams layout");
 static_assert(offsetof(BwdParams, flags) == 332, "BwdParams layout");
 static_assert(offsetof(BwdParams, dq_accum_splits) == 336, "BwdParams layout");
 static_assert(offsetof(BwdParams, block_n) == 340, "BwdParams layout");
+static_assert(offsetof(BwdParams, sinks) == 344, "BwdParams layout");
+static_assert(offsetof(BwdParams, d_sinks) == 352, "BwdParams layout");
 #endif

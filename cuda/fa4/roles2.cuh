@@ -58,13 +58,18 @@ __device__ __forceinline__ void publish_row_end(const B& b, uint8_t* smem, const
 }
 
 // The end of the row at `row` of the maxima (stats_full waited for): its max and the sum of its
-// `parts` partial sums, kUmmaM apart (stage 2: one per softmax warpgroup).
+// `parts` partial sums, kUmmaM apart (stage 2: one per softmax warpgroup), with the head's sink
+// folded in (fa_softmax_finalize_sink, -inf: none). The max and the sum are the final ones of
+// the same running state (a stale max under the lazy rescale scales both alike), so the fold is
+// exact whatever the softmax skipped.
 template <class Tr>
-__device__ __forceinline__ FaRowEnd published_row_end(const FwdParams& p, const uint8_t* smem, int row, int parts) {
+__device__ __forceinline__ FaRowEnd published_row_end(const FwdParams& p, const uint8_t* smem, int row, int parts,
+                                                      int head) {
     const float* lsum = reinterpret_cast<const float*>(smem + Tr::kOffLsum);
     float l = 0.f;
     for (int i = 0; i < parts; ++i) l += lsum[i * kUmmaM + row];
-    return fa_softmax_finalize(reinterpret_cast<const float*>(smem + Tr::kOffMax)[row], l, fa_to_natural(p));
+    return fa_softmax_finalize_sink(reinterpret_cast<const float*>(smem + Tr::kOffMax)[row], l, fa_to_natural(p),
+                                    fa_sink(p, head));
 }
 
 // The MMA warp's one issuing thread: S_0, then per tile j: S_{j+1} into the other TMEM buffer
@@ -214,7 +219,7 @@ __device__ __forceinline__ void correction_role(const FwdParams& p, const Barrie
         __syncwarp();
         tcgen05_fence_after();
     }
-    const FaRowEnd end = published_row_end<Tr>(p, smem, r, 2);
+    const FaRowEnd end = published_row_end<Tr>(p, smem, r, 2, bc.head);
     write_output<Tr, T>(p, end, tmem, warp, m0 + r, bc.batch, bc.head, n_tiles > 0);
 }
 

@@ -177,7 +177,7 @@ __device__ __forceinline__ void correction_role3(const FwdParams& p, const Barri
             __syncwarp();
             tcgen05_fence_after();
         }
-        const FaRowEnd end = published_row_end<Tr>(p, smem, t * kUmmaM + r, 1);
+        const FaRowEnd end = published_row_end<Tr>(p, smem, t * kUmmaM + r, 1, bc.head);
         write_output<Tr, T>(p, end, tmem + static_cast<uint32_t>(t * Tr::kHeadDim), warp, m0 + t * kUmmaM + r,
                             bc.batch, bc.head, n_tiles > 0);
     }

@@ -87,7 +87,8 @@ __device__ __forceinline__ void stage1(const FwdParams& p, const TmaDesc* tq, co
         __syncwarp();
         tcgen05_fence_after();
     }
-    write_output<Tr, T>(p, st.finalize(0, fa_to_natural(p)), tmem, warp, row, bc.batch, bc.head, n_tiles > 0);
+    write_output<Tr, T>(p, st.finalize(0, fa_to_natural(p), fa_sink(p, bc.head)), tmem, warp, row, bc.batch, bc.head,
+                        n_tiles > 0);
     cta.finish(tmem);
 }
 

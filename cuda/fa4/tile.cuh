@@ -131,9 +131,10 @@ __device__ __forceinline__ void rescale_o(uint32_t tmem, int warp, float corr, i
 }
 
 // Normalise and write this thread's row of O (and LSE) from TMEM; rows with no visible key
-// get O = 0 (not O * 0: NaN if a masked key's infinite V reached O) and LSE -inf. Every thread
-// of the warp loads (tcgen05.ld is .sync.aligned); only rows below seqlen_q are stored.
-// `end`: the row's fa_softmax_finalize.
+// get O = 0 (not O * 0: NaN if a masked key's infinite V reached O) and LSE -inf, or the head's
+// sink logit where it has one. Every thread of the warp loads (tcgen05.ld is .sync.aligned);
+// only rows below seqlen_q are stored. `end`: the row's fa_softmax_finalize_sink (a CTA with no
+// key tile, !have_o, finalizes the initial state: empty).
 template <class Tr, class T>
 __device__ __forceinline__ void write_output(const FwdParams& p, const FaRowEnd& end, uint32_t tmem, int warp,
                                              int row, int batch, int head, bool have_o) {
@@ -160,7 +161,7 @@ __device__ __forceinline__ void write_output(const FwdParams& p, const FaRowEnd&
                            fa_pack2<T>(o[8 * q + 4], o[8 * q + 5]), fa_pack2<T>(o[8 * q + 6], o[8 * q + 7]));
     }
     if (live && (p.flags & FA_FLAG_RETURN_LSE)) {
-        const float lse = empty ? -INFINITY : end.lse;
+        const float lse = have_o || end.empty ? end.lse : -INFINITY;
         reinterpret_cast<float*>(p.lse)[(static_cast<int64_t>(batch) * p.heads_q + head) * p.seqlen_q + row] = lse;
     }
 }

@@ -24,6 +24,11 @@ pub struct BwdOperands {
     pub dq_accum: u64,
     /// f32 `[heads_q]`, or 0.
     pub alibi: u64,
+    /// f32 `[heads_q]`: the forward's sink logits (`Problem::sinks`), or 0.
+    pub sinks: u64,
+    /// f32 `[heads_q]`: the sink logits' gradient, written by the sink launch; 0: not taken (no
+    /// launch).
+    pub d_sinks: u64,
 }
 
 /// Kernel parameters, passed by value as `const __grid_constant__ BwdParams`.
@@ -63,10 +68,14 @@ pub struct BwdParams {
     pub dq_accum_splits: i32,
     /// Keys per key block of the main kernel.
     pub block_n: i32,
+    /// f32 `[heads_q]` sink logits, or 0.
+    pub sinks: u64,
+    /// f32 `[heads_q]` sink gradient (output), or 0.
+    pub d_sinks: u64,
 }
 
 // The same numbers as the static_asserts in cuda/common/bwd_params.h, plus every other offset.
-assert_c_layout!(BwdParams, size 344, {
+assert_c_layout!(BwdParams, size 360, {
     d_o: 32,
     dq_accum: 56,
     dv: 80,
@@ -80,6 +89,8 @@ assert_c_layout!(BwdParams, size 344, {
     flags: 332,
     dq_accum_splits: 336,
     block_n: 340,
+    sinks: 344,
+    d_sinks: 352,
 });
 
 impl BwdParams {
@@ -125,6 +136,8 @@ impl BwdParams {
             flags,
             dq_accum_splits: splits as i32,
             block_n: block_n as i32,
+            sinks: ops.sinks,
+            d_sinks: ops.d_sinks,
         }
     }
 
@@ -166,6 +179,8 @@ impl BwdParams {
         put(&self.flags.to_ne_bytes());
         put(&self.dq_accum_splits.to_ne_bytes());
         put(&self.block_n.to_ne_bytes());
+        put(&self.sinks.to_ne_bytes());
+        put(&self.d_sinks.to_ne_bytes());
         debug_assert_eq!(at, out.len());
         out
     }
@@ -180,7 +195,16 @@ mod tests {
     fn to_bytes_follows_the_c_layout() {
         let mut strides = [[0i64; 3]; 8];
         strides[7][2] = 77;
-        let p = BwdParams { alibi_slopes: 0x55, strides, head_dim: 128, softcap: 2.5, block_n: 64, ..BwdParams::default() };
+        let p = BwdParams {
+            alibi_slopes: 0x55,
+            strides,
+            head_dim: 128,
+            softcap: 2.5,
+            block_n: 64,
+            sinks: 0x66,
+            d_sinks: 0x77,
+            ..BwdParams::default()
+        };
         let b = p.to_bytes();
         let at = |o: usize, n: usize| &b[o..o + n];
         assert_eq!(at(88, 8), 0x55u64.to_ne_bytes());
@@ -188,5 +212,7 @@ mod tests {
         assert_eq!(at(308, 4), 128i32.to_ne_bytes());
         assert_eq!(at(328, 4), 2.5f32.to_ne_bytes());
         assert_eq!(at(340, 4), 64i32.to_ne_bytes());
+        assert_eq!(at(344, 8), 0x66u64.to_ne_bytes());
+        assert_eq!(at(352, 8), 0x77u64.to_ne_bytes());
     }
 }

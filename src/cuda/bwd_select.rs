@@ -58,7 +58,7 @@ pub(crate) const AUTO_REFUSAL: &str = "no GPU run has verified the backward kern
 /// The backward kernel of `p` on `dev` for `variant`.
 ///
 /// # Errors
-/// [`Error::UnsupportedDType`] for f32; [`Error::InvalidOption`] for an FP8 precision or sinks;
+/// [`Error::UnsupportedDType`] for f32; [`Error::InvalidOption`] for an FP8 precision;
 /// [`Error::VariantUnavailable`] for Auto (until verified), FA1/FA4 (no backward kernel), a
 /// family this device cannot run, a V head_dim other than Q/K's, or a problem its kernel lacks
 /// (FA3: head dim, softcap, ALiBi);
@@ -76,13 +76,6 @@ pub(crate) fn choose(dev: &impl Gpu, p: &Problem, variant: Variant) -> Result<Bw
             option: "precision",
             got: format!("{:?}", p.precision),
             expected: "Precision::Native (the backward has no FP8 path)".into(),
-        });
-    }
-    if let Some(s) = &p.sinks {
-        return Err(Error::InvalidOption {
-            option: "sinks",
-            got: format!("{} sink logits", s.len()),
-            expected: "no sinks (the GPU backward kernels have no sink gradient)".into(),
         });
     }
     if p.head_dim_v != p.head_dim {
@@ -227,8 +220,11 @@ mod tests {
         }
         let e = pick(&H100, DType::F32, 64, o().variant(Variant::Fa2)).unwrap_err();
         assert!(matches!(e, Error::UnsupportedDType { .. }), "{e:?}");
-        let e = pick(&H100, DType::BF16, 64, o().variant(Variant::Fa2).sinks(vec![0.5f32; 4])).unwrap_err();
-        assert!(matches!(e, Error::InvalidOption { option: "sinks", .. }), "{e:?}");
+        // Sinks run on both families (dq, dk, dv as without them, plus the sink launch).
+        for v in [Variant::Fa2, Variant::Fa3] {
+            let c = pick(&H100, DType::BF16, 64, o().variant(v).sinks(vec![0.5f32; 4])).unwrap();
+            assert_eq!(c.family.variant(), v);
+        }
         let mut mla = problem(DType::BF16, 192, &o());
         mla.head_dim_v = 128;
         unavailable(choose(&H100, &mla, Variant::Fa2), Variant::Fa2, "one head_dim");

@@ -1,7 +1,9 @@
 //! The FA2 backward's launches as data (`cuda/fa2_bwd.cu`, the standalone row "fa2_bwd" of
 //! build/instances.rs; docs/fa2-backward.md): three kernels on one stream sharing one
 //! [`BwdParams`]: the preprocess (D = rowsum(dO ∘ O), the dq accumulator zeroed), the main kernel
-//! over key blocks (dK, dV, dQ accumulated), the dq conversion. The CPU emulator runs exactly
+//! over key blocks (dK, dV, dQ accumulated), the dq conversion; and a fourth, the attention
+//! sinks' gradient from D and the LSE, when the caller takes it (`BwdOperands::d_sinks`). The
+//! CPU emulator runs exactly
 //! these plans (`tests/emulator/backward.rs`), and `Engine::backward` launches them for an
 //! explicit `Variant::Fa2`; the kernels have run in the emulator and been compile-checked, never
 //! on a GPU, so `Variant::Auto` does not pick them (build/instances.rs `BACKWARD_AUTO`).
@@ -32,6 +34,12 @@ pub const TILES: [(u32, u32, u32, u32, u32); 6] = [
 /// kBwdRowsPerCta).
 const ROW_THREADS: u32 = 128;
 const ROWS_PER_CTA: usize = 16;
+/// The sink gradient's kernel (one CTA of ROW_THREADS per query head) and its dynamic shared
+/// memory, one f32 per warp (`kBwdSinkSmemBytes`, cuda/fa2/bwd_sink_grad.cuh).
+pub const SINK_GRAD_KERNEL: &str = "fa2_bwd_sink_grad";
+const SINK_GRAD_SMEM: u32 = ROW_THREADS / 32 * 4;
+/// The main kernel's place in [`BwdPlan::launches`] (the one that takes tensor maps).
+pub const MAIN_LAUNCH: usize = 1;
 
 /// One kernel launch of the sequence.
 #[derive(Clone, Debug, PartialEq)]
@@ -42,11 +50,11 @@ pub struct BwdLaunch {
     pub smem_bytes: u32,
 }
 
-/// The backward of one problem: the three launches in order, their parameters and the f32
-/// scratch they need.
+/// The backward of one problem: the launches in order (preprocess, main, dq conversion, and the
+/// sink gradient when `d_sinks` is set), their parameters and the f32 scratch they need.
 #[derive(Clone, Debug)]
 pub struct BwdPlan {
-    pub launches: [BwdLaunch; 3],
+    pub launches: Vec<BwdLaunch>,
     pub params: BwdParams,
     /// Floats of `dq_accum`: `splits × batch × heads_q × seqlen_q × head_dim`.
     pub dq_accum_floats: usize,
@@ -108,17 +116,27 @@ pub fn plan(p: &Problem, ops: &BwdOperands, deterministic: bool) -> Result<BwdPl
     let params = BwdParams::for_launch(p, ops, deterministic, splits, block_n);
     let row_grid = (p.seqlen_q.div_ceil(ROWS_PER_CTA) as u32, p.heads_q as u32, p.batch as u32);
     let row_launch = |kernel: String| BwdLaunch { kernel, grid: row_grid, block: (ROW_THREADS, 1, 1), smem_bytes: 0 };
+    let mut launches = vec![
+        row_launch(format!("fa2_bwd_preprocess_{dtype}")),
+        BwdLaunch {
+            kernel: format!("fa2_bwd_hd{head_dim}_{dtype}"),
+            grid: (key_blocks as u32, p.heads_kv as u32, p.batch as u32),
+            block: (threads, 1, 1),
+            smem_bytes: smem,
+        },
+        row_launch(format!("fa2_bwd_convert_dq_{dtype}")),
+    ];
+    if ops.d_sinks != 0 {
+        // After the preprocess (it reads D); last, so the main kernel keeps MAIN_LAUNCH.
+        launches.push(BwdLaunch {
+            kernel: SINK_GRAD_KERNEL.into(),
+            grid: (p.heads_q as u32, 1, 1),
+            block: (ROW_THREADS, 1, 1),
+            smem_bytes: SINK_GRAD_SMEM,
+        });
+    }
     Ok(BwdPlan {
-        launches: [
-            row_launch(format!("fa2_bwd_preprocess_{dtype}")),
-            BwdLaunch {
-                kernel: format!("fa2_bwd_hd{head_dim}_{dtype}"),
-                grid: (key_blocks as u32, p.heads_kv as u32, p.batch as u32),
-                block: (threads, 1, 1),
-                smem_bytes: smem,
-            },
-            row_launch(format!("fa2_bwd_convert_dq_{dtype}")),
-        ],
+        launches,
         params,
         dq_accum_floats,
         d_sum_floats: rows,
@@ -133,5 +151,6 @@ pub fn kernel_symbols() -> Vec<String> {
         v.push(format!("fa2_bwd_convert_dq_{dt}"));
         v.extend(TILES.iter().map(|t| format!("fa2_bwd_hd{}_{dt}", t.0)));
     }
+    v.push(SINK_GRAD_KERNEL.into());
     v
 }

@@ -32,8 +32,9 @@ pub const BLOCK_M: u32 = 64;
 /// `BwdParams::block_n` the dq conversion sums over in the deterministic mode.
 pub const DQ_PARTIAL_KEYS: u32 = 64;
 
-/// The backward of one problem with the FA3-style main kernel: the three launches (FA2's
-/// preprocess, this main kernel, FA2's conversion), their parameters and scratch, and the main
+/// The backward of one problem with the FA3-style main kernel: the launches (FA2's preprocess,
+/// this main kernel, FA2's conversion and, with `d_sinks`, FA2's sink gradient), their
+/// parameters and scratch, and the main
 /// kernel's four tensor maps (Q, K, V, dO), in argument order.
 #[derive(Clone, Debug)]
 pub struct Fa3BwdPlan {
@@ -77,7 +78,7 @@ pub fn plan(p: &Problem, ops: &BwdOperands, deterministic: bool) -> Result<Fa3Bw
     }
     let smem = TILES.iter().find(|t| t.0 as usize == p.head_dim).map_or(0, |t| t.1);
     let dtype = if p.dtype == DType::BF16 { "bf16" } else { "f16" };
-    bwd.launches[1] = BwdLaunch {
+    bwd.launches[fa2_bwd::MAIN_LAUNCH] = BwdLaunch {
         kernel: format!("fa3_bwd_hd{}_{dtype}", p.head_dim),
         grid: (p.seqlen_k.div_ceil(BLOCK_N as usize) as u32, p.heads_kv as u32, p.batch as u32),
         block: (THREADS, 1, 1),
@@ -133,6 +134,8 @@ mod tests {
             d_sum: 0xa000,
             dq_accum: 0xb000,
             alibi: 0,
+            sinks: 0,
+            d_sinks: 0,
         }
     }
 

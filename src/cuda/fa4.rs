@@ -99,16 +99,17 @@ mod tests {
             assert_eq!((f.source(), f.min_sm), ("cuda/fa4_fwd_sm100.cu", 100));
             assert!(!f.auto && !f.gpu_verified, "{}: no Blackwell GPU has run it", f.name);
             assert!(f.sass_expect.contains(&"UTCHMMA"), "{}", f.name);
-            // Stage 3 runs FA4's softmax, with the parameters the build passes to the kernel.
+            // Every stage folds attention sinks in its epilogue; stage 3 runs FA4's softmax, with
+            // the parameters the build passes to the kernel.
             let unit = unit_source(f, &f.tiles[0], "x.cu", false);
             if want_stage == 3 {
-                assert_eq!(f.options, KernelOptions::EXP2_POLY.union(KernelOptions::LAZY_RESCALE));
+                assert_eq!(f.options, KernelOptions::EXP2_POLY.union(KernelOptions::LAZY_RESCALE).union(KernelOptions::SINKS));
                 assert_eq!(f.softmax, SoftmaxParams { poly_degree: 3, poly_every: 8, lazy_tau: 8.0 });
                 for define in ["FA_EXP2_POLY_DEGREE 3\n", "FA_EXP2_POLY_EVERY 8\n", "FA_LAZY_TAU 8.0f\n"] {
                     assert!(unit.contains(&format!("#define {define}")), "{unit}");
                 }
             } else {
-                assert_eq!((f.options, f.softmax), (KernelOptions::NONE, SoftmaxParams::NONE), "{}", f.name);
+                assert_eq!((f.options, f.softmax), (KernelOptions::SINKS, SoftmaxParams::NONE), "{}", f.name);
                 assert!(!unit.contains("FA_EXP2_POLY") && !unit.contains("FA_LAZY_TAU"), "{unit}");
             }
             for t in f.tiles {

@@ -488,7 +488,8 @@ fn backward_matches_the_reference() {
 }
 
 /// `backward_varlen`'s sink gradient is the sum of its sequences' dense ones; `backward_into`
-/// (no buffer for `d_sinks`) and a GPU kernel family refuse sinks with typed errors.
+/// (no buffer for `d_sinks`) refuses sinks with a typed error, and an f32 call with sinks on the
+/// GPU route is a typed error too (the kernels take f16/bf16; here no GPU either).
 #[test]
 fn backward_varlen_and_refusals() {
     let (hq, d) = (2, 16);

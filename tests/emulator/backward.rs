@@ -1,14 +1,17 @@
-//! The FA2 backward kernels (`cuda/fa2_bwd.cu`: preprocess, main, dq conversion) in the CPU
-//! emulator (cuda/test/emu, docs/emulator.md), against the float64 reference gradient. Each case
-//! is the crate's own launch sequence (`flash_attn::cuda::fa2_bwd::plan`), run by
-//! `cuda/test/emu/fa2_bwd_main.cpp` under three scheduler seeds whose outputs (dq, dk, dv and the
-//! f32 scratch) must be bit-identical, with every output NaN-poisoned first and guarded.
+//! The FA2 backward kernels (`cuda/fa2_bwd.cu`: preprocess, main, dq conversion, and the sink
+//! gradient) in the CPU emulator (cuda/test/emu, docs/emulator.md), against the float64
+//! reference gradient. Each case is the crate's own launch sequence
+//! (`flash_attn::cuda::fa2_bwd::plan`), run by `cuda/test/emu/fa2_bwd_main.cpp` under three
+//! scheduler seeds whose outputs (dq, dk, dv, d_sinks and the f32 scratch) must be
+//! bit-identical, with every output NaN-poisoned first and guarded.
 //!
 //! The rule is FlashAttention's for gradients, as the CPU backward's (tests/cpu/backward_props.rs):
 //! per gradient, `max|g − ref| ≤ 2·max|naive − ref| + floor·max(1, max|ref|)`, where `ref` is
 //! `reference::attention_backward_f64`, `naive` the straightforward backward in the input dtype
 //! (`reference::attention_backward_naive`) and floor the forward's (2e-3 f16, 1.6e-2 bf16). The
 //! forward the kernels consume (O in the dtype, the f32 LSE) is `reference::attention_f64`'s.
+//! With attention sinks the same rule holds the sink gradient `d_sinks` (the references'), and
+//! a case whose sinks are all -inf must get exactly 0 for every head.
 //!
 //! Only g++ is needed (no nvcc, no GPU): these ran in the emulator; nothing here ran on a GPU.
 //! `FLASH_ATTN_EMU=full` runs every head dim in both dtypes and random configurations.
@@ -43,6 +46,14 @@ mod addr {
     pub const D_SUM: u64 = 0x19_0000_0000;
     pub const DQ_ACC: u64 = 0x1a_0000_0000;
     pub const ALIBI: u64 = 0x1b_0000_0000;
+    pub const SINKS: u64 = 0x1c_0000_0000;
+    pub const D_SINKS: u64 = 0x1d_0000_0000;
+}
+
+/// Sink logits of `hq` query heads for the backward cases: near the scores, none (-inf), one far
+/// above them (P_sink ≈ 1, O ≈ 0), one below; every case with a sink has an informative head.
+fn bwd_sinks(hq: usize) -> Vec<f32> {
+    (0..hq).map(|h| [0.7, f32::NEG_INFINITY, 100.0, -2.0][h % 4]).collect()
 }
 
 #[derive(Clone, Debug)]
@@ -63,7 +74,7 @@ impl Case {
     }
     fn name(&self) -> String {
         format!(
-            "{}{:?} q{:?} k{:?} {:?}{}{}{}",
+            "{}{:?} q{:?} k{:?} {:?}{}{}{}{}",
             if self.fa3 { "fa3 " } else { "" },
             self.dtype,
             self.q,
@@ -72,6 +83,7 @@ impl Case {
             self.opts.softcap.map_or(String::new(), |c| format!(" softcap{c}")),
             if self.opts.alibi_slopes.is_some() { " alibi" } else { "" },
             if self.deterministic { " deterministic" } else { "" },
+            if self.opts.sinks.is_some() { " sinks" } else { "" },
         )
     }
 }
@@ -122,6 +134,9 @@ fn run_case(c: &Case, mutation: Option<&Mutation>) -> Outcome {
         d_sum: addr::D_SUM,
         dq_accum: addr::DQ_ACC,
         alibi: if c.opts.alibi_slopes.is_some() { addr::ALIBI } else { 0 },
+        // Given sinks (even all -inf, no sink for the problem) the sink launch runs.
+        sinks: if p.sinks.is_some() { addr::SINKS } else { 0 },
+        d_sinks: if c.opts.sinks.is_some() { addr::D_SINKS } else { 0 },
     };
     // The engine's plans: FA2's, or the FA3-style one (FA2's preprocess and conversion around
     // the sm_90a main kernel; the emulator encodes the main kernel's tensor maps itself).
@@ -156,18 +171,24 @@ fn run_case(c: &Case, mutation: Option<&Mutation>) -> Outcome {
     if let Some(s) = &c.opts.alibi_slopes {
         inputs.push(("alibi", addr::ALIBI, f32_bytes(s)));
     }
+    if let Some(s) = &p.sinks {
+        inputs.push(("sinks", addr::SINKS, f32_bytes(s)));
+    }
     for (name, a, bytes) in &inputs {
         std::fs::write(file(name), bytes).unwrap();
         writeln!(lf, "in {name} {a:#x} {} {}", bytes.len(), file(name)).unwrap();
     }
     let (nq, nk) = (c.q.iter().product::<usize>(), c.k.iter().product::<usize>());
-    let outputs = [
+    let mut outputs = vec![
         ("dq", addr::DQ, nq * 2),
         ("dk", addr::DK, nk * 2),
         ("dv", addr::DV, nk * 2),
         ("d_sum", addr::D_SUM, pl.d_sum_floats * 4),
         ("dq_accum", addr::DQ_ACC, pl.dq_accum_floats * 4),
     ];
+    if ops.d_sinks != 0 {
+        outputs.push(("d_sinks", addr::D_SINKS, p.heads_q * 4));
+    }
     for (name, a, bytes) in outputs {
         writeln!(lf, "out {name} {a:#x} {bytes} {}", file(name)).unwrap();
     }
@@ -201,6 +222,27 @@ fn run_case(c: &Case, mutation: Option<&Mutation>) -> Outcome {
         }
         worst = worst.max(err / bound);
     }
+    if ops.d_sinks != 0 {
+        let got: Vec<f64> = std::fs::read(file("d_sinks"))
+            .unwrap()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64)
+            .collect();
+        match (&reference.d_sinks, &naive.d_sinks) {
+            (Some(r), Some(n)) => {
+                let err = max_abs_diff(&got, r);
+                let scale = r.iter().fold(1.0f64, |m, x| m.max(x.abs()));
+                let bound = 2.0 * max_abs_diff(n, r) + floor_for(c.dtype) * scale;
+                if err > bound {
+                    return Err(format!("max |d_sinks - ref| {err:.3e} > bound {bound:.3e} (got {got:?}, ref {r:?})\n{log}"));
+                }
+                worst = worst.max(err / bound);
+            }
+            // Every sink -inf: no sink, and every head's gradient is exactly 0.
+            _ if got.iter().all(|&x| x == 0.0) => {}
+            _ => return Err(format!("no sink, but d_sinks = {got:?}\n{log}")),
+        }
+    }
     Ok(worst)
 }
 
@@ -232,6 +274,19 @@ fn cases() -> Vec<Case> {
         Case { deterministic: true, ..Case::new(DType::F16, [1, 90, 4, 128], [1, 150, 2, 128], o().causal(true)) },
         // Keys 0-159 are seen by no row: those key blocks load nothing and write dK = dV = 0.
         Case::new(DType::F16, [1, 10, 2, 64], [1, 200, 2, 64], o().mask(Mask::causal_window(30))),
+        // Attention sinks: rows that see no key (LSE = the sink), GQA, batch 2; with softcap,
+        // ALiBi, a window and the deterministic dq; a list of only -inf (no sink: d_sinks 0).
+        Case::new(DType::F16, [2, 130, 4, 64], [2, 67, 2, 64], o().causal(true).sinks(bwd_sinks(4))),
+        Case {
+            deterministic: true,
+            ..Case::new(
+                DType::BF16,
+                [1, 97, 4, 128],
+                [1, 150, 2, 128],
+                o().mask(Mask::window(20, 5)).softcap(5.0).alibi_slopes(vec![0.25f32, 0.5, 0.125, 1.0]).sinks(bwd_sinks(4)),
+            )
+        },
+        Case::new(DType::BF16, [1, 40, 2, 64], [1, 40, 2, 64], o().sinks(vec![f32::NEG_INFINITY; 2])),
     ];
     if full() {
         let mut rng = Rng::new(matrix_seed("fa2 backward full matrix", 0xfa2b_ad00));
@@ -257,6 +312,32 @@ fn cases() -> Vec<Case> {
                 let deterministic = pick(&mut rng, 2) == 0;
                 v.push(Case { deterministic, ..Case::new(dt, [b, sq, hq, d], [b, sk, hk, d], opts) });
             }
+        }
+        v.extend(random_sink_cases("fa2 backward sinks full matrix", 0xfa2b_5100, &[32, 64, 128, 256], 200));
+    }
+    v
+}
+
+/// Random cases with attention sinks (the full matrix): per head dim and dtype one random
+/// shape, mask and dq mode, from their own seed (the other random cases stay as they are).
+fn random_sink_cases(what: &str, fixed: u64, dims: &[usize], max_len: u64) -> Vec<Case> {
+    let o = ForwardOptions::default;
+    let mut rng = Rng::new(matrix_seed(what, fixed));
+    let mut v = Vec::new();
+    for &d in dims {
+        for dt in [DType::F16, DType::BF16] {
+            let pick = |rng: &mut Rng, n: u64| (rng.next_u64() % n) as usize;
+            let hk = 1 + pick(&mut rng, 2);
+            let hq = hk * (1 + pick(&mut rng, 3));
+            let (sq, sk) = (1 + pick(&mut rng, max_len), 1 + pick(&mut rng, max_len));
+            let opts = match pick(&mut rng, 3) {
+                0 => o(),
+                1 => o().causal(true),
+                _ => o().mask(Mask::window(pick(&mut rng, 60) as i64, pick(&mut rng, 20) as i64)),
+            };
+            let b = 1 + pick(&mut rng, 2);
+            let deterministic = pick(&mut rng, 2) == 0;
+            v.push(Case { deterministic, ..Case::new(dt, [b, sq, hq, d], [b, sk, hk, d], opts.sinks(bwd_sinks(hq))) });
         }
     }
     v
@@ -298,6 +379,39 @@ fn fa2_backward_mutations_are_caught() {
     }
 }
 
+/// Mutations the sink gradient's check must catch: the sum of warp 0 alone (the other warps'
+/// rows dropped from the fixed-order reduction), and P_sink without the LSE.
+#[test]
+fn fa2_backward_sink_mutations_are_caught() {
+    let mutations = [
+        Mutation {
+            name: "fa2bwd-sink-one-warp",
+            file: "cuda/fa2/bwd_sink_grad.cuh",
+            from: "for (int w = 0; w < kBwdSinkWarps; ++w)",
+            to: "for (int w = 0; w < 1; ++w)",
+            defines: &[],
+        },
+        Mutation {
+            name: "fa2bwd-sink-no-lse",
+            file: "cuda/fa2/bwd_sink_grad.cuh",
+            from: "expf(sink - lse[base + r])",
+            to: "expf(sink)",
+            defines: &[],
+        },
+    ];
+    let c = Case::new(DType::F16, [1, 160, 2, 64], [1, 100, 1, 64], ForwardOptions::default().sinks(vec![0.7f32, -2.0]));
+    run_case(&c, None).unwrap_or_else(|e| panic!("fails unmutated: {e}"));
+    for m in &mutations {
+        match run_case(&c, Some(m)) {
+            Ok(r) => panic!("the mutation {} was not caught (err/bound {r:.3})", m.name),
+            Err(e) => {
+                assert!(e.contains("d_sinks"), "{}: unexpected diagnosis {e}", m.name);
+                println!("{} caught: {}", m.name, e.lines().next().unwrap_or(&e));
+            }
+        }
+    }
+}
+
 /// The FA3-style main kernel (cuda/fa3_bwd_sm90.cu, sm_90a: TMA, mbarrier ring, wgmma, warp
 /// specialised) between FA2's preprocess and conversion: head dims 64 and 128 in both dtypes,
 /// causal and not, GQA, odd lengths, rows that see no key, key blocks no row sees, and the
@@ -311,6 +425,10 @@ fn fa3_cases() -> Vec<Case> {
         fa3(Case::new(DType::BF16, [1, 70, 4, 128], [1, 200, 2, 128], o().causal(true))),
         fa3(Case { deterministic: true, ..Case::new(DType::F16, [1, 90, 4, 128], [1, 150, 2, 128], o().causal(true)) }),
         fa3(Case::new(DType::F16, [1, 10, 2, 64], [1, 300, 2, 64], o().mask(Mask::causal_window(30)))),
+        // Attention sinks (FA2's sink launch after this main kernel): rows that see no key, GQA;
+        // the deterministic dq.
+        fa3(Case::new(DType::BF16, [2, 130, 4, 64], [2, 67, 2, 64], o().causal(true).sinks(bwd_sinks(4)))),
+        fa3(Case { deterministic: true, ..Case::new(DType::F16, [1, 90, 4, 128], [1, 150, 1, 128], o().sinks(bwd_sinks(4))) }),
     ];
     if full() {
         let mut rng = Rng::new(matrix_seed("fa3 backward full matrix", 0xfa3b_ad00));
@@ -333,6 +451,7 @@ fn fa3_cases() -> Vec<Case> {
                 }
             }
         }
+        v.extend(random_sink_cases("fa3 backward sinks full matrix", 0xfa3b_5100, &[64, 128], 300).into_iter().map(fa3));
     }
     v
 }

@@ -10,7 +10,8 @@
 #[path = "../support/mod.rs"]
 mod support;
 
-/// The FA2 backward's launches against the float64 gradient, and its mutations.
+/// The FA2 and FA3-style backward's launches (sinks' gradient included) against the float64
+/// gradient, and their mutations.
 #[cfg(feature = "cuda")]
 mod backward;
 /// The combine kernel (split-KV's second pass, device `merge_states`) against the host merge.
@@ -41,7 +42,8 @@ mod kvcache_rotary;
 mod hang_check;
 /// The header build.rs generates for the kernels holds exactly the Rust constants.
 mod numerics_header;
-/// Attention sinks in FA1, FA2 and FA3 (dense), and in FA1's serving and split-KV launches.
+/// Attention sinks in FA1, FA2, FA3 and FA4 (dense), and in FA1's and FA2's serving and split-KV
+/// launches.
 #[cfg(feature = "cuda")]
 mod sinks;
 /// FA1 on the serving layouts, split-KV through the combine kernel.

@@ -1,6 +1,7 @@
 //! Attention sinks in the kernels (`ForwardOptions::sinks`, `FwdParams::sinks`) in the CPU
-//! emulator: every family whose table row has `SINKS` (FA1, FA2, FA3 stages 1-5) against the
-//! float64 reference with sinks, with the GPU tests' rule (support/emu.rs `run_case`); and the
+//! emulator: every family whose table row has `SINKS` (FA1, FA2, FA3 stages 1-5, the FA4
+//! tcgen05 stages 1-3 and FA4's softmax on the FA2 / FA3 pipelines) against the float64
+//! reference with sinks, with the GPU tests' rule (support/emu.rs `run_case`); and the
 //! serving launches of FA1 and FA2, split-KV included, where the splits leave the sink out and
 //! the merge folds it once: FA1's through the combine kernel (also emulated, its `sinks`), FA2's
 //! on the host with the sink as one more state (serving_fa2.rs `merge_splits`).
@@ -13,10 +14,12 @@
 //!
 //! `cargo test --test emulator sinks::` runs the CI subset (12 dense launches: FA1, FA2 and FA3
 //! stage 5, the stage `Variant::Fa3` runs, over both dtypes, head dims 64 and 128 and every mask,
-//! and one launch of each FA3 stage 1-4;
-//! 3 FA1 and 2 FA2 serving launches, 3 of them split-KV); `FLASH_ATTN_EMU=full` runs every
-//! family x f16/bf16 x head dim 64/128/256 x no mask/causal/window and 5 serving launches more.
-//! These ran in the emulator; nothing here ran on a GPU.
+//! and one launch of each FA3 stage 1-4; 6 FA4 launches: each tcgen05 stage, stage 3 twice,
+//! and FA4's softmax on each pipeline; 3 FA1 and 2 FA2 serving launches, 3 of them split-KV);
+//! `FLASH_ATTN_EMU=full` runs every family x f16/bf16 x its head dims among 64/128/256 x no
+//! mask/causal/window and 5 serving launches more. `fa4_sink_mutations_are_caught` shows that
+//! the FA4 launches fail without the sink's fold, or with a row that sees no key written as
+//! LSE -inf. These ran in the emulator; nothing here ran on a GPU.
 use super::serving_fa1::{self, Kv};
 use super::serving_fa2::{self, base, paged, SCase};
 use crate::support::emu::*;
@@ -32,7 +35,30 @@ fn threads() -> usize {
 }
 
 /// The families the full matrix runs: every row of the table with `SINKS`.
-const FAMILIES_WITH_SINKS: [&str; 7] = ["fa1", "fa2", "fa3s1", "fa3s2", "fa3s3", "fa3s4", "fa3s5"];
+const FAMILIES_WITH_SINKS: [&str; 16] = [
+    "fa1",
+    "fa2",
+    "fa3s1",
+    "fa3s2",
+    "fa3s3",
+    "fa3s4",
+    "fa3s5",
+    "fa4s1",
+    "fa4s2",
+    "fa4s3",
+    "fa4_fa2",
+    "fa4_fa3s5",
+    "fa4_fa3s5_p0t8",
+    "fa4_fa3s5_p8t0",
+    "fa4_fa3s5_p4t0",
+    "fa4_fa3s5_p4t8",
+];
+
+/// The head dims of the full matrix a family has instances of.
+fn dims_of(family: &str) -> Vec<usize> {
+    let row = FAMILIES.iter().find(|f| f.name == family).expect("a row of the table");
+    [64, 128, 256].into_iter().filter(|&d| row.tiles.iter().any(|t| t.head_dim as usize == d)).collect()
+}
 
 #[derive(Clone, Copy, Debug)]
 enum Shape {
@@ -53,7 +79,7 @@ fn sink_case(family: &'static str, dtype: DType, d: usize, shape: Shape) -> Case
     };
     let mut c = Case::new(family, dtype, q, k, opts);
     c.label = format!("sinks {shape:?}");
-    if family == "fa3s5" {
+    if family.starts_with("fa3s5") || family.starts_with("fa4_fa3s5") {
         c.sm_count = 2; // the persistent grid walks more than one tile per CTA
     }
     c
@@ -94,7 +120,7 @@ fn sinks_dense_launches() {
     if full() {
         for family in FAMILIES_WITH_SINKS {
             for dtype in [DType::F16, DType::BF16] {
-                for d in [64, 128, 256] {
+                for d in dims_of(family) {
                     for shape in [Shape::NoMask, Shape::Causal, Shape::Window] {
                         cases.push(sink_case(family, dtype, d, shape));
                     }
@@ -117,6 +143,14 @@ fn sinks_dense_launches() {
             sink_case("fa3s2", DType::BF16, 128, Shape::Causal),
             sink_case("fa3s3", DType::F16, 64, Shape::Window),
             sink_case("fa3s4", DType::BF16, 128, Shape::Causal),
+            // FA4: each tcgen05 stage (stage 3 with its lazy rescale and software exp2 twice),
+            // and FA4's softmax on the FA2 and FA3 pipelines (their epilogues are those rows').
+            sink_case("fa4s1", DType::F16, 64, Shape::Causal),
+            sink_case("fa4s2", DType::BF16, 128, Shape::Window),
+            sink_case("fa4s3", DType::F16, 128, Shape::NoMask),
+            sink_case("fa4s3", DType::BF16, 64, Shape::Causal),
+            sink_case("fa4_fa2", DType::BF16, 128, Shape::Causal),
+            sink_case("fa4_fa3s5", DType::F16, 64, Shape::Window),
         ];
     }
     check("sinks, dense launches", &cases);
@@ -182,4 +216,55 @@ fn sinks_fa2_serving_and_split_kv() {
         cases.push(SCase { sinks: true, splits: 5, softcap: Some(10.0), ..base(DType::BF16, 64, 4, 2, Ok(vec![2, 3, 40, 1]), Kv::Varlen(lens.to_vec())) });
     }
     serving_fa2::check(&cases);
+}
+
+/// The FA4 launches can fail: without the sink in the epilogue (stage 2's and 3's row end, or
+/// stage 1's finalize), O and the LSE are those of the keys alone; with a row that sees no key
+/// written as LSE -inf (the rule without sinks), the causal shape's first rows miss the sink.
+#[test]
+fn fa4_sink_mutations_are_caught() {
+    let mutations = [
+        (
+            Mutation {
+                name: "fa4-row-end-without-sink",
+                file: "cuda/fa4/roles2.cuh",
+                from: "fa_to_natural(p),\n                                    fa_sink(p, head));",
+                to: "fa_to_natural(p),\n                                    -INFINITY);",
+                defines: &[],
+            },
+            &["fa4s2", "fa4s3"][..],
+        ),
+        (
+            Mutation {
+                name: "fa4-stage1-without-sink",
+                file: "cuda/fa4/stage1.cuh",
+                from: "st.finalize(0, fa_to_natural(p), fa_sink(p, bc.head))",
+                to: "st.finalize(0, fa_to_natural(p))",
+                defines: &[],
+            },
+            &["fa4s1"][..],
+        ),
+        (
+            Mutation {
+                name: "fa4-no-key-lse-minus-inf",
+                file: "cuda/fa4/tile.cuh",
+                from: "const float lse = have_o || end.empty ? end.lse : -INFINITY;",
+                to: "const float lse = empty ? -INFINITY : end.lse;",
+                defines: &[],
+            },
+            &["fa4s1", "fa4s3"][..],
+        ),
+    ];
+    for (m, families) in &mutations {
+        for &fam in *families {
+            let c = sink_case(fam, DType::BF16, 64, Shape::Causal);
+            match run_case(&c, Some(m)) {
+                Ok(p) => panic!("{fam}: the mutation {} was not caught (err/bound {:.3})", m.name, p.ratio),
+                Err(e) => {
+                    assert!(e.contains("max |") || e.contains("LSE") || e.contains("lse"), "{fam} {}: unexpected diagnosis {e}", m.name);
+                    println!("caught {} on {fam}: {}", m.name, e.lines().next().unwrap_or(""));
+                }
+            }
+        }
+    }
 }

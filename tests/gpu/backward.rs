@@ -52,7 +52,7 @@ fn run_typed<T: Element + DeviceRepr>(
         let mut oq = DeviceTensorMut::new(&mut gq, stream, q_shape);
         let mut ok = DeviceTensorMut::new(&mut gk, stream, k_shape);
         let mut ov = DeviceTensorMut::new(&mut gv, stream, k_shape);
-        engine.backward(stream, x, BackwardGrads { dq: &mut oq, dk: &mut ok, dv: &mut ov }, opts)?
+        engine.backward(stream, x, BackwardGrads { dq: &mut oq, dk: &mut ok, dv: &mut ov, d_sinks: None }, opts)?
     };
     let down = |d: &cudarc::driver::CudaSlice<T>| -> Vec<f64> {
         stream.clone_dtoh(d).unwrap().iter().map(|x: &T| x.to_f32() as f64).collect()

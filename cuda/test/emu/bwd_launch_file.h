@@ -64,7 +64,7 @@ template <class Kernel, class Find> LaunchFile<Kernel> read(const char* path, co
     BwdParams& p = f.params;
     std::memcpy(&p, params_bytes.data(), sizeof p);
     for (uint64_t* a : {&p.q, &p.k, &p.v, &p.o, &p.d_o, &p.lse, &p.d_sum, &p.dq_accum, &p.dq, &p.dk, &p.dv,
-                        &p.alibi_slopes})
+                        &p.alibi_slopes, &p.sinks, &p.d_sinks})
         *a = emu_buffers::translate(*a, "params address");
     return f;
 }

@@ -28,7 +28,8 @@ void entry(void*) { g_kernel(*g_params); }
         FA2_BWD_ENTRY(fa2_bwd_hd128_##DT), FA2_BWD_ENTRY(fa2_bwd_hd192_##DT), FA2_BWD_ENTRY(fa2_bwd_hd256_##DT)
 
 Kernel find(const std::string& name) {
-    const std::pair<const char*, Kernel> all[] = {FA2_BWD_ENTRIES(f16), FA2_BWD_ENTRIES(bf16)};
+    const std::pair<const char*, Kernel> all[] = {FA2_BWD_ENTRIES(f16), FA2_BWD_ENTRIES(bf16),
+                                                  FA2_BWD_ENTRY(fa2_bwd_sink_grad)};
     for (const auto& [n, k] : all)
         if (name == n) return k;
     usage_error("kernel " + name + " is not compiled into this program");

@@ -40,7 +40,8 @@ void entry(void*) {
 Kernel find(const std::string& name) {
     const std::pair<const char*, RowKernel> rows[] = {
         {"fa2_bwd_preprocess_f16", &fa2_bwd_preprocess_f16}, {"fa2_bwd_convert_dq_f16", &fa2_bwd_convert_dq_f16},
-        {"fa2_bwd_preprocess_bf16", &fa2_bwd_preprocess_bf16}, {"fa2_bwd_convert_dq_bf16", &fa2_bwd_convert_dq_bf16}};
+        {"fa2_bwd_preprocess_bf16", &fa2_bwd_preprocess_bf16}, {"fa2_bwd_convert_dq_bf16", &fa2_bwd_convert_dq_bf16},
+        {"fa2_bwd_sink_grad", &fa2_bwd_sink_grad}};
     const std::pair<const char*, MainKernel> mains[] = {
         {"fa3_bwd_hd64_f16", &fa3_bwd_hd64_f16}, {"fa3_bwd_hd128_f16", &fa3_bwd_hd128_f16},
         {"fa3_bwd_hd64_bf16", &fa3_bwd_hd64_bf16}, {"fa3_bwd_hd128_bf16", &fa3_bwd_hd128_bf16}};

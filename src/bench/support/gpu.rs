@@ -353,7 +353,7 @@ mod cuda {
         let mut dq = DeviceTensorMut::new(&mut b.dq, stream, q_shape);
         let mut dk = DeviceTensorMut::new(&mut b.dk, stream, k_shape);
         let mut dv = DeviceTensorMut::new(&mut b.dv, stream, k_shape);
-        engine.backward(stream, x, BackwardGrads { dq: &mut dq, dk: &mut dk, dv: &mut dv }, opts).map(|_| ()).map_err(|e| e.to_string())
+        engine.backward(stream, x, BackwardGrads { dq: &mut dq, dk: &mut dk, dv: &mut dv, d_sinks: None }, opts).map(|_| ()).map_err(|e| e.to_string())
     }
 
     /// Gives every set of a forward case the backward's buffers: dO (q's values), the forward's

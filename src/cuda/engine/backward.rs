@@ -1,13 +1,14 @@
-//! [`Engine::backward`]: the gradients dq, dk, dv of device tensors with the FA2 or FA3-style
-//! backward kernels (validate, choose by variant, enqueue the plan's three launches).
+//! [`Engine::backward`]: the gradients dq, dk, dv (and the attention sinks' logits) of device
+//! tensors with the FA2 or FA3-style backward kernels (validate, choose by variant, enqueue the
+//! plan's launches).
 
 use super::handle::Engine;
-use super::tensors::{check_stream, stream_id, Bound, DeviceLseRef, DeviceTensor, DeviceTensorMut};
+use super::tensors::{check_stream, stream_id, Bound, DeviceLse, DeviceLseRef, DeviceTensor, DeviceTensorMut};
 use crate::cuda::bwd_params::BwdOperands;
 use crate::cuda::bwd_select::{self, BwdChoice, BwdFamily};
 use crate::cuda::device::cuda_err;
 use crate::cuda::driver::launch_backward;
-use crate::cuda::fa2_bwd::{self, BwdPlan};
+use crate::cuda::fa2_bwd::{self, BwdPlan, MAIN_LAUNCH};
 use crate::cuda::fa3_bwd;
 use crate::cuda::launch::TensorMapArgs;
 use crate::error::{Error, Operand, Result};
@@ -31,12 +32,16 @@ pub struct BackwardInputs<'r, 'a> {
 }
 
 /// The gradient outputs of a device backward: `dq` q's shape, `dk` and `dv` k's (summed over
-/// each GQA group's query heads), all of q's dtype.
+/// each GQA group's query heads), all of q's dtype; and, when given, `d_sinks`: f32 `[heads_q]`,
+/// the gradient of each head's sink logit (`opts.sinks`), summed over batch and rows, 0 for a
+/// head without a sink (all 0 for a call without sinks), as the CPU's `Gradients::d_sinks`.
+/// `None` skips it (dq, dk, dv do not depend on it).
 #[derive(Debug)]
 pub struct BackwardGrads<'r, 'a> {
     pub dq: &'r mut DeviceTensorMut<'a>,
     pub dk: &'r mut DeviceTensorMut<'a>,
     pub dv: &'r mut DeviceTensorMut<'a>,
+    pub d_sinks: Option<&'r mut DeviceLse<'a>>,
 }
 
 /// A backward's plan: FA2's launches, or the FA3-style ones with the main kernel's tensor maps.
@@ -52,10 +57,12 @@ fn dq_accum_offset(d_sum_floats: usize) -> usize {
 
 impl Engine {
     /// The backward pass on device memory: given the forward's inputs, output and LSE and the
-    /// output gradient, writes dq, dk, dv (FlashAttention-2's algorithm, docs/backward.md),
-    /// enqueued on `stream` without waiting. `opts` are the forward call's; `opts.variant`
-    /// names the kernel: `Variant::Fa2` (sm_80+, every option of the forward, head dims 32, 64,
-    /// 96, 128, 192, 256) or `Variant::Fa3` (sm_90a, head dims 64 and 128, no softcap or
+    /// output gradient, writes dq, dk, dv (FlashAttention-2's algorithm, docs/backward.md) and,
+    /// where `g.d_sinks` is given, the sink logits' gradient (one more small launch, a
+    /// fixed-order sum: deterministic in either mode), enqueued on `stream` without waiting.
+    /// `opts` are the forward call's; `opts.variant` names the kernel: `Variant::Fa2` (sm_80+,
+    /// every option of the forward, head dims 32, 64, 96, 128, 192, 256) or `Variant::Fa3`
+    /// (sm_90a, head dims 64 and 128, no softcap or
     /// ALiBi). `Variant::Auto` is refused: no GPU run has verified these kernels yet (the CPU
     /// backward, [`crate::backward`], runs every problem). `opts.deterministic(true)` sums dq
     /// without floating-point atomics (bit-identical run to run, more scratch); the default uses
@@ -70,6 +77,7 @@ impl Engine {
     /// Validation errors as [`crate::backward`] (shapes, dtypes, LSE length); dtype, layout and
     /// extent errors of the device tensors ([`Error::InvalidLayout`] for strides or addresses the
     /// kernels cannot load: 16-byte aligned, strides multiples of 8 elements);
+    /// [`Error::ShapeMismatch`] for a `d_sinks` buffer shorter than `heads_q`;
     /// [`Error::StreamMismatch`]; [`Error::VariantUnavailable`] for Auto, a family without a
     /// backward or one this device or problem cannot run; [`Error::Cuda`] when a launch fails.
     pub fn backward(
@@ -151,11 +159,21 @@ impl Engine {
             });
         }
         check_stream(Operand::O, x.lse.b.stream, sid)?;
+        if let Some(ds) = &g.d_sinks {
+            if ds.b.len < p.heads_q {
+                return Err(Error::ShapeMismatch {
+                    what: "d_sinks (backward output)".into(),
+                    got: format!("{} f32", ds.b.len),
+                    expected: format!("at least {} f32 (one per query head)", p.heads_q),
+                });
+            }
+            check_stream(Operand::O, ds.b.stream, sid)?;
+        }
         let c = bwd_select::choose(&*self.dev, &p, opts.variant)?;
         Ok((p, c))
     }
 
-    /// Plans and enqueues the three launches of `c` on `stream`, with their scratch.
+    /// Plans and enqueues the launches of `c` on `stream`, with their scratch.
     fn backward_launch(
         &self,
         stream: sys::CUstream,
@@ -173,6 +191,8 @@ impl Engine {
             d_sum: 0,
             dq_accum: 0,
             alibi: 0,
+            sinks: 0,
+            d_sinks: g.d_sinks.as_ref().map_or(0, |d| d.b.ptr),
         };
         // Planned once before anything is allocated, so a refusal costs nothing.
         let plan = |ops: &BwdOperands| -> Result<Planned> {
@@ -186,16 +206,24 @@ impl Engine {
         };
         let sized = plan(&ops)?;
         self.dev.context().bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
-        let mut functions = Vec::with_capacity(3);
+        let mut functions = Vec::with_capacity(sized.bwd.launches.len());
+        // The FA3-style plan runs FA2's row kernels (preprocess, conversion, sink gradient) around
+        // its own main kernel: each symbol loads from the image that holds it.
+        let fa2_row = bwd_select::row(BwdFamily::Fa2);
         for l in &sized.bwd.launches {
-            let symbol = c.row.kernels.iter().copied().find(|k| *k == l.kernel).ok_or_else(|| Error::BackendUnavailable {
+            let found = [c.row, fa2_row].into_iter().find_map(|row| row.kernels.iter().copied().find(|k| *k == l.kernel).map(|k| (row, k)));
+            let (row, symbol) = found.ok_or_else(|| Error::BackendUnavailable {
                 backend: format!("cuda:{}", self.dev.ordinal()),
                 reason: format!("kernel {} is not in the {} image", l.kernel, c.row.name),
             })?;
-            functions.push(self.dev.standalone_function_smem(c.row, symbol, l.smem_bytes)?);
+            functions.push(self.dev.standalone_function_smem(row, symbol, l.smem_bytes)?);
         }
         if let Some(slopes) = &p.alibi {
             ops.alibi = self.head_list_on_device(slopes, "alibi_slopes", stream)?;
+        }
+        // Only the sink launch reads the logits (dq, dk, dv need only the LSE).
+        if let (Some(sinks), true) = (&p.sinks, ops.d_sinks != 0) {
+            ops.sinks = self.head_list_on_device(sinks, "sinks", stream)?;
         }
         let offset = dq_accum_offset(sized.bwd.d_sum_floats);
         let bytes = sized
@@ -212,8 +240,8 @@ impl Engine {
             let planned = plan(&BwdOperands { d_sum: scratch, dq_accum: scratch + offset as u64, ..ops })?;
             let maps = planned.maps.as_ref().map_or(&[][..], |m| &m[..]);
             for (i, (l, f)) in planned.bwd.launches.iter().zip(&functions).enumerate() {
-                // Only the main kernel (launch 1) takes tensor maps.
-                launch_backward(f, stream, l, planned.bwd.params, if i == 1 { maps } else { &[] })?;
+                // Only the main kernel takes tensor maps.
+                launch_backward(f, stream, l, planned.bwd.params, if i == MAIN_LAUNCH { maps } else { &[] })?;
             }
             Ok(())
         };

@@ -152,6 +152,26 @@ impl Engine {
         self.head_list_on_device(&Arc::from(slopes), "alibi_slopes", raw).map(|_| ())
     }
 
+    /// As [`Engine::prepare_alibi`], for attention-sink logits (`opts.sinks`, one per query
+    /// head): uploaded once on `stream`, so that a graph capture of forward or backward launches
+    /// with these sinks uploads nothing.
+    ///
+    /// # Errors
+    /// [`Error::InvalidOption`] for a NaN or `+inf` logit, [`Error::StreamMismatch`],
+    /// [`Error::Cuda`].
+    pub fn prepare_sinks(&self, stream: &CudaStream, sinks: &[f32]) -> Result<()> {
+        if let Some((h, x)) = sinks.iter().enumerate().find(|(_, x)| x.is_nan() || **x == f32::INFINITY) {
+            return Err(Error::InvalidOption {
+                option: "sinks",
+                got: format!("{x} for query head {h}"),
+                expected: "a finite logit, or -inf for no sink".into(),
+            });
+        }
+        let raw = self.own_stream(stream)?;
+        self.dev.context().bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+        self.head_list_on_device(&Arc::from(sinks), "sinks", raw).map(|_| ())
+    }
+
     /// The device copy of a per-head f32 list (`option` names it in errors: "alibi_slopes",
     /// "sinks"): uploaded on `stream` (no synchronization) the first time the list is seen; a
     /// launch on another stream waits (on the device) for that upload while it is still in
@@ -166,7 +186,8 @@ impl Engine {
                 return Err(Error::InvalidOption {
                     option,
                     got: format!("a list of {} heads first seen while the stream is being captured", list.len()),
-                    expected: "the list uploaded before the capture (one launch with it; Engine::prepare_alibi for slopes)"
+                    expected: "the list uploaded before the capture (one launch with it; Engine::prepare_alibi for slopes, \
+                               Engine::prepare_sinks for sinks)"
                         .into(),
                 });
             }

@@ -81,14 +81,16 @@ where
 
 /// A host-memory backward on the GPU (`crate::backward` / `backward_into` with an explicit
 /// variant on a CUDA backend): uploads q, k, v, o, dO (each view's buffer, its strides kept) and
-/// the LSE, runs [`Engine::backward`], downloads dq, dk, dv into the caller's contiguous buffers
-/// (lengths checked by the caller). Compile-checked only.
+/// the LSE, runs [`Engine::backward`], downloads dq, dk, dv (and the sink gradient where
+/// `d_sinks_dst` is given) into the caller's contiguous buffers (lengths checked by the caller).
+/// Compile-checked only.
 pub(crate) fn backward_host_into_typed<T>(
     engine: &Engine,
     views: [&crate::tensor::TensorView; 5],
     data: [&[T]; 5],
     lse: &[f32],
     (dq_dst, dk_dst, dv_dst): (&mut [T], &mut [T], &mut [T]),
+    d_sinks_dst: Option<&mut [f32]>,
     opts: &ForwardOptions,
 ) -> Result<Dispatch>
 where
@@ -100,6 +102,10 @@ where
     let d_lse = stream.clone_htod(lse).map_err(cuda_err("cuMemcpyHtoDAsync(lse)"))?;
     let zeros = |n: usize| stream.alloc_zeros::<T>(n).map_err(cuda_err("cuMemAllocAsync(gradient)"));
     let (mut d_dq, mut d_dk, mut d_dv) = (zeros(dq_dst.len())?, zeros(dk_dst.len())?, zeros(dv_dst.len())?);
+    let mut d_ds = match &d_sinks_dst {
+        Some(dst) => Some(stream.alloc_zeros::<f32>(dst.len()).map_err(cuda_err("cuMemAllocAsync(d_sinks)"))?),
+        None => None,
+    };
     let (q_shape, k_shape) = (views[0].shape(), views[1].shape());
     let dispatch = {
         let t: Vec<DeviceTensor> =
@@ -109,11 +115,15 @@ where
         let mut tdq = DeviceTensorMut::new(&mut d_dq, &stream, q_shape);
         let mut tdk = DeviceTensorMut::new(&mut d_dk, &stream, k_shape);
         let mut tdv = DeviceTensorMut::new(&mut d_dv, &stream, k_shape);
-        engine.backward(&stream, x, BackwardGrads { dq: &mut tdq, dk: &mut tdk, dv: &mut tdv }, opts)?
+        let mut tds = d_ds.as_mut().map(|d| DeviceLse::new(d, &stream));
+        engine.backward(&stream, x, BackwardGrads { dq: &mut tdq, dk: &mut tdk, dv: &mut tdv, d_sinks: tds.as_mut() }, opts)?
     };
     stream.memcpy_dtoh(&d_dq, dq_dst).map_err(cuda_err("cuMemcpyDtoHAsync(dq)"))?;
     stream.memcpy_dtoh(&d_dk, dk_dst).map_err(cuda_err("cuMemcpyDtoHAsync(dk)"))?;
     stream.memcpy_dtoh(&d_dv, dv_dst).map_err(cuda_err("cuMemcpyDtoHAsync(dv)"))?;
+    if let (Some(d), Some(dst)) = (&d_ds, d_sinks_dst) {
+        stream.memcpy_dtoh(d, dst).map_err(cuda_err("cuMemcpyDtoHAsync(d_sinks)"))?;
+    }
     // Kernel faults surface here, as an error of the synchronize.
     stream.synchronize().map_err(cuda_err("cuStreamSynchronize"))?;
     Ok(dispatch)

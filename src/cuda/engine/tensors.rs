@@ -64,7 +64,8 @@ pub struct DeviceTensorMut<'a> {
     _borrow: PhantomData<&'a mut ()>,
 }
 
-/// A borrowed f32 device buffer for the LSE, `[batch, heads_q, seqlen_q]` contiguous.
+/// A borrowed f32 device buffer the kernels write: the forward's LSE, `[batch, heads_q,
+/// seqlen_q]` contiguous, or the backward's sink gradient, `[heads_q]`.
 #[derive(Debug)]
 pub struct DeviceLse<'a> {
     pub(super) b: Bound<'a>,

@@ -682,11 +682,11 @@ fn fa4_softmax_sweep_rows_are_reached_by_their_knobs() {
 }
 
 /// Attention sinks run on the families whose rows have `SINKS` (FA1, FA2, every 16-bit FA3
-/// stage): Auto picks what it picks without sinks, on every GPU of the real table; an explicit
-/// FA1 / FA2 / FA3 (any `fa3_stage`) runs them; FA4's rows (its own stages and FA4's softmax in
-/// the FA2 / FA3 pipelines) refuse them, naming the option. A sinks list of only −inf is no sink.
+/// stage, every FA4 row: its tcgen05 stages and FA4's softmax in the FA2 / FA3 pipelines): Auto
+/// picks what it picks without sinks, on every GPU of the real table; an explicit FA1 / FA2 /
+/// FA3 (any `fa3_stage`) / FA4 (any `fa4_stage`) runs them. A sinks list of only −inf is no sink.
 #[test]
-fn sinks_run_on_fa1_fa2_and_fa3() {
+fn sinks_run_on_every_family_but_fp8() {
     let blackwell = Built(FakeGpu { cc: (10, 0), smem: 227 * 1024 });
     let opts = ForwardOptions::default().sinks(vec![0.5f32, -1.0, 2.0, f32::NEG_INFINITY]);
     for gpu in FA2_GPUS.iter().map(|(g, _)| g).chain([&blackwell]) {
@@ -703,8 +703,8 @@ fn sinks_run_on_fa1_fa2_and_fa3() {
                 Ok(c) => assert_eq!((gpu.sm(), c.family.name), (90, "fa3s5")),
                 Err(e) => assert_ne!(gpu.sm(), 90, "{e:?}"),
             }
-            let e = choose_in(FAMILIES, gpu, &p, Variant::Fa4).unwrap_err();
-            assert!(matches!(&e, Error::VariantUnavailable { reason, .. } if reason.contains("sinks")), "{e:?}");
+            let c = choose_in(FAMILIES, gpu, &p, Variant::Fa4).unwrap();
+            assert!(c.family.options.contains(KernelOptions::SINKS), "{}", c.family.name);
         }
         let none = ForwardOptions::default().sinks(vec![f32::NEG_INFINITY; 4]);
         assert!(choose_in(FAMILIES, gpu, &problem(DType::BF16, 128, &none), Variant::Auto).is_ok());
@@ -714,6 +714,11 @@ fn sinks_run_on_fa1_fa2_and_fa3() {
         let o = opts.clone().variant(Variant::Fa3).fa3_stage(stage);
         let c = choose_in(FAMILIES, hopper, &problem(DType::BF16, 128, &o), Variant::Fa3).unwrap();
         assert_eq!(c.family.stage, Some(stage));
+    }
+    for stage in 1..=3u8 {
+        let o = opts.clone().variant(Variant::Fa4).fa4_stage(stage);
+        let c = choose_in(FAMILIES, &blackwell, &problem(DType::BF16, 128, &o), Variant::Fa4).unwrap();
+        assert_eq!(c.family.name, format!("fa4s{stage}"));
     }
 }
 
