@@ -469,6 +469,18 @@ impl FwdParams {
         }
         put(&self.reserved2.to_ne_bytes());
         put(&self.sinks.to_ne_bytes());
+        put(&self.head_dim_v.to_ne_bytes());
+        put(&self.rotary_dim.to_ne_bytes());
+        for x in [
+            self.rotary_cos,
+            self.rotary_sin,
+            self.cache_batch_idx,
+            self.cache_leftpad,
+            self.k_cache_scale,
+            self.v_cache_scale,
+        ] {
+            put(&x.to_ne_bytes());
+        }
         debug_assert_eq!(at, size_of::<FwdParams>());
         out
     }
