@@ -165,7 +165,8 @@ impl KernelOptions {
     pub const SINKS: KernelOptions = KernelOptions(8);
     /// A V head_dim different from Q/K's (DeepSeek's MLA): the row's tiles carry their
     /// `head_dim_v`, and a problem runs on a tile of its exact pair (the fa2v row: (192, 128) and
-    /// (576, 512)). Every other family refuses such a problem (`Variant::Auto` runs it on the CPU).
+    /// (576, 512); FA3 stage 5: (192, 128)). Every other family refuses such a problem
+    /// (`Variant::Auto` runs it on the CPU).
     pub const HEAD_DIM_V: KernelOptions = KernelOptions(16);
     /// Every option with the name errors and docs use.
     pub const NAMED: [(KernelOptions, &'static str); 5] = [
@@ -381,22 +382,36 @@ const FA3_SMEM_SLACK: u32 = 1024;
 /// FA3 mbarriers are 8 bytes.
 const FA3_MBARRIER_BYTES: u32 = 8;
 
+/// DeepSeek MLA prefill's (Q/K, V) head dims: the FA3 pipeline's head_dim-192 tile is built for
+/// V head_dim 128 (`FA_HEAD_DIM_V`), the one FA3 instance whose V head dim differs from Q/K's.
+pub const FA3_MLA_PREFILL: (u32, u32) = (192, 128);
+
+/// V's head dim in the FA3 pipeline's instance of Q/K head dim `head_dim`.
+pub const fn fa3_head_dim_v(head_dim: u32) -> u32 {
+    if head_dim == FA3_MLA_PREFILL.0 {
+        FA3_MLA_PREFILL.1
+    } else {
+        head_dim
+    }
+}
+
 /// The FA3 tile of (stage, head_dim): 64 query rows per consumer warpgroup; 128 keys per K/V
-/// tile up to head_dim 128, 64 at 256 (the O accumulator then takes 128 registers).
+/// tile up to V head_dim 128 (with (192, 128) too: Q/K's head dim only lengthens the QK^T
+/// reduction), 64 at 256 (the O accumulator then takes 128 registers).
 const fn fa3_tile(stage: u8, head_dim: u32) -> Tile {
     let consumers = if stage >= 3 { 2 } else { 1 };
     let producers = if stage >= 3 { 1 } else { 0 };
     Tile {
         head_dim,
-        head_dim_v: head_dim,
+        head_dim_v: fa3_head_dim_v(head_dim),
         block_m: FA3_ROWS_PER_CONSUMER * consumers,
-        block_n: if head_dim <= 128 { 128 } else { 64 },
+        block_n: if fa3_head_dim_v(head_dim) <= 128 { 128 } else { 64 },
         threads: FA3_WARPGROUP * (consumers + producers),
     }
 }
 
 /// FA3 shared memory of a stage's tile: Q (block_m rows), a K and a V ring of `slots` tiles
-/// (1 in stage 1, 2 from stage 2), the mbarriers (stages 2-3: q_full + kv_full/kv_empty per
+/// (1 in stage 1, 2 from stage 2; V's rows of the tile's `head_dim_v`), the mbarriers (stages 2-3: q_full + kv_full/kv_empty per
 /// slot; stages 4-5: q_full, q_empty + k_full/v_full/k_empty/v_empty per slot; stage 1 still
 /// reserves the stage-2/3 set: the traits share one layout) and the alignment slack. Mirrors
 /// `Fa3Traits::kSmemBytes` (cuda/fa3/traits.cuh), which the kernel static_asserts
@@ -406,11 +421,13 @@ fn fa3_smem_bytes(stage: Option<u8>, t: &Tile) -> u32 {
     let elem = 2; // f16 / bf16
     let slots = if stage >= 2 { 2 } else { 1 };
     let barriers = if stage >= 4 { 2 + 4 * slots } else { 1 + 2 * slots };
-    t.block_m * t.head_dim * elem + 2 * slots * t.block_n * t.head_dim * elem + FA3_MBARRIER_BYTES * barriers + FA3_SMEM_SLACK
+    let kv_row = t.head_dim + t.head_dim_v;
+    t.block_m * t.head_dim * elem + slots * t.block_n * kv_row * elem + FA3_MBARRIER_BYTES * barriers + FA3_SMEM_SLACK
 }
 
 /// One row of the FA3 ladder: cuda/fa3_fwd_sm90.cu (sm_90a only, by its file name) for head
-/// dims 64/128/256. Not `gpu_verified` and not `auto` until a stage passes scripts/check/gpu.sh
+/// dims 64/128/256, and at stage 5 DeepSeek MLA prefill's (192, 128) (`FA3_MLA_PREFILL`: the row
+/// then has `HEAD_DIM_V`). Not `gpu_verified` and not `auto` until a stage passes scripts/check/gpu.sh
 /// on a GPU (docs/fa3.md has the status). Ranked above FA1 and FA2, higher stages higher, so an
 /// explicit `Variant::Fa3` takes the highest stage.
 const fn fa3_family(
@@ -430,7 +447,11 @@ const fn fa3_family(
         gpu_verified: false,
         auto: false,
         sass_expect,
-        options: KernelOptions::SINKS,
+        options: if has_tile(tiles, FA3_MLA_PREFILL.0) {
+            KernelOptions::SINKS.union(KernelOptions::HEAD_DIM_V)
+        } else {
+            KernelOptions::SINKS
+        },
         softmax: SoftmaxParams::NONE,
         rank: 30 + stage as u32,
         cpu_emulation: Some(cpu_emulation),
@@ -440,6 +461,19 @@ const fn fa3_family(
 const FA3_S1_TILES: &[Tile] = &[fa3_tile(1, 64), fa3_tile(1, 128), fa3_tile(1, 256)];
 const FA3_S2_TILES: &[Tile] = &[fa3_tile(2, 64), fa3_tile(2, 128), fa3_tile(2, 256)];
 const FA3_S345_TILES: &[Tile] = &[fa3_tile(3, 64), fa3_tile(3, 128), fa3_tile(3, 256)];
+/// Stage 5 (what `Variant::Fa3` runs) adds MLA prefill's (192, 128).
+const FA3_S5_TILES: &[Tile] = &[fa3_tile(5, 64), fa3_tile(5, 128), fa3_tile(5, 192), fa3_tile(5, 256)];
+/// Whether `tiles` has an instance of `head_dim`.
+const fn has_tile(tiles: &[Tile], head_dim: u32) -> bool {
+    let mut i = 0;
+    while i < tiles.len() {
+        if tiles[i].head_dim == head_dim {
+            return true;
+        }
+        i += 1;
+    }
+    false
+}
 /// SASS of the warp-specialised stages: wgmma, TMA, mbarriers, setmaxnreg.
 const FA3_WS_SASS: &[&str] = &["HGMMA", "UTMALDG", "SYNCS", "USETMAXREG"];
 
@@ -843,7 +877,7 @@ pub const FAMILIES: &[Family] = &[
     fa3_family("fa3s2", 2, "fa3_stage2", &["HGMMA", "UTMALDG", "SYNCS"], FA3_S2_TILES),
     fa3_family("fa3s3", 3, "fa3_stage3", FA3_WS_SASS, FA3_S345_TILES),
     fa3_family("fa3s4", 4, "fa3_stage4", FA3_WS_SASS, FA3_S345_TILES),
-    fa3_family("fa3s5", 5, "fa3_stage5", FA3_WS_SASS, FA3_S345_TILES),
+    fa3_family("fa3s5", 5, "fa3_stage5", FA3_WS_SASS, FA3_S5_TILES),
     // The FP8 forward (docs/fp8.md, "On Hopper"): the FP8 consumer at stages 3-5 of the FA3
     // ladder, each image with its bf16/f16 -> e4m3 pre-pass (fa3_fp8_family).
     fa3_fp8_family("fa3fp8s3", 3),

@@ -64,6 +64,10 @@ struct Fp8Traits {
     static constexpr int kKvStages = Stage >= 2 ? 2 : 1;
     static constexpr int kQBytes = kBlockM * D;       // e4m3
     static constexpr int kKvTileBytes = kBlockN * D;  // one K or one Vᵀ tile
+    // The names the shared pipeline reads (fa3/traits.cuh, where V's head dim may be narrower
+    // than K's): here K and Vᵀ tiles are the same bytes, and O has D columns.
+    static constexpr int kKTileBytes = kKvTileBytes, kVTileBytes = kKvTileBytes;
+    static constexpr int kHeadDimV = D;
     static constexpr int kQSlabStride = kBlockM * kSwQk;
     static constexpr int kKvSlabStride = kBlockN * kSwQk;
     static constexpr int kOffQ = 0;

@@ -24,7 +24,8 @@
 // request, rows with no visible key give O = 0 and LSE = -inf. No ALiBi: the dispatcher must not
 // route FA_FLAG_ALIBI here. Seqlens need not be multiples of the tile: loads past the end are
 // zero (plain loads: explicit; TMA: out-of-bounds fill) and those keys are masked.
-// Host requirements: head_dim == the instance's D; q/k/v/o row, head and batch strides multiples
+// Host requirements: head_dim == the instance's D, and V's head dim == its D_v (FA_HEAD_DIM_V, the
+// table's pair: (192, 128), DeepSeek MLA prefill; D elsewhere); q/k/v/o row, head and batch strides multiples
 // of 8 elements and base addresses 16-byte aligned (16-byte vector loads / TMA strides).
 #include <climits>
 
@@ -47,15 +48,16 @@ __device__ const char* hang_barrier_name(unsigned int offset, int* slot);
 //
 // Built through the units build.rs generates from build/instances.rs: one per (stage, head dim),
 // defining FA_HEAD_DIM, FA_BLOCK_M, FA_BLOCK_N, FA_THREADS and FA_SMEM_BYTES from the table
-// (static_asserted below against Fa3Traits) and the stage, as FA_STAGE=<n> or (older units)
-// through the family token FA_FAMILY=fa3s<n>; then FA_INSTANCE(f16) and FA_INSTANCE(bf16).
+// (static_asserted below against Fa3Traits), FA_HEAD_DIM_V where V's head dim differs (the
+// (192, 128) instance), and the stage, as FA_STAGE=<n> or (older units) through the family token
+// FA_FAMILY=fa3s<n>; then FA_INSTANCE(f16) and FA_INSTANCE(bf16).
 
 // FAM: the row's name (FA_FAMILY): fa3s<S>, or fa4_fa3s5* for the rows that run FA4's softmax
 // in this pipeline (with their FaRowPolicy).
 #define FA3_S1(FAM, DT, T, D)                                                              \
     extern "C" __global__ void __launch_bounds__(fa3::Fa3Traits<1, D>::kThreads, 1)        \
         FAM##_fwd_hd##D##_##DT(const __grid_constant__ FwdParams p) {                      \
-        fa3::stage1<T, D>(p);                                                              \
+        fa3::stage1<T, D, FA3_HEAD_DIM_V>(p);                                              \
     }
 #define FA3_SN(FAM, S, DT, T, D)                                                           \
     extern "C" __global__ void __launch_bounds__(fa3::Fa3Traits<S, D>::kThreads, 1)        \
@@ -63,7 +65,7 @@ __device__ const char* hang_barrier_name(unsigned int offset, int* slot);
                                    const __grid_constant__ fa3::TmaDesc tmap_q,            \
                                    const __grid_constant__ fa3::TmaDesc tmap_k,            \
                                    const __grid_constant__ fa3::TmaDesc tmap_v) {          \
-        fa3::stage_with_maps<S, T, D>(p, &tmap_q, &tmap_k, &tmap_v);                       \
+        fa3::stage_with_maps<S, T, D, FA3_HEAD_DIM_V>(p, &tmap_q, &tmap_k, &tmap_v);       \
     }
 #define FA3_S2(FAM, DT, T, D) FA3_SN(FAM, 2, DT, T, D)
 #define FA3_S3(FAM, DT, T, D) FA3_SN(FAM, 3, DT, T, D)
@@ -95,11 +97,18 @@ __device__ const char* hang_barrier_name(unsigned int offset, int* slot);
 #error "compile through the unit build.rs generates (it defines FA_STAGE, the FA3 stage 1-5)"
 #endif
 #define FA3_STAGE FA_STAGE
+// V's head dim: the unit's FA_HEAD_DIM_V where the table row's pair differs, else Q/K's.
+#if defined(FA_HEAD_DIM_V)
+#define FA3_HEAD_DIM_V FA_HEAD_DIM_V
+#else
+#define FA3_HEAD_DIM_V FA_HEAD_DIM
+#endif
 // The table (build/instances.rs) and the traits must agree on the launch shape.
-static_assert(FA_THREADS == fa3::Fa3Traits<FA3_STAGE, FA_HEAD_DIM>::kThreads, "table: threads");
-static_assert(FA_BLOCK_M == fa3::Fa3Traits<FA3_STAGE, FA_HEAD_DIM>::kBlockM, "table: block_m");
-static_assert(FA_BLOCK_N == fa3::Fa3Traits<FA3_STAGE, FA_HEAD_DIM>::kBlockN, "table: block_n");
-static_assert(FA_SMEM_BYTES == fa3::Fa3Traits<FA3_STAGE, FA_HEAD_DIM>::kSmemBytes,
+using Fa3UnitTraits = fa3::Fa3Traits<FA3_STAGE, FA_HEAD_DIM, FA3_HEAD_DIM_V>;
+static_assert(FA_THREADS == Fa3UnitTraits::kThreads, "table: threads");
+static_assert(FA_BLOCK_M == Fa3UnitTraits::kBlockM, "table: block_m");
+static_assert(FA_BLOCK_N == Fa3UnitTraits::kBlockN, "table: block_n");
+static_assert(FA_SMEM_BYTES == Fa3UnitTraits::kSmemBytes,
               "table: dynamic shared memory (fa3_smem_bytes in build/instances.rs)");
 // Two expansion levels so FA_FAMILY, FA3_STAGE and FA_HEAD_DIM become literals before pasting.
 #define FA3_INSTANCE_(FAM, S, DT, D) FA3_S##S(FAM, DT, FA3_TYPE_##DT, D)
@@ -107,7 +116,7 @@ static_assert(FA_SMEM_BYTES == fa3::Fa3Traits<FA3_STAGE, FA_HEAD_DIM>::kSmemByte
 #define FA_INSTANCE(DT) FA3_INSTANCE(FA_FAMILY, FA3_STAGE, DT, FA_HEAD_DIM)
 #if defined(FA3_HANG_NAMES)
 __device__ const char* fa3::hang_barrier_name(unsigned int offset, int* slot) {
-    using Tr = fa3::Fa3Traits<FA3_STAGE, FA_HEAD_DIM>;
+    using Tr = Fa3UnitTraits;
     *slot = -1;
     if (Tr::kStage == 1 || offset < Tr::kOffBarriers || offset >= Tr::kSmemUsed || offset % 8) return nullptr;
     const int i = static_cast<int>(offset - Tr::kOffBarriers) / 8;

@@ -16,7 +16,7 @@ namespace fa3 {
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-// A thread's part of the wgmma accumulators S[64 x BN] and O[64 x D] of its warpgroup (see
+// A thread's part of the wgmma accumulators S[64 x BN] and O[64 x D] (D: V's head dim) of its warpgroup (see
 // sm90/wgmma.cuh "Fragments") as rows and columns, the fragment layout of the shared softmax and
 // mask (softmax.cuh): rows 16w + g and 16w + g + 8; element j of a row is column j % 2 of the
 // thread's pair in 8-column chunk j / 2.
@@ -41,12 +41,12 @@ struct AccFrag {
 // unit's exponent policy (FaRowPolicy: FA4's softmax in the row that asks for it, docs/fa4.md).
 template <class Tr>
 struct Acc {
-    using Frag = AccFrag<Tr::kBlockN, Tr::kHeadDim>;
-    float o[Tr::kHeadDim / 2];
+    using Frag = AccFrag<Tr::kBlockN, Tr::kHeadDimV>;
+    float o[Tr::kHeadDimV / 2];
     FaOnlineSoftmax<Frag, FaRowPolicy> softmax;
     __device__ __forceinline__ void init() {
 #pragma unroll
-        for (int i = 0; i < Tr::kHeadDim / 2; ++i) o[i] = 0.f;
+        for (int i = 0; i < Tr::kHeadDimV / 2; ++i) o[i] = 0.f;
         softmax.init();
     }
 };
@@ -73,17 +73,18 @@ __device__ __forceinline__ void issue_qk(float (&s)[Tr::kBlockN / 2], uint32_t q
     wgmma_commit();
 }
 
-// Issues O[64 x D] += P[64 x BN] V_tile[BN x D] as one wgmma group; P is given as A fragments
-// a[k] for keys 16k..16k+15. Neither o nor a may be touched until the group has been waited for.
+// Issues O[64 x Dv] += P[64 x BN] V_tile[BN x Dv] as one wgmma group (Dv: V's head dim); P is
+// given as A fragments a[k] for keys 16k..16k+15. Neither o nor a may be touched until the group
+// has been waited for.
 template <class Tr, class T>
-__device__ __forceinline__ void issue_pv(float (&o)[Tr::kHeadDim / 2],
+__device__ __forceinline__ void issue_pv(float (&o)[Tr::kHeadDimV / 2],
                                          const uint32_t (&a)[Tr::kBlockN / kMmaK][4],
                                          uint32_t v_addr) {
     wgmma_fence();  // o was rescaled and a written by ordinary instructions
 #pragma unroll
     for (int kk = 0; kk < Tr::kBlockN / kMmaK; ++kk) {
 #pragma unroll
-        for (int nh = 0; nh < Tr::kHeadDim / kMmaN; ++nh) {
+        for (int nh = 0; nh < Tr::kHeadDimV / kMmaN; ++nh) {
             const uint64_t db =
                 desc_mnmajor_sw128(v_addr + Tr::pv_b_offset(kk, nh), Tr::kKvSlabStride);
             // Output columns 64nh.. accumulate into chunks 8nh.. = o[32nh ..].
@@ -103,7 +104,7 @@ __device__ __forceinline__ void gemm_qk(float (&s)[Tr::kBlockN / 2], uint32_t q_
     fence_regs(s);
 }
 template <class Tr, class T>
-__device__ __forceinline__ void gemm_pv(float (&o)[Tr::kHeadDim / 2],
+__device__ __forceinline__ void gemm_pv(float (&o)[Tr::kHeadDimV / 2],
                                         const uint32_t (&a)[Tr::kBlockN / kMmaK][4],
                                         uint32_t v_addr) {
     issue_pv<Tr, T>(o, a, v_addr);
@@ -200,7 +201,7 @@ struct SyncTile {
                                                    int n0, int tid) {
         load_tile_sw128<Tr::kBlockN, Tr::kHeadDim>(cta.sk, src.k + n0 * p.k_row_stride, p.k_row_stride,
                                                    p.seqlen_k - n0, tid, Tr::kThreads);
-        load_tile_sw128<Tr::kBlockN, Tr::kHeadDim>(cta.sv, src.v + n0 * p.v_row_stride, p.v_row_stride,
+        load_tile_sw128<Tr::kBlockN, Tr::kHeadDimV>(cta.sv, src.v + n0 * p.v_row_stride, p.v_row_stride,
                                                    p.seqlen_k - n0, tid, Tr::kThreads);
     }
     __device__ __forceinline__ void operator()(const FwdParams& p, Acc<Tr>& acc, const Frag& frag, int m_first,

@@ -47,22 +47,37 @@ __device__ __forceinline__ void issue_q(const TmaDesc* tq, uint8_t* sq, uint64_t
     issue_q_rows<Tr>(tq, sq, bar, m0, seqlen_q - m0, head, batch);
 }
 
-// The TMA copies of K (or V) tile n, every slab, into ring slot `slot`, completing on `bar`
-// (the caller has announced the bytes with expect_tx).
+// One operand of the K/V ring as its tiles are laid out: K (IsV false) has Q/K's head dim, V
+// (IsV true) its own (Fa3Traits::kHeadDimV: narrower in the (192, 128) instance), so the two
+// rings differ in slabs per row and bytes per tile.
+template <class Tr, bool IsV>
+struct KvOperand {
+    static constexpr int kSlabs = Tr::kSlabs;
+    static constexpr int kTileBytes = Tr::kKTileBytes;
+};
+template <class Tr>
+struct KvOperand<Tr, true> {
+    static constexpr int kSlabs = Tr::kSlabsV;
+    static constexpr int kTileBytes = Tr::kVTileBytes;
+};
+
+// The TMA copies of K (or, IsV, V) tile n, every slab, into ring slot `slot`, completing on
+// `bar` (the caller has announced the bytes with expect_tx).
 // load_kv_rows: the same from TMA row coordinate `row` of map batch `batch` (serving layouts:
 // a packed tensor's row, or a page's slot with the block index as the batch coordinate).
-template <class Tr>
+template <class Tr, bool IsV>
 __device__ __forceinline__ void load_kv_rows(const TmaDesc* map, uint8_t* ring, uint64_t* bar, int slot, int row,
                                              int kv_head, int batch) {
-    uint8_t* dst = ring + slot * Tr::kKvTileBytes;
+    using Op = KvOperand<Tr, IsV>;
+    uint8_t* dst = ring + slot * Op::kTileBytes;
 #pragma unroll
-    for (int slab = 0; slab < Tr::kSlabs; ++slab)
+    for (int slab = 0; slab < Op::kSlabs; ++slab)
         tma_load_4d(dst + Tr::kv_box_offset(slab), map, bar, slab * Tr::kTmaBoxCols, kv_head, row, batch);
 }
-template <class Tr>
+template <class Tr, bool IsV>
 __device__ __forceinline__ void load_kv_tile(const TmaDesc* map, uint8_t* ring, uint64_t* bar, int slot, int n,
                                              int kv_head, int batch) {
-    load_kv_rows<Tr>(map, ring, bar, slot, n * Tr::kBlockN, kv_head, batch);
+    load_kv_rows<Tr, IsV>(map, ring, bar, slot, n * Tr::kBlockN, kv_head, batch);
 }
 
 // V tile n into ring slot `slot`: as K, or, when Tr::kVTransposed (the FP8 consumer: 8-bit wgmma
@@ -72,9 +87,9 @@ template <class Tr>
 __device__ __forceinline__ void load_v_tile(const TmaDesc* map, uint8_t* ring, uint64_t* bar, int slot, int n,
                                             int kv_head, int batch) {
     if constexpr (Tr::kVTransposed)
-        tma_load_4d(ring + slot * Tr::kKvTileBytes, map, bar, n * Tr::kBlockN, 0, kv_head, batch);
+        tma_load_4d(ring + slot * Tr::kVTileBytes, map, bar, n * Tr::kBlockN, 0, kv_head, batch);
     else
-        load_kv_tile<Tr>(map, ring, bar, slot, n, kv_head, batch);
+        load_kv_tile<Tr, true>(map, ring, bar, slot, n, kv_head, batch);
 }
 
 // The gathered copy of K (is_v false) or V tile n of sequence s into ring slot `slot`, by the
@@ -86,7 +101,10 @@ __device__ __forceinline__ void gather_kv(const FwdParams& p, const FaSeq& s, in
     const int64_t bs = is_v ? p.v_batch_stride : p.k_batch_stride;
     const int64_t rs = is_v ? p.v_row_stride : p.k_row_stride;
     const int64_t hs = is_v ? p.v_head_stride : p.k_head_stride;
-    gather_tile<Tr>(ring + slot * Tr::kKvTileBytes, p, s, base, bs, rs, kv_head * hs, n, ptid);
+    if (is_v)
+        gather_tile<Tr, Tr::kHeadDimV>(ring + slot * Tr::kVTileBytes, p, s, base, bs, rs, kv_head * hs, n, ptid);
+    else
+        gather_tile<Tr, Tr::kHeadDim>(ring + slot * Tr::kKTileBytes, p, s, base, bs, rs, kv_head * hs, n, ptid);
 }
 
 // Stages 4-5: the producer's copy of one K or V tile n of sequence s into ring slot `slot`,
@@ -106,12 +124,13 @@ __device__ __forceinline__ void produce_kv(const FwdParams& p, const FaSeq& s, i
     if (ptid == 0) {
         int row, batch;
         kv_tma_coords<Tr>(p, s, n, &row, &batch);
-        mbar_arrive_expect_tx(full, Tr::kKvTileBytes);
-        // The FP8 consumer's Vᵀ (dense launches only: its traits do not serve the layouts).
-        if (Tr::kVTransposed && is_v)
+        mbar_arrive_expect_tx(full, is_v ? Tr::kVTileBytes : Tr::kKTileBytes);
+        if (!is_v)
+            load_kv_rows<Tr, false>(map, ring, full, slot, row, kv_head, batch);
+        else if constexpr (Tr::kVTransposed)  // the FP8 consumer's Vᵀ (dense launches only)
             load_v_tile<Tr>(map, ring, full, slot, n, kv_head, batch);
         else
-            load_kv_rows<Tr>(map, ring, full, slot, row, kv_head, batch);
+            load_kv_rows<Tr, true>(map, ring, full, slot, row, kv_head, batch);
     }
 }
 
@@ -128,8 +147,8 @@ __device__ __forceinline__ void produce_kv_pair(const FwdParams& p, const FaSeq&
         int row, batch;
         kv_tma_coords<Tr>(p, s, n, &row, &batch);
         mbar_arrive_expect_tx(full, Tr::kTmaKvBytes);
-        load_kv_rows<Tr>(tk, sk, full, slot, row, kv_head, batch);
-        load_kv_rows<Tr>(tv, sv, full, slot, row, kv_head, batch);
+        load_kv_rows<Tr, false>(tk, sk, full, slot, row, kv_head, batch);
+        load_kv_rows<Tr, true>(tv, sv, full, slot, row, kv_head, batch);
     }
 }
 
@@ -139,7 +158,7 @@ __device__ __forceinline__ void issue_kv(const TmaDesc* tk, const TmaDesc* tv, u
                                          uint8_t* sv, uint64_t* bar, int slot, int n,
                                          int kv_head, int batch) {
     mbar_arrive_expect_tx(bar, Tr::kTmaKvBytes);
-    load_kv_tile<Tr>(tk, sk, bar, slot, n, kv_head, batch);
+    load_kv_tile<Tr, false>(tk, sk, bar, slot, n, kv_head, batch);
     load_v_tile<Tr>(tv, sv, bar, slot, n, kv_head, batch);
 }
 

@@ -30,8 +30,8 @@ struct Cta {
         sv = smem + Tr::kOffV;
     }
     // Shared addresses of K and V ring slot `slot`.
-    __device__ __forceinline__ uint32_t k_slot(int slot) const { return smem_u32(sk + slot * Tr::kKvTileBytes); }
-    __device__ __forceinline__ uint32_t v_slot(int slot) const { return smem_u32(sv + slot * Tr::kKvTileBytes); }
+    __device__ __forceinline__ uint32_t k_slot(int slot) const { return smem_u32(sk + slot * Tr::kKTileBytes); }
+    __device__ __forceinline__ uint32_t v_slot(int slot) const { return smem_u32(sv + slot * Tr::kVTileBytes); }
 };
 
 // The producer's first step: the three tensor maps into the TMA unit's descriptor cache.

@@ -101,32 +101,42 @@ __device__ __forceinline__ void kv_tma_coords(const FwdParams& p, const FaSeq& s
 }
 
 // The gathered load of K or V tile n of sequence s into the [kBlockN x D] SW128 tile at `dst`
-// (1024-aligned), by the producer warpgroup's threads (ptid = 0..127, every one of them calls
-// it): 16-byte cp.async per (row, 16-byte chunk), rows past the sequence's last key zero-filled
-// (src-size 0 reads nothing). Completed and published by gather_commit.
-template <class Tr>
+// (1024-aligned; D: the operand's head dim, Q/K's or V's), by the producer warpgroup's threads
+// (ptid = 0..127, every one of them calls it): 16-byte cp.async per (row, 16-byte chunk), rows
+// past the sequence's last key zero-filled (src-size 0 reads nothing). Completed and published
+// by gather_commit.
+template <class Tr, int D>
 __device__ __forceinline__ void gather_tile(uint8_t* dst, const FwdParams& p, const FaSeq& s, const uint16_t* base,
                                             int64_t batch_stride, int64_t row_stride, int64_t head_off, int n,
                                             int ptid) {
-    constexpr int kChunks = Tr::kHeadDim / 8;  // 16-byte chunks per row
+    // A pass of the 128 threads copies whole rows when a row's chunks divide them (D = 64, 128);
+    // at D = 192 (24 chunks) a pass copies 16 rows of one 64-column slab instead, slab by slab.
+    constexpr int kRowChunks = D / 8;  // 16-byte chunks per row
+    constexpr bool kWholeRows = kWarpgroupThreads % kRowChunks == 0;
+    constexpr int kChunks = kWholeRows ? kRowChunks : kSlabCols / 8;  // chunks a pass spans per row
+    constexpr int kPassSlabs = kWholeRows ? 1 : D / kSlabCols;        // slabs copied one after another
     constexpr int kRowsPerPass = kWarpgroupThreads / kChunks;
-    static_assert(kWarpgroupThreads % kChunks == 0 && kRowsPerPass % kSwizzleAtomRows == 0,
-                  "a pass covers whole rows, and a thread's rows share one swizzle phase");
+    static_assert(kWarpgroupThreads % kChunks == 0 && kRowsPerPass % kSwizzleAtomRows == 0 && D % kSlabCols == 0,
+                  "a pass covers whole rows (of a slab), and a thread's rows share one swizzle phase");
     // This thread's chunk c of rows r0, r0 + kRowsPerPass, ...: the swizzle phase r % 8 is the
     // same for all of them, so the destination steps by whole 128-byte rows (as the producer has
     // few registers, nothing else is kept per row).
     const int c = ptid % kChunks, r0 = ptid / kChunks;
-    const uint16_t* col = base + head_off + 8 * c;
-    uint32_t to = smem_u32(dst) + sw128_offset(r0, 8 * c, Tr::kBlockN);
     const int n0 = n * Tr::kBlockN;
 #pragma unroll 1
-    for (int r = r0; r < Tr::kBlockN; r += kRowsPerPass, to += kRowsPerPass * kSwizzleBytes) {
-        const int j = n0 + r;
-        const bool live = j < s.sk;
-        // Rows past the sequence's last key: src-size 0 writes 16 zero bytes and reads nothing
-        // (the address must still be a valid global one: the tensor's base).
-        const uint16_t* src = live ? col + fa_kv_row_offset(p, s, batch_stride, row_stride, j) : base;
-        fa2::cp_async_16(to, src, live ? 16 : 0);
+    for (int slab = 0; slab < kPassSlabs; ++slab) {
+        const int col0 = slab * kSlabCols + 8 * c;
+        const uint16_t* col = base + head_off + col0;
+        uint32_t to = smem_u32(dst) + sw128_offset(r0, col0, Tr::kBlockN);
+#pragma unroll 1
+        for (int r = r0; r < Tr::kBlockN; r += kRowsPerPass, to += kRowsPerPass * kSwizzleBytes) {
+            const int j = n0 + r;
+            const bool live = j < s.sk;
+            // Rows past the sequence's last key: src-size 0 writes 16 zero bytes and reads nothing
+            // (the address must still be a valid global one: the tensor's base).
+            const uint16_t* src = live ? col + fa_kv_row_offset(p, s, batch_stride, row_stride, j) : base;
+            fa2::cp_async_16(to, src, live ? 16 : 0);
+        }
     }
 }
 

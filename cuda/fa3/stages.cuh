@@ -127,20 +127,20 @@ __device__ __forceinline__ void stage3_of(const FwdParams& p, const TmaDesc* tq,
                         fa_sink(p, bc.head));  // re-read: as stage45
 }
 
-// The 16-bit stages 1-3.
-template <class T, int D>
+// The 16-bit stages 1-3 (DV: V's head dim, D unless the instance is built for a pair).
+template <class T, int D, int DV = D>
 __device__ __forceinline__ void stage1(const FwdParams& p) {
-    stage1_of<Fa3Traits<1, D>, T, SyncTile>(p);
+    stage1_of<Fa3Traits<1, D, DV>, T, SyncTile>(p);
 }
-template <class T, int D>
+template <class T, int D, int DV = D>
 __device__ __forceinline__ void stage2(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk,
                                        const TmaDesc* tv) {
-    stage2_of<Fa3Traits<2, D>, T, SyncTile>(p, tq, tk, tv);
+    stage2_of<Fa3Traits<2, D, DV>, T, SyncTile>(p, tq, tk, tv);
 }
-template <class T, int D>
+template <class T, int D, int DV = D>
 __device__ __forceinline__ void stage3(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk,
                                        const TmaDesc* tv) {
-    stage3_of<Fa3Traits<3, D>, T, SyncTile>(p, tq, tk, tv);
+    stage3_of<Fa3Traits<3, D, DV>, T, SyncTile>(p, tq, tk, tv);
 }
 
 // Stage 4: + ping-pong and intra-warpgroup overlap, one query tile per CTA (grid as in stages
@@ -206,35 +206,35 @@ __device__ __forceinline__ void stage45_of(const FwdParams& p, const TmaDesc* tq
 }
 
 // The 16-bit stages 4-5.
-template <int Stage, class T, int D>
+template <int Stage, class T, int D, int DV = D>
 __device__ __forceinline__ void stage45(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk,
                                         const TmaDesc* tv) {
-    stage45_of<Fa3Traits<Stage, D>, T, SyncTile>(p, tq, tk, tv);
+    stage45_of<Fa3Traits<Stage, D, DV>, T, SyncTile>(p, tq, tk, tv);
 }
 
 #else  // not sm_90a (nvcc's host pass): the instances exist but do nothing.
 
-template <class T, int D>
+template <class T, int D, int DV = D>
 __device__ __forceinline__ void stage1(const FwdParams&) {}
-template <class T, int D>
+template <class T, int D, int DV = D>
 __device__ __forceinline__ void stage2(const FwdParams&, const TmaDesc*, const TmaDesc*, const TmaDesc*) {}
-template <class T, int D>
+template <class T, int D, int DV = D>
 __device__ __forceinline__ void stage3(const FwdParams&, const TmaDesc*, const TmaDesc*, const TmaDesc*) {}
-template <int Stage, class T, int D>
+template <int Stage, class T, int D, int DV = D>
 __device__ __forceinline__ void stage45(const FwdParams&, const TmaDesc*, const TmaDesc*, const TmaDesc*) {}
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // The stages that take tensor maps (2-5), by number: what the entry points call.
-template <int Stage, class T, int D>
+template <int Stage, class T, int D, int DV = D>
 __device__ __forceinline__ void stage_with_maps(const FwdParams& p, const TmaDesc* tq, const TmaDesc* tk,
                                                 const TmaDesc* tv) {
     if constexpr (Stage == 2)
-        stage2<T, D>(p, tq, tk, tv);
+        stage2<T, D, DV>(p, tq, tk, tv);
     else if constexpr (Stage == 3)
-        stage3<T, D>(p, tq, tk, tv);
+        stage3<T, D, DV>(p, tq, tk, tv);
     else
-        stage45<Stage, T, D>(p, tq, tk, tv);
+        stage45<Stage, T, D, DV>(p, tq, tk, tv);
 }
 
 }  // namespace fa3

@@ -1,5 +1,5 @@
 // Tile shapes, warpgroup roles and shared-memory plan of the FA3-style sm_90a kernels, one
-// struct per (stage, head_dim). Everything the host needs for a launch (threads, dynamic smem,
+// struct per (stage, head_dim of Q/K, head_dim of V). Everything the host needs for a launch (threads, dynamic smem,
 // rows per CTA) is a constexpr here and repeated in docs/fa3.md.
 #pragma once
 #include "common/params.h"
@@ -38,14 +38,19 @@ constexpr int kWarpgroupThreads = 128;  // 4 warps issue one wgmma together
 //      of tile j+1); K and V get separate full/empty barriers.
 //   5: + persistent scheduling: gridDim.x CTAs stride over all (query tile, head, batch) tiles,
 //      heaviest first; the K/V ring and the Q buffer (q_empty barrier) carry over tiles.
-template <int Stage, int HeadDim>
+// HeadDimV: V's head dim (the columns of O), Q/K's unless the instance is built for a pair
+// (DeepSeek MLA prefill's (192, 128): FA_HEAD_DIM_V, docs/fa3.md "V head_dim").
+template <int Stage, int HeadDim, int HeadDimV = HeadDim>
 struct Fa3Traits {
     static_assert(Stage >= 1 && Stage <= 5, "stages 1..5 are implemented");
     static_assert(HeadDim % kSlabCols == 0 && HeadDim <= 256, "head_dim: 64, 128, 192 or 256");
+    static_assert(HeadDimV % kSlabCols == 0 && HeadDimV <= 256, "head_dim_v: whole 64-column slabs");
 
     static constexpr int kStage = Stage;
-    static constexpr int kHeadDim = HeadDim;
-    static constexpr int kSlabs = HeadDim / kSlabCols;  // 64-column SW128 slabs per row
+    static constexpr int kHeadDim = HeadDim;    // Q and K columns: the reduction of S = Q K^T
+    static constexpr int kHeadDimV = HeadDimV;  // V and O columns: the N of O += P V
+    static constexpr int kSlabs = HeadDim / kSlabCols;    // 64-column SW128 slabs per Q/K row
+    static constexpr int kSlabsV = HeadDimV / kSlabCols;  // ... per V row
 
     static constexpr int kConsumerWarpgroups = Stage >= 3 ? 2 : 1;
     static constexpr int kProducerWarpgroups = Stage >= 3 ? 1 : 0;
@@ -54,21 +59,22 @@ struct Fa3Traits {
 
     // Query rows per CTA: 64 per consumer warpgroup (the M of one wgmma).
     static constexpr int kBlockM = kMmaM * kConsumerWarpgroups;
-    // Keys per K/V tile. 128 keeps S (64 fp32/thread) + O (D/2) + P (32 b32) under the 240
-    // consumer registers for D <= 128; D = 256 would need O = 128 regs, so it uses 64 keys.
+    // Keys per K/V tile. 128 keeps S (64 fp32/thread) + O (D_v/2) + P (32 b32) under the 240
+    // consumer registers for D_v <= 128 (Q/K's head dim only lengthens the QK^T reduction);
+    // D_v = 256 would need O = 128 regs, so it uses 64 keys.
     // (FA3 proper uses 128x128 causal / 128x176 non-causal at hdim 128; we use 128 for both.)
-    static constexpr int kBlockN = HeadDim <= 128 ? 128 : 64;
+    static constexpr int kBlockN = HeadDimV <= 128 ? 128 : 64;
     static_assert(kBlockN % kMmaN == 0, "N is issued as m64n64 instructions");
 
     // Skip the per-element mask on K/V tiles where every (row, key) is visible. Off only for
     // the persistent stage at hd 256: its consumers sit at the 240-register ceiling (O alone is
     // 128 registers) and the extra branch made ptxas spill there.
-    static constexpr bool kSkipUnmaskedTiles = !(Stage >= 5 && HeadDim > 128);
+    static constexpr bool kSkipUnmaskedTiles = !(Stage >= 5 && HeadDimV > 128);
 
     // Runs the serving layouts (varlen, caches, pages: fa3/serving.cuh) from stage 3 on, at
-    // head_dim <= 128: at 256 the consumers already sit at the 240-register ceiling. The host
-    // refuses the rest (src/cuda/fa3/mod.rs).
-    static constexpr bool kServing = Stage >= 3 && HeadDim <= 128;
+    // V head_dim <= 128 (64, 128 and (192, 128)): at 256 the consumers already sit at the
+    // 240-register ceiling. The host refuses the rest (src/cuda/fa3/mod.rs).
+    static constexpr bool kServing = Stage >= 3 && HeadDimV <= 128;
 
     // K/V ring depth: stage 1 loads synchronously into one buffer.
     static constexpr int kKvStages = Stage >= 2 ? 2 : 1;
@@ -88,13 +94,14 @@ struct Fa3Traits {
     // each one starts 1024-aligned once the base is.
     static constexpr int kElemBytes = 2;
     static constexpr int kQBytes = kBlockM * HeadDim * kElemBytes;
-    static constexpr int kKvTileBytes = kBlockN * HeadDim * kElemBytes;  // one K or one V tile
+    static constexpr int kKTileBytes = kBlockN * HeadDim * kElemBytes;   // one K tile
+    static constexpr int kVTileBytes = kBlockN * HeadDimV * kElemBytes;  // one V tile
     static constexpr int kQSlabStride = kBlockM * kSwizzleBytes;           // bytes between Q slabs
     static constexpr int kKvSlabStride = kBlockN * kSwizzleBytes;          // ... between K/V slabs
     static constexpr int kOffQ = 0;
     static constexpr int kOffK = kOffQ + kQBytes;
-    static constexpr int kOffV = kOffK + kKvStages * kKvTileBytes;
-    static constexpr int kOffBarriers = kOffV + kKvStages * kKvTileBytes;
+    static constexpr int kOffV = kOffK + kKvStages * kKTileBytes;
+    static constexpr int kOffBarriers = kOffV + kKvStages * kVTileBytes;
     // Stages 2-3: q_full, kv_full[slots], kv_empty[slots]. Stages 4-5 (K and V separately):
     // q_full, k_full[slots], v_full[slots], k_empty[slots], v_empty[slots], q_empty.
     // 8 bytes each.
@@ -112,7 +119,7 @@ struct Fa3Traits {
     static constexpr int kTmaBoxRowsQ = kMmaM;  // a 128-row Q tile is two boxes per slab
     static constexpr int kTmaBoxRowsKv = kBlockN;
     static constexpr int kTmaQBytes = kQBytes;
-    static constexpr int kTmaKvBytes = 2 * kKvTileBytes;  // K and V of one slot, one barrier
+    static constexpr int kTmaKvBytes = kKTileBytes + kVTileBytes;  // K and V of one slot, one barrier
     // Stage 4 ping-pong: hardware named barrier ids (0 is __syncthreads), one per consumer
     // warpgroup, each completed by both consumer warpgroups (2 x 128 threads).
     static constexpr int kPingPongBarrier0 = 1;
@@ -146,7 +153,8 @@ struct Fa3Traits {
         return slab * kKvSlabStride;
     }
 
-    static_assert(kQBytes % kSwizzleAtomBytes == 0 && kKvTileBytes % kSwizzleAtomBytes == 0,
+    static_assert(kQBytes % kSwizzleAtomBytes == 0 && kKTileBytes % kSwizzleAtomBytes == 0 &&
+                      kVTileBytes % kSwizzleAtomBytes == 0,
                   "tiles must be whole swizzle atoms");
     static_assert(kSmemBytes <= 227 * 1024, "sm_90 opt-in shared memory is 227 KiB per block");
 };

@@ -107,12 +107,13 @@ void expect_eq(double got, double want, const char* what, int a, int b, int c) {
         std::fprintf(stderr, "  mismatch %s [%d][%d][%d]: got %g want %g\n", what, a, b, c, got, want);
 }
 
-template <int Stage, int D>
+// DV: V's (and O's) head dim, D unless the instance is built for a pair ((192, 128) at stage 5).
+template <int Stage, int D, int DV = D>
 void run() {
-    using Tr = Fa3Traits<Stage, D>;
+    using Tr = Fa3Traits<Stage, D, DV>;
     constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN;
     Smem sm(Tr::kOffBarriers);
-    std::vector<int16_t> q(BM * D), k(BN * D), v(BN * D);
+    std::vector<int16_t> q(BM * D), k(BN * D), v(BN * DV);
     uint32_t seed = 12345u + Stage * 7 + D;
     auto rnd = [&]() {
         seed = seed * 1664525u + 1013904223u;
@@ -126,11 +127,10 @@ void run() {
     if (Stage == 1) {
         for (int r = 0; r < BM; ++r)
             for (int c = 0; c < D; ++c) sm.put(Tr::kOffQ + sw128_offset(r, c, BM), q[r * D + c]);
-        for (int r = 0; r < BN; ++r)
-            for (int c = 0; c < D; ++c) {
-                sm.put(Tr::kOffK + sw128_offset(r, c, BN), k[r * D + c]);
-                sm.put(Tr::kOffV + sw128_offset(r, c, BN), v[r * D + c]);
-            }
+        for (int r = 0; r < BN; ++r) {
+            for (int c = 0; c < D; ++c) sm.put(Tr::kOffK + sw128_offset(r, c, BN), k[r * D + c]);
+            for (int c = 0; c < DV; ++c) sm.put(Tr::kOffV + sw128_offset(r, c, BN), v[r * DV + c]);
+        }
     } else {
         for (int slab = 0; slab < Tr::kSlabs; ++slab) {
             for (int rb = 0; rb < BM / Tr::kTmaBoxRowsQ; ++rb)
@@ -142,7 +142,7 @@ void run() {
                 for (int c = 0; c < Tr::kTmaBoxCols; ++c) {
                     const uint32_t off = Tr::kv_box_offset(slab) + r * 128 + c * 2;
                     sm.put(swizzle128(Tr::kOffK + off), k[r * D + slab * 64 + c]);  // ring slot 0
-                    sm.put(swizzle128(Tr::kOffV + off), v[r * D + slab * 64 + c]);
+                    if (slab < Tr::kSlabsV) sm.put(swizzle128(Tr::kOffV + off), v[r * DV + slab * 64 + c]);
                 }
         }
     }
@@ -181,7 +181,7 @@ void run() {
                     }
 
         // ---- O = S V with S turned into A fragments as consume_tile does (P := S here).
-        Frags o(kThreadsPerWg, std::vector<double>(D / 2, 0.0));
+        Frags o(kThreadsPerWg, std::vector<double>(DV / 2, 0.0));
         for (int kk = 0; kk < BN / kMmaK; ++kk) {
             static double a[64][16];
             for (int th = 0; th < kThreadsPerWg; ++th) {
@@ -191,7 +191,7 @@ void run() {
                         a[16 * w + g + 8 * (r % 2)][8 * (r / 2) + 2 * t + e] =
                             s[th][acc_to_a_index(kk, r) + e];
             }
-            for (int nh = 0; nh < D / kMmaN; ++nh) {
+            for (int nh = 0; nh < DV / kMmaN; ++nh) {
                 const uint64_t db =
                     desc_mnmajor_sw128(Tr::kOffV + Tr::pv_b_offset(kk, nh), Tr::kKvSlabStride);
                 static double b[16][64];
@@ -201,14 +201,14 @@ void run() {
             }
         }
         for (int th = 0; th < kThreadsPerWg; ++th)
-            for (int j = 0; j < D / 8; ++j)
+            for (int j = 0; j < DV / 8; ++j)
                 for (int h = 0; h < 2; ++h)
                     for (int e = 0; e < 2; ++e) {
                         int row, col;
                         frag_rc(th, j, h, e, row, col);
                         double want = 0;
                         for (int key = 0; key < BN; ++key)
-                            want += s_ref[row * BN + key] * v[key * D + col];
+                            want += s_ref[row * BN + key] * v[key * DV + col];
                         expect_eq(o[th][acc_index(j, h, e)], want, "O", cw, row, col);
                     }
     }
@@ -294,6 +294,7 @@ int main() {
     run<5, 64>();
     run<5, 128>();
     run<5, 256>();
+    run<5, 192, 128>();  // DeepSeek MLA prefill's pair: Q/K 192, V and O 128
     if (g_failures) {
         std::fprintf(stderr, "fa3-layout-sim: %d mismatches\n", g_failures);
         return 1;

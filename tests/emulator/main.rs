@@ -25,6 +25,9 @@ mod fa3_layout;
 /// Every forward family (FA1-FA4) and the emulator's self-tests, layout checks and mutations.
 #[cfg(feature = "cuda")]
 mod forward;
+/// FA3 stage 5's (192, 128) instance (V head_dim unlike Q/K's): dense and serving launches.
+#[cfg(feature = "cuda")]
+mod head_dim_v_fa3;
 /// FA2's head_dim 512 instance: prefill and decode (split-KV through the combine, paged caches).
 #[cfg(feature = "cuda")]
 mod head_dim_512;

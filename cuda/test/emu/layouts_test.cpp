@@ -101,7 +101,7 @@ void fragment_bijections() {
 template <int Stage, int D>
 void fa3_operands() {
     using Tr = fa3::Fa3Traits<Stage, D>;
-    const uint32_t q = 0x400, k = q + Tr::kQBytes, v = k + Tr::kKvTileBytes;  // 1024-aligned tiles
+    const uint32_t q = 0x400, k = q + Tr::kQBytes, v = k + Tr::kKTileBytes;  // 1024-aligned tiles
     for (int cw = 0; cw < Tr::kConsumerWarpgroups; ++cw)
         for (int kk = 0; kk < D / fa3::kMmaK; ++kk) {
             const uint64_t da = fa3::desc_kmajor_sw128(q + Tr::q_warpgroup_offset(cw) + Tr::qk_a_offset(kk));

@@ -10,7 +10,7 @@ pub(crate) mod tma;
 use super::family::{chunked_rows_refusal, tile_grid, FamilyHost, Grid, LayoutRefusal};
 use super::launch::TensorMaps;
 use super::params::{FwdParams, Operands, FLAG_KV_FP8};
-use super::table::{Family, Tile};
+use super::table::{fa3_head_dim_v, Family, Tile, FA3_MLA_PREFILL};
 use crate::error::Result;
 use crate::problem::Problem;
 use crate::tensor::DType;
@@ -21,9 +21,9 @@ const PERSISTENT_STAGE: u8 = 5;
 /// The first stage that runs the serving layouts (warp-specialised: the producer warpgroup's
 /// threads gather what TMA cannot load; `Fa3Traits::kServing`).
 const SERVING_STAGE: u8 = 3;
-/// The largest head dim with a serving path (`Fa3Traits::kServing`: at 256 the consumers have
-/// no registers to spare).
-const SERVING_MAX_HEAD_DIM: u32 = 128;
+/// The largest V head dim with a serving path (`Fa3Traits::kServing`: at 256 the consumers have
+/// no registers to spare; O's columns are V's, so (192, 128) has one).
+const SERVING_MAX_HEAD_DIM_V: u32 = 128;
 /// The first stage that loads through TMA (and takes the tensor maps).
 const TMA_STAGE: u8 = 2;
 
@@ -49,19 +49,27 @@ impl FamilyHost for Fa3 {
             return Some("has no ALiBi (FlashAttention-3 does not implement it; use Fa2 or Fa1)");
         }
         // The kernels load and multiply whole 64-column slabs with no tail mask.
-        (p.head_dim != tile.head_dim as usize).then_some("runs head_dim 64, 128 or 256 exactly (no masked tail)")
+        if p.head_dim != tile.head_dim as usize {
+            return Some("runs head_dim 64, 128 or 256 exactly (no masked tail), and (192, 128) at stage 5");
+        }
+        // V's head dim is the instance's: Q/K's, or 128 in the (192, 128) one (`FA_HEAD_DIM_V`).
+        (p.head_dim_v != tile.head_dim_v as usize).then_some(if tile.head_dim == FA3_MLA_PREFILL.0 {
+            "runs head_dim 192 only with V head_dim 128 (DeepSeek MLA prefill's (192, 128), stage 5)"
+        } else {
+            "runs V head_dim == Q/K head_dim (64, 128, 256), or (192, 128) at stage 5"
+        })
     }
 
-    /// Stages 3-5 at head_dim 64 and 128 run packed batches, dense caches with cache_seqlens and
-    /// paged caches of any page size (`cuda/fa3/serving.cuh`), after an append; not split-KV,
-    /// not an FP8 cache ([`FP8_CACHE_REFUSAL`]).
+    /// Stages 3-5 at head_dim 64 and 128 (and stage 5's (192, 128)) run packed batches, dense
+    /// caches with cache_seqlens and paged caches of any page size (`cuda/fa3/serving.cuh`), after
+    /// an append; not split-KV, not an FP8 cache ([`FP8_CACHE_REFUSAL`]).
     fn serving_refusal(&self, fam: &Family, tile: &Tile, params: &FwdParams) -> Option<&'static str> {
         if stage(fam) < SERVING_STAGE {
             return Some("stages 1-2 have no varlen / KV-cache path (stages 3-5 have: docs/fa3.md)");
         }
-        if tile.head_dim > SERVING_MAX_HEAD_DIM {
+        if tile.head_dim_v > SERVING_MAX_HEAD_DIM_V {
             return Some(concat!(
-                "runs varlen / KV caches at head_dim 64 and 128 only ",
+                "runs varlen / KV caches at head_dim 64, 128 and (192, 128) only ",
                 "(at 256 its consumers have no registers to spare)"
             ));
         }
@@ -119,32 +127,34 @@ pub(crate) fn load_path(tile: &Tile, p: &FwdParams) -> Option<&'static str> {
     })
 }
 
-/// Operand layouts as the tensor maps need them, from the launch parameters (FA3 and FA4). A
+/// Operand layouts as the tensor maps need them, from the launch parameters (FA3 and FA4; v's
+/// head dim is `head_dim_v` where it differs, 0 meaning Q/K's). A
 /// serving launch's maps describe the whole tensors: a packed q `[1, total_q, ..]`, and k/v by
 /// their extents (`kv_batches`, `kv_rows`: packed, cache or pages); extents of 0 (an empty
 /// batch) become 1, as TMA needs, since no tile is loaded then.
 pub(crate) fn layouts(p: &FwdParams) -> [OperandLayout; 3] {
     let (q_batch, q_rows) = if p.cu_seqlens_q != 0 { (1, p.total_q.max(1)) } else { (p.batch, p.seqlen_q) };
     let (kv_batch, kv_rows) = if p.kv_batches > 0 { (p.kv_batches, p.kv_rows.max(1)) } else { (p.batch, p.seqlen_k) };
-    let l = |batch: i32, seqlen: i32, heads: i32, st: [i64; 3]| OperandLayout {
+    let dv = if p.head_dim_v > 0 { p.head_dim_v } else { p.head_dim };
+    let l = |batch: i32, seqlen: i32, heads: i32, d: i32, st: [i64; 3]| OperandLayout {
         batch: batch as usize,
         seqlen: seqlen as usize,
         heads: heads as usize,
-        head_dim: p.head_dim as usize,
+        head_dim: d as usize,
         batch_stride: st[0] as usize,
         row_stride: st[1] as usize,
         head_stride: st[2] as usize,
     };
     [
-        l(q_batch, q_rows, p.heads_q, [p.q_batch_stride, p.q_row_stride, p.q_head_stride]),
-        l(kv_batch, kv_rows, p.heads_kv, [p.k_batch_stride, p.k_row_stride, p.k_head_stride]),
-        l(kv_batch, kv_rows, p.heads_kv, [p.v_batch_stride, p.v_row_stride, p.v_head_stride]),
+        l(q_batch, q_rows, p.heads_q, p.head_dim, [p.q_batch_stride, p.q_row_stride, p.q_head_stride]),
+        l(kv_batch, kv_rows, p.heads_kv, p.head_dim, [p.k_batch_stride, p.k_row_stride, p.k_head_stride]),
+        l(kv_batch, kv_rows, p.heads_kv, dv, [p.v_batch_stride, p.v_row_stride, p.v_head_stride]),
     ]
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::table::{kernel_symbol, KernelVariant, FAMILIES, FA3_MAX_STAGE};
+    use super::super::table::{kernel_symbol, KernelOptions, KernelVariant, FAMILIES, FA3_MAX_STAGE};
     use super::*;
     use crate::error::Operand;
     use crate::options::ForwardOptions;
@@ -162,7 +172,13 @@ mod tests {
             assert_eq!((stage, f.name), (want_stage, format!("fa3s{want_stage}").as_str()));
             assert_eq!((f.source(), f.min_sm), ("cuda/fa3_fwd_sm90.cu", 90));
             assert!(!f.auto && !f.gpu_verified, "{}: not verified on a GPU yet", f.name);
-            assert_eq!(f.tiles.iter().map(|t| t.head_dim as usize).collect::<Vec<_>>(), tma::FA3_HEAD_DIMS);
+            // Every stage has 64/128/256; stage 5 also DeepSeek MLA prefill's (192, 128).
+            let mut dims = tma::FA3_HEAD_DIMS.to_vec();
+            if stage == tma::FA3_MLA_STAGE {
+                dims.insert(2, FA3_MLA_PREFILL.0 as usize);
+            }
+            assert_eq!(f.tiles.iter().map(|t| t.head_dim as usize).collect::<Vec<_>>(), dims);
+            assert_eq!(f.options.contains(KernelOptions::HEAD_DIM_V), stage == tma::FA3_MLA_STAGE, "{}", f.name);
             for t in f.tiles {
                 let g = tma::geometry(stage, t.head_dim as usize).unwrap();
                 assert_eq!(
@@ -195,6 +211,26 @@ mod tests {
         let alibi = ForwardOptions::default().alibi_slopes(vec![0.5; 4]);
         assert!(Fa3.refusal(fam, &T128, &problem(128, &alibi)).unwrap().contains("ALiBi"));
         assert!(Fa3.refusal(fam, &T128, &problem(96, &ForwardOptions::default())).unwrap().contains("exactly"));
+    }
+
+    /// V's head dim must be the instance's: Q/K's, or 128 in the (192, 128) one.
+    #[test]
+    fn refuses_v_head_dims_unlike_the_instance() {
+        let fam = FAMILIES.iter().find(|f| f.name == "fa3s5").unwrap();
+        let t192 = fam.tiles.iter().find(|t| t.head_dim == 192).unwrap();
+        let pair = |d: usize, dv: usize| {
+            Problem::from_shapes([1, 100, 4, d], [1, 90, 2, d], [1, 90, 2, dv], DType::BF16, &ForwardOptions::default())
+                .unwrap()
+        };
+        assert_eq!(Fa3.refusal(fam, t192, &pair(192, 128)), None);
+        assert!(Fa3.refusal(fam, t192, &pair(192, 192)).unwrap().contains("(192, 128)"));
+        assert!(Fa3.refusal(fam, t192, &pair(192, 64)).unwrap().contains("V head_dim 128"));
+        assert!(Fa3.refusal(fam, &T128, &pair(128, 64)).unwrap().contains("V head_dim == Q/K head_dim"));
+        // Its serving path: O has V's 128 columns, so the consumers' registers allow it.
+        let varlen = FwdParams { cu_seqlens_q: 0x10, cu_seqlens_k: 0x20, head_dim: 192, head_dim_v: 128, ..params() };
+        assert_eq!(Fa3.serving_refusal(fam, t192, &varlen), None);
+        let [lq, lk, lv] = layouts(&varlen);
+        assert_eq!((lq.head_dim, lk.head_dim, lv.head_dim), (192, 192, 128));
     }
 
     /// The launch parameters of contiguous q/o `[2, 100, 4, 128]` and k/v `[2, 300, 2, 128]` at
@@ -246,7 +282,7 @@ mod tests {
         for s in ["fa3s3", "fa3s4", "fa3s5"] {
             assert_eq!(Fa3.serving_refusal(row(s), &t(64), &varlen), None, "{s}");
             assert_eq!(Fa3.serving_refusal(row(s), &t(128), &varlen), None, "{s}");
-            assert!(Fa3.serving_refusal(row(s), &t(256), &varlen).unwrap().contains("64 and 128"));
+            assert!(Fa3.serving_refusal(row(s), &t(256), &varlen).unwrap().contains("64, 128 and (192, 128)"));
         }
         for s in ["fa3s1", "fa3s2"] {
             assert!(Fa3.serving_refusal(row(s), &T128, &varlen).unwrap().contains("stages 3-5"));

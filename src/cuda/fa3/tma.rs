@@ -9,6 +9,7 @@ use crate::cuda::launch::{
     TMA_SWIZZLE_128B,
 };
 use crate::cuda::params::FwdParams;
+use crate::cuda::table::{fa3_head_dim_v, FA3_MLA_PREFILL};
 use crate::error::{Error, Operand, Result};
 use crate::tensor::DType;
 
@@ -17,8 +18,10 @@ use crate::tensor::DType;
 /// tile scheduler).
 #[cfg_attr(not(test), allow(dead_code))]
 pub(crate) const FA3_STAGES: [u8; 5] = [1, 2, 3, 4, 5];
-/// Head dims with an instance.
+/// Head dims with an instance at every stage.
 pub(crate) const FA3_HEAD_DIMS: [usize; 3] = [64, 128, 256];
+/// The stage with DeepSeek MLA prefill's (192, 128) instance (`FA3_MLA_PREFILL`, V head_dim 128).
+pub(crate) const FA3_MLA_STAGE: u8 = 5;
 
 /// Threads in one warpgroup (4 warps issue a wgmma together).
 const WARPGROUP_THREADS: u32 = 128;
@@ -50,20 +53,23 @@ pub(crate) struct Fa3Geometry {
     pub smem_bytes: u32,
 }
 
-/// Same arithmetic as `Fa3Traits<Stage, HeadDim>`; `None` for a pair without an instance.
+/// Same arithmetic as `Fa3Traits<Stage, HeadDim, HeadDimV>` (V's head dim: `fa3_head_dim_v`, 128
+/// for the Q/K head dim 192 of stage 5); `None` for a pair without an instance.
 #[cfg_attr(not(test), allow(dead_code))]
 pub(crate) fn geometry(stage: u8, head_dim: usize) -> Option<Fa3Geometry> {
-    if !FA3_STAGES.contains(&stage) || !FA3_HEAD_DIMS.contains(&head_dim) {
+    let mla = stage == FA3_MLA_STAGE && head_dim == FA3_MLA_PREFILL.0 as usize;
+    if !FA3_STAGES.contains(&stage) || !(FA3_HEAD_DIMS.contains(&head_dim) || mla) {
         return None;
     }
     let d = head_dim as u32;
+    let dv = fa3_head_dim_v(d);
     let (consumers, producers) = if stage >= 3 { (2, 1) } else { (1, 0) };
     let block_m = ROWS_PER_WARPGROUP * consumers;
-    let block_n = if d <= 128 { 128 } else { 64 };
+    let block_n = if dv <= 128 { 128 } else { 64 };
     let kv_stages = if stage >= 2 { 2 } else { 1 };
     let elem = 2; // bf16 / f16
     let q_bytes = block_m * d * elem;
-    let kv_tile = block_n * d * elem;
+    let kv_tile = block_n * (d + dv) * elem; // one K and one V tile
     // Stages 2-3: q_full, kv_full[S], kv_empty[S]. Stages 4-5: K and V apart (4 per slot)
     // plus q_empty.
     let barriers = 8 * if stage >= 4 {
@@ -71,7 +77,7 @@ pub(crate) fn geometry(stage: u8, head_dim: usize) -> Option<Fa3Geometry> {
     } else {
         1 + 2 * kv_stages
     };
-    let used = q_bytes + 2 * kv_stages * kv_tile + barriers;
+    let used = q_bytes + kv_stages * kv_tile + barriers;
     Some(Fa3Geometry {
         threads: WARPGROUP_THREADS * (consumers + producers),
         block_m,
@@ -218,6 +224,8 @@ mod tests {
             (5, 64, 384, 128, 128, 2, 83024),
             (5, 128, 384, 128, 128, 2, 164944),
             (5, 256, 384, 128, 64, 2, 197712),
+            // DeepSeek MLA prefill's (192, 128): 128-key tiles, K rows of 192 and V rows of 128.
+            (5, 192, 384, 128, 128, 2, 214096),
         ];
         for (stage, hd, threads, block_m, block_n, kv_stages, smem_bytes) in want {
             let g = geometry(stage, hd).unwrap();
@@ -236,6 +244,7 @@ mod tests {
         }
         assert_eq!(geometry(6, 128), None);
         assert_eq!(geometry(2, 96), None);
+        assert_eq!(geometry(4, 192), None);
     }
 
     #[test]
@@ -263,6 +272,13 @@ mod tests {
         let q = contiguous(1, 10, 2, 256);
         let [_, sk, _] = tma_specs(2, DType::F16, &q, &q, &q).unwrap();
         assert_eq!(sk.box_dims, [64, 1, 64, 1]);
+        // (192, 128): 128-key boxes of both; V's extent and strides are its own head dim's.
+        let (q, k, v) = (contiguous(1, 10, 4, 192), contiguous(1, 20, 2, 192), contiguous(1, 20, 2, 128));
+        let [sq, sk, sv] = tma_specs(5, DType::BF16, &q, &k, &v).unwrap();
+        assert_eq!((sq.dims, sk.dims, sv.dims), ([192, 4, 10, 1], [192, 2, 20, 1], [128, 2, 20, 1]));
+        assert_eq!((sk.box_dims, sv.box_dims), ([64, 1, 128, 1], [64, 1, 128, 1]));
+        assert_eq!(sv.strides, [256, 2 * 128 * 2, 20 * 2 * 128 * 2]);
+        assert!(matches!(tma_specs(4, DType::BF16, &q, &k, &v), Err(Error::UnsupportedHeadDim { head_dim: 192, .. })));
     }
 
     #[test]

@@ -376,7 +376,7 @@ fn head_dim_512_runs_on_fa2_only() {
     let e = real(h100, DType::BF16, 512, Variant::Fa3).unwrap_err();
     assert!(
         matches!(&e, Error::VariantUnavailable { variant: Variant::Fa3, reason }
-            if reason.contains("fa3s5") && reason.contains("up to 256 (instances 64, 128, 256), not 512")),
+            if reason.contains("fa3s5") && reason.contains("up to 256 (instances 64, 128, 192, 256), not 512")),
         "{e:?}"
     );
     for d in [300, 511] {
@@ -723,10 +723,10 @@ fn sinks_run_on_every_family_but_fp8() {
 }
 
 /// A V head_dim different from Q/K's runs on FA2's fa2v row at MLA's pairs (192, 128) and
-/// (576, 512), under `Auto` and `Variant::Fa2`, on every GPU of the real table; FA1, FA3 and FA4
-/// refuse it. Any other pair is refused by every variant, FA2's error naming the pairs that run,
-/// and `Auto` finds no kernel (so `Backend::Auto` runs the call on the CPU); equal head dims still
-/// pick a kernel.
+/// (576, 512), under `Auto` and `Variant::Fa2`, on every GPU of the real table, and on FA3 stage
+/// 5's (192, 128) instance with `Variant::Fa3` on sm_90a; FA1 and FA4 refuse it. Any other pair is
+/// refused by every variant, FA2's error naming the pairs that run, and `Auto` finds no kernel (so
+/// `Backend::Auto` runs the call on the CPU); equal head dims still pick a kernel.
 #[test]
 fn a_v_head_dim_unlike_qk_runs_on_fa2v_at_the_mla_pairs_only() {
     let blackwell = Built(FakeGpu { cc: (10, 0), smem: 227 * 1024 });
@@ -739,7 +739,14 @@ fn a_v_head_dim_unlike_qk_runs_on_fa2v_at_the_mla_pairs_only() {
                 let c = choose_in(FAMILIES, gpu, &p, variant).unwrap();
                 assert_eq!((c.family.name, c.tile.head_dim, c.tile.head_dim_v), ("fa2v", d as u32, dv as u32));
             }
-            for variant in [Variant::Fa1, Variant::Fa3, Variant::Fa4] {
+            match choose_in(FAMILIES, gpu, &p, Variant::Fa3) {
+                Ok(c) => assert_eq!((gpu.sm(), (d, dv), c.family.name, c.tile.head_dim_v), (90, (192, 128), "fa3s5", 128)),
+                Err(e) => {
+                    assert!(matches!(&e, Error::VariantUnavailable { .. }), "sm_{} Fa3: {e:?}", gpu.sm());
+                    assert!(!(gpu.sm() == 90 && (d, dv) == (192, 128)), "{e:?}");
+                }
+            }
+            for variant in [Variant::Fa1, Variant::Fa4] {
                 let e = choose_in(FAMILIES, gpu, &p, variant).unwrap_err();
                 assert!(matches!(&e, Error::VariantUnavailable { .. }), "sm_{} {variant:?}: {e:?}", gpu.sm());
             }
