@@ -10,7 +10,7 @@ pub(crate) mod tma;
 use super::family::{chunked_rows_refusal, tile_grid, FamilyHost, Grid, LayoutRefusal};
 use super::launch::TensorMaps;
 use super::params::{FwdParams, Operands, FLAG_KV_FP8};
-use super::table::{fa3_head_dim_v, Family, Tile, FA3_MLA_PREFILL};
+use super::table::{Family, Tile, FA3_MLA_PREFILL};
 use crate::error::Result;
 use crate::problem::Problem;
 use crate::tensor::DType;
