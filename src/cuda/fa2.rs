@@ -18,7 +18,7 @@
 //! `Variant::Fa2` (src/cuda/family.rs).
 
 use super::family::{chunked_rows_refusal, FamilyHost, LayoutRefusal};
-use super::params::{FwdParams, Operands};
+use super::params::{FwdParams, Operands, FLAG_KV_FP8};
 use super::table::{Family, KernelOptions, Tile};
 use crate::problem::Problem;
 
@@ -42,9 +42,12 @@ impl FamilyHost for Fa2 {
     /// Every serving layout runs (cuda/common/seqlen.cuh): packed q and k/v, a dense cache with
     /// `cache_seqlens`, a paged cache of any page size (each K/V row's address goes through the
     /// block table), and split-KV into `o_accum`/`lse_accum`. The rows an append writes are the
-    /// append kernel's (it runs first); the attention only reads the cache.
-    fn serving_refusal(&self, _fam: &Family, _tile: &Tile, _params: &FwdParams) -> Option<&'static str> {
-        None
+    /// append kernel's (it runs first); the attention only reads the cache. An FP8 cache's tiles
+    /// are loaded at Q/K's row pitch, so the fa2v row (V rows of their own width) refuses one.
+    fn serving_refusal(&self, fam: &Family, _tile: &Tile, params: &FwdParams) -> Option<&'static str> {
+        let fp8 = params.flags & FLAG_KV_FP8 != 0;
+        (fp8 && fam.options.contains(KernelOptions::HEAD_DIM_V))
+            .then_some("reads an FP8 KV cache only with V's head dim equal to Q/K's (the fa2v row does not)")
     }
 
     fn layout_refusal(&self, ops: &Operands) -> Option<LayoutRefusal> {
@@ -87,5 +90,17 @@ mod tests {
         }
         let pairs: Vec<(u32, u32)> = fa2v.tiles.iter().map(|t| (t.head_dim, t.head_dim_v)).collect();
         assert_eq!(pairs, [(192, 128), (576, 512)], "the refusal's list is the row's");
+    }
+
+    /// An FP8 cache runs on the fa2 row and is refused by the fa2v row, whose V rows have a pitch
+    /// of their own that the FP8 tile load does not take.
+    #[test]
+    fn fp8_cache_only_at_equal_head_dims() {
+        let row = |name: &str| FAMILIES.iter().find(|f| f.name == name).unwrap();
+        let fp8 = FwdParams { flags: FLAG_KV_FP8, ..FwdParams::default() };
+        let (fa2, fa2v) = (row("fa2"), row("fa2v"));
+        assert_eq!(Fa2.serving_refusal(fa2, &fa2.tiles[0], &fp8), None);
+        assert!(Fa2.serving_refusal(fa2v, &fa2v.tiles[0], &fp8).unwrap().contains("FP8"));
+        assert_eq!(Fa2.serving_refusal(fa2v, &fa2v.tiles[0], &FwdParams::default()), None);
     }
 }
