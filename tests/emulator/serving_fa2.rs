@@ -10,16 +10,15 @@
 //! `cargo test --test emulator serving_fa2::` runs a representative subset; `FLASH_ATTN_EMU=full`
 //! adds a seeded random matrix (docs/emulator.md).
 
-use crate::support::emu::{run_launch, unit_exe, LaunchBuf, Mutation, LSE_TOL};
+use crate::support::emu::{check_sequence, run_launch, unit_exe, LaunchBuf, Mutation};
 use crate::support::cu_seqlens;
 use crate::support::emu::addr::{ALIBI, CU_K, CU_Q, K, KNEW, LSE, LSE_ACC, O, O_ACC, Q, SEQUSED, SINKS, TABLE, V, VNEW};
 use flash_attn::cuda::plan::{plan_append, plan_serving, FwdParams, LaunchPlan, Operands, ServingOperands};
 use flash_attn::cuda::table::FAMILIES;
-use flash_attn::reference::{attention_f64, attention_naive, max_abs_diff};
 use flash_attn::serving::layout::{BatchLayout, KvLayout, QueryLayout};
 use flash_attn::serving::merge_states_n;
 use flash_attn::{DType, ForwardOptions, Mask, Problem, Tensor, TensorView};
-use crate::support::serving::{floor_for, sinks, slopes, values, Rng};
+use crate::support::serving::{sinks, slopes, values, Rng};
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -367,28 +366,10 @@ fn run_mutated(c: &SCase, mutation: Option<&Mutation>) -> Result<f64, String> {
         let qt = Tensor::from_f32(&qb, dtype, [1, sq, hq, d]).unwrap();
         let kt = Tensor::from_f32(&st.logical_k[b], dtype, [1, sk, hkv, d]).unwrap();
         let vt = Tensor::from_f32(&st.logical_v[b], dtype, [1, sk, hkv, dv]).unwrap();
-        let (qv, kv, vv): (TensorView, TensorView, TensorView) = (qt.view(), kt.view(), vt.view());
-        let ps = Problem::new(&qv, &kv, &vv, &opts).map_err(|e| format!("{}: problem {e}", name()))?;
-        let r = attention_f64(&ps, &qv, &kv, &vv).unwrap();
-        let naive = attention_naive(&ps, &qv, &kv, &vv, dtype).unwrap();
-        let ours: Vec<f64> = ob.iter().map(|&x| x as f64).collect();
-        let err = max_abs_diff(&ours, &r.o);
-        let bound = 2.0 * max_abs_diff(&naive, &r.o) + floor_for(dtype);
-        if err > bound || ours.iter().any(|x| !x.is_finite()) {
-            return Err(format!("{}: max |O - ref| {err:.3e} > bound {bound:.3e}\n{log}", name()));
-        }
-        if c.lse {
-            for h in 0..hq {
-                for i in 0..sq {
-                    let (got, want) = (lse_at(h, i) as f64, r.lse[h * sq + i]);
-                    let ok = got == want || (got - want).abs() <= LSE_TOL;
-                    if !ok {
-                        return Err(format!("{}: LSE[{h}][{i}] {got} vs {want}\n{log}", name()));
-                    }
-                }
-            }
-        }
-        worst = worst.max(err / bound);
+        let lse_rows: &dyn Fn(usize, usize) -> f32 = &lse_at;
+        let ratio = check_sequence((&qt.view(), &kt.view(), &vt.view()), &opts, dtype, &ob, c.lse.then_some(lse_rows))
+            .map_err(|e| format!("{}: {e}\n{log}", name()))?;
+        worst = worst.max(ratio);
     }
     Ok(worst)
 }

@@ -10,15 +10,14 @@
 //! P V fails. Outputs are NaN-poisoned by the driver, so an unwritten row fails too.
 //!
 //! `cargo test --test emulator serving_fa3::` runs a subset; `FLASH_ATTN_EMU=full` the matrix.
-use crate::support::emu::{run_launch, unit_exe, LaunchBuf, Mutation, LSE_TOL};
+use crate::support::emu::{check_sequence, run_launch, unit_exe, LaunchBuf, Mutation};
 use crate::support::cu_seqlens;
 use crate::support::emu::addr::{CU_K, CU_Q, K, KNEW, LSE, O, Q, SEQUSED, TABLE, V, VNEW};
 use flash_attn::cuda::plan::{plan_serving, LaunchPlan, Operands, ServingOperands};
 use flash_attn::cuda::table::FAMILIES;
-use flash_attn::reference::{attention_f64, attention_naive, max_abs_diff};
 use flash_attn::serving::{BatchLayout, KvLayout, QueryLayout};
-use flash_attn::{DType, ForwardOptions, Mask, Problem, Tensor};
-use crate::support::serving::{floor_for, values, Rng};
+use flash_attn::{DType, ForwardOptions, Mask, Tensor};
+use crate::support::serving::{values, Rng};
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
 
@@ -317,26 +316,10 @@ fn run_mutated(c: &Case, execute: bool, mutation: Option<&Mutation>) -> Result<(
         let qt = Tensor::from_f32(&q[q0 * hq * d..(q0 + sq) * hq * d], dt, [1, sq, hq, d]).unwrap();
         let kt = Tensor::from_f32(&kb, dt, [1, sk, hkv, d]).unwrap();
         let vt = Tensor::from_f32(&vb, dt, [1, sk, hkv, d]).unwrap();
-        let pb = Problem::new(&qt.view(), &kt.view(), &vt.view(), &c.opts).unwrap();
-        let r = attention_f64(&pb, &qt.view(), &kt.view(), &vt.view()).unwrap();
-        let naive = attention_naive(&pb, &qt.view(), &kt.view(), &vt.view(), dt).unwrap();
-        let ours: Vec<f64> = ob.iter().map(|&x| x as f64).collect();
-        let err = max_abs_diff(&ours, &r.o);
-        let bound = 2.0 * max_abs_diff(&naive, &r.o) + floor_for(dt);
-        if err > bound {
-            return fail(format!("max |O - ref| {err:.3e} > bound {bound:.3e}"));
-        }
-        worst = worst.max(err / bound);
-        if c.opts.return_lse {
-            for h in 0..hq {
-                for i in 0..sq {
-                    let (got, want) = (lse_at(h, i) as f64, r.lse[h * sq + i]);
-                    let ok = if want == f64::NEG_INFINITY { got == want } else { (got - want).abs() <= LSE_TOL };
-                    if !ok {
-                        return fail(format!("LSE[{h}][{i}] = {got}, reference {want}"));
-                    }
-                }
-            }
+        let lse_rows: &dyn Fn(usize, usize) -> f32 = &lse_at;
+        match check_sequence((&qt.view(), &kt.view(), &vt.view()), &c.opts, dt, ob, c.opts.return_lse.then_some(lse_rows)) {
+            Ok(ratio) => worst = worst.max(ratio),
+            Err(why) => return fail(why),
         }
     }
     Ok((worst, pl))

@@ -26,8 +26,8 @@ mod build;
 mod case;
 /// Launch files: buffers at device addresses, the run of a program on one.
 mod launch;
-/// What an emulated result may differ by beyond the reference rule: the CPU oracle's bound, near
-/// ties at huge scores.
+/// The reference rule on one sequence, and what an emulated result may differ by beyond it: the
+/// CPU oracle's bound, near ties at huge scores.
 mod oracle;
 
 pub use build::*;

@@ -1,7 +1,42 @@
-//! What an emulated result may differ by beyond the reference rule: the bound against the CPU
-//! oracle of FA4's softmax rows, and near ties that f32 scores cannot resolve at huge scales.
+//! The reference rule on one sequence of an emulated launch, and what an emulated result may
+//! differ by beyond it: the bound against the CPU oracle of FA4's softmax rows, and near ties
+//! that f32 scores cannot resolve at huge scales.
 
 use super::*;
+
+/// One sequence of an emulated launch against the float64 reference with the GPU tests' rule:
+/// `o` (its rows `[sq][hq][dv]`) within `2·max|naive − ref| + floor` of `attention_f64` on `q`,
+/// `k`, `v` (the naive attention in `dtype`), every value finite, and with `lse` (`lse(h, i)`)
+/// every LSE within [`LSE_TOL`] (−inf exactly). Returns err / bound; an error says what failed.
+pub fn check_sequence(
+    (q, k, v): (&TensorView<'_>, &TensorView<'_>, &TensorView<'_>),
+    opts: &ForwardOptions,
+    dtype: DType,
+    o: &[f32],
+    lse: Option<&dyn Fn(usize, usize) -> f32>,
+) -> Result<f64, String> {
+    let p = Problem::new(q, k, v, opts).map_err(|e| format!("problem {e}"))?;
+    let r = attention_f64(&p, q, k, v).unwrap();
+    let naive = attention_naive(&p, q, k, v, dtype).unwrap();
+    let ours: Vec<f64> = o.iter().map(|&x| x as f64).collect();
+    let err = max_abs_diff(&ours, &r.o);
+    let bound = 2.0 * max_abs_diff(&naive, &r.o) + floor_for(dtype);
+    if err > bound || ours.iter().any(|x| !x.is_finite()) {
+        return Err(format!("max |O - ref| {err:.3e} > bound {bound:.3e}"));
+    }
+    if let Some(lse) = lse {
+        let [_, sq, hq, _] = q.shape();
+        for h in 0..hq {
+            for i in 0..sq {
+                let (got, want) = (lse(h, i) as f64, r.lse[h * sq + i]);
+                if !(got == want || (got - want).abs() <= LSE_TOL) {
+                    return Err(format!("LSE[{h}][{i}] = {got}, reference {want}"));
+                }
+            }
+        }
+    }
+    Ok(err / bound)
+}
 
 /// The largest output difference the CPU oracle may show against an FA4-softmax kernel, in
 /// epsilons of the 16-bit dtype at the output's scale (max |O_ref|): both round O to the dtype
