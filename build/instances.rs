@@ -413,16 +413,23 @@ const fn fa3_tile(stage: u8, head_dim: u32) -> Tile {
 /// FA3 shared memory of a stage's tile: Q (block_m rows), a K and a V ring of `slots` tiles
 /// (1 in stage 1, 2 from stage 2; V's rows of the tile's `head_dim_v`), the mbarriers (stages 2-3: q_full + kv_full/kv_empty per
 /// slot; stages 4-5: q_full, q_empty + k_full/v_full/k_empty/v_empty per slot; stage 1 still
-/// reserves the stage-2/3 set: the traits share one layout) and the alignment slack. Mirrors
-/// `Fa3Traits::kSmemBytes` (cuda/fa3/traits.cuh), which the kernel static_asserts
-/// equal to FA_SMEM_BYTES.
+/// reserves the stage-2/3 set: the traits share one layout), the FP8 cache's scale slots of the
+/// instances that serve the batch layouts (stages 3-5 at V head_dim <= 128: 2 * slots of a K and
+/// a V f32 per key, from a 16-byte boundary) and the alignment slack. Mirrors `Fa3Traits::kSmemBytes`
+/// (cuda/fa3/traits.cuh), which the kernel static_asserts equal to FA_SMEM_BYTES.
 fn fa3_smem_bytes(stage: Option<u8>, t: &Tile) -> u32 {
     let stage = stage.unwrap_or(1);
     let elem = 2; // f16 / bf16
     let slots = if stage >= 2 { 2 } else { 1 };
     let barriers = if stage >= 4 { 2 + 4 * slots } else { 1 + 2 * slots };
     let kv_row = t.head_dim + t.head_dim_v;
-    t.block_m * t.head_dim * elem + slots * t.block_n * kv_row * elem + FA3_MBARRIER_BYTES * barriers + FA3_SMEM_SLACK
+    let (barrier_bytes, scales) = if stage >= 3 && t.head_dim_v <= 128 {
+        // The scale slots start at a 16-byte boundary after the barriers.
+        ((FA3_MBARRIER_BYTES * barriers).next_multiple_of(16), 2 * slots * 2 * t.block_n * 4)
+    } else {
+        (FA3_MBARRIER_BYTES * barriers, 0)
+    };
+    t.block_m * t.head_dim * elem + slots * t.block_n * kv_row * elem + barrier_bytes + scales + FA3_SMEM_SLACK
 }
 
 /// One row of the FA3 ladder: cuda/fa3_fwd_sm90.cu (sm_90a only, by its file name) for head

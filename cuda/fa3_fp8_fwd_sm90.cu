@@ -196,8 +196,10 @@ struct Fp8Tile {
     // S of K/V tile n has retired: per-block descales on S, per element of the tile (before
     // softcap and mask, as on the CPU), then the shared score transform, mask and online softmax
     // (scores_to_p): S becomes P (unscaled, as the row sums saw it); corr receives O's factor.
+    // The last parameter (an FP8 KV cache's scales, SyncTile's) is always null here: the FP8
+    // consumer has no serving path.
     __device__ __forceinline__ void scores(const FwdParams& p, Acc<Tr>& acc, const Frag& frag, int m_first, int n,
-                                           float (&corr)[2]) {
+                                           float (&corr)[2], const float* = nullptr) {
         const int n0 = n * Tr::kBlockN;
 #pragma unroll
         for (int c = 0; c < Tr::kBlockN / 8; ++c)
@@ -271,7 +273,7 @@ struct Fp8Tile {
 
     // Stages 1-3: the whole tile, waited for (S, its descales and softmax, rescale O, P V).
     __device__ __forceinline__ void operator()(const FwdParams& p, Acc<Tr>& acc, const Frag& frag, int m_first, int n,
-                                               uint32_t q_addr, uint32_t k_addr, uint32_t v_addr) {
+                                               uint32_t q_addr, uint32_t k_addr, uint32_t v_addr, const float* = nullptr) {
         issue_qk(q_addr, k_addr);
         wgmma_wait<0>();
         fence_regs(s);

@@ -13,6 +13,7 @@
 #include "common/seqlen.cuh"
 #include "common/dtype.cuh"
 #include "common/fp8.cuh"
+#include "sm80/shared.cuh"
 
 FA_SEQ_FN bool fa_kv_fp8(const FwdParams& p) { return (p.flags & FA_FLAG_KV_FP8) != 0u; }
 
@@ -40,14 +41,15 @@ __device__ __forceinline__ uint4 fa_e4m3x8(uint64_t codes) {
 }
 
 // Multiplies column j (key j of the tile) of one thread's score or P fragment (the layouts of
-// softmax.cuh: Frag::s, f.col) by that key's scale, the f32 at `scales + j * stride` (bytes):
+// softmax.cuh: Frag::s, f.col) by that key's scale, the f32 in shared memory at `scales + j *
+// stride` (bytes; another thread stored it, so it is loaded through sm80/shared.cuh):
 // with K's scales right after Q K^T, S is q·(e4m3(c)·s) in f32; with V's after the softmax,
 // P·diag(s) · e4m3(V) is P V (the row sums already hold P itself).
 template <class Frag, class S>
 __device__ __forceinline__ void fa_scale_key_columns(S& s, const Frag& f, const unsigned char* scales, int stride) {
 #pragma unroll
     for (int j = 0; j < Frag::kSCols; ++j) {
-        const float sc = *reinterpret_cast<const float*>(scales + f.col(j) * stride);
+        const float sc = fa_ld_shared_f32(static_cast<uint32_t>(__cvta_generic_to_shared(scales + f.col(j) * stride)));
 #pragma unroll
         for (int r = 0; r < Frag::kRows; ++r) Frag::s(s, r, j) *= sc;
     }

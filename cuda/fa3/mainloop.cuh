@@ -5,6 +5,7 @@
 // stages 2-3 and the overlapped ping-pong loop of stages 4-5.
 #pragma once
 #include "common/dtype.cuh"
+#include "common/fp8_kv.cuh"
 #include "common/mask.cuh"
 #include "common/softmax.cuh"
 #include "fa3/pipeline.cuh"
@@ -143,20 +144,6 @@ __device__ __forceinline__ void pack_p(const float (&s)[Tr::kBlockN / 2],
             a[k][r] = fa_pack2<T>(s[acc_to_a_index(k, r)], s[acc_to_a_index(k, r) + 1]);
 }
 
-// One K/V tile, sequentially (stages 1-3): S is already computed; mask, softmax, rescale O,
-// O += P V and wait.
-template <class Tr, class T>
-__device__ __forceinline__ void consume_tile(const FwdParams& p, Acc<Tr>& acc, float (&s)[Tr::kBlockN / 2],
-                                             const typename Acc<Tr>::Frag& frag, int m_first, int n_tile,
-                                             uint32_t v_addr) {
-    float corr[2];
-    scores_to_p<Tr>(p, acc, s, frag, m_first, n_tile, corr);
-    acc.softmax.rescale(acc.o, corr);
-    uint32_t a[Tr::kBlockN / kMmaK][4];
-    pack_p<Tr, T>(s, a);
-    gemm_pv<Tr, T>(acc.o, a, v_addr);
-}
-
 
 // ---- Stage 1: plain loads into the swizzled layout.
 
@@ -204,17 +191,31 @@ struct SyncTile {
         load_tile_sw128<Tr::kBlockN, Tr::kHeadDimV>(cta.sv, src.v + n0 * p.v_row_stride, p.v_row_stride,
                                                    p.seqlen_k - n0, tid, Tr::kThreads);
     }
+    // One tile, synchronously (stages 1-3): S = Q K^T, S -> P, rescale O, O += P V and wait.
+    // kv_scales: as scores.
     __device__ __forceinline__ void operator()(const FwdParams& p, Acc<Tr>& acc, const Frag& frag, int m_first,
-                                               int n_tile, uint32_t q_addr, uint32_t k_addr, uint32_t v_addr) {
+                                               int n_tile, uint32_t q_addr, uint32_t k_addr, uint32_t v_addr,
+                                               const float* kv_scales = nullptr) {
         gemm_qk<Tr, T>(s, q_addr, k_addr);
-        consume_tile<Tr, T>(p, acc, s, frag, m_first, n_tile, v_addr);
+        float corr[2];
+        scores(p, acc, frag, m_first, n_tile, corr, kv_scales);
+        acc.softmax.rescale(acc.o, corr);
+        PFrag a;
+        pack(a);
+        gemm_pv<Tr, T>(acc.o, a, v_addr);
     }
     // The overlapped loop's pieces: issue S = Q K^T; S (retired) -> P, corr for O; P -> A
     // fragments; issue O += P V (n_tile: the tile P belongs to).
     __device__ __forceinline__ void issue_qk(uint32_t q_addr, uint32_t k_addr) { fa3::issue_qk<Tr, T>(s, q_addr, k_addr); }
+    // kv_scales: an FP8 cache's per-key scales of the tile (Cta::kv_scales: K's, then V's), or
+    // null: the tile holds the codes' values, so K's scales multiply S before the softcap and
+    // mask, and V's multiply P after the softmax took its row sums (P diag(s) V is P V).
     __device__ __forceinline__ void scores(const FwdParams& p, Acc<Tr>& acc, const Frag& frag, int m_first, int n_tile,
-                                           float (&corr)[2]) {
+                                           float (&corr)[2], const float* kv_scales = nullptr) {
+        if (kv_scales) fa_scale_key_columns(s, frag, reinterpret_cast<const unsigned char*>(kv_scales), 4);
         scores_to_p<Tr>(p, acc, s, frag, m_first, n_tile, corr);
+        if (kv_scales)
+            fa_scale_key_columns(s, frag, reinterpret_cast<const unsigned char*>(kv_scales + Tr::kBlockN), 4);
     }
     __device__ __forceinline__ void pack(PFrag& a) const { pack_p<Tr, T>(s, a); }
     __device__ __forceinline__ void issue_pv(const FwdParams&, Acc<Tr>& acc, const PFrag& a, uint32_t v_addr, int) {
@@ -222,6 +223,14 @@ struct SyncTile {
     }
     __device__ __forceinline__ void finish(Acc<Tr>&) const {}
 };
+
+// The scales of the K/V tile at ring position `it` of an FP8 cache's launch (Cta::kv_scales), or
+// null: any other launch, and instances without the serving layouts (no scale slots).
+template <class Tr>
+__device__ __forceinline__ const float* fp8_cache_scales(const FwdParams& p, const Cta<Tr>& cta, int it) {
+    if constexpr (ServesLayouts<Tr>::value) return fa_kv_fp8(p) ? cta.kv_scales(it) : nullptr;
+    return nullptr;
+}
 
 // The sequential mainloop of stages 2-3 over the K/V ring: wait for Q, then per tile wait
 // until its slot is full, the tile's synchronous work (Op: SyncTile or the FP8 one), then
@@ -231,11 +240,12 @@ __device__ __forceinline__ void mainloop_ring(const FwdParams& p, const Cta<Tr>&
                                               Acc<Tr>& acc, const typename Acc<Tr>::Frag& frag, uint32_t q_addr,
                                               int m_first, const OneTile<Tr>& tile, Release release) {
     Op<Tr, T> op(p, frag, tile.bc, m_first);
+    auto kv_scales = [&](int it) { return fp8_cache_scales<Tr>(p, cta, it); };
     if (tile.n_tiles > 0) consumer_wait(bars.q_full, 0);  // one Q per CTA: phase 0
     for (int it = 0; it < tile.n_tiles; ++it) {
         const int slot = it % Tr::kKvStages;
         consumer_wait(&bars.kv_full[slot], (it / Tr::kKvStages) & 1);
-        op(p, acc, frag, m_first, tile.kv.n_begin + it, q_addr, cta.k_slot(slot), cta.v_slot(slot));
+        op(p, acc, frag, m_first, tile.kv.n_begin + it, q_addr, cta.k_slot(slot), cta.v_slot(slot), kv_scales(it));
         release(it, slot);
     }
     op.finish(acc);
@@ -263,6 +273,11 @@ __device__ __forceinline__ void mainloop_overlapped(const FwdParams& p, const Ct
         auto k_addr = [&](int j) { return cta.k_slot(slot(j)); };
         auto v_addr = [&](int j) { return cta.v_slot(slot(j)); };
         auto full_parity = [&](int j) { return static_cast<uint32_t>(((it0 + j) / S) & 1); };
+        // S_j -> P_j, with an FP8 cache's scales of tile j (written with K_j, read after K_j's
+        // release: Fa3Traits::kScaleSlots).
+        auto scores = [&](int j, float (&c)[2]) {
+            op.scores(p, acc, frag, m_first, kv.n_begin + j, c, fp8_cache_scales<Tr>(p, cta, it0 + j));
+        };
         typename Op<Tr, T>::PFrag a;  // P of the tile whose PV is issued next
         float corr[2];
 
@@ -277,7 +292,7 @@ __device__ __forceinline__ void mainloop_overlapped(const FwdParams& p, const Ct
         fence_regs(op.s);
         mbar_arrive(&bars.k_empty[slot(0)]);
         if (n_tiles == 1) mbar_arrive(bars.q_empty);  // last read of Q has retired
-        op.scores(p, acc, frag, m_first, kv.n_begin, corr);  // O is still 0: no rescale needed
+        scores(0, corr);  // O is still 0: no rescale needed
         op.pack(a);
 
         for (int j = 1; j < n_tiles; ++j) {
@@ -291,7 +306,7 @@ __device__ __forceinline__ void mainloop_overlapped(const FwdParams& p, const Ct
             fence_regs(op.s);
             mbar_arrive(&bars.k_empty[slot(j)]);
             if (j == n_tiles - 1) mbar_arrive(bars.q_empty);
-            op.scores(p, acc, frag, m_first, kv.n_begin + j, corr);  // overlaps PV_j-1; O untouched
+            scores(j, corr);  // overlaps PV_j-1; O untouched
             wgmma_wait<0>();
             fence_regs(acc.o);
             mbar_arrive(&bars.v_empty[slot(j - 1)]);

@@ -93,30 +93,42 @@ __device__ __forceinline__ void load_v_tile(const TmaDesc* map, uint8_t* ring, u
 }
 
 // The gathered copy of K (is_v false) or V tile n of sequence s into ring slot `slot`, by the
-// 128 producer threads (ptid 0..127); published by gather_commit.
-template <class Tr>
-__device__ __forceinline__ void gather_kv(const FwdParams& p, const FaSeq& s, int ptid, uint8_t* ring, int slot, int n,
-                                          int kv_head, bool is_v) {
-    const uint16_t* base = reinterpret_cast<const uint16_t*>(is_v ? p.v : p.k);
+// 128 producer threads (ptid 0..127); published by gather_commit. Src: the stored element, 16-bit
+// or an FP8 cache's code (T: the kernel's 16-bit dtype).
+template <class Tr, class T, class Src>
+__device__ __forceinline__ void gather_kv_of(const FwdParams& p, const FaSeq& s, int ptid, uint8_t* ring, int slot,
+                                             int n, int kv_head, bool is_v) {
+    const Src* base = reinterpret_cast<const Src*>(is_v ? p.v : p.k);
     const int64_t bs = is_v ? p.v_batch_stride : p.k_batch_stride;
     const int64_t rs = is_v ? p.v_row_stride : p.k_row_stride;
     const int64_t hs = is_v ? p.v_head_stride : p.k_head_stride;
     if (is_v)
-        gather_tile<Tr, Tr::kHeadDimV>(ring + slot * Tr::kVTileBytes, p, s, base, bs, rs, kv_head * hs, n, ptid);
+        gather_tile<Tr, Tr::kHeadDimV, T>(ring + slot * Tr::kVTileBytes, p, s, base, bs, rs, kv_head * hs, n, ptid);
     else
-        gather_tile<Tr, Tr::kHeadDim>(ring + slot * Tr::kKTileBytes, p, s, base, bs, rs, kv_head * hs, n, ptid);
+        gather_tile<Tr, Tr::kHeadDim, T>(ring + slot * Tr::kKTileBytes, p, s, base, bs, rs, kv_head * hs, n, ptid);
+}
+template <class Tr, class T>
+__device__ __forceinline__ void gather_kv(const FwdParams& p, const FaSeq& s, int ptid, uint8_t* ring, int slot, int n,
+                                          int kv_head, bool is_v) {
+    if (fa_kv_fp8(p))
+        gather_kv_of<Tr, T, uint8_t>(p, s, ptid, ring, slot, n, kv_head, is_v);
+    else
+        gather_kv_of<Tr, T, uint16_t>(p, s, ptid, ring, slot, n, kv_head, is_v);
 }
 
 // Stages 4-5: the producer's copy of one K or V tile n of sequence s into ring slot `slot`,
 // completing on `full` (count 1): TMA by thread 0 (expect_tx of the tile's bytes), or gathered
-// by all 128 producer threads when gathered_tile says so. Dense launches only ever take the TMA
-// branch (and only thread 0 runs the producer then).
-template <class Tr>
+// by all 128 producer threads when gathered_tile says so, with an FP8 cache's K tile also the
+// tile's scales into `scales` (its scale slot). Dense launches only ever take the TMA branch
+// (and only thread 0 runs the producer then).
+template <class Tr, class T>
 __device__ __forceinline__ void produce_kv(const FwdParams& p, const FaSeq& s, int ptid, const TmaDesc* map,
-                                           uint8_t* ring, uint64_t* full, int slot, int n, int kv_head, bool is_v) {
+                                           uint8_t* ring, uint64_t* full, int slot, int n, int kv_head, bool is_v,
+                                           float* scales) {
     if constexpr (ServesLayouts<Tr>::value) {
         if (gathered_tile<Tr>(p, s, n)) {
-            gather_kv<Tr>(p, s, ptid, ring, slot, n, kv_head, is_v);
+            gather_kv<Tr, T>(p, s, ptid, ring, slot, n, kv_head, is_v);
+            if (!is_v && fa_kv_fp8(p)) gather_kv_scales<Tr>(p, s, ptid, scales, n, kv_head);
             gather_commit(full, ptid);
             return;
         }
@@ -134,14 +146,16 @@ __device__ __forceinline__ void produce_kv(const FwdParams& p, const FaSeq& s, i
     }
 }
 
-// Stages 2-3 on the serving layouts: K and V tile n into slot `slot`, both on kv_full[slot].
-template <class Tr>
+// Stage 3 on the serving layouts: K and V tile n into slot `slot`, both on kv_full[slot] (with an
+// FP8 cache, and the tile's scales into `scales`, its scale slot).
+template <class Tr, class T>
 __device__ __forceinline__ void produce_kv_pair(const FwdParams& p, const FaSeq& s, int ptid, const TmaDesc* tk,
                                                 const TmaDesc* tv, uint8_t* sk, uint8_t* sv, uint64_t* full,
-                                                int slot, int n, int kv_head) {
+                                                int slot, int n, int kv_head, float* scales) {
     if (gathered_tile<Tr>(p, s, n)) {
-        gather_kv<Tr>(p, s, ptid, sk, slot, n, kv_head, false);
-        gather_kv<Tr>(p, s, ptid, sv, slot, n, kv_head, true);
+        gather_kv<Tr, T>(p, s, ptid, sk, slot, n, kv_head, false);
+        gather_kv<Tr, T>(p, s, ptid, sv, slot, n, kv_head, true);
+        if (fa_kv_fp8(p)) gather_kv_scales<Tr>(p, s, ptid, scales, n, kv_head);
         gather_commit(full, ptid);
     } else if (ptid == 0) {
         int row, batch;
@@ -300,27 +314,29 @@ struct RingPos {
 // released), then K_j and V_j for every visible K/V tile j, each by TMA (thread ptid 0) or
 // gathered (all 128 producer threads, serving launches: produce_kv). seq: the tile's sequence
 // (fa3/serving.cuh; a dense launch's batch entry).
-template <class Tr>
+template <class Tr, class T>
 __device__ __forceinline__ void produce_tile(const FwdParams& p, const FaSeq& seq, int ptid, const TmaDesc* tq,
-                                             const TmaDesc* tk, const TmaDesc* tv, uint8_t* sq, uint8_t* sk,
-                                             uint8_t* sv, SplitBarriers<Tr>& bars, const BlockCoord& bc,
-                                             const KvRange& kv, RingPos& pos) {
+                                             const TmaDesc* tk, const TmaDesc* tv, const Cta<Tr>& cta,
+                                             SplitBarriers<Tr>& bars, const BlockCoord& bc, const KvRange& kv,
+                                             RingPos& pos) {
     constexpr int S = Tr::kKvStages;
     const int n_tiles = kv.n_end - kv.n_begin;
     if (n_tiles <= 0) return;
     if (ptid == 0) {
         if (pos.q_use > 0) mbar_wait(bars.q_empty, (pos.q_use - 1) & 1);
         const int m0 = bc.m_block * Tr::kBlockM;
-        issue_q_rows<Tr>(tq, sq, bars.q_full, seq.q_row0 + m0, seq.sq - m0, bc.head, seq.q_batch);
+        issue_q_rows<Tr>(tq, cta.sq, bars.q_full, seq.q_row0 + m0, seq.sq - m0, bc.head, seq.q_batch);
     }
     ++pos.q_use;
     for (int j = 0; j < n_tiles; ++j, ++pos.kv_it) {
         const int slot = pos.kv_it % S;
         const uint32_t prev_use_parity = ((pos.kv_it / S) - 1) & 1;  // use kv_it/S - 1 released
         if (pos.kv_it >= S) mbar_wait(&bars.k_empty[slot], prev_use_parity);
-        produce_kv<Tr>(p, seq, ptid, tk, sk, &bars.k_full[slot], slot, kv.n_begin + j, bc.kv_head, false);
+        float* scales = nullptr;  // an FP8 cache's scale slot (serving instances)
+        if constexpr (ServesLayouts<Tr>::value) scales = cta.kv_scales(pos.kv_it);
+        produce_kv<Tr, T>(p, seq, ptid, tk, cta.sk, &bars.k_full[slot], slot, kv.n_begin + j, bc.kv_head, false, scales);
         if (pos.kv_it >= S) mbar_wait(&bars.v_empty[slot], prev_use_parity);
-        produce_kv<Tr>(p, seq, ptid, tv, sv, &bars.v_full[slot], slot, kv.n_begin + j, bc.kv_head, true);
+        produce_kv<Tr, T>(p, seq, ptid, tv, cta.sv, &bars.v_full[slot], slot, kv.n_begin + j, bc.kv_head, true, scales);
     }
 }
 

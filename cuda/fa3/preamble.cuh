@@ -15,7 +15,7 @@ using fa_cta::aligned_smem;
 static_assert(static_cast<int>(fa_cta::kSmemAlignBytes) == kSwizzleAtomBytes, "the base alignment is the SW128 atom");
 
 // What every stage sets up first: the 1024-aligned dynamic shared memory carved into the Q tile,
-// the K and V rings and the barrier block (Fa3Traits offsets).
+// the K and V rings, the barrier block and the FP8 cache's scale slots (Fa3Traits offsets).
 template <class Tr>
 struct Cta {
     uint8_t* smem;  // 1024-aligned base; the barrier block is at Tr::kOffBarriers
@@ -32,6 +32,11 @@ struct Cta {
     // Shared addresses of K and V ring slot `slot`.
     __device__ __forceinline__ uint32_t k_slot(int slot) const { return smem_u32(sk + slot * Tr::kKTileBytes); }
     __device__ __forceinline__ uint32_t v_slot(int slot) const { return smem_u32(sv + slot * Tr::kVTileBytes); }
+    // The FP8 cache's scales of the K/V tile at ring position `it` (Tr::kOffScales; serving
+    // instances only): K's kBlockN, then V's.
+    __device__ __forceinline__ float* kv_scales(int it) const {
+        return reinterpret_cast<float*>(smem + Tr::kOffScales) + (it % Tr::kScaleSlots) * 2 * Tr::kBlockN;
+    }
 };
 
 // The producer's first step: the three tensor maps into the TMA unit's descriptor cache.

@@ -16,16 +16,24 @@
 //             multiple of kBlockN, and the last, partial tile of every sequence: a TMA box there
 //             would read rows past sk_b, which belong to the next sequence or are unused cache
 //             slots (the tests fill them with NaN, and P = 0 times NaN is NaN in P V).
+// An FP8 (e4m3) cache (FA_FLAG_KV_FP8, common/fp8_kv.cuh) is gathered tile by tile: each producer
+// thread loads its 8 codes with a plain 8-byte load and stores their values (exact in the 16-bit
+// dtype) as the 16-byte chunk, and with each K tile the producer writes the tile's per-key K and V
+// scales into the tile's scale slot (Fa3Traits::kOffScales), published by the same full barrier;
+// the consumers multiply S's columns by K's before the mask and P's by V's after the softmax, in
+// f32, as FA2 and the CPU path do.
 // Q boxes may run past sq_b into the next sequence's rows (or zero-filled past the tensor):
 // those rows of S/P feed only query rows >= sq_b, which the epilogue never writes (softmax and
 // P V are row-wise).
 #pragma once
 #include <type_traits>
 
+#include "common/fp8_kv.cuh"
 #include "common/params.h"
 #include "common/seqlen.cuh"
 #include "fa3/traits.cuh"
 #include "sm80/mma.cuh"
+#include "sm80/shared.cuh"
 #include "sm90/mbarrier.cuh"
 #include "sm90/tma.cuh"
 #include "sm90/wgmma.cuh"
@@ -81,6 +89,7 @@ template <class Tr>
 __device__ __forceinline__ bool gathered_tile(const FwdParams& p, const FaSeq& s, int n) {
     if constexpr (!ServesLayouts<Tr>::value) return false;
     if (!launch_is_serving(p)) return false;
+    if (fa_kv_fp8(p)) return true;  // codes: converted on the way, which TMA cannot do
     if (p.page_size > 0 && p.page_size % Tr::kBlockN != 0) return true;
     return (n + 1) * Tr::kBlockN > s.sk;
 }
@@ -103,10 +112,11 @@ __device__ __forceinline__ void kv_tma_coords(const FwdParams& p, const FaSeq& s
 // The gathered load of K or V tile n of sequence s into the [kBlockN x D] SW128 tile at `dst`
 // (1024-aligned; D: the operand's head dim, Q/K's or V's), by the producer warpgroup's threads
 // (ptid = 0..127, every one of them calls it): 16-byte cp.async per (row, 16-byte chunk), rows
-// past the sequence's last key zero-filled (src-size 0 reads nothing). Completed and published
-// by gather_commit.
-template <class Tr, int D>
-__device__ __forceinline__ void gather_tile(uint8_t* dst, const FwdParams& p, const FaSeq& s, const uint16_t* base,
+// past the sequence's last key zero-filled (src-size 0 reads nothing). Src uint8_t: an FP8
+// cache's codes, 8 per chunk, stored as their T values (T: the 16-bit dtype). Completed and
+// published by gather_commit.
+template <class Tr, int D, class T, class Src>
+__device__ __forceinline__ void gather_tile(uint8_t* dst, const FwdParams& p, const FaSeq& s, const Src* base,
                                             int64_t batch_stride, int64_t row_stride, int64_t head_off, int n,
                                             int ptid) {
     // A pass of the 128 threads copies whole rows when a row's chunks divide them (D = 64, 128);
@@ -126,7 +136,7 @@ __device__ __forceinline__ void gather_tile(uint8_t* dst, const FwdParams& p, co
 #pragma unroll 1
     for (int slab = 0; slab < kPassSlabs; ++slab) {
         const int col0 = slab * kSlabCols + 8 * c;
-        const uint16_t* col = base + head_off + col0;
+        const Src* col = base + head_off + col0;
         uint32_t to = smem_u32(dst) + sw128_offset(r0, col0, Tr::kBlockN);
 #pragma unroll 1
         for (int r = r0; r < Tr::kBlockN; r += kRowsPerPass, to += kRowsPerPass * kSwizzleBytes) {
@@ -134,15 +144,38 @@ __device__ __forceinline__ void gather_tile(uint8_t* dst, const FwdParams& p, co
             const bool live = j < s.sk;
             // Rows past the sequence's last key: src-size 0 writes 16 zero bytes and reads nothing
             // (the address must still be a valid global one: the tensor's base).
-            const uint16_t* src = live ? col + fa_kv_row_offset(p, s, batch_stride, row_stride, j) : base;
-            fa2::cp_async_16(to, src, live ? 16 : 0);
+            const Src* src = live ? col + fa_kv_row_offset(p, s, batch_stride, row_stride, j) : base;
+            if constexpr (sizeof(Src) == 1) {
+                const uint4 chunk = live ? fa_e4m3x8<T>(*reinterpret_cast<const uint64_t*>(src)) : make_uint4(0, 0, 0, 0);
+                fa_st_shared_v4(to, chunk);
+            } else {
+                fa2::cp_async_16(to, src, live ? 16 : 0);
+            }
         }
+    }
+}
+
+// An FP8 cache's per-key scales of K/V tile n of sequence s into `scales` (the tile's scale slot,
+// Cta::kv_scales: K's kBlockN then V's), by the producer warpgroup's threads, before the K tile's
+// gather_commit publishes them; keys past the sequence's last are 0 (masked, and P is 0 there).
+template <class Tr>
+__device__ __forceinline__ void gather_kv_scales(const FwdParams& p, const FaSeq& s, int ptid, float* scales, int n,
+                                                 int kv_head) {
+    const float* ks = reinterpret_cast<const float*>(p.k_cache_scale);
+    const float* vs = reinterpret_cast<const float*>(p.v_cache_scale);
+#pragma unroll 1
+    for (int r = ptid; r < Tr::kBlockN; r += kWarpgroupThreads) {
+        const int j = n * Tr::kBlockN + r;
+        const int64_t at = j < s.sk ? fa_kv_scale_index(p, s, j, kv_head) : -1;
+        scales[r] = at >= 0 ? ks[at] : 0.f;
+        scales[Tr::kBlockN + r] = at >= 0 ? vs[at] : 0.f;
     }
 }
 
 // After gather_tile: this thread's copies land, are made visible to the async proxy (wgmma
 // reads the tile through descriptors), the producer warpgroup meets, and one thread arrives on
-// the tile's full barrier (count 1: the same single arrival a TMA tile's expect_tx makes).
+// the tile's full barrier (count 1: the same single arrival a TMA tile's expect_tx makes), which
+// also publishes the scales gather_kv_scales wrote.
 __device__ __forceinline__ void gather_commit(uint64_t* full, int ptid) {
     fa2::cp_async_commit();
     fa2::cp_async_wait<0>();

@@ -106,8 +106,8 @@ __device__ __forceinline__ void stage3_of(const FwdParams& p, const TmaDesc* tq,
                 // Use u = it / S of a slot needs use u - 1 released (its phase u - 1 done).
                 if (it >= Tr::kKvStages) mbar_wait(&bars.kv_empty[slot], ((it / Tr::kKvStages) - 1) & 1);
                 if constexpr (kServing)
-                    produce_kv_pair<Tr>(p, seq, ptid, tk, tv, cta.sk, cta.sv, &bars.kv_full[slot], slot,
-                                        tile.kv.n_begin + it, bc.kv_head);
+                    produce_kv_pair<Tr, T>(p, seq, ptid, tk, tv, cta.sk, cta.sv, &bars.kv_full[slot], slot,
+                                           tile.kv.n_begin + it, bc.kv_head, cta.kv_scales(it));
                 else
                     issue_kv<Tr>(tk, tv, cta.sk, cta.sv, &bars.kv_full[slot], slot, tile.kv.n_begin + it, bc.kv_head,
                                  bc.batch);
@@ -174,8 +174,8 @@ __device__ __forceinline__ void stage45_of(const FwdParams& p, const TmaDesc* tq
                 const FaSeq seq = seq_of<kServing>(p, bc.batch);
                 if (bc.m_block * Tr::kBlockM >= seq.sq) continue;
                 FwdParams own;
-                produce_tile<Tr>(p, seq, tid, tq, tk, tv, cta.sq, cta.sk, cta.sv, bars, bc,
-                                 kv_range<Tr>(seq_params<kServing>(p, seq, own), bc), pos);
+                produce_tile<Tr, T>(p, seq, tid, tq, tk, tv, cta, bars, bc,
+                                    kv_range<Tr>(seq_params<kServing>(p, seq, own), bc), pos);
             }
 #if defined(FA_HANG_CHECK)
             if (tid == 0) watch_release<Tr>(bars, pos);

@@ -107,7 +107,15 @@ struct Fa3Traits {
     // 8 bytes each.
     static constexpr bool kSplitKv = Stage >= 4;
     static constexpr int kNumBarriers = kSplitKv ? 2 + 4 * kKvStages : 1 + 2 * kKvStages;
-    static constexpr int kSmemUsed = kOffBarriers + 8 * kNumBarriers;
+    // An FP8 KV cache's per-key scales (serving instances, fa3/serving.cuh "FP8 KV cache"): the
+    // tile at ring position `it` has slot it % kScaleSlots, K's kBlockN f32 then V's. Twice the
+    // ring's slots, as the consumers read a tile's scales after releasing its K slot (until P is
+    // scaled): the producer rewrites a scale slot only after the K slot's next use was released.
+    static constexpr int kScaleSlots = 2 * kKvStages;
+    static constexpr int kBarriersEnd = kOffBarriers + 8 * kNumBarriers;
+    static constexpr int kOffScales = (kBarriersEnd + 15) / 16 * 16;  // whole 16-byte units
+    static constexpr int kScaleBytes = kScaleSlots * 2 * kBlockN * 4;
+    static constexpr int kSmemUsed = kServing ? kOffScales + kScaleBytes : kBarriersEnd;
     // Dynamic smem is only guaranteed 16-byte aligned: ask for one extra atom and round up.
     static constexpr int kSmemBytes = kSmemUsed + kSwizzleAtomBytes;
 

@@ -236,7 +236,7 @@ mod tests {
             head_stride: 64,
         };
         for dt in [DType::BF16, DType::F16] {
-            let spec = tma_specs(2, dt, &q, &q, &q).unwrap()[0];
+            let spec = tma_specs(2, dt, false, &q, &q, &q).unwrap()[0];
             let (d, i, s, l, o) = cu_enums(&spec).unwrap();
             assert_eq!((d as u32, i as u32, s as u32, l as u32, o as u32), (spec.data_type, 0, 3, 3, 0));
         }

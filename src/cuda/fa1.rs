@@ -16,6 +16,6 @@ pub(crate) struct Fa1;
 
 impl FamilyHost for Fa1 {
     fn serving_refusal(&self, _fam: &Family, _tile: &Tile, params: &FwdParams) -> Option<&'static str> {
-        (params.flags & FLAG_KV_FP8 != 0).then_some("reads f16 / bf16 caches only (an FP8 KV cache runs on FA2)")
+        (params.flags & FLAG_KV_FP8 != 0).then_some("reads f16 / bf16 caches only (an FP8 KV cache runs on FA2 or FA3)")
     }
 }

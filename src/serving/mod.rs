@@ -291,7 +291,7 @@ pub fn forward_varlen(
 /// outside it, a `leftpad` above its `seqlens`, and `batch_idx` or `leftpad` with a paged cache
 /// are [`Error::InvalidSeqLayout`]; an FP8 cache's scale that is not a finite number > 0 (per
 /// tensor, or of a slot the call reads) is an [`Error::InvalidScale`]. Under `Backend::Cuda`,
-/// an FP8 cache runs on FA2's kernels.
+/// an FP8 cache runs on FA2's kernels (FA3's stages 3-5 with `Variant::Fa3`).
 pub fn forward_kvcache(q: &impl AsTensorView, cache: &impl ReadKvCache, opts: &ForwardOptions) -> Result<Output> {
     let (src, kl) = cache.source(0);
     run(&q.as_view(), &src, (QueryLayout::Dense, kl, cache.rows()), 0, opts, "kvcache")

@@ -1,5 +1,5 @@
 //! The FP8 (e4m3) KV cache in the GPU kernels (docs/serving.md "FP8 KV cache"), run in the CPU
-//! emulator exactly as `Engine::launch_serving_fp8_raw` would launch them: FA2 reading dense and
+//! emulator exactly as `Engine::launch_serving_fp8_raw` would launch them: FA2 and FA3 reading dense and
 //! paged e4m3 caches with per-tensor and per-(token, head) scales, split-KV included, and the
 //! append kernel quantising k_new / v_new into the cache.
 //!
@@ -9,8 +9,8 @@
 //! dequantised cache (`e4m3(code) · scale`, exact in f32), with the house rule (`max|O - ref| <=
 //! 2·max|naive - ref| + floor`, LSE within 2e-3; the naive attention rounds K and V to the
 //! dtype, as the kernel's dequantised tiles are). Unused slots hold NaN codes and NaN scales, so
-//! a kernel that read one would produce NaN. FA3 does not read an FP8 cache (the engine runs such
-//! a call on FA2: `fa3_refuses_the_fp8_cache`).
+//! a kernel that read one would produce NaN. FA3 stages 3-5 read the cache too (every tile
+//! gathered by the producer, the scales through its scale slots).
 //!
 //! `cargo test --release --test emulator fp8_kv_cache::` runs the CI subset; `FLASH_ATTN_EMU=full`
 //! adds a seeded random matrix.
@@ -46,8 +46,12 @@ enum Scales {
 /// lengths `lens` counting the `new` rows the append writes first.
 #[derive(Clone, Debug)]
 struct Case {
+    /// The kernel row: "fa2", or an FA3 stage "fa3s3".."fa3s5".
+    family: &'static str,
     dtype: DType,
     d: usize,
+    /// V's head dim (d but in FA3's (192, 128) instance).
+    dv: usize,
     hq: usize,
     hkv: usize,
     sq: usize,
@@ -63,9 +67,11 @@ struct Case {
 impl Case {
     fn name(&self) -> String {
         format!(
-            "fa2 fp8-kv {:?} d{} h{}/{} sq{} lens{:?} {} {:?} {:?} splits{} new{}",
+            "{} fp8-kv {:?} d{}/{} h{}/{} sq{} lens{:?} {} {:?} {:?} splits{} new{}",
+            self.family,
             self.dtype,
             self.d,
+            self.dv,
             self.hq,
             self.hkv,
             self.sq,
@@ -81,8 +87,10 @@ impl Case {
 
 fn base(dtype: DType, d: usize, hq: usize, hkv: usize, sq: usize, lens: &[usize], page: Option<usize>) -> Case {
     Case {
+        family: "fa2",
         dtype,
         d,
+        dv: d,
         hq,
         hkv,
         sq,
@@ -124,9 +132,10 @@ impl Store {
             Some(p) => self.table[b * self.max_blocks + j / p] as usize * p + j % p,
         }
     }
-    /// The value every key row of sequence `b` stands for (`[sk][hkv][d]`, f32).
-    fn dequantised(&self, c: &Case, b: usize, codes: &[u8], scales: &[f32], per_tensor: f32) -> Vec<f32> {
-        let (hkv, d) = (c.hkv, c.d);
+    /// The value every key row of sequence `b` stands for (`[sk][hkv][d]`, f32; d: the operand's
+    /// head dim).
+    fn dequantised(&self, c: &Case, b: usize, d: usize, codes: &[u8], scales: &[f32], per_tensor: f32) -> Vec<f32> {
+        let hkv = c.hkv;
         let mut out = Vec::with_capacity(c.lens[b] * hkv * d);
         for j in 0..c.lens[b] {
             for h in 0..hkv {
@@ -151,10 +160,10 @@ fn rows(rng: &mut Rng, n_rows: usize, hkv: usize, d: usize, dtype: DType) -> Vec
 }
 
 fn build_store(c: &Case, rng: &mut Rng) -> Store {
-    let (hkv, d) = (c.hkv, c.d);
+    let (hkv, d, dv) = (c.hkv, c.d, c.dv);
     let batch = c.lens.len();
     let rows_k: Vec<Vec<f32>> = c.lens.iter().map(|&l| rows(rng, l, hkv, d, c.dtype)).collect();
-    let rows_v: Vec<Vec<f32>> = c.lens.iter().map(|&l| rows(rng, l, hkv, d, c.dtype)).collect();
+    let rows_v: Vec<Vec<f32>> = c.lens.iter().map(|&l| rows(rng, l, hkv, dv, c.dtype)).collect();
     let (shape, table, max_blocks) = match c.page {
         None => ([batch, c.lens.iter().copied().max().unwrap_or(0) + 3, hkv, d], Vec::new(), 0),
         Some(p) => {
@@ -177,7 +186,7 @@ fn build_store(c: &Case, rng: &mut Rng) -> Store {
     let mut st = Store {
         shape,
         k: vec![0x7F; slots * d],
-        v: vec![0x7F; slots * d],
+        v: vec![0x7F; slots * dv],
         k_scales: vec![f32::NAN; slots],
         v_scales: vec![f32::NAN; slots],
         table,
@@ -190,8 +199,8 @@ fn build_store(c: &Case, rng: &mut Rng) -> Store {
         for j in 0..c.lens[b] - c.new {
             for h in 0..hkv {
                 let s = st.slot(c, b, j) * hkv + h;
-                for (rows, codes, scales, side) in
-                    [(&st.rows_k, &mut st.k, &mut st.k_scales, 0), (&st.rows_v, &mut st.v, &mut st.v_scales, 1)]
+                for (rows, codes, scales, side, d) in
+                    [(&st.rows_k, &mut st.k, &mut st.k_scales, 0, d), (&st.rows_v, &mut st.v, &mut st.v_scales, 1, dv)]
                 {
                     let row = &rows[b][(j * hkv + h) * d..][..d];
                     let scale = match c.scales {
@@ -217,8 +226,9 @@ fn run(c: &Case) -> Result<f64, String> {
 /// worst err / bound over its sequences.
 fn run_mutated(c: &Case, mutation: Option<&Mutation>) -> Result<f64, String> {
     let mut rng = Rng::new(c.seed | 1);
-    let (hq, hkv, d, dtype, batch) = (c.hq, c.hkv, c.d, c.dtype, c.lens.len());
+    let (hq, hkv, d, dv, dtype, batch) = (c.hq, c.hkv, c.d, c.dv, c.dtype, c.lens.len());
     let q_shape = [batch, c.sq, hq, d];
+    let o_shape = [batch, c.sq, hq, dv];
     let qx = values(&mut rng, q_shape.iter().product(), dtype);
     let mut st = build_store(c, &mut rng);
     let seqlens: Vec<i32> = c.lens.iter().map(|&l| (l - c.new) as i32).collect();
@@ -229,10 +239,11 @@ fn run_mutated(c: &Case, mutation: Option<&Mutation>) -> Result<f64, String> {
     };
     let layout = BatchLayout::new(QueryLayout::Dense, q_shape, kl, st.shape).map_err(|e| format!("layout: {e}"))?;
     let opts = ForwardOptions::default().mask(c.mask).return_lse(true);
-    let p = layout.launch_problem(hq, hkv, d, dtype, &opts).map_err(|e| format!("problem: {e}"))?;
+    let p = layout.launch_problem_v(hq, hkv, (d, dv), dtype, &opts).map_err(|e| format!("problem: {e}"))?;
+    let v_shape = [st.shape[0], st.shape[1], hkv, dv];
     let ops = Operands {
         ptrs: [Q, K, V, O],
-        strides: [contiguous(q_shape), contiguous(st.shape), contiguous(st.shape), contiguous(q_shape)],
+        strides: [contiguous(q_shape), contiguous(st.shape), contiguous(v_shape), contiguous(o_shape)],
         lse: LSE,
         alibi: 0,
         sinks: 0,
@@ -255,7 +266,7 @@ fn run_mutated(c: &Case, mutation: Option<&Mutation>) -> Result<f64, String> {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
         .join("emu/fp8_kv_cache")
         .join(format!("{:016x}", std::hash::Hasher::finish(&h)));
-    let fam = FAMILIES.iter().find(|f| f.name == "fa2").unwrap();
+    let fam = FAMILIES.iter().find(|f| f.name == c.family).unwrap();
     let scale_bytes = |s: &[f32]| s.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
     let (k_tensor, v_tensor) = match c.scales {
         Scales::PerTensor(k, v) => (vec![k], vec![v]),
@@ -264,7 +275,8 @@ fn run_mutated(c: &Case, mutation: Option<&Mutation>) -> Result<f64, String> {
     if c.new > 0 {
         append(c, &mut st, &layout, &p, &ops, &sops, &dir, &seqlens, mutation)?;
     }
-    let pl = plan_serving("fa2", &p, &layout, &ops, &sops, c.splits, 1).map_err(|e| format!("plan: {e}"))?;
+    // Two SMs: FA3 stage 5's persistent CTAs each walk several tiles (the scale slots carry over).
+    let pl = plan_serving(c.family, &p, &layout, &ops, &sops, c.splits, 2).map_err(|e| format!("plan: {e}"))?;
     let lse_rows = pl.params.lse_rows();
     let exe = unit_exe(fam, pl.tile, mutation)?;
     let (ks, vs) = match c.scales {
@@ -277,7 +289,7 @@ fn run_mutated(c: &Case, mutation: Option<&Mutation>) -> Result<f64, String> {
         LaunchBuf::input("v", V, st.v.clone()),
         LaunchBuf::input("k_scale", K_SCALE, scale_bytes(ks)),
         LaunchBuf::input("v_scale", V_SCALE, scale_bytes(vs)),
-        LaunchBuf::output("o", O, qx.len() * 2),
+        LaunchBuf::output("o", O, o_shape.iter().product::<usize>() * 2),
         LaunchBuf::output("lse", LSE, lse_rows * 4),
         LaunchBuf::i32s("seqused_k", SEQUSED, &seqlens),
     ];
@@ -290,12 +302,12 @@ fn run_mutated(c: &Case, mutation: Option<&Mutation>) -> Result<f64, String> {
         bufs.push(LaunchBuf::input("vnew", VNEW, vec![0; 16]));
     }
     if c.splits > 1 {
-        bufs.push(LaunchBuf::output("o_accum", O_ACC, c.splits * lse_rows * d * 4));
+        bufs.push(LaunchBuf::output("o_accum", O_ACC, c.splits * lse_rows * dv * 4));
         bufs.push(LaunchBuf::output("lse_accum", LSE_ACC, c.splits * lse_rows * 4));
     }
-    let (log, outs) = run_launch(&exe, &dir, &pl, "fa2", &[1, 2], &bufs)?;
+    let (log, outs) = run_launch(&exe, &dir, &pl, c.family, &[1, 2], &bufs)?;
     let (o, lse) = if c.splits > 1 {
-        merge_splits(&outs, c.splits, lse_rows, q_shape, &pl.params, &p)?
+        merge_splits(&outs, c.splits, lse_rows, o_shape, &pl.params, &p)?
     } else {
         (from_bits(&outs["o"], dtype), f32s(&outs["lse"]))
     };
@@ -307,19 +319,19 @@ fn run_mutated(c: &Case, mutation: Option<&Mutation>) -> Result<f64, String> {
     for b in 0..batch {
         let (sq, sk) = (c.sq, c.lens[b]);
         let name = || format!("sequence {b} (sq {sq}, sk {sk})");
-        let at = b * sq * hq * d;
-        let (ob, qb) = (&o[at..at + sq * hq * d], &qx[at..at + sq * hq * d]);
+        let (at, ot) = (b * sq * hq * d, b * sq * hq * dv);
+        let (ob, qb) = (&o[ot..ot + sq * hq * dv], &qx[at..at + sq * hq * d]);
         if sk == 0 {
             if ob.iter().any(|&x| x != 0.0) {
                 return Err(format!("{}: no keys but O != 0\n{log}", name()));
             }
             continue;
         }
-        let kd = st.dequantised(c, b, &st.k, &st.k_scales, kt1);
-        let vd = st.dequantised(c, b, &st.v, &st.v_scales, vt1);
+        let kd = st.dequantised(c, b, d, &st.k, &st.k_scales, kt1);
+        let vd = st.dequantised(c, b, dv, &st.v, &st.v_scales, vt1);
         let qt = Tensor::from_f32(qb, DType::F32, [1, sq, hq, d]).unwrap();
         let kt = Tensor::from_f32(&kd, DType::F32, [1, sk, hkv, d]).unwrap();
-        let vt = Tensor::from_f32(&vd, DType::F32, [1, sk, hkv, d]).unwrap();
+        let vt = Tensor::from_f32(&vd, DType::F32, [1, sk, hkv, dv]).unwrap();
         // The dequantised cache in f32 (the codes times their scales), the naive attention in q's dtype.
         let lse_at = |h: usize, i: usize| lse[(b * hq + h) * sq + i];
         let ratio = check_sequence((&qt.view(), &kt.view(), &vt.view()), &opts, dtype, ob, Some(&lse_at))
@@ -344,6 +356,7 @@ fn append(
     seqlens: &[i32],
     mutation: Option<&Mutation>,
 ) -> Result<(), String> {
+    assert_eq!(c.d, c.dv, "{}: the append cases keep V's head dim Q/K's", c.name());
     let (hkv, d, dtype, batch) = (c.hkv, c.d, c.dtype, c.lens.len());
     let (mut knew, mut vnew) = (Vec::new(), Vec::new());
     for (b, &cached) in seqlens.iter().enumerate() {
@@ -521,9 +534,97 @@ fn fp8_kv_mutations_are_caught() {
     }
 }
 
-/// FA3 does not read an FP8 cache: its plan is refused with the typed reason, and FA2's runs.
+/// FA3 stages 3-5 read FP8 caches: the producer gathers every tile, converting the codes, and
+/// writes each tile's scales into its scale slot; the consumers apply them to S and P. Dense and
+/// paged caches, both scale kinds, GQA, masks, an append before the attention, query tiles of
+/// several K/V tiles, stage 5's persistent CTAs walking many tiles (the scale slots carry over)
+/// and its (192, 128) instance.
 #[test]
-fn fa3_refuses_the_fp8_cache() {
+fn fa3_reads_fp8_caches() {
+    let lens = [33, 0, 300, 1];
+    let mut cases = vec![
+        Case { family: "fa3s5", mask: Mask::Causal, ..base(DType::BF16, 64, 8, 2, 1, &lens, Some(16)) },
+        Case { family: "fa3s3", scales: TENSOR, ..base(DType::F16, 128, 4, 2, 3, &lens, Some(3)) },
+        Case { family: "fa3s4", mask: Mask::Causal, ..base(DType::BF16, 64, 2, 1, 150, &[300, 140], None) },
+        Case { family: "fa3s5", dv: 128, ..base(DType::BF16, 192, 4, 2, 2, &lens, Some(256)) },
+        Case { family: "fa3s5", new: 2, ..base(DType::F16, 128, 4, 2, 2, &[35, 2, 270, 4], Some(7)) },
+    ];
+    if full() {
+        let mut rng = Rng::new(crate::support::emu::matrix_seed("fa3 fp8 kv cache full matrix", 0xf8c3));
+        for n in 0..12 {
+            let batch = 1 + rng.below(3);
+            let lens: Vec<usize> = (0..batch).map(|_| [0, 1, 2 + rng.below(60), 100 + rng.below(300)][rng.below(4)]).collect();
+            let page = [None, Some(1), Some(3), Some(16), Some(128), Some(1 + rng.below(40))][rng.below(6)];
+            let (d, dv) = [(64, 64), (128, 128), (192, 128)][rng.below(3)];
+            let family = if d == 192 { "fa3s5" } else { ["fa3s3", "fa3s4", "fa3s5"][rng.below(3)] };
+            let hkv = 1 + rng.below(2);
+            let scales = if rng.below(2) == 0 { TENSOR } else { Scales::PerToken };
+            let mask = [Mask::None, Mask::Causal, Mask::window(rng.below(50) as i64, rng.below(4) as i64)][rng.below(3)];
+            let sq = [1, 1 + rng.below(4), 100 + rng.below(60)][rng.below(3)];
+            let new = if d == dv && rng.below(3) == 0 { 1 + rng.below(2) } else { 0 };
+            let lens: Vec<usize> = lens.into_iter().map(|l| l + new).collect();
+            cases.push(Case {
+                family,
+                dv,
+                scales,
+                mask,
+                new,
+                seed: n,
+                ..base([DType::F16, DType::BF16][rng.below(2)], d, hkv * [1, 2, 4][rng.below(3)], hkv, sq, &lens, page)
+            });
+        }
+    }
+    check(&cases);
+}
+
+/// The FA3 tests catch the mistakes they exist for: P scaled by K's scales instead of V's, and a
+/// scale ring as deep as the K/V ring, whose slot the producer rewrites while a consumer still
+/// reads it (after it released the K slot): the emulator's happens-before check of the scales'
+/// shared-memory loads names it, whatever the schedule.
+#[test]
+fn fa3_fp8_mutations_are_caught() {
+    let many_tiles = Case { family: "fa3s4", mask: Mask::Causal, ..base(DType::BF16, 64, 2, 1, 150, &[300, 140], None) };
+    let muts = [
+        (
+            Mutation {
+                name: "fa3_fp8_p_scaled_by_k",
+                file: "cuda/fa3/mainloop.cuh",
+                from: "reinterpret_cast<const unsigned char*>(kv_scales + Tr::kBlockN)",
+                to: "reinterpret_cast<const unsigned char*>(kv_scales)",
+                defines: &[],
+            },
+            Case { family: "fa3s5", ..base(DType::F16, 64, 4, 2, 1, &[33, 0, 300, 1], Some(16)) },
+            "max |O - ref|",
+        ),
+        (
+            Mutation {
+                name: "fa3_fp8_scale_ring_too_shallow",
+                file: "cuda/fa3/preamble.cuh",
+                from: "(it % Tr::kScaleSlots)",
+                to: "(it % Tr::kKvStages)",
+                defines: &[],
+            },
+            many_tiles,
+            "happens-before",
+        ),
+    ];
+    for (m, c, expect) in &muts {
+        assert!(run(c).is_ok(), "{}: the unmutated case must pass", m.name);
+        match run_mutated(c, Some(m)) {
+            Ok(r) => panic!("mutation {} was not caught (err/bound {r:.3})", m.name),
+            Err(e) => {
+                assert!(e.contains(expect), "mutation {}: unexpected failure {e}", m.name);
+                let why = e.lines().find(|l| l.contains(expect)).unwrap_or("");
+                println!("caught {}: {why}", m.name);
+            }
+        }
+    }
+}
+
+/// FA3's plan of an FP8 cache says the tiles are gathered, and its K/V tensor maps describe the
+/// codes as bytes; FA1 refuses the cache with a typed reason.
+#[test]
+fn fa3_plans_gather_the_fp8_cache() {
     let seqlens = [5i32, 9];
     let kl = KvLayout::Cache { seqlens: &seqlens, new: 0 };
     let layout = BatchLayout::new(QueryLayout::Dense, [2, 1, 4, 128], kl, [2, 16, 2, 128]).unwrap();
@@ -540,11 +641,16 @@ fn fa3_refuses_the_fp8_cache() {
         kv_fp8: Some(Fp8CacheScales { k: K_SCALE, v: V_SCALE, per_token: true }),
         ..ServingOperands::default()
     };
-    let e = plan_serving("fa3s5", &p, &layout, &ops, &sops, 1, 132).unwrap_err();
-    assert!(e.to_string().contains("an FP8 KV cache runs on FA2"), "{e}");
-    let pl = plan_serving("fa2", &p, &layout, &ops, &sops, 1, 132).unwrap();
-    assert_eq!(pl.params.flags & 48, 48, "FA_FLAG_KV_FP8 | FA_FLAG_KV_SCALE_PER_TOKEN");
-    assert_eq!((pl.params.k_cache_scale, pl.params.v_cache_scale), (K_SCALE, V_SCALE));
+    for family in ["fa3s3", "fa3s4", "fa3s5", "fa2"] {
+        let pl = plan_serving(family, &p, &layout, &ops, &sops, 1, 132).unwrap();
+        assert_eq!(pl.params.flags & 48, 48, "FA_FLAG_KV_FP8 | FA_FLAG_KV_SCALE_PER_TOKEN");
+        assert_eq!((pl.params.k_cache_scale, pl.params.v_cache_scale), (K_SCALE, V_SCALE));
+        if family != "fa2" {
+            assert!(pl.note.unwrap_or("").contains("FP8 cache's codes"), "{family}: {:?}", pl.note);
+            let bytes: Vec<u64> = pl.tensor_maps.iter().map(|m| m.spec.strides[0]).collect();
+            assert_eq!(bytes, [256, 128, 128], "{family}: q's head stride in 16-bit elements, the codes' in bytes");
+        }
+    }
     let e = plan_serving("fa1", &p, &layout, &ops, &sops, 1, 132).unwrap_err();
     assert!(e.to_string().contains("FP8"), "{e}");
 }

@@ -142,6 +142,10 @@ inline int cta_head() { return ::emu::ctaid(1); }
 inline int cta_batch() { return ::emu::ctaid(2); }
 }  // namespace fa2
 
+// ---- sm80/shared.cuh ----
+inline float fa_ld_shared_f32(uint32_t addr) { return __builtin_bit_cast(float, ::emu::ld_shared_b32(addr)); }
+inline void fa_st_shared_v4(uint32_t addr, uint4 v) { ::emu::st_shared_v4(addr, v.x, v.y, v.z, v.w); }
+
 // ---- sm80/red.cuh ----
 // One fiber runs at a time and this is no scheduling point: the add is atomic. (The emulator
 // runs CTAs in a fixed order, so sums come out the same for every seed; on a GPU they do not.)

@@ -81,6 +81,9 @@
 //                 proxy may read them only after a fence.proxy.async of the storing thread and a
 //                 release of it after the fence; ldmatrix after a release after the store; a
 //                 store into bytes a wgmma reads needs every reading thread's retirement acquired.
+//                 ld.shared through sm80/shared.cuh: after a release of the storing thread after
+//                 the store (or an async write's completion, as ldmatrix); a later store into the
+//                 bytes needs a release of every loading thread after its load acquired.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -132,6 +135,10 @@ void cp_async(uint32_t dst, const void* src, int cp_size, int src_bytes);
 void cp_async_commit();
 void cp_async_wait(int n);
 void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr, bool trans);
+// ld.shared.b32 and st.shared.v4.b32 (sm80/shared.cuh): a generic-proxy handoff between threads,
+// its happens-before checked both ways (see "happens-before" above).
+uint32_t ld_shared_b32(uint32_t addr);
+void st_shared_v4(uint32_t addr, uint32_t x, uint32_t y, uint32_t z, uint32_t w);
 void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, Elem e);
 int ctaid(int dim);
 

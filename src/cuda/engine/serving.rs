@@ -176,16 +176,18 @@ impl Engine {
 
     /// [`Engine::launch_serving_raw`] over an FP8 (e4m3) KV cache: `kv` a dense or paged cache
     /// layout, `append`'s rows (q's dtype) quantised into it as the CPU append quantises them
-    /// (per (slot, kv head) scales set for the rows written). Runs on the FA2 kernels, which
-    /// dequantise each K/V tile as they load it; under `Variant::Auto` a family that does not
-    /// read an FP8 cache (FA3, FA1) is passed over and `Dispatch::reason` says so.
+    /// (per (slot, kv head) scales set for the rows written). Runs on the FA2 kernels, or FA3's
+    /// stages 3-5 under `Variant::Fa3`, which turn each K/V tile's codes into 16-bit values as
+    /// they load it and apply the scales in f32; under `Variant::Auto` a family that does not
+    /// read an FP8 cache (FA1) is passed over and `Dispatch::reason` says so.
     ///
     /// # Safety
     /// As [`Engine::launch_serving_raw`] and [`DeviceFp8Cache::from_raw`].
     ///
     /// # Errors
     /// As [`Engine::launch_serving_raw`]; packed k/v are an `Error::InvalidSeqLayout` (an FP8
-    /// cache is a dense or paged cache), head dims other than FA2's `Error::VariantUnavailable`.
+    /// cache is a dense or paged cache), head dims the chosen family lacks
+    /// `Error::VariantUnavailable`.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn launch_serving_fp8_raw(
         &self,

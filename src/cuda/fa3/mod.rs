@@ -27,13 +27,6 @@ const SERVING_MAX_HEAD_DIM_V: u32 = 128;
 /// The first stage that loads through TMA (and takes the tensor maps).
 const TMA_STAGE: u8 = 2;
 
-/// Why an FP8 KV cache is not read by FA3: its K/V tiles reach the consumers' wgmma as 16-bit
-/// operands straight from TMA (or the producer's gather), with no step that could dequantise
-/// e4m3 codes. `Engine::launch_serving_raw` runs such a call on FA2 under `Variant::Auto`
-/// (FA2 dequantises each tile as it loads it) and says so in `Dispatch::reason`.
-pub(crate) const FP8_CACHE_REFUSAL: &str =
-    "reads 16-bit K/V tiles only (TMA or the producer's gather straight into the wgmma operands); an FP8 KV cache runs on FA2";
-
 /// The FA3 ladder's host rules (every stage).
 #[derive(Debug)]
 pub(crate) struct Fa3;
@@ -61,8 +54,8 @@ impl FamilyHost for Fa3 {
     }
 
     /// Stages 3-5 at head_dim 64 and 128 (and stage 5's (192, 128)) run packed batches, dense
-    /// caches with cache_seqlens and paged caches of any page size (`cuda/fa3/serving.cuh`), after
-    /// an append; not split-KV, not an FP8 cache ([`FP8_CACHE_REFUSAL`]).
+    /// caches with cache_seqlens and paged caches of any page size, f16/bf16 or FP8
+    /// (`cuda/fa3/serving.cuh`), after an append; not split-KV.
     fn serving_refusal(&self, fam: &Family, tile: &Tile, params: &FwdParams) -> Option<&'static str> {
         if stage(fam) < SERVING_STAGE {
             return Some("stages 1-2 have no varlen / KV-cache path (stages 3-5 have: docs/fa3.md)");
@@ -72,9 +65,6 @@ impl FamilyHost for Fa3 {
                 "runs varlen / KV caches at head_dim 64, 128 and (192, 128) only ",
                 "(at 256 its consumers have no registers to spare)"
             ));
-        }
-        if params.flags & FLAG_KV_FP8 != 0 {
-            return Some(FP8_CACHE_REFUSAL);
         }
         // An append (seqlen_new > 0) is its own kernel, launched first (fa_append_kv): the
         // attention then reads cache_seqlens + seqlen_new keys, as fa_seq counts them.
@@ -104,7 +94,7 @@ impl FamilyHost for Fa3 {
             return Ok(TensorMaps::default());
         }
         let [lq, lk, lv] = layouts(params);
-        let specs = tma::tma_specs(stage(fam), dtype, &lq, &lk, &lv)?;
+        let specs = tma::tma_specs(stage(fam), dtype, params.flags & FLAG_KV_FP8 != 0, &lq, &lk, &lv)?;
         Ok(TensorMaps::new(specs, [params.q, params.k, params.v]))
     }
 }
@@ -115,7 +105,9 @@ pub(crate) fn load_path(tile: &Tile, p: &FwdParams) -> Option<&'static str> {
     if !p.is_serving() {
         return None;
     }
-    Some(if p.page_size > 0 && (p.page_size as u32).is_multiple_of(tile.block_n) {
+    Some(if p.flags & FLAG_KV_FP8 != 0 {
+        "K/V gathered: the FP8 cache's codes converted to 16-bit values as the producer loads them, its scales applied in f32"
+    } else if p.page_size > 0 && (p.page_size as u32).is_multiple_of(tile.block_n) {
         concat!(
             "K/V by TMA through the block table (page size a multiple of the key tile); ",
             "each sequence's partial last tile gathered with cp.async"
@@ -261,7 +253,7 @@ mod tests {
         assert_eq!((lq.batch, lq.seqlen, lq.heads, lq.head_dim, lq.row_stride), (2, 100, 4, 128, 512));
         assert_eq!((lk.seqlen, lk.heads, lk.row_stride, lk.batch_stride), (300, 2, 256, 300 * 256));
         assert_eq!(lk, lv);
-        let [sq, sk, _] = tma::tma_specs(4, DType::BF16, &lq, &lk, &lv).unwrap();
+        let [sq, sk, _] = tma::tma_specs(4, DType::BF16, false, &lq, &lk, &lv).unwrap();
         assert_eq!(sq.dims, [128, 4, 100, 2]);
         assert_eq!(sk.box_dims, [64, 1, 128, 1]);
         // Stage 1 takes no maps; stages 2-5 take Q, K, V at the operands' addresses.
@@ -292,7 +284,8 @@ mod tests {
         let append = FwdParams { seqlen_new: 1, seqused_k: 0x30, ..varlen };
         assert_eq!(Fa3.serving_refusal(row("fa3s5"), &T128, &append), None);
         let fp8 = FwdParams { flags: FLAG_KV_FP8, ..append };
-        assert_eq!(Fa3.serving_refusal(row("fa3s5"), &T128, &fp8), Some(FP8_CACHE_REFUSAL));
+        assert_eq!(Fa3.serving_refusal(row("fa3s5"), &T128, &fp8), None);
+        assert!(Fa3.serving_refusal(row("fa3s2"), &T128, &fp8).unwrap().contains("stages 3-5"));
     }
 
     /// Serving maps describe the whole tensors (packed q, paged k/v), and the plan's note names
@@ -320,6 +313,15 @@ mod tests {
         let packed = FwdParams { cu_seqlens_k: 0x40, kv_batches: 1, kv_rows: 300, ..params() };
         assert!(load_path(&T128, &packed).unwrap().starts_with("K/V by TMA;"));
         assert_eq!(load_path(&T128, &params()), None);
+        let fp8 = FwdParams { flags: FLAG_KV_FP8, ..paged };
+        assert!(load_path(&T128, &fp8).unwrap().starts_with("K/V gathered: the FP8 cache"));
+        // Its K/V maps describe the codes (one byte each), Q's stays 16-bit.
+        let fam = FAMILIES.iter().find(|f| f.name == "fa3s5").unwrap();
+        let maps = Fa3.tensor_maps(fam, DType::BF16, &fp8).unwrap();
+        let specs: Vec<_> = maps.iter().map(|m| m.spec).collect();
+        assert_eq!(specs[0].data_type, crate::cuda::launch::TMA_DTYPE_BFLOAT16);
+        assert_eq!((specs[1].data_type, specs[2].data_type), (crate::cuda::launch::TMA_DTYPE_UINT8, crate::cuda::launch::TMA_DTYPE_UINT8));
+        assert_eq!(specs[1].strides, [128, 256, 300 * 256], "byte strides of the codes");
         // An empty packed batch still encodes (extents of 1; no tile is loaded).
         let empty = FwdParams { cu_seqlens_q: 0x10, total_q: 0, ..paged };
         assert_eq!(layouts(&empty)[0].seqlen, 1);

@@ -5,7 +5,7 @@
 //! tensor maps stages 2-5 take after `FwdParams` (docs/fa3.md). `launch.rs` encodes them.
 
 use crate::cuda::launch::{
-    TmaSpec, TMA_DTYPE_BFLOAT16, TMA_DTYPE_FLOAT16, TMA_INTERLEAVE_NONE, TMA_L2_PROMOTION_256B, TMA_OOB_FILL_NONE, TMA_RANK,
+    TmaSpec, TMA_DTYPE_BFLOAT16, TMA_DTYPE_FLOAT16, TMA_DTYPE_UINT8, TMA_INTERLEAVE_NONE, TMA_L2_PROMOTION_256B, TMA_OOB_FILL_NONE, TMA_RANK,
     TMA_SWIZZLE_128B,
 };
 use crate::cuda::params::FwdParams;
@@ -72,12 +72,19 @@ pub(crate) fn geometry(stage: u8, head_dim: usize) -> Option<Fa3Geometry> {
     let kv_tile = block_n * (d + dv) * elem; // one K and one V tile
     // Stages 2-3: q_full, kv_full[S], kv_empty[S]. Stages 4-5: K and V apart (4 per slot)
     // plus q_empty.
-    let barriers = 8 * if stage >= 4 {
+    let barriers: u32 = 8 * if stage >= 4 {
         2 + 4 * kv_stages
     } else {
         1 + 2 * kv_stages
     };
-    let used = q_bytes + kv_stages * kv_tile + barriers;
+    // An FP8 cache's per-key K and V scales, twice the ring's slots, in the instances that
+    // serve the batch layouts (stages 3-5 at V head_dim <= 128).
+    let (barriers, scales) = if stage >= 3 && dv <= 128 {
+        (barriers.next_multiple_of(16), 2 * kv_stages * 2 * block_n * 4) // scales from a 16-byte boundary
+    } else {
+        (barriers, 0)
+    };
+    let used = q_bytes + kv_stages * kv_tile + barriers + scales;
     Some(Fa3Geometry {
         threads: WARPGROUP_THREADS * (consumers + producers),
         block_m,
@@ -159,10 +166,14 @@ pub(crate) fn tma_spec(op: Operand, l: &OperandLayout, box_rows: u32, data_type:
     })
 }
 
-/// Tensor-map specs for Q (box rows 64), K and V (box rows = the instance's block_n).
+/// Tensor-map specs for Q (box rows 64), K and V (box rows = the instance's block_n). With
+/// `kv_codes` (an FP8 KV cache) K and V describe their e4m3 codes, one byte each: the kernels
+/// gather and convert every tile of such a launch (`cuda/fa3/serving.cuh`), so no copy goes
+/// through those two maps, but they still describe the memory they are given.
 pub(crate) fn tma_specs(
     stage: u8,
     dtype: DType,
+    kv_codes: bool,
     q: &OperandLayout,
     k: &OperandLayout,
     v: &OperandLayout,
@@ -181,10 +192,11 @@ pub(crate) fn tma_specs(
     }
     let e = dtype.size() as u64;
     let t = if dtype == DType::BF16 { TMA_DTYPE_BFLOAT16 } else { TMA_DTYPE_FLOAT16 };
+    let (kv_t, kv_e) = if kv_codes { (TMA_DTYPE_UINT8, 1) } else { (t, e) };
     Ok([
         tma_spec(Operand::Q, q, ROWS_PER_WARPGROUP, t, e)?,
-        tma_spec(Operand::K, k, g.block_n, t, e)?,
-        tma_spec(Operand::V, v, g.block_n, t, e)?,
+        tma_spec(Operand::K, k, g.block_n, kv_t, kv_e)?,
+        tma_spec(Operand::V, v, g.block_n, kv_t, kv_e)?,
     ])
 }
 
@@ -215,17 +227,17 @@ mod tests {
             (2, 64, 128, 64, 128, 2, 74792),
             (2, 128, 128, 64, 128, 2, 148520),
             (2, 256, 128, 64, 64, 2, 164904),
-            (3, 64, 384, 128, 128, 2, 82984),
-            (3, 128, 384, 128, 128, 2, 164904),
+            (3, 64, 384, 128, 128, 2, 87088),
+            (3, 128, 384, 128, 128, 2, 169008),
             (3, 256, 384, 128, 64, 2, 197672),
-            (4, 64, 384, 128, 128, 2, 83024),
-            (4, 128, 384, 128, 128, 2, 164944),
+            (4, 64, 384, 128, 128, 2, 87120),
+            (4, 128, 384, 128, 128, 2, 169040),
             (4, 256, 384, 128, 64, 2, 197712),
-            (5, 64, 384, 128, 128, 2, 83024),
-            (5, 128, 384, 128, 128, 2, 164944),
+            (5, 64, 384, 128, 128, 2, 87120),
+            (5, 128, 384, 128, 128, 2, 169040),
             (5, 256, 384, 128, 64, 2, 197712),
             // DeepSeek MLA prefill's (192, 128): 128-key tiles, K rows of 192 and V rows of 128.
-            (5, 192, 384, 128, 128, 2, 214096),
+            (5, 192, 384, 128, 128, 2, 218192),
         ];
         for (stage, hd, threads, block_m, block_n, kv_stages, smem_bytes) in want {
             let g = geometry(stage, hd).unwrap();
@@ -259,7 +271,7 @@ mod tests {
     fn tma_specs_for_contiguous_gqa_bf16() {
         let q = contiguous(2, 1000, 16, 128);
         let kv = contiguous(2, 777, 4, 128);
-        let [sq, sk, sv] = tma_specs(3, DType::BF16, &q, &kv, &kv).unwrap();
+        let [sq, sk, sv] = tma_specs(3, DType::BF16, false, &q, &kv, &kv).unwrap();
         assert_eq!(sq.dims, [128, 16, 1000, 2]);
         assert_eq!(sq.strides, [256, 16 * 128 * 2, 1000 * 16 * 128 * 2]);
         assert_eq!(sq.box_dims, [64, 1, 64, 1]);
@@ -270,15 +282,15 @@ mod tests {
         assert_eq!(sq.elem_strides, [1; 4]);
         // hd 256 tiles are 64 keys.
         let q = contiguous(1, 10, 2, 256);
-        let [_, sk, _] = tma_specs(2, DType::F16, &q, &q, &q).unwrap();
+        let [_, sk, _] = tma_specs(2, DType::F16, false, &q, &q, &q).unwrap();
         assert_eq!(sk.box_dims, [64, 1, 64, 1]);
         // (192, 128): 128-key boxes of both; V's extent and strides are its own head dim's.
         let (q, k, v) = (contiguous(1, 10, 4, 192), contiguous(1, 20, 2, 192), contiguous(1, 20, 2, 128));
-        let [sq, sk, sv] = tma_specs(5, DType::BF16, &q, &k, &v).unwrap();
+        let [sq, sk, sv] = tma_specs(5, DType::BF16, false, &q, &k, &v).unwrap();
         assert_eq!((sq.dims, sk.dims, sv.dims), ([192, 4, 10, 1], [192, 2, 20, 1], [128, 2, 20, 1]));
         assert_eq!((sk.box_dims, sv.box_dims), ([64, 1, 128, 1], [64, 1, 128, 1]));
         assert_eq!(sv.strides, [256, 2 * 128 * 2, 20 * 2 * 128 * 2]);
-        assert!(matches!(tma_specs(4, DType::BF16, &q, &k, &v), Err(Error::UnsupportedHeadDim { head_dim: 192, .. })));
+        assert!(matches!(tma_specs(4, DType::BF16, false, &q, &k, &v), Err(Error::UnsupportedHeadDim { head_dim: 192, .. })));
     }
 
     #[test]
@@ -290,18 +302,18 @@ mod tests {
             ..q
         };
         assert!(matches!(
-            tma_specs(2, DType::BF16, &q, &odd, &q),
+            tma_specs(2, DType::BF16, false, &q, &odd, &q),
             Err(Error::InvalidLayout {
                 operand: Operand::K,
                 ..
             })
         ));
         assert!(matches!(
-            tma_specs(2, DType::BF16, &contiguous(1, 64, 2, 96), &q, &q),
+            tma_specs(2, DType::BF16, false, &contiguous(1, 64, 2, 96), &q, &q),
             Err(Error::UnsupportedHeadDim { head_dim: 96, .. })
         ));
         assert!(matches!(
-            tma_specs(2, DType::F32, &q, &q, &q),
+            tma_specs(2, DType::F32, false, &q, &q, &q),
             Err(Error::UnsupportedDType { .. })
         ));
     }

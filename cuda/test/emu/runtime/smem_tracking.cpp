@@ -211,6 +211,21 @@ void check_store_over_wgmma(const Fiber& f, uint32_t g) {
     }
 }
 
+// Thread f's store into granule g races with an earlier ld.shared of it by another thread unless
+// f acquired a release of that thread after its load.
+void check_store_over_loads(const Fiber& f, uint32_t g) {
+    Cta& c = *g_cta;
+    auto it = c.loads.find(g);
+    if (it == c.loads.end()) return;
+    for (const auto& [t, at] : it->second)
+        if (t != f.tid && clock_at(f.vc, t) < at)
+            fail("happens-before: an ordinary store of thread %u into shared bytes [0x%x, 0x%x) that thread %u loaded "
+                 "(ld.shared) before, and the load is not ordered before the store (the missing acquire: a release by "
+                 "thread %u after its load, acquired by thread %u before the store)",
+                 f.tid, smem_lo() + 16 * g, smem_lo() + 16 * g + 16, t, t, f.tid);
+    c.loads.erase(it);
+}
+
 // Fiber f is switching out: the granules of the pages it wrote that differ from the shadow are
 // its stores.
 void note_stores(Fiber& f) {
@@ -230,6 +245,7 @@ void note_stores(Fiber& f) {
             }
             const uint32_t g = static_cast<uint32_t>(off / 16);
             check_store_over_wgmma(f, g);
+            check_store_over_loads(f, g);
             c.st_tid[g] = f.tid + 1;
             c.st_seq[g] = f.store_seq;
             c.st_epoch[g] = f.vc[f.tid];
@@ -256,6 +272,34 @@ uint32_t cvta_shared(const void* p) {
 unsigned char* smem_ptr(uint32_t addr, uint32_t bytes, const char* what) {
     check_smem_range(addr, bytes, what);
     return host_of(addr);
+}
+
+uint32_t ld_shared_b32(uint32_t addr) {
+    sched_point();
+    if (addr % 4) fail("ld.shared.b32 of shared 0x%x, which is not 4-byte aligned", addr);
+    check_smem_range(addr, 4, "ld.shared.b32");
+    Fiber& r = me();
+    const uint32_t g = granule_of(addr);
+    uint32_t ok = 0;
+    check_async_read(r, g, "ld.shared.b32", ok, false);
+    auto& loads = g_cta->loads[g];
+    const uint32_t at = r.vc[r.tid];
+    auto mine = std::find_if(loads.begin(), loads.end(), [&](const auto& l) { return l.first == r.tid; });
+    if (mine == loads.end())
+        loads.emplace_back(r.tid, at);
+    else
+        mine->second = at;
+    uint32_t v;
+    std::memcpy(&v, host_of(addr), 4);
+    return v;
+}
+
+void st_shared_v4(uint32_t addr, uint32_t x, uint32_t y, uint32_t z, uint32_t w) {
+    sched_point();
+    if (addr % 16) fail("st.shared.v4.b32 to shared 0x%x, which is not 16-byte aligned", addr);
+    check_not_mbarrier(addr, addr + 16, "st.shared.v4.b32");
+    const uint32_t v[4] = {x, y, z, w};
+    std::memcpy(smem_ptr(addr, 16, "st.shared.v4.b32"), v, 16);  // an ordinary store (seen as one)
 }
 
 void fence_proxy_async() {

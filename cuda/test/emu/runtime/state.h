@@ -258,6 +258,9 @@ struct Cta {
     bool track_stores = false;
     std::vector<unsigned char> shadow;
     std::vector<uint32_t> st_tid, st_seq, st_epoch;
+    // Loads through ld_shared_b32 since the last store into a granule: (thread, its clock entry
+    // at the load), which that store's thread must have acquired.
+    std::unordered_map<uint32_t, std::vector<std::pair<unsigned, uint32_t>>> loads;
     std::vector<uint32_t> dirty_pages;  // window pages written since the last diff
     uint32_t next_entry = 0;  // the next clock entry for an mbarrier (after the threads')
     int64_t reg_pool = 0;                   // free registers of the CTA
