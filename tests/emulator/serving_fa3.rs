@@ -9,15 +9,19 @@
 //! LSE = -inf). Unused cache slots and unused blocks hold NaN: a kernel that reads one into
 //! P V fails. Outputs are NaN-poisoned by the driver, so an unwritten row fails too.
 //!
+//! The runner (`Case`, `run`) also takes a dense launch (`Kv::Dense`, the crate's `plan`) and a V
+//! head dim of its own (`Case::dv`), for head_dim_v_fa3.rs.
+//!
 //! `cargo test --test emulator serving_fa3::` runs a subset; `FLASH_ATTN_EMU=full` the matrix.
-use crate::support::emu::{check_sequence, run_launch, unit_exe, LaunchBuf, Mutation};
+use super::serving_fa2::{bits, from_bits};
 use crate::support::cu_seqlens;
 use crate::support::emu::addr::{CU_K, CU_Q, K, KNEW, LSE, O, Q, SEQUSED, TABLE, V, VNEW};
-use flash_attn::cuda::plan::{plan_serving, LaunchPlan, Operands, ServingOperands};
+use crate::support::emu::{check_sequence, run_launch, unit_exe, LaunchBuf, Mutation};
+use crate::support::serving::{values, Rng};
+use flash_attn::cuda::plan::{plan, plan_serving, LaunchPlan, Operands, ServingOperands};
 use flash_attn::cuda::table::FAMILIES;
 use flash_attn::serving::{BatchLayout, KvLayout, QueryLayout};
-use flash_attn::{DType, ForwardOptions, Mask, Tensor};
-use crate::support::serving::{values, Rng};
+use flash_attn::{DType, ForwardOptions, Mask, Problem, Tensor};
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
 
@@ -27,54 +31,52 @@ fn full() -> bool {
 
 /// Where the keys of each sequence are.
 #[derive(Clone, Debug)]
-enum Kv {
-    /// Packed k/v `[1, total_k, hkv, d]` with these lengths.
+pub(super) enum Kv {
+    /// A dense launch (`plan`, not a serving layout): k `[batch, sk, hkv, d]`, v `[.., dv]`, q
+    /// dense.
+    Dense(usize),
+    /// Packed k/v `[1, total_k, hkv, ..]` with these lengths.
     Packed(Vec<usize>),
-    /// A dense cache `[batch, capacity, hkv, d]`, sequence b using its first `lens[b]` rows.
+    /// A dense cache `[batch, capacity, hkv, ..]`, sequence b using its first `lens[b]` rows.
     Cache { lens: Vec<usize>, capacity: usize },
     /// A paged cache of `page`-key blocks: block ids shuffled, `spare` unused blocks, and with
     /// `shared` the second sequence's first block is the first one's (a shared prefix).
     Paged { lens: Vec<usize>, page: usize, spare: usize, shared: bool },
 }
 
-impl Kv {
-    fn lens(&self) -> &[usize] {
-        match self {
-            Kv::Packed(l) | Kv::Cache { lens: l, .. } | Kv::Paged { lens: l, .. } => l,
-        }
-    }
-}
-
-/// One emulated serving launch.
+/// One emulated launch of an FA3 row.
 #[derive(Clone, Debug)]
-struct Case {
-    family: &'static str,
-    dtype: DType,
-    hq: usize,
-    hkv: usize,
-    d: usize,
+pub(super) struct Case {
+    pub family: &'static str,
+    pub dtype: DType,
+    pub hq: usize,
+    pub hkv: usize,
+    /// Q/K's head dim and V's (O's columns; d but in the (192, 128) instance).
+    pub d: usize,
+    pub dv: usize,
     /// Query rows per sequence; `q_packed` false: dense q `[batch, sq, hq, d]` (all equal).
-    q_lens: Vec<usize>,
-    q_packed: bool,
-    kv: Kv,
-    opts: ForwardOptions,
-    sm_count: u32,
+    pub q_lens: Vec<usize>,
+    pub q_packed: bool,
+    pub kv: Kv,
+    pub opts: ForwardOptions,
+    pub sm_count: u32,
     /// Cache layouts: the last `appended` keys of each sequence are this call's new rows
     /// (`seqlen_new`), already in the cache as the append kernel leaves it before the attention.
-    appended: usize,
+    pub appended: usize,
     /// Scheduler seeds (bit-identical outputs across them).
-    seeds: Vec<u64>,
+    pub seeds: Vec<u64>,
 }
 
 impl Case {
-    fn name(&self) -> String {
+    pub(super) fn name(&self) -> String {
         format!(
-            "{} {:?} hq{} hkv{} d{} q{}{:?} {:?} {:?}{}{} sms{}",
+            "{} {:?} hq{} hkv{} d{}{} q{}{:?} {:?} {:?}{}{} sms{}",
             self.family,
             self.dtype,
             self.hq,
             self.hkv,
             self.d,
+            if self.dv != self.d { format!("/{}", self.dv) } else { String::new() },
             if self.q_packed { "packed" } else { "dense" },
             self.q_lens,
             self.kv,
@@ -84,48 +86,99 @@ impl Case {
             self.sm_count
         ) + &if self.appended > 0 { format!(" appended{}", self.appended) } else { String::new() }
     }
-}
 
-fn bits(x: &[f32], dtype: DType) -> Vec<u8> {
-    let t = Tensor::from_f32(x, dtype, [1, 1, 1, x.len()]).unwrap();
-    match t.view().data() {
-        flash_attn::Data::F16(s) => s.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
-        flash_attn::Data::BF16(s) => s.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
-        _ => unreachable!(),
+    fn k_lens(&self) -> Vec<usize> {
+        match &self.kv {
+            Kv::Dense(sk) => vec![*sk; self.q_lens.len()],
+            Kv::Packed(l) | Kv::Cache { lens: l, .. } | Kv::Paged { lens: l, .. } => l.clone(),
+        }
     }
-}
-
-fn from_bits(b: &[u8], dtype: DType) -> Vec<f32> {
-    b.chunks_exact(2)
-        .map(|c| {
-            let h = u16::from_le_bytes([c[0], c[1]]);
-            match dtype {
-                DType::BF16 => half::bf16::from_bits(h).to_f32(),
-                _ => half::f16::from_bits(h).to_f32(),
-            }
-        })
-        .collect()
 }
 
 /// Row of the k/v storage that holds key j of sequence b.
 type KeyRow = Box<dyn Fn(usize, usize) -> usize>;
 
+/// The k and v storage (`batch_dim` entries of `rows` rows of `hkv` heads: K with d columns, V
+/// with dv), NaN where no sequence has a key, and where each sequence's keys are.
+struct KvStore {
+    rows: usize,
+    batch_dim: usize,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    key_row: KeyRow,
+    table: Vec<i32>,
+    max_blocks: usize,
+}
+
+fn kv_store(c: &Case, rng: &mut Rng) -> KvStore {
+    let (rk, rv) = (c.hkv * c.d, c.hkv * c.dv);
+    let lens = c.k_lens();
+    let batch = lens.len();
+    // (storage rows per batch entry, batch entries, key row of (b, j)).
+    let (rows, batch_dim, key_row, table, max_blocks): (usize, usize, KeyRow, Vec<i32>, usize) = match &c.kv {
+        Kv::Dense(sk) => {
+            let sk = *sk;
+            (sk, batch, Box::new(move |b, j| b * sk + j), Vec::new(), 0)
+        }
+        Kv::Packed(l) => {
+            let cu = cu_seqlens(l);
+            (l.iter().sum(), 1, Box::new(move |b, j| cu[b] as usize + j), Vec::new(), 0)
+        }
+        Kv::Cache { capacity, .. } => {
+            let cap = *capacity;
+            (cap, batch, Box::new(move |b, j| b * cap + j), Vec::new(), 0)
+        }
+        Kv::Paged { page, spare, shared, .. } => {
+            let page = *page;
+            let need: Vec<usize> = lens.iter().map(|l| l.div_ceil(page)).collect();
+            let shared = *shared && batch >= 2 && lens[0] >= page && lens[1] >= page;
+            let num_blocks = need.iter().sum::<usize>() - usize::from(shared) + spare;
+            // A shuffled permutation of the block ids (Fisher-Yates on the test's generator).
+            let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
+            rng.shuffle(&mut ids);
+            let max_blocks = need.iter().copied().max().unwrap_or(0) + 1; // one -1 pad at least
+            let mut table = vec![-1; batch * max_blocks];
+            let mut next = ids.into_iter();
+            for b in 0..batch {
+                for blk in 0..need[b] {
+                    table[b * max_blocks + blk] =
+                        if shared && b == 1 && blk == 0 { table[0] } else { next.next().unwrap() };
+                }
+            }
+            let t = table.clone();
+            (page, num_blocks, Box::new(move |b, j| t[b * max_blocks + j / page] as usize * page + j % page), table, max_blocks)
+        }
+    };
+    // Every row some sequence uses gets a value (a shared block's once); the rest stay NaN.
+    let mut k = vec![f32::NAN; batch_dim * rows * rk];
+    let mut v = vec![f32::NAN; batch_dim * rows * rv];
+    for (b, &l) in lens.iter().enumerate() {
+        for j in 0..l {
+            let r = key_row(b, j);
+            if k[r * rk].is_nan() {
+                k[r * rk..][..rk].copy_from_slice(&values(rng, rk, c.dtype));
+                v[r * rv..][..rv].copy_from_slice(&values(rng, rv, c.dtype));
+            }
+        }
+    }
+    KvStore { rows, batch_dim, k, v, key_row, table, max_blocks }
+}
 
 /// Runs one case; Ok(worst err / bound over its sequences, the plan) or Err(why). With
 /// `execute` false only plans the launch (ratio 0).
-fn run(c: &Case, execute: bool) -> Result<(f64, LaunchPlan), String> {
+pub(super) fn run(c: &Case, execute: bool) -> Result<(f64, LaunchPlan), String> {
     run_mutated(c, execute, None)
 }
 
-fn run_mutated(c: &Case, execute: bool, mutation: Option<&Mutation>) -> Result<(f64, LaunchPlan), String> {
+/// As [`run`], on a mutated copy of the kernel sources.
+pub(super) fn run_mutated(c: &Case, execute: bool, mutation: Option<&Mutation>) -> Result<(f64, LaunchPlan), String> {
     let mut h = DefaultHasher::new();
     c.name().hash(&mut h);
     let mut rng = Rng::new(h.finish() | 1);
-    let (hq, hkv, d, dt) = (c.hq, c.hkv, c.d, c.dtype);
+    let (hq, hkv, d, dv, dt) = (c.hq, c.hkv, c.d, c.dv, c.dtype);
     let batch = c.q_lens.len();
-    let k_lens = c.kv.lens().to_vec();
-    assert_eq!(k_lens.len(), batch);
-    let row = hkv * d;
+    let k_lens = c.k_lens();
+    let (rk, rv) = (hkv * d, hkv * dv);
 
     // q: packed [1, total_q, hq, d] or dense [batch, sq, hq, d]; row r of sequence b at
     // q_row0[b] + r either way (dense: b * sq).
@@ -136,141 +189,85 @@ fn run_mutated(c: &Case, execute: bool, mutation: Option<&Mutation>) -> Result<(
     if !c.q_packed {
         assert!(c.q_lens.iter().all(|&l| l == sq_dense), "a dense q has one seqlen");
     }
-
-    // k/v storage and each sequence's key rows in it.
-    let (k_shape, key_row): ([usize; 4], KeyRow);
-    let mut table: Vec<i32> = Vec::new();
-    let mut max_blocks = 0;
-    let cu_k = cu_seqlens(&k_lens);
-    let (mut k, mut v);
-    match &c.kv {
-        Kv::Packed(lens) => {
-            let total: usize = lens.iter().sum();
-            k_shape = [1, total, hkv, d];
-            k = values(&mut rng, total * row, dt);
-            v = values(&mut rng, total * row, dt);
-            let cu_k = cu_k.clone();
-            key_row = Box::new(move |b, j| cu_k[b] as usize + j);
-        }
-        Kv::Cache { lens, capacity } => {
-            k_shape = [batch, *capacity, hkv, d];
-            k = vec![f32::NAN; batch * capacity * row];
-            v = k.clone();
-            let cap = *capacity;
-            for (b, &l) in lens.iter().enumerate() {
-                let (kk, vv) = (values(&mut rng, l * row, dt), values(&mut rng, l * row, dt));
-                k[b * cap * row..][..l * row].copy_from_slice(&kk);
-                v[b * cap * row..][..l * row].copy_from_slice(&vv);
-            }
-            key_row = Box::new(move |b, j| b * cap + j);
-        }
-        Kv::Paged { lens, page, spare, shared } => {
-            let page = *page;
-            let need: Vec<usize> = lens.iter().map(|l| l.div_ceil(page)).collect();
-            let shared = *shared && batch >= 2 && lens[0] >= page && lens[1] >= page;
-            let own: usize = need.iter().sum::<usize>() - usize::from(shared);
-            let num_blocks = own + spare;
-            // A shuffled permutation of the block ids (Fisher-Yates on the test's generator).
-            let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
-            rng.shuffle(&mut ids);
-            max_blocks = need.iter().copied().max().unwrap_or(0) + 1; // one -1 pad at least
-            table = vec![-1; batch * max_blocks];
-            let mut next = 0;
-            for b in 0..batch {
-                for blk in 0..need[b] {
-                    table[b * max_blocks + blk] = if shared && b == 1 && blk == 0 {
-                        table[0]
-                    } else {
-                        next += 1;
-                        ids[next - 1]
-                    };
-                }
-            }
-            k_shape = [num_blocks, page, hkv, d];
-            k = vec![f32::NAN; num_blocks * page * row];
-            v = k.clone();
-            // Every slot some sequence uses gets a value (a shared block once); the rest stay NaN.
-            for b in 0..batch {
-                for j in 0..lens[b] {
-                    let at = (table[b * max_blocks + j / page] as usize * page + j % page) * row;
-                    if k[at].is_nan() {
-                        k[at..at + row].copy_from_slice(&values(&mut rng, row, dt));
-                        v[at..at + row].copy_from_slice(&values(&mut rng, row, dt));
-                    }
-                }
-            }
-            let t = table.clone();
-            key_row = Box::new(move |b, j| t[b * max_blocks + j / page] as usize * page + j % page);
-        }
-    }
+    let kvs = kv_store(c, &mut rng);
 
     // The launch: the layout the serving API would validate, the problem it would build, the plan.
     let q_shape = if c.q_packed { [1, q_rows, hq, d] } else { [batch, sq_dense, hq, d] };
-    // cache_seqlens count the keys before this call's appended rows.
-    let seqlens: Vec<i32> = k_lens.iter().map(|&l| (l - c.appended) as i32).collect();
-    let ql = if c.q_packed {
-        QueryLayout::Varlen { cu_seqlens: &cu_q, max_seqlen: c.q_lens.iter().copied().max().unwrap_or(0) }
-    } else {
-        QueryLayout::Dense
-    };
-    let kl = match &c.kv {
-        Kv::Packed(lens) => KvLayout::Varlen { cu_seqlens: &cu_k, max_seqlen: lens.iter().copied().max().unwrap_or(0) },
-        Kv::Cache { .. } => KvLayout::Cache { seqlens: &seqlens, new: c.appended },
-        Kv::Paged { .. } => {
-            KvLayout::Paged { block_table: &table, max_blocks_per_seq: max_blocks, seqlens: &seqlens, new: c.appended }
-        }
-    };
-    let layout = BatchLayout::new(ql, q_shape, kl, k_shape).map_err(|e| format!("layout: {e}"))?;
-    let p = layout.launch_problem(hq, hkv, d, dt, &c.opts).map_err(|e| format!("problem: {e}"))?;
+    let o_shape = [q_shape[0], q_shape[1], hq, dv];
+    let (k_shape, v_shape) = ([kvs.batch_dim, kvs.rows, hkv, d], [kvs.batch_dim, kvs.rows, hkv, dv]);
     let st = |s: [usize; 4]| [s[1] * s[2] * s[3], s[2] * s[3], s[3]];
     let ops = Operands {
         ptrs: [Q, K, V, O],
-        strides: [st(q_shape), st(k_shape), st(k_shape), st(q_shape)],
+        strides: [st(q_shape), st(k_shape), st(v_shape), st(o_shape)],
         lse: if c.opts.return_lse { LSE } else { 0 },
         alibi: 0,
         sinks: 0,
     };
-    let sops = ServingOperands {
-        cu_seqlens_q: if c.q_packed { CU_Q } else { 0 },
-        cu_seqlens_k: if matches!(c.kv, Kv::Packed(_)) { CU_K } else { 0 },
-        seqused_k: if matches!(c.kv, Kv::Packed(_)) { 0 } else { SEQUSED },
-        block_table: if matches!(c.kv, Kv::Paged { .. }) { TABLE } else { 0 },
-        knew: if c.appended > 0 { KNEW } else { 0 },
-        vnew: if c.appended > 0 { VNEW } else { 0 },
-        new_strides: [[c.appended * row, row, d]; 2],
-        ..ServingOperands::default()
+    // cache_seqlens count the keys before this call's appended rows.
+    let seqlens: Vec<i32> = k_lens.iter().map(|&l| (l - c.appended) as i32).collect();
+    let cu_k = cu_seqlens(&k_lens);
+    let pl = if let Kv::Dense(_) = c.kv {
+        let t = |x: &[f32], s: [usize; 4]| Tensor::from_f32(x, dt, s).unwrap();
+        let (qt, kt, vt) = (t(&q, q_shape), t(&kvs.k, k_shape), t(&kvs.v, v_shape));
+        let p = Problem::new(&qt.view(), &kt.view(), &vt.view(), &c.opts).map_err(|e| format!("problem: {e}"))?;
+        plan(c.family, &p, &ops, c.sm_count).map_err(|e| format!("plan: {e}"))?
+    } else {
+        let ql = if c.q_packed {
+            QueryLayout::Varlen { cu_seqlens: &cu_q, max_seqlen: c.q_lens.iter().copied().max().unwrap_or(0) }
+        } else {
+            QueryLayout::Dense
+        };
+        let kl = match &c.kv {
+            Kv::Packed(lens) => KvLayout::Varlen { cu_seqlens: &cu_k, max_seqlen: lens.iter().copied().max().unwrap_or(0) },
+            Kv::Cache { .. } => KvLayout::Cache { seqlens: &seqlens, new: c.appended },
+            _ => KvLayout::Paged { block_table: &kvs.table, max_blocks_per_seq: kvs.max_blocks, seqlens: &seqlens, new: c.appended },
+        };
+        let layout = BatchLayout::new(ql, q_shape, kl, k_shape).map_err(|e| format!("layout: {e}"))?;
+        let p = layout.launch_problem_v(hq, hkv, (d, dv), dt, &c.opts).map_err(|e| format!("problem: {e}"))?;
+        let sops = ServingOperands {
+            cu_seqlens_q: if c.q_packed { CU_Q } else { 0 },
+            cu_seqlens_k: if matches!(c.kv, Kv::Packed(_)) { CU_K } else { 0 },
+            seqused_k: if matches!(c.kv, Kv::Packed(_)) { 0 } else { SEQUSED },
+            block_table: if matches!(c.kv, Kv::Paged { .. }) { TABLE } else { 0 },
+            knew: if c.appended > 0 { KNEW } else { 0 },
+            vnew: if c.appended > 0 { VNEW } else { 0 },
+            new_strides: [[c.appended * rk, rk, d], [c.appended * rv, rv, dv]],
+            ..ServingOperands::default()
+        };
+        plan_serving(c.family, &p, &layout, &ops, &sops, 1, c.sm_count).map_err(|e| format!("plan: {e}"))?
     };
-    let pl = plan_serving(c.family, &p, &layout, &ops, &sops, 1, c.sm_count).map_err(|e| format!("plan: {e}"))?;
+    if pl.tile.head_dim != d as u32 {
+        return Err(format!("planned on the hd {} instance, not hd {d}", pl.tile.head_dim));
+    }
     if !execute {
         return Ok((0.0, pl));
     }
     let fam = FAMILIES.iter().find(|f| f.name == c.family).unwrap();
     let exe = unit_exe(fam, pl.tile, mutation)?;
-    let lse_rows = hq * q_rows;
     let mut bufs = vec![
         LaunchBuf::input("q", Q, bits(&q, dt)),
-        LaunchBuf::input("k", K, bits(&k, dt)),
-        LaunchBuf::input("v", V, bits(&v, dt)),
-        LaunchBuf::output("o", O, q_rows * hq * d * 2),
+        LaunchBuf::input("k", K, bits(&kvs.k, dt)),
+        LaunchBuf::input("v", V, bits(&kvs.v, dt)),
+        LaunchBuf::output("o", O, q_rows * hq * dv * 2),
     ];
     if c.opts.return_lse {
-        bufs.push(LaunchBuf::output("lse", LSE, lse_rows * 4));
+        bufs.push(LaunchBuf::output("lse", LSE, hq * q_rows * 4));
     }
     if c.q_packed {
         bufs.push(LaunchBuf::i32s("cu_seqlens_q", CU_Q, &cu_q));
     }
     if c.appended > 0 {
         // The rows the append kernel already copied into the cache; the attention never reads them.
-        let n = batch * c.appended * row * 2;
-        bufs.push(LaunchBuf::input("k_new", KNEW, vec![0; n]));
-        bufs.push(LaunchBuf::input("v_new", VNEW, vec![0; n]));
+        bufs.push(LaunchBuf::input("k_new", KNEW, vec![0; batch * c.appended * rk * 2]));
+        bufs.push(LaunchBuf::input("v_new", VNEW, vec![0; batch * c.appended * rv * 2]));
     }
     match &c.kv {
+        Kv::Dense(_) => {}
         Kv::Packed(_) => bufs.push(LaunchBuf::i32s("cu_seqlens_k", CU_K, &cu_k)),
         Kv::Cache { .. } => bufs.push(LaunchBuf::i32s("seqused_k", SEQUSED, &seqlens)),
         Kv::Paged { .. } => {
             bufs.push(LaunchBuf::i32s("seqused_k", SEQUSED, &seqlens));
-            bufs.push(LaunchBuf::i32s("block_table", TABLE, &table));
+            bufs.push(LaunchBuf::i32s("block_table", TABLE, &kvs.table));
         }
     }
     let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("emu/serving-fa3").join(format!(
@@ -292,7 +289,7 @@ fn run_mutated(c: &Case, execute: bool, mutation: Option<&Mutation>) -> Result<(
             continue;
         }
         let q0 = cu_q[b] as usize;
-        let ob = &o[q0 * hq * d..(q0 + sq) * hq * d];
+        let ob = &o[q0 * hq * dv..(q0 + sq) * hq * dv];
         // LSE: packed [hq, total_q]; dense [batch, hq, sq].
         let lse_at =
             |h: usize, i: usize| if c.q_packed { lse[h * q_rows + q0 + i] } else { lse[(b * hq + h) * sq + i] };
@@ -306,16 +303,15 @@ fn run_mutated(c: &Case, execute: bool, mutation: Option<&Mutation>) -> Result<(
             }
             continue;
         }
-        let mut kb = Vec::with_capacity(sk * row);
-        let mut vb = Vec::with_capacity(sk * row);
+        let (mut kb, mut vb) = (Vec::with_capacity(sk * rk), Vec::with_capacity(sk * rv));
         for j in 0..sk {
-            let r = key_row(b, j) * row;
-            kb.extend_from_slice(&k[r..r + row]);
-            vb.extend_from_slice(&v[r..r + row]);
+            let r = (kvs.key_row)(b, j);
+            kb.extend_from_slice(&kvs.k[r * rk..][..rk]);
+            vb.extend_from_slice(&kvs.v[r * rv..][..rv]);
         }
         let qt = Tensor::from_f32(&q[q0 * hq * d..(q0 + sq) * hq * d], dt, [1, sq, hq, d]).unwrap();
         let kt = Tensor::from_f32(&kb, dt, [1, sk, hkv, d]).unwrap();
-        let vt = Tensor::from_f32(&vb, dt, [1, sk, hkv, d]).unwrap();
+        let vt = Tensor::from_f32(&vb, dt, [1, sk, hkv, dv]).unwrap();
         let lse_rows: &dyn Fn(usize, usize) -> f32 = &lse_at;
         match check_sequence((&qt.view(), &kt.view(), &vt.view()), &c.opts, dt, ob, c.opts.return_lse.then_some(lse_rows)) {
             Ok(ratio) => worst = worst.max(ratio),
@@ -331,7 +327,7 @@ fn check(cases: &[Case]) {
     });
 }
 
-fn case(
+pub(super) fn case(
     family: &'static str,
     dtype: DType,
     (hq, hkv, d): (usize, usize, usize),
@@ -345,6 +341,7 @@ fn case(
         hq,
         hkv,
         d,
+        dv: d,
         q_lens: q_lens.to_vec(),
         q_packed,
         kv,
@@ -354,7 +351,7 @@ fn case(
         seeds: vec![1, 2, 3],
     }
 }
-fn with(mut c: Case, f: impl FnOnce(&mut Case)) -> Case {
+pub(super) fn with(mut c: Case, f: impl FnOnce(&mut Case)) -> Case {
     f(&mut c);
     c
 }

@@ -16,7 +16,7 @@
 //! | `streams` | engines' own streams and contexts, CUDA graph capture |
 //! | `fp8` | the Hopper FP8 forward (fa3fp8s3..fa3fp8s5) against the CPU FP8 path and float64 |
 //! | `merge` | the device `merge_states` (combine kernel) against the host merge, sharded forward merged on the device |
-//! | `serving` | varlen and paged KV caches through `Backend::Cuda` (the FA2 serving kernels), per sequence |
+//! | `serving` | varlen, paged and FP8 KV caches through `Backend::Cuda` (the FA2 serving kernels; FA3's on an FP8 cache), per sequence |
 //! | here | the sanitizer subsets and the FA3 and FA4 ladders, which scripts/check/gpu-run.sh runs by exact name |
 
 #[path = "../support/mod.rs"]

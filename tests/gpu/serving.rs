@@ -1,12 +1,15 @@
-//! The serving paths on a GPU (docs/serving.md "GPU"): varlen and paged KV caches through the
-//! CPU API with `Backend::Cuda` (which runs `Engine::launch_serving_raw`: upload, the FA2 serving
-//! kernels, download), each sequence against the float64 reference on that sequence alone. The
-//! kernels ran in the emulator (tests/emulator/serving_fa2.rs); these tests have not run on a GPU.
+//! The serving paths on a GPU (docs/serving.md "GPU"): varlen and paged KV caches, and FP8 (e4m3)
+//! caches, through the CPU API with `Backend::Cuda` (which runs `Engine::launch_serving_raw` or
+//! `launch_serving_fp8_raw`: upload, the serving kernels, download), each sequence against the
+//! float64 reference on that sequence alone. The kernels ran in the emulator
+//! (tests/emulator/serving_fa2.rs, fp8_kv_cache.rs); these tests have not run on a GPU.
 
 use crate::support::serving::{slopes, values, Rng};
 use flash_attn::reference::{attention_f64, attention_naive, max_abs_diff};
-use flash_attn::serving::{forward_kvcache, forward_varlen, BlockTable, KvCache, Varlen};
-use flash_attn::{Backend, DType, ForwardOptions, Mask, Problem, Tensor};
+use flash_attn::numerics::fp8::e4m3_to_f32;
+use flash_attn::numerics::quant::{block_scale, encode_e4m3, finite_amax};
+use flash_attn::serving::{forward_kvcache, forward_varlen, BlockTable, Fp8KvCache, KvCache, KvScales, Varlen};
+use flash_attn::{Backend, DType, ForwardOptions, Mask, Problem, Tensor, Variant};
 
 /// Checks sequence rows `o` `[sq][hq][d]` and `lse(h, i)` against the reference of that sequence.
 #[allow(clippy::too_many_arguments)]
@@ -20,10 +23,12 @@ fn check_seq(dtype: DType, dims: (usize, usize, usize, usize, usize), q: &[f32],
         assert!((0..hq).all(|h| (0..sq).all(|i| lse(h, i) == f32::NEG_INFINITY)), "{what}: no keys, LSE must be -inf");
         return;
     }
+    // The inputs as given, in f32 (q, k, v hold dtype values, or an FP8 cache's dequantised ones,
+    // which the dtype may not hold); the naive attention rounds to `dtype`.
     let cpu = opts.clone().backend(Backend::Cpu);
-    let qt = Tensor::from_f32(q, dtype, [1, sq, hq, d]).unwrap();
-    let kt = Tensor::from_f32(k, dtype, [1, sk, hkv, d]).unwrap();
-    let vt = Tensor::from_f32(v, dtype, [1, sk, hkv, d]).unwrap();
+    let qt = Tensor::from_f32(q, DType::F32, [1, sq, hq, d]).unwrap();
+    let kt = Tensor::from_f32(k, DType::F32, [1, sk, hkv, d]).unwrap();
+    let vt = Tensor::from_f32(v, DType::F32, [1, sk, hkv, d]).unwrap();
     let p = Problem::new(&qt.view(), &kt.view(), &vt.view(), &cpu).unwrap();
     let r = attention_f64(&p, &qt.view(), &kt.view(), &vt.view()).unwrap();
     let naive = attention_naive(&p, &qt.view(), &kt.view(), &vt.view(), dtype).unwrap();
@@ -106,6 +111,98 @@ fn serving_paged_decode_on_gpu() {
             let lse_at = |h: usize, _i: usize| lse[b * hq + h];
             let r = |x: &[f32]| x[b * hq * d..(b + 1) * hq * d].to_vec();
             check_seq(DType::BF16, (1, l, hq, hkv, d), &r(&q), &logical[b].0, &logical[b].1, &opts, &r(&o), &lse_at, &format!("page {page} seq {b}"));
+        }
+    }
+}
+
+/// An FP8 (e4m3) cache, dense and paged (pages of 3, 16 and 256), per-tensor and per-(token, head)
+/// scales, decode and 3 causal rows, read through `Backend::Cuda` by FA2 (`Auto`) and, on Hopper,
+/// by FA3's stage 5 (`Variant::Fa3`): each sequence against the float64 reference over the
+/// dequantised cache (`e4m3(code) · scale`, exact in f32), the naive attention rounding it to the
+/// dtype as the kernels' 16-bit tiles hold it. Unused slots hold NaN codes and NaN scales.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fp8_kv_cache_on_gpu() {
+    let hopper = crate::util::engine().device().sm() == 90;
+    let mut rng = Rng::new(24);
+    let (hq, hkv, d) = (8, 2, 128);
+    let lens = [300usize, 1, 0, 129];
+    let row = hkv * d;
+    for page in [None, Some(3usize), Some(16), Some(256)] {
+        for per_token in [false, true] {
+            let (slots_per_b, max_blocks) = match page {
+                None => (lens.iter().copied().max().unwrap() + 5, 0),
+                Some(p) => (0, lens.iter().map(|l| l.div_ceil(p)).max().unwrap().max(1)),
+            };
+            let num_blocks = page.map_or(lens.len(), |p| lens.iter().map(|l| l.div_ceil(p)).sum::<usize>() + 1);
+            let rows_per_block = page.unwrap_or(slots_per_b);
+            let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
+            rng.shuffle(&mut ids);
+            let mut table = vec![-1i32; lens.len() * max_blocks];
+            if let Some(p) = page {
+                let mut next = ids.into_iter();
+                for (b, &l) in lens.iter().enumerate() {
+                    for q in 0..l.div_ceil(p) {
+                        table[b * max_blocks + q] = next.next().unwrap();
+                    }
+                }
+            }
+            let slot = |b: usize, j: usize| match page {
+                None => b * slots_per_b + j,
+                Some(p) => table[b * max_blocks + j / p] as usize * p + j % p,
+            };
+            let slots = num_blocks * rows_per_block;
+            let per_tensor = [0.02f32, 0.015];
+            let (mut codes, mut scales) = ([vec![0x7Fu8; slots * row], vec![0x7Fu8; slots * row]], [vec![f32::NAN; slots * hkv], vec![f32::NAN; slots * hkv]]);
+            // Per sequence, K's and V's dequantised rows [sk][hkv][d].
+            let mut deq: Vec<[Vec<f32>; 2]> = Vec::new();
+            for (b, &l) in lens.iter().enumerate() {
+                let mut seq = [Vec::with_capacity(l * row), Vec::with_capacity(l * row)];
+                for side in 0..2 {
+                    let x = values(&mut rng, l * row, DType::BF16);
+                    for j in 0..l {
+                        for h in 0..hkv {
+                            let (s, xr) = (slot(b, j) * hkv + h, &x[(j * hkv + h) * d..][..d]);
+                            let scale = if per_token { block_scale(finite_amax(xr)) } else { per_tensor[side] };
+                            scales[side][s] = scale;
+                            encode_e4m3(xr, scale, &mut codes[side][s * d..][..d]);
+                            seq[side].extend(codes[side][s * d..][..d].iter().map(|&c| e4m3_to_f32(c) * scale));
+                        }
+                    }
+                }
+                deq.push(seq);
+            }
+            let seqlens: Vec<i32> = lens.iter().map(|&l| l as i32).collect();
+            let cache = Fp8KvCache {
+                k: &codes[0],
+                v: &codes[1],
+                shape: [num_blocks, rows_per_block, hkv, d],
+                scales: if per_token {
+                    KvScales::PerTokenHead { k: &scales[0], v: &scales[1] }
+                } else {
+                    KvScales::PerTensor { k: per_tensor[0], v: per_tensor[1] }
+                },
+                seqlens: &seqlens,
+                block_table: page.map(|_| BlockTable { ids: &table, max_blocks_per_seq: max_blocks }),
+            };
+            let variants: &[Variant] = if hopper { &[Variant::Auto, Variant::Fa3] } else { &[Variant::Auto] };
+            for &variant in variants {
+                for (dtype, sq) in [(DType::BF16, 1usize), (DType::F16, 3)] {
+                    let q = values(&mut rng, lens.len() * sq * hq * d, dtype);
+                    let opts = ForwardOptions::default().mask(Mask::Causal).return_lse(true).variant(variant).backend(Backend::Cuda(0));
+                    let qt = Tensor::from_f32(&q, dtype, [lens.len(), sq, hq, d]).unwrap();
+                    let out = forward_kvcache(&qt, &cache, &opts).unwrap();
+                    let want = if variant == Variant::Fa3 { "fa3" } else { "fa2" };
+                    assert!(out.dispatch.kernel.starts_with(want), "{variant:?}: {:?}", out.dispatch);
+                    let (o, lse) = (out.o.to_f32_vec(), out.lse.unwrap());
+                    for (b, &l) in lens.iter().enumerate() {
+                        let lse_at = |h: usize, i: usize| lse[(b * hq + h) * sq + i];
+                        let r = |x: &[f32]| x[b * sq * hq * d..(b + 1) * sq * hq * d].to_vec();
+                        let what = format!("{variant:?} {dtype:?} page {page:?} per_token {per_token} seq {b}");
+                        check_seq(dtype, (sq, l, hq, hkv, d), &r(&q), &deq[b][0], &deq[b][1], &opts, &r(&o), &lse_at, &what);
+                    }
+                }
+            }
         }
     }
 }
