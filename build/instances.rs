@@ -929,9 +929,7 @@ pub const FAMILIES: &[Family] = &[
         // As the fa2 row: Auto runs the pairs on it wherever FA2 runs.
         auto: true,
         sass_expect: &["HMMA.16816.F32", "LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS"],
-        // Sinks are not tested on this row (tests/emulator/sinks.rs covers the others): a call
-        // with both runs on the CPU.
-        options: KernelOptions::HEAD_DIM_V,
+        options: KernelOptions::SINKS.union(KernelOptions::HEAD_DIM_V),
         softmax: SoftmaxParams::NONE,
         rank: 2,
         cpu_emulation: Some("fa2v_pairs"),

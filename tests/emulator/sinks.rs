@@ -1,5 +1,6 @@
 //! Attention sinks in the kernels (`ForwardOptions::sinks`, `FwdParams::sinks`) in the CPU
-//! emulator: every family whose table row has `SINKS` (FA1, FA2, FA3 stages 1-5, the FA4
+//! emulator: every family whose table row has `SINKS` (FA1, FA2 with its fa2v row of MLA's V
+//! head dims, FA3 stages 1-5, the FA4
 //! tcgen05 stages 1-3 and FA4's softmax on the FA2 / FA3 pipelines) against the float64
 //! reference with sinks, with the GPU tests' rule (support/emu.rs `run_case`); and the
 //! serving launches of FA1 and FA2, split-KV included, where the splits leave the sink out and
@@ -12,10 +13,11 @@
 //! the serving batches a sequence without keys, so some rows see no key: O = 0 and LSE = the
 //! head's sink (-inf without one).
 //!
-//! `cargo test --test emulator sinks::` runs the CI subset (12 dense launches: FA1, FA2 and FA3
+//! `cargo test --test emulator sinks::` runs the CI subset (13 dense launches: FA1, FA2 and FA3
 //! stage 5, the stage `Variant::Fa3` runs, over both dtypes, head dims 64 and 128 and every mask,
-//! and one launch of each FA3 stage 1-4; 6 FA4 launches: each tcgen05 stage, stage 3 twice,
-//! and FA4's softmax on each pipeline; 3 FA1 and 2 FA2 serving launches, 3 of them split-KV);
+//! fa2v at (192, 128), and one launch of each FA3 stage 1-4; 6 FA4 launches: each tcgen05 stage,
+//! stage 3 twice, and FA4's softmax on each pipeline; 3 FA1 and 3 FA2 serving launches, 4 of
+//! them split-KV, one fa2v (576, 512) decode);
 //! `FLASH_ATTN_EMU=full` runs every family x f16/bf16 x its head dims among 64/128/256 x no
 //! mask/causal/window and 5 serving launches more. `fa4_sink_mutations_are_caught` shows that
 //! the FA4 launches fail without the sink's fold, or with a row that sees no key written as
@@ -35,9 +37,10 @@ fn threads() -> usize {
 }
 
 /// The families the full matrix runs: every row of the table with `SINKS`.
-const FAMILIES_WITH_SINKS: [&str; 16] = [
+const FAMILIES_WITH_SINKS: [&str; 17] = [
     "fa1",
     "fa2",
+    "fa2v",
     "fa3s1",
     "fa3s2",
     "fa3s3",
@@ -54,10 +57,15 @@ const FAMILIES_WITH_SINKS: [&str; 16] = [
     "fa4_fa3s5_p4t8",
 ];
 
-/// The head dims of the full matrix a family has instances of.
-fn dims_of(family: &str) -> Vec<usize> {
+/// The (Q/K, V) head dims of the full matrix a family has instances of: 64, 128 and 256, and
+/// every pair of a row whose V head dim differs (fa2v's MLA pairs).
+fn dims_of(family: &str) -> Vec<(usize, usize)> {
     let row = FAMILIES.iter().find(|f| f.name == family).expect("a row of the table");
-    [64, 128, 256].into_iter().filter(|&d| row.tiles.iter().any(|t| t.head_dim as usize == d)).collect()
+    row.tiles
+        .iter()
+        .map(|t| (t.head_dim as usize, t.head_dim_v as usize))
+        .filter(|&(d, dv)| dv != d || [64, 128, 256].contains(&d))
+        .collect()
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -71,6 +79,11 @@ enum Shape {
 }
 
 fn sink_case(family: &'static str, dtype: DType, d: usize, shape: Shape) -> Case {
+    sink_case_v(family, dtype, (d, d), shape)
+}
+
+/// As `sink_case`, with V's head dim `dv`.
+fn sink_case_v(family: &'static str, dtype: DType, (d, dv): (usize, usize), shape: Shape) -> Case {
     let base = ForwardOptions::default().return_lse(true).sinks(sinks(4));
     let (q, k, opts) = match shape {
         Shape::NoMask => ([2, 65, 4, d], [2, 130, 2, d], base),
@@ -78,6 +91,7 @@ fn sink_case(family: &'static str, dtype: DType, d: usize, shape: Shape) -> Case
         Shape::Window => ([1, 70, 4, d], [1, 200, 2, d], base.mask(Mask::window(20, 5)).softcap(20.0)),
     };
     let mut c = Case::new(family, dtype, q, k, opts);
+    c.dv = dv;
     c.label = format!("sinks {shape:?}");
     if family.starts_with("fa3s5") || family.starts_with("fa4_fa3s5") {
         c.sm_count = 2; // the persistent grid walks more than one tile per CTA
@@ -120,9 +134,9 @@ fn sinks_dense_launches() {
     if full() {
         for family in FAMILIES_WITH_SINKS {
             for dtype in [DType::F16, DType::BF16] {
-                for d in dims_of(family) {
+                for dims in dims_of(family) {
                     for shape in [Shape::NoMask, Shape::Causal, Shape::Window] {
-                        cases.push(sink_case(family, dtype, d, shape));
+                        cases.push(sink_case_v(family, dtype, dims, shape));
                     }
                 }
             }
@@ -134,6 +148,8 @@ fn sinks_dense_launches() {
             sink_case("fa2", DType::BF16, 64, Shape::NoMask),
             sink_case("fa2", DType::F16, 128, Shape::Causal),
             sink_case("fa2", DType::BF16, 128, Shape::Window),
+            // DeepSeek MLA prefill's (192, 128) on the fa2v row (its epilogue is fa2's).
+            sink_case_v("fa2v", DType::BF16, (192, 128), Shape::Causal),
             sink_case("fa3s5", DType::BF16, 64, Shape::Causal),
             sink_case("fa3s5", DType::F16, 128, Shape::Window),
             sink_case("fa3s5", DType::BF16, 128, Shape::NoMask),
@@ -210,6 +226,8 @@ fn sinks_fa2_serving_and_split_kv() {
     let mut cases = vec![
         SCase { sinks: true, mask: Mask::Causal, ..base(DType::F16, 64, 4, 2, Ok(vec![5, 0, 70, 3]), Kv::Varlen(vec![9, 4, 130, 0])) },
         SCase { sinks: true, splits: 3, mask: Mask::Causal, ..base(DType::BF16, 64, 4, 2, Err(1), paged(&lens, 16, true)) },
+        // MLA's absorbed decode (576, 512) on the fa2v row, split-KV over a paged cache.
+        SCase { family: "fa2v", dv: 512, sinks: true, splits: 2, ..base(DType::BF16, 576, 4, 1, Err(1), paged(&lens, 16, false)) },
     ];
     if full() {
         cases.push(SCase { sinks: true, splits: 4, mask: Mask::window(90, 0), ..base(DType::F16, 128, 4, 1, Err(2), paged(&lens, 3, false)) });

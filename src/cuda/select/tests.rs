@@ -726,7 +726,8 @@ fn sinks_run_on_every_family_but_fp8() {
 /// (576, 512), under `Auto` and `Variant::Fa2`, on every GPU of the real table, and on FA3 stage
 /// 5's (192, 128) instance with `Variant::Fa3` on sm_90a; FA1 and FA4 refuse it. Any other pair is
 /// refused by every variant, FA2's error naming the pairs that run, and `Auto` finds no kernel (so
-/// `Backend::Auto` runs the call on the CPU); equal head dims still pick a kernel.
+/// `Backend::Auto` runs the call on the CPU); equal head dims still pick a kernel. Sinks run on
+/// fa2v too.
 #[test]
 fn a_v_head_dim_unlike_qk_runs_on_fa2v_at_the_mla_pairs_only() {
     let blackwell = Built(FakeGpu { cc: (10, 0), smem: 227 * 1024 });
@@ -764,5 +765,9 @@ fn a_v_head_dim_unlike_qk_runs_on_fa2v_at_the_mla_pairs_only() {
         }
         let c = choose_in(FAMILIES, gpu, &problem(DType::BF16, 192, &opts), Variant::Auto).unwrap();
         assert_ne!(c.family.name, "fa2v", "equal head dims run on their own rows");
+        // With sinks too (the row's epilogue is fa2's).
+        let sinks = ForwardOptions::default().sinks(vec![0.5, -1.0, 2.0, f32::NEG_INFINITY]);
+        let p = Problem::from_shapes([1, 1, 4, 576], [1, 100, 2, 576], [1, 100, 2, 512], DType::BF16, &sinks).unwrap();
+        assert_eq!(choose_in(FAMILIES, gpu, &p, Variant::Auto).unwrap().family.name, "fa2v");
     }
 }
