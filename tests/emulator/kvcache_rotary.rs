@@ -2,7 +2,8 @@
 //! the kernels (docs/serving.md "GPU"), run in the CPU emulator exactly as `Engine` launches them:
 //! the append kernel (`plan_append`) rotates k_new into the cache and q into a scratch, then
 //! the attention (`plan_serving`: FA2, FA3 stages 3-5, FA1 in the full matrix) reads the rotated
-//! q and the cache through each sequence's cache row and first key.
+//! q and the cache through each sequence's cache row and first key, or through a block table
+//! (`rotary_with_paged_caches`).
 //!
 //! Two checks per case. The cache the append kernel leaves equals, slot for slot, the one the CPU
 //! path (`serving::forward_kvcache_append_rotary` / `forward_kvcache_append`, the specification)
@@ -16,15 +17,15 @@
 //! subset; `FLASH_ATTN_EMU=full` adds a seeded random matrix.
 
 use super::serving_fa2::{bits, contiguous, f32s, from_bits, merge_splits};
-use crate::support::emu::addr::{ALIBI, K, KNEW, LSE, LSE_ACC, O, O_ACC, Q, SEQUSED, V, VNEW};
+use crate::support::emu::addr::{ALIBI, K, KNEW, LSE, LSE_ACC, O, O_ACC, Q, SEQUSED, TABLE, V, VNEW};
 use crate::support::emu::{check_sequence, matrix_seed, run_launch, unit_exe, LaunchBuf, Mutation};
 use crate::support::serving::{slopes, values, Rng};
 use flash_attn::cuda::plan::{plan_append, plan_serving, FwdParams, Operands, RotaryOperands, ServingOperands};
 use flash_attn::cuda::table::FAMILIES;
 use flash_attn::reference::{rotary_f64};
 use flash_attn::serving::{
-    forward_kvcache_append, forward_kvcache_append_rotary, BatchLayout, CacheRows, KvCacheMut, KvLayout, QueryLayout,
-    Rotary,
+    forward_kvcache_append, forward_kvcache_append_rotary, BatchLayout, BlockTable, CacheRows, KvCacheMut, KvLayout,
+    QueryLayout, Rotary,
 };
 use flash_attn::{DType, Element, ForwardOptions, Mask, Tensor};
 use std::hash::{Hash, Hasher};
@@ -60,6 +61,10 @@ struct Case {
     sq: usize,
     /// (rotary_dim, interleaved); only with `new > 0` (the rotary belongs to the append).
     rotary: Option<(usize, bool)>,
+    /// A paged cache of this many keys per block instead of the dense one (no batch_idx or
+    /// leftpad: FlashAttention has neither with a block table): `capacity / page` blocks per
+    /// sequence, block ids shuffled, two spare blocks.
+    page: Option<usize>,
     mask: Mask,
     alibi: bool,
     splits: usize,
@@ -69,7 +74,7 @@ struct Case {
 impl Case {
     fn name(&self) -> String {
         format!(
-            "{} {:?} d{} h{}/{} cached{:?} leftpad{:?} batch_idx{:?} rows{} cap{} new{} sq{} rotary{:?} {:?}{} splits{}",
+            "{} {:?} d{} h{}/{} cached{:?} leftpad{:?} batch_idx{:?} rows{} cap{} new{} sq{} rotary{:?} {:?}{} splits{}{}",
             self.family,
             self.dtype,
             self.d,
@@ -85,7 +90,8 @@ impl Case {
             self.rotary,
             self.mask,
             if self.alibi { " alibi" } else { "" },
-            self.splits
+            self.splits,
+            self.page.map_or(String::new(), |p| format!(" page{p}"))
         )
     }
     fn batch(&self) -> usize {
@@ -137,7 +143,7 @@ fn cpu_append<T: Element>(
     (k, v): (&[f32], &[f32]),
     (q, knew, vnew): (&[f32], &[f32], &[f32]),
     seqlens: &[i32],
-    rows: CacheRows<'_>,
+    (shape, table, rows): ([usize; 4], Option<BlockTable<'_>>, CacheRows<'_>),
     rot: Option<Rotary<'_>>,
 ) -> Result<(Vec<f32>, Vec<f32>), String> {
     let (mut kt, mut vt): (Vec<T>, Vec<T>) =
@@ -149,9 +155,9 @@ fn cpu_append<T: Element>(
     let mut cache = KvCacheMut {
         k: &mut kt,
         v: &mut vt,
-        shape: [c.rows, c.capacity, c.hkv, c.d],
+        shape,
         seqlens,
-        block_table: None,
+        block_table: table,
         batch_idx: rows.batch_idx,
         leftpad: rows.leftpad,
     };
@@ -197,12 +203,27 @@ fn run_mutated(c: &Case, mutation: Option<&Mutation>) -> Result<f64, String> {
     let mut rng = Rng::new(c.seed | 1);
     let (hq, hkv, d, dtype, batch) = (c.hq, c.hkv, c.d, c.dtype, c.batch());
     let row = hkv * d;
-    let shape = [c.rows, c.capacity, hkv, d];
+    // The paged cache's block table (shuffled ids, two spare blocks), and where key `pos` of
+    // sequence b lies: its slot in the cache storage.
+    let (shape, table, max_blocks) = match c.page {
+        None => ([c.rows, c.capacity, hkv, d], Vec::new(), 0),
+        Some(page) => {
+            let max_blocks = c.capacity / page;
+            let num_blocks = batch * max_blocks + 2;
+            let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
+            rng.shuffle(&mut ids);
+            ([num_blocks, page, hkv, d], ids[..batch * max_blocks].to_vec(), max_blocks)
+        }
+    };
+    let slot = |b: usize, pos: usize| match c.page {
+        None => c.cache_row(b) * c.capacity + pos,
+        Some(page) => table[b * max_blocks + pos / page] as usize * page + pos % page,
+    };
     let n: usize = shape.iter().product();
     let (mut kc, mut vc) = (vec![f32::NAN; n], vec![f32::NAN; n]);
     for b in 0..batch {
         for pos in c.pad(b)..c.cached[b] {
-            let at = (c.cache_row(b) * c.capacity + pos) * row;
+            let at = slot(b, pos) * row;
             kc[at..at + row].copy_from_slice(&values(&mut rng, row, dtype));
             vc[at..at + row].copy_from_slice(&values(&mut rng, row, dtype));
         }
@@ -215,16 +236,22 @@ fn run_mutated(c: &Case, mutation: Option<&Mutation>) -> Result<f64, String> {
     let seqlens = i32s(&c.cached);
     let (idx, pad) = (c.batch_idx.as_deref().map(i32s), c.leftpad.as_deref().map(i32s));
     let rows = CacheRows { batch_idx: idx.as_deref(), leftpad: pad.as_deref() };
+    let block_table = c.page.map(|_| BlockTable { ids: &table, max_blocks_per_seq: max_blocks });
     let rot = c.rotary.map(|(rd, inter)| Rotary::new(&tab.0, &tab.1, rd, inter));
 
     // The cache the CPU path leaves (the specification of the append).
     let cpu = match (c.new, dtype) {
         (0, _) => (kc.clone(), vc.clone()),
-        (_, DType::BF16) => cpu_append::<half::bf16>(c, (&kc, &vc), (&qx, &knew, &vnew), &seqlens, rows, rot)?,
-        _ => cpu_append::<half::f16>(c, (&kc, &vc), (&qx, &knew, &vnew), &seqlens, rows, rot)?,
+        (_, DType::BF16) => {
+            cpu_append::<half::bf16>(c, (&kc, &vc), (&qx, &knew, &vnew), &seqlens, (shape, block_table, rows), rot)?
+        }
+        _ => cpu_append::<half::f16>(c, (&kc, &vc), (&qx, &knew, &vnew), &seqlens, (shape, block_table, rows), rot)?,
     };
 
-    let kl = KvLayout::Cache { seqlens: &seqlens, new: c.new };
+    let kl = match c.page {
+        None => KvLayout::Cache { seqlens: &seqlens, new: c.new },
+        Some(_) => KvLayout::Paged { block_table: &table, max_blocks_per_seq: max_blocks, seqlens: &seqlens, new: c.new },
+    };
     let layout =
         BatchLayout::with_cache_rows(QueryLayout::Dense, q_shape, kl, shape, rows).map_err(|e| format!("layout: {e}"))?;
     let opts = c.opts();
@@ -239,6 +266,7 @@ fn run_mutated(c: &Case, mutation: Option<&Mutation>) -> Result<f64, String> {
     let advance = c.q_rows_advance();
     let mut sops = ServingOperands {
         seqused_k: SEQUSED,
+        block_table: if c.page.is_some() { TABLE } else { 0 },
         o_accum: O_ACC,
         lse_accum: LSE_ACC,
         knew: KNEW,
@@ -262,6 +290,9 @@ fn run_mutated(c: &Case, mutation: Option<&Mutation>) -> Result<f64, String> {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("emu/kvcache_rotary").join(format!("{:016x}", h.finish()));
     let index_bufs = |fp: &FwdParams| {
         let mut v = vec![LaunchBuf::i32s("seqused_k", SEQUSED, &seqlens)];
+        if fp.block_table != 0 {
+            v.push(LaunchBuf::i32s("block_table", TABLE, &table));
+        }
         if fp.cache_batch_idx != 0 {
             v.push(LaunchBuf::i32s("cache_batch_idx", BATCH_IDX, idx.as_deref().unwrap_or_default()));
         }
@@ -354,7 +385,7 @@ fn run_mutated(c: &Case, mutation: Option<&Mutation>) -> Result<f64, String> {
         }
         for pos in pad..cached + c.new {
             if pos < cached {
-                let at = (c.cache_row(b) * c.capacity + pos) * row;
+                let at = slot(b, pos) * row;
                 kb.extend_from_slice(&kc[at..at + row]);
                 vb.extend_from_slice(&vc[at..at + row]);
             } else {
@@ -405,11 +436,18 @@ fn base(family: &'static str, dtype: DType, d: usize, (hq, hkv): (usize, usize),
         new,
         sq: new.max(1),
         rotary: None,
+        page: None,
         mask: Mask::Causal,
         alibi: false,
         splits: 1,
         seed: 11,
     }
+}
+
+/// `base` on a paged cache of `page`-key blocks, `blocks` per sequence (the capacity the rotary
+/// tables and q's positions count).
+fn paged(c: Case, page: usize, blocks: usize) -> Case {
+    Case { page: Some(page), capacity: page * blocks, leftpad: None, batch_idx: None, rows: c.batch(), ..c }
 }
 
 /// FA2: interleaved and half-split, rotary_dim below and equal to head_dim, appends of 1-4 rows,
@@ -431,6 +469,20 @@ fn fa2_rotary_batch_idx_leftpad() {
         cases.extend(matrix(&["fa2", "fa1"], 0xF2, 16));
     }
     check(&cases);
+}
+
+/// Paged caches: the append kernel rotates k_new into the slots the block table names (its cache
+/// slot for slot as the CPU path's, every other slot and the spare blocks unchanged), FA2 and FA3
+/// read them through the table (FA3 stage 5 gathered at 16-key pages, by TMA at 128).
+#[test]
+fn rotary_with_paged_caches() {
+    use DType::{BF16, F16};
+    check(&[
+        paged(Case { rotary: Some((64, true)), ..base("fa2", F16, 64, (4, 2), 3) }, 16, 2),
+        paged(Case { rotary: Some((32, false)), mask: Mask::None, splits: 2, ..base("fa2", BF16, 128, (8, 2), 2) }, 3, 9),
+        paged(Case { rotary: Some((64, false)), ..base("fa3s5", BF16, 128, (4, 2), 2) }, 16, 2),
+        paged(Case { rotary: Some((128, true)), mask: Mask::None, ..base("fa3s5", F16, 128, (2, 1), 1) }, 128, 1),
+    ]);
 }
 
 /// FA3 stages 4 and 5 (and 3 in the full matrix) after the same append kernel: the rotated q from
@@ -482,6 +534,7 @@ fn matrix(families: &[&'static str], fixed: u64, n: u64) -> Vec<Case> {
                 new,
                 sq,
                 rotary,
+                page: None,
                 mask: [Mask::None, Mask::Causal, Mask::window(rng.below(30) as i64, rng.below(3) as i64)][rng.below(3)],
                 alibi: !family.starts_with("fa3") && rng.below(4) == 0,
                 splits: if family.starts_with("fa3") { 1 } else { [1, 1, 2, 3][rng.below(4)] },
