@@ -10,6 +10,8 @@
 #      traps after 2 s), so the window yields a message instead of only a timeout,
 #   1c. the backward kernels (gpu backward::: FA2 and the FA3-style kernel against the float64
 #      reference gradient, deterministic and atomic dq) under their own timeout, into tests.log,
+#   1d. FA3's serving tests (gpu fa3_serving_*: the FP8 KV cache, the rotary append) once stage 5
+#      passed, under their own timeout, into fa3.log,
 #   2. compute-sanitizer memcheck (and racecheck) on the short `sanitizer_subset` test, and
 #      memcheck on `fa3_sanitizer_subset` for each FA3 stage that passed (own timeout each),
 #   3. each bench binary briefly (criterion: 0.5 s warm-up, 1 s measurement; the GPU one on
@@ -105,6 +107,16 @@ if [ -x "$here/bin/gpu" ]; then
   rc=$?
   res="$(sed -n '/^== backward::$/,$p' "$out/tests.log" | grep -E '^test result:' | tail -1 | sed 's/test result: //')"
   row "gpu backward:: (fa2, fa3 bwd)" "$([ $rc = 0 ] && echo PASS || echo FAIL)" $((SECONDS - t0)) "rc=$rc ${res}"
+fi
+# 1d. FA3's serving paths (the stage-5 kernel, gathered FP8 tiles and the rotary append's cache),
+# only once stage 5 passed alone.
+if [ -x "$here/bin/gpu" ] && [[ "$fa3_passed" == *5* ]]; then
+  t0=$SECONDS
+  echo "== fa3_serving_" >>"$out/fa3.log"
+  timeout "${FA3_SERVING_TIMEOUT:-60}" "$here/bin/gpu" --ignored --test-threads=2 fa3_serving_ --nocapture >>"$out/fa3.log" 2>&1
+  rc=$?
+  res="$(sed -n '/^== fa3_serving_$/,$p' "$out/fa3.log" | grep -E '^test result:' | tail -1 | sed 's/test result: //')"
+  row "gpu fa3_serving_ (fp8 cache, rotary append)" "$([ $rc = 0 ] && echo PASS || echo FAIL)" $((SECONDS - t0)) "rc=$rc ${res}"
 fi
 grep -E '^test .* FAILED|panicked' "$out/tests.log" "$out/fa3.log" | head -20 >>"$summary"
 

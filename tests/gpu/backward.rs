@@ -249,3 +249,49 @@ fn backward_options_refusals_and_host_path() {
     let e = flash_attn::backward(&x.q, &x.k, &x.v, &x.o, &x.d_o, &x.lse, &auto);
     assert!(matches!(e, Err(Error::VariantUnavailable { variant: Variant::Auto, .. })), "{:?}", e.map(|g| g.dispatch));
 }
+
+/// Attention sinks in the GPU backward, through the host path (`flash_attn::backward` with
+/// `Backend::Cuda(0)`): dq, dk, dv (the LSE includes the sink) and `Gradients::d_sinks` (one more
+/// launch, a fixed-order sum) against the float64 reference with the rule above, on FA2 and, on
+/// sm_90, the FA3-style kernel; the sinks of tests/emulator/backward.rs (near the scores, none,
+/// far above, below), causal with rows that see no key, both dq modes (bit-identical d_sinks).
+#[test]
+#[ignore = "needs a CUDA GPU (sm_80 or newer)"]
+fn backward_with_sinks() {
+    let engine = engine();
+    let mut rng = Rng::new(0xb051);
+    let sinks = vec![0.7f32, f32::NEG_INFINITY, 100.0, -2.0];
+    for variant in [Variant::Fa2, Variant::Fa3] {
+        if !runs_here(&engine, variant) {
+            continue;
+        }
+        for (dtype, mask, (q_shape, k_shape)) in [
+            (DType::BF16, Mask::Causal, ([1, 130, 4, 64], [1, 63, 2, 64])),
+            (DType::F16, Mask::None, ([2, 100, 4, 128], [2, 300, 1, 128])),
+        ] {
+            let base = ForwardOptions::default().mask(mask).sinks(sinks.clone()).variant(variant).backend(Backend::Cuda(0));
+            let (p, x) = inputs(&mut rng, dtype, q_shape, k_shape, &base);
+            let want = expected(&p, &x);
+            let mut first: Option<Vec<f32>> = None;
+            for deterministic in [false, true] {
+                let opts = base.clone().deterministic(deterministic);
+                let what = format!("{variant:?} {dtype:?} {mask:?} q{q_shape:?} k{k_shape:?} sinks deterministic {deterministic}");
+                let g = flash_attn::backward(&x.q, &x.k, &x.v, &x.o, &x.d_o, &x.lse, &opts).unwrap_or_else(|e| panic!("{what}: {e}"));
+                let f64s = |t: &Tensor| t.to_f32_vec().iter().map(|&x| x as f64).collect::<Vec<_>>();
+                let grads = Grads { dq: f64s(&g.dq), dk: f64s(&g.dk), dv: f64s(&g.dv), dispatch: g.dispatch.clone() };
+                check_grads(dtype, &want, &grads, &what);
+                let got = g.d_sinks.clone().unwrap_or_else(|| panic!("{what}: no d_sinks"));
+                let (r, n) = (want.reference.d_sinks.as_ref().unwrap(), want.naive.d_sinks.as_ref().unwrap());
+                let got64: Vec<f64> = got.iter().map(|&x| x as f64).collect();
+                let err = max_abs_diff(&got64, r);
+                let bound = 2.0 * max_abs_diff(n, r) + floor_for(dtype) * r.iter().fold(1.0f64, |m, x| m.max(x.abs()));
+                assert!(err <= bound, "{what}: max |d_sinks - ref| {err:.3e} > bound {bound:.3e} (got {got:?}, ref {r:?})");
+                assert_eq!(got[1], 0.0, "{what}: a head without a sink has d_sink 0");
+                match &first {
+                    None => first = Some(got),
+                    Some(f) => assert!(f.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: d_sinks differ between the dq modes"),
+                }
+            }
+        }
+    }
+}

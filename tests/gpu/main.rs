@@ -10,13 +10,13 @@
 //!
 //! | module | concern |
 //! |---|---|
-//! | `backward` | the backward kernels (`Engine::backward`, FA2 and FA3-style) against the float64 reference gradient |
+//! | `backward` | the backward kernels (`Engine::backward`, FA2 and FA3-style) against the float64 reference gradient, sinks' `d_sinks` included |
 //! | `matrix` | FA1/FA2 and Auto: random matrix, edge shapes, strided inputs, host path, dispatch |
 //! | `edges` | the edges of the input domain (huge bounds, scores near f32::MAX, infinite V) |
 //! | `streams` | engines' own streams and contexts, CUDA graph capture |
 //! | `fp8` | the Hopper FP8 forward (fa3fp8s3..fa3fp8s5) against the CPU FP8 path and float64 |
 //! | `merge` | the device `merge_states` (combine kernel) against the host merge, sharded forward merged on the device |
-//! | `serving` | varlen, paged and FP8 KV caches through `Backend::Cuda` (the FA2 serving kernels; FA3's on an FP8 cache), per sequence |
+//! | `serving` | varlen, paged and FP8 KV caches, the rotary append through cache rows, through `Backend::Cuda` (the FA2 serving kernels; FA3's on Hopper for the FP8 cache and the append), per sequence |
 //! | here | the sanitizer subsets and the FA3 and FA4 ladders, which scripts/check/gpu-run.sh runs by exact name |
 
 #[path = "../support/mod.rs"]
